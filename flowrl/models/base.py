@@ -1,0 +1,155 @@
+"""The `FlowModel` contract: what every rollout plan, credit rule and the trainer may ask of a model.
+
+An adapter wraps one diffusers pipeline family (SD3/SD3.5/shapes in `sd3.py`, FLUX.1 in `flux.py`)
+and hides its packing, text encoders and timestep conventions behind six calls:
+
+- ``encode(prompts)`` → :class:`Conditioning` (cached per prompt string; the unconditional branch
+  is included when the model's guidance > 1).
+- ``velocity(x, sigma, cond, guidance)`` → v, with classifier-free guidance composed inside, both
+  branches in ONE forward (``[uncond; cond]`` concatenated along the batch).
+- ``schedule(steps)`` → sigmas ``[steps + 1]`` from 1 to 0, with the model's shift.
+- ``noise(seeds)`` → x_T ``[B, C, H, W]`` fp32, each row built from its own seed on a CPU generator
+  (bit-exact on any device).
+- ``decode(x0)`` → images ``[B, 3, H, W]`` in [0, 1], fp32.
+- ``trainable``: the module whose parameters training updates (the transformer).
+
+Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's
+latent space (before the VAE's scaling is undone); adapters cast to the model dtype internally.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning for a batch of B prompts.
+
+    ``cond`` / ``uncond`` map names (e.g. ``"prompt_embeds"`` [B, L, D], ``"pooled"`` [B, D]) to
+    tensors whose first dimension is the batch. ``uncond`` is None when guidance is off.
+    """
+
+    cond: dict[str, torch.Tensor]
+    uncond: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return next(iter(self.cond.values())).shape[0]
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "Conditioning":
+        """Rows ``index`` (a LongTensor or list of ints) of every tensor."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        pick = lambda d: None if d is None else {k: v[index.to(v.device)] for k, v in d.items()}
+        return Conditioning(pick(self.cond), pick(self.uncond))
+
+    @staticmethod
+    def cat(parts: Sequence["Conditioning"]) -> "Conditioning":
+        """Concatenate along the batch dimension."""
+        keys = parts[0].cond.keys()
+        cond = {k: torch.cat([p.cond[k] for p in parts]) for k in keys}
+        if parts[0].uncond is None:
+            return Conditioning(cond, None)
+        uncond = {k: torch.cat([p.uncond[k] for p in parts]) for k in keys}
+        return Conditioning(cond, uncond)
+
+
+@dataclass
+class LoraSpec:
+    """LoRA settings an adapter applies to its trainable module."""
+
+    rank: int = 32
+    alpha: float = 64.0
+    target_modules: list[str] | None = None  # None → the adapter's defaults
+    dropout: float = 0.0
+    init: str = "gaussian"
+
+
+class FlowModel:
+    """Base class of model adapters. Subclasses implement the abstract methods below.
+
+    Attributes set by subclasses: ``pipe`` (the diffusers pipeline), ``device``, ``dtype`` (compute
+    dtype of the transformer), ``height``/``width`` (pixels), ``guidance`` (default CFG scale;
+    1.0 = no CFG), ``default_lora_targets`` (module name suffixes).
+    """
+
+    pipe: object
+    device: torch.device
+    dtype: torch.dtype
+    height: int
+    width: int
+    guidance: float = 1.0
+    default_lora_targets: list[str] = []
+
+    # ---- contract -------------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str], guidance: float | None = None) -> Conditioning:
+        raise NotImplementedError
+
+    def velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance: float | None = None
+    ) -> torch.Tensor:
+        """v ≈ ε − x0 for latents ``x`` [B, C, H, W] (fp32) at noise levels ``sigma`` [B] (or scalar).
+
+        With guidance g > 1 runs ``[uncond; cond]`` in one forward and returns
+        ``v_u + g·(v_c − v_u)``. Returns fp32 [B, C, H, W].
+        """
+        raise NotImplementedError
+
+    def schedule(self, steps: int) -> torch.Tensor:
+        """Sigmas [steps + 1], fp32, from 1 down to 0, with the model's shift."""
+        raise NotImplementedError
+
+    def noise(self, seeds: Sequence[int]) -> torch.Tensor:
+        """x_T [len(seeds), C, H, W] fp32 on ``self.device``; row i from ``torch.Generator().manual_seed(seeds[i])``."""
+        raise NotImplementedError
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents [B, C, H, W]."""
+        raise NotImplementedError
+
+    @property
+    def trainable(self) -> nn.Module:
+        """The module training updates (the transformer, possibly with LoRA layers)."""
+        raise NotImplementedError
+
+    # ---- shared behaviour -----------------------------------------------------------------
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one latent."""
+        raise NotImplementedError
+
+    def add_lora(self, spec: LoraSpec) -> None:
+        """Attach a peft LoRA adapter named ``"default"`` to :attr:`trainable` and freeze the rest."""
+        from peft import LoraConfig
+
+        targets = spec.target_modules or list(self.default_lora_targets)
+        module = self.trainable
+        module.requires_grad_(False)
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            init_lora_weights=spec.init if spec.init != "default" else True,
+            target_modules=targets,
+        )
+        module.add_adapter(config)
+        self.has_lora = True
+
+    has_lora: bool = False
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Within this context the model computes the reference (base) policy: LoRA disabled.
+
+        Only meaningful with LoRA; for full fine-tuning the trainer keeps a frozen copy instead.
+        """
+        if not self.has_lora:
+            raise RuntimeError("reference() needs a LoRA adapter; full fine-tuning keeps a frozen copy")
+        self.trainable.disable_adapters()
+        try:
+            yield
+        finally:
+            self.trainable.enable_adapters()
