@@ -1,2 +1,44 @@
-"""flowrl: reinforcement learning for flow-matching text-to-image models."""
+"""flowrl: reinforcement learning for flow-matching text-to-image models.
+
+Three separate steps, each usable alone::
+
+    import flowrl
+    model = flowrl.wrap(pipe)                                   # diffusers pipeline → FlowModel
+    out = flowrl.sample(model, ["a red circle"], flowrl.Chains(group_size=8, kernel="flow_grpo", eta=0.7, steps=10))
+    out.images, out.forest                                      # images per leaf; log-probs per edge
+    trainer = flowrl.Trainer(flowrl.TrainConfig.from_yaml("configs/shapes/grpo.yaml"), model=model, reward="shapes")
+    trainer.train()
+"""
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "wrap": "flowrl.models:wrap",
+    "load_model": "flowrl.models:load_model",
+    "FlowModel": "flowrl.models.base:FlowModel",
+    "Chains": "flowrl.rollout.chains:Chains",
+    "SDEWindow": "flowrl.rollout.chains:SDEWindow",
+    "Forest": "flowrl.rollout.forest:Forest",
+    "RolloutContext": "flowrl.rollout.base:RolloutContext",
+    "sample": "flowrl.rollout.sampling:sample_with_plan",
+    "ode_sample": "flowrl.rollout.sampling:ode_sample",
+    "GroupAdvantage": "flowrl.credit.group:GroupAdvantage",
+    "PolicyLoss": "flowrl.loss:PolicyLoss",
+    "TrainConfig": "flowrl.config:TrainConfig",
+    "Trainer": "flowrl.trainer:Trainer",
+    "load_shapes_model": "flowrl.shapes.model:load_shapes_model",
+}
+
+
+def __getattr__(name: str):
+    """Import public names on first use, so ``import flowrl`` stays light."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

@@ -9,31 +9,57 @@ import torch
 from rewards.base import Reward
 from rewards.registry import build_reward
 
+NORMALIZE = ("none", "batch")
+
 
 @dataclass
 class RewardSpec:
-    """One term of a :class:`MultiReward`: registry name (or ``module:Class``), weight, kwargs."""
+    """One term of a :class:`MultiReward`: registry name (or ``module:Class``), weight, kwargs.
+
+    ``label`` renames the built reward (its metric key), e.g. to use one reward twice with
+    different kwargs.
+    """
 
     name: str
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
 
 
 class MultiReward(Reward):
     """Weighted sum of rewards. :meth:`components` returns each term's raw scores so a credit rule
-    can normalise per reward (``per_reward_norm``) instead of summing raw values."""
+    can normalise per reward instead of summing raw values.
+
+    ``normalize="batch"`` makes :meth:`combine` z-score each term over the batch (NaN-aware; a term
+    with zero spread contributes zeros) before weighting, so terms on different scales (PickScore
+    ≈ 20, HPS ≈ 0.3) count by their weights; ``"none"`` (default) sums raw scores. A NaN score (a
+    masked remote batch) makes that sample's total NaN.
+    """
 
     name = "multi"
 
-    def __init__(self, terms: Sequence[RewardSpec | dict | Reward], weights: Sequence[float] | None = None):
+    def __init__(self, terms: Sequence[RewardSpec | dict | Reward], weights: Sequence[float] | None = None,
+                 normalize: str = "none"):
+        if normalize not in NORMALIZE:
+            raise ValueError(f"MultiReward: normalize={normalize!r} is not one of {NORMALIZE}")
+        if weights is not None and len(weights) != len(terms):
+            raise ValueError(f"MultiReward: {len(weights)} weights for {len(terms)} rewards")
+        self.normalize = normalize
         self.rewards: list[Reward] = []
         self.weights: list[float] = []
         for i, term in enumerate(terms):
             if isinstance(term, Reward):
                 reward, weight = term, 1.0
             else:
+                if isinstance(term, dict):
+                    unknown = set(term) - {"name", "weight", "kwargs", "label"}
+                    if unknown or "name" not in term:
+                        raise ValueError(f"MultiReward: reward term {term!r} needs 'name' and may have 'weight', "
+                                         f"'kwargs', 'label' (unknown: {sorted(unknown)})")
                 spec = term if isinstance(term, RewardSpec) else RewardSpec(**term)
-                reward, weight = build_reward(spec.name, **dict(spec.kwargs)), float(spec.weight)
+                reward, weight = build_reward(spec.name, **dict(spec.kwargs or {})), float(spec.weight)
+                if spec.label:
+                    reward.name = spec.label
             if weights is not None:
                 weight = float(weights[i])
             self.rewards.append(reward)
@@ -42,7 +68,18 @@ class MultiReward(Reward):
             raise ValueError("MultiReward needs at least one reward")
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique inside one MultiReward, got {names}")
+            raise ValueError(f"reward names must be unique inside one MultiReward, got {names}; "
+                             "give a 'label' to tell two terms apart")
+
+    @classmethod
+    def from_config(cls, config: Any, normalize: str = "none") -> "MultiReward":
+        """From a config value: ``"name"``, ``{name, weight, kwargs, label}``, or a list of either."""
+        if isinstance(config, (str, dict, RewardSpec, Reward)):
+            config = [config]
+        if not isinstance(config, (list, tuple)):
+            raise TypeError(f"reward config must be a name, a {{name, kwargs}} mapping or a list of them, got {config!r}")
+        terms = [{"name": t} if isinstance(t, str) else (dict(t) if isinstance(t, dict) else t) for t in config]
+        return cls(terms, normalize=normalize)
 
     def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
                    ) -> dict[str, torch.Tensor]:
@@ -50,11 +87,28 @@ class MultiReward(Reward):
         meta = {} if meta is None else meta
         return {r.name: r(images, prompts, meta) for r in self.rewards}
 
+    @staticmethod
+    def _zscore(x: torch.Tensor) -> torch.Tensor:
+        ok = torch.isfinite(x)
+        if ok.sum() < 2:
+            return torch.where(ok, torch.zeros_like(x), x)
+        mean = x[ok].mean()
+        std = x[ok].std(unbiased=False)
+        if std < 1e-8:
+            return torch.where(ok, torch.zeros_like(x), x)
+        return (x - mean) / std
+
     def combine(self, components: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Weighted sum float32 [B] of the outputs of :meth:`components`."""
+        """Weighted sum float32 [B] of the outputs of :meth:`components` (z-scored first if
+        ``normalize="batch"``)."""
         total = None
         for reward, weight in zip(self.rewards, self.weights):
-            term = weight * components[reward.name]
+            if reward.name not in components:
+                raise KeyError(f"MultiReward.combine: no scores for {reward.name!r}; got {sorted(components)}")
+            values = components[reward.name].float()
+            if self.normalize == "batch":
+                values = self._zscore(values)
+            term = weight * values
             total = term if total is None else total + term
         return total
 

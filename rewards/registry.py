@@ -6,8 +6,11 @@ import heavy optional dependencies (open_clip, transformers models) until a rewa
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.util
+import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,25 +24,53 @@ REGISTRY: dict[str, str | type] = {
     "saturation": "rewards.image_stats:Saturation",
     "redness": "rewards.image_stats:Redness",
     "shapes": "rewards.shapes:ShapesReward",
+    "clip_score": "rewards.clip_score:ClipScore",
+    "pickscore": "rewards.pickscore:PickScore",
+    "hpsv2": "rewards.hpsv2:HPSv2",
+    "imagereward": "rewards.imagereward:ImageRewardScore",
+    "aesthetic": "rewards.aesthetic:Aesthetic",
+    "remote": "rewards.remote:RemoteReward",
 }
 
 
 def register(name: str, target: str | type) -> None:
     """Register ``target`` (a Reward subclass or ``"module:Class"``) under ``name``."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward registry name {name!r} must be a non-empty string without ':'")
+    if isinstance(target, str):
+        if target.count(":") < 1 or not all(target.rpartition(":")[::2]):
+            raise ValueError(f"register({name!r}, {target!r}): a string target must be 'module:Class' or 'file.py:Class'")
+    elif not (isinstance(target, type) and issubclass(target, Reward)):
+        raise TypeError(f"register({name!r}, {target!r}): target must be a rewards.Reward subclass or 'module:Class'")
     REGISTRY[name] = target
 
 
+def _is_file_target(mod_path: str) -> bool:
+    return mod_path.endswith(".py") or "/" in mod_path or os.sep in mod_path
+
+
 def _load_from_file(path: str, cls_name: str) -> type:
-    file = Path(path)
+    """Import ``path`` once per process (a stable module name per absolute path) and return ``cls_name``."""
+    file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"reward plugin file {path!r} does not exist")
-    mod_name = f"_flowrl_reward_plugin_{abs(hash(str(file.resolve())))}"
-    spec = importlib.util.spec_from_file_location(mod_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+        raise FileNotFoundError(f"reward plugin file {path!r} does not exist (relative paths are from {os.getcwd()})")
+    resolved = str(file.resolve())
+    mod_name = "_flowrl_reward_plugin_" + hashlib.sha1(resolved.encode()).hexdigest()[:16]
+    module = sys.modules.get(mod_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(mod_name, resolved)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"reward plugin file {path!r} cannot be imported as Python (a .py file is expected)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[mod_name]
+            raise
     if not hasattr(module, cls_name):
-        raise AttributeError(f"reward plugin file {path!r} has no class {cls_name!r}")
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Reward))
+        raise AttributeError(f"reward plugin file {path!r} has no class {cls_name!r} (Reward classes in it: {found})")
     return getattr(module, cls_name)
 
 
@@ -57,13 +88,20 @@ def resolve_reward_class(name: str) -> type:
         target = name
     if isinstance(target, str):
         mod_path, _, cls_name = target.rpartition(":")
-        if mod_path.endswith(".py") or "/" in mod_path:
+        if not mod_path or not cls_name:
+            raise ValueError(f"reward {name!r}: expected 'package.module:Class' or 'path/to/file.py:Class'")
+        if _is_file_target(mod_path):
             cls = _load_from_file(mod_path, cls_name)
         else:
             try:
                 module = importlib.import_module(mod_path)
             except ModuleNotFoundError as e:
-                raise ModuleNotFoundError(f"reward {name!r}: cannot import module {mod_path!r} ({e})") from e
+                missing = e.name or ""
+                if missing and (mod_path == missing or mod_path.startswith(missing + ".")):
+                    msg = f"reward {name!r}: no module named {mod_path!r} (is the package installed / on sys.path?)"
+                else:
+                    msg = f"reward {name!r}: module {mod_path!r} needs {missing!r}, which is not installed ({e})"
+                raise ModuleNotFoundError(msg, name=missing) from e
             if not hasattr(module, cls_name):
                 raise AttributeError(f"reward {name!r}: module {mod_path!r} has no class {cls_name!r}")
             cls = getattr(module, cls_name)
@@ -74,9 +112,24 @@ def resolve_reward_class(name: str) -> type:
     return cls
 
 
+def _check_kwargs(name: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """Fail early, naming the accepted keywords, when ``kwargs`` has one ``cls`` does not take."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(f"reward {name!r} ({cls.__name__}) got unknown kwargs {unknown}; accepted: {accepted}")
+
+
 def build_reward(name: str, **kwargs: Any) -> Reward:
     """Instantiate a reward by name (see module docstring) with keyword arguments."""
     cls = resolve_reward_class(name)
+    _check_kwargs(name, cls, kwargs)
     reward = cls(**kwargs)
     if reward.name == Reward.name:  # the class kept the default: name it after how it was asked for
         reward.name = name.rsplit(":", 1)[-1] if ":" in name else name

@@ -15,11 +15,16 @@ and hides its packing, text encoders and timestep conventions behind six calls:
 
 Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's
 latent space (before the VAE's scaling is undone); adapters cast to the model dtype internally.
+
+Shared behaviour implemented here: the per-prompt embedding cache behind ``encode`` (subclasses
+implement ``_encode_one``), ``noise``, LoRA attach / save / load in the diffusers format, and the
+``reference()`` context (LoRA disabled).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+import os
 from typing import Iterator, Sequence
 
 import torch
@@ -73,7 +78,8 @@ class FlowModel:
 
     Attributes set by subclasses: ``pipe`` (the diffusers pipeline), ``device``, ``dtype`` (compute
     dtype of the transformer), ``height``/``width`` (pixels), ``guidance`` (default CFG scale;
-    1.0 = no CFG), ``default_lora_targets`` (module name suffixes).
+    1.0 = no CFG), ``negative_prompt`` (the unconditional prompt, ``""``), ``default_lora_targets``
+    (module name suffixes).
     """
 
     pipe: object
@@ -82,11 +88,51 @@ class FlowModel:
     height: int
     width: int
     guidance: float = 1.0
+    negative_prompt: str = ""
     default_lora_targets: list[str] = []
 
     # ---- contract -------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], guidance: float | None = None) -> Conditioning:
+        """Conditioning for ``prompts`` (B strings); ``uncond`` (B copies of the negative prompt's
+        embeddings) is included when :meth:`uses_cfg` says CFG is on for ``guidance``.
+
+        Each distinct prompt string is encoded once, alone (batch of 1, so its embedding never depends
+        on which other prompts came with it), by the pipeline's own ``encode_prompt``, and cached on
+        the adapter: detached, on ``self.device``. Batches are assembled from the cache.
+        """
+        if isinstance(prompts, str):
+            raise TypeError(f"encode takes a list of prompt strings, got the single string {prompts!r}")
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode needs at least one prompt; got an empty list")
+        cond = self._cached_batch(prompts)
+        uncond = None
+        if self.uses_cfg(guidance):
+            uncond = self._cached_batch([self.negative_prompt] * len(prompts))
+        return Conditioning(cond, uncond)
+
+    def uses_cfg(self, guidance: float | None = None) -> bool:
+        """Whether :meth:`velocity` runs classifier-free guidance (needs ``Conditioning.uncond``)."""
+        g = self.guidance if guidance is None else guidance
+        return float(g) != 1.0
+
+    def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
+        """Embeddings of one prompt, each tensor with a leading batch dimension of 1 (subclasses)."""
         raise NotImplementedError
+
+    def _cached_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        cache = self.__dict__.setdefault("_prompt_cache", {})
+        for p in prompts:
+            if p not in cache:
+                with torch.no_grad():
+                    embeds = self._encode_one(p)
+                cache[p] = {k: v.detach().to(self.device) for k, v in embeds.items()}
+        keys = cache[prompts[0]].keys()
+        return {k: torch.cat([cache[p][k] for p in prompts]) for k in keys}
+
+    def clear_cache(self) -> None:
+        """Forget cached prompt embeddings (needed only if the text encoders change)."""
+        self.__dict__["_prompt_cache"] = {}
 
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance: float | None = None
@@ -103,8 +149,19 @@ class FlowModel:
         raise NotImplementedError
 
     def noise(self, seeds: Sequence[int]) -> torch.Tensor:
-        """x_T [len(seeds), C, H, W] fp32 on ``self.device``; row i from ``torch.Generator().manual_seed(seeds[i])``."""
-        raise NotImplementedError
+        """x_T [len(seeds), C, H, W] fp32 on ``self.device``; row i from ``torch.Generator().manual_seed(seeds[i])``.
+
+        Each row is drawn on the CPU from its own generator, so it is bit-exact on any device and
+        independent of the other seeds in the batch.
+        """
+        seeds = [int(s) for s in seeds]
+        if not seeds:
+            raise ValueError("noise needs at least one seed; got an empty list")
+        rows = [
+            torch.randn(self.latent_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
+            for s in seeds
+        ]
+        return torch.stack(rows).to(self.device)
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
         """Images [B, 3, H, W] fp32 in [0, 1] from clean latents [B, C, H, W]."""
@@ -139,6 +196,53 @@ class FlowModel:
         self.has_lora = True
 
     has_lora: bool = False
+
+    def save_lora(self, directory: str | os.PathLike) -> None:
+        """Write the LoRA of :attr:`trainable` in the diffusers format (``pytorch_lora_weights.safetensors``
+        with the peft config as metadata), readable by ``pipe.load_lora_weights(directory)``."""
+        from peft.utils import get_peft_model_state_dict
+
+        module = self.trainable
+        if not self.has_lora or "default" not in getattr(module, "peft_config", {}):
+            raise RuntimeError("save_lora needs a LoRA adapter named 'default' (call add_lora first); "
+                               "for full fine-tuning save the transformer with save_pretrained")
+        type(self.pipe).save_lora_weights(
+            str(directory),
+            transformer_lora_layers=get_peft_model_state_dict(module, adapter_name="default"),
+            transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+        )
+
+    def load_lora(self, directory: str | os.PathLike) -> None:
+        """Load a LoRA written by :meth:`save_lora` (or any diffusers-format transformer LoRA).
+
+        With an adapter already attached (``add_lora`` with the same spec, e.g. on resume) its
+        weights are overwritten in place, so optimizer references stay valid; every LoRA tensor must be
+        matched. Without one, the adapter is created from the file (named ``"default"``, LoRA weights
+        trainable, the rest frozen).
+        """
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+        module = self.trainable
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"LoRA directory {str(directory)!r} does not exist")
+        if not self.has_lora:
+            self.pipe.load_lora_weights(str(directory), adapter_name="default")
+            for name, param in module.named_parameters():
+                param.requires_grad_("lora_" in name)
+            self.has_lora = True
+            return
+        state = type(self.pipe).lora_state_dict(str(directory))
+        if isinstance(state, tuple):
+            state = state[0]
+        prefix = "transformer."
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        expected = set(get_peft_model_state_dict(module, adapter_name="default"))
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"LoRA in {str(directory)!r} does not match the attached adapter: "
+                             f"missing {missing[:5]} ({len(missing)}), unexpected {extra[:5]} ({len(extra)})")
+        with torch.no_grad():
+            set_peft_model_state_dict(module, state, adapter_name="default")
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:

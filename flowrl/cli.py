@@ -1,0 +1,194 @@
+"""``flowrl train | sample | eval | bench``: parse, build, run. Thin on purpose."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
+
+OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
+                  "every key with its default is listed below")
+
+
+def _defaults_epilog() -> str:
+    return "every config key and its default:\n\n" + TrainConfig().to_yaml()
+
+
+def _load_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    return TrainConfig.from_yaml(path or DEFAULT_CONFIG, overrides)
+
+
+def _split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """Allow ``flowrl train key=value`` without a config path."""
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config] + overrides
+    return config, overrides
+
+
+# ---- train ------------------------------------------------------------------------------------
+def cmd_train(args: argparse.Namespace) -> int:
+    from flowrl.trainer import Trainer
+
+    config, overrides = _split_config_arg(args.config, args.overrides)
+    cfg = _load_config(config, overrides)
+    trainer = Trainer(cfg)
+    try:
+        records = trainer.train()
+    except KeyboardInterrupt:
+        return 130
+    if trainer.accelerator.is_main_process:
+        evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+        if len(evals) >= 2:
+            first, last = evals[0], evals[-1]
+            keys = [k for k in last if k.startswith("eval/") and k in first]
+            print("\neval before → after:")
+            for k in sorted(keys):
+                print(f"  {k}: {first[k]:.4f} → {last[k]:.4f}")
+        print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
+    return 0
+
+
+# ---- shared: a model with a run's trained weights ----------------------------------------------
+def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
+    """(config, model) for a run folder or checkpoint (its config.yaml and newest weights), or a config."""
+    from flowrl import build
+    from flowrl.checkpoint import STATE_FILE, list_checkpoints, load_weights
+
+    ckpt = None
+    if run is not None:
+        path = Path(run)
+        if (path / STATE_FILE).is_file():
+            ckpt, run_dir = path, path.parent.parent
+        else:
+            found = list_checkpoints(path / "checkpoints")
+            if not found:
+                raise FileNotFoundError(f"--checkpoint {run!r}: no checkpoints/step-N/ folder with {STATE_FILE} in it")
+            ckpt, run_dir = found[-1][1], path
+        config = config or str(run_dir / "config.yaml")
+    cfg = _load_config(config, overrides)
+    model = build.build_model(cfg.model)
+    if ckpt is not None:
+        if not cfg.model.full_finetune:
+            model.add_lora(build.lora_spec(cfg.model))
+        load_weights(model, ckpt)
+    return cfg, model
+
+
+# ---- sample -----------------------------------------------------------------------------------
+def cmd_sample(args: argparse.Namespace) -> int:
+    from flowrl.evaluation import save_grid
+    from flowrl.rollout.sampling import ode_sample
+
+    cfg, model = _model_from_run(args.checkpoint, args.config, args.overrides)
+    prompts = [p for p in args.prompt for _ in range(args.num)]
+    seeds = [args.seed + i for i in range(len(prompts))]
+    images = ode_sample(model, prompts, seeds, args.steps or cfg.eval.steps,
+                        args.guidance if args.guidance is not None else cfg.eval.guidance)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from PIL import Image
+
+    for i, (prompt, img) in enumerate(zip(prompts, images)):
+        array = (img.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        Image.fromarray(array).save(out / f"{i:03d}-{prompt.replace(' ', '_')[:60]}.png")
+    save_grid(images, out / "grid.png", scale=args.scale)
+    print(f"wrote {len(prompts)} images and grid.png to {out}")
+    return 0
+
+
+# ---- eval -------------------------------------------------------------------------------------
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flowrl import build
+    from flowrl.evaluation import evaluate, save_grid
+    from flowrl.prompts import read_prompts
+
+    cfg, model = _model_from_run(args.checkpoint, args.config, args.overrides)
+    prompts = read_prompts(cfg.prompts.eval, "prompts.eval")
+    if cfg.eval.num_prompts:
+        prompts = prompts[: cfg.eval.num_prompts]
+    reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
+    metrics, images = evaluate(model, prompts, reward, steps=cfg.eval.steps, guidance=cfg.eval.guidance,
+                               seed=cfg.eval.seed, max_batch=cfg.eval.batch_size, keep_images=cfg.eval.grid_prompts)
+    metrics["num_prompts"] = len(prompts)
+    print(json.dumps(metrics, indent=2))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "eval.json").write_text(json.dumps(metrics, indent=2))
+        save_grid(images, Path(args.out) / "grid.png", scale=4)
+    return 0
+
+
+# ---- bench ------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flowrl.bench import bench_iteration
+
+    config, overrides = _split_config_arg(args.config, args.overrides)
+    cfg = _load_config(config, overrides)
+    result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser("train", help="train with a YAML config (default: the embedded shapes preset)",
+                       description="Train: rollout plan → rewards → credit → clipped loss, to train.max_steps. "
+                                   f"Without CONFIG runs {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}.",
+                       epilog=_defaults_epilog(), formatter_class=fmt)
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate PNGs with a trained run (or a config's base model)",
+                       description="Generate images with ODE sampling from a run folder's newest checkpoint.")
+    p.add_argument("--checkpoint", help="run folder (runs/<name>) or a checkpoints/step-N folder")
+    p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
+    p.add_argument("--num", type=int, default=4, help="images per prompt (default 4)")
+    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: eval.guidance)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
+    p.add_argument("--out", default="samples", help="output folder (default ./samples)")
+    p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("eval", help="evaluate a run or base model on the held-out prompts",
+                       description="ODE-sample the eval prompts (prompts.eval) and score them with eval.rewards.",
+                       epilog=_defaults_epilog(), formatter_class=fmt)
+    p.add_argument("--checkpoint", help="run folder or checkpoint folder (default: the base model)")
+    p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
+    p.add_argument("--out", help="folder for eval.json and grid.png")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="time iterations: rollout, reward, update, model-forward overhead, peak memory",
+                       epilog=_defaults_epilog(), formatter_class=fmt)
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"flowrl {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Typed configuration: one dataclass per section, YAML files plus ``key=value`` overrides.
+
+``TrainConfig.from_yaml(path, overrides)`` merges the YAML into the schema with OmegaConf; a key
+that does not exist fails at once naming the nearest valid key, a value of the wrong type names
+the key, the value and the expected type, and semantic checks (choices, ranges) run when the
+components are built (they name the key too).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING as NO_DEFAULT, asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "grpo.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message names the key, the value and what is accepted."""
+
+
+@dataclass
+class LoraSection:
+    rank: int = 32
+    alpha: float = 64.0
+    targets: Optional[list[str]] = None  # None → the adapter's defaults
+    dropout: float = 0.0
+    init: str = "gaussian"
+
+
+@dataclass
+class ModelSection:
+    family: str = "shapes"  # shapes | sd3 | flux
+    path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    guidance: Optional[float] = None  # CFG scale for rollouts; None → the model's default
+    height: Optional[int] = None
+    width: Optional[int] = None
+    max_sequence_length: Optional[int] = None
+    lora: LoraSection = field(default_factory=LoraSection)
+    full_finetune: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class WindowSection:
+    mode: str = "all"  # all | fixed | random | progressive
+    start: int = 0
+    size: int = 3
+    range: Optional[list[int]] = None
+    stride: int = 1
+    tau: int = 25
+
+
+@dataclass
+class RolloutSection:
+    plan: str = "chains"
+    group_size: int = 8
+    steps: int = 10
+    kernel: str = "flow_grpo"  # flow_grpo | dance | cps
+    eta: float = 0.7
+    shared_noise: bool = False
+    window: WindowSection = field(default_factory=WindowSection)
+    post_solver: str = "none"  # none | dpm2
+    post_steps_ratio: float = 0.4
+    max_batch: int = 64  # states per model forward; training replays the same layout
+
+
+@dataclass
+class RewardTerm:
+    name: str = MISSING
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CreditSection:
+    rule: str = "group"
+    baseline: str = "mean"  # mean | median
+    scale: str = "global"  # group | global | mad | none
+    per_reward_norm: bool = False
+    eps: float = 1e-4
+
+
+@dataclass
+class LossSection:
+    clip_low: float = 1e-4
+    clip_high: float = 1e-4
+    adv_clip: float = 5.0
+    beta: float = 0.04
+    kl_form: str = "exact"  # exact | flow_grpo
+    reduction: str = "mean"  # mean | sum
+    adaptive_kappa: Optional[float] = None
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine
+    grad_clip: float = 1.0
+    use_8bit: bool = False
+
+
+@dataclass
+class PromptsSection:
+    train: str = "configs/shapes/prompts/train.txt"  # a .txt file (one per line) or inline "a|b|c"
+    eval: Optional[str] = "configs/shapes/prompts/eval.txt"
+    per_step: int = 8  # prompt groups per iteration over all processes
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # iterations between evals (0 = only at start and end)
+    at_start: bool = True
+    steps: int = 20
+    guidance: Optional[float] = None
+    rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
+    num_prompts: Optional[int] = None  # None → all eval prompts
+    grid_prompts: int = 16
+    batch_size: int = 64
+    seed: int = 1234
+
+
+@dataclass
+class TrainSection:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    max_steps: int = 100
+    inner_epochs: int = 1
+    updates_per_epoch: int = 1  # optimizer steps per pass over an iteration's edges
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: Optional[str] = None  # "latest" or a checkpoint folder
+    ema: float = 0.0  # EMA decay of trainable weights for eval/saving (0 = off)
+    log_with: str = "none"  # none | tensorboard | wandb
+    progress: bool = True
+    num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="shapes")])
+    credit: CreditSection = field(default_factory=CreditSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    prompts: PromptsSection = field(default_factory=PromptsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    # ---- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
+        """Schema ← YAML file (optional) ← ``key=value`` overrides; returns a validated TrainConfig."""
+        base = OmegaConf.structured(cls)
+        try:
+            if path is not None:
+                path = Path(path)
+                if not path.is_file():
+                    raise ConfigError(f"config file {str(path)!r} does not exist")
+                base = OmegaConf.merge(base, OmegaConf.load(path))
+            if overrides:
+                for item in overrides:
+                    if "=" not in item:
+                        raise ConfigError(f"override {item!r} is not of the form key=value")
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            raise ConfigError(_unknown_key_message(e)) from None
+        except ValidationError as e:
+            raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(str(e)) from None
+        missing = OmegaConf.missing_keys(base)
+        if missing:
+            raise ConfigError(f"config keys {sorted(missing)} must be set")
+        cfg = OmegaConf.to_object(base)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def validate(self) -> None:
+        """Checks that need no model: choices and ranges, each naming its key."""
+        choose("model.family", self.model.family, ("shapes", "sd3", "flux"))
+        choose("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
+        choose("rollout.plan", self.rollout.plan, ("chains",))
+        choose("credit.rule", self.credit.rule, ("group",))
+        choose("optim.schedule", self.optim.schedule, ("constant", "linear", "cosine"))
+        choose("train.log_with", self.train.log_with, ("none", "tensorboard", "wandb"))
+        positive("train.max_steps", self.train.max_steps, allow_zero=True)
+        positive("train.inner_epochs", self.train.inner_epochs)
+        positive("train.updates_per_epoch", self.train.updates_per_epoch)
+        positive("prompts.per_step", self.prompts.per_step)
+        positive("rollout.max_batch", self.rollout.max_batch)
+        positive("optim.lr", self.optim.lr)
+        if not self.rewards:
+            raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
+        if not 0.0 <= self.train.ema < 1.0:
+            raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
+
+
+def choose(key: str, value: Any, accepted: tuple) -> None:
+    if value not in accepted:
+        close = difflib.get_close_matches(str(value), [str(a) for a in accepted], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not supported{hint}; accepted: {list(accepted)}")
+
+
+def positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for suggestions)."""
+    out = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(all_keys(type(default), key + "."))
+    return out
+
+
+def _unknown_key_message(e: OmegaConfBaseException) -> str:
+    bad = getattr(e, "full_key", None) or str(e)
+    keys = all_keys()
+    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
+    if not close:  # compare the last component within the same section
+        section, _, leaf = bad.rpartition(".")
+        same = [k for k in keys if k.rpartition(".")[0] == section]
+        close = [k for k in same if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)]
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config.py for every key)"

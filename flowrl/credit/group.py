@@ -1,0 +1,121 @@
+"""Group-relative advantages (ALGORITHMS.md §3): Flow-GRPO, DanceGRPO, MixGRPO, MC-GRPO.
+
+A_i = (r_i − b_g)/(scale + eps) for sample i of prompt group g, written on every edge of sample
+i's chain. Baseline ``mean`` or ``median`` (MC-GRPO: the median sample itself is dropped from
+training); scale ``group`` std, ``global`` std over the whole batch (all processes), ``mad`` or
+``none``. Several rewards: weighted sum of raw rewards, or (``per_reward_norm``) the weighted sum
+of each reward's own group-normalised advantage. Zero-variance groups get 0 and their edges are
+skipped (weight 0) and counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from flowrl.rollout.forest import Forest
+
+BASELINES = ("mean", "median")
+SCALES = ("group", "global", "mad", "none")
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GroupAdvantage:
+    """Credit rule for chains: one advantage per sample, broadcast to its trainable edges."""
+
+    baseline: str = "mean"
+    scale: str = "global"
+    per_reward_norm: bool = False
+    eps: float = 1e-4
+    zero_std_tol: float = 1e-6
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.baseline not in BASELINES:
+            raise ValueError(f"credit.baseline={self.baseline!r} is not supported; accepted: {list(BASELINES)}")
+        if self.scale not in SCALES:
+            raise ValueError(f"credit.scale={self.scale!r} is not supported; accepted: {list(SCALES)}")
+
+    # ---- pure math on [P, G] reward tables ---------------------------------------------------
+    def normalise(self, rewards: torch.Tensor, gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Advantages for a reward table [P, G] (P groups of G samples).
+
+        Returns ``(advantages [P, G], zero_var [P] bool, dropped [P, G] bool)``; ``dropped`` marks
+        MC-GRPO's median sample. ``gather`` concatenates a tensor across processes (for ``global``).
+        """
+        r = rewards.float()
+        if self.baseline == "mean":
+            base = r.mean(dim=1, keepdim=True)
+            dropped = torch.zeros_like(r, dtype=torch.bool)
+        else:
+            base = r.median(dim=1, keepdim=True).values
+            # the (lower) median sample: its advantage is 0 by construction and it is not trained
+            order = r.argsort(dim=1, stable=True)
+            mid = order[:, (r.shape[1] - 1) // 2]
+            dropped = torch.zeros_like(r, dtype=torch.bool)
+            dropped[torch.arange(r.shape[0]), mid] = True
+        spread = r.max(dim=1).values - r.min(dim=1).values
+        zero_var = spread <= self.zero_std_tol
+        if self.scale == "group":
+            scale = r.std(dim=1, unbiased=False, keepdim=True)
+        elif self.scale == "global":
+            everything = r.flatten() if gather is None else gather(r.flatten())
+            scale = everything.std(unbiased=False).reshape(1, 1).expand(r.shape[0], 1)
+        elif self.scale == "mad":
+            scale = (r - base).abs().median(dim=1, keepdim=True).values + 1e-3
+        else:
+            scale = torch.ones_like(base)
+        adv = (r - base) / (scale + self.eps)
+        adv = torch.where(zero_var[:, None], torch.zeros_like(adv), adv)
+        return adv, zero_var, dropped
+
+    # ---- on the forest ----------------------------------------------------------------------
+    def assign(self, forest: Forest, components: dict[str, torch.Tensor], gather: Gather | None = None) -> dict[str, float]:
+        """Write ``advantage`` and ``weight`` on every edge of ``forest`` from leaf rewards.
+
+        ``components``: reward name → float32 [L] in the order of ``forest.leaves()``. Leaves must
+        come in prompt groups of equal size (as every chains plan produces). Returns statistics.
+        """
+        leaves = forest.leaves()
+        groups = forest.group[leaves]
+        num_groups = int(groups.max()) + 1 if leaves.numel() else 0
+        if leaves.numel() % max(num_groups, 1) != 0 or not torch.equal(
+                groups, torch.arange(num_groups).repeat_interleave(leaves.numel() // max(num_groups, 1))):
+            raise ValueError("group credit needs leaves ordered by prompt group with equal group sizes")
+        G = leaves.numel() // num_groups
+        weights = {name: float(self.weights.get(name, 1.0)) for name in components}
+        total = sum(weights[n] * components[n].float() for n in components)
+        if self.per_reward_norm and len(components) > 1:
+            adv = torch.zeros(num_groups, G)
+            zero_var = torch.ones(num_groups, dtype=torch.bool)
+            dropped = torch.zeros(num_groups, G, dtype=torch.bool)
+            for name, values in components.items():
+                a, z, d = self.normalise(values.reshape(num_groups, G), gather)
+                adv += weights[name] * a
+                zero_var &= z
+                dropped |= d
+        else:
+            adv, zero_var, dropped = self.normalise(total.reshape(num_groups, G), gather)
+
+        forest.init_outcomes()
+        forest.reward[leaves] = total
+        for name, values in components.items():
+            col = torch.full((forest.num_nodes,), float("nan"))
+            col[leaves] = values.float()
+            forest.reward_components[name] = col
+        leaf_of = forest.leaf_of_each_node()
+        position = torch.full((forest.num_nodes,), -1, dtype=torch.long)
+        position[leaves] = torch.arange(leaves.numel())
+        node_pos = position[leaf_of]
+        flat_adv = adv.flatten()
+        skip = (zero_var[:, None].expand(-1, G) | dropped).flatten()
+        forest.advantage = flat_adv[node_pos]
+        forest.weight = torch.where(skip[node_pos], torch.zeros(forest.num_nodes), torch.ones(forest.num_nodes))
+        edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+        return {
+            "zero_std_ratio": float(zero_var.float().mean()) if num_groups else 0.0,
+            "skipped_edges": int((forest.weight[edges] == 0).sum()),
+            "adv_abs_mean": float(flat_adv.abs().mean()) if flat_adv.numel() else 0.0,
+        }

@@ -1,0 +1,86 @@
+"""The clipped policy objective over a batch of edges (ALGORITHMS.md §2).
+
+For each trained edge e: r_e = exp(logp_θ(e) − logp_old(e)), A_e clipped to ±adv_clip,
+L = mean_e max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e KL_e.
+Edge weights w_e (default 1) multiply each edge's term. The mean is over the edges handed in;
+the trainer scales micro-batches so an update averages over all its trained edges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl import sde
+
+
+@dataclass
+class PolicyLoss:
+    """Clipped ratio objective with optional KL to the reference policy.
+
+    ``clip_low``/``clip_high``: ε_low, ε_high (symmetric when equal). ``adv_clip``: |A| bound.
+    ``beta``: KL weight (0 = no reference forward). ``kl_form``: ``exact`` or ``flow_grpo``.
+    ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (Dynamic-TreeRPO, §6).
+    """
+
+    clip_low: float = 1e-4
+    clip_high: float = 1e-4
+    adv_clip: float = 5.0
+    beta: float = 0.04
+    kl_form: str = "exact"
+    reduction: str = "mean"
+    adaptive_kappa: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.clip_low <= 0 or self.clip_high <= 0:
+            raise ValueError(f"loss.clip_low={self.clip_low} and loss.clip_high={self.clip_high} must be > 0")
+        if self.beta < 0:
+            raise ValueError(f"loss.beta={self.beta} must be >= 0")
+        if self.kl_form not in sde.KL_FORMS:
+            raise ValueError(f"loss.kl_form={self.kl_form!r} is not supported; accepted: {list(sde.KL_FORMS)}")
+        if self.reduction not in sde.REDUCTIONS:
+            raise ValueError(f"loss.reduction={self.reduction!r} is not supported; accepted: {list(sde.REDUCTIONS)}")
+
+    def clip_bounds(self, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ε_low, ε_high per edge [E] (constant unless ``adaptive_kappa`` is set)."""
+        low = torch.full_like(adv, self.clip_low)
+        high = torch.full_like(adv, self.clip_high)
+        if self.adaptive_kappa is not None:
+            k = self.adaptive_kappa
+            high = high * (1.0 + k * adv.clamp(min=0) / self.adv_clip)
+            low = low * (1.0 + k * (-adv).clamp(min=0) / self.adv_clip)
+        return low, high
+
+    def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
+                 kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss (scalar) and detached diagnostics for edges [E]: ``logp`` (with grad), ``logp_old``,
+        ``advantage``, optional ``kl`` [E] and ``weight`` [E]."""
+        adv = advantage.float().clamp(-self.adv_clip, self.adv_clip)
+        delta = logp.float() - logp_old.float()
+        ratio = torch.exp(delta)
+        low, high = self.clip_bounds(adv)
+        clipped = torch.minimum(torch.maximum(ratio, 1.0 - low), 1.0 + high)
+        per_edge = torch.maximum(-adv * ratio, -adv * clipped)
+        w = torch.ones_like(per_edge) if weight is None else weight.float()
+        policy = (w * per_edge).mean()
+        loss = policy
+        kl_mean = torch.zeros((), device=logp.device)
+        if kl is not None:
+            kl_mean = (w * kl.float()).mean()
+            loss = loss + self.beta * kl_mean
+        with torch.no_grad():
+            d = delta.detach()
+            r = ratio.detach()
+            diag = {
+                "policy_loss": policy.detach(),
+                "kl": kl_mean.detach(),
+                "approx_kl": 0.5 * (d * d).mean(),
+                "clipfrac_high": (r > 1.0 + high).float().mean(),
+                "clipfrac_low": (r < 1.0 - low).float().mean(),
+                "ratio_mean": r.mean(),
+                "ratio_min": r.min(),
+                "ratio_max": r.max(),
+                "abs_delta_logp": d.abs().max(),
+            }
+        return loss, diag

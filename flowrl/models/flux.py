@@ -1,0 +1,248 @@
+"""`FlowModel` adapter for ``FluxPipeline`` (FLUX.1-dev, FLUX.1-schnell and fine-tunes).
+
+Conventions, as ``FluxPipeline.__call__`` applies them:
+
+- text: the pipeline's own ``encode_prompt``: CLIP pooled output ``pooled`` [B, D_pool] and the T5
+  sequence ``prompt_embeds`` [B, L, D] (L = ``max_sequence_length``); text ids are zeros [L, 3].
+- latents: the adapter takes and returns unpacked ``[B, C, H/f, W/f]`` (f = ``vae_scale_factor``);
+  ``velocity`` packs 2×2 patches into tokens ``[B, (H/2f)(W/2f), 4C]`` for the transformer and
+  unpacks its output. Image ids are the pipeline's ``_prepare_latent_image_ids``.
+- transformer timestep = σ (the transformer multiplies by 1000 itself).
+- two different "guidances" (as the pipeline's ``guidance_scale`` and ``true_cfg_scale``):
+  ``guidance`` is the *distilled guidance embedding* value fed to FLUX.1-dev's guidance input
+  (ignored by models without ``guidance_embeds``, e.g. schnell); it costs nothing and does not add
+  an unconditional branch. ``true_cfg`` is real classifier-free guidance against the negative
+  prompt: ``true_cfg > 1`` runs ``[uncond; cond]`` in one forward and returns
+  ``v_u + true_cfg·(v_c − v_u)``. Default ``true_cfg = 1`` (off), as FLUX.1-dev is normally used.
+  In ``encode(prompts, guidance)`` / ``velocity(..., guidance)`` the ``guidance`` argument is therefore
+  the embedding value; whether the uncond branch exists is decided by ``true_cfg`` (see ``uses_cfg``).
+- schedule: ``sigmas = linspace(1, 1/steps, steps)`` shifted by the scheduler with
+  ``mu = calculate_shift(image_seq_len, ...)`` (resolution-dependent dynamic shifting), final 0.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.sd3 import _sigma_vector
+
+FLUX_LORA_TARGETS = [
+    "to_q", "to_k", "to_v", "to_out.0",
+    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+]
+
+
+class FluxFlowModel(FlowModel):
+    """Adapter over a ``FluxPipeline``.
+
+    Args:
+        pipe: the pipeline (moved to ``device``; text encoders and VAE frozen, all modules put in eval mode).
+        device: where the pipeline runs; None → where its transformer already is.
+        dtype: compute dtype of the transformer (it is cast when different); None → its current dtype.
+        guidance: distilled guidance embedding value (FLUX.1-dev: 3.5); unused without ``guidance_embeds``.
+        true_cfg: true classifier-free guidance scale; 1.0 = off (no unconditional forward).
+        height, width: image size in pixels; None → ``pipe.default_sample_size * vae_scale_factor``
+            (1024 for FLUX.1). Must be multiples of ``2 * vae_scale_factor``.
+        max_sequence_length: T5 tokens (FLUX.1-dev allows up to 512).
+        negative_prompt: the unconditional prompt of true CFG.
+        gradient_checkpointing: enable the transformer's gradient checkpointing.
+    """
+
+    family = "flux"
+    default_lora_targets = FLUX_LORA_TARGETS
+
+    def __init__(
+        self,
+        pipe,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        guidance: float = 3.5,
+        true_cfg: float = 1.0,
+        height: int | None = None,
+        width: int | None = None,
+        max_sequence_length: int = 16,
+        negative_prompt: str = "",
+        gradient_checkpointing: bool = False,
+    ):
+        transformer = pipe.transformer
+        self.pipe = pipe
+        self.device = torch.device(device) if device is not None else transformer.device
+        self.dtype = dtype if dtype is not None else transformer.dtype
+        pipe.to(self.device)
+        if transformer.dtype != self.dtype:
+            transformer.to(self.dtype)
+        for name in ("text_encoder", "text_encoder_2", "vae"):
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.requires_grad_(False).eval()
+        transformer.eval()
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+
+        self.guidance = float(guidance)
+        self.true_cfg = float(true_cfg)
+        self.negative_prompt = negative_prompt
+        self.max_sequence_length = int(max_sequence_length)
+        if self.max_sequence_length > 512:
+            raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
+        self.vae_scale_factor = pipe.vae_scale_factor
+        default_px = pipe.default_sample_size * self.vae_scale_factor
+        self.height = int(height or default_px)
+        self.width = int(width or default_px)
+        multiple = self.vae_scale_factor * 2
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"height and width must be multiples of 2 × vae_scale_factor = {multiple}; "
+                             f"got {self.height}×{self.width}")
+        self._prompt_cache = {}
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, pipeline_kwargs: dict | None = None, **kw
+    ) -> "FluxFlowModel":
+        """Load a ``FluxPipeline`` (hub id or local folder) in ``dtype`` and wrap it.
+
+        ``pipeline_kwargs`` go to ``from_pretrained``; the remaining keywords to the adapter.
+        """
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(str(path), torch_dtype=dtype, **(pipeline_kwargs or {}))
+        return cls(pipe, dtype=dtype, **kw)
+
+    # ---- contract -------------------------------------------------------------------------
+    @property
+    def trainable(self) -> nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        c = self.pipe.transformer.config.in_channels // 4
+        return (c, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+
+    @property
+    def image_seq_len(self) -> int:
+        """Number of image tokens: (H/2)·(W/2) of the latent."""
+        _, h, w = self.latent_shape
+        return (h // 2) * (w // 2)
+
+    def uses_cfg(self, guidance: float | None = None) -> bool:
+        """True CFG is on when ``true_cfg`` ≠ 1; ``guidance`` (the embedding value) never adds a branch."""
+        return self.true_cfg != 1.0
+
+    def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
+        """``prompt_embeds`` [1, L, D] (T5) and ``pooled`` [1, D_pool] (CLIP) from ``encode_prompt``."""
+        prompt_embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=[prompt],
+            prompt_2=None,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"prompt_embeds": prompt_embeds, "pooled": pooled}
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] → tokens [B, (H/2)(W/2), 4C] (the pipeline's ``_pack_latents``)."""
+        b, c, h, w = x.shape
+        return self.pipe._pack_latents(x, b, c, h, w)
+
+    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, (H/2)(W/2), 4C] → [B, C, H, W] (the pipeline's ``_unpack_latents``)."""
+        return self.pipe._unpack_latents(tokens, self.height, self.width, self.vae_scale_factor)
+
+    def velocity(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor | float,
+        cond: Conditioning,
+        guidance: float | None = None,
+    ) -> torch.Tensor:
+        """v ≈ ε − x0 [B, C, H, W] fp32 for latents ``x`` [B, C, H, W] at ``sigma`` [B] or scalar.
+
+        ``guidance`` (None → ``self.guidance``) is the distilled guidance embedding value. With
+        ``true_cfg`` ≠ 1 the rows ``[uncond; cond]`` run in one forward and the result is
+        ``v_u + true_cfg·(v_c − v_u)``.
+        """
+        g_embed = self.guidance if guidance is None else float(guidance)
+        batch = x.shape[0]
+        if tuple(x.shape[1:]) != self.latent_shape:
+            raise ValueError(f"x must be [B, {', '.join(map(str, self.latent_shape))}]; got {list(x.shape)}")
+        if len(cond) != batch:
+            raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
+        timestep = _sigma_vector(sigma, batch, self.device)
+
+        hidden = self.pack(x.to(device=self.device, dtype=self.dtype))
+        prompt_embeds = cond.cond["prompt_embeds"]
+        pooled = cond.cond["pooled"]
+        cfg = self.uses_cfg()
+        if cfg:
+            if cond.uncond is None:
+                raise ValueError(f"true_cfg {self.true_cfg} needs the unconditional branch: call encode(prompts)")
+            hidden = torch.cat([hidden, hidden])
+            timestep = torch.cat([timestep, timestep])
+            prompt_embeds = torch.cat([cond.uncond["prompt_embeds"], prompt_embeds])
+            pooled = torch.cat([cond.uncond["pooled"], pooled])
+        rows = hidden.shape[0]
+
+        guidance_vec = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance_vec = torch.full([rows], g_embed, device=self.device, dtype=torch.float32)
+        _, h, w = self.latent_shape
+        img_ids = self.pipe._prepare_latent_image_ids(rows, h // 2, w // 2, self.device, self.dtype)
+        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+
+        out = self.pipe.transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=guidance_vec,
+            pooled_projections=pooled.to(device=self.device, dtype=self.dtype),
+            encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        v = self.unpack(out).float()
+
+        if cfg:
+            v_uncond, v_cond = v.chunk(2)
+            return v_uncond + self.true_cfg * (v_cond - v_uncond)
+        return v
+
+    def schedule(self, steps: int) -> torch.Tensor:
+        """Sigmas [steps + 1] fp32 on the CPU, 1 → 0: ``FluxPipeline``'s own schedule.
+
+        ``linspace(1, 1/steps, steps)`` shifted by the scheduler with ``mu`` from the image sequence
+        length (``calculate_shift`` on the scheduler's config), computed on a fresh scheduler copy.
+        """
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        steps = int(steps)
+        if steps < 1:
+            raise ValueError(f"steps must be ≥ 1; got {steps}")
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        config = scheduler.config
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if config.get("use_flow_sigmas", False):
+            sigmas = None
+        mu = calculate_shift(
+            self.image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        if sigmas is None:
+            scheduler.set_timesteps(steps, device="cpu", mu=mu)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
+        return scheduler.sigmas.to(torch.float32).clone()
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents ``x0`` [B, C, h, w] (fp32, unpacked)."""
+        vae = self.pipe.vae
+        latents = x0.to(device=self.device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,76 @@
+"""What every rollout plan shares: its context and the batched transition step over forest nodes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flowrl import sde
+from flowrl.models.base import Conditioning, FlowModel
+from flowrl.rollout.forest import Forest
+
+
+@dataclass
+class RolloutContext:
+    """Where a rollout sits in a run: everything its random draws are derived from.
+
+    ``group_offset``: global index of this process's first prompt group (unique seeds across ranks).
+    ``guidance``: CFG scale (None → the model's default). ``max_batch``: states per model forward.
+    """
+
+    seed: int = 0
+    iteration: int = 0
+    group_offset: int = 0
+    guidance: float | None = None
+    max_batch: int = 64
+
+
+class RolloutPlan:
+    """A rollout plan turns prompts into a :class:`Forest`. Plans may wrap other plans."""
+
+    def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+        raise NotImplementedError
+
+    def expected_counts(self, num_prompts: int, iteration: int = 0) -> dict[str, int]:
+        """Closed-form rollout forwards and trained edges (ALGORITHMS.md) for tests and logs."""
+        raise NotImplementedError
+
+
+def advance(
+    forest: Forest,
+    model: FlowModel,
+    parents: torch.Tensor,
+    cond: Conditioning,
+    sigma_next: float,
+    step_next: int,
+    kernel: str,
+    eta: float,
+    noise_for: Callable[[torch.Tensor], torch.Tensor | None],
+    guidance: float,
+    max_batch: int,
+) -> torch.Tensor:
+    """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``.
+
+    The velocity at the parents is computed in chunks of ``max_batch`` rows, one forward each, whose
+    ids are recorded on the new edges so training replays exactly this layout. ``cond`` holds one
+    row per prompt group; ``noise_for(parent_chunk)`` returns noise [len(chunk), C, H, W] (None for
+    deterministic kernels). Returns the new child indices [M].
+    """
+    x_parents = forest.all_latents()[parents]
+    sigma = float(forest.sigma[parents[0]])
+    children = []
+    for start in range(0, parents.shape[0], max_batch):
+        chunk = parents[start:start + max_batch]
+        x = x_parents[start:start + max_batch].to(model.device)
+        v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
+                           cond.select(forest.group[chunk]), guidance)
+        forest.count_forward(chunk.shape[0], cfg=guidance > 1.0)
+        noise = noise_for(chunk) if (kernel != "ode" and eta > 0) else None
+        x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
+        logp = sde.log_prob(x_next, mean, std) if noise is not None else torch.zeros(chunk.shape[0])
+        if noise is None:
+            std = torch.zeros_like(std)
+        children.append(forest.add_children(chunk, x_next, sigma_next, step_next, logp, std, kernel if noise is not None else "ode",
+                                            eta if noise is not None else 0.0, forest.new_batch_id()))
+    return torch.cat(children)

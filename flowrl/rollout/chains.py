@@ -1,0 +1,184 @@
+"""Independent chains: Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO (ALGORITHMS.md §4).
+
+G chains per prompt. Steps inside the SDE window use the plan's kernel (trainable edges); all other
+steps are ODE (never trained). With ``post_solver="dpm2"`` the steps after the window are replaced
+by fewer DPM-Solver++(2M) steps (MixGRPO-Flash).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from flowrl import sde
+from flowrl.models.base import FlowModel
+from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
+from flowrl.rollout.forest import Forest
+from flowrl.rollout.seeding import derive_seed, seeded_normal
+
+WINDOW_MODES = ("all", "fixed", "random", "progressive")
+POST_SOLVERS = ("none", "dpm2")
+
+
+@dataclass
+class SDEWindow:
+    """Which schedule steps are stochastic (and trained).
+
+    - ``all``: steps 0..T−2 (the last step, to σ=0, is never trained);
+    - ``fixed``: [start, start+size);
+    - ``random``: ``size`` consecutive steps, start drawn per iteration (from the run seed) so the
+      window lies inside ``range`` = [lo, hi) (default [0, T//2): Flow-GRPO-Fast);
+    - ``progressive`` (MixGRPO): start = ``start`` + stride·⌊iteration/tau⌋, clamped at T−1−size.
+    """
+
+    mode: str = "all"
+    start: int = 0
+    size: int = 3
+    range: list[int] | None = None
+    stride: int = 1
+    tau: int = 25
+
+    def validate(self, steps: int) -> None:
+        if self.mode not in WINDOW_MODES:
+            raise ValueError(f"rollout.window.mode={self.mode!r} is not supported; accepted: {list(WINDOW_MODES)}")
+        if self.mode != "all" and not (1 <= self.size <= steps - 1):
+            raise ValueError(f"rollout.window.size={self.size} must be in [1, steps-1={steps - 1}]")
+        if self.mode == "fixed" and not (0 <= self.start and self.start + self.size <= steps - 1):
+            raise ValueError(f"rollout.window.start={self.start} with size {self.size} must end by step {steps - 1} "
+                             f"(the last step is never stochastic)")
+        if self.mode == "random":
+            lo, hi = self._range(steps)
+            if not (0 <= lo and hi <= steps - 1 and hi - lo >= self.size):
+                raise ValueError(f"rollout.window.range={[lo, hi]} must satisfy 0 <= lo, hi <= steps-1={steps - 1}, "
+                                 f"hi-lo >= size={self.size}")
+        if self.mode == "progressive" and (self.tau < 1 or self.stride < 0):
+            raise ValueError(f"rollout.window.tau={self.tau} must be >= 1 and stride={self.stride} >= 0")
+
+    def _range(self, steps: int) -> tuple[int, int]:
+        if self.range is None:
+            return 0, max(steps // 2, self.size)
+        return int(self.range[0]), int(self.range[1])
+
+    def steps(self, steps: int, iteration: int, seed: int) -> list[int]:
+        """Stochastic step indices for this iteration (sorted)."""
+        self.validate(steps)
+        if self.mode == "all":
+            return list(range(steps - 1))
+        if self.mode == "fixed":
+            start = self.start
+        elif self.mode == "random":
+            lo, hi = self._range(steps)
+            gen = torch.Generator().manual_seed(derive_seed(seed, iteration, "window"))
+            start = lo + int(torch.randint(0, hi - self.size - lo + 1, (1,), generator=gen))
+        else:
+            start = min(self.start + self.stride * (iteration // self.tau), steps - 1 - self.size)
+        return list(range(start, start + self.size))
+
+
+@dataclass
+class Chains(RolloutPlan):
+    """G independent chains per prompt (Flow-GRPO / DanceGRPO / MixGRPO).
+
+    ``shared_noise``: one x_T per prompt group (DanceGRPO) instead of one per chain (Flow-GRPO).
+    ``eta``: the kernel's noise level inside the window.
+    """
+
+    group_size: int = 8
+    steps: int = 10
+    kernel: str = "flow_grpo"
+    eta: float = 0.7
+    shared_noise: bool = False
+    window: SDEWindow = field(default_factory=SDEWindow)
+    post_solver: str = "none"
+    post_steps_ratio: float = 0.4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, dict):
+            self.window = SDEWindow(**self.window)
+        sde.check_kernel(self.kernel, "rollout.kernel")
+        if self.kernel == "ode":
+            raise ValueError("rollout.kernel='ode' has no stochastic edges to train; accepted: flow_grpo, dance, cps")
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (group advantages need several samples)")
+        if self.steps < 2:
+            raise ValueError(f"rollout.steps={self.steps} must be >= 2")
+        if self.post_solver not in POST_SOLVERS:
+            raise ValueError(f"rollout.post_solver={self.post_solver!r} is not supported; accepted: {list(POST_SOLVERS)}")
+        if not (0.0 < self.post_steps_ratio <= 1.0):
+            raise ValueError(f"rollout.post_steps_ratio={self.post_steps_ratio} must be in (0, 1]")
+        self.window.validate(self.steps)
+
+    # ---- schedule -------------------------------------------------------------------------
+    def _post_indices(self, window_end: int) -> list[int]:
+        """Schedule indices the DPM-Solver++(2M) steps visit after the window (ending at T)."""
+        remaining = self.steps - window_end
+        n_post = max(1, round(self.post_steps_ratio * remaining))
+        idx = sorted({round(window_end + k * remaining / n_post) for k in range(n_post + 1)})
+        return idx
+
+    def expected_counts(self, num_prompts: int, iteration: int = 0, seed: int = 0) -> dict[str, int]:
+        """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges."""
+        window = self.window.steps(self.steps, iteration, seed)
+        chains = num_prompts * self.group_size
+        per_chain = self.steps
+        if self.post_solver == "dpm2":
+            end = window[-1] + 1
+            per_chain = end + len(self._post_indices(end)) - 1
+        return {"forwards": chains * per_chain, "trained_edges": chains * len(window), "leaves": chains}
+
+    # ---- rollout --------------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+        """Forest of len(prompts)·G chains, grouped per prompt in order (chain j of prompt p is
+        leaf p·G + j)."""
+        G, T = self.group_size, self.steps
+        guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        sigmas = model.schedule(T).float().cpu()
+        window = self.window.steps(T, ctx.iteration, ctx.seed)
+        window_set = set(window)
+
+        groups = torch.arange(len(prompts)).repeat_interleave(G)
+        seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + int(g), 0 if self.shared_noise else j)
+                 for g in range(len(prompts)) for j in range(G)]
+        forest = Forest(prompts=list(prompts), guidance=guidance)
+        nodes = forest.add_roots(model.noise(seeds), groups, seeds, sigma=float(sigmas[0]), step=0)
+        cond = model.encode(prompts, guidance)
+        shape = model.latent_shape
+
+        def noise_for(parents: torch.Tensor) -> torch.Tensor:
+            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", ctx.group_offset, int(p)), shape)
+                                for p in parents]).to(model.device)
+
+        last = T if self.post_solver == "none" else window[-1] + 1
+        for i in range(last):
+            kernel = self.kernel if i in window_set else "ode"
+            nodes = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
+                            self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch)
+        if last < T:
+            self._post_solve(forest, model, nodes, cond, sigmas, last, guidance, ctx.max_batch)
+        return forest
+
+    def _post_solve(self, forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor,
+                    start: int, guidance: float, max_batch: int) -> None:
+        """DPM-Solver++(2M) from schedule index ``start`` to σ=0 over the sub-schedule of
+        :meth:`_post_indices` (untrained ODE edges of kernel ``dpm2``)."""
+        idx = self._post_indices(start)
+        prev_x0: torch.Tensor | None = None
+        prev_sigma: float | None = None
+        for a, b in zip(idx[:-1], idx[1:]):
+            s, s_next = float(sigmas[a]), float(sigmas[b])
+            x = forest.all_latents()[nodes].to(model.device)
+            outs, x0s = [], []
+            for c in range(0, nodes.shape[0], max_batch):
+                chunk = nodes[c:c + max_batch]
+                v = model.velocity(x[c:c + max_batch], torch.full((chunk.shape[0],), s, device=model.device),
+                                   cond.select(forest.group[chunk]), guidance)
+                forest.count_forward(chunk.shape[0], cfg=guidance > 1.0)
+                x_next, x0 = sde.dpm2_step(x[c:c + max_batch], v, s, s_next,
+                                           None if prev_x0 is None else prev_x0[c:c + max_batch], prev_sigma)
+                outs.append(x_next)
+                x0s.append(x0)
+            zeros = torch.zeros(nodes.shape[0])
+            nodes = forest.add_children(nodes, torch.cat(outs), s_next, b, zeros, zeros, "dpm2", 0.0, -1)
+            prev_x0, prev_sigma = torch.cat(x0s), s

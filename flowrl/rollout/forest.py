@@ -1,0 +1,196 @@
+"""The trajectory forest: one flat, tensor-backed structure for every rollout shape (DESIGN.md).
+
+Nodes are latent states; every non-root node n has one incoming edge parent[n] → n, and the edge's
+data is stored on its child n. Independent chains are unbranched trees, BranchGRPO trees are K-ary,
+Sol-RL's regenerated samples are chains whose roots were selected from a larger pool.
+
+Per node (N nodes): ``latents`` fp32 [N, C, H, W], ``sigma`` [N] (noise level of the state; 1 = pure
+noise), ``step`` [N] (schedule index; 0 = pure noise), ``parent`` [N] (-1 for roots), ``group`` [N]
+(prompt group), ``seed`` [N] (seed of the node's root: ``model.noise([seed])`` rebuilds it).
+Per edge into n: ``logp_old`` [N], ``std`` [N], ``stochastic`` [N] (SDE edge, trainable),
+``kernel`` [N] (index into :data:`EDGE_KERNELS`), ``eta`` [N] (the noise level used), ``batch`` [N]
+(id of the rollout forward that produced the velocity at the parent: replay uses the same layout).
+Outcomes: ``reward`` [N] (NaN except leaves), ``value`` [N] (optional state reward; NaN if unset),
+``advantage`` [N] and ``weight`` [N] (written by credit rules; weight 0 = edge skipped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from flowrl import sde
+
+EDGE_KERNELS: tuple[str, ...] = sde.KERNELS + ("dpm2",)
+_NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
+
+
+@dataclass
+class Forest:
+    """Trajectory forest of one rollout (see module docstring). Build with :meth:`add_roots` /
+    :meth:`add_children`, then read through the helpers."""
+
+    prompts: list[str]
+    guidance: float = 1.0
+    latents: torch.Tensor | None = None
+    sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    parent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    group: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    seed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    logp_old: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    std: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    stochastic: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    eta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    batch: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    counters: dict[str, int] = field(default_factory=lambda: {"forwards": 0, "nfe": 0, "model_calls": 0})
+    reward: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    advantage: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    _latent_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _next_batch_id: int = 0
+
+    # ---- building -------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return int(self.step.shape[0])
+
+    def _append(self, latents: torch.Tensor, **cols: torch.Tensor) -> torch.Tensor:
+        n0, n = self.num_nodes, latents.shape[0]
+        self._latent_blocks.append(latents.detach().float())
+        self.latents = None  # concatenated lazily
+        for name in _NODE_FIELDS:
+            old = getattr(self, name)
+            new = torch.as_tensor(cols[name]).to(dtype=old.dtype).reshape(n).cpu()
+            setattr(self, name, torch.cat([old, new]))
+        return torch.arange(n0, n0 + n)
+
+    def add_roots(self, latents: torch.Tensor, group: Sequence[int] | torch.Tensor, seed: Sequence[int] | torch.Tensor,
+                  sigma: float = 1.0, step: int = 0) -> torch.Tensor:
+        """Add roots (latents [R, C, H, W]); returns their node indices [R]."""
+        r = latents.shape[0]
+        return self._append(
+            latents, sigma=torch.full((r,), float(sigma)), step=torch.full((r,), step), parent=torch.full((r,), -1),
+            group=torch.as_tensor(group), seed=torch.as_tensor(seed), logp_old=torch.zeros(r), std=torch.zeros(r),
+            stochastic=torch.zeros(r, dtype=torch.bool), kernel=torch.zeros(r), eta=torch.zeros(r),
+            batch=torch.full((r,), -1),
+        )
+
+    def new_batch_id(self) -> int:
+        """A fresh id for one rollout forward (all edges whose parent velocity it computed share it)."""
+        self._next_batch_id += 1
+        return self._next_batch_id - 1
+
+    def add_children(self, parents: torch.Tensor, latents: torch.Tensor, sigma: float | torch.Tensor, step: int | torch.Tensor,
+                     logp: torch.Tensor, std: torch.Tensor, kernel: str, eta: float | torch.Tensor,
+                     batch: int | torch.Tensor) -> torch.Tensor:
+        """Add one child per entry of ``parents`` [M] with states ``latents`` [M, C, H, W] reached by
+        a ``kernel`` edge (log-prob ``logp`` [M], std ``std`` [M]). Returns the new node indices [M]."""
+        parents = torch.as_tensor(parents, dtype=torch.long).cpu()
+        m = parents.shape[0]
+        full = lambda v, dtype=torch.float32: torch.as_tensor(v, dtype=dtype).expand(m) if torch.as_tensor(v).ndim == 0 else torch.as_tensor(v, dtype=dtype)
+        std = std.detach().float().cpu()
+        return self._append(
+            latents, sigma=full(sigma), step=full(step, torch.long), parent=parents, group=self.group[parents],
+            seed=self.seed[parents], logp_old=logp.detach().float().cpu(), std=std,
+            stochastic=(std > 0) & (kernel != "ode"), kernel=full(EDGE_KERNELS.index(kernel), torch.long),
+            eta=full(eta), batch=full(batch, torch.long),
+        )
+
+    def count_forward(self, rows: int, cfg: bool) -> None:
+        """Record one model call over ``rows`` states (each a forward; ×2 NFE with CFG)."""
+        self.counters["forwards"] += rows
+        self.counters["nfe"] += rows * (2 if cfg else 1)
+        self.counters["model_calls"] += 1
+
+    def all_latents(self) -> torch.Tensor:
+        """Latents [N, C, H, W] (concatenated once, then cached)."""
+        if self.latents is None or self.latents.shape[0] != self.num_nodes:
+            self.latents = torch.cat(self._latent_blocks) if len(self._latent_blocks) > 1 else self._latent_blocks[0]
+            self._latent_blocks = [self.latents]
+        return self.latents
+
+    # ---- structure helpers ----------------------------------------------------------------
+    def leaves(self) -> torch.Tensor:
+        """Indices of nodes with no children, in node order [L]."""
+        has_child = torch.zeros(self.num_nodes, dtype=torch.bool)
+        has_child[self.parent[self.parent >= 0]] = True
+        return torch.nonzero(~has_child).flatten()
+
+    def roots(self) -> torch.Tensor:
+        return torch.nonzero(self.parent < 0).flatten()
+
+    def children(self, n: int) -> torch.Tensor:
+        return torch.nonzero(self.parent == n).flatten()
+
+    def depth(self, n: int | None = None) -> torch.Tensor | int:
+        """Number of edges from the root to node ``n`` (or for all nodes [N] when n is None)."""
+        if n is not None:
+            d = 0
+            while int(self.parent[n]) >= 0:
+                n = int(self.parent[n])
+                d += 1
+            return d
+        depth = torch.zeros(self.num_nodes, dtype=torch.long)
+        for i in range(self.num_nodes):  # parents always precede children
+            p = int(self.parent[i])
+            if p >= 0:
+                depth[i] = depth[p] + 1
+        return depth
+
+    def ancestors(self, n: int) -> list[int]:
+        """Nodes from ``n`` up to its root, n first."""
+        path = [int(n)]
+        while int(self.parent[path[-1]]) >= 0:
+            path.append(int(self.parent[path[-1]]))
+        return path
+
+    def descendant_leaves(self, n: int) -> torch.Tensor:
+        leaves = self.leaves()
+        return torch.tensor([int(l) for l in leaves if n in self.ancestors(int(l))], dtype=torch.long)
+
+    def path_logp(self, n: int, leaf: int) -> float:
+        """Sum of edge log-probs along the path n → leaf (excluding the edge into n)."""
+        total, cur = 0.0, int(leaf)
+        while cur != n:
+            if cur < 0:
+                raise ValueError(f"node {leaf} is not a descendant of {n}")
+            total += float(self.logp_old[cur])
+            cur = int(self.parent[cur])
+        return total
+
+    def leaf_of_each_node(self) -> torch.Tensor:
+        """For forests of unbranched trees (chains): the unique leaf below each node [N].
+
+        Raises if some node has several children (use a tree credit rule for branched forests).
+        """
+        counts = torch.bincount(self.parent[self.parent >= 0], minlength=self.num_nodes)
+        if bool((counts > 1).any()):
+            raise ValueError("this forest branches (a node has several children): group credit needs chains; use a tree credit rule")
+        leaf_of = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        for leaf in self.leaves().tolist():
+            for node in self.ancestors(leaf):
+                leaf_of[node] = leaf
+        return leaf_of
+
+    def edges(self, trainable: bool = True) -> torch.Tensor:
+        """Indices of child nodes of edges [E]: all edges, or (default) the stochastic ones with
+        non-zero weight (credit rules set weight 0 on skipped edges)."""
+        mask = self.parent >= 0
+        if trainable:
+            mask = mask & self.stochastic
+            if self.weight is not None:
+                mask = mask & (self.weight > 0)
+        return torch.nonzero(mask).flatten()
+
+    def init_outcomes(self) -> None:
+        """Allocate reward/value (NaN), advantage (0) and weight (1) columns [N]."""
+        n = self.num_nodes
+        self.reward = torch.full((n,), float("nan"))
+        self.value = torch.full((n,), float("nan"))
+        self.advantage = torch.zeros(n)
+        self.weight = torch.ones(n)

@@ -1,0 +1,401 @@
+"""The one training loop: rollout plan → rewards → credit rule → clipped loss → optimizer step.
+
+``Trainer(TrainConfig, model=None, reward=None).train()`` is what ``flowrl train`` runs. One code
+path for one and N processes (accelerate): each process rolls out its own whole prompt groups,
+global statistics (``credit.scale: global``, edge counts) are all-reduced, and gradients are
+averaged across processes before every optimizer step, so all ranks hold the same weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl import build
+from flowrl.checkpoint import load_weights, read_state, resolve_resume, save_weights, write_checkpoint
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.evaluation import evaluate, save_grid
+from flowrl.metrics import MetricsLog, plot_reward_curve
+from flowrl.models.base import FlowModel
+from flowrl.prompts import PromptSource, read_prompts
+from flowrl.replay import replay, replay_batches
+from flowrl.rollout.base import RolloutContext
+from flowrl.rollout.forest import Forest
+from flowrl.rollout.seeding import derive_seed
+
+
+class Trainer:
+    """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
+
+    ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
+    ``config.model``. ``reward``: a reward name, a :class:`rewards.Reward`, a MultiReward, or None
+    for ``config.rewards``.
+    """
+
+    def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None):
+        from accelerate import Accelerator
+
+        self.cfg = config
+        if config.train.num_threads:
+            torch.set_num_threads(config.train.num_threads)
+        device = build.resolve_device(config.model.device)
+        self.accelerator = accelerator or Accelerator(cpu=device.type == "cpu",
+                                                      log_with=None if config.train.log_with == "none" else config.train.log_with,
+                                                      project_dir=str(self.run_dir))
+        self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        if config.prompts.per_step % self.world:
+            raise ConfigError(f"prompts.per_step={config.prompts.per_step} must be divisible by the number of processes ({self.world})")
+        self.model = model if model is not None else build.build_model(config.model, self.accelerator.device)
+        torch.manual_seed(derive_seed(config.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
+        self.params = self._setup_trainable()
+        self.plan = build.build_plan(config.rollout)
+        self.reward = self._as_multi(reward) if reward is not None else build.build_rewards(config.rewards)
+        self.eval_reward = build.build_rewards(config.eval.rewards) if config.eval.rewards else self.reward
+        self.credit = build.build_credit(config, {r.name: w for r, w in zip(self.reward.rewards, self.reward.weights)})
+        self.loss_fn = build.build_loss(config)
+        self.prompts = PromptSource(read_prompts(config.prompts.train), config.prompts.per_step, config.train.seed)
+        self.eval_prompts = read_prompts(config.prompts.eval, "prompts.eval") if config.prompts.eval else []
+        if config.eval.num_prompts:
+            self.eval_prompts = self.eval_prompts[: config.eval.num_prompts]
+        self.optimizer = self._make_optimizer()
+        self.scheduler = self._make_scheduler()
+        self.ema = [p.detach().clone() for p in self.params] if config.train.ema > 0 else None
+        self.step = 0
+
+    # ---- setup ----------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.train.output_dir) / self.cfg.train.name
+
+    @staticmethod
+    def _as_multi(reward: Any):
+        from rewards import MultiReward, Reward
+
+        if isinstance(reward, MultiReward):
+            return reward
+        if isinstance(reward, (str, Reward)):
+            return MultiReward([{"name": reward} if isinstance(reward, str) else reward])
+        raise TypeError(f"reward must be a name, a rewards.Reward or a MultiReward, got {type(reward).__name__}")
+
+    def _setup_trainable(self) -> list[torch.nn.Parameter]:
+        module = self.model.trainable
+        if self.cfg.model.full_finetune:
+            module.requires_grad_(True)
+            if self.cfg.loss.beta > 0:  # the KL reference: a frozen copy of the initial transformer
+                self._frozen_reference = copy.deepcopy(module).requires_grad_(False).eval()
+        else:
+            self.model.add_lora(build.lora_spec(self.cfg.model))
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("no trainable parameters: check model.lora.targets")
+        return params
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        kwargs = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+        if o.use_8bit:
+            try:
+                import bitsandbytes as bnb
+            except ImportError as e:
+                raise ConfigError("optim.use_8bit=true needs bitsandbytes: pip install 'flowrl[quant]'") from e
+            return bnb.optim.AdamW8bit(self.params, **kwargs)
+        return torch.optim.AdamW(self.params, **kwargs)
+
+    def _make_scheduler(self):
+        from diffusers.optimization import get_scheduler
+
+        o, t = self.cfg.optim, self.cfg.train
+        name = "constant_with_warmup" if o.schedule == "constant" else o.schedule
+        total = max(1, t.max_steps * t.inner_epochs * t.updates_per_epoch)
+        return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
+
+    # ---- distributed helpers -----------------------------------------------------------------
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+
+    def _sum(self, value: float) -> float:
+        if self.world == 1:
+            return float(value)
+        t = torch.tensor([float(value)], device=self.accelerator.device)
+        return float(self.accelerator.reduce(t, reduction="sum").item())
+
+    def _average_gradients(self) -> None:
+        """Mean of every trainable gradient over processes (one flat all-reduce)."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.accelerator.device)
+        flat = self.accelerator.reduce(flat, reduction="mean")
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset: offset + g.numel()].view_as(g).to(p.device, p.dtype)
+            offset += g.numel()
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def local_prompts(self, iteration: int) -> tuple[list[str], int]:
+        """This process's prompt groups for ``iteration`` and the global index of its first group."""
+        prompts = self.prompts.batch(iteration)
+        k = len(prompts) // self.world
+        return prompts[self.rank * k:(self.rank + 1) * k], self.rank * k
+
+    def rollout(self, iteration: int) -> tuple[Forest, dict[str, torch.Tensor], dict[str, float]]:
+        """Sample the forest of ``iteration`` and score its leaves (no gradients)."""
+        prompts, offset = self.local_prompts(iteration)
+        ctx = RolloutContext(seed=self.cfg.train.seed, iteration=iteration, group_offset=offset,
+                             guidance=self.cfg.model.guidance, max_batch=self.cfg.rollout.max_batch)
+        t0 = time.perf_counter()
+        self.model.trainable.eval()
+        forest = self.plan.rollout(self.model, prompts, ctx)
+        t1 = time.perf_counter()
+        leaves = forest.leaves()
+        x0 = forest.all_latents()[leaves]
+        images = torch.cat([self.model.decode(x0[i:i + ctx.max_batch].to(self.model.device)).cpu()
+                            for i in range(0, x0.shape[0], ctx.max_batch)])
+        leaf_prompts = [forest.prompts[int(g)] for g in forest.group[leaves]]
+        components = self.reward.components(images, leaf_prompts, {})
+        t2 = time.perf_counter()
+        self._last_images = images
+        return forest, components, {"time/rollout": t1 - t0, "time/reward": t2 - t1}
+
+    def update(self, forest: Forest, iteration: int) -> dict[str, float]:
+        """Inner epochs of clipped-objective updates over the forest's trainable edges."""
+        cfg = self.cfg
+        module = self.model.trainable
+        module.train()
+        cond = self.model.encode(forest.prompts, forest.guidance)
+        edges = forest.edges(trainable=True)
+        batches = replay_batches(forest, edges)
+        diag_sums: dict[str, float] = {}
+        diag_count = 0
+        grad_norms = []
+        first_delta = None
+        for epoch in range(cfg.train.inner_epochs):
+            order = batches
+            if epoch > 0:
+                gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, "shuffle", epoch))
+                order = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+            U = cfg.train.updates_per_epoch
+            for u in range(U):
+                part = order[u * len(order) // U:(u + 1) * len(order) // U]
+                n_global = self._sum(sum(b.numel() for b in part))
+                if n_global == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for b in part:
+                    out = replay(self.model, forest, cond, b, cfg.loss.reduction,
+                                 cfg.loss.kl_form if cfg.loss.beta > 0 else None, self.reference)
+                    loss, diag = self.loss_fn(out.logp, forest.logp_old[b].to(out.logp.device),
+                                              forest.advantage[b].to(out.logp.device), out.kl,
+                                              forest.weight[b].to(out.logp.device))
+                    (loss * (b.numel() * self.world / n_global)).backward()
+                    if first_delta is None:
+                        first_delta = float(diag["abs_delta_logp"])
+                    for k, v in diag.items():
+                        diag_sums[k] = diag_sums.get(k, 0.0) + float(v) * b.numel()
+                    diag_count += b.numel()
+                self._average_gradients()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
+                self.optimizer.step()
+                self.scheduler.step()
+                self._update_ema()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v / diag_count for k, v in diag_sums.items()} if diag_count else {}
+        out["ratio_min"] = out.get("ratio_min", 1.0)
+        out["first_step_abs_delta_logp"] = first_delta if first_delta is not None else 0.0
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out["trained_edges"] = self._sum(edges.numel())
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def train_step(self, iteration: int) -> dict[str, float]:
+        """One full iteration; returns its metrics (global over processes)."""
+        forest, components, times = self.rollout(iteration)
+        credit_stats = self.credit.assign(forest, components, gather=self._gather)
+        t0 = time.perf_counter()
+        update_stats = self.update(forest, iteration)
+        times["time/update"] = time.perf_counter() - t0
+        rewards = self._gather(forest.reward[forest.leaves()])
+        record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(rewards.mean()),
+                                    "reward_std": float(rewards.std(unbiased=False))}
+        for name, values in components.items():
+            record[f"reward/{name}"] = float(self._gather(values).mean())
+        record.update({k: self._sum(v) / self.world for k, v in credit_stats.items()})
+        record.update(update_stats)
+        record["rollout_forwards"] = self._sum(forest.counters["forwards"])
+        record["rollout_nfe"] = self._sum(forest.counters["nfe"])
+        record["leaves"] = self._sum(forest.leaves().numel())
+        record.update(times)
+        return record
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The KL reference policy: LoRA disabled, or (full fine-tuning) the frozen initial transformer."""
+        if self.model.has_lora:
+            with self.model.reference():
+                yield
+            return
+        pipe = self.model.pipe
+        live, pipe.transformer = pipe.transformer, self._frozen_reference
+        try:
+            yield
+        finally:
+            pipe.transformer = live
+
+    # ---- EMA -----------------------------------------------------------------------------------
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        d = self.cfg.train.ema
+        with torch.no_grad():
+            for e, p in zip(self.ema, self.params):
+                e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Temporarily load EMA weights into the model (no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, e in zip(self.params, self.ema):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, l in zip(self.params, live):
+                    p.copy_(l)
+
+    # ---- eval, checkpoints ----------------------------------------------------------------------
+    def run_eval(self, step: int, tag: str | None = None) -> dict[str, float]:
+        """Evaluate on this process's share of the held-out prompts; metrics averaged over all."""
+        if not self.eval_prompts:
+            return {}
+        e = self.cfg.eval
+        mine = self.eval_prompts[self.rank::self.world]
+        self.model.trainable.eval()
+        with self.ema_weights():
+            metrics, images = evaluate(self.model, mine, self.eval_reward, steps=e.steps, guidance=e.guidance,
+                                       seed=e.seed + self.rank, max_batch=e.batch_size, keep_images=e.grid_prompts)
+        n = len(mine)
+        metrics = {k: self._sum(v * n) / self._sum(n) for k, v in metrics.items()}
+        if self.accelerator.is_main_process and images.numel():
+            save_grid(images, self.run_dir / "samples" / f"{tag or f'step-{step:06d}'}.png", scale=4)
+        return metrics
+
+    def save_checkpoint(self) -> Path | None:
+        self.accelerator.wait_for_everyone()
+        path = None
+        if self.accelerator.is_main_process:
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state()}
+
+            def write_weights(folder: Path) -> None:
+                with self.ema_weights():
+                    save_weights(self.model, folder)
+                if self.ema is not None:  # live (non-EMA) weights too, so resume continues exactly
+                    save_weights(self.model, folder / "live")
+
+            path = write_checkpoint(self.run_dir / "checkpoints", self.step, write_weights, state, self.cfg.train.keep_last)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = read_state(path)
+        load_weights(self.model, path / "live" if (path / "live").is_dir() else path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
+        self.step = int(state["step"])
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def train(self) -> list[dict[str, float]]:
+        """Run to ``train.max_steps``; returns the metric records of this call."""
+        cfg = self.cfg
+        main = self.accelerator.is_main_process
+        resume_from = resolve_resume(cfg.train.resume, self.run_dir / "checkpoints") if cfg.train.resume else None
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume_from is not None else None) if main else None
+        if main:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if cfg.train.log_with != "none":
+            self.accelerator.init_trackers(cfg.train.name, config=json.loads(json.dumps(cfg.to_dict(), default=str)))
+        records: list[dict[str, float]] = []
+
+        def emit(record: dict[str, float]) -> None:
+            records.append(record)
+            if log is not None:
+                log.write(record)
+            if cfg.train.log_with != "none":
+                self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+
+        if self.step == 0 and cfg.eval.at_start:
+            emit({"step": 0, **self.run_eval(0, "before")})
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (main and cfg.train.progress), desc="flowrl train")
+        with _stop_on_first_interrupt() as stop:
+            while self.step < cfg.train.max_steps and not stop.requested:
+                record = self.train_step(self.step)
+                self.step += 1
+                emit(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record.get('approx_kl', 0):.1e}",
+                                clip=f"{record.get('clipfrac_high', 0) + record.get('clipfrac_low', 0):.2f}")
+                last = self.step == cfg.train.max_steps
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
+                    emit({"step": self.step, **self.run_eval(self.step)})
+                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not last:
+                    self.save_checkpoint()
+        bar.close()
+        if stop.requested:
+            if main:
+                print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
+            self.save_checkpoint()
+            raise KeyboardInterrupt
+        emit({"step": self.step, **self.run_eval(self.step, "after")})
+        self.save_checkpoint()
+        if main and log is not None:
+            plot_reward_curve(log.read(), self.run_dir / "reward_curve.png")
+        if cfg.train.log_with != "none":
+            self.accelerator.end_training()
+        return records
+
+
+class _StopFlag:
+    requested = False
+
+
+@contextlib.contextmanager
+def _stop_on_first_interrupt() -> Iterator[_StopFlag]:
+    """First Ctrl-C: finish the current iteration, then stop (the loop saves a checkpoint).
+    Second Ctrl-C: interrupt at once. Only installed in the main thread."""
+    flag = _StopFlag()
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if flag.requested:
+                raise KeyboardInterrupt
+            flag.requested = True
+            print("\nCtrl-C: finishing this iteration, then saving a checkpoint (Ctrl-C again to abort)")
+
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield flag
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,82 @@
+"""Score rewards in a background thread so scoring overlaps the next rollout.
+
+    scorer = BackgroundScorer(multi_reward)           # or any Reward
+    fut = scorer.submit(images, prompts, meta)        # returns at once
+    ...                                               # next rollout runs meanwhile
+    components = fut.result()                         # {name: float32 [B]}; re-raises a reward's error
+    total = multi_reward.combine(components)
+    scorer.close()
+
+One worker thread, so batches are scored in submission order and a reward model is never used by
+two threads at once. Until the future is done the scorer owns ``images`` and ``meta``: do not modify
+them in place (rewards may write diagnostics into ``meta``; read them after ``result()``).
+Gradients are off in the worker (``Reward.__call__`` is ``no_grad``). ``enabled=False`` (or
+``"auto"`` without CUDA) scores synchronously inside ``submit`` and returns a finished future, so
+the calling code is the same either way.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any, Sequence
+
+import torch
+
+from rewards.base import Reward
+
+
+def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
+                  ) -> dict[str, torch.Tensor]:
+    """A reward's per-term scores: ``MultiReward.components`` or ``{reward.name: reward(...)}``."""
+    from rewards.multi import MultiReward
+
+    if isinstance(reward, MultiReward):
+        return reward.components(images, prompts, meta)
+    return {reward.name: reward(images, prompts, meta)}
+
+
+class BackgroundScorer:
+    """Runs ``components_of(reward, ...)`` on one worker thread.
+
+    Args:
+      reward: a :class:`~rewards.MultiReward` or any :class:`~rewards.Reward`.
+      enabled: True (thread), False (synchronous) or ``"auto"`` (thread iff CUDA is available).
+    """
+
+    def __init__(self, reward: Reward, enabled: bool | str = True):
+        if not isinstance(reward, Reward):
+            raise TypeError(f"BackgroundScorer needs a rewards.Reward, got {type(reward).__name__}")
+        if enabled == "auto":
+            enabled = torch.cuda.is_available()
+        if not isinstance(enabled, bool):
+            raise ValueError(f"BackgroundScorer: enabled={enabled!r} must be True, False or 'auto'")
+        self.reward, self.enabled = reward, enabled
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer") if enabled else None
+        self._closed = False
+
+    def submit(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
+               ) -> "cf.Future[dict[str, torch.Tensor]]":
+        """Start scoring; a future of ``{name: float32 [B]}`` (the reward's exception, if it fails)."""
+        if self._closed:
+            raise RuntimeError("BackgroundScorer.submit after close()")
+        meta = {} if meta is None else meta
+        prompts = list(prompts)
+        if self._pool is not None:
+            return self._pool.submit(components_of, self.reward, images, prompts, meta)
+        fut: cf.Future = cf.Future()
+        try:
+            fut.set_result(components_of(self.reward, images, prompts, meta))
+        except Exception as e:  # delivered through the future, as in the threaded mode
+            fut.set_exception(e)
+        return fut
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker (after pending batches when ``wait``, else cancelling those not started)."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> "BackgroundScorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

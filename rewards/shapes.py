@@ -1,0 +1,302 @@
+"""The exact reward of the shapes world: a colour-segmentation detector and GenEval-style scoring.
+
+Detector (:func:`detect`, :func:`detect_batch`), for images of any size:
+
+1. Colour: a pixel whose brightest channel is below ``DARK`` is background; otherwise its chromaticity
+   (RGB divided by the brightest channel, so dim or soft edges keep their hue) goes to the nearest
+   palette colour, or to "unknown" if that colour is farther than ``MAX_CHROMA_DIST`` (white, grey,
+   orange…). Unknown pixels are ignored.
+2. Components: 4-connected pixels of one colour (pure numpy: min-label propagation with pointer
+   jumping, batched). Components smaller than ``MIN_AREA_FRAC`` of the image, with a bounding box
+   side below ``MIN_SIDE_FRAC`` or above ``MAX_SIDE_FRAC`` of the image side, or an aspect ratio above
+   ``MAX_ASPECT`` are not objects.
+3. Shape, from the fill ratio of the bounding box (square 1.0, circle ≈ π/4, apex-up triangle ≈ 0.5)
+   and the relative height of the centroid in the box, ``cy_rel`` (triangle ≈ 0.6–0.66, circle and
+   square 0.5): square if fill ≥ 0.9; else triangle if fill < 0.6 or
+   ``(cy_rel − 0.5) + (0.75 − fill) > 0.06`` (blurred triangles fill ≈ 0.7 but sit low); else circle.
+
+Requirements per task (``partial`` = fraction satisfied, ``strict`` = all satisfied). For each
+requested object (shape s, colour c): "some object has colour c", "some object has shape s", and
+"an object is a c s" (for ``counting``: "at least one c s" and "exactly k c s"). Then:
+
+- ``single``, ``two_objects``: nothing more; extra objects never hurt.
+- ``color_attr`` (the two objects differ in shape and colour): "bound": both objects present and no
+  object wears the other object's colour (no c₂ s₁, no c₁ s₂), i.e. each shape carries only its
+  own colour of the two requested.
+- ``position``: "relation": both present and the largest detection of object 0 is
+  ``relation`` the largest of object 1, its centroid at least ``RELATION_MARGIN_FRAC`` of the image
+  side beyond on the relation axis (image y grows downwards; "above" = smaller y).
+
+Extra copies of a requested shape+colour break only ``counting`` (exact count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from flowrl.shapes import world
+from rewards.base import Reward
+
+DARK = 100                    # brightest channel below this (of 255) = background
+MAX_CHROMA_DIST = 0.45        # chromaticity distance beyond which a pixel is "unknown"
+MIN_AREA_FRAC = 12 / 1024     # component area ≥ this fraction of H·W (12 px at 32×32)
+MIN_SIDE_FRAC = 4 / 32        # bounding-box sides ≥ this fraction of the image side
+MAX_SIDE_FRAC = 0.6           # bounding-box sides ≤ this fraction (no canvas-filling blobs)
+MAX_ASPECT = 1.75             # max(w, h) / min(w, h)
+RELATION_MARGIN_FRAC = 3 / 32 # centroid offset along the relation axis, fraction of the side
+
+_COLOR_NAMES: tuple[str, ...] = tuple(world.COLORS)
+_PALETTE = np.array([world.COLORS[c] for c in _COLOR_NAMES], dtype=np.float32) / 255.0  # [6, 3]
+MODES: tuple[str, ...] = ("strict", "partial")
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected object. ``centroid`` (x, y) and ``bbox`` (x0, y0, x1, y1, end-exclusive) in pixels."""
+
+    shape: str
+    color: str
+    centroid: tuple[float, float]
+    area: int
+    bbox: tuple[int, int, int, int]
+    fill: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------ detector
+
+def classify_colors(images: np.ndarray) -> np.ndarray:
+    """Palette index per pixel, int8 [B, H, W] (−1 = background or unknown) for uint8 [B, H, W, 3]."""
+    x = images.astype(np.float32)
+    bright = x.max(axis=-1)                                          # [B, H, W]
+    chroma = x / np.maximum(bright, 1.0)[..., None]                  # [B, H, W, 3]
+    dist = np.linalg.norm(chroma[..., None, :] - _PALETTE, axis=-1)  # [B, H, W, 6]
+    nearest = dist.argmin(axis=-1)
+    ok = (bright >= DARK) & (dist.min(axis=-1) <= MAX_CHROMA_DIST)
+    return np.where(ok, nearest, -1).astype(np.int8)
+
+
+def label_components(classes: np.ndarray) -> np.ndarray:
+    """Component id per pixel, int64 [B, H, W]: the smallest flat index (over B·H·W) of its
+    4-connected same-class component; −1 where ``classes`` < 0."""
+    b, h, w = classes.shape
+    n = b * h * w
+    fg = classes >= 0
+    big = np.int64(n)
+    labels = np.where(fg, np.arange(n, dtype=np.int64).reshape(b, h, w), big)
+    same_x = fg[:, :, 1:] & (classes[:, :, 1:] == classes[:, :, :-1])   # [B, H, W-1]
+    same_y = fg[:, 1:, :] & (classes[:, 1:, :] == classes[:, :-1, :])   # [B, H-1, W]
+    flat_fg = fg.reshape(-1)
+    while True:
+        before = labels.copy()
+        m = np.where(same_x, np.minimum(labels[:, :, 1:], labels[:, :, :-1]), big)
+        labels[:, :, 1:] = np.minimum(labels[:, :, 1:], m)
+        labels[:, :, :-1] = np.minimum(labels[:, :, :-1], m)
+        m = np.where(same_y, np.minimum(labels[:, 1:, :], labels[:, :-1, :]), big)
+        labels[:, 1:, :] = np.minimum(labels[:, 1:, :], m)
+        labels[:, :-1, :] = np.minimum(labels[:, :-1, :], m)
+        flat = labels.reshape(-1)
+        while True:  # pointer jumping: a label is a pixel of the same component with a smaller index
+            jumped = flat.copy()
+            jumped[flat_fg] = flat[flat[flat_fg]]
+            if np.array_equal(jumped, flat):
+                break
+            flat = jumped
+        labels = flat.reshape(b, h, w)
+        if np.array_equal(labels, before):
+            break
+    return np.where(fg, labels, -1)
+
+
+def _classify_shape(fill: np.ndarray, cy_rel: np.ndarray) -> np.ndarray:
+    """Index into world.SHAPES per component from bbox fill ratio and relative centroid height."""
+    square = fill >= 0.9
+    triangle = ~square & ((fill < 0.6) | ((cy_rel - 0.5) + (0.75 - fill) > 0.06))
+    out = np.full(fill.shape, world.SHAPES.index("circle"))
+    out[square] = world.SHAPES.index("square")
+    out[triangle] = world.SHAPES.index("triangle")
+    return out
+
+
+def detect_batch(images: np.ndarray) -> list[list[Detection]]:
+    """Detections per image for uint8 [B, H, W, 3] (any H, W), each list sorted by area (largest first)."""
+    if not (isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
+            and images.shape[-1] == 3):
+        got = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
+        raise ValueError(f"detect_batch: images must be a uint8 numpy array [B, H, W, 3], got {got}")
+    b, h, w, _ = images.shape
+    classes = classify_colors(images)
+    labels = label_components(classes).reshape(-1)
+    fg = labels >= 0
+    if not fg.any():
+        return [[] for _ in range(b)]
+    pix = np.nonzero(fg)[0]
+    roots, comp = np.unique(labels[pix], return_inverse=True)
+    ys = (pix // w) % h
+    xs = pix % w
+    k = len(roots)
+    area = np.bincount(comp, minlength=k)
+    x0 = np.full(k, w); np.minimum.at(x0, comp, xs)
+    y0 = np.full(k, h); np.minimum.at(y0, comp, ys)
+    x1 = np.zeros(k, dtype=np.int64); np.maximum.at(x1, comp, xs + 1)
+    y1 = np.zeros(k, dtype=np.int64); np.maximum.at(y1, comp, ys + 1)
+    cx = np.bincount(comp, weights=xs + 0.5, minlength=k) / area
+    cy = np.bincount(comp, weights=ys + 0.5, minlength=k) / area
+    bw, bh = x1 - x0, y1 - y0
+    fill = area / (bw * bh)
+    cy_rel = (cy - y0) / bh
+    side = min(h, w)
+    keep = ((area >= MIN_AREA_FRAC * h * w)
+            & (np.minimum(bw, bh) >= MIN_SIDE_FRAC * side)
+            & (bw <= MAX_SIDE_FRAC * w) & (bh <= MAX_SIDE_FRAC * h)
+            & (np.maximum(bw, bh) <= MAX_ASPECT * np.minimum(bw, bh)))
+    shapes = _classify_shape(fill, cy_rel)
+    colors = classes.reshape(-1)[roots]
+    batch = roots // (h * w)
+    out: list[list[Detection]] = [[] for _ in range(b)]
+    for i in np.nonzero(keep)[0]:
+        out[int(batch[i])].append(Detection(
+            shape=world.SHAPES[int(shapes[i])], color=_COLOR_NAMES[int(colors[i])],
+            centroid=(float(cx[i]), float(cy[i])), area=int(area[i]),
+            bbox=(int(x0[i]), int(y0[i]), int(x1[i]), int(y1[i])), fill=float(fill[i]),
+        ))
+    for dets in out:
+        dets.sort(key=lambda d: -d.area)
+    return out
+
+
+def detect(image: np.ndarray) -> list[Detection]:
+    """Detections in one uint8 [H, W, 3] image, largest first."""
+    if not (isinstance(image, np.ndarray) and image.ndim == 3):
+        raise ValueError(f"detect: image must be a uint8 numpy array [H, W, 3], got {getattr(image, 'shape', image)!r}")
+    return detect_batch(image[None])[0]
+
+
+# ------------------------------------------------------------------------------------------- scoring
+
+def _relation_holds(a: Detection, b: Detection, relation: str, side: int) -> bool:
+    margin = RELATION_MARGIN_FRAC * side
+    (ax, ay), (bx, by) = a.centroid, b.centroid
+    if relation == "left of":
+        return bx - ax >= margin
+    if relation == "right of":
+        return ax - bx >= margin
+    if relation == "above":
+        return by - ay >= margin
+    if relation == "below":
+        return ay - by >= margin
+    raise ValueError(f"unknown relation {relation!r}; accepted: {world.RELATIONS}")
+
+
+def requirements(spec: world.Spec, dets: Sequence[Detection], side: int) -> dict[str, bool]:
+    """Named requirement → satisfied, for one image's detections (see the module docstring)."""
+    def matching(o: world.ObjectSpec) -> list[Detection]:
+        return [d for d in dets if d.shape == o.shape and d.color == o.color]
+
+    req: dict[str, bool] = {}
+    for i, o in enumerate(spec.objects):
+        found = matching(o)
+        req[f"{i}/color"] = any(d.color == o.color for d in dets)
+        req[f"{i}/shape"] = any(d.shape == o.shape for d in dets)
+        req[f"{i}/object"] = len(found) >= 1
+        if spec.task == "counting":
+            req[f"{i}/count"] = len(found) == o.count
+    both = all(req[f"{i}/object"] for i in range(len(spec.objects)))
+    if spec.task == "color_attr":
+        a, b = spec.objects
+        leak = any((d.shape, d.color) in {(a.shape, b.color), (b.shape, a.color)} for d in dets)
+        req["bound"] = both and not leak
+    if spec.task == "position":
+        a, b = (matching(o) for o in spec.objects)
+        req["relation"] = both and _relation_holds(a[0], b[0], spec.relation, side)
+    return req
+
+
+@lru_cache(maxsize=4096)
+def _parse(prompt: str) -> world.Spec:
+    return world.parse(prompt)
+
+
+def to_uint8_hwc(images: Any) -> np.ndarray:
+    """uint8 [B, H, W, 3] from a float tensor/array [B, 3, H, W] in [0, 1] or a uint8 array [B, H, W, 3]."""
+    if isinstance(images, np.ndarray) and images.dtype == np.uint8:
+        if images.ndim != 4 or images.shape[-1] != 3:
+            raise ValueError(f"uint8 images must be [B, H, W, 3], got shape {images.shape}")
+        return images
+    x = torch.as_tensor(images)
+    if x.ndim != 4 or x.shape[1] != 3 or not x.is_floating_point():
+        raise ValueError(
+            f"images must be float [B, 3, H, W] in [0, 1] or uint8 numpy [B, H, W, 3], "
+            f"got {x.dtype} shape {tuple(x.shape)}"
+        )
+    x = (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).cpu().numpy()
+
+
+class ShapesReward(Reward):
+    """GenEval-style reward of the shapes world.
+
+    ``mode="strict"``: 1 if every requirement of the prompt is met, else 0. ``mode="partial"``: the
+    fraction of requirements met (a denser signal). Adds to ``meta``: ``"shapes/task"`` (list of
+    task names), ``"shapes/strict"``, ``"shapes/partial"`` and ``"shapes/colors_found"`` (float32 [B];
+    colors_found = 1 if an object of every requested colour was detected).
+    """
+
+    name = "shapes"
+
+    def __init__(self, mode: str = "strict"):
+        if mode not in MODES:
+            raise ValueError(f"ShapesReward: mode {mode!r} is not accepted; accepted: {', '.join(MODES)}")
+        self.mode = mode
+
+    def details(self, images: Any, prompts: Sequence[str]) -> dict[str, Any]:
+        """Per-image ``task`` (list), ``strict``, ``partial``, ``colors_found`` (float32 numpy [B])."""
+        arr = to_uint8_hwc(images)
+        if len(prompts) != arr.shape[0]:
+            raise ValueError(f"{arr.shape[0]} images but {len(prompts)} prompts")
+        specs = [_parse(p) for p in prompts]
+        detections = detect_batch(arr)
+        side = min(arr.shape[1], arr.shape[2])
+        strict, partial, colors = (np.zeros(len(specs), dtype=np.float32) for _ in range(3))
+        for i, (spec, dets) in enumerate(zip(specs, detections)):
+            req = requirements(spec, dets, side)
+            strict[i] = float(all(req.values()))
+            partial[i] = sum(req.values()) / len(req)
+            found = {d.color for d in dets}
+            colors[i] = float(all(o.color in found for o in spec.objects))
+        return {"task": [s.task for s in specs], "strict": strict, "partial": partial, "colors_found": colors}
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
+        """float32 [B] scores for images [B, 3, H, W] in [0, 1]."""
+        d = self.details(images, prompts)
+        meta["shapes/task"] = d["task"]
+        meta["shapes/strict"] = d["strict"]
+        meta["shapes/partial"] = d["partial"]
+        meta["shapes/colors_found"] = d["colors_found"]
+        return torch.from_numpy(d[self.mode].copy())
+
+    def evaluate(self, images: Any, prompts: Sequence[str]) -> dict[str, float]:
+        """Summary over a batch: ``accuracy`` (strict), ``partial``, ``colors_found``, and per task
+        present ``accuracy/<task>`` and ``n/<task>``."""
+        d = self.details(images, prompts)
+        out: dict[str, float] = {
+            "accuracy": float(d["strict"].mean()) if len(prompts) else float("nan"),
+            "partial": float(d["partial"].mean()) if len(prompts) else float("nan"),
+            "colors_found": float(d["colors_found"].mean()) if len(prompts) else float("nan"),
+            "n": len(prompts),
+        }
+        tasks = np.array(d["task"])
+        for task in world.TASKS:
+            sel = tasks == task
+            if sel.any():
+                out[f"accuracy/{task}"] = float(d["strict"][sel].mean())
+                out[f"n/{task}"] = int(sel.sum())
+        return out
+
+
+def evaluate(images: Any, prompts: Sequence[str]) -> dict[str, float]:
+    """:meth:`ShapesReward.evaluate` with the default detector."""
+    return ShapesReward().evaluate(images, prompts)
