@@ -64,7 +64,7 @@ def build_rewards(terms: list[RewardTerm]):
     from rewards import MultiReward, RewardSpec
 
     try:
-        return MultiReward([RewardSpec(t.name, t.weight, dict(t.kwargs)) for t in terms])
+        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label) for t in terms])
     except (KeyError, ModuleNotFoundError, AttributeError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from e
 

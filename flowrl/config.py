@@ -74,8 +74,9 @@ class RolloutSection:
 
 @dataclass
 class RewardTerm:
-    name: str = MISSING
+    name: str = MISSING  # registry name, "package.module:Class" or "path/to/file.py:Class"
     weight: float = 1.0
+    label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 

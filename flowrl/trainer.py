@@ -225,10 +225,12 @@ class Trainer:
         update_stats = self.update(forest, iteration)
         times["time/update"] = time.perf_counter() - t0
         rewards = self._gather(forest.reward[forest.leaves()])
-        record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(rewards.mean()),
-                                    "reward_std": float(rewards.std(unbiased=False))}
+        ok = rewards[~torch.isnan(rewards)]
+        record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(ok.mean()) if ok.numel() else float("nan"),
+                                    "reward_std": float(ok.std(unbiased=False)) if ok.numel() else float("nan"),
+                                    "reward_failed": float(rewards.numel() - ok.numel())}
         for name, values in components.items():
-            record[f"reward/{name}"] = float(self._gather(values).mean())
+            record[f"reward/{name}"] = float(self._gather(values).nanmean())
         record.update({k: self._sum(v) / self.world for k, v in credit_stats.items()})
         record.update(update_stats)
         record["rollout_forwards"] = self._sum(forest.counters["forwards"])

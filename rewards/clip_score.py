@@ -6,6 +6,7 @@ bicubic; centre crop; normalisation with the checkpoint's mean/std), as the mode
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -60,16 +61,21 @@ class OpenClipCosine(Reward):
         return (self.scale * cos).cpu()
 
 
-def load_open_clip(model: str, pretrained: str | None, owner: str, cache_dir: str | None = None):
-    """``(model, validation transform, tokenizer)`` from open_clip (built on CPU, fp32)."""
+def load_open_clip(model: str, pretrained: str | None, owner: str, cache_dir: str | None = None,
+                   device: torch.device | str = "cpu"):
+    """``(model, validation transform, tokenizer)`` from open_clip, built in fp32 on ``device``."""
     try:
         import open_clip
     except ImportError as e:
         raise ImportError(f"{owner} needs open_clip_torch: pip install 'flowrl[rewards]' "
                           "(or pip install open_clip_torch)") from e
+    # A tag trained with QuickGELU (e.g. "openai") on a plain config ("ViT-L-14") only warns in open_clip
+    # and then runs the wrong activation: switch QuickGELU on as the tag requires.
+    tag_cfg = open_clip.get_pretrained_cfg(model, pretrained) if pretrained and not os.path.isfile(pretrained) else {}
     try:
-        net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained or None,
-                                                                   cache_dir=cache_dir)
+        net, _, preprocess = open_clip.create_model_and_transforms(
+            model, pretrained=pretrained or None, cache_dir=cache_dir,
+            force_quick_gelu=bool(tag_cfg.get("quick_gelu", False)), device=device)
         tokenizer = open_clip.get_tokenizer(model)
     except Exception as e:
         detail = str(e) if len(str(e)) < 300 else str(e)[:300] + "..."
@@ -88,6 +94,7 @@ class ClipScore(OpenClipCosine):
         ``"local-dir:/path"`` (a folder with ``open_clip_config.json`` and weights; ``pretrained``
         is then ignored).
       pretrained: pretrained tag (default ``"openai"``) or a local checkpoint file; None = random init.
+        A tag trained with QuickGELU (``openai``) gets QuickGELU even on a plain config name.
       scale: multiplier of the cosine (default 1.0; the CLIPScore paper uses 2.5 with ``nonnegative``).
       nonnegative: clip the cosine at 0 first (default False).
       device: ``"auto"`` (cuda if available) or a torch device string.
@@ -104,5 +111,5 @@ class ClipScore(OpenClipCosine):
         dev = resolve_device(device, self.name)
         dt = resolve_dtype(dtype, dev, self.name)
         check_batch_size(batch_size, self.name)
-        net, preprocess, tokenizer = load_open_clip(model, pretrained, self.name, cache_dir)
+        net, preprocess, tokenizer = load_open_clip(model, pretrained, self.name, cache_dir, dev)
         self._setup(net, preprocess, tokenizer, dev, dt, scale, batch_size, nonnegative)

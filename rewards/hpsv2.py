@@ -7,8 +7,6 @@ OpenAI mean/std) on 8-bit images.
 """
 from __future__ import annotations
 
-import torch
-
 from rewards._common import check_batch_size, hub_or_local_file, resolve_device, resolve_dtype
 from rewards.clip_score import OpenClipCosine, load_open_clip
 
@@ -37,7 +35,7 @@ class HPSv2(OpenClipCosine):
         dt = resolve_dtype(dtype, dev, self.name)
         check_batch_size(batch_size, self.name)
         path = hub_or_local_file(checkpoint or HPS_CHECKPOINTS[version], "checkpoint", self.name)
-        net, preprocess, tokenizer = load_open_clip(model, None, self.name)
+        net, preprocess, tokenizer = load_open_clip(model, None, self.name, device=dev)  # init on the GPU: fast
         import open_clip
 
         try:  # open_clip's loader: weights_only torch.load, {"state_dict": ...} and "module." handled

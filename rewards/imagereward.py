@@ -55,8 +55,9 @@ class ImageRewardScore(Reward):
         self.dtype = resolve_dtype(dtype, self.device, self.name)
         self.batch_size = check_batch_size(batch_size, self.name)
         net = RM.load(model, device=str(self.device), download_root=download_root, med_config=med_config)
-        net = net.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        net.mlp.float()  # the package scores the MLP on float32 features
+        for child_name, child in net.named_children():  # the package runs the MLP on float32 features
+            child.to(device=self.device, dtype=torch.float32 if child_name == "mlp" else self.dtype)
+        net.eval().requires_grad_(False)
         net.device = self.device
         self.model = net
 

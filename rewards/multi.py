@@ -27,8 +27,10 @@ class RewardSpec:
 
 
 class MultiReward(Reward):
-    """Weighted sum of rewards. :meth:`components` returns each term's raw scores so a credit rule
-    can normalise per reward instead of summing raw values.
+    """Weighted sum of rewards. Terms: a :class:`RewardSpec`, a ``{name, weight, kwargs, label}`` dict,
+    a registry name, or a built :class:`Reward` (weight 1 unless ``weights`` is given).
+    :meth:`components` returns each term's raw scores so a credit rule can normalise per reward
+    instead of summing raw values.
 
     ``normalize="batch"`` makes :meth:`combine` z-score each term over the batch (NaN-aware; a term
     with zero spread contributes zeros) before weighting, so terms on different scales (PickScore
@@ -38,7 +40,7 @@ class MultiReward(Reward):
 
     name = "multi"
 
-    def __init__(self, terms: Sequence[RewardSpec | dict | Reward], weights: Sequence[float] | None = None,
+    def __init__(self, terms: Sequence[RewardSpec | dict | Reward | str], weights: Sequence[float] | None = None,
                  normalize: str = "none"):
         if normalize not in NORMALIZE:
             raise ValueError(f"MultiReward: normalize={normalize!r} is not one of {NORMALIZE}")
@@ -48,6 +50,8 @@ class MultiReward(Reward):
         self.rewards: list[Reward] = []
         self.weights: list[float] = []
         for i, term in enumerate(terms):
+            if isinstance(term, str):
+                term = {"name": term}
             if isinstance(term, Reward):
                 reward, weight = term, 1.0
             else:
@@ -77,9 +81,9 @@ class MultiReward(Reward):
         if isinstance(config, (str, dict, RewardSpec, Reward)):
             config = [config]
         if not isinstance(config, (list, tuple)):
-            raise TypeError(f"reward config must be a name, a {{name, kwargs}} mapping or a list of them, got {config!r}")
-        terms = [{"name": t} if isinstance(t, str) else (dict(t) if isinstance(t, dict) else t) for t in config]
-        return cls(terms, normalize=normalize)
+            raise TypeError("reward config must be a name, a {name, kwargs} mapping or a list of them, "
+                            f"got {config!r}")
+        return cls([dict(t) if isinstance(t, dict) else t for t in config], normalize=normalize)
 
     def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
                    ) -> dict[str, torch.Tensor]:

@@ -39,7 +39,8 @@ def register(name: str, target: str | type) -> None:
         raise ValueError(f"reward registry name {name!r} must be a non-empty string without ':'")
     if isinstance(target, str):
         if target.count(":") < 1 or not all(target.rpartition(":")[::2]):
-            raise ValueError(f"register({name!r}, {target!r}): a string target must be 'module:Class' or 'file.py:Class'")
+            raise ValueError(f"register({name!r}, {target!r}): a string target must be 'module:Class' "
+                             "or 'file.py:Class'")
     elif not (isinstance(target, type) and issubclass(target, Reward)):
         raise TypeError(f"register({name!r}, {target!r}): target must be a rewards.Reward subclass or 'module:Class'")
     REGISTRY[name] = target

@@ -171,8 +171,9 @@ class RemoteReward(Reward):
         if on_error not in ON_ERROR:
             raise ValueError(f"remote: on_error={on_error!r} is not one of {ON_ERROR}")
         for key, val in (("timeout", timeout), ("backoff", backoff), ("max_backoff", max_backoff)):
-            if not isinstance(val, (int, float)) or isinstance(val, bool) or val < 0 or (key == "timeout" and val == 0):
-                raise ValueError(f"remote: {key}={val!r} must be a {'positive' if key == 'timeout' else 'non-negative'} number")
+            positive = key == "timeout"
+            if not isinstance(val, (int, float)) or isinstance(val, bool) or val < 0 or (positive and val == 0):
+                raise ValueError(f"remote: {key}={val!r} must be a {'positive' if positive else 'non-negative'} number")
         for key, val in (("retries", retries), ("batch_size", batch_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                 raise ValueError(f"remote: {key}={val!r} must be a non-negative integer")
@@ -183,6 +184,19 @@ class RemoteReward(Reward):
             self.name = str(name)
         self.failed_batches = 0
         self.failed_samples = 0
+
+    def health(self) -> dict:
+        """``GET /health`` on the server (same host and port as ``url``); RemoteRewardError if unreachable."""
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(self.url)
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=self.headers), timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            raise RemoteRewardError(
+                f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})") from e
 
     # -- one HTTP request ------------------------------------------------------------------------
     def _post(self, payload: bytes) -> bytes:

@@ -103,7 +103,8 @@ def _handler(reward: Reward, lock: threading.Lock, max_body: int):
     return Handler
 
 
-def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 0, max_body: int = MAX_BODY) -> ThreadingHTTPServer:
+def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 0,
+                max_body: int = MAX_BODY) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server for ``reward``; call ``serve_forever()`` on it.
 
     ``server.server_address[1]`` is the port (useful with ``port=0``).

@@ -48,6 +48,7 @@ MIN_SIDE_FRAC = 4 / 32        # bounding-box sides ≥ this fraction of the imag
 MAX_SIDE_FRAC = 0.6           # bounding-box sides ≤ this fraction (no canvas-filling blobs)
 MAX_ASPECT = 1.75             # max(w, h) / min(w, h)
 RELATION_MARGIN_FRAC = 3 / 32 # centroid offset along the relation axis, fraction of the side
+CHUNK_PIXELS = 1 << 18        # pixels processed at once by detect_batch (256 images of 32×32)
 
 _COLOR_NAMES: tuple[str, ...] = tuple(world.COLORS)
 _PALETTE = np.array([world.COLORS[c] for c in _COLOR_NAMES], dtype=np.float32) / 255.0  # [6, 3]
@@ -70,12 +71,17 @@ class Detection:
 
 def classify_colors(images: np.ndarray) -> np.ndarray:
     """Palette index per pixel, int8 [B, H, W] (−1 = background or unknown) for uint8 [B, H, W, 3]."""
-    x = images.astype(np.float32)
-    bright = x.max(axis=-1)                                          # [B, H, W]
-    chroma = x / np.maximum(bright, 1.0)[..., None]                  # [B, H, W, 3]
-    dist = np.linalg.norm(chroma[..., None, :] - _PALETTE, axis=-1)  # [B, H, W, 6]
-    nearest = dist.argmin(axis=-1)
-    ok = (bright >= DARK) & (dist.min(axis=-1) <= MAX_CHROMA_DIST)
+    bright = images.max(axis=-1)                                     # [B, H, W] uint8
+    scale = 1.0 / np.maximum(bright, 1).astype(np.float32)
+    chroma = [images[..., c] * scale for c in range(3)]              # 3 × [B, H, W] in [0, 1]
+    best = np.full(bright.shape, np.inf, dtype=np.float32)           # squared distance to nearest
+    nearest = np.zeros(bright.shape, dtype=np.int8)
+    for k, color in enumerate(_PALETTE):
+        d2 = sum((chroma[c] - color[c]) ** 2 for c in range(3))
+        closer = d2 < best
+        best[closer] = d2[closer]
+        nearest[closer] = k
+    ok = (bright >= DARK) & (best <= MAX_CHROMA_DIST ** 2)
     return np.where(ok, nearest, -1).astype(np.int8)
 
 
@@ -122,11 +128,23 @@ def _classify_shape(fill: np.ndarray, cy_rel: np.ndarray) -> np.ndarray:
 
 
 def detect_batch(images: np.ndarray) -> list[list[Detection]]:
-    """Detections per image for uint8 [B, H, W, 3] (any H, W), each list sorted by area (largest first)."""
+    """Detections per image for uint8 [B, H, W, 3] (any H, W), each list sorted by area (largest first).
+
+    Works on chunks of about CHUNK_PIXELS pixels so memory stays bounded for large images.
+    """
     if not (isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
             and images.shape[-1] == 3):
         got = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
         raise ValueError(f"detect_batch: images must be a uint8 numpy array [B, H, W, 3], got {got}")
+    per_chunk = max(1, CHUNK_PIXELS // (images.shape[1] * images.shape[2]))
+    out: list[list[Detection]] = []
+    for start in range(0, images.shape[0], per_chunk):
+        out.extend(_detect_chunk(images[start:start + per_chunk]))
+    return out
+
+
+def _detect_chunk(images: np.ndarray) -> list[list[Detection]]:
+    """:func:`detect_batch` on one chunk, uint8 [B, H, W, 3]."""
     b, h, w, _ = images.shape
     classes = classify_colors(images)
     labels = label_components(classes).reshape(-1)

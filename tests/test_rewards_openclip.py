@@ -110,7 +110,7 @@ def test_clip_score_scale_and_nonnegative(tiny, clip_reward):
     assert torch.allclose(r(x, PROMPTS), 2.5 * base.clamp_min(0), atol=1e-5)
 
 
-def test_clip_score_checkpoint_file_and_bf16(tiny, tmp_path):
+def test_clip_score_checkpoint_file_and_bf16(tiny, clip_reward, tmp_path):
     """A plain open_clip name + a checkpoint file path, and the dtype kwarg."""
     cfg = json.loads((tiny["config_only"] / "open_clip_config.json").read_text())["model_cfg"]
     (tmp_path / "tiny-flowrl-test.json").write_text(json.dumps(cfg))
@@ -121,7 +121,7 @@ def test_clip_score_checkpoint_file_and_bf16(tiny, tmp_path):
     assert next(r.model.parameters()).dtype == torch.bfloat16
     s = r(_images(), PROMPTS)
     assert s.dtype == torch.float32 and torch.isfinite(s).all()
-    ref = build_reward("clip_score", model=f"local-dir:{tiny['dir']}")(_images(), PROMPTS)
+    ref = clip_reward(_images(), PROMPTS)
     assert torch.allclose(s, ref, atol=0.05)
 
 
@@ -178,3 +178,32 @@ def test_hpsv2_wrong_checkpoint_is_a_clear_error(tiny, tmp_path):
         build_reward("hpsv2", model=f"local-dir:{tiny['config_only']}", checkpoint=str(bad))
     with pytest.raises(FileNotFoundError, match="neither an existing file"):
         build_reward("hpsv2", checkpoint=str(tmp_path / "missing.pt"))
+
+
+def test_quickgelu_tags_get_quickgelu(monkeypatch):
+    """``ViT-L-14`` + ``openai`` (trained with QuickGELU) must build the QuickGELU variant, not just warn."""
+    from rewards.clip_score import load_open_clip
+
+    seen = {}
+
+    def fake_create(model, pretrained=None, cache_dir=None, force_quick_gelu=False, device="cpu"):
+        seen.update(model=model, pretrained=pretrained, force_quick_gelu=force_quick_gelu)
+        raise RuntimeError("stop before downloading")
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", fake_create)
+    with pytest.raises(ValueError, match="stop before downloading"):
+        load_open_clip("ViT-L-14", "openai", "clip_score")
+    assert seen == dict(model="ViT-L-14", pretrained="openai", force_quick_gelu=True)
+    with pytest.raises(ValueError):
+        load_open_clip("ViT-H-14", "laion2b_s32b_b79k", "clip_score")
+    assert seen["force_quick_gelu"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_device_and_dtype_on_cuda(tiny, clip_reward):
+    r = build_reward("clip_score", model=f"local-dir:{tiny['dir']}")
+    assert r.device.type == "cuda" and r.dtype == torch.float16
+    x = _images()
+    s = r(x, PROMPTS)
+    assert s.device.type == "cpu" and s.dtype == torch.float32
+    assert torch.allclose(s, clip_reward(x, PROMPTS), atol=1e-2) and torch.equal(s, r(x, PROMPTS))

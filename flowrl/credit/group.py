@@ -43,9 +43,15 @@ class GroupAdvantage:
         """Advantages for a reward table [P, G] (P groups of G samples).
 
         Returns ``(advantages [P, G], zero_var [P] bool, dropped [P, G] bool)``; ``dropped`` marks
-        MC-GRPO's median sample. ``gather`` concatenates a tensor across processes (for ``global``).
+        MC-GRPO's median sample and samples whose reward is NaN (a failed remote batch masked with
+        ``on_error: nan``): those are replaced by their group's mean for the statistics, get
+        advantage 0 and are not trained. ``gather`` concatenates a tensor across processes (for ``global``).
         """
         r = rewards.float()
+        failed = torch.isnan(r)  # e.g. a remote reward's masked batch: excluded, never trained
+        if failed.any():
+            fill = torch.nan_to_num(r.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(r)
+            r = torch.where(failed, fill, r)
         if self.baseline == "mean":
             base = r.mean(dim=1, keepdim=True)
             dropped = torch.zeros_like(r, dtype=torch.bool)
@@ -68,8 +74,8 @@ class GroupAdvantage:
         else:
             scale = torch.ones_like(base)
         adv = (r - base) / (scale + self.eps)
-        adv = torch.where(zero_var[:, None], torch.zeros_like(adv), adv)
-        return adv, zero_var, dropped
+        adv = torch.where(zero_var[:, None] | failed, torch.zeros_like(adv), adv)
+        return adv, zero_var, dropped | failed
 
     # ---- on the forest ----------------------------------------------------------------------
     def assign(self, forest: Forest, components: dict[str, torch.Tensor], gather: Gather | None = None) -> dict[str, float]:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.base import Conditioning, FlowModel, align_cpu_tensors
 from flowrl.models.sd3 import _sigma_vector
 
 FLUX_LORA_TARGETS = [
@@ -41,7 +41,8 @@ class FluxFlowModel(FlowModel):
     """Adapter over a ``FluxPipeline``.
 
     Args:
-        pipe: the pipeline (moved to ``device``; text encoders and VAE frozen, all modules put in eval mode).
+        pipe: the pipeline (moved to ``device``; text encoders and VAE frozen, all modules put in eval
+            mode; on CPU, unaligned (mmap-loaded) weights copied to aligned memory, see ``align_cpu_tensors``).
         device: where the pipeline runs; None → where its transformer already is.
         dtype: compute dtype of the transformer (it is cast when different); None → its current dtype.
         guidance: distilled guidance embedding value (FLUX.1-dev: 3.5); unused without ``guidance_embeds``.
@@ -77,6 +78,7 @@ class FluxFlowModel(FlowModel):
         pipe.to(self.device)
         if transformer.dtype != self.dtype:
             transformer.to(self.dtype)
+        align_cpu_tensors(transformer, *(getattr(pipe, n, None) for n in ("text_encoder", "text_encoder_2", "vae")))
         for name in ("text_encoder", "text_encoder_2", "vae"):
             module = getattr(pipe, name, None)
             if module is not None:
@@ -111,7 +113,7 @@ class FluxFlowModel(FlowModel):
         """
         from diffusers import FluxPipeline
 
-        pipe = FluxPipeline.from_pretrained(str(path), torch_dtype=dtype, **(pipeline_kwargs or {}))
+        pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
         return cls(pipe, dtype=dtype, **kw)
 
     # ---- contract -------------------------------------------------------------------------
@@ -194,7 +196,7 @@ class FluxFlowModel(FlowModel):
         img_ids = self.pipe._prepare_latent_image_ids(rows, h // 2, w // 2, self.device, self.dtype)
         txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=self.device, dtype=self.dtype)
 
-        out = self.pipe.transformer(
+        out = self.forward_module(
             hidden_states=hidden,
             timestep=timestep,
             guidance=guidance_vec,

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.base import Conditioning, FlowModel, align_cpu_tensors
 
 SD3_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -32,7 +32,8 @@ class SD3FlowModel(FlowModel):
     """Adapter over a ``StableDiffusion3Pipeline``.
 
     Args:
-        pipe: the pipeline (moved to ``device``; text encoders and VAE frozen, all modules put in eval mode).
+        pipe: the pipeline (moved to ``device``; text encoders and VAE frozen, all modules put in eval
+            mode; on CPU, unaligned (mmap-loaded) weights copied to aligned memory, see ``align_cpu_tensors``).
         device: where the pipeline runs; None → where its transformer already is.
         dtype: compute dtype of the transformer (it is cast when different); None → its current dtype.
             Text encoders and the VAE keep their dtype.
@@ -66,6 +67,7 @@ class SD3FlowModel(FlowModel):
         pipe.to(self.device)
         if transformer.dtype != self.dtype:
             transformer.to(self.dtype)
+        align_cpu_tensors(transformer, *(getattr(pipe, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")))
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
             module = getattr(pipe, name, None)
             if module is not None:
@@ -105,7 +107,7 @@ class SD3FlowModel(FlowModel):
             entry = index.get(name)
             if name not in pipeline_kwargs and (entry is None or entry == [None, None]):
                 pipeline_kwargs[name] = None
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), torch_dtype=dtype, **pipeline_kwargs)
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, **pipeline_kwargs)
         return cls(pipe, dtype=dtype, **kw)
 
     # ---- contract -------------------------------------------------------------------------
@@ -159,7 +161,7 @@ class SD3FlowModel(FlowModel):
             prompt_embeds = torch.cat([cond.uncond["prompt_embeds"], prompt_embeds])
             pooled = torch.cat([cond.uncond["pooled"], pooled])
 
-        out = self.pipe.transformer(
+        out = self.forward_module(
             hidden_states=hidden,
             timestep=timestep,
             encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),

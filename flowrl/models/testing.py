@@ -9,10 +9,10 @@ Sizes (defaults)
 ``tiny_sd3_pipeline``: 16×16 px images ↔ 4×8×8 latents (factor-2 VAE, channels (8, 8), no mid-block
 attention), ``SD3Transformer2DModel`` with 2 layers × 2 heads × 8 (inner dim 16, patch 2 → 16 image
 tokens, SD3.5-style RMS qk-norm and a dual-attention first layer), two CLIP text encoders with
-projection (hidden and projection 8 and 16, 2 layers → pooled 24; hidden states zero-padded to 32), CLIP ``model_max_length`` 8 and,
+projection (hidden and projection 8 and 16, 2 layers → pooled 24; hidden states zero-padded to 32), CLIP ``model_max_length`` 10 and,
 with ``with_t5=True``, a 1-layer T5 encoder (d_model 32 = ``joint_attention_dim``). Scheduler shift
 3.0 (static, as SD3). The adapter adds ``max_sequence_length`` (default 16) T5 tokens, zeros without
-T5, so the transformer sees 8 + 16 text tokens and 16 image tokens.
+T5, so the transformer sees 10 + 16 text tokens and 16 image tokens.
 
 ``tiny_flux_pipeline``: 16×16 px images ↔ 4×8×8 latents (factor-2 VAE without quant convs, as
 FLUX's) packed 2×2 into 16 tokens of 16 channels; ``FluxTransformer2DModel`` with 1 double + 1 single
@@ -37,8 +37,8 @@ TINY_VOCAB: list[str] = [
 ]
 """Words of the tiny pipelines' tokenizers; each is exactly one token."""
 
-CLIP_MAX_LENGTH = 8
-"""``model_max_length`` of the tiny CLIP tokenizers (BOS + up to 6 words + EOS)."""
+CLIP_MAX_LENGTH = 10
+"""``model_max_length`` of the tiny CLIP tokenizers (BOS + up to 8 words + EOS)."""
 
 
 def _tiny_clip_tokenizer(words=TINY_VOCAB, model_max_length: int = CLIP_MAX_LENGTH):

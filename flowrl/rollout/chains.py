@@ -146,15 +146,23 @@ class Chains(RolloutPlan):
         cond = model.encode(prompts, guidance)
         shape = model.latent_shape
 
+        # SDE noise is addressed by (global group, chain, step), never by node index, so the same
+        # chain draws the same noise whatever the process layout or batch chunking.
+        chain_of = {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
+        step_now = 0
+
         def noise_for(parents: torch.Tensor) -> torch.Tensor:
-            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", ctx.group_offset, int(p)), shape)
+            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_of[int(p)], step_now), shape)
                                 for p in parents]).to(model.device)
 
         last = T if self.post_solver == "none" else window[-1] + 1
         for i in range(last):
+            step_now = i
             kernel = self.kernel if i in window_set else "ode"
-            nodes = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
-                            self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch)
+            children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
+                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch)
+            chain_of = {int(c): chain_of[int(p)] for p, c in zip(nodes, children)}
+            nodes = children
         if last < T:
             self._post_solve(forest, model, nodes, cond, sigmas, last, guidance, ctx.max_batch)
         return forest

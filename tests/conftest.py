@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny offline pipelines wrapped by the adapters (fresh per test: LoRA mutates them)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def make_model(family: str, **kw):
+    from flowrl.models import wrap
+    from flowrl.models.testing import tiny_flux_pipeline, tiny_sd3_pipeline
+
+    if family == "sd3":
+        return wrap(tiny_sd3_pipeline(), **kw)
+    if family == "flux":
+        kw.setdefault("height", 16)
+        kw.setdefault("width", 16)
+        return wrap(tiny_flux_pipeline(), **kw)
+    raise ValueError(family)
+
+
+@pytest.fixture
+def sd3_model():
+    return make_model("sd3")
+
+
+@pytest.fixture
+def flux_model():
+    return make_model("flux")

@@ -1,0 +1,38 @@
+"""Run by tests/test_distributed.py under ``torch.distributed.run`` (2 CPU processes, gloo), or alone.
+
+Trains the tiny SD3 pipeline for 2 iterations and writes, per rank, the world size, the advantages of
+its leaves, the global training metrics and the final LoRA weights to ``OUT/rank<r>.pt``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.test_trainer import tiny_config  # noqa: E402
+from tests.conftest import make_model  # noqa: E402
+from flowrl.trainer import Trainer  # noqa: E402
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    cfg = tiny_config(Path(out), "dist", "train.max_steps=2", "prompts.eval=null", "credit.scale=global")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    initial = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
+    advantages, records = [], []
+    for it in range(2):
+        forest, components, _ = trainer.rollout(it)
+        trainer.credit.assign(forest, components, gather=trainer._gather)
+        advantages.append(forest.advantage[forest.leaves()].clone())
+        records.append(trainer.update(forest, it))
+    lora = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
+    torch.save({"world": trainer.world, "rank": trainer.rank, "advantages": advantages, "records": records, "lora": lora, "initial": initial,
+                "distributed_type": str(trainer.accelerator.distributed_type)},
+               Path(out) / f"rank{trainer.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
