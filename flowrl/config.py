@@ -171,11 +171,14 @@ class TrainConfig:
                 path = Path(path)
                 if not path.is_file():
                     raise ConfigError(f"config file {str(path)!r} does not exist")
-                base = OmegaConf.merge(base, OmegaConf.load(path))
+                loaded = OmegaConf.load(path)
+                _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}")
+                base = OmegaConf.merge(base, loaded)
             if overrides:
                 for item in overrides:
                     if "=" not in item:
                         raise ConfigError(f"override {item!r} is not of the form key=value")
+                _check_keys([item.split("=", 1)[0] for item in overrides], "")
                 base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise ConfigError(_unknown_key_message(e)) from None
@@ -214,6 +217,16 @@ class TrainConfig:
             raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
         if not 0.0 <= self.train.ema < 1.0:
             raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
+        from flowrl import build  # the components check their own fields (choices, ranges) by key
+
+        try:
+            build.build_plan(self.rollout)
+            build.build_credit(self, {})
+            build.build_loss(self)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def choose(key: str, value: Any, accepted: tuple) -> None:
@@ -250,3 +263,28 @@ def _unknown_key_message(e: OmegaConfBaseException) -> str:
         close = [k for k in same if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)]
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config.py for every key)"
+
+
+_FREE_FORM = ("rewards", "eval.rewards")  # lists of reward terms whose kwargs are the reward's own
+
+
+def _dotted(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of the leaves of a nested dict (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return [prefix]
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.extend(_dotted(v, key) if key not in _FREE_FORM else [key])
+    return out
+
+
+def _check_keys(keys: list[str], where: str) -> None:
+    """Every key must exist in the schema; else name the nearest full key."""
+    known = set(all_keys())
+    for key in keys:
+        if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in _FREE_FORM):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")

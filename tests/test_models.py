@@ -139,8 +139,8 @@ def test_euler_ode_with_the_adapter_reproduces_the_pipeline(kind):
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i], cond)
         if kind == "flux":
-            ref = pipe(prompt, negative_prompt="", true_cfg_scale=2.5, num_inference_steps=steps, max_sequence_length=16,
-                       latents=model.pack(x_T), output_type="latent", **FLUX_SIZE).images
+            ref = pipe(prompt, negative_prompt="", true_cfg_scale=2.5, num_inference_steps=steps,
+                       max_sequence_length=16, latents=model.pack(x_T), output_type="latent", **FLUX_SIZE).images
             ref = model.unpack(ref)
         else:
             ref = pipe(prompt, guidance_scale=2.5, num_inference_steps=steps, max_sequence_length=16,

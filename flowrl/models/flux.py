@@ -78,9 +78,9 @@ class FluxFlowModel(FlowModel):
         pipe.to(self.device)
         if transformer.dtype != self.dtype:
             transformer.to(self.dtype)
-        align_cpu_tensors(transformer, *(getattr(pipe, n, None) for n in ("text_encoder", "text_encoder_2", "vae")))
-        for name in ("text_encoder", "text_encoder_2", "vae"):
-            module = getattr(pipe, name, None)
+        frozen = [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2", "vae")]
+        align_cpu_tensors(transformer, *frozen)
+        for module in frozen:
             if module is not None:
                 module.requires_grad_(False).eval()
         transformer.eval()
