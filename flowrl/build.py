@@ -30,7 +30,7 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
 
     device = device or resolve_device(section.device)
     kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
-    for key in ("guidance", "height", "width", "max_sequence_length"):
+    for key in ("guidance", "true_cfg", "height", "width", "max_sequence_length"):
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value

@@ -39,7 +39,8 @@ class ModelSection:
     path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    guidance: Optional[float] = None  # CFG scale for rollouts; None → the model's default
+    guidance: Optional[float] = None  # CFG scale for rollouts (FLUX: the distilled guidance value); None → model default
+    true_cfg: Optional[float] = None  # FLUX only: real classifier-free guidance scale (1 = off)
     height: Optional[int] = None
     width: Optional[int] = None
     max_sequence_length: Optional[int] = None
@@ -215,6 +216,9 @@ class TrainConfig:
         positive("optim.lr", self.optim.lr)
         if not self.rewards:
             raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
+        if self.model.true_cfg is not None and self.model.family != "flux":
+            raise ConfigError(f"model.true_cfg={self.model.true_cfg} is FLUX's real CFG; for model.family="
+                              f"{self.model.family!r} use model.guidance")
         if not 0.0 <= self.train.ema < 1.0:
             raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
         from flowrl import build  # the components check their own fields (choices, ranges) by key

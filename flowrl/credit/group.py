@@ -70,7 +70,8 @@ class GroupAdvantage:
             everything = r.flatten() if gather is None else gather(r.flatten())
             scale = everything.std(unbiased=False).reshape(1, 1).expand(r.shape[0], 1)
         elif self.scale == "mad":
-            scale = (r - base).abs().median(dim=1, keepdim=True).values + 1e-3
+            med = r.median(dim=1, keepdim=True).values  # MAD is about the median whatever the baseline
+            scale = (r - med).abs().median(dim=1, keepdim=True).values + 1e-3
         else:
             scale = torch.ones_like(base)
         adv = (r - base) / (scale + self.eps)

@@ -65,7 +65,7 @@ def advance(
         x = x_parents[start:start + max_batch].to(model.device)
         v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
                            cond.select(forest.group[chunk]), guidance)
-        forest.count_forward(chunk.shape[0], cfg=guidance > 1.0)
+        forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
         noise = noise_for(chunk) if (kernel != "ode" and eta > 0) else None
         x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
         logp = sde.log_prob(x_next, mean, std) if noise is not None else torch.zeros(chunk.shape[0])

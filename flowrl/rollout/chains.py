@@ -182,7 +182,7 @@ class Chains(RolloutPlan):
                 chunk = nodes[c:c + max_batch]
                 v = model.velocity(x[c:c + max_batch], torch.full((chunk.shape[0],), s, device=model.device),
                                    cond.select(forest.group[chunk]), guidance)
-                forest.count_forward(chunk.shape[0], cfg=guidance > 1.0)
+                forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
                 x_next, x0 = sde.dpm2_step(x[c:c + max_batch], v, s, s_next,
                                            None if prev_x0 is None else prev_x0[c:c + max_batch], prev_sigma)
                 outs.append(x_next)
