@@ -107,6 +107,34 @@ class FlowModel:
     negative_prompt: str = ""
     default_lora_targets: list[str] = []
 
+    # ---- shared set-up of adapters ---------------------------------------------------------
+    def _init_pipeline(self, pipe, device, dtype, frozen: Sequence[str], gradient_checkpointing: bool) -> None:
+        """Move ``pipe`` to ``device``, cast the transformer to ``dtype`` (None → keep), freeze and
+        eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing."""
+        transformer = pipe.transformer
+        self.pipe = pipe
+        self.device = torch.device(device) if device is not None else transformer.device
+        self.dtype = dtype if dtype is not None else transformer.dtype
+        pipe.to(self.device)
+        if transformer.dtype != self.dtype:
+            transformer.to(self.dtype)
+        modules = [getattr(pipe, name, None) for name in frozen]
+        align_cpu_tensors(transformer, *modules)
+        for module in modules:
+            if module is not None:
+                module.requires_grad_(False).eval()
+        transformer.eval()  # no dropout in these transformers; eval keeps the forward deterministic
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self._prompt_cache = {}
+
+    def _init_size(self, height: int | None, width: int | None, default_px: int, multiple: int, what: str) -> None:
+        """Set ``height``/``width`` (None → ``default_px``); both must be multiples of ``multiple``."""
+        self.height = int(height or default_px)
+        self.width = int(width or default_px)
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"height and width must be multiples of {what} = {multiple}; got {self.height}×{self.width}")
+
     # ---- contract -------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], guidance: float | None = None) -> Conditioning:
         """Conditioning for ``prompts`` (B strings); ``uncond`` (B copies of the negative prompt's

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowrl.models.base import Conditioning, FlowModel, align_cpu_tensors
+from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.sd3 import _sigma_vector
 
 FLUX_LORA_TARGETS = [
@@ -71,22 +71,7 @@ class FluxFlowModel(FlowModel):
         negative_prompt: str = "",
         gradient_checkpointing: bool = False,
     ):
-        transformer = pipe.transformer
-        self.pipe = pipe
-        self.device = torch.device(device) if device is not None else transformer.device
-        self.dtype = dtype if dtype is not None else transformer.dtype
-        pipe.to(self.device)
-        if transformer.dtype != self.dtype:
-            transformer.to(self.dtype)
-        frozen = [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2", "vae")]
-        align_cpu_tensors(transformer, *frozen)
-        for module in frozen:
-            if module is not None:
-                module.requires_grad_(False).eval()
-        transformer.eval()
-        if gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-
+        self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "vae"), gradient_checkpointing)
         self.guidance = float(guidance)
         self.true_cfg = float(true_cfg)
         self.negative_prompt = negative_prompt
@@ -94,14 +79,8 @@ class FluxFlowModel(FlowModel):
         if self.max_sequence_length > 512:
             raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
         self.vae_scale_factor = pipe.vae_scale_factor
-        default_px = pipe.default_sample_size * self.vae_scale_factor
-        self.height = int(height or default_px)
-        self.width = int(width or default_px)
-        multiple = self.vae_scale_factor * 2
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"height and width must be multiples of 2 × vae_scale_factor = {multiple}; "
-                             f"got {self.height}×{self.width}")
-        self._prompt_cache = {}
+        self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
+                        "2 × vae_scale_factor")
 
     @classmethod
     def from_pretrained(

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flowrl.models.base import Conditioning, FlowModel, align_cpu_tensors
+from flowrl.models.base import Conditioning, FlowModel
 
 SD3_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -60,34 +60,15 @@ class SD3FlowModel(FlowModel):
         negative_prompt: str = "",
         gradient_checkpointing: bool = False,
     ):
-        transformer = pipe.transformer
-        self.pipe = pipe
-        self.device = torch.device(device) if device is not None else transformer.device
-        self.dtype = dtype if dtype is not None else transformer.dtype
-        pipe.to(self.device)
-        if transformer.dtype != self.dtype:
-            transformer.to(self.dtype)
-        frozen = [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")]
-        align_cpu_tensors(transformer, *frozen)
-        for module in frozen:
-            if module is not None:
-                module.requires_grad_(False).eval()
-        transformer.eval()  # no dropout in the MMDiT; eval keeps the forward deterministic
-        if gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-
+        self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
+                            gradient_checkpointing)
         self.guidance = float(guidance)
         self.negative_prompt = negative_prompt
         self.max_sequence_length = int(max_sequence_length)
         self.vae_scale_factor = pipe.vae_scale_factor
-        default_px = transformer.config.sample_size * self.vae_scale_factor
-        self.height = int(height or default_px)
-        self.width = int(width or default_px)
-        multiple = self.vae_scale_factor * transformer.config.patch_size
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"height and width must be multiples of vae_scale_factor × patch_size = {multiple}; "
-                             f"got {self.height}×{self.width}")
-        self._prompt_cache = {}
+        config = pipe.transformer.config
+        self._init_size(height, width, config.sample_size * self.vae_scale_factor,
+                        self.vae_scale_factor * config.patch_size, "vae_scale_factor × patch_size")
 
     @classmethod
     def from_pretrained(
