@@ -92,13 +92,17 @@ class Forest:
         a ``kernel`` edge (log-prob ``logp`` [M], std ``std`` [M]). Returns the new node indices [M]."""
         parents = torch.as_tensor(parents, dtype=torch.long).cpu()
         m = parents.shape[0]
-        full = lambda v, dtype=torch.float32: torch.as_tensor(v, dtype=dtype).expand(m) if torch.as_tensor(v).ndim == 0 else torch.as_tensor(v, dtype=dtype)
+
+        def column(value, dtype=torch.float32) -> torch.Tensor:  # a scalar broadcast to [M], or [M] as is
+            t = torch.as_tensor(value, dtype=dtype).cpu()
+            return t.expand(m) if t.ndim == 0 else t
+
         std = std.detach().float().cpu()
         return self._append(
-            latents, sigma=full(sigma), step=full(step, torch.long), parent=parents, group=self.group[parents],
+            latents, sigma=column(sigma), step=column(step, torch.long), parent=parents, group=self.group[parents],
             seed=self.seed[parents], logp_old=logp.detach().float().cpu(), std=std,
-            stochastic=(std > 0) & (kernel != "ode"), kernel=full(EDGE_KERNELS.index(kernel), torch.long),
-            eta=full(eta), batch=full(batch, torch.long),
+            stochastic=(std > 0) & (kernel != "ode"), kernel=column(EDGE_KERNELS.index(kernel), torch.long),
+            eta=column(eta), batch=column(batch, torch.long),
         )
 
     def count_forward(self, rows: int, cfg: bool) -> None:
