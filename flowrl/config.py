@@ -197,6 +197,15 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``{"rollout.kernel": "flow_grpo", ...}`` with lists and None as strings (for trackers' hparams)."""
+        def flat(tree: Any, prefix: str) -> dict[str, Any]:
+            if isinstance(tree, dict):
+                return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+            return {prefix: tree if isinstance(tree, (int, float, str, bool)) else str(tree)}
+
+        return flat(self.to_dict(), "")
+
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 

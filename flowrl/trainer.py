@@ -334,10 +334,12 @@ class Trainer:
         if main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if cfg.train.log_with != "none":
-            self.accelerator.init_trackers(cfg.train.name, config=json.loads(json.dumps(cfg.to_dict(), default=str)))
+            self.accelerator.init_trackers(cfg.train.name, config=cfg.to_flat_dict())
         records: list[dict[str, float]] = []
 
         def emit(record: dict[str, float]) -> None:
+            if len(record) == 1:  # an eval without eval prompts: nothing to record
+                return
             records.append(record)
             if log is not None:
                 log.write(record)

@@ -40,3 +40,51 @@ def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys):
 def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no checkpoints/step-N/ folder" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    folder = tmp_path / "tiny-sd3"
+    tiny_sd3_pipeline().save_pretrained(folder)
+    args = [f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square", "prompts.eval=null",
+            "prompts.per_step=2", "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all",
+            "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=4", f"train.output_dir={tmp_path}",
+            "train.name=int", "train.progress=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args, "train.max_steps=1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and '"reward_mean"' in metrics.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-2000:]
+    assert "saved a checkpoint" in out
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    saved = sorted((tmp_path / "int" / "checkpoints").iterdir())
+    assert [p.name for p in saved] == [f"step-{steps[-1]}"] and 1 <= steps[-1] < 1000
+    resumed = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", *args, f"train.max_steps={steps[-1] + 1}",
+                              "train.resume=latest"], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert after == list(range(1, steps[-1] + 2))
+
+
+def test_tensorboard_logging_writes_events(tmp_path):
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    folder = tmp_path / "tiny-sd3"
+    tiny_sd3_pipeline().save_pretrained(folder)
+    assert main(["train", f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square",
+                 "prompts.eval=null", "prompts.per_step=2", "rollout.group_size=2", "rollout.steps=3",
+                 "rollout.window.mode=all", "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=2",
+                 "train.max_steps=1", f"train.output_dir={tmp_path}", "train.name=tb", "train.log_with=tensorboard",
+                 "train.progress=false"]) == 0
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
