@@ -53,6 +53,7 @@ def build_plan(section: RolloutSection) -> RolloutPlan:
     fields = asdict(section)
     plan = fields.pop("plan")
     fields.pop("max_batch")
+    fields.pop("chunks")
     if plan == "chains":
         fields["window"] = SDEWindow(**fields["window"])
         return Chains(**fields)

@@ -71,6 +71,8 @@ class RolloutSection:
     post_solver: str = "none"  # none | dpm2
     post_steps_ratio: float = 0.4
     max_batch: int = 64  # states per model forward; training replays the same layout
+    chunks: int = 1  # roll out the iteration's prompt groups in this many parts; each part's rewards
+    # are scored (in a background thread with train.async_reward) while the next part rolls out
 
 
 @dataclass
@@ -148,6 +150,7 @@ class TrainSection:
     log_with: str = "none"  # none | tensorboard | wandb
     progress: bool = True
     num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
+    async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
 
 
 @dataclass
@@ -222,6 +225,9 @@ class TrainConfig:
         positive("train.updates_per_epoch", self.train.updates_per_epoch)
         positive("prompts.per_step", self.prompts.per_step)
         positive("rollout.max_batch", self.rollout.max_batch)
+        positive("rollout.chunks", self.rollout.chunks)
+        self.train.async_reward = str(self.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"
+        choose("train.async_reward", self.train.async_reward, ("auto", "true", "false"))
         positive("optim.lr", self.optim.lr)
         if not self.rewards:
             raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import signal
 import time
@@ -59,6 +58,10 @@ class Trainer:
         self.plan = build.build_plan(config.rollout)
         self.reward = self._as_multi(reward) if reward is not None else build.build_rewards(config.rewards)
         self.eval_reward = build.build_rewards(config.eval.rewards) if config.eval.rewards else self.reward
+        from rewards.background import BackgroundScorer
+
+        async_reward = {"auto": "auto", "true": True, "false": False}[config.train.async_reward]
+        self.scorer = BackgroundScorer(self.reward, enabled=async_reward)
         self.credit = build.build_credit(config, {r.name: w for r, w in zip(self.reward.rewards, self.reward.weights)})
         self.loss_fn = build.build_loss(config)
         self.prompts = PromptSource(read_prompts(config.prompts.train), config.prompts.per_step, config.train.seed)
@@ -149,23 +152,38 @@ class Trainer:
         return prompts[self.rank * k:(self.rank + 1) * k], self.rank * k
 
     def rollout(self, iteration: int) -> tuple[Forest, dict[str, torch.Tensor], dict[str, float]]:
-        """Sample the forest of ``iteration`` and score its leaves (no gradients)."""
+        """Sample the forest of ``iteration`` and score its leaves (no gradients).
+
+        With ``rollout.chunks`` > 1 the prompt groups are rolled out in parts; each part's leaves are
+        decoded and handed to the reward scorer (a background thread with ``train.async_reward``)
+        while the next part rolls out. Seeds are addressed by global group, so chunking changes no draw.
+        """
         prompts, offset = self.local_prompts(iteration)
-        ctx = RolloutContext(seed=self.cfg.train.seed, iteration=iteration, group_offset=offset,
-                             guidance=self.cfg.model.guidance, max_batch=self.cfg.rollout.max_batch)
-        t0 = time.perf_counter()
+        max_batch = self.cfg.rollout.max_batch
+        n_chunks = min(self.cfg.rollout.chunks, len(prompts))
+        bounds = [len(prompts) * k // n_chunks for k in range(n_chunks + 1)]
         self.model.trainable.eval()
-        forest = self.plan.rollout(self.model, prompts, ctx)
-        t1 = time.perf_counter()
-        leaves = forest.leaves()
-        x0 = forest.all_latents()[leaves]
-        images = torch.cat([self.model.decode(x0[i:i + ctx.max_batch].to(self.model.device)).cpu()
-                            for i in range(0, x0.shape[0], ctx.max_batch)])
-        leaf_prompts = [forest.prompts[int(g)] for g in forest.group[leaves]]
-        components = self.reward.components(images, leaf_prompts, {})
+        forests, futures = [], []
+        t_sample = t_score = 0.0
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            ctx = RolloutContext(seed=self.cfg.train.seed, iteration=iteration, group_offset=offset + a,
+                                 guidance=self.cfg.model.guidance, max_batch=max_batch)
+            t0 = time.perf_counter()
+            forest = self.plan.rollout(self.model, prompts[a:b], ctx)
+            leaves = forest.leaves()
+            x0 = forest.all_latents()[leaves]
+            images = torch.cat([self.model.decode(x0[i:i + max_batch].to(self.model.device)).cpu()
+                                for i in range(0, x0.shape[0], max_batch)])
+            t1 = time.perf_counter()
+            futures.append(self.scorer.submit(images, [forest.prompts[int(g)] for g in forest.group[leaves]], {}))
+            forests.append(forest)
+            t_sample += t1 - t0
+            t_score += time.perf_counter() - t1
         t2 = time.perf_counter()
-        self._last_images = images
-        return forest, components, {"time/rollout": t1 - t0, "time/reward": t2 - t1}
+        parts = [f.result() for f in futures]
+        components = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        t_score += time.perf_counter() - t2  # waiting for the scorer after the last part
+        return Forest.merge(forests), components, {"time/rollout": t_sample, "time/reward": t_score}
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """Inner epochs of clipped-objective updates over the forest's trainable edges."""

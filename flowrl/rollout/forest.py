@@ -118,6 +118,30 @@ class Forest:
             self._latent_blocks = [self.latents]
         return self.latents
 
+    @staticmethod
+    def merge(forests: Sequence["Forest"]) -> "Forest":
+        """One forest from several rolled out separately (prompt groups renumbered in order, node,
+        parent and rollout-batch indices offset). Outcome columns are not carried: merge before credit."""
+        if len(forests) == 1:
+            return forests[0]
+        if len({f.guidance for f in forests}) != 1:
+            raise ValueError("cannot merge forests sampled with different guidance")
+        out = Forest(prompts=[p for f in forests for p in f.prompts], guidance=forests[0].guidance)
+        node_offset = group_offset = batch_offset = 0
+        for f in forests:
+            cols = {name: getattr(f, name).clone() for name in _NODE_FIELDS}
+            cols["parent"] = torch.where(cols["parent"] >= 0, cols["parent"] + node_offset, cols["parent"])
+            cols["batch"] = torch.where(cols["batch"] >= 0, cols["batch"] + batch_offset, cols["batch"])
+            cols["group"] = cols["group"] + group_offset
+            out._append(f.all_latents(), **cols)
+            node_offset += f.num_nodes
+            group_offset += len(f.prompts)
+            batch_offset += f._next_batch_id
+            for k, v in f.counters.items():
+                out.counters[k] = out.counters.get(k, 0) + v
+        out._next_batch_id = batch_offset
+        return out
+
     # ---- structure helpers ----------------------------------------------------------------
     def leaves(self) -> torch.Tensor:
         """Indices of nodes with no children, in node order [L]."""
