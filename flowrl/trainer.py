@@ -216,10 +216,13 @@ class Trainer:
                                               forest.advantage[b].to(out.logp.device), out.kl,
                                               forest.weight[b].to(out.logp.device))
                     (loss * (b.numel() * self.world / n_global)).backward()
-                    if first_delta is None:
-                        first_delta = float(diag["abs_delta_logp"])
+                    if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
+                        first_delta = max(first_delta or 0.0, float(diag["abs_delta_logp"]))
                     for k, v in diag.items():
-                        diag_sums[k] = diag_sums.get(k, 0.0) + float(v) * b.numel()
+                        if k in _EXTREMES:
+                            diag_sums[k] = _EXTREMES[k](diag_sums.get(k, float(v)), float(v))
+                        else:
+                            diag_sums[k] = diag_sums.get(k, 0.0) + float(v) * b.numel()
                     diag_count += b.numel()
                 self._average_gradients()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
@@ -227,8 +230,7 @@ class Trainer:
                 self.scheduler.step()
                 self._update_ema()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v / diag_count for k, v in diag_sums.items()} if diag_count else {}
-        out["ratio_min"] = out.get("ratio_min", 1.0)
+        out = {k: v if k in _EXTREMES else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
         out["first_step_abs_delta_logp"] = first_delta if first_delta is not None else 0.0
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["trained_edges"] = self._sum(edges.numel())
@@ -393,6 +395,9 @@ class Trainer:
         if cfg.train.log_with != "none":
             self.accelerator.end_training()
         return records
+
+
+_EXTREMES = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}  # diagnostics that are not averaged
 
 
 class _StopFlag:
