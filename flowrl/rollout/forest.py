@@ -136,7 +136,7 @@ class Forest:
             out._append(f.all_latents(), **cols)
             node_offset += f.num_nodes
             group_offset += len(f.prompts)
-            batch_offset += f._next_batch_id
+            batch_offset += max(f._next_batch_id, int(f.batch.max()) + 1 if f.num_nodes else 0)
             for k, v in f.counters.items():
                 out.counters[k] = out.counters.get(k, 0) + v
         out._next_batch_id = batch_offset
