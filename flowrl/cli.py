@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+# OpenMP threads that spin at barriers while another process holds a core made a 2-thread CPU
+# iteration up to 70x slower on a shared 2-core machine (docs/benchmarks.md); passive waiting avoids
+# it. Set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
 

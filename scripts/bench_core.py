@@ -21,13 +21,14 @@ SETTINGS = {
 }
 COMMON = ["model.family=sd3", "rollout.group_size=8", "rollout.steps=10", "rollout.max_batch=64", "prompts.per_step=8",
           "prompts.train=a red circle|two blue squares|a green cat|a small dog|a big house|a white car|one tree|a black dog",
-          "loss.beta=0.04", "model.lora.rank=8", "train.num_threads=2"]
+          "loss.beta=0.04", "model.lora.rank=8"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each benchmark process")
     args = parser.parse_args()
     from flowrl.models.testing import tiny_sd3_pipeline
 
@@ -35,7 +36,7 @@ def main() -> None:
     tiny_sd3_pipeline().save_pretrained(folder)
     results = {}
     for name, extra in SETTINGS.items():
-        overrides = COMMON + [f"model.path={folder}", "rewards=[{name: brightness}]", f"train.output_dir={folder.parent}"] + extra
+        overrides = COMMON + [f"train.num_threads={args.threads}", f"model.path={folder}", "rewards=[{name: brightness}]", f"train.output_dir={folder.parent}"] + extra
         cmd = [sys.executable, "-m", "flowrl.cli", "bench", "--iterations", str(args.iterations), *overrides]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:

@@ -235,7 +235,7 @@ def train_vae(vae, args, log: dict) -> list[float]:
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         recon = vae.decode(z).sample
-        kl = post.kl().mean()                                          # summed over latent elements
+        kl = post.kl().mean() / z[0].numel()                           # per latent element
         loss = F.l1_loss(recon, x) + F.mse_loss(recon, x) + args.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -329,8 +329,13 @@ def lr_factor(step: int, progress: float, warmup: int, decay_frac: float) -> flo
 
 
 def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[str], args, log: dict,
-                      vae_losses: list[float], work: Path) -> tuple[object, list[float], list[dict]]:
-    """Jointly train transformer + both text encoders; returns (EMA pipeline, losses, quick evals)."""
+                      history: dict, work: Path) -> tuple[object, list[float], list[dict]]:
+    """Jointly train transformer + both text encoders; returns (EMA pipeline, losses, quick evals).
+
+    ``history``: curves of earlier runs (``vae_loss``, ``transformer_loss``, ``quick_evals``) that the
+    saved loss curves start with (``--init-from``); quick-eval steps here count on from them.
+    """
+    step_offset = len(history["transformer_loss"])
     means, stds, prompt_idx = data
     shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
     ids_all = tokenize(pipe, train_prompts)                             # [P, L]
@@ -403,7 +408,7 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
         if now - last_eval >= args.eval_every * 60:
             res = ShapesReward().evaluate(generate(ema_pipe, eval_prompts[:args.quick_eval_size], 1.0, 10,
                                                    args.seed + 10_000), eval_prompts[:args.quick_eval_size])
-            res.update(step=step, minutes=round((now - start) / 60, 2))
+            res.update(step=step_offset + step, minutes=round((now - start) / 60, 2))
             quick.append(res)
             tqdm.write(f"[{res['minutes']:.1f} min, step {step}] quick eval (g1, 10 steps, "
                        f"{res['n']} prompts): strict {res['accuracy']:.3f}, colours {res['colors_found']:.3f}")
@@ -411,9 +416,10 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
         if now - last_save >= args.save_every * 60:
             log["transformer_steps"], log["transformer_seconds"] = step, round(now - start, 1)
             log["status"] = "in progress (periodic save)"
-            save_curves(work / "loss_curves.png", work / "loss_curves.json", vae_losses, losses, quick)
+            save_curves(work / "loss_curves.png", work / "loss_curves.json", history["vae_loss"],
+                        history["transformer_loss"] + losses, history["quick_evals"] + quick)
             atomic_save(ema_pipe, args.out, {"pretrain_report.json": log},
-                        {"loss_curves.png": work / "loss_curves.png"})
+                        {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json"})
             last_save = time.time()
     bar.n = bar.total
     bar.close()
@@ -436,11 +442,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--vae-from", type=Path, default=None,
                    help="skip the VAE stage: take the calibrated VAE of this saved pipeline folder")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue training a saved pipeline folder (all weights; skips the VAE stage; "
+                        "fresh optimizer with warm-up, EMA starting from the loaded weights)")
     # VAE
     p.add_argument("--vae-batch", type=int, default=32)
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-max-steps", type=int, default=1500)
-    p.add_argument("--kl-weight", type=float, default=1e-5, help="weight of the KL summed over latent elements")
+    p.add_argument("--kl-weight", type=float, default=1e-5, help="weight of the KL per latent element (weak: a KL summed over elements at 1e-5 collapsed 2 of the 4 "
+                        "channels to noise and slowed transformer training)")
     p.add_argument("--vae-check-every", type=int, default=100)
     p.add_argument("--vae-target-acc", type=float, default=0.995, help="detector accuracy on reconstructions")
     p.add_argument("--vae-target-mse", type=float, default=0.002, help="reconstruction MSE (images in [0, 1])")
@@ -489,12 +499,24 @@ def main(argv=None) -> None:
                  "n_train_prompts": len(train_prompts), "n_distinct_train_prompts": len(set(train_prompts)),
                  "n_eval_prompts": len(eval_prompts)}
 
-    pipe = build_shapes_pipeline(seed=args.seed)
+    if args.init_from is not None:
+        from flowrl.shapes.pipeline import load_shapes_pipeline
+        pipe = load_shapes_pipeline(args.init_from)
+        for module in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
+            module.requires_grad_(True)
+        log["init_from"] = str(args.init_from)
+        previous = Path(args.init_from) / "pretrain_report.json"
+        if previous.is_file():
+            log["init_from_report"] = json.loads(previous.read_text())
+    else:
+        pipe = build_shapes_pipeline(seed=args.seed)
     log["vae_params"] = sum(p.numel() for p in pipe.vae.parameters())
 
     # 1. VAE
     vae_losses: list[float] = []
-    if args.vae_from is not None:
+    if args.init_from is not None:
+        pass  # the loaded pipeline's VAE, already calibrated
+    elif args.vae_from is not None:
         from diffusers import AutoencoderKL
         pipe.vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").eval()
         log["vae_from"] = str(args.vae_from)
@@ -506,14 +528,27 @@ def main(argv=None) -> None:
         pipe.save_pretrained(work / "vae_stage", safe_serialization=True)  # for --vae-from
     pipe.vae.requires_grad_(False)
 
+    history = {"vae_loss": vae_losses, "transformer_loss": [], "quick_evals": []}
+    if args.init_from is not None and (Path(args.init_from) / "loss_curves.json").is_file():
+        history = json.loads((Path(args.init_from) / "loss_curves.json").read_text())
+
     # 2. Latents of the training set
     t0 = time.time()
-    data = encode_dataset(pipe.vae, train_prompts, args)
+    # The encoded set depends on seed, size and the VAE: cache it in --work for later runs on the same VAE.
+    vae_id = f"{sum(float(p.double().sum()) for p in pipe.vae.parameters()):.10e}"
+    cache = work / f"latents_seed{args.seed}_n{args.dataset_size}.pt"
+    saved = torch.load(cache) if cache.is_file() else None
+    if saved is not None and saved["vae_id"] == vae_id:
+        data = (saved["mean"], saved["std"], saved["prompt_idx"])
+        log["latents_from_cache"] = str(cache)
+    else:
+        data = encode_dataset(pipe.vae, train_prompts, args)
+        torch.save({"vae_id": vae_id, "mean": data[0], "std": data[1], "prompt_idx": data[2]}, cache)
     log["encode_seconds"] = round(time.time() - t0, 1)
 
     # 3. Transformer + text encoders
     ema_pipe, tr_losses, quick = train_transformer(pipe, data, train_prompts, eval_prompts, args, log,
-                                                   vae_losses, work)
+                                                   history, work)
 
     # 4. Final held-out evaluation of the EMA pipeline through the plain diffusers call
     t0 = time.time()
@@ -534,7 +569,8 @@ def main(argv=None) -> None:
     log["status"] = "done"
     log["samples_png"] = "first 64 eval prompts; rows of 16: guidance 1 / 20 steps (rows 1-4), guidance 3 (5-8)"
     save_grid(work / "samples.png", torch.cat(grids[:2]), ncol=16)
-    save_curves(work / "loss_curves.png", work / "loss_curves.json", vae_losses, tr_losses, quick)
+    save_curves(work / "loss_curves.png", work / "loss_curves.json", history["vae_loss"],
+                history["transformer_loss"] + tr_losses, history["quick_evals"] + quick)
     (work / "pretrain_report.json").write_text(json.dumps(log, indent=2) + "\n")
     atomic_save(ema_pipe, args.out, {"pretrain_report.json": log},
                 {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json",

@@ -27,15 +27,21 @@ def shipped():
     return pipe
 
 
+@pytest.fixture(scope="module")
+def untrained():
+    """A freshly built (untrained) shapes pipeline, seed 0."""
+    return build_shapes_pipeline(seed=0)
+
+
 def _generate(pipe, prompts, guidance, seed=0, steps=20, output_type="pt"):
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
     return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, height=32, width=32,
                 max_sequence_length=MAX_SEQUENCE_LENGTH, generator=gens, output_type=output_type).images
 
 
-def test_tokenizer_one_token_per_word():
-    pipe = build_shapes_pipeline(seed=0)
-    for tok in (pipe.tokenizer, pipe.tokenizer_2):
+def test_tokenizer_one_token_per_word(untrained, shipped):
+    pipe = untrained
+    for tok in (pipe.tokenizer, pipe.tokenizer_2, shipped.tokenizer, shipped.tokenizer_2):
         assert tok.model_max_length == CLIP_MAX_LENGTH
         ids = {}
         for word in world.vocabulary():
@@ -49,8 +55,8 @@ def test_tokenizer_one_token_per_word():
     assert len(pipe.tokenizer(longest).input_ids) <= CLIP_MAX_LENGTH
 
 
-def test_build_encodes_with_short_sequence():
-    pipe = build_shapes_pipeline(seed=0)
+def test_build_encodes_with_short_sequence(untrained):
+    pipe = untrained
     embeds, _, pooled, _ = pipe.encode_prompt(["a red circle", "two blue squares"], None, None,
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=MAX_SEQUENCE_LENGTH)
@@ -58,9 +64,10 @@ def test_build_encodes_with_short_sequence():
     assert pooled.shape == (2, pipe.transformer.config.pooled_projection_dim)
     assert not torch.allclose(embeds[0], embeds[1])              # prompts are told apart
     # Same seed, same weights.
-    a, b = build_shapes_pipeline(seed=3), build_shapes_pipeline(seed=3)
-    for (n, p), q in zip(a.transformer.named_parameters(), b.transformer.parameters()):
-        assert torch.equal(p, q), n
+    again = build_shapes_pipeline(seed=0)
+    for module in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        for (n, p), q in zip(getattr(pipe, module).named_parameters(), getattr(again, module).parameters()):
+            assert torch.equal(p, q), f"{module}.{n}"
 
 
 def test_shipped_folder_and_defaults():
@@ -91,11 +98,10 @@ def test_generation_is_deterministic(shipped):
     assert not torch.equal(a, c)
 
 
-def test_shipped_finds_requested_colours_far_more_than_untrained(shipped):
+def test_shipped_finds_requested_colours_far_more_than_untrained(shipped, untrained):
     reward = ShapesReward()
     trained = reward.evaluate(_generate(shipped, SINGLE_PROMPTS, guidance=3.0), SINGLE_PROMPTS)
-    untrained = reward.evaluate(_generate(build_shapes_pipeline(seed=0), SINGLE_PROMPTS, guidance=3.0),
-                                SINGLE_PROMPTS)
+    baseline = reward.evaluate(_generate(untrained, SINGLE_PROMPTS, guidance=3.0), SINGLE_PROMPTS)
     assert trained["colors_found"] >= 0.75, trained
-    assert untrained["colors_found"] <= 0.25, untrained
-    assert trained["accuracy"] > untrained["accuracy"]
+    assert baseline["colors_found"] <= 0.25, baseline
+    assert trained["accuracy"] > baseline["accuracy"]

@@ -162,8 +162,8 @@ def load_shapes_pipeline(path: str | Path = SHIPPED_DIR, device: str | torch.dev
     """Load a saved shapes pipeline (default: the shipped, pretrained one) with plain diffusers.
 
     Equivalent to ``StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None,
-    tokenizer_3=None, torch_dtype=dtype).to(device)``. Generate with ``generation_defaults(path)``
-    (notably ``max_sequence_length``; see the module docstring).
+    tokenizer_3=None).to(device=device, dtype=dtype)`` (the weights are stored in fp32). Generate
+    with ``generation_defaults(path)`` (notably ``max_sequence_length``; see the module docstring).
     """
     from diffusers import StableDiffusion3Pipeline
 
@@ -173,6 +173,6 @@ def load_shapes_pipeline(path: str | Path = SHIPPED_DIR, device: str | torch.dev
             f"no shapes pipeline at {str(path)!r} (model_index.json missing); "
             "train one with `python scripts/pretrain_shapes.py --out <folder>`"
         )
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, torch_dtype=dtype)
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    return pipe.to(device=device, dtype=dtype)
