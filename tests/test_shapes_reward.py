@@ -161,6 +161,22 @@ def test_partial_gives_intermediate_values_for_half_correct_images():
         assert 0.0 < partial[0] < 1.0 and partial[1] == 1.0, (prompt, partial)
 
 
+def test_precise_mode_does_not_pay_for_spraying_extra_objects():
+    """partial gives the same credit to a sprayed image (the requested object plus unrequested ones)
+    as to a clean one; precise scales it by the fraction of detections that were requested."""
+    prompt = "a red circle"
+    clean = _draw([("circle", "red", 2, 2)])
+    sprayed = _draw([("circle", "red", 2, 2), ("square", "cyan", 20, 2), ("triangle", "green", 2, 20),
+                     ("circle", "blue", 20, 20)])
+    wrong_only = _draw([("square", "cyan", 20, 2), ("triangle", "green", 2, 20)])
+    images = np.stack([clean, sprayed, wrong_only])
+    partial = _score([prompt] * 3, images, "partial")
+    precise = _score([prompt] * 3, images, "precise")
+    assert partial[0] == partial[1] == 1.0
+    assert precise[0] == 1.0 and precise[1] == pytest.approx(1 / 4)
+    assert precise[2] == 0.0 and _score([prompt], np.zeros((1, 32, 32, 3), np.uint8), "precise")[0] == 0.0
+
+
 def test_counting_is_exact_and_single_ignores_extras():
     rng = np.random.default_rng(61)
     three = render(parse("three green triangles"), rng)
