@@ -425,6 +425,7 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
     bar.close()
     log["transformer_steps"] = step
     log["transformer_seconds"] = round(time.time() - start, 1)
+    log["transformer_steps_total"] = step_offset + step   # including earlier runs (--init-from)
     log["transformer_final_loss_last500"] = float(np.mean(losses[-500:])) if losses else None
     return ema_pipe, losses, quick
 
@@ -508,6 +509,11 @@ def main(argv=None) -> None:
         previous = Path(args.init_from) / "pretrain_report.json"
         if previous.is_file():
             log["init_from_report"] = json.loads(previous.read_text())
+            # One line per earlier invocation, oldest first: where it started and how far it trained.
+            log["lineage"] = log["init_from_report"].get("lineage", []) + [{
+                key: log["init_from_report"].get(key) for key in
+                ("init_from", "vae_steps", "vae_seconds", "transformer_steps", "transformer_seconds",
+                 "total_minutes")}]
     else:
         pipe = build_shapes_pipeline(seed=args.seed)
     log["vae_params"] = sum(p.numel() for p in pipe.vae.parameters())
