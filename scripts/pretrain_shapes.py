@@ -17,13 +17,13 @@ Stages (each with its own time budget, ``--minutes VAE TRANSFORMER``):
    over ``--out``), so an interrupted run keeps its last good pipeline.
 4. Final evaluation of the EMA pipeline on the held-out eval prompts through the plain diffusers
    call (ODE / Euler): strict accuracy overall and per task and colours-found rate at guidance 1 and
-   3 with 20 steps, and at guidance 1 with 10 steps (the RL setting). Written to
+   3 with 20 steps, and at guidance 1 with 10 steps. Written to
    ``--out/pretrain_report.json`` with the loss curves (``loss_curves.json`` / ``.png``) and a
    sample grid (``samples.png``).
 
 Example (the shipped weights)::
 
-    python scripts/pretrain_shapes.py --minutes 5 50 --out flowrl/shapes/weights
+    python scripts/pretrain_shapes.py --minutes 15 100 --max-steps 7000 --out flowrl/shapes/weights   # ≈ 76 min
 
 Smoke test::
 

@@ -22,7 +22,7 @@ Generation with the shipped weights (the call the pretraining report was measure
 
     from flowrl.shapes.pipeline import load_shapes_pipeline, generation_defaults
     pipe = load_shapes_pipeline()                       # flowrl/shapes/weights, CPU fp32
-    images = pipe("a red circle above a blue square", num_inference_steps=20, guidance_scale=1.0,
+    images = pipe("a red circle above a blue square", num_inference_steps=20, guidance_scale=3.0,
                   height=32, width=32, max_sequence_length=8,
                   generator=torch.Generator().manual_seed(0)).images   # list of 32×32 PIL images
     # equivalently: pipe(prompt, **generation_defaults(), ...)
@@ -43,7 +43,7 @@ CONFIG_FILE = "flowrl_shapes.json"
 CANVAS_SIZE = 32          # image side (px)
 CLIP_MAX_LENGTH = 16      # CLIP tokens per prompt (BOS + up to 14 words + EOS/pad)
 MAX_SEQUENCE_LENGTH = 8   # zero "T5" tokens SD3 appends without T5; trained with exactly this many
-DEFAULT_GUIDANCE = 1.0
+DEFAULT_GUIDANCE = 3.0   # CFG scale the model is evaluated and aligned at (colours found 0.92 vs 0.81 at 1.0)
 DEFAULT_STEPS = 20
 
 VAE_CONFIG = dict(
