@@ -133,6 +133,15 @@ def save_curves(path_png: Path, path_json: Path, vae_losses: list[float], tr_los
     plt.close(fig)
 
 
+
+def save_run_curves(work: Path, history: dict, tr_losses: list[float], quick: list[dict]) -> dict[str, Path]:
+    """Write this run's curves, continuing ``history`` (earlier runs, ``--init-from``), into ``work``;
+    returns {file name: path} of the written files for :func:`atomic_save`."""
+    files = {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json"}
+    save_curves(files["loss_curves.png"], files["loss_curves.json"], history["vae_loss"],
+                history["transformer_loss"] + tr_losses, history["quick_evals"] + quick)
+    return files
+
 def save_grid(path: Path, images: torch.Tensor, ncol: int = 16) -> None:
     """Save images [N, 3, H, W] in [0, 1] as one PNG grid (1 px grey separators)."""
     from PIL import Image
@@ -416,10 +425,7 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
         if now - last_save >= args.save_every * 60:
             log["transformer_steps"], log["transformer_seconds"] = step, round(now - start, 1)
             log["status"] = "in progress (periodic save)"
-            save_curves(work / "loss_curves.png", work / "loss_curves.json", history["vae_loss"],
-                        history["transformer_loss"] + losses, history["quick_evals"] + quick)
-            atomic_save(ema_pipe, args.out, {"pretrain_report.json": log},
-                        {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json"})
+            atomic_save(ema_pipe, args.out, {"pretrain_report.json": log}, save_run_curves(work, history, losses, quick))
             last_save = time.time()
     bar.n = bar.total
     bar.close()
@@ -575,12 +581,9 @@ def main(argv=None) -> None:
     log["status"] = "done"
     log["samples_png"] = "first 64 eval prompts; rows of 16: guidance 1 / 20 steps (rows 1-4), guidance 3 (5-8)"
     save_grid(work / "samples.png", torch.cat(grids[:2]), ncol=16)
-    save_curves(work / "loss_curves.png", work / "loss_curves.json", history["vae_loss"],
-                history["transformer_loss"] + tr_losses, history["quick_evals"] + quick)
+    curves = save_run_curves(work, history, tr_losses, quick)
     (work / "pretrain_report.json").write_text(json.dumps(log, indent=2) + "\n")
-    atomic_save(ema_pipe, args.out, {"pretrain_report.json": log},
-                {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json",
-                 "samples.png": work / "samples.png"})
+    atomic_save(ema_pipe, args.out, {"pretrain_report.json": log}, {**curves, "samples.png": work / "samples.png"})
     size_mb = sum(f.stat().st_size for f in Path(args.out).rglob("*") if f.is_file()) / 2**20
     tqdm.write(f"saved {args.out} ({size_mb:.1f} MB) in {log['total_minutes']:.1f} min total")
 

@@ -29,7 +29,7 @@ def test_grpo_raises_reward_on_the_shapes_model(tmp_path):
     torch.set_num_threads(2)
     cfg = TrainConfig.from_yaml(DEFAULT_CONFIG, [
         f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "rollout.group_size=8", "train.max_steps=12", "optim.lr=1e-3", "model.guidance=1", "eval.guidance=1",
+        "rollout.group_size=8", "train.max_steps=12", "optim.lr=1e-3", "model.guidance=1",
         "rewards=[{name: redness}]",
         f"train.output_dir={tmp_path}", "train.name=learn", "train.progress=false", "train.checkpoint_every=0",
     ])
@@ -39,7 +39,6 @@ def test_grpo_raises_reward_on_the_shapes_model(tmp_path):
     trainer.train()
     after = [mean_reward(trainer.model, reward, s) for s in (101, 202)]
     noise = abs(before[0] - before[1])  # two independent seed sets of the same model
-    print(f"redness before {before}, after {after}")
     gain = sum(after) / 2 - sum(before) / 2
     assert gain > max(3 * noise, 0.01), f"before {before}, after {after}"
 
