@@ -62,6 +62,18 @@ def resolve_resume(spec: str, folder: Path) -> Path | None:
     return path
 
 
+def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """``(checkpoint folder, run folder)`` for a run folder (its newest complete checkpoint) or a
+    ``checkpoints/step-N`` folder."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path, path.parent.parent
+    found = list_checkpoints(path / "checkpoints")
+    if not found:
+        raise FileNotFoundError(f"--checkpoint {str(path)!r}: no checkpoints/step-N/ folder with {STATE_FILE} in it")
+    return found[-1][1], path
+
+
 def read_state(path: Path) -> dict[str, Any]:
     return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
 

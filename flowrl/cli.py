@@ -1,4 +1,4 @@
-"""``flowrl train | sample | eval | bench``: parse, build, run. Thin on purpose."""
+"""``flowrl train | sample | eval | bench | snr``: parse, build, run. Thin on purpose."""
 from __future__ import annotations
 
 import argparse
@@ -60,18 +60,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
     """(config, model) for a run folder or checkpoint (its config.yaml and newest weights), or a config."""
     from flowrl import build
-    from flowrl.checkpoint import STATE_FILE, list_checkpoints, load_weights
+    from flowrl.checkpoint import find_checkpoint, load_weights
 
     ckpt = None
     if run is not None:
-        path = Path(run)
-        if (path / STATE_FILE).is_file():
-            ckpt, run_dir = path, path.parent.parent
-        else:
-            found = list_checkpoints(path / "checkpoints")
-            if not found:
-                raise FileNotFoundError(f"--checkpoint {run!r}: no checkpoints/step-N/ folder with {STATE_FILE} in it")
-            ckpt, run_dir = found[-1][1], path
+        ckpt, run_dir = find_checkpoint(run)
         config = config or str(run_dir / "config.yaml")
     cfg = _load_config(config, overrides)
     model = build.build_model(cfg.model)
@@ -137,6 +130,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- snr --------------------------------------------------------------------------------------
+def cmd_snr(args: argparse.Namespace) -> int:
+    from flowrl.checkpoint import find_checkpoint
+    from flowrl.grad_snr import gradient_snr
+
+    config, overrides = _split_config_arg(args.config, args.overrides)
+    if args.checkpoint and config is None:
+        config = str(find_checkpoint(args.checkpoint)[1] / "config.yaml")
+    cfg = _load_config(config, overrides)
+    result = gradient_snr(cfg, batches=args.batches, checkpoint=args.checkpoint)
+    print(json.dumps(result, indent=2))
+    if result["signal_detected"]:
+        print(f"signal detected: SNR {result['snr_per_batch']:.3g} per batch of {int(result['samples_per_batch'])} samples; "
+              f"about {result['samples_for_snr_1']:.0f} samples per update for SNR 1")
+    else:
+        print(f"no signal detected above noise in {args.batches} batches of {int(result['samples_per_batch'])} samples: "
+              f"an update needs at least ~{result['samples_for_snr_1_at_least']:.0f} samples for SNR 1")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("snr", help="gradient signal-to-noise of one update: is the batch big enough?",
+                       description="Policy gradients of N independent iterations at fixed weights; their agreement "
+                                   "is the signal, their spread the noise (docs/benchmarks.md).",
+                       epilog=_defaults_epilog(), formatter_class=fmt)
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml, or the run's)")
+    p.add_argument("--batches", type=int, default=12, help="independent iterations to draw (default 12)")
+    p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_snr)
     return parser
 
 

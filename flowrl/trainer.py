@@ -185,6 +185,28 @@ class Trainer:
         t_score += time.perf_counter() - t2  # waiting for the scorer after the last part
         return Forest.merge(forests), components, {"time/rollout": t_sample, "time/reward": t_score}
 
+    def _backward(self, forest: Forest, cond, part: list[torch.Tensor], n_global: float,
+                  sums: dict[str, float]) -> int:
+        """Replay the micro-batches ``part`` (edge index tensors), back-propagate the loss scaled so
+        the update averages over ``n_global`` edges of all processes, and fold diagnostics into
+        ``sums`` (edge-weighted sums; extremes for ratio min/max). Returns the edges replayed."""
+        cfg = self.cfg
+        count = 0
+        for b in part:
+            out = replay(self.model, forest, cond, b, cfg.loss.reduction,
+                         cfg.loss.kl_form if cfg.loss.beta > 0 else None, self.reference)
+            loss, diag = self.loss_fn(out.logp, forest.logp_old[b].to(out.logp.device),
+                                      forest.advantage[b].to(out.logp.device), out.kl,
+                                      forest.weight[b].to(out.logp.device))
+            (loss * (b.numel() * self.world / n_global)).backward()
+            for k, v in diag.items():
+                if k in _EXTREMES:
+                    sums[k] = _EXTREMES[k](sums.get(k, float(v)), float(v))
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v) * b.numel()
+            count += b.numel()
+        return count
+
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """Inner epochs of clipped-objective updates over the forest's trainable edges."""
         cfg = self.cfg
@@ -209,21 +231,12 @@ class Trainer:
                 if n_global == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for b in part:
-                    out = replay(self.model, forest, cond, b, cfg.loss.reduction,
-                                 cfg.loss.kl_form if cfg.loss.beta > 0 else None, self.reference)
-                    loss, diag = self.loss_fn(out.logp, forest.logp_old[b].to(out.logp.device),
-                                              forest.advantage[b].to(out.logp.device), out.kl,
-                                              forest.weight[b].to(out.logp.device))
-                    (loss * (b.numel() * self.world / n_global)).backward()
-                    if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
-                        first_delta = max(first_delta or 0.0, float(diag["abs_delta_logp"]))
-                    for k, v in diag.items():
-                        if k in _EXTREMES:
-                            diag_sums[k] = _EXTREMES[k](diag_sums.get(k, float(v)), float(v))
-                        else:
-                            diag_sums[k] = diag_sums.get(k, 0.0) + float(v) * b.numel()
-                    diag_count += b.numel()
+                step_sums: dict[str, float] = {}
+                diag_count += self._backward(forest, cond, part, n_global, step_sums)
+                if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
+                    first_delta = step_sums.get("abs_delta_logp", 0.0)
+                for k, v in step_sums.items():
+                    diag_sums[k] = _EXTREMES[k](diag_sums[k], v) if k in _EXTREMES and k in diag_sums else diag_sums.get(k, 0.0) + v
                 self._average_gradients()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
                 self.optimizer.step()
@@ -236,6 +249,27 @@ class Trainer:
         out["trained_edges"] = self._sum(edges.numel())
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    def policy_gradient(self, iteration: int) -> torch.Tensor:
+        """The gradient the first update of ``iteration`` would take, flat [P] over the trainable
+        parameters (mean over processes, before clipping), without changing any weight.
+
+        Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
+        over all trainable edges at once (one update's worth; ratios are exactly 1)."""
+        forest, components, _ = self.rollout(iteration)
+        self.credit.assign(forest, components, gather=self._gather)
+        self.model.trainable.train()
+        cond = self.model.encode(forest.prompts, forest.guidance)
+        edges = forest.edges(trainable=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        n_global = self._sum(edges.numel())
+        if n_global > 0:
+            self._backward(forest, cond, replay_batches(forest, edges), n_global, {})
+            self._average_gradients()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                          for p in self.params])
+        self.optimizer.zero_grad(set_to_none=True)
+        return flat
 
     def train_step(self, iteration: int) -> dict[str, float]:
         """One full iteration; returns its metrics (global over processes)."""

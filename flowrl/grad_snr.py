@@ -1,0 +1,86 @@
+"""``flowrl snr``: is one update's batch big enough for its gradient to point somewhere?
+
+Draws the policy gradient g_i of N independent iterations (fresh prompts and noise each, weights
+unchanged) and splits the per-batch gradient power into signal and noise:
+
+- signal S = |E g|², estimated without bias by the mean of the pairwise dot products ⟨g_i, g_j⟩ (i < j);
+- per-batch power P = mean |g_i|²; noise N = P − S (the variance a batch of B samples leaves);
+- SNR per batch = S/N, and the batch (in samples) for SNR 1: B·N/S — gradients of different batches
+  agree on average with cosine S/P.
+
+The uncertainty of S comes from disjoint pairs (g_1·g_2, g_3·g_4, …, independent draws). If S is not
+above twice that error, no signal is detected and the report gives a lower bound on the batch needed.
+Adam rescales each coordinate by its RMS, so the same statistics are also reported on gradients
+normalised per coordinate by their RMS over the N draws (``adam_*``): what the optimizer steps along.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import TrainConfig
+
+
+def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str, float]:
+    """Signal/noise statistics of N gradient draws ``grads`` [N, P] (N ≥ 2) of one batch size."""
+    if grads.ndim != 2 or grads.shape[0] < 2:
+        raise ValueError(f"need gradients [N >= 2, P], got shape {list(grads.shape)}")
+    g = grads.double()
+    n = g.shape[0]
+    gram = g @ g.T
+    power = float(gram.diagonal().mean())
+    signal = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
+    pairs = torch.stack([gram[i, i + 1] for i in range(0, n - 1, 2)])
+    error = float(pairs.std(unbiased=True) / math.sqrt(pairs.numel())) if pairs.numel() > 1 else float("inf")
+    noise = max(power - signal, 0.0)
+    detected = signal > 2.0 * error
+    out = {
+        "batches": float(n),
+        "samples_per_batch": float(samples_per_batch),
+        "signal": signal,
+        "signal_error": error,
+        "noise": noise,
+        "mean_pairwise_cosine": signal / power if power > 0 else 0.0,
+        "snr_per_batch": signal / noise if noise > 0 else float("inf"),
+        "signal_detected": float(detected),
+    }
+    # batch (samples) at which S equals the noise of one batch: noise shrinks as 1/B
+    if detected:
+        out["samples_for_snr_1"] = samples_per_batch * noise / signal
+    else:  # S < 2·error (or negative): at least this many samples
+        out["samples_for_snr_1_at_least"] = samples_per_batch * noise / (2.0 * error) if error > 0 else float("inf")
+    return out
+
+
+def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
+    """``grads`` [N, P] divided per coordinate by its RMS over the N draws (zero columns stay 0)."""
+    rms = grads.double().pow(2).mean(dim=0).sqrt()
+    return torch.where(rms > 0, grads.double() / rms.clamp(min=1e-300), torch.zeros_like(grads, dtype=torch.float64))
+
+
+def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | None = None, progress: bool = True) -> dict[str, float]:
+    """Gradient signal-to-noise of ``cfg``'s update at its initial weights (or a run's ``checkpoint``).
+
+    Uses iterations 0..batches−1 of the run's seed: each a full rollout, reward and credit, and one
+    backward over all trained edges, exactly as the first update of that iteration.
+    """
+    from flowrl.trainer import Trainer
+
+    if batches < 2:
+        raise ValueError(f"--batches={batches} must be >= 2 (the signal is the agreement between batches)")
+    cfg.train.progress = False
+    cfg.prompts.eval = None
+    trainer = Trainer(cfg)
+    if checkpoint:
+        from flowrl.checkpoint import find_checkpoint, load_weights
+
+        folder, _ = find_checkpoint(checkpoint)
+        load_weights(trainer.model, folder / "live" if (folder / "live").is_dir() else folder)
+    grads = torch.stack([trainer.policy_gradient(i) for i in tqdm(range(batches), desc="gradients", disable=not progress)])
+    samples = cfg.prompts.per_step * cfg.rollout.group_size
+    out = split_signal_noise(grads, samples)
+    adam = split_signal_noise(adam_normalised(grads), samples)
+    out.update({f"adam_{k}": v for k, v in adam.items() if k not in ("batches", "samples_per_batch")})
+    return out

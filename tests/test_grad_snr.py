@@ -1,0 +1,91 @@
+"""Gradient signal-to-noise (``flowrl snr``): the estimator on known mixtures, and the measured
+gradient is exactly the one the first update steps along."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.grad_snr import adam_normalised, gradient_snr, split_signal_noise
+from flowrl.trainer import Trainer
+from tests.conftest import make_model
+from tests.test_trainer import tiny_config
+
+
+def draws(signal_norm: float, noise_std: float, n: int = 16, dims: int = 20_000, seed: int = 0) -> torch.Tensor:
+    """n gradients [n, dims] = a fixed direction of norm ``signal_norm`` + isotropic noise."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(dims, generator=gen)
+    direction = direction / direction.norm() * signal_norm
+    return direction + noise_std * torch.randn(n, dims, generator=gen)
+
+
+def test_estimator_recovers_known_signal_and_noise():
+    # S = 1, noise per batch N = 0.02² · 20,000 = 8: SNR 1/8, a batch of 64 needs 512 samples for SNR 1
+    out = split_signal_noise(draws(1.0, 0.02), samples_per_batch=64)
+    assert out["signal_detected"] == 1.0
+    assert out["signal"] == pytest.approx(1.0, rel=0.25)
+    assert out["noise"] == pytest.approx(8.0, rel=0.05)
+    assert out["samples_for_snr_1"] == pytest.approx(512, rel=0.3)
+    assert out["mean_pairwise_cosine"] == pytest.approx(1 / 9, rel=0.3)
+
+
+def test_pure_noise_is_not_called_signal():
+    out = split_signal_noise(draws(0.0, 0.02, seed=3), samples_per_batch=64)
+    assert out["signal_detected"] == 0.0
+    assert abs(out["signal"]) < 3 * out["signal_error"]
+    assert out["samples_for_snr_1_at_least"] > 64
+
+
+def test_estimator_rejects_a_single_draw():
+    with pytest.raises(ValueError, match=r"N >= 2"):
+        split_signal_noise(torch.zeros(1, 5), 8)
+
+
+def test_adam_normalisation_gives_unit_rms_columns_and_keeps_zero_columns():
+    g = torch.randn(6, 4) * torch.tensor([1e-6, 1.0, 1e3, 0.0])
+    normed = adam_normalised(g)
+    assert torch.allclose(normed[:, :3].pow(2).mean(0), torch.ones(3, dtype=torch.float64))
+    assert torch.equal(normed[:, 3], torch.zeros(6, dtype=torch.float64))
+
+
+def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(tmp_path):
+    cfg = tiny_config(tmp_path, "snr", "loss.beta=0")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    before = [p.detach().clone() for p in trainer.params]
+    measured = trainer.policy_gradient(0)
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))
+    assert all(p.grad is None for p in trainer.params)
+    assert measured.abs().sum() > 0
+
+    stepped = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: stepped.append(torch.cat([p.grad.detach().reshape(-1).clone() for p in trainer.params])))
+    cfg.optim.grad_clip = 1e9  # compare unclipped gradients
+    forest, components, _ = trainer.rollout(0)
+    trainer.credit.assign(forest, components)
+    trainer.update(forest, 0)
+    assert torch.allclose(stepped[0], measured, rtol=1e-5, atol=1e-12)
+    # the same iteration twice is the same draw: all power is "signal", cosine 1
+    again = trainer.policy_gradient(1)
+    stats = split_signal_noise(torch.stack([again, trainer.policy_gradient(1)]), 8)
+    assert stats["mean_pairwise_cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_gradient_snr_runs_independent_iterations(tmp_path, monkeypatch):
+    import flowrl.build as build
+
+    model = make_model("sd3")
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
+    out = gradient_snr(tiny_config(tmp_path, "snr2", "loss.beta=0"), batches=3, progress=False)
+    assert out["batches"] == 3 and out["samples_per_batch"] == 8
+    assert out["noise"] > 0  # different iterations draw different prompts and noise
+    assert -1.0 <= out["mean_pairwise_cosine"] < 1.0 - 1e-6
+    assert ("samples_for_snr_1" in out) != ("samples_for_snr_1_at_least" in out)
+    assert "adam_mean_pairwise_cosine" in out
+
+
+def test_cli_rejects_one_batch_with_a_clear_error(tmp_path, capsys):
+    from flowrl.cli import main
+
+    assert main(["snr", "--batches", "1", f"train.output_dir={tmp_path}"]) == 2
+    assert "--batches=1 must be >= 2" in capsys.readouterr().err
