@@ -8,14 +8,12 @@ unchanged) and splits the per-batch gradient power into signal and noise:
 - SNR per batch = S/N, and the batch (in samples) for SNR 1: B·N/S — gradients of different batches
   agree on average with cosine S/P.
 
-The uncertainty of S comes from disjoint pairs (g_1·g_2, g_3·g_4, …, independent draws). If S is not
-above twice that error, no signal is detected and the report gives a lower bound on the batch needed.
+The standard error of S is the jackknife's (leave one draw out). If S is not above twice that error,
+no signal is detected and the report gives a lower bound on the batch needed.
 Adam rescales each coordinate by its RMS, so the same statistics are also reported on gradients
 normalised per coordinate by their RMS over the N draws (``adam_*``): what the optimizer steps along.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from tqdm.auto import tqdm
@@ -32,8 +30,12 @@ def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str,
     gram = g @ g.T
     power = float(gram.diagonal().mean())
     signal = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
-    pairs = torch.stack([gram[i, i + 1] for i in range(0, n - 1, 2)])
-    error = float(pairs.std(unbiased=True) / math.sqrt(pairs.numel())) if pairs.numel() > 1 else float("inf")
+    off = gram.sum() - gram.diagonal().sum()  # 2 × the sum over pairs
+    if n >= 3:  # jackknife: drop one draw (and its n−1 pairs) at a time
+        without = (off - 2.0 * (gram.sum(dim=1) - gram.diagonal())) / ((n - 1) * (n - 2))
+        error = float(((n - 1) / n * (without - without.mean()).pow(2).sum()).sqrt())
+    else:
+        error = float("inf")
     noise = max(power - signal, 0.0)
     detected = signal > 2.0 * error
     out = {

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flowrl import sde
 from flowrl.credit.group import GroupAdvantage
 from flowrl.models.base import LoraSpec
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
-from flowrl.rollout.seeding import derive_seed
+from flowrl.rollout.seeding import derive_seed, seeded_normal
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -74,9 +75,41 @@ def test_roots_rebuild_from_seeds_and_shared_noise(sd3_model):
         roots = forest.roots()
         rebuilt = sd3_model.noise(forest.seed[roots].tolist())
         assert torch.equal(rebuilt, forest.all_latents()[roots])
-        first_group = forest.all_latents()[roots[:3]]
-        assert torch.equal(first_group[0], first_group[1]) == shared
-        assert not torch.equal(forest.all_latents()[roots[0]], forest.all_latents()[roots[3]])
+        leaves = forest.leaves()
+        root_of_leaf = torch.tensor([forest.ancestors(int(l))[-1] for l in leaves])
+        if shared:  # one x_T per group, all three chains of a group below it
+            assert roots.numel() == len(PROMPTS)
+            assert root_of_leaf.tolist() == roots.repeat_interleave(3).tolist()
+        else:
+            assert roots.numel() == len(PROMPTS) * 3 and root_of_leaf.tolist() == roots.tolist()
+            assert not torch.equal(forest.all_latents()[roots[0]], forest.all_latents()[roots[1]])
+        assert not torch.equal(forest.all_latents()[root_of_leaf[0]], forest.all_latents()[root_of_leaf[3]])
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start):
+    """With shared noise the ODE steps before the window run once per group; every chain still equals
+    stepping that chain alone from its group's x_T with its own (group, chain, step) noise."""
+    G, T = 3, 6
+    plan = Chains(group_size=G, steps=T, eta=0.7, shared_noise=True, window=SDEWindow(mode="fixed", start=start, size=2))
+    forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=4, iteration=1, max_batch=4))
+    expected = plan.expected_counts(len(PROMPTS), 1, seed=4)
+    assert forest.counters["forwards"] == expected["forwards"] == 2 * (start + 1) + 6 * (T - start - 1)
+    assert forest.edges(trainable=True).numel() == expected["trained_edges"] == 6 * 2
+    sigmas = sd3_model.schedule(T).float()
+    cond = sd3_model.encode(PROMPTS, sd3_model.guidance)
+    leaves = forest.leaves()
+    for k, leaf in enumerate(leaves.tolist()):
+        g, j = k // G, k % G
+        x = sd3_model.noise([derive_seed(4, 1, "root", g, 0)])
+        for i in range(T):
+            v = sd3_model.velocity(x, sigmas[i:i + 1], cond.select(torch.tensor([g])), sd3_model.guidance)
+            if start <= i < start + 2:
+                noise = seeded_normal(derive_seed(4, 1, "sde", g, j, i), sd3_model.latent_shape)[None]
+                x, _, _ = sde.step("flow_grpo", x, v, float(sigmas[i]), float(sigmas[i + 1]), 0.7, noise)
+            else:
+                x, _, _ = sde.step("ode", x, v, float(sigmas[i]), float(sigmas[i + 1]))
+        torch.testing.assert_close(forest.all_latents()[leaf][None], x, rtol=1e-4, atol=1e-5)
 
 
 def test_rollout_is_deterministic_and_iteration_dependent(sd3_model):
@@ -115,8 +148,9 @@ def test_replay_equals_rollout(family, kernel, eta):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     guidances = (1.0, 2.5) if family == "sd3" else (3.5,)
-    for guidance in guidances:
-        plan = Chains(group_size=3, steps=5, kernel=kernel, eta=eta, window=SDEWindow(mode="fixed", start=0, size=3))
+    for guidance, shared in [(g, s) for g in guidances for s in (False, True)]:
+        plan = Chains(group_size=3, steps=5, kernel=kernel, eta=eta, shared_noise=shared,
+                      window=SDEWindow(mode="fixed", start=1, size=3))
         forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=guidance, max_batch=4))
         GroupAdvantage().assign(forest, {"r": torch.arange(6, dtype=torch.float32)})
         cond = model.encode(forest.prompts, forest.guidance)
@@ -124,7 +158,7 @@ def test_replay_equals_rollout(family, kernel, eta):
         assert sum(b.numel() for b in batches) == 18
         for b in batches:
             out = replay(model, forest, cond, b, kl_form="exact")
-            assert torch.equal(out.logp.detach(), forest.logp_old[b]), (family, kernel, guidance)
+            assert torch.equal(out.logp.detach(), forest.logp_old[b]), (family, kernel, guidance, shared)
             assert out.logp.requires_grad
             assert (out.kl > 0).all()  # LoRA on: the policy differs from the reference
 

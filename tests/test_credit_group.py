@@ -257,12 +257,26 @@ def test_assign_multi_reward_weighted_raw_sum_vs_per_reward_norm():
     assert torch.isfinite(f.advantage).all()
 
 
-def test_assign_refuses_branching_forest():
+def test_assign_accepts_chains_below_a_shared_trunk():
+    """A group's chains branching off one root (shared_noise): each edge still leads to one leaf."""
     f = Forest(prompts=["p"])
     root = f.add_roots(torch.randn(1, 2, 4, 4), group=[0], seed=[0])
     kids = f.add_children(root.repeat(2), torch.randn(2, 2, 4, 4), sigma=0.5, step=1, logp=torch.randn(2),
                           std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=0)
     f.add_children(kids, torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
                    std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
-    with pytest.raises(ValueError, match="branch"):
+    GroupAdvantage(scale="group").assign(f, {"r": torch.tensor([1.0, 2.0])})
+    assert f.advantage.tolist() == pytest.approx([0.0, -1.0, 1.0, -1.0, 1.0], abs=1e-3)
+    assert f.weight.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]  # the trunk (root) is not a chain node
+    assert f.edges(trainable=True).tolist() == [1, 2, 3, 4]
+
+
+def test_assign_refuses_a_branch_below_a_stochastic_edge():
+    f = Forest(prompts=["p"])
+    root = f.add_roots(torch.randn(1, 2, 4, 4), group=[0], seed=[0])
+    kid = f.add_children(root, torch.randn(1, 2, 4, 4), sigma=0.5, step=1, logp=torch.randn(1),
+                         std=torch.full((1,), 0.3), kernel="dance", eta=0.3, batch=0)
+    f.add_children(kid.repeat(2), torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
+                   std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
+    with pytest.raises(ValueError, match="tree credit rule"):
         GroupAdvantage(scale="group").assign(f, {"r": torch.tensor([1.0, 2.0])})

@@ -23,7 +23,8 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class GroupAdvantage:
-    """Credit rule for chains: one advantage per sample, broadcast to its trainable edges."""
+    """Credit rule for chains: one advantage per sample, broadcast to its trainable edges. Chains may
+    hang from a shared deterministic trunk (``shared_noise``); trunk nodes get advantage 0, weight 0."""
 
     baseline: str = "mean"
     scale: str = "global"
@@ -113,14 +114,19 @@ class GroupAdvantage:
             col[leaves] = values.float()
             forest.reward_components[name] = col
         leaf_of = forest.leaf_of_each_node()
-        position = torch.full((forest.num_nodes,), -1, dtype=torch.long)
+        edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+        if bool((leaf_of[edges] < 0).any()):
+            raise ValueError("group credit needs every stochastic edge to lead to one leaf (chains, or chains below a "
+                             "shared deterministic trunk); this forest branches below one: use a tree credit rule")
+        position = torch.full((forest.num_nodes + 1,), -1, dtype=torch.long)
         position[leaves] = torch.arange(leaves.numel())
-        node_pos = position[leaf_of]
+        node_pos = position[leaf_of]  # −1 (index N → −1) for trunk nodes above a group's branch point
+        on_chain = node_pos >= 0
         flat_adv = adv.flatten()
         skip = (zero_var[:, None].expand(-1, G) | dropped).flatten()
-        forest.advantage = flat_adv[node_pos]
-        forest.weight = torch.where(skip[node_pos], torch.zeros(forest.num_nodes), torch.ones(forest.num_nodes))
-        edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+        safe = node_pos.clamp(min=0)
+        forest.advantage = torch.where(on_chain, flat_adv[safe], torch.zeros(forest.num_nodes))
+        forest.weight = torch.where(on_chain & ~skip[safe], torch.ones(forest.num_nodes), torch.zeros(forest.num_nodes))
         return {
             "zero_std_ratio": float(zero_var.float().mean()) if num_groups else 0.0,
             "skipped_edges": int((forest.weight[edges] == 0).sum()),

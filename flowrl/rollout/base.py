@@ -46,17 +46,22 @@ def advance(
     step_next: int,
     kernel: str,
     eta: float,
-    noise_for: Callable[[torch.Tensor], torch.Tensor | None],
+    noise_for: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
     guidance: float,
     max_batch: int,
+    fanout: int = 1,
 ) -> torch.Tensor:
-    """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``.
+    """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
+    each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
 
-    The velocity at the parents is computed in chunks of ``max_batch`` rows, one forward each, whose
+    The velocity at the parents is computed in chunks of ``max_batch`` parents, one forward each, whose
     ids are recorded on the new edges so training replays exactly this layout. ``cond`` holds one
-    row per prompt group; ``noise_for(parent_chunk)`` returns noise [len(chunk), C, H, W] (None for
-    deterministic kernels). Returns the new child indices [M].
+    row per prompt group; ``noise_for(parent_of_child, branch)`` (both [K] for the K children of a
+    chunk; ``branch`` in 0..fanout−1) returns noise [K, C, H, W] (None for deterministic kernels).
+    Returns the new child indices [M·fanout], the children of a parent adjacent, parents in order.
     """
+    if fanout > 1 and (kernel == "ode" or eta <= 0):
+        raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
     x_parents = forest.all_latents()[parents]
     sigma = float(forest.sigma[parents[0]])
     children = []
@@ -66,7 +71,11 @@ def advance(
         v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
                            cond.select(forest.group[chunk]), guidance)
         forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
-        noise = noise_for(chunk) if (kernel != "ode" and eta > 0) else None
+        if fanout > 1:
+            x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
+            chunk = chunk.repeat_interleave(fanout)
+        branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
+        noise = noise_for(chunk, branch) if (kernel != "ode" and eta > 0) else None
         x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
         logp = sde.log_prob(x_next, mean, std) if noise is not None else torch.zeros(chunk.shape[0])
         if noise is None:

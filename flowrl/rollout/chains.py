@@ -80,7 +80,9 @@ class SDEWindow:
 class Chains(RolloutPlan):
     """G independent chains per prompt (Flow-GRPO / DanceGRPO / MixGRPO).
 
-    ``shared_noise``: one x_T per prompt group (DanceGRPO) instead of one per chain (Flow-GRPO).
+    ``shared_noise``: one x_T per prompt group (DanceGRPO) instead of one per chain (Flow-GRPO). The
+    group's chains then share the deterministic trunk up to the first stochastic step and branch there:
+    those steps cost one forward per group, in the rollout and (at the branch point) in training.
     ``eta``: the kernel's noise level inside the window.
     """
 
@@ -118,14 +120,17 @@ class Chains(RolloutPlan):
         return idx
 
     def expected_counts(self, num_prompts: int, iteration: int = 0, seed: int = 0) -> dict[str, int]:
-        """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges."""
+        """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges.
+        With ``shared_noise`` the steps up to and including the first stochastic one cost one forward per group."""
         window = self.window.steps(self.steps, iteration, seed)
         chains = num_prompts * self.group_size
         per_chain = self.steps
         if self.post_solver == "dpm2":
             end = window[-1] + 1
             per_chain = end + len(self._post_indices(end)) - 1
-        return {"forwards": chains * per_chain, "trained_edges": chains * len(window), "leaves": chains}
+        trunk = window[0] + 1 if self.shared_noise else 0  # forwards one per group: the trunk and the branch point
+        forwards = num_prompts * trunk + chains * (per_chain - trunk)
+        return {"forwards": forwards, "trained_edges": chains * len(window), "leaves": chains}
 
     # ---- rollout --------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,30 +143,45 @@ class Chains(RolloutPlan):
         window = self.window.steps(T, ctx.iteration, ctx.seed)
         window_set = set(window)
 
-        groups = torch.arange(len(prompts)).repeat_interleave(G)
-        seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + int(g), 0 if self.shared_noise else j)
-                 for g in range(len(prompts)) for j in range(G)]
+        P = len(prompts)
         forest = Forest(prompts=list(prompts), guidance=guidance)
-        nodes = forest.add_roots(model.noise(seeds), groups, seeds, sigma=float(sigmas[0]), step=0)
+        sigma0 = float(sigmas[0])
+        if self.shared_noise:
+            # one x_T per group: the ODE steps before the window are the same for all G chains, so the
+            # group shares one trunk and branches into its G chains at the first stochastic step
+            seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
+            nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
+            chain_of = {int(n): (ctx.group_offset + g, None) for g, n in enumerate(nodes)}
+        else:
+            seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
+            nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
+            chain_of = {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
         cond = model.encode(prompts, guidance)
         shape = model.latent_shape
 
         # SDE noise is addressed by (global group, chain, step), never by node index, so the same
-        # chain draws the same noise whatever the process layout or batch chunking.
-        chain_of = {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
+        # chain draws the same noise whatever the process layout, batch chunking or trunk sharing.
         step_now = 0
 
-        def noise_for(parents: torch.Tensor) -> torch.Tensor:
-            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_of[int(p)], step_now), shape)
-                                for p in parents]).to(model.device)
+        def chain_key(parent: int, branch: int) -> tuple[int, int]:
+            group, chain = chain_of[parent]
+            return group, branch if chain is None else chain
+
+        def noise_for(parents: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_key(int(p), int(b)), step_now), shape)
+                                for p, b in zip(parents, branch)]).to(model.device)
 
         last = T if self.post_solver == "none" else window[-1] + 1
         for i in range(last):
             step_now = i
+            fanout = G if (self.shared_noise and i == window[0]) else 1
             kernel = self.kernel if i in window_set else "ode"
             children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
-                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch)
-            chain_of = {int(c): chain_of[int(p)] for p, c in zip(nodes, children)}
+                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout)
+            parents = nodes.repeat_interleave(fanout)
+            branches = torch.arange(fanout).repeat(nodes.shape[0])
+            chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
+                        for p, b, c in zip(parents, branches, children)}
             nodes = children
         if last < T:
             self._post_solve(forest, model, nodes, cond, sigmas, last, guidance, ctx.max_batch)

@@ -192,18 +192,15 @@ class Forest:
         return total
 
     def leaf_of_each_node(self) -> torch.Tensor:
-        """For forests of unbranched trees (chains): the unique leaf below each node [N].
-
-        Raises if some node has several children (use a tree credit rule for branched forests).
-        """
-        counts = torch.bincount(self.parent[self.parent >= 0], minlength=self.num_nodes)
-        if bool((counts > 1).any()):
-            raise ValueError("this forest branches (a node has several children): group credit needs chains; use a tree credit rule")
+        """The unique leaf below each node [N], or −1 where several leaves lie below (a node with a
+        branch point at or under it, e.g. the shared trunk of a group). For chains every node has one."""
+        n_leaves = torch.zeros(self.num_nodes, dtype=torch.long)
         leaf_of = torch.full((self.num_nodes,), -1, dtype=torch.long)
         for leaf in self.leaves().tolist():
             for node in self.ancestors(leaf):
+                n_leaves[node] += 1
                 leaf_of[node] = leaf
-        return leaf_of
+        return torch.where(n_leaves == 1, leaf_of, torch.full_like(leaf_of, -1))
 
     def edges(self, trainable: bool = True) -> torch.Tensor:
         """Indices of child nodes of edges [E]: all edges, or (default) the stochastic ones with
