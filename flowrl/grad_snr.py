@@ -23,19 +23,17 @@ from flowrl.config import TrainConfig
 
 def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str, float]:
     """Signal/noise statistics of N gradient draws ``grads`` [N, P] (N ≥ 2) of one batch size."""
-    if grads.ndim != 2 or grads.shape[0] < 2:
-        raise ValueError(f"need gradients [N >= 2, P], got shape {list(grads.shape)}")
+    if grads.ndim != 2 or grads.shape[0] < 3:
+        raise ValueError(f"need gradients [N >= 3, P] (the error of S drops one draw at a time), got shape {list(grads.shape)}")
     g = grads.double()
     n = g.shape[0]
     gram = g @ g.T
     power = float(gram.diagonal().mean())
     signal = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
     off = gram.sum() - gram.diagonal().sum()  # 2 × the sum over pairs
-    if n >= 3:  # jackknife: drop one draw (and its n−1 pairs) at a time
-        without = (off - 2.0 * (gram.sum(dim=1) - gram.diagonal())) / ((n - 1) * (n - 2))
-        error = float(((n - 1) / n * (without - without.mean()).pow(2).sum()).sqrt())
-    else:
-        error = float("inf")
+    # jackknife: drop one draw (and its n−1 pairs) at a time
+    without = (off - 2.0 * (gram.sum(dim=1) - gram.diagonal())) / ((n - 1) * (n - 2))
+    error = float(((n - 1) / n * (without - without.mean()).pow(2).sum()).sqrt())
     noise = max(power - signal, 0.0)
     detected = signal > 2.0 * error
     out = {
@@ -51,8 +49,8 @@ def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str,
     # batch (samples) at which S equals the noise of one batch: noise shrinks as 1/B
     if detected:
         out["samples_for_snr_1"] = samples_per_batch * noise / signal
-    else:  # S < 2·error (or negative): at least this many samples
-        out["samples_for_snr_1_at_least"] = samples_per_batch * noise / (2.0 * error) if error > 0 else float("inf")
+    else:  # S is at most Ŝ + 2·error (≈ 97.5% one-sided): at least this many samples
+        out["samples_for_snr_1_at_least"] = samples_per_batch * noise / (max(signal, 0.0) + 2.0 * error)
     return out
 
 
@@ -63,24 +61,28 @@ def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | None = None, progress: bool = True) -> dict[str, float]:
-    """Gradient signal-to-noise of ``cfg``'s update at its initial weights (or a run's ``checkpoint``).
+    """Gradient signal-to-noise of ``cfg``'s iterations at its initial weights (or a run's ``checkpoint``).
 
-    Uses iterations 0..batches−1 of the run's seed: each a full rollout, reward and credit, and one
-    backward over all trained edges, exactly as the first update of that iteration.
+    Uses the ``batches`` iterations the run would do next (0.. at the start, from the checkpoint's step
+    on), each a full rollout, reward and credit and one backward over all its trained edges.
+    "Samples per batch" counts one iteration's leaves; with ``train.updates_per_epoch`` U > 1 an
+    update sees 1/U of them.
     """
     from flowrl.trainer import Trainer
 
-    if batches < 2:
-        raise ValueError(f"--batches={batches} must be >= 2 (the signal is the agreement between batches)")
+    if batches < 3:
+        raise ValueError(f"--batches={batches} must be >= 3 (the signal is the agreement between batches, "
+                         "its error drops one at a time)")
     cfg.train.progress = False
     cfg.prompts.eval = None
     trainer = Trainer(cfg)
     if checkpoint:
-        from flowrl.checkpoint import find_checkpoint, load_weights
+        from flowrl.checkpoint import find_checkpoint
 
-        folder, _ = find_checkpoint(checkpoint)
-        load_weights(trainer.model, folder / "live" if (folder / "live").is_dir() else folder)
-    grads = torch.stack([trainer.policy_gradient(i) for i in tqdm(range(batches), desc="gradients", disable=not progress)])
+        trainer.load_checkpoint(find_checkpoint(checkpoint)[0])
+    first = trainer.step
+    grads = torch.stack([trainer.policy_gradient(i) for i in
+                         tqdm(range(first, first + batches), desc="gradients", disable=not progress)])
     samples = cfg.prompts.per_step * cfg.rollout.group_size
     out = split_signal_noise(grads, samples)
     adam = split_signal_noise(adam_normalised(grads), samples)

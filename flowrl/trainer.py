@@ -251,11 +251,12 @@ class Trainer:
         return out
 
     def policy_gradient(self, iteration: int) -> torch.Tensor:
-        """The gradient the first update of ``iteration`` would take, flat [P] over the trainable
-        parameters (mean over processes, before clipping), without changing any weight.
+        """The policy gradient of the whole of ``iteration``, flat [P] over the trainable parameters
+        (mean over processes, before clipping), without changing any weight: the gradient of its first
+        update when ``train.updates_per_epoch`` is 1.
 
         Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
-        over all trainable edges at once (one update's worth; ratios are exactly 1)."""
+        over all trainable edges at once (ratios are exactly 1)."""
         forest, components, _ = self.rollout(iteration)
         self.credit.assign(forest, components, gather=self._gather)
         self.model.trainable.train()

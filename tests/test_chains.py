@@ -86,14 +86,16 @@ def test_roots_rebuild_from_seeds_and_shared_noise(sd3_model):
         assert not torch.equal(forest.all_latents()[root_of_leaf[0]], forest.all_latents()[root_of_leaf[3]])
 
 
-@pytest.mark.parametrize("start", [0, 2])
-def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start):
+@pytest.mark.parametrize("start, max_batch", [(0, 4), (2, 4), (2, 1)])
+def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start, max_batch):
     """With shared noise the ODE steps before the window run once per group; every chain still equals
     stepping that chain alone from its group's x_T with its own (group, chain, step) noise."""
     G, T = 3, 6
     plan = Chains(group_size=G, steps=T, eta=0.7, shared_noise=True, window=SDEWindow(mode="fixed", start=start, size=2))
-    forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=4, iteration=1, max_batch=4))
+    forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=4, iteration=1, max_batch=max_batch))
     expected = plan.expected_counts(len(PROMPTS), 1, seed=4)
+    # a forward carries at most max_batch new edges (one parent's G branches when max_batch < G)
+    assert all(int((forest.batch == b).sum()) <= max(max_batch, G) for b in forest.batch.unique() if b >= 0)
     assert forest.counters["forwards"] == expected["forwards"] == 2 * (start + 1) + 6 * (T - start - 1)
     assert forest.edges(trainable=True).numel() == expected["trained_edges"] == 6 * 2
     sigmas = sd3_model.schedule(T).float()
@@ -178,3 +180,5 @@ def test_invalid_plan_settings_name_the_key():
         Chains(steps=6, window=SDEWindow(mode="fixed", start=4, size=2))
     with pytest.raises(ValueError, match="rollout.group_size"):
         Chains(group_size=1)
+    with pytest.raises(ValueError, match="rollout.eta=0.0 with rollout.shared_noise"):
+        Chains(shared_noise=True, eta=0.0)

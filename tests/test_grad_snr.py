@@ -33,12 +33,34 @@ def test_pure_noise_is_not_called_signal():
     out = split_signal_noise(draws(0.0, 0.02, seed=3), samples_per_batch=64)
     assert out["signal_detected"] == 0.0
     assert abs(out["signal"]) < 3 * out["signal_error"]
-    assert out["samples_for_snr_1_at_least"] > 64
 
 
-def test_estimator_rejects_a_single_draw():
-    with pytest.raises(ValueError, match=r"N >= 2"):
-        split_signal_noise(torch.zeros(1, 5), 8)
+@pytest.mark.parametrize("seed", range(5))
+def test_undetected_signal_gives_a_lower_bound_that_holds(seed):
+    # S = 0.01, N = 8: the truth is 64 · 8 / 0.01 = 51,200 samples; too weak to detect in 16 draws
+    out = split_signal_noise(draws(0.1, 0.02, seed=seed), samples_per_batch=64)
+    assert out["signal_detected"] == 0.0
+    assert 64 < out["samples_for_snr_1_at_least"] <= 51_200
+
+
+def test_jackknife_error_matches_leave_one_out_by_brute_force():
+    g = draws(0.3, 0.05, n=7, dims=50, seed=1)
+    n = g.shape[0]
+    gram = g.double() @ g.double().T
+
+    def mean_pairs(idx):
+        return sum(float(gram[i, j]) for i in idx for j in idx if i < j) / (len(idx) * (len(idx) - 1) / 2)
+
+    loo = torch.tensor([mean_pairs([i for i in range(n) if i != k]) for k in range(n)], dtype=torch.float64)
+    expected = float(((n - 1) / n * (loo - loo.mean()).pow(2).sum()).sqrt())
+    out = split_signal_noise(g, 8)
+    assert out["signal"] == pytest.approx(mean_pairs(list(range(n))), rel=1e-9)
+    assert out["signal_error"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_estimator_rejects_two_draws():
+    with pytest.raises(ValueError, match=r"N >= 3"):
+        split_signal_noise(torch.zeros(2, 5), 8)
 
 
 def test_adam_normalisation_gives_unit_rms_columns_and_keeps_zero_columns():
@@ -65,9 +87,9 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
     trainer.credit.assign(forest, components)
     trainer.update(forest, 0)
     assert torch.allclose(stepped[0], measured, rtol=1e-5, atol=1e-12)
-    # the same iteration twice is the same draw: all power is "signal", cosine 1
+    # the same iteration thrice is the same draw: all power is "signal", cosine 1
     again = trainer.policy_gradient(1)
-    stats = split_signal_noise(torch.stack([again, trainer.policy_gradient(1)]), 8)
+    stats = split_signal_noise(torch.stack([again, trainer.policy_gradient(1), trainer.policy_gradient(1)]), 8)
     assert stats["mean_pairwise_cosine"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -87,5 +109,22 @@ def test_gradient_snr_runs_independent_iterations(tmp_path, monkeypatch):
 def test_cli_rejects_one_batch_with_a_clear_error(tmp_path, capsys):
     from flowrl.cli import main
 
-    assert main(["snr", "--batches", "1", f"train.output_dir={tmp_path}"]) == 2
-    assert "--batches=1 must be >= 2" in capsys.readouterr().err
+    assert main(["snr", "--batches", "2", f"train.output_dir={tmp_path}"]) == 2
+    assert "--batches=2 must be >= 3" in capsys.readouterr().err
+
+
+def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monkeypatch):
+    import flowrl.build as build
+
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
+    cfg = tiny_config(tmp_path, "snr3", "loss.beta=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null")
+    Trainer(cfg).train()
+    seen = []
+
+    def fake_gradient(self, iteration):
+        seen.append(iteration)
+        return torch.randn(10)
+
+    monkeypatch.setattr(Trainer, "policy_gradient", fake_gradient)
+    gradient_snr(tiny_config(tmp_path, "snr3", "loss.beta=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)
+    assert seen == [2, 3, 4]

@@ -168,3 +168,19 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
     # replay of the merged forest is still exact: batch ids were offset, not mixed
     two.credit.assign(fb, cb)
     assert two.update(fb, 0)["first_step_abs_delta_logp"] == 0.0
+
+
+def test_shared_noise_trains_from_the_branch_point_with_every_update(tmp_path):
+    """Shared x_T per group: chains branch at the first SDE step, the first inner step still replays
+    with ratio exactly 1, and each of the configured optimizer steps happens."""
+    cfg = tiny_config(tmp_path, "shared", "rollout.shared_noise=true", "train.updates_per_epoch=3", "loss.beta=0")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    steps = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: steps.append(1))
+    forest, components, _ = trainer.rollout(0)
+    assert forest.roots().numel() == 2  # one x_T per prompt group
+    trainer.credit.assign(forest, components)
+    stats = trainer.update(forest, 0)
+    assert stats["first_step_abs_delta_logp"] == 0.0
+    assert len(steps) == 3
+    assert stats["trained_edges"] == 2 * 4 * 3

@@ -54,8 +54,9 @@ def advance(
     """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
     each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
 
-    The velocity at the parents is computed in chunks of ``max_batch`` parents, one forward each, whose
-    ids are recorded on the new edges so training replays exactly this layout. ``cond`` holds one
+    The velocity at the parents is computed in chunks of ``max_batch // fanout`` parents (at least one),
+    one forward each, so a forward carries at most ``max_batch`` new edges; its id is recorded on them
+    so training replays exactly this layout. ``cond`` holds one
     row per prompt group; ``noise_for(parent_of_child, branch)`` (both [K] for the K children of a
     chunk; ``branch`` in 0..fanout−1) returns noise [K, C, H, W] (None for deterministic kernels).
     Returns the new child indices [M·fanout], the children of a parent adjacent, parents in order.
@@ -65,9 +66,10 @@ def advance(
     x_parents = forest.all_latents()[parents]
     sigma = float(forest.sigma[parents[0]])
     children = []
-    for start in range(0, parents.shape[0], max_batch):
-        chunk = parents[start:start + max_batch]
-        x = x_parents[start:start + max_batch].to(model.device)
+    per_forward = max(1, max_batch // fanout)
+    for start in range(0, parents.shape[0], per_forward):
+        chunk = parents[start:start + per_forward]
+        x = x_parents[start:start + per_forward].to(model.device)
         v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
                            cond.select(forest.group[chunk]), guidance)
         forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))

@@ -105,6 +105,9 @@ class Chains(RolloutPlan):
             raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (group advantages need several samples)")
         if self.steps < 2:
             raise ValueError(f"rollout.steps={self.steps} must be >= 2")
+        if self.shared_noise and self.eta <= 0:
+            raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
+                             "the same ODE sample; use eta > 0")
         if self.post_solver not in POST_SOLVERS:
             raise ValueError(f"rollout.post_solver={self.post_solver!r} is not supported; accepted: {list(POST_SOLVERS)}")
         if not (0.0 < self.post_steps_ratio <= 1.0):
@@ -178,10 +181,9 @@ class Chains(RolloutPlan):
             kernel = self.kernel if i in window_set else "ode"
             children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
                                self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout)
-            parents = nodes.repeat_interleave(fanout)
-            branches = torch.arange(fanout).repeat(nodes.shape[0])
+            branches = torch.arange(fanout).repeat(nodes.shape[0])  # children come parent by parent
             chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
-                        for p, b, c in zip(parents, branches, children)}
+                        for p, b, c in zip(forest.parent[children], branches, children)}
             nodes = children
         if last < T:
             self._post_solve(forest, model, nodes, cond, sigmas, last, guidance, ctx.max_batch)
