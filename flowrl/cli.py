@@ -136,10 +136,12 @@ def cmd_snr(args: argparse.Namespace) -> int:
     from flowrl.grad_snr import gradient_snr
 
     config, overrides = _split_config_arg(args.config, args.overrides)
-    if args.checkpoint and config is None:
-        config = str(find_checkpoint(args.checkpoint)[1] / "config.yaml")
+    checkpoint = None
+    if args.checkpoint:
+        checkpoint, run_dir = find_checkpoint(args.checkpoint)
+        config = config or str(run_dir / "config.yaml")
     cfg = _load_config(config, overrides)
-    result = gradient_snr(cfg, batches=args.batches, checkpoint=args.checkpoint)
+    result = gradient_snr(cfg, batches=args.batches, checkpoint=checkpoint)
     print(json.dumps(result, indent=2))
     if result["signal_detected"]:
         print(f"signal detected: SNR {result['snr_per_batch']:.3g} per batch of {int(result['samples_per_batch'])} samples; "

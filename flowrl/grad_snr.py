@@ -15,6 +15,8 @@ normalised per coordinate by their RMS over the N draws (``adam_*``): what the o
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 
@@ -22,15 +24,15 @@ from flowrl.config import TrainConfig
 
 
 def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str, float]:
-    """Signal/noise statistics of N gradient draws ``grads`` [N, P] (N ≥ 2) of one batch size."""
+    """Signal/noise statistics of N gradient draws ``grads`` [N, P] (N ≥ 3) of one batch size."""
     if grads.ndim != 2 or grads.shape[0] < 3:
         raise ValueError(f"need gradients [N >= 3, P] (the error of S drops one draw at a time), got shape {list(grads.shape)}")
     g = grads.double()
     n = g.shape[0]
     gram = g @ g.T
     power = float(gram.diagonal().mean())
-    signal = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
     off = gram.sum() - gram.diagonal().sum()  # 2 × the sum over pairs
+    signal = float(off / (n * (n - 1)))
     # jackknife: drop one draw (and its n−1 pairs) at a time
     without = (off - 2.0 * (gram.sum(dim=1) - gram.diagonal())) / ((n - 1) * (n - 2))
     error = float(((n - 1) / n * (without - without.mean()).pow(2).sum()).sqrt())
@@ -60,7 +62,7 @@ def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
     return torch.where(rms > 0, grads.double() / rms.clamp(min=1e-300), torch.zeros_like(grads, dtype=torch.float64))
 
 
-def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | None = None, progress: bool = True) -> dict[str, float]:
+def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | None = None, progress: bool = True) -> dict[str, float]:
     """Gradient signal-to-noise of ``cfg``'s iterations at its initial weights (or a run's ``checkpoint``).
 
     Uses the ``batches`` iterations the run would do next (0.. at the start, from the checkpoint's step
@@ -76,7 +78,7 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | None = N
     cfg.train.progress = False
     cfg.prompts.eval = None
     trainer = Trainer(cfg)
-    if checkpoint:
+    if checkpoint:  # a run folder or a checkpoints/step-N folder
         from flowrl.checkpoint import find_checkpoint
 
         trainer.load_checkpoint(find_checkpoint(checkpoint)[0])

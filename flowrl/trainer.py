@@ -200,10 +200,7 @@ class Trainer:
                                       forest.weight[b].to(out.logp.device))
             (loss * (b.numel() * self.world / n_global)).backward()
             for k, v in diag.items():
-                if k in _EXTREMES:
-                    sums[k] = _EXTREMES[k](sums.get(k, float(v)), float(v))
-                else:
-                    sums[k] = sums.get(k, 0.0) + float(v) * b.numel()
+                _fold(sums, k, float(v) if k in _EXTREMES else float(v) * b.numel())
             count += b.numel()
         return count
 
@@ -236,7 +233,7 @@ class Trainer:
                 if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
                     first_delta = step_sums.get("abs_delta_logp", 0.0)
                 for k, v in step_sums.items():
-                    diag_sums[k] = _EXTREMES[k](diag_sums[k], v) if k in _EXTREMES and k in diag_sums else diag_sums.get(k, 0.0) + v
+                    _fold(diag_sums, k, v)
                 self._average_gradients()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
                 self.optimizer.step()
@@ -433,6 +430,14 @@ class Trainer:
 
 
 _EXTREMES = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}  # diagnostics that are not averaged
+
+
+def _fold(sums: dict[str, float], key: str, value: float) -> None:
+    """Accumulate one diagnostic: extremes combine by min/max, the rest add (edge-weighted sums)."""
+    if key in _EXTREMES and key in sums:
+        sums[key] = _EXTREMES[key](sums[key], value)
+    else:
+        sums[key] = sums.get(key, 0.0) + value
 
 
 class _StopFlag:

@@ -133,7 +133,6 @@ def save_curves(path_png: Path, path_json: Path, vae_losses: list[float], tr_los
     plt.close(fig)
 
 
-
 def save_run_curves(work: Path, history: dict, tr_losses: list[float], quick: list[dict]) -> dict[str, Path]:
     """Write this run's curves, continuing ``history`` (earlier runs, ``--init-from``), into ``work``;
     returns {file name: path} of the written files for :func:`atomic_save`."""
@@ -141,6 +140,7 @@ def save_run_curves(work: Path, history: dict, tr_losses: list[float], quick: li
     save_curves(files["loss_curves.png"], files["loss_curves.json"], history["vae_loss"],
                 history["transformer_loss"] + tr_losses, history["quick_evals"] + quick)
     return files
+
 
 def save_grid(path: Path, images: torch.Tensor, ncol: int = 16) -> None:
     """Save images [N, 3, H, W] in [0, 1] as one PNG grid (1 px grey separators)."""

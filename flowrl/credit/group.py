@@ -118,15 +118,14 @@ class GroupAdvantage:
         if bool((leaf_of[edges] < 0).any()):
             raise ValueError("group credit needs every stochastic edge to lead to one leaf (chains, or chains below a "
                              "shared deterministic trunk); this forest branches below one: use a tree credit rule")
-        position = torch.full((forest.num_nodes + 1,), -1, dtype=torch.long)
+        position = torch.full((forest.num_nodes,), -1, dtype=torch.long)
         position[leaves] = torch.arange(leaves.numel())
-        node_pos = position[leaf_of]  # −1 (index N → −1) for trunk nodes above a group's branch point
-        on_chain = node_pos >= 0
+        on_chain = leaf_of >= 0  # trunk nodes above a group's branch point have several leaves below
+        node_pos = position[leaf_of.clamp(min=0)]  # the leaf's sample index (meaningful on chains only)
         flat_adv = adv.flatten()
         skip = (zero_var[:, None].expand(-1, G) | dropped).flatten()
-        safe = node_pos.clamp(min=0)
-        forest.advantage = torch.where(on_chain, flat_adv[safe], torch.zeros(forest.num_nodes))
-        forest.weight = torch.where(on_chain & ~skip[safe], torch.ones(forest.num_nodes), torch.zeros(forest.num_nodes))
+        forest.advantage = torch.where(on_chain, flat_adv[node_pos], torch.zeros(forest.num_nodes))
+        forest.weight = torch.where(on_chain & ~skip[node_pos], torch.ones(forest.num_nodes), torch.zeros(forest.num_nodes))
         return {
             "zero_std_ratio": float(zero_var.float().mean()) if num_groups else 0.0,
             "skipped_edges": int((forest.weight[edges] == 0).sum()),
