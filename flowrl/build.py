@@ -1,16 +1,16 @@
 """Build the loop's components from a :class:`~flowrl.config.TrainConfig` (YAML and Python share these)."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from typing import Any
 
 import torch
 
-from flowrl.config import ConfigError, ModelSection, RewardTerm, RolloutSection, TrainConfig
-from flowrl.credit.group import GroupAdvantage
-from flowrl.loss import PolicyLoss
+from flowrl import components
+from flowrl.config import ConfigError, ModelSection, RewardTerm, TrainConfig
+from flowrl.credit.base import CreditRule
+from flowrl.loss import Objective
 from flowrl.models.base import FlowModel, LoraSpec
 from flowrl.rollout.base import RolloutPlan
-from flowrl.rollout.chains import Chains, SDEWindow
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,34 +48,27 @@ def lora_spec(section: ModelSection) -> LoraSpec:
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.targets, dropout=lora.dropout, init=lora.init)
 
 
-def build_plan(section: RolloutSection) -> RolloutPlan:
-    """The rollout plan named by ``rollout.plan`` with the section's fields."""
-    fields = asdict(section)
-    plan = fields.pop("plan")
-    fields.pop("max_batch")
-    fields.pop("chunks")
-    if plan == "chains":
-        fields["window"] = SDEWindow(**fields["window"])
-        return Chains(**fields)
-    raise ConfigError(f"rollout.plan={plan!r} is not supported; accepted: ['chains']")
+def build_plan(section: Any) -> RolloutPlan:
+    """The rollout plan ``rollout.plan`` names, built from the section's values of its fields."""
+    return components.instantiate(components.PLAN, section)
 
 
-def build_rewards(terms: list[RewardTerm]):
-    """A :class:`rewards.MultiReward` over the configured terms."""
+def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
+    """A :class:`rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``)."""
     from rewards import MultiReward, RewardSpec
 
     try:
-        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label) for t in terms])
+        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label) for t in terms],
+                           normalize=normalize)
     except (KeyError, ModuleNotFoundError, AttributeError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from e
 
 
-def build_credit(cfg: TrainConfig, weights: dict[str, float]) -> GroupAdvantage:
-    c = cfg.credit
-    if c.rule != "group":
-        raise ConfigError(f"credit.rule={c.rule!r} is not supported; accepted: ['group']")
-    return GroupAdvantage(baseline=c.baseline, scale=c.scale, per_reward_norm=c.per_reward_norm, eps=c.eps, weights=weights)
+def build_credit(cfg: TrainConfig) -> CreditRule:
+    """The credit rule ``credit.rule`` names."""
+    return components.instantiate(components.CREDIT, cfg.credit)
 
 
-def build_loss(cfg: TrainConfig) -> PolicyLoss:
-    return PolicyLoss(**asdict(cfg.loss))
+def build_loss(cfg: TrainConfig) -> Objective:
+    """The objective ``loss.objective`` names."""
+    return components.instantiate(components.LOSS, cfg.loss)

@@ -18,7 +18,18 @@ OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 
                   "every key with its default is listed below")
 
 
-def _defaults_epilog() -> str:
+def _defaults_epilog(argv: list[str] | None = None) -> str:
+    """Every key and its value: of the config (and ``key=value`` overrides) named on the command line
+    ``argv`` when it loads, so the sections list the keys of the components it chooses, else the defaults."""
+    words = [w for w in (argv or [])[1:] if not w.startswith("-")]
+    config = next((w for w in words if "=" not in w and Path(w).is_file()), None)
+    overrides = [w for w in words if "=" in w]
+    if config is not None or overrides:
+        try:
+            return (f"every config key, with its value in {config or 'the default config'}"
+                    f"{' and the overrides' if overrides else ''}:\n\n" + _load_config(config, overrides).to_yaml())
+        except (ConfigError, OSError) as e:
+            return f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n" + TrainConfig().to_yaml()
     return "every config key and its default:\n\n" + TrainConfig().to_yaml()
 
 
@@ -152,7 +163,9 @@ def cmd_snr(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``flowrl`` parser; ``argv`` (when asking for help) picks the config whose keys the help lists."""
+    epilog = _defaults_epilog(argv) if argv and ("-h" in argv or "--help" in argv) else _defaults_epilog()
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -160,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train with a YAML config (default: the embedded shapes preset)",
                        description="Train: rollout plan → rewards → credit → clipped loss, to train.max_steps. "
                                    f"Without CONFIG runs {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}.",
-                       epilog=_defaults_epilog(), formatter_class=fmt)
+                       epilog=epilog, formatter_class=fmt)
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_train)
@@ -181,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a run or base model on the held-out prompts",
                        description="ODE-sample the eval prompts (prompts.eval) and score them with eval.rewards.",
-                       epilog=_defaults_epilog(), formatter_class=fmt)
+                       epilog=epilog, formatter_class=fmt)
     p.add_argument("--checkpoint", help="run folder or checkpoint folder (default: the base model)")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
     p.add_argument("--out", help="folder for eval.json and grid.png")
@@ -189,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="time iterations: rollout, reward, update, model-forward overhead, peak memory",
-                       epilog=_defaults_epilog(), formatter_class=fmt)
+                       epilog=epilog, formatter_class=fmt)
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -199,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("snr", help="gradient signal-to-noise of one update: is the batch big enough?",
                        description="Policy gradients of N independent iterations at fixed weights; their agreement "
                                    "is the signal, their spread the noise (docs/benchmarks.md).",
-                       epilog=_defaults_epilog(), formatter_class=fmt)
+                       epilog=epilog, formatter_class=fmt)
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml, or the run's)")
     p.add_argument("--batches", type=int, default=12, help="independent iterations to draw (default 12)")
     p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
@@ -209,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -4,24 +4,29 @@
 that does not exist fails at once naming the nearest valid key, a value of the wrong type names
 the key, the value and the expected type, and semantic checks (choices, ranges) run when the
 components are built (they name the key too).
+
+The ``rollout``, ``credit`` and ``loss`` sections belong to the components they select
+(``rollout.plan``, ``credit.rule``, ``loss.objective``; see :mod:`flowrl.components`): their keys are
+the chosen component's dataclass fields, so the schema is assembled per config by
+:meth:`TrainConfig.schema` before the YAML is merged into it.
 """
 from __future__ import annotations
 
 import difflib
-from dataclasses import MISSING as NO_DEFAULT, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING as NO_DEFAULT, asdict, dataclass, field, fields, is_dataclass, make_dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from flowrl import components
+from flowrl.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "grpo.yaml"
-
-
-class ConfigError(ValueError):
-    """A bad configuration key or value; the message names the key, the value and what is accepted."""
 
 
 @dataclass
@@ -50,57 +55,11 @@ class ModelSection:
 
 
 @dataclass
-class WindowSection:
-    mode: str = "all"  # all | fixed | random | progressive
-    start: int = 0
-    size: int = 3
-    range: Optional[list[int]] = None
-    stride: int = 1
-    tau: int = 25
-
-
-@dataclass
-class RolloutSection:
-    plan: str = "chains"
-    group_size: int = 8
-    steps: int = 10
-    kernel: str = "flow_grpo"  # flow_grpo | dance | cps
-    eta: float = 0.7
-    shared_noise: bool = False
-    window: WindowSection = field(default_factory=WindowSection)
-    post_solver: str = "none"  # none | dpm2
-    post_steps_ratio: float = 0.4
-    max_batch: int = 64  # states per model forward; training replays the same layout
-    chunks: int = 1  # roll out the iteration's prompt groups in this many parts; each part's rewards
-    # are scored (in a background thread with train.async_reward) while the next part rolls out
-
-
-@dataclass
 class RewardTerm:
     name: str = MISSING  # registry name, "package.module:Class" or "path/to/file.py:Class"
     weight: float = 1.0
     label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CreditSection:
-    rule: str = "group"
-    baseline: str = "mean"  # mean | median
-    scale: str = "global"  # group | global | mad | none
-    per_reward_norm: bool = False
-    eps: float = 1e-4
-
-
-@dataclass
-class LossSection:
-    clip_low: float = 1e-4
-    clip_high: float = 1e-4
-    adv_clip: float = 5.0
-    beta: float = 0.04
-    kl_form: str = "exact"  # exact | flow_grpo
-    reduction: str = "mean"  # mean | sum
-    adaptive_kappa: Optional[float] = None
 
 
 @dataclass
@@ -153,11 +112,23 @@ class TrainSection:
     async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
 
 
+RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
+CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
+LossSection = components.section_schema(components.LOSS, components.LOSS.default)
+REWARD_NORMALIZE = ("none", "batch", "group")
+MOVED_KEYS = {"credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
+                                        "prompt group before the weighted sum) with credit.scale: none"}
+
+
 @dataclass
 class TrainConfig:
+    """The whole run. ``rollout``/``credit``/``loss`` hold the default components' sections here; a
+    config that selects others is loaded into :meth:`schema`'s subclass with their sections."""
+
     model: ModelSection = field(default_factory=ModelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="shapes")])
+    reward_normalize: str = "none"  # none | batch | group: how MultiReward combines several rewards
     credit: CreditSection = field(default_factory=CreditSection)
     loss: LossSection = field(default_factory=LossSection)
     optim: OptimSection = field(default_factory=OptimSection)
@@ -167,25 +138,38 @@ class TrainConfig:
 
     # ---- loading ----------------------------------------------------------------------------
     @classmethod
+    def schema(cls, plan: str | None = None, rule: str | None = None, objective: str | None = None) -> type:
+        """The TrainConfig subclass whose ``rollout``/``credit``/``loss`` sections are the schemas of
+        the named components (defaults: chains, group, clipped)."""
+        return _schema(plan or components.PLAN.default, rule or components.CREDIT.default,
+                       objective or components.LOSS.default)
+
+    @classmethod
     def from_yaml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
         """Schema ← YAML file (optional) ← ``key=value`` overrides; returns a validated TrainConfig."""
-        base = OmegaConf.structured(cls)
-        try:
-            if path is not None:
-                path = Path(path)
-                if not path.is_file():
-                    raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = None
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            try:
                 loaded = OmegaConf.load(path)
-                _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}")
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{path}: {e}") from None
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        schema = cls.schema(**_selected_components(loaded, overrides or []))
+        base = OmegaConf.structured(schema)
+        try:
+            if loaded is not None:
+                _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
                 base = OmegaConf.merge(base, loaded)
             if overrides:
-                for item in overrides:
-                    if "=" not in item:
-                        raise ConfigError(f"override {item!r} is not of the form key=value")
-                _check_keys([item.split("=", 1)[0] for item in overrides], "")
+                _check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
                 base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         except (ConfigKeyError, ConfigAttributeError) as e:
-            raise ConfigError(_unknown_key_message(e)) from None
+            raise ConfigError(_unknown_key_message(e, schema)) from None
         except ValidationError as e:
             raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
         except OmegaConfBaseException as e:
@@ -216,8 +200,7 @@ class TrainConfig:
         """Checks that need no model: choices and ranges, each naming its key."""
         choose("model.family", self.model.family, ("shapes", "sd3", "flux"))
         choose("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        choose("rollout.plan", self.rollout.plan, ("chains",))
-        choose("credit.rule", self.credit.rule, ("group",))
+        choose("reward_normalize", self.reward_normalize, REWARD_NORMALIZE)
         choose("optim.schedule", self.optim.schedule, ("constant", "linear", "cosine"))
         choose("train.log_with", self.train.log_with, ("none", "tensorboard", "wandb"))
         positive("train.max_steps", self.train.max_steps, allow_zero=True)
@@ -236,16 +219,8 @@ class TrainConfig:
                               f"{self.model.family!r} use model.guidance")
         if not 0.0 <= self.train.ema < 1.0:
             raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
-        from flowrl import build  # the components check their own fields (choices, ranges) by key
-
-        try:
-            build.build_plan(self.rollout)
-            build.build_credit(self, {})
-            build.build_loss(self)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        for kind in components.KINDS:  # each component checks its own fields (choices, ranges) by key
+            components.instantiate(kind, getattr(self, kind.section))
 
 
 def choose(key: str, value: Any, accepted: tuple) -> None:
@@ -260,6 +235,31 @@ def positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:
+    """The component names a YAML tree and overrides select: ``{"plan": ..., "rule": ..., "objective": ...}``
+    (the last override wins; absent → the defaults)."""
+    chosen: dict[str, str] = {}
+    for kind in components.KINDS:
+        section = loaded.get(kind.section) if loaded is not None and hasattr(loaded, "get") else None
+        if section is not None and hasattr(section, "get") and section.get(kind.selector) is not None:
+            chosen[kind.selector] = str(section.get(kind.selector))
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key.strip() == kind.key:
+                chosen[kind.selector] = value.strip()
+    return chosen
+
+
+@lru_cache(maxsize=None)
+def _schema(plan: str, rule: str, objective: str) -> type:
+    sections = {kind.section: components.section_schema(kind, name)
+                for kind, name in zip(components.KINDS, (plan, rule, objective))}
+    if (plan, rule, objective) == tuple(k.default for k in components.KINDS):
+        return TrainConfig
+    return make_dataclass("TrainConfig", [(name, schema, field(default_factory=schema)) for name, schema in sections.items()],
+                          bases=(TrainConfig,))
+
+
 def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
     """Every dotted key of the schema (for suggestions)."""
     out = []
@@ -272,9 +272,9 @@ def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
     return out
 
 
-def _unknown_key_message(e: OmegaConfBaseException) -> str:
+def _unknown_key_message(e: OmegaConfBaseException, schema: type = TrainConfig) -> str:
     bad = getattr(e, "full_key", None) or str(e)
-    keys = all_keys()
+    keys = all_keys(schema)
     close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
     if not close:  # compare the last component within the same section
         section, _, leaf = bad.rpartition(".")
@@ -298,12 +298,14 @@ def _dotted(tree: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _check_keys(keys: list[str], where: str) -> None:
+def _check_keys(keys: list[str], where: str, schema: type = TrainConfig) -> None:
     """Every key must exist in the schema; else name the nearest full key."""
-    known = set(all_keys())
+    known = set(all_keys(schema))
     for key in keys:
         if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in _FREE_FORM):
             continue
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key {key!r}{where} is gone; use {MOVED_KEYS[key]}")
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")

@@ -14,12 +14,39 @@ import torch
 from flowrl import sde
 
 
+class Objective:
+    """Base of policy objectives (``loss.objective``): edge batch → (loss, diagnostics).
+
+    The objective owns how log-probs are reduced (``reduction``: ``mean`` over latent elements or
+    ``sum``) and the KL form; the rollout records log-probs with this ``reduction`` and replay
+    recomputes them the same way, so a ratio is 1 at unchanged weights whatever is chosen. A
+    reference forward (the KL term) runs only when :attr:`needs_reference`. Subclasses are
+    dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.components`) and may
+    declare ``reduction``/``kl_form``/``beta`` as fields; the class values below are the defaults.
+    """
+
+    reduction: str = "mean"
+    kl_form: str = "exact"
+    beta: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
+                 kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss (scalar) and detached diagnostics for edges [E] (see :class:`PolicyLoss`)."""
+        raise NotImplementedError
+
+
 @dataclass
-class PolicyLoss:
+class PolicyLoss(Objective):
     """Clipped ratio objective with optional KL to the reference policy.
 
     ``clip_low``/``clip_high``: ε_low, ε_high (symmetric when equal). ``adv_clip``: |A| bound.
     ``beta``: KL weight (0 = no reference forward). ``kl_form``: ``exact`` or ``flow_grpo``.
+    ``reduction``: log-probs as the ``mean`` (Flow-GRPO) or ``sum`` over latent elements.
     ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (Dynamic-TreeRPO, §6).
     """
 
@@ -27,8 +54,8 @@ class PolicyLoss:
     clip_high: float = 1e-4
     adv_clip: float = 5.0
     beta: float = 0.04
-    kl_form: str = "exact"
-    reduction: str = "mean"
+    kl_form: str = "exact"  # exact | flow_grpo
+    reduction: str = "mean"  # mean | sum
     adaptive_kappa: float | None = None
 
     def __post_init__(self) -> None:

@@ -34,14 +34,19 @@ class ReplayOut:
     kl: torch.Tensor | None = None
 
 
-def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Tensor, reduction: str = "mean",
+def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Tensor, reduction: str | None = None,
            kl_form: str | None = None, reference=None) -> ReplayOut:
-    """Log-probs of ``edges`` [E] (child node indices, one kernel) under the model's current weights.
+    """Log-probs of ``edges`` [E] (child node indices, one kernel) under the model's current weights,
+    reduced as the rollout reduced them (``forest.reduction``; ``reduction`` must agree if given).
 
     ``cond``: one row per prompt group of the forest. With ``kl_form`` set, also the KL [E] to the
     reference policy (``reference()`` context, default ``model.reference``), computed without gradient
     for the reference branch.
     """
+    if reduction is not None and reduction != forest.reduction:
+        raise ValueError(f"replay with reduction={reduction!r} of a forest whose log-probs were reduced by "
+                         f"{forest.reduction!r}: the ratio would not be 1 at unchanged weights")
+    reduction = forest.reduction
     kernels = forest.kernel[edges].unique()
     if kernels.numel() != 1:
         raise ValueError("a replay batch must hold edges of one kernel")

@@ -29,6 +29,7 @@ from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
+from flowrl.scoring import BackgroundScorer, request_scores
 
 
 class Trainer:
@@ -53,17 +54,17 @@ class Trainer:
         if config.prompts.per_step % self.world:
             raise ConfigError(f"prompts.per_step={config.prompts.per_step} must be divisible by the number of processes ({self.world})")
         self.model = model if model is not None else build.build_model(config.model, self.accelerator.device)
+        self.loss_fn = build.build_loss(config)
         torch.manual_seed(derive_seed(config.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
         self.plan = build.build_plan(config.rollout)
-        self.reward = self._as_multi(reward) if reward is not None else build.build_rewards(config.rewards)
+        self.reward = (self._as_multi(reward, config.reward_normalize) if reward is not None
+                       else build.build_rewards(config.rewards, config.reward_normalize))
         self.eval_reward = build.build_rewards(config.eval.rewards) if config.eval.rewards else self.reward
-        from rewards.background import BackgroundScorer
-
         async_reward = {"auto": "auto", "true": True, "false": False}[config.train.async_reward]
         self.scorer = BackgroundScorer(self.reward, enabled=async_reward)
-        self.credit = build.build_credit(config, {r.name: w for r, w in zip(self.reward.rewards, self.reward.weights)})
-        self.loss_fn = build.build_loss(config)
+        self.credit = build.build_credit(config)
+        self.plan.setup(self.model, self.reward)
         self.prompts = PromptSource(read_prompts(config.prompts.train), config.prompts.per_step, config.train.seed)
         self.eval_prompts = read_prompts(config.prompts.eval, "prompts.eval") if config.prompts.eval else []
         if config.eval.num_prompts:
@@ -79,20 +80,20 @@ class Trainer:
         return Path(self.cfg.train.output_dir) / self.cfg.train.name
 
     @staticmethod
-    def _as_multi(reward: Any):
+    def _as_multi(reward: Any, normalize: str = "none"):
         from rewards import MultiReward, Reward
 
         if isinstance(reward, MultiReward):
             return reward
         if isinstance(reward, (str, Reward)):
-            return MultiReward([{"name": reward} if isinstance(reward, str) else reward])
+            return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
         raise TypeError(f"reward must be a name, a rewards.Reward or a MultiReward, got {type(reward).__name__}")
 
     def _setup_trainable(self) -> list[torch.nn.Parameter]:
         module = self.model.trainable
         if self.cfg.model.full_finetune:
             module.requires_grad_(True)
-            if self.cfg.loss.beta > 0:  # the KL reference: a frozen copy of the initial transformer
+            if self.loss_fn.needs_reference:  # the KL reference: a frozen copy of the initial transformer
                 self._frozen_reference = copy.deepcopy(module).requires_grad_(False).eval()
         else:
             self.model.add_lora(build.lora_spec(self.cfg.model))
@@ -151,50 +152,50 @@ class Trainer:
         k = len(prompts) // self.world
         return prompts[self.rank * k:(self.rank + 1) * k], self.rank * k
 
-    def rollout(self, iteration: int) -> tuple[Forest, dict[str, torch.Tensor], dict[str, float]]:
-        """Sample the forest of ``iteration`` and score its leaves (no gradients).
+    def rollout(self, iteration: int) -> tuple[Forest, dict[str, float]]:
+        """Sample the forest of ``iteration`` and score it (no gradients): every leaf and every state the
+        plan probed gets its reward terms in ``reward_components`` and its combined score in ``reward``
+        (leaves) or ``value`` (probed states).
 
-        With ``rollout.chunks`` > 1 the prompt groups are rolled out in parts; each part's leaves are
+        With ``rollout.chunks`` > 1 the prompt groups are rolled out in parts; each part's states are
         decoded and handed to the reward scorer (a background thread with ``train.async_reward``)
         while the next part rolls out. Seeds are addressed by global group, so chunking changes no draw.
+        The terms are combined after the last part, over the whole iteration.
         """
         prompts, offset = self.local_prompts(iteration)
         max_batch = self.cfg.rollout.max_batch
         n_chunks = min(self.cfg.rollout.chunks, len(prompts))
         bounds = [len(prompts) * k // n_chunks for k in range(n_chunks + 1)]
         self.model.trainable.eval()
-        forests, futures = [], []
+        parts = []
         t_sample = t_score = 0.0
         for a, b in zip(bounds[:-1], bounds[1:]):
             ctx = RolloutContext(seed=self.cfg.train.seed, iteration=iteration, group_offset=offset + a,
-                                 guidance=self.cfg.model.guidance, max_batch=max_batch)
+                                 guidance=self.cfg.model.guidance, max_batch=max_batch, reduction=self.loss_fn.reduction)
             t0 = time.perf_counter()
             forest = self.plan.rollout(self.model, prompts[a:b], ctx)
-            leaves = forest.leaves()
-            x0 = forest.all_latents()[leaves]
-            images = torch.cat([self.model.decode(x0[i:i + max_batch].to(self.model.device)).cpu()
-                                for i in range(0, x0.shape[0], max_batch)])
+            nodes, future = request_scores(self.scorer, self.model, forest, max_batch)
             t1 = time.perf_counter()
-            futures.append(self.scorer.submit(images, [forest.prompts[int(g)] for g in forest.group[leaves]], {}))
-            forests.append(forest)
+            parts.append((forest, nodes, future))
             t_sample += t1 - t0
             t_score += time.perf_counter() - t1
         t2 = time.perf_counter()
-        parts = [f.result() for f in futures]
-        components = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        for forest, nodes, future in parts:
+            forest.record_scores(nodes, future.result())
+        forest = Forest.merge([f for f, _, _ in parts])
+        forest.combine_scores(self.reward.combine)
         t_score += time.perf_counter() - t2  # waiting for the scorer after the last part
-        return Forest.merge(forests), components, {"time/rollout": t_sample, "time/reward": t_score}
+        return forest, {"time/rollout": t_sample, "time/reward": t_score}
 
     def _backward(self, forest: Forest, cond, part: list[torch.Tensor], n_global: float,
                   sums: dict[str, float]) -> int:
         """Replay the micro-batches ``part`` (edge index tensors), back-propagate the loss scaled so
         the update averages over ``n_global`` edges of all processes, and fold diagnostics into
         ``sums`` (edge-weighted sums; extremes for ratio min/max). Returns the edges replayed."""
-        cfg = self.cfg
         count = 0
         for b in part:
-            out = replay(self.model, forest, cond, b, cfg.loss.reduction,
-                         cfg.loss.kl_form if cfg.loss.beta > 0 else None, self.reference)
+            out = replay(self.model, forest, cond, b, kl_form=self.loss_fn.kl_form if self.loss_fn.needs_reference else None,
+                         reference=self.reference)
             loss, diag = self.loss_fn(out.logp, forest.logp_old[b].to(out.logp.device),
                                       forest.advantage[b].to(out.logp.device), out.kl,
                                       forest.weight[b].to(out.logp.device))
@@ -239,6 +240,7 @@ class Trainer:
                 self.optimizer.step()
                 self.scheduler.step()
                 self._update_ema()
+                self.plan.after_update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         out = {k: v if k in _EXTREMES else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
         out["first_step_abs_delta_logp"] = first_delta if first_delta is not None else 0.0
@@ -254,8 +256,8 @@ class Trainer:
 
         Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
         over all trainable edges at once (ratios are exactly 1)."""
-        forest, components, _ = self.rollout(iteration)
-        self.credit.assign(forest, components, gather=self._gather)
+        forest, _ = self.rollout(iteration)
+        self.credit.assign(forest, gather=self._gather)
         self.model.trainable.train()
         cond = self.model.encode(forest.prompts, forest.guidance)
         edges = forest.edges(trainable=True)
@@ -271,18 +273,19 @@ class Trainer:
 
     def train_step(self, iteration: int) -> dict[str, float]:
         """One full iteration; returns its metrics (global over processes)."""
-        forest, components, times = self.rollout(iteration)
-        credit_stats = self.credit.assign(forest, components, gather=self._gather)
+        forest, times = self.rollout(iteration)
+        credit_stats = self.credit.assign(forest, gather=self._gather)
         t0 = time.perf_counter()
         update_stats = self.update(forest, iteration)
         times["time/update"] = time.perf_counter() - t0
-        rewards = self._gather(forest.reward[forest.leaves()])
+        leaves = forest.leaves()
+        rewards = self._gather(forest.reward[leaves])
         ok = rewards[~torch.isnan(rewards)]
         record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(ok.mean()) if ok.numel() else float("nan"),
                                     "reward_std": float(ok.std(unbiased=False)) if ok.numel() else float("nan"),
                                     "reward_failed": float(rewards.numel() - ok.numel())}
-        for name, values in components.items():
-            record[f"reward/{name}"] = float(self._gather(values).nanmean())
+        for name, values in forest.reward_components.items():
+            record[f"reward/{name}"] = float(self._gather(values[leaves]).nanmean())
         record.update({k: self._sum(v) / self.world for k, v in credit_stats.items()})
         record.update(update_stats)
         record["rollout_forwards"] = self._sum(forest.counters["forwards"])

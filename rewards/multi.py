@@ -9,7 +9,7 @@ import torch
 from rewards.base import Reward
 from rewards.registry import build_reward
 
-NORMALIZE = ("none", "batch")
+NORMALIZE = ("none", "batch", "group")
 
 
 @dataclass
@@ -34,8 +34,11 @@ class MultiReward(Reward):
 
     ``normalize="batch"`` makes :meth:`combine` z-score each term over the batch (NaN-aware; a term
     with zero spread contributes zeros) before weighting, so terms on different scales (PickScore
-    ≈ 20, HPS ≈ 0.3) count by their weights; ``"none"`` (default) sums raw scores. A NaN score (a
-    masked remote batch) makes that sample's total NaN.
+    ≈ 20, HPS ≈ 0.3) count by their weights; ``"group"`` z-scores each term within each prompt group
+    (``groups`` passed to :meth:`combine`: DanceGRPO/MixGRPO's advantage aggregation, the weighted sum
+    of each reward's group z-scores); ``"none"`` (default) sums raw scores. A NaN score (a masked
+    remote batch) makes that sample's total NaN. The trainer combines through here only: credit rules
+    read the combined ``reward``.
     """
 
     name = "multi"
@@ -102,9 +105,11 @@ class MultiReward(Reward):
             return torch.where(ok, torch.zeros_like(x), x)
         return (x - mean) / std
 
-    def combine(self, components: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Weighted sum float32 [B] of the outputs of :meth:`components` (z-scored first if
-        ``normalize="batch"``)."""
+    def combine(self, components: dict[str, torch.Tensor], groups: torch.Tensor | None = None) -> torch.Tensor:
+        """Weighted sum float32 [B] of the outputs of :meth:`components`, each term z-scored first over
+        the batch (``normalize="batch"``) or within each group of ``groups`` [B] (``"group"``)."""
+        if self.normalize == "group" and groups is None:
+            raise ValueError("MultiReward(normalize='group').combine needs the prompt group of every sample")
         total = None
         for reward, weight in zip(self.rewards, self.weights):
             if reward.name not in components:
@@ -112,6 +117,11 @@ class MultiReward(Reward):
             values = components[reward.name].float()
             if self.normalize == "batch":
                 values = self._zscore(values)
+            elif self.normalize == "group":
+                values = values.clone()
+                for g in torch.unique(groups):
+                    members = groups == g
+                    values[members] = self._zscore(values[members])
             term = weight * values
             total = term if total is None else total + term
         return total

@@ -6,15 +6,10 @@ import heavy optional dependencies (open_clip, transformers models) until a rewa
 from __future__ import annotations
 
 import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
+from flowrl.plugins import load_target
 from rewards.base import Reward
 
 REGISTRY: dict[str, str | type] = {
@@ -46,35 +41,6 @@ def register(name: str, target: str | type) -> None:
     REGISTRY[name] = target
 
 
-def _is_file_target(mod_path: str) -> bool:
-    return mod_path.endswith(".py") or "/" in mod_path or os.sep in mod_path
-
-
-def _load_from_file(path: str, cls_name: str) -> type:
-    """Import ``path`` once per process (a stable module name per absolute path) and return ``cls_name``."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"reward plugin file {path!r} does not exist (relative paths are from {os.getcwd()})")
-    resolved = str(file.resolve())
-    mod_name = "_flowrl_reward_plugin_" + hashlib.sha1(resolved.encode()).hexdigest()[:16]
-    module = sys.modules.get(mod_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(mod_name, resolved)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"reward plugin file {path!r} cannot be imported as Python (a .py file is expected)")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[mod_name]
-            raise
-    if not hasattr(module, cls_name):
-        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Reward))
-        raise AttributeError(f"reward plugin file {path!r} has no class {cls_name!r} (Reward classes in it: {found})")
-    return getattr(module, cls_name)
-
-
 def resolve_reward_class(name: str) -> type:
     """The class behind a registry name, ``module:Class`` or ``file.py:Class``."""
     target: Any = REGISTRY.get(name)
@@ -88,26 +54,8 @@ def resolve_reward_class(name: str) -> type:
             )
         target = name
     if isinstance(target, str):
-        mod_path, _, cls_name = target.rpartition(":")
-        if not mod_path or not cls_name:
-            raise ValueError(f"reward {name!r}: expected 'package.module:Class' or 'path/to/file.py:Class'")
-        if _is_file_target(mod_path):
-            cls = _load_from_file(mod_path, cls_name)
-        else:
-            try:
-                module = importlib.import_module(mod_path)
-            except ModuleNotFoundError as e:
-                missing = e.name or ""
-                if missing and (mod_path == missing or mod_path.startswith(missing + ".")):
-                    msg = f"reward {name!r}: no module named {mod_path!r} (is the package installed / on sys.path?)"
-                else:
-                    msg = f"reward {name!r}: module {mod_path!r} needs {missing!r}, which is not installed ({e})"
-                raise ModuleNotFoundError(msg, name=missing) from e
-            if not hasattr(module, cls_name):
-                raise AttributeError(f"reward {name!r}: module {mod_path!r} has no class {cls_name!r}")
-            cls = getattr(module, cls_name)
-    else:
-        cls = target
+        return load_target(target, f"reward {name!r}", "reward plugin file", Reward)
+    cls = target
     if not (isinstance(cls, type) and issubclass(cls, Reward)):
         raise TypeError(f"reward {name!r} resolves to {cls!r}, which is not a subclass of rewards.Reward")
     return cls

@@ -24,8 +24,8 @@ def main(out: str) -> None:
     initial = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
     advantages, records = [], []
     for it in range(2):
-        forest, components, _ = trainer.rollout(it)
-        trainer.credit.assign(forest, components, gather=trainer._gather)
+        forest, _ = trainer.rollout(it)
+        trainer.credit.assign(forest, gather=trainer._gather)
         advantages.append(forest.advantage[forest.leaves()].clone())
         records.append(trainer.update(forest, it))
     lora = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}

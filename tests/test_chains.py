@@ -32,7 +32,7 @@ def test_counts_match_closed_form(sd3_model, window, expected_steps):
     plan = Chains(group_size=3, steps=6, kernel="flow_grpo", eta=0.7, window=window)
     for iteration in (0, 7):
         forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=1, iteration=iteration, max_batch=4))
-        expected = plan.expected_counts(len(PROMPTS), iteration, seed=1)
+        expected = plan.expected_counts(len(PROMPTS), RolloutContext(seed=1, iteration=iteration))
         chains = len(PROMPTS) * 3
         assert forest.counters["forwards"] == expected["forwards"] == chains * 6
         assert forest.edges(trainable=True).numel() == expected["trained_edges"]
@@ -93,7 +93,7 @@ def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start
     G, T = 3, 6
     plan = Chains(group_size=G, steps=T, eta=0.7, shared_noise=True, window=SDEWindow(mode="fixed", start=start, size=2))
     forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=4, iteration=1, max_batch=max_batch))
-    expected = plan.expected_counts(len(PROMPTS), 1, seed=4)
+    expected = plan.expected_counts(len(PROMPTS), RolloutContext(seed=4, iteration=1))
     # a forward carries at most max_batch new edges (one parent's G branches when max_batch < G)
     assert all(int((forest.batch == b).sum()) <= max(max_batch, G) for b in forest.batch.unique() if b >= 0)
     assert forest.counters["forwards"] == expected["forwards"] == 2 * (start + 1) + 6 * (T - start - 1)
@@ -137,11 +137,13 @@ def test_eta_zero_is_the_ode(sd3_model):
     torch.testing.assert_close(forest.all_latents()[leaves], ode, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 @pytest.mark.parametrize("kernel, eta", [("flow_grpo", 0.7), ("dance", 0.3), ("cps", 0.8)])
-def test_replay_equals_rollout(family, kernel, eta):
+def test_replay_equals_rollout(family, kernel, eta, reduction):
     """Invariant 1: recomputing each trainable edge's log-prob with the rollout weights gives ratio 1
-    bit-exactly (CPU fp32), with and without CFG, with a LoRA attached (non-zero)."""
+    bit-exactly (CPU fp32), with and without CFG, with a LoRA attached (non-zero), for either
+    reduction of the log-probs (the loss owns it; the forest records it; replay follows the forest)."""
     model = make_model(family)
     model.add_lora(LoraSpec(rank=2, init="default"))  # peft default init: A random, B zero
     torch.manual_seed(0)
@@ -153,16 +155,21 @@ def test_replay_equals_rollout(family, kernel, eta):
     for guidance, shared in [(g, s) for g in guidances for s in (False, True)]:
         plan = Chains(group_size=3, steps=5, kernel=kernel, eta=eta, shared_noise=shared,
                       window=SDEWindow(mode="fixed", start=1, size=3))
-        forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=guidance, max_batch=4))
-        GroupAdvantage().assign(forest, {"r": torch.arange(6, dtype=torch.float32)})
+        forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=guidance, max_batch=4, reduction=reduction))
+        assert forest.reduction == reduction
+        forest.reward[forest.leaves()] = torch.arange(6, dtype=torch.float32)
+        GroupAdvantage().assign(forest)
         cond = model.encode(forest.prompts, forest.guidance)
         batches = replay_batches(forest, forest.edges())
         assert sum(b.numel() for b in batches) == 18
         for b in batches:
             out = replay(model, forest, cond, b, kl_form="exact")
-            assert torch.equal(out.logp.detach(), forest.logp_old[b]), (family, kernel, guidance, shared)
+            assert torch.equal(out.logp.detach(), forest.logp_old[b]), (family, kernel, guidance, shared, reduction)
             assert out.logp.requires_grad
             assert (out.kl > 0).all()  # LoRA on: the policy differs from the reference
+        other = "sum" if reduction == "mean" else "mean"
+        with pytest.raises(ValueError, match="ratio would not be 1"):
+            replay(model, forest, cond, batches[0], reduction=other)
 
 
 def test_seeds_are_stable():

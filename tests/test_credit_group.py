@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from rewards import MultiReward, Reward
+
 from flowrl.credit.group import GroupAdvantage
 from flowrl.rollout.forest import Forest
 
@@ -182,7 +184,7 @@ def test_forest_fixture_shape():
 def test_assign_chains_mean_group_std():
     f = chains_forest()
     rewards = torch.tensor([1.0, 2.0, 4.0, 3.0, 3.0, 3.0])  # group 1 has zero variance
-    stats = GroupAdvantage(baseline="mean", scale="group").assign(f, {"r": rewards})
+    stats = GroupAdvantage(baseline="mean", scale="group").assign(_scored(f, rewards))
     dev = np.array([1.0, 2.0, 4.0]) - 7.0 / 3.0
     std = math.sqrt(14.0) / 3.0  # population std of (1, 2, 4)
     leaf_adv = np.concatenate([dev / (std + EPS), np.zeros(3)])
@@ -204,7 +206,7 @@ def test_assign_chains_mean_group_std():
 def test_assign_global_scale():
     f = chains_forest()
     rewards = torch.tensor([0.0, 1.0, 5.0, 2.0, 6.0, 4.0])
-    GroupAdvantage(baseline="mean", scale="global").assign(f, {"r": rewards})
+    GroupAdvantage(baseline="mean", scale="global").assign(_scored(f, rewards))
     r = rewards.double().numpy()
     g = r.std()
     expected = np.concatenate([r[:3] - r[:3].mean(), r[3:] - r[3:].mean()]) / (g + EPS)
@@ -216,7 +218,7 @@ def test_assign_global_scale():
 def test_assign_median_drops_median_chain():
     f = chains_forest()
     rewards = torch.tensor([1.0, 5.0, 3.0, 9.0, 0.0, 4.0])  # medians: 3 (chain 2), 4 (chain 5)
-    GroupAdvantage(baseline="median", scale="mad").assign(f, {"r": rewards})
+    GroupAdvantage(baseline="median", scale="mad").assign(_scored(f, rewards))
     # group 0: |r−3| = (2, 2, 0) → MAD 2; group 1: |r−4| = (5, 4, 0) → MAD 4
     expected = np.array([-2 / (2.001 + EPS), 2 / (2.001 + EPS), 0.0, 5 / (4.001 + EPS), -4 / (4.001 + EPS), 0.0])
     np.testing.assert_allclose(_np(f.advantage[12:18]), expected, rtol=1e-6, atol=1e-7)
@@ -224,32 +226,51 @@ def test_assign_median_drops_median_chain():
     assert f.edges(trainable=True).tolist() == [6, 7, 15, 16]
 
 
-def test_assign_multi_reward_weighted_raw_sum_vs_per_reward_norm():
+class _Term(Reward):
+    def score(self, images, prompts, meta):  # never called: the test records scores directly
+        raise AssertionError
+
+
+def _term(name: str) -> Reward:
+    term = _Term()
+    term.name = name
+    return term
+
+
+def test_assign_multi_reward_weighted_raw_sum_vs_group_normalised_rewards():
+    """Credit reads the combined reward; the MultiReward alone combines terms (raw weighted sum, or
+    ``normalize="group"``: the weighted sum of each term's group z-scores, DanceGRPO's aggregation)."""
     comps = {
         "a": torch.tensor([1.0, 2.0, 4.0, 0.0, 1.0, 2.0]),
         "b": torch.tensor([10.0, 0.0, 5.0, 3.0, 3.0, 3.0]),  # zero variance in group 1
     }
-    weights = {"a": 1.0, "b": 0.5}
 
-    def z(x):
+    def z(x, eps=EPS):
         x = np.asarray(x, dtype=np.float64)
         sd = x.std()
-        return np.zeros_like(x) if np.ptp(x) == 0 else (x - x.mean()) / (sd + EPS)
+        return np.zeros_like(x) if np.ptp(x) == 0 else (x - x.mean()) / (sd + eps)
+
+    def scored(normalize):
+        f = chains_forest()
+        f.record_scores(f.leaves(), comps)
+        f.combine_scores(MultiReward([_term("a"), _term("b")], weights=[1.0, 0.5], normalize=normalize).combine)
+        return f
 
     # weighted sum of raw rewards, then one z-score
-    f = chains_forest()
-    GroupAdvantage(baseline="mean", scale="group", weights=weights).assign(f, comps)
+    f = scored("none")
+    stats = GroupAdvantage(baseline="mean", scale="group").assign(f)
     total = comps["a"].double().numpy() + 0.5 * comps["b"].double().numpy()
     expected_raw = np.concatenate([z(total[:3]), z(total[3:])])
     np.testing.assert_allclose(_np(f.advantage[12:18]), expected_raw, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_np(f.reward_components["b"][12:18]), comps["b"].numpy())
 
-    # per_reward_norm: weighted sum of each reward's group z-scores
-    f = chains_forest()
-    stats = GroupAdvantage(baseline="mean", scale="group", weights=weights, per_reward_norm=True).assign(f, comps)
+    # normalize="group": weighted sum of each reward's group z-scores, used as the advantage (scale none)
+    f = scored("group")
+    stats = GroupAdvantage(baseline="mean", scale="none").assign(f)
     a, b = comps["a"].double().numpy(), comps["b"].double().numpy()
-    expected_norm = np.concatenate([z(a[:3]) + 0.5 * z(b[:3]), z(a[3:]) + 0.5 * z(b[3:])])
-    np.testing.assert_allclose(_np(f.advantage[12:18]), expected_norm, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(_np(f.advantage[6:12]), expected_norm, rtol=1e-6, atol=1e-7)
+    expected_norm = np.concatenate([z(a[:3], 0) + 0.5 * z(b[:3], 0), z(a[3:], 0) + 0.5 * z(b[3:], 0)]) / (1 + EPS)
+    np.testing.assert_allclose(_np(f.advantage[12:18]), expected_norm, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_np(f.advantage[6:12]), expected_norm, rtol=1e-5, atol=1e-6)
     assert not np.allclose(expected_norm, expected_raw)  # the two modes differ on this table
     # group 1 still varies in reward "a": it is trained
     assert f.edges(trainable=True).tolist() == [6, 7, 8, 15, 16, 17]
@@ -265,7 +286,7 @@ def test_assign_accepts_chains_below_a_shared_trunk():
                           std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=0)
     f.add_children(kids, torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
                    std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
-    GroupAdvantage(scale="group").assign(f, {"r": torch.tensor([1.0, 2.0])})
+    GroupAdvantage(scale="group").assign(_scored(f, torch.tensor([1.0, 2.0])))
     assert f.advantage.tolist() == pytest.approx([0.0, -1.0, 1.0, -1.0, 1.0], abs=1e-3)
     assert f.weight.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]  # the trunk (root) is not a chain node
     assert f.edges(trainable=True).tolist() == [1, 2, 3, 4]
@@ -279,4 +300,10 @@ def test_assign_refuses_a_branch_below_a_stochastic_edge():
     f.add_children(kid.repeat(2), torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
                    std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
     with pytest.raises(ValueError, match="tree credit rule"):
-        GroupAdvantage(scale="group").assign(f, {"r": torch.tensor([1.0, 2.0])})
+        GroupAdvantage(scale="group").assign(_scored(f, torch.tensor([1.0, 2.0])))
+
+
+def _scored(f: Forest, rewards: torch.Tensor) -> Forest:
+    """``f`` with ``rewards`` [L] on its leaves (as the trainer's scoring leaves them)."""
+    f.reward[f.leaves()] = rewards
+    return f

@@ -32,7 +32,8 @@ def test_structure_helpers():
     assert f.edges().tolist() == [1, 2, 3, 4]  # the ODE edge is not trainable
     assert torch.equal(f.seed, torch.full((6,), 11))  # every node knows its root's seed
     assert f.leaf_of_each_node().tolist() == [-1, -1, 5, 3, 4, 5]  # several leaves below 0 and 1
-    f.init_outcomes()
+    assert f.weight.tolist() == [1.0] * 6 and f.advantage.tolist() == [0.0] * 6  # outcomes come with the nodes
+    assert torch.isnan(f.reward).all() and torch.isnan(f.value).all()
     f.weight[3] = 0
     assert f.edges().tolist() == [1, 2, 4]
 

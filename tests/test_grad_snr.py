@@ -83,8 +83,8 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
     trainer.optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: stepped.append(torch.cat([p.grad.detach().reshape(-1).clone() for p in trainer.params])))
     cfg.optim.grad_clip = 1e9  # compare unclipped gradients
-    forest, components, _ = trainer.rollout(0)
-    trainer.credit.assign(forest, components)
+    forest, _ = trainer.rollout(0)
+    trainer.credit.assign(forest)
     trainer.update(forest, 0)
     assert torch.allclose(stepped[0], measured, rtol=1e-5, atol=1e-12)
     # the same iteration thrice is the same draw: all power is "signal", cosine 1

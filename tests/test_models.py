@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
+from flowrl.models.base import calculate_shift
 from flowrl.models.flux import FluxFlowModel
 from flowrl.models.sd3 import SD3FlowModel
 from flowrl.models.testing import TINY_VOCAB, tiny_flux_pipeline, tiny_sd3_pipeline
@@ -115,6 +116,62 @@ def test_schedule_equals_the_pipelines_scheduler():
             assert s[0].item() == 1.0 and s[-1].item() == 0.0
             assert bool((s[1:] < s[:-1]).all())
     assert not torch.equal(make("sd3")[1].schedule(4), torch.linspace(1, 0, 5))  # shift 3 applied
+
+
+def test_sd3_schedule_with_dynamic_shifting_is_the_pipelines():
+    """A StableDiffusion3Pipeline whose scheduler shifts by resolution: mu from (h/p)·(w/p) image tokens."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = tiny_sd3_pipeline()
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
+    model = wrap(pipe)
+    assert model.image_seq_len == 16  # 8×8 latent, patch 2
+    steps, prompt = 3, "a green tree"
+    sigmas = model.schedule(steps)
+    assert not torch.equal(sigmas, make("sd3")[1].schedule(steps))  # mu, not the static shift 3
+    cond = model.encode([prompt])
+    x = x_T = model.noise([11])
+    with torch.no_grad():
+        for i in range(steps):
+            x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i], cond)
+        ref = pipe(prompt, guidance_scale=1.0, num_inference_steps=steps, max_sequence_length=16,
+                   latents=x_T, output_type="latent").images
+    assert torch.equal(sigmas, pipe.scheduler.sigmas)  # what the pipeline's call set
+    torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_calculate_shift_is_diffusers():
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift as flux_shift
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift as sd3_shift
+
+    for args in [(16,), (4096, 256, 4096, 0.5, 1.16), (1024, 256, 8192, 0.3, 1.2), (777, 100, 900, 0.25, 3.0)]:
+        assert calculate_shift(*args) == flux_shift(*args) == sd3_shift(*args)
+
+
+def test_decode_undoes_the_vae_scaling_and_shift_and_skips_a_missing_shift():
+    pipe, model = make("sd3")
+    x = model.noise([0, 1])
+    vae = pipe.vae
+    with torch.no_grad():
+        ref = vae.decode(x / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+        assert torch.equal(model.decode(x), (ref / 2 + 0.5).clamp(0, 1))
+        vae.register_to_config(shift_factor=None)  # a VAE without a shift, as SANA's DC-AE
+        assert model._vae_scale_shift() == (vae.config.scaling_factor, None)
+        ref = vae.decode(x / vae.config.scaling_factor, return_dict=False)[0]
+        assert torch.equal(model.decode(x), (ref / 2 + 0.5).clamp(0, 1))
+
+
+def test_base_module_imports_nothing_from_rollout():
+    """flowrl.rollout imports FlowModel; base.py may import flowrl.rollout only inside functions."""
+    import ast
+    import inspect
+
+    import flowrl.models.base as base
+
+    tree = ast.parse(inspect.getsource(base))
+    modules = [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    modules += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in modules if m.startswith("flowrl.rollout")]
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])

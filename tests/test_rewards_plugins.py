@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
-from rewards.background import BackgroundScorer
+from flowrl.scoring import BackgroundScorer
 from rewards.registry import resolve_reward_class
 
 PLUGIN = textwrap.dedent('''

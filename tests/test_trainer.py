@@ -46,8 +46,8 @@ def test_training_changes_lora_and_improves_the_objective(tmp_path, family):
     trainer = Trainer(cfg, model=make_model(family))
     before = lora_state(trainer)
     for it in range(3):
-        forest, components, _ = trainer.rollout(it)
-        trainer.credit.assign(forest, components)
+        forest, _ = trainer.rollout(it)
+        trainer.credit.assign(forest)
         edges = forest.edges()
         stats = trainer.update(forest, it)
         assert stats["first_step_abs_delta_logp"] == 0.0
@@ -139,9 +139,9 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monke
 def test_zero_variance_groups_are_skipped_and_counted(tmp_path):
     cfg = tiny_config(tmp_path, "zero")
     trainer = Trainer(cfg, model=make_model("sd3"))
-    forest, components, _ = trainer.rollout(0)
-    components = {"brightness": torch.tensor([0.5] * 4 + [0.1, 0.2, 0.3, 0.4])}
-    stats = trainer.credit.assign(forest, components)
+    forest, _ = trainer.rollout(0)
+    forest.reward[forest.leaves()] = torch.tensor([0.5] * 4 + [0.1, 0.2, 0.3, 0.4])
+    stats = trainer.credit.assign(forest)
     assert stats["zero_std_ratio"] == 0.5
     assert stats["skipped_edges"] == 4 * 3
     assert forest.edges().numel() == 4 * 3
@@ -156,17 +156,19 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
     two = Trainer(tiny_config(tmp_path, "two", "prompts.per_step=4", "rollout.chunks=2", "train.async_reward=true"),
                   model=make_model("sd3"))
     assert two.scorer.enabled
-    fa, ca, _ = one.rollout(0)
-    fb, cb, _ = two.rollout(0)
+    fa, _ = one.rollout(0)
+    fb, _ = two.rollout(0)
     assert fa.prompts == fb.prompts and fa.num_nodes == fb.num_nodes
     la, lb = fa.leaves(), fb.leaves()  # node order differs (part by part); leaves come in group order in both
     assert torch.equal(fa.group[la], fb.group[lb]) and torch.equal(fa.seed[la], fb.seed[lb])
     torch.testing.assert_close(fa.all_latents()[la], fb.all_latents()[lb], rtol=1e-4, atol=1e-5)
     assert [fb.depth(int(l)) for l in lb] == [fa.depth(int(l)) for l in la]
-    torch.testing.assert_close(ca["brightness"], cb["brightness"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fa.reward_components["brightness"][la], fb.reward_components["brightness"][lb], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fa.reward[la], fb.reward[lb], rtol=1e-4, atol=1e-5)  # combined after the last part
+    assert not torch.isnan(fb.reward[lb]).any() and fb.counters["scored"] == lb.numel()
     assert fb.counters["forwards"] == fa.counters["forwards"] == 4 * 4 * 6
     # replay of the merged forest is still exact: batch ids were offset, not mixed
-    two.credit.assign(fb, cb)
+    two.credit.assign(fb)
     assert two.update(fb, 0)["first_step_abs_delta_logp"] == 0.0
 
 
@@ -177,9 +179,9 @@ def test_shared_noise_trains_from_the_branch_point_with_every_update(tmp_path):
     trainer = Trainer(cfg, model=make_model("sd3"))
     steps = []
     trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: steps.append(1))
-    forest, components, _ = trainer.rollout(0)
+    forest, _ = trainer.rollout(0)
     assert forest.roots().numel() == 2  # one x_T per prompt group
-    trainer.credit.assign(forest, components)
+    trainer.credit.assign(forest)
     stats = trainer.update(forest, 0)
     assert stats["first_step_abs_delta_logp"] == 0.0
     assert len(steps) == 3

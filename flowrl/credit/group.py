@@ -3,35 +3,33 @@
 A_i = (r_i − b_g)/(scale + eps) for sample i of prompt group g, written on every edge of sample
 i's chain. Baseline ``mean`` or ``median`` (MC-GRPO: the median sample itself is dropped from
 training); scale ``group`` std, ``global`` std over the whole batch (all processes), ``mad`` or
-``none``. Several rewards: weighted sum of raw rewards, or (``per_reward_norm``) the weighted sum
-of each reward's own group-normalised advantage. Zero-variance groups get 0 and their edges are
+``none``. Several rewards are combined into the leaves' ``reward`` by the MultiReward before credit
+(weighted raw sum, or ``reward_normalize: group`` for the weighted sum of each reward's group
+z-scores, DanceGRPO's advantage aggregation). Zero-variance groups get 0 and their edges are
 skipped (weight 0) and counted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
+from flowrl.credit.base import CreditRule, Gather
 from flowrl.rollout.forest import Forest
 
 BASELINES = ("mean", "median")
 SCALES = ("group", "global", "mad", "none")
-Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
-class GroupAdvantage:
+class GroupAdvantage(CreditRule):
     """Credit rule for chains: one advantage per sample, broadcast to its trainable edges. Chains may
     hang from a shared deterministic trunk (``shared_noise``); trunk nodes get advantage 0, weight 0."""
 
-    baseline: str = "mean"
-    scale: str = "global"
-    per_reward_norm: bool = False
+    baseline: str = "mean"  # mean | median
+    scale: str = "global"  # group | global | mad | none
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
-    weights: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.baseline not in BASELINES:
@@ -80,11 +78,10 @@ class GroupAdvantage:
         return adv, zero_var, dropped | failed
 
     # ---- on the forest ----------------------------------------------------------------------
-    def assign(self, forest: Forest, components: dict[str, torch.Tensor], gather: Gather | None = None) -> dict[str, float]:
-        """Write ``advantage`` and ``weight`` on every edge of ``forest`` from leaf rewards.
+    def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
+        """Write ``advantage`` and ``weight`` on every edge of ``forest`` from its leaves' ``reward``.
 
-        ``components``: reward name → float32 [L] in the order of ``forest.leaves()``. Leaves must
-        come in prompt groups of equal size (as every chains plan produces). Returns statistics.
+        Leaves must come in prompt groups of equal size (as every chains plan produces). Returns statistics.
         """
         leaves = forest.leaves()
         groups = forest.group[leaves]
@@ -93,26 +90,7 @@ class GroupAdvantage:
                 groups, torch.arange(num_groups).repeat_interleave(leaves.numel() // max(num_groups, 1))):
             raise ValueError("group credit needs leaves ordered by prompt group with equal group sizes")
         G = leaves.numel() // num_groups
-        weights = {name: float(self.weights.get(name, 1.0)) for name in components}
-        total = sum(weights[n] * components[n].float() for n in components)
-        if self.per_reward_norm and len(components) > 1:
-            adv = torch.zeros(num_groups, G)
-            zero_var = torch.ones(num_groups, dtype=torch.bool)
-            dropped = torch.zeros(num_groups, G, dtype=torch.bool)
-            for name, values in components.items():
-                a, z, d = self.normalise(values.reshape(num_groups, G), gather)
-                adv += weights[name] * a
-                zero_var &= z
-                dropped |= d
-        else:
-            adv, zero_var, dropped = self.normalise(total.reshape(num_groups, G), gather)
-
-        forest.init_outcomes()
-        forest.reward[leaves] = total
-        for name, values in components.items():
-            col = torch.full((forest.num_nodes,), float("nan"))
-            col[leaves] = values.float()
-            forest.reward_components[name] = col
+        adv, zero_var, dropped = self.normalise(forest.reward[leaves].reshape(num_groups, G), gather)
         leaf_of = forest.leaf_of_each_node()
         edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
         if bool((leaf_of[edges] < 0).any()):

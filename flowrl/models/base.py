@@ -16,9 +16,39 @@ and hides its packing, text encoders and timestep conventions behind six calls:
 Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's
 latent space (before the VAE's scaling is undone); adapters cast to the model dtype internally.
 
-Shared behaviour implemented here: the per-prompt embedding cache behind ``encode`` (subclasses
-implement ``_encode_one``), ``noise``, LoRA attach / save / load in the diffusers format, and the
-``reference()`` context (LoRA disabled).
+Shared behaviour implemented here: the per-prompt embedding cache behind ``encode``, ``noise``,
+``schedule`` (the pipeline's scheduler, static or dynamic shift), ``decode`` (undo the VAE's
+scaling and shift, decode, map [-1, 1] → [0, 1]), ``trainable`` / ``latent_shape`` /
+``image_seq_len`` from ``pipe.transformer``'s config, LoRA attach / save / load in the diffusers
+format, and the ``reference()`` context (LoRA disabled).
+
+Writing an adapter (e.g. for ``SanaPipeline``)
+----------------------------------------------
+A subclass must implement:
+
+- ``__init__(pipe, ...)``: call :meth:`FlowModel._init_pipeline` (device, dtype, frozen text encoders
+  and VAE, sets ``vae_scale_factor`` from the pipeline) and :meth:`FlowModel._init_size`, then set
+  ``guidance`` and ``negative_prompt``; class attributes ``family`` and ``default_lora_targets``.
+- ``_encode_one(prompt)``: the pipeline's own ``encode_prompt`` for one prompt, as a dict of tensors
+  with a leading batch dimension of 1 (e.g. ``prompt_embeds`` and ``pooled``, or SANA's
+  ``prompt_embeds`` and ``prompt_attention_mask``).
+- ``velocity(x, sigma, cond, guidance)``: the family's packing and timestep convention (SD3:
+  σ·1000; FLUX: σ; SANA: σ·1000·``timestep_scale``) around one ``self.forward_module(...)`` call.
+  The helpers :meth:`FlowModel._check_inputs` (shapes, σ as an fp32 [B] vector),
+  :meth:`FlowModel._cfg_text` (text rows ``[uncond; cond]``) and :meth:`FlowModel._cfg_combine`
+  (``v_u + g·(v_c − v_u)``) keep the CFG layout the same across families.
+- ``from_pretrained(path, dtype=..., pipeline_kwargs=..., **kw)`` (used by ``load_model``).
+
+and overrides, where the family differs from the defaults:
+
+- ``latent_channels`` (default ``transformer.config.in_channels``; FLUX packs 4 channels per token),
+- ``image_seq_len`` (default (h/p)·(w/p) with p = ``transformer.config.patch_size``; it sets ``mu``
+  of dynamic shifting),
+- ``_schedule_sigmas(steps)`` (default None: the scheduler's own spacing; FLUX passes
+  ``linspace(1, 1/steps, steps)``) and ``shift_defaults`` (fallbacks of ``calculate_shift``),
+- ``_vae_scale_shift()`` (default the VAE config's ``scaling_factor`` and ``shift_factor``, the
+  shift None when the VAE has none, as SANA's DC-AE),
+- ``uses_cfg(guidance)`` (default: CFG when guidance ≠ 1; FLUX decides by ``true_cfg``).
 """
 from __future__ import annotations
 
@@ -45,6 +75,27 @@ def align_cpu_tensors(*modules: nn.Module | None) -> None:
         for tensor in list(module.parameters()) + list(module.buffers()):
             if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % 64:
                 tensor.data = tensor.data.clone()
+
+
+def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
+    """σ as an fp32 vector [batch] on ``device`` (from a scalar, a 0-d tensor or a [batch] tensor)."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device)
+    if sigma.ndim == 0:
+        return sigma.expand(batch)
+    if sigma.shape != (batch,):
+        raise ValueError(f"sigma must be a scalar or [B={batch}]; got shape {list(sigma.shape)}")
+    return sigma
+
+
+def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
+                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """``mu`` of dynamic shifting: linear in the number of image tokens, ``base_shift`` at
+    ``base_seq_len`` and ``max_shift`` at ``max_seq_len``. The same arithmetic as diffusers'
+    ``calculate_shift`` (SD3 and FLUX pipelines), without importing a pipeline module."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    mu = image_seq_len * m + b
+    return mu
 
 
 @dataclass
@@ -90,29 +141,39 @@ class LoraSpec:
 
 
 class FlowModel:
-    """Base class of model adapters. Subclasses implement the abstract methods below.
+    """Base class of model adapters. Subclasses implement ``_encode_one`` and ``velocity`` (and
+    override the family hooks where they differ); the module docstring lists what an adapter provides.
 
-    Attributes set by subclasses: ``pipe`` (the diffusers pipeline), ``device``, ``dtype`` (compute
-    dtype of the transformer), ``height``/``width`` (pixels), ``guidance`` (default CFG scale;
-    1.0 = no CFG), ``negative_prompt`` (the unconditional prompt, ``""``), ``default_lora_targets``
-    (module name suffixes).
+    Attributes set by subclasses (most through :meth:`_init_pipeline` and :meth:`_init_size`):
+    ``pipe`` (the diffusers pipeline), ``device``, ``dtype`` (compute dtype of the transformer),
+    ``vae_scale_factor`` (pixels per latent cell), ``height``/``width`` (pixels), ``guidance``
+    (default CFG scale; 1.0 = no CFG), ``negative_prompt`` (the unconditional prompt, ``""``),
+    ``default_lora_targets`` (module name suffixes).
     """
 
     pipe: object
     device: torch.device
     dtype: torch.dtype
+    vae_scale_factor: int
     height: int
     width: int
     guidance: float = 1.0
     negative_prompt: str = ""
     default_lora_targets: list[str] = []
+    shift_defaults: dict[str, float] = {
+        "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+    }
+    """Fallbacks of :func:`calculate_shift`'s parameters for a dynamic-shifting scheduler whose config
+    lacks them (the values the family's pipeline ``__call__`` uses)."""
 
     # ---- shared set-up of adapters ---------------------------------------------------------
     def _init_pipeline(self, pipe, device, dtype, frozen: Sequence[str], gradient_checkpointing: bool) -> None:
         """Move ``pipe`` to ``device``, cast the transformer to ``dtype`` (None → keep), freeze and
-        eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing."""
+        eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing.
+        Sets ``pipe``, ``device``, ``dtype`` and ``vae_scale_factor`` (the pipeline's)."""
         transformer = pipe.transformer
         self.pipe = pipe
+        self.vae_scale_factor = pipe.vae_scale_factor
         self.device = torch.device(device) if device is not None else transformer.device
         self.dtype = dtype if dtype is not None else transformer.dtype
         pipe.to(self.device)
@@ -189,8 +250,36 @@ class FlowModel:
         raise NotImplementedError
 
     def schedule(self, steps: int) -> torch.Tensor:
-        """Sigmas [steps + 1], fp32, from 1 down to 0, with the model's shift."""
-        raise NotImplementedError
+        """Sigmas [steps + 1] fp32 on the CPU, 1 → 0, with the model's shift: the pipeline's own schedule.
+
+        As the diffusers pipelines compute it, on a fresh copy of ``pipe.scheduler`` (the pipeline's
+        scheduler is not touched): ``set_timesteps(steps)``, or ``set_timesteps(sigmas=...)`` when
+        :meth:`_schedule_sigmas` gives the unshifted sigmas; the scheduler shifts them by its static
+        ``shift``, or, when it uses dynamic shifting, by ``mu`` = :func:`calculate_shift` of
+        :attr:`image_seq_len` and the scheduler's config (:attr:`shift_defaults` where it lacks a
+        value), and appends the final 0.
+        """
+        steps = int(steps)
+        if steps < 1:
+            raise ValueError(f"steps must be ≥ 1; got {steps}")
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        config = scheduler.config
+        kwargs = {}
+        if config.get("use_dynamic_shifting", False):
+            defaults = self.shift_defaults
+            kwargs["mu"] = calculate_shift(
+                self.image_seq_len,
+                config.get("base_image_seq_len", defaults["base_image_seq_len"]),
+                config.get("max_image_seq_len", defaults["max_image_seq_len"]),
+                config.get("base_shift", defaults["base_shift"]),
+                config.get("max_shift", defaults["max_shift"]),
+            )
+        sigmas = self._schedule_sigmas(steps)
+        if sigmas is None:
+            scheduler.set_timesteps(steps, device="cpu", **kwargs)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, device="cpu", **kwargs)
+        return scheduler.sigmas.to(torch.float32).clone()
 
     def noise(self, seeds: Sequence[int]) -> torch.Tensor:
         """x_T [len(seeds), C, H, W] fp32 on ``self.device``; row i from ``torch.Generator().manual_seed(seeds[i])``.
@@ -208,13 +297,80 @@ class FlowModel:
         return torch.stack(rows).to(self.device)
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents [B, C, H, W]."""
-        raise NotImplementedError
+        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents ``x0`` [B, C, h, w] (fp32, unpacked).
+
+        Undoes the VAE's scaling and shift (:meth:`_vae_scale_shift`) in the VAE's dtype, decodes and
+        maps [-1, 1] to [0, 1], as the pipelines' image processor does for ``output_type="pt"``.
+        """
+        vae = self.pipe.vae
+        scaling, shift = self._vae_scale_shift()
+        latents = x0.to(device=self.device, dtype=vae.dtype) / scaling
+        if shift is not None:
+            latents = latents + shift
+        image = vae.decode(latents, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
 
     @property
     def trainable(self) -> nn.Module:
-        """The module training updates (the transformer, possibly with LoRA layers)."""
-        raise NotImplementedError
+        """The module training updates: ``pipe.transformer`` (possibly with LoRA layers)."""
+        return self.pipe.transformer
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one (unpacked) latent: (:attr:`latent_channels`, height / f, width / f),
+        f = ``vae_scale_factor``."""
+        return (self.latent_channels, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+
+    # ---- family hooks (override where the family differs) ---------------------------------
+    @property
+    def latent_channels(self) -> int:
+        """Channels C of an unpacked latent; default: the transformer's ``in_channels``."""
+        return self.pipe.transformer.config.in_channels
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens the transformer sees (``mu`` of dynamic shifting depends on it); default
+        (h/p)·(w/p) of the latent with p = the transformer's ``patch_size``."""
+        patch = self.pipe.transformer.config.patch_size
+        _, h, w = self.latent_shape
+        return (h // patch) * (w // patch)
+
+    def _schedule_sigmas(self, steps: int):
+        """Unshifted sigmas [steps] (a numpy array) the pipeline passes to ``set_timesteps(sigmas=...)``,
+        or None (default) for the scheduler's own spacing from ``set_timesteps(steps)``."""
+        return None
+
+    def _vae_scale_shift(self) -> tuple[float, float | None]:
+        """(scaling, shift) with latent = (vae latent − shift) · scaling, undone by :meth:`decode`.
+        Default: the VAE config's ``scaling_factor`` and ``shift_factor`` (None when the VAE has no shift,
+        as SANA's DC-AE)."""
+        config = self.pipe.vae.config
+        return config.scaling_factor, config.get("shift_factor")
+
+    # ---- helpers of velocity --------------------------------------------------------------
+    def _check_inputs(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Conditioning) -> torch.Tensor:
+        """Check ``x`` [B, *latent_shape] and ``cond`` (B rows) for :meth:`velocity`; return σ as an fp32
+        vector [B] on ``self.device`` (from a scalar, a 0-d tensor or a [B] tensor)."""
+        batch = x.shape[0]
+        if tuple(x.shape[1:]) != self.latent_shape:
+            raise ValueError(f"x must be [B, {', '.join(map(str, self.latent_shape))}]; got {list(x.shape)}")
+        if len(cond) != batch:
+            raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
+        return sigma_vector(sigma, batch, self.device)
+
+    @staticmethod
+    def _cfg_text(cond: Conditioning, cfg: bool) -> dict[str, torch.Tensor]:
+        """Text tensors of one transformer call: ``cond.cond``, or with CFG ``[uncond; cond]`` per key
+        (uncond rows first, as the diffusers pipelines lay them out). The caller checks ``cond.uncond``."""
+        if not cfg:
+            return cond.cond
+        return {k: torch.cat([cond.uncond[k], v]) for k, v in cond.cond.items()}
+
+    @staticmethod
+    def _cfg_combine(v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``v_u + scale·(v_c − v_u)`` from the output ``[uncond; cond]`` of one forward."""
+        v_uncond, v_cond = v.chunk(2)
+        return v_uncond + scale * (v_cond - v_uncond)
 
     # ---- shared behaviour -----------------------------------------------------------------
     def set_forward_module(self, module: nn.Module | None) -> None:
@@ -232,11 +388,6 @@ class FlowModel:
         """The module :meth:`velocity` calls: the one given to :meth:`set_forward_module`, else :attr:`trainable`."""
         module = self.__dict__.get("_forward_module")
         return self.trainable if module is None else module
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """(C, H, W) of one latent."""
-        raise NotImplementedError
 
     def add_lora(self, spec: LoraSpec) -> None:
         """Attach a peft LoRA adapter named ``"default"`` to :attr:`trainable` and freeze the rest."""

@@ -17,7 +17,9 @@ Conventions, as ``FluxPipeline.__call__`` applies them:
   In ``encode(prompts, guidance)`` / ``velocity(..., guidance)`` the ``guidance`` argument is therefore
   the embedding value; whether the uncond branch exists is decided by ``true_cfg`` (see ``uses_cfg``).
 - schedule: ``sigmas = linspace(1, 1/steps, steps)`` shifted by the scheduler with
-  ``mu = calculate_shift(image_seq_len, ...)`` (resolution-dependent dynamic shifting), final 0.
+  ``mu = calculate_shift(image_seq_len, ...)`` (resolution-dependent dynamic shifting), final 0
+  (:meth:`FlowModel.schedule` with :meth:`FluxFlowModel._schedule_sigmas`).
+- decode undoes ``scaling_factor`` and ``shift_factor`` of the unpacked latents (:meth:`FlowModel.decode`).
 """
 from __future__ import annotations
 
@@ -25,10 +27,8 @@ import os
 
 import numpy as np
 import torch
-from torch import nn
 
 from flowrl.models.base import Conditioning, FlowModel
-from flowrl.models.sd3 import _sigma_vector
 
 FLUX_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -78,7 +78,6 @@ class FluxFlowModel(FlowModel):
         self.max_sequence_length = int(max_sequence_length)
         if self.max_sequence_length > 512:
             raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
-        self.vae_scale_factor = pipe.vae_scale_factor
         self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
                         "2 × vae_scale_factor")
 
@@ -95,21 +94,25 @@ class FluxFlowModel(FlowModel):
         pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
         return cls(pipe, dtype=dtype, **kw)
 
-    # ---- contract -------------------------------------------------------------------------
+    # ---- hooks of FlowModel's schedule / latent_shape, then the contract ------------------
     @property
-    def trainable(self) -> nn.Module:
-        return self.pipe.transformer
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        c = self.pipe.transformer.config.in_channels // 4
-        return (c, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+    def latent_channels(self) -> int:
+        """C of the unpacked latent: the transformer sees 2×2 patches packed into ``in_channels`` = 4C."""
+        return self.pipe.transformer.config.in_channels // 4
 
     @property
     def image_seq_len(self) -> int:
-        """Number of image tokens: (H/2)·(W/2) of the latent."""
+        """Number of image tokens: (H/2)·(W/2) of the latent (2×2 packing; the transformer's own
+        ``patch_size`` is 1)."""
         _, h, w = self.latent_shape
         return (h // 2) * (w // 2)
+
+    def _schedule_sigmas(self, steps: int) -> np.ndarray | None:
+        """``FluxPipeline``'s ``linspace(1, 1/steps, steps)``, shifted by the scheduler with ``mu`` from
+        :attr:`image_seq_len` (:meth:`FlowModel.schedule`); None when the scheduler uses flow sigmas."""
+        if self.pipe.scheduler.config.get("use_flow_sigmas", False):
+            return None
+        return np.linspace(1.0, 1 / steps, steps)
 
     def uses_cfg(self, guidance: float | None = None) -> bool:
         """True CFG is on when ``true_cfg`` ≠ 1; ``guidance`` (the embedding value) never adds a branch."""
@@ -148,24 +151,17 @@ class FluxFlowModel(FlowModel):
         ``v_u + true_cfg·(v_c − v_u)``.
         """
         g_embed = self.guidance if guidance is None else float(guidance)
-        batch = x.shape[0]
-        if tuple(x.shape[1:]) != self.latent_shape:
-            raise ValueError(f"x must be [B, {', '.join(map(str, self.latent_shape))}]; got {list(x.shape)}")
-        if len(cond) != batch:
-            raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
-        timestep = _sigma_vector(sigma, batch, self.device)
+        timestep = self._check_inputs(x, sigma, cond)  # FLUX's transformer takes σ (it multiplies by 1000)
+        cfg = self.uses_cfg()
+        if cfg and cond.uncond is None:
+            raise ValueError(f"true_cfg {self.true_cfg} needs the unconditional branch: call encode(prompts)")
+        text = self._cfg_text(cond, cfg)
+        prompt_embeds = text["prompt_embeds"]
 
         hidden = self.pack(x.to(device=self.device, dtype=self.dtype))
-        prompt_embeds = cond.cond["prompt_embeds"]
-        pooled = cond.cond["pooled"]
-        cfg = self.uses_cfg()
         if cfg:
-            if cond.uncond is None:
-                raise ValueError(f"true_cfg {self.true_cfg} needs the unconditional branch: call encode(prompts)")
             hidden = torch.cat([hidden, hidden])
             timestep = torch.cat([timestep, timestep])
-            prompt_embeds = torch.cat([cond.uncond["prompt_embeds"], prompt_embeds])
-            pooled = torch.cat([cond.uncond["pooled"], pooled])
         rows = hidden.shape[0]
 
         guidance_vec = None
@@ -179,51 +175,11 @@ class FluxFlowModel(FlowModel):
             hidden_states=hidden,
             timestep=timestep,
             guidance=guidance_vec,
-            pooled_projections=pooled.to(device=self.device, dtype=self.dtype),
+            pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
             encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
             txt_ids=txt_ids,
             img_ids=img_ids,
             return_dict=False,
         )[0]
         v = self.unpack(out).float()
-
-        if cfg:
-            v_uncond, v_cond = v.chunk(2)
-            return v_uncond + self.true_cfg * (v_cond - v_uncond)
-        return v
-
-    def schedule(self, steps: int) -> torch.Tensor:
-        """Sigmas [steps + 1] fp32 on the CPU, 1 → 0: ``FluxPipeline``'s own schedule.
-
-        ``linspace(1, 1/steps, steps)`` shifted by the scheduler with ``mu`` from the image sequence
-        length (``calculate_shift`` on the scheduler's config), computed on a fresh scheduler copy.
-        """
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        steps = int(steps)
-        if steps < 1:
-            raise ValueError(f"steps must be ≥ 1; got {steps}")
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        config = scheduler.config
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if config.get("use_flow_sigmas", False):
-            sigmas = None
-        mu = calculate_shift(
-            self.image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        if sigmas is None:
-            scheduler.set_timesteps(steps, device="cpu", mu=mu)
-        else:
-            scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
-        return scheduler.sigmas.to(torch.float32).clone()
-
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents ``x0`` [B, C, h, w] (fp32, unpacked)."""
-        vae = self.pipe.vae
-        latents = x0.to(device=self.device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return self._cfg_combine(v, self.true_cfg) if cfg else v

@@ -8,9 +8,10 @@ Conventions, as ``StableDiffusion3Pipeline.__call__`` applies them:
 - transformer timestep = σ · ``num_train_timesteps`` (= σ·1000), fp32.
 - CFG: ``[uncond; cond]`` in one forward, ``v_u + g·(v_c − v_u)`` (composed in fp32 here).
 - schedule: the scheduler's own ``set_timesteps(steps)`` with its static ``shift`` (or ``mu`` from the
-  image sequence length when the scheduler uses dynamic shifting), final 0 appended by the scheduler.
+  image sequence length (H/fp)(W/fp), p = ``patch_size``, when the scheduler uses dynamic shifting),
+  final 0 appended by the scheduler (:meth:`FlowModel.schedule`).
 - latents: ``[B, C, H/f, W/f]`` (f = ``vae_scale_factor``); decode undoes ``scaling_factor`` and
-  ``shift_factor``.
+  ``shift_factor`` (:meth:`FlowModel.decode`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import os
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from flowrl.models.base import Conditioning, FlowModel
 
@@ -46,6 +46,7 @@ class SD3FlowModel(FlowModel):
 
     family = "sd3"
     default_lora_targets = SD3_LORA_TARGETS
+    shift_defaults = {**FlowModel.shift_defaults, "max_shift": 1.16}  # StableDiffusion3Pipeline's fallback
 
     def __init__(
         self,
@@ -65,7 +66,6 @@ class SD3FlowModel(FlowModel):
         self.guidance = float(guidance)
         self.negative_prompt = negative_prompt
         self.max_sequence_length = int(max_sequence_length)
-        self.vae_scale_factor = pipe.vae_scale_factor
         config = pipe.transformer.config
         self._init_size(height, width, config.sample_size * self.vae_scale_factor,
                         self.vae_scale_factor * config.patch_size, "vae_scale_factor × patch_size")
@@ -91,16 +91,7 @@ class SD3FlowModel(FlowModel):
         pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, **pipeline_kwargs)
         return cls(pipe, dtype=dtype, **kw)
 
-    # ---- contract -------------------------------------------------------------------------
-    @property
-    def trainable(self) -> nn.Module:
-        return self.pipe.transformer
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        c = self.pipe.transformer.config.in_channels
-        return (c, self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
-
+    # ---- contract (schedule, decode, trainable, latent_shape: FlowModel's defaults) -------
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
         """``prompt_embeds`` [1, L, D] and ``pooled`` [1, D_pool] from the pipeline's ``encode_prompt``."""
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
@@ -122,76 +113,23 @@ class SD3FlowModel(FlowModel):
         and returns ``v_u + g·(v_c − v_u)``; g = 1 runs the conditional rows only.
         """
         g = self.guidance if guidance is None else float(guidance)
-        batch = x.shape[0]
-        if tuple(x.shape[1:]) != self.latent_shape:
-            raise ValueError(f"x must be [B, {', '.join(map(str, self.latent_shape))}]; got {list(x.shape)}")
-        if len(cond) != batch:
-            raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
-        sigma = _sigma_vector(sigma, batch, self.device)
+        sigma = self._check_inputs(x, sigma, cond)
         timestep = sigma * self.pipe.scheduler.config.num_train_timesteps
+        cfg = self.uses_cfg(g)
+        if cfg and cond.uncond is None:
+            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
+        text = self._cfg_text(cond, cfg)
 
         hidden = x.to(device=self.device, dtype=self.dtype)
-        prompt_embeds = cond.cond["prompt_embeds"]
-        pooled = cond.cond["pooled"]
-        cfg = self.uses_cfg(g)
         if cfg:
-            if cond.uncond is None:
-                raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
             hidden = torch.cat([hidden, hidden])
             timestep = torch.cat([timestep, timestep])
-            prompt_embeds = torch.cat([cond.uncond["prompt_embeds"], prompt_embeds])
-            pooled = torch.cat([cond.uncond["pooled"], pooled])
 
         out = self.forward_module(
             hidden_states=hidden,
             timestep=timestep,
-            encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
-            pooled_projections=pooled.to(device=self.device, dtype=self.dtype),
+            encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
+            pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
             return_dict=False,
         )[0].float()
-
-        if cfg:
-            v_uncond, v_cond = out.chunk(2)
-            return v_uncond + g * (v_cond - v_uncond)
-        return out
-
-    def schedule(self, steps: int) -> torch.Tensor:
-        """Sigmas [steps + 1] fp32 on the CPU, 1 → 0: ``StableDiffusion3Pipeline``'s own schedule.
-
-        Computed on a fresh copy of the pipeline's scheduler (the pipeline's scheduler is not touched).
-        """
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-        if int(steps) < 1:
-            raise ValueError(f"steps must be ≥ 1; got {steps}")
-        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        kwargs = {}
-        if scheduler.config.get("use_dynamic_shifting", False):
-            patch = self.pipe.transformer.config.patch_size
-            _, h, w = self.latent_shape
-            kwargs["mu"] = calculate_shift(
-                (h // patch) * (w // patch),
-                scheduler.config.get("base_image_seq_len", 256),
-                scheduler.config.get("max_image_seq_len", 4096),
-                scheduler.config.get("base_shift", 0.5),
-                scheduler.config.get("max_shift", 1.16),
-            )
-        scheduler.set_timesteps(int(steps), device="cpu", **kwargs)
-        return scheduler.sigmas.to(torch.float32).clone()
-
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] fp32 in [0, 1] from clean latents ``x0`` [B, C, h, w] (fp32)."""
-        vae = self.pipe.vae
-        latents = x0.to(device=self.device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-
-def _sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
-    """σ as an fp32 vector [batch] on ``device`` (from a scalar, a 0-d tensor or a [batch] tensor)."""
-    sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device)
-    if sigma.ndim == 0:
-        return sigma.expand(batch)
-    if sigma.shape != (batch,):
-        raise ValueError(f"sigma must be a scalar or [B={batch}]; got shape {list(sigma.shape)}")
-    return sigma
+        return self._cfg_combine(out, g) if cfg else out

@@ -17,6 +17,8 @@ class RolloutContext:
 
     ``group_offset``: global index of this process's first prompt group (unique seeds across ranks).
     ``guidance``: CFG scale (None → the model's default). ``max_batch``: states per model forward.
+    ``reduction``: how edge log-probs are reduced over latent elements (``mean`` | ``sum``); the loss
+    owns this setting (``loss.reduction``) and the forest records it so replay matches.
     """
 
     seed: int = 0
@@ -24,16 +26,41 @@ class RolloutContext:
     group_offset: int = 0
     guidance: float | None = None
     max_batch: int = 64
+    reduction: str = "mean"
+
+    def new_forest(self, prompts: list[str], guidance: float) -> Forest:
+        """An empty forest for ``prompts`` that records this context's sampler settings."""
+        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction)
 
 
 class RolloutPlan:
-    """A rollout plan turns prompts into a :class:`Forest`. Plans may wrap other plans."""
+    """A rollout plan turns prompts into a :class:`Forest` (``rollout.plan``; DESIGN.md).
+
+    Subclasses are dataclasses whose fields are the keys of the ``rollout`` section
+    (:mod:`flowrl.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
+
+    1. :meth:`setup` once with the model and the reward, before the first rollout (an explore plan
+       builds its low-precision copy of the policy here and keeps the reward to score its preview pool);
+    2. :meth:`rollout` every iteration; the forest's leaves, and any states the plan asked for with
+       ``forest.add_probe``, are then decoded and scored by the trainer;
+    3. :meth:`after_update` after every optimizer step (so a copy of the policy follows the weights).
+
+    A plan that wraps another (``inner``) passes each call on to it. :meth:`expected_counts` gives the
+    closed forms of ALGORITHMS.md for tests and logs, with one signature for every plan.
+    """
+
+    def setup(self, model: FlowModel, reward=None) -> None:
+        """Called once before the first rollout; ``reward`` is the run's MultiReward (or None)."""
+
+    def after_update(self, model: FlowModel) -> None:
+        """Called after every optimizer step, with the updated model."""
 
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         raise NotImplementedError
 
-    def expected_counts(self, num_prompts: int, iteration: int = 0) -> dict[str, int]:
-        """Closed-form rollout forwards and trained edges (ALGORITHMS.md) for tests and logs."""
+    def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
+        """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (ALGORITHMS.md) of a rollout of
+        ``num_prompts`` prompts in context ``ctx`` (its iteration and seed fix random windows)."""
         raise NotImplementedError
 
 
@@ -79,7 +106,7 @@ def advance(
         branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
         noise = noise_for(chunk, branch) if (kernel != "ode" and eta > 0) else None
         x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
-        logp = sde.log_prob(x_next, mean, std) if noise is not None else torch.zeros(chunk.shape[0])
+        logp = sde.log_prob(x_next, mean, std, forest.reduction) if noise is not None else torch.zeros(chunk.shape[0])
         if noise is None:
             std = torch.zeros_like(std)
         children.append(forest.add_children(chunk, x_next, sigma_next, step_next, logp, std, kernel if noise is not None else "ode",

@@ -122,10 +122,11 @@ class Chains(RolloutPlan):
         idx = sorted({round(window_end + k * remaining / n_post) for k in range(n_post + 1)})
         return idx
 
-    def expected_counts(self, num_prompts: int, iteration: int = 0, seed: int = 0) -> dict[str, int]:
+    def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges.
         With ``shared_noise`` the steps up to and including the first stochastic one cost one forward per group."""
-        window = self.window.steps(self.steps, iteration, seed)
+        ctx = ctx or RolloutContext()
+        window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
         chains = num_prompts * self.group_size
         per_chain = self.steps
         if self.post_solver == "dpm2":
@@ -147,7 +148,7 @@ class Chains(RolloutPlan):
         window_set = set(window)
 
         P = len(prompts)
-        forest = Forest(prompts=list(prompts), guidance=guidance)
+        forest = ctx.new_forest(prompts, guidance)
         sigma0 = float(sigmas[0])
         if self.shared_noise:
             # one x_T per group: the ODE steps before the window are the same for all G chains, so the

@@ -10,8 +10,15 @@ noise), ``step`` [N] (schedule index; 0 = pure noise), ``parent`` [N] (-1 for ro
 Per edge into n: ``logp_old`` [N], ``std`` [N], ``stochastic`` [N] (SDE edge, trainable),
 ``kernel`` [N] (index into :data:`EDGE_KERNELS`), ``eta`` [N] (the noise level used), ``batch`` [N]
 (id of the rollout forward that produced the velocity at the parent: replay uses the same layout).
-Outcomes: ``reward`` [N] (NaN except leaves), ``value`` [N] (optional state reward; NaN if unset),
-``advantage`` [N] and ``weight`` [N] (written by credit rules; weight 0 = edge skipped).
+Outcomes (allocated with the nodes, kept by :meth:`merge`, never wiped): ``reward`` [N] (combined
+reward of a leaf; NaN elsewhere), ``value`` [N] (combined reward of a probed intermediate state; NaN if
+unset), ``reward_components[name]`` [N] (each reward term's raw score on every scored node),
+``advantage`` [N] (0) and ``weight`` [N] (1), written by credit rules (weight 0 = edge skipped).
+
+Scoring: leaves are always scored (their latents are clean samples); a plan may ask for intermediate
+states to be scored too with :meth:`add_probe` (node, clean-latent estimate: an ODE completion, an x̂0
+projection). :meth:`score_requests` lists both; the trainer decodes and scores them and records the
+results with :meth:`record_scores` and :meth:`combine_scores`.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from flowrl import sde
 
 EDGE_KERNELS: tuple[str, ...] = sde.KERNELS + ("dpm2",)
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
+_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0}
 
 
 @dataclass
@@ -33,6 +41,7 @@ class Forest:
 
     prompts: list[str]
     guidance: float = 1.0
+    reduction: str = "mean"  # how edge log-probs were reduced over latent elements (replay uses the same)
     latents: torch.Tensor | None = None
     sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -46,12 +55,14 @@ class Forest:
     eta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     batch: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     counters: dict[str, int] = field(default_factory=lambda: {"forwards": 0, "nfe": 0, "model_calls": 0})
-    reward: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-    advantage: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
+    reward: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    value: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    advantage: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    weight: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    probe_node: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     _latent_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _probe_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
     _next_batch_id: int = 0
 
     # ---- building -------------------------------------------------------------------------
@@ -67,6 +78,11 @@ class Forest:
             old = getattr(self, name)
             new = torch.as_tensor(cols[name]).to(dtype=old.dtype).reshape(n).cpu()
             setattr(self, name, torch.cat([old, new]))
+        for name, default in _OUTCOME_DEFAULTS.items():
+            new = cols[name].float().reshape(n).cpu() if name in cols else torch.full((n,), default)
+            setattr(self, name, torch.cat([getattr(self, name), new]))
+        for name, column in self.reward_components.items():
+            self.reward_components[name] = torch.cat([column, torch.full((n,), float("nan"))])
         return torch.arange(n0, n0 + n)
 
     def add_roots(self, latents: torch.Tensor, group: Sequence[int] | torch.Tensor, seed: Sequence[int] | torch.Tensor,
@@ -121,19 +137,29 @@ class Forest:
     @staticmethod
     def merge(forests: Sequence["Forest"]) -> "Forest":
         """One forest from several rolled out separately (prompt groups renumbered in order, node,
-        parent and rollout-batch indices offset). Outcome columns are not carried: merge before credit."""
+        parent, probe and rollout-batch indices offset). Outcome columns, reward components and probes
+        are carried."""
         if len(forests) == 1:
             return forests[0]
-        if len({f.guidance for f in forests}) != 1:
-            raise ValueError("cannot merge forests sampled with different guidance")
-        out = Forest(prompts=[p for f in forests for p in f.prompts], guidance=forests[0].guidance)
+        for attr in ("guidance", "reduction"):
+            if len({getattr(f, attr) for f in forests}) != 1:
+                raise ValueError(f"cannot merge forests sampled with different {attr}")
+        out = Forest(prompts=[p for f in forests for p in f.prompts], guidance=forests[0].guidance,
+                     reduction=forests[0].reduction)
+        names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
+        out.reward_components = {k: torch.zeros(0) for k in names}
         node_offset = group_offset = batch_offset = 0
         for f in forests:
-            cols = {name: getattr(f, name).clone() for name in _NODE_FIELDS}
+            cols = {name: getattr(f, name).clone() for name in _NODE_FIELDS + tuple(_OUTCOME_DEFAULTS)}
             cols["parent"] = torch.where(cols["parent"] >= 0, cols["parent"] + node_offset, cols["parent"])
             cols["batch"] = torch.where(cols["batch"] >= 0, cols["batch"] + batch_offset, cols["batch"])
             cols["group"] = cols["group"] + group_offset
-            out._append(f.all_latents(), **cols)
+            new = out._append(f.all_latents(), **cols)
+            for k in names:
+                if k in f.reward_components:
+                    out.reward_components[k][new] = f.reward_components[k]
+            if f.probe_node.numel():
+                out.add_probe(f.probe_node + node_offset, f.probe_latents())
             node_offset += f.num_nodes
             group_offset += len(f.prompts)
             batch_offset += max(f._next_batch_id, int(f.batch.max()) + 1 if f.num_nodes else 0)
@@ -141,6 +167,49 @@ class Forest:
                 out.counters[k] = out.counters.get(k, 0) + v
         out._next_batch_id = batch_offset
         return out
+
+    # ---- scoring ---------------------------------------------------------------------------
+    def add_probe(self, nodes: torch.Tensor, x0: torch.Tensor) -> None:
+        """Ask for intermediate states ``nodes`` [Q] to be scored through the clean-latent estimates
+        ``x0`` [Q, C, H, W] (e.g. ODE completions or x̂0 projections); their combined score lands in
+        ``value``. Leaves are scored anyway and cannot be probed."""
+        nodes = torch.as_tensor(nodes, dtype=torch.long).cpu().reshape(-1)
+        if x0.shape[0] != nodes.shape[0]:
+            raise ValueError(f"add_probe: {nodes.shape[0]} nodes but {x0.shape[0]} latents")
+        self.probe_node = torch.cat([self.probe_node, nodes])
+        self._probe_blocks.append(x0.detach().float().cpu())
+
+    def probe_latents(self) -> torch.Tensor:
+        """Clean-latent estimates of the probed states [Q, C, H, W], in ``probe_node`` order."""
+        if not self._probe_blocks:
+            return torch.zeros((0,) + tuple(self.all_latents().shape[1:]))
+        if len(self._probe_blocks) > 1:
+            self._probe_blocks = [torch.cat(self._probe_blocks)]
+        return self._probe_blocks[0]
+
+    def score_requests(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nodes to score [S] and their clean latents [S, C, H, W]: every leaf, then every probe."""
+        leaves = self.leaves()
+        if self.probe_node.numel() and bool(torch.isin(self.probe_node, leaves).any()):
+            raise ValueError("a probe was added on a leaf: leaves are scored from their own latents")
+        nodes = torch.cat([leaves, self.probe_node])
+        return nodes, torch.cat([self.all_latents()[leaves], self.probe_latents()])
+
+    def record_scores(self, nodes: torch.Tensor, components: dict[str, torch.Tensor]) -> None:
+        """Write each reward term's raw scores [S] of ``nodes`` [S] into ``reward_components``."""
+        for name, values in components.items():
+            column = self.reward_components.setdefault(name, torch.full((self.num_nodes,), float("nan")))
+            column[nodes] = values.detach().float().cpu()
+
+    def combine_scores(self, combine) -> None:
+        """``reward`` on the leaves and ``value`` on the probed states from ``reward_components``:
+        ``combine(components {name: [S]}, groups [S]) → [S]`` (a MultiReward's :meth:`combine`),
+        applied to the leaves and to the probed states separately."""
+        if not self.reward_components:
+            return
+        for nodes, column in ((self.leaves(), self.reward), (self.probe_node, self.value)):
+            if nodes.numel():
+                column[nodes] = combine({k: v[nodes] for k, v in self.reward_components.items()}, self.group[nodes]).float()
 
     # ---- structure helpers ----------------------------------------------------------------
     def leaves(self) -> torch.Tensor:
@@ -211,11 +280,3 @@ class Forest:
             if self.weight is not None:
                 mask = mask & (self.weight > 0)
         return torch.nonzero(mask).flatten()
-
-    def init_outcomes(self) -> None:
-        """Allocate reward/value (NaN), advantage (0) and weight (1) columns [N]."""
-        n = self.num_nodes
-        self.reward = torch.full((n,), float("nan"))
-        self.value = torch.full((n,), float("nan"))
-        self.advantage = torch.zeros(n)
-        self.weight = torch.ones(n)

@@ -6,14 +6,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from flowrl.models.base import FlowModel
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the models import this module lazily (FlowModel.sample): no import cycle
+    from flowrl.models.base import FlowModel
     from flowrl.rollout.forest import Forest
 
 
 @torch.no_grad()
-def ode_sample(model: FlowModel, prompts: Sequence[str], seeds: Sequence[int], steps: int,
+def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int], steps: int,
                guidance: float | None = None, max_batch: int = 64, decode: bool = True) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] (or clean latents with ``decode=False``) for ``prompts[i]`` from
     ``model.noise([seeds[i]])`` with ``steps`` Euler steps of the ODE at CFG ``guidance``."""
@@ -44,13 +43,17 @@ class SampleOutput:
 
 
 @torch.no_grad()
-def sample_with_plan(model: FlowModel, prompts: Sequence[str], plan, seed: int = 0, iteration: int = 0,
-                     guidance: float | None = None, max_batch: int = 64) -> SampleOutput:
-    """Run a rollout plan (chains, tree, explore) outside the trainer: SDE sampling with log-probs."""
-    from flowrl.rollout.base import RolloutContext
+def sample_with_plan(model: "FlowModel", prompts: Sequence[str], plan, seed: int = 0, iteration: int = 0,
+                     guidance: float | None = None, max_batch: int = 64, reward=None,
+                     reduction: str = "mean") -> SampleOutput:
+    """Run a rollout plan (chains, tree, explore) outside the trainer: SDE sampling with log-probs.
 
+    The plan is set up with ``model`` and ``reward`` first (a plan that scores candidates, as an
+    explore plan does, needs the reward). ``reduction``: how edge log-probs are reduced (``mean`` | ``sum``)."""
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.scoring import decode
+
+    plan.setup(model, reward)
     forest = plan.rollout(model, list(prompts), RolloutContext(seed=seed, iteration=iteration, guidance=guidance,
-                                                                max_batch=max_batch))
-    x0 = forest.all_latents()[forest.leaves()]
-    images = torch.cat([model.decode(x0[i:i + max_batch].to(model.device)).cpu() for i in range(0, x0.shape[0], max_batch)])
-    return SampleOutput(images, forest)
+                                                                max_batch=max_batch, reduction=reduction))
+    return SampleOutput(decode(model, forest.all_latents()[forest.leaves()], max_batch), forest)

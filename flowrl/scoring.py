@@ -1,4 +1,12 @@
-"""Score rewards in a background thread so scoring overlaps the next rollout.
+"""Scoring in the loop: decode the states a forest asks to be scored, and score them in a background
+thread so scoring overlaps the next rollout.
+
+    nodes, future = request_scores(scorer, model, forest, max_batch)   # leaves + probed states
+    ...                                                                 # next rollout runs meanwhile
+    forest.record_scores(nodes, future.result())                        # raw score per reward term
+    forest.combine_scores(multi_reward.combine)                         # reward (leaves), value (probes)
+
+The scorer alone:
 
     scorer = BackgroundScorer(multi_reward)           # or any Reward
     fut = scorer.submit(images, prompts, meta)        # returns at once
@@ -22,6 +30,25 @@ from typing import Any, Sequence
 import torch
 
 from rewards.base import Reward
+
+
+def decode(model, latents: torch.Tensor, max_batch: int) -> torch.Tensor:
+    """Images [S, 3, H, W] in [0, 1] on the CPU for clean latents [S, C, h, w], ``max_batch`` at a time."""
+    if latents.shape[0] == 0:
+        return torch.zeros(0, 3, model.height, model.width)
+    return torch.cat([model.decode(latents[i:i + max_batch].to(model.device)).cpu()
+                      for i in range(0, latents.shape[0], max_batch)])
+
+
+def request_scores(scorer: "BackgroundScorer", model, forest, max_batch: int
+                   ) -> "tuple[torch.Tensor, cf.Future[dict[str, torch.Tensor]]]":
+    """Decode every state ``forest`` asks to be scored (leaves, then probes) and submit them to ``scorer``.
+    Returns the scored nodes [S] and the future of their raw scores ``{name: [S]}``; counts the decoded
+    states in ``forest.counters["scored"]``."""
+    nodes, x0 = forest.score_requests()
+    images = decode(model, x0, max_batch)
+    forest.counters["scored"] = forest.counters.get("scored", 0) + int(nodes.numel())
+    return nodes, scorer.submit(images, [forest.prompts[int(g)] for g in forest.group[nodes]], {})
 
 
 def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]

@@ -1,0 +1,149 @@
+"""Components by name: rollout plans, credit rules and policy objectives (DESIGN.md: a method is a
+plan × a credit rule × a loss).
+
+Each kind has a registry, as rewards do: a config names a component by its registered name
+(``rollout.plan: chains``), by ``package.module:Class`` or by ``path/to/file.py:Class``. A component
+is a dataclass, and its fields are the keys of its config section, next to the few keys the loop
+itself owns there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key itself)::
+
+    rollout: {plan: my_pkg.plans:EveryOtherStep, max_batch: 64, group_size: 8, my_field: 3}
+
+:func:`section_schema` turns the chosen class into the section's schema (a dataclass), so unknown keys
+and ill-typed values fail at load naming the nearest valid key, for components outside the package
+too; :func:`instantiate` builds the component from a loaded section. :func:`register` adds a name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Optional, Union
+
+from flowrl.errors import ConfigError
+from flowrl.plugins import load_target
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of component: where it sits in the config and what it must subclass."""
+
+    section: str                       # config section, e.g. "rollout"
+    selector: str                      # key naming the component in that section, e.g. "plan"
+    default: str                       # registered name used when the key is absent
+    base: str                          # "module:Class" of the base class (imported lazily)
+    loop_keys: tuple[tuple[str, type, Any], ...] = ()   # (name, type, default) owned by the loop
+    registry: dict[str, str | type] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.selector}"
+
+    def base_class(self) -> type:
+        module, _, name = self.base.partition(":")
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+
+PLAN = Kind("rollout", "plan", "chains", "flowrl.rollout.base:RolloutPlan",
+            loop_keys=(("max_batch", int, 64),   # states per model forward; training replays the same layout
+                       ("chunks", int, 1)),      # roll out the groups in parts, scoring each while the next rolls out
+            registry={"chains": "flowrl.rollout.chains:Chains"})
+CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
+              registry={"group": "flowrl.credit.group:GroupAdvantage"})
+LOSS = Kind("loss", "objective", "clipped", "flowrl.loss:Objective",
+            registry={"clipped": "flowrl.loss:PolicyLoss"})
+KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
+
+
+def register(kind: Kind, name: str, target: str | type) -> None:
+    """Register ``target`` (a class or ``"module:Class"``) as ``name`` for ``kind`` (PLAN, CREDIT, LOSS)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"{kind.key} name {name!r} must be a non-empty string without ':'")
+    kind.registry[name] = target
+    section_schema.cache_clear()
+
+
+def resolve(kind: Kind, name: str) -> type:
+    """The component class behind a registered name, ``module:Class`` or ``file.py:Class``."""
+    target: Any = kind.registry.get(name)
+    if target is None:
+        if ":" not in str(name):
+            close = difflib.get_close_matches(str(name), list(kind.registry), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{kind.key}={name!r} is not registered{hint}; accepted: {sorted(kind.registry)}, "
+                              "or 'package.module:Class' or 'path/to/file.py:Class'")
+        target = name
+    base = kind.base_class()
+    try:
+        cls = load_target(target, f"{kind.key}={name!r}", f"{kind.key} file", base) if isinstance(target, str) else target
+    except (ImportError, AttributeError, FileNotFoundError, ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{kind.key}={name!r} resolves to {cls!r}, which is not a subclass of {base.__name__}")
+    if not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{kind.key}={name!r}: {cls.__name__} must be a dataclass (its fields are the keys of "
+                          f"the {kind.section!r} section)")
+    return cls
+
+
+def component_fields(cls: type) -> list[dataclasses.Field]:
+    """The dataclass fields of ``cls`` that are config keys (init fields without ``metadata={"config": False}``)."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config", True)]
+
+
+def _config_type(t: Any) -> Any:
+    """A type OmegaConf can check: ``X | None`` → Optional[X]; other unions and callables → Any."""
+    origin = typing.get_origin(t)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if len(args) == 1:
+            return Optional[_config_type(args[0])]
+        return Any
+    if origin in (list, tuple):
+        args = typing.get_args(t)
+        return list[_config_type(args[0])] if args else list
+    if origin is dict:
+        args = typing.get_args(t)
+        return dict[args[0], _config_type(args[1])] if args else dict
+    if t in (int, float, bool, str, Any) or dataclasses.is_dataclass(t):
+        return t
+    return Any
+
+
+@lru_cache(maxsize=None)
+def section_schema(kind: Kind, name: str) -> type:
+    """The schema (a dataclass) of ``kind``'s config section when it selects ``name``: the selector,
+    the loop's keys, then the component's own fields with their defaults."""
+    cls = resolve(kind, name)
+    hints = typing.get_type_hints(cls)
+    own = component_fields(cls)
+    reserved = {kind.selector, *(k for k, _, _ in kind.loop_keys)}
+    clash = sorted(reserved & {f.name for f in own})
+    if clash:
+        raise ConfigError(f"{kind.key}={name!r}: fields {clash} are reserved in the {kind.section!r} section")
+    spec: list[tuple[str, Any, Any]] = [(kind.selector, str, field(default=name))]
+    spec += [(k, t, field(default=d)) for k, t, d in kind.loop_keys]
+    for f in own:
+        default = (field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
+                   else field(default=f.default) if f.default is not dataclasses.MISSING else field())
+        spec.append((f.name, _config_type(hints.get(f.name, Any)), default))
+    schema = dataclasses.make_dataclass(f"{kind.section.title()}Section", spec)
+    schema.__doc__ = f"The {kind.section!r} section for {kind.key}={name!r} ({cls.__module__}.{cls.__name__})."
+    return schema
+
+
+def instantiate(kind: Kind, section: Any) -> Any:
+    """Build the component a loaded section selects, from the section's values of its fields."""
+    name = getattr(section, kind.selector)
+    cls = resolve(kind, name)
+    kwargs = {f.name: getattr(section, f.name) for f in component_fields(cls) if hasattr(section, f.name)}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None

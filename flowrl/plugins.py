@@ -1,0 +1,80 @@
+"""Load a class named ``package.module:Class`` or ``path/to/file.py:Class`` (rewards, plans, credit
+rules and losses all resolve their ``name`` keys through here).
+
+A file is imported once per process under a stable module name derived from its absolute path, so
+two configs naming the same file share one class.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+def is_file_target(module_path: str) -> bool:
+    """``True`` for ``"dir/file.py"``-style module parts (a path, not a dotted module)."""
+    return module_path.endswith(".py") or "/" in module_path or os.sep in module_path
+
+
+def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
+    """``cls_name`` from the Python file ``path``; ``what`` names the kind in errors ("reward plugin
+    file"); ``base`` lists the candidate classes of the file when ``cls_name`` is missing."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"{what} {path!r} does not exist (relative paths are from {os.getcwd()})")
+    resolved = str(file.resolve())
+    mod_name = "_flowrl_plugin_" + hashlib.sha1(resolved.encode()).hexdigest()[:16]
+    module = sys.modules.get(mod_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(mod_name, resolved)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{what} {path!r} cannot be imported as Python (a .py file is expected)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[mod_name]
+            raise
+    if not hasattr(module, cls_name):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v is not base)
+        raise AttributeError(f"{what} {path!r} has no class {cls_name!r} ({base.__name__} classes in it: {found})")
+    return getattr(module, cls_name)
+
+
+def load_from_module(module_path: str, cls_name: str, label: str) -> type:
+    """``cls_name`` from the importable module ``module_path``; ``label`` starts every error."""
+    try:
+        module = importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and (module_path == missing or module_path.startswith(missing + ".")):
+            msg = f"{label}: no module named {module_path!r} (is the package installed / on sys.path?)"
+        else:
+            msg = f"{label}: module {module_path!r} needs {missing!r}, which is not installed ({e})"
+        raise ModuleNotFoundError(msg, name=missing) from e
+    if not hasattr(module, cls_name):
+        raise AttributeError(f"{label}: module {module_path!r} has no class {cls_name!r}")
+    return getattr(module, cls_name)
+
+
+def public_name(cls: type) -> str:
+    """``rewards.Reward``, ``flowrl.RolloutPlan``: the top-level package and the class name."""
+    return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+
+
+def load_target(target: str, label: str, file_what: str, base: type) -> type:
+    """The class behind ``"package.module:Class"`` or ``"path/file.py:Class"``, checked to subclass ``base``."""
+    module_path, _, cls_name = target.rpartition(":")
+    if not module_path or not cls_name:
+        raise ValueError(f"{label}: expected 'package.module:Class' or 'path/to/file.py:Class'")
+    if is_file_target(module_path):
+        cls = load_from_file(module_path, cls_name, file_what, base)
+    else:
+        cls = load_from_module(module_path, cls_name, label)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{label} resolves to {cls!r}, which is not a subclass of {public_name(base)}")
+    return cls
