@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import asdict
 import json
 import math
 import os
@@ -53,6 +54,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flowrl.shapes import world  # noqa: E402
+from flowrl.shapes.caption_noise import KINDS, CaptionNoise  # noqa: E402
 from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, MAX_SEQUENCE_LENGTH,  # noqa: E402
                                     build_shapes_pipeline, write_generation_defaults)
 from rewards.shapes import ShapesReward  # noqa: E402
@@ -307,19 +309,32 @@ def calibrate_and_check_vae(vae, eval_prompts: list[str], args, log: dict) -> No
 # ---------------------------------------------------------------------------------------- latents
 
 @torch.no_grad()
-def encode_dataset(vae, train_prompts: list[str], args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_dataset(vae, train_prompts: list[str], args, log: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Render ``args.dataset_size`` images of train prompts and encode them.
 
     Returns posterior mean and std [N, 4, 16, 16] (unscaled) and prompt indices [N] into
-    ``train_prompts`` (uniform over the task-balanced train list).
+    ``train_prompts`` (uniform over the task-balanced train list). With ``--caption-noise`` the image of
+    a caption is drawn from a one-fact-wrong spec with the probability of its kind
+    (:mod:`flowrl.shapes.caption_noise`); the setting and the counts flipped go into ``log``.
     """
     rng = np.random.default_rng([args.seed, 30])
     idx = rng.integers(len(train_prompts), size=args.dataset_size)
     specs = [world.parse(p) for p in train_prompts]
+    noise = CaptionNoise.parse(args.caption_noise)
+    if noise.any():  # draw each image from its caption's spec or a one-fact-wrong version of it
+        noise_rng = np.random.default_rng([args.seed, 31])
+        held = world.held_out_pairs(args.seed)
+        drawn = [noise.apply(specs[k], noise_rng, held) for k in idx]
+        kinds = [kind for _, kind in drawn]
+        log["caption_noise"] = {"setting": asdict(noise), "images": len(drawn),
+                                "flipped": {k: kinds.count(k) for k in KINDS}}
+        drawn_specs = [spec for spec, _ in drawn]
+    else:
+        drawn_specs = [specs[k] for k in idx]
     means, stds = [], []
     bs = 256
     for i in tqdm(range(0, args.dataset_size, bs), desc="encode latents", mininterval=5, dynamic_ncols=True):
-        x = render_batch([specs[k] for k in idx[i:i + bs]], rng)
+        x = render_batch(drawn_specs[i:i + bs], rng)
         post = vae.encode(x).latent_dist
         means.append(post.mean)
         stds.append(post.std)
@@ -465,6 +480,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calib-size", type=int, default=2048, help="renders used to measure latent mean/std")
     # data
     p.add_argument("--dataset-size", type=int, default=50_000, help="train renders encoded once")
+    p.add_argument("--caption-noise", default="", help="web-like caption noise: KIND=P,... with KIND in count, mirror, swap, "
+                   "drop (flowrl/shapes/caption_noise.py): that fraction of a task's images is drawn one fact wrong "
+                   "while the caption stays, e.g. count=0.7,mirror=0.7,swap=0.7,drop=0.5")
     # transformer
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -482,6 +500,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=float, default=10.0, help="minutes between atomic saves")
     p.add_argument("--eval-size", type=int, default=None, help="held-out prompts in the final eval (all: 240)")
     args = p.parse_args(argv)
+    try:
+        CaptionNoise.parse(args.caption_noise)
+    except ValueError as e:
+        p.error(f"--caption-noise: {e}")
     if len(args.minutes) == 1:
         args.minutes = args.minutes * 2
     if len(args.minutes) != 2:
@@ -548,14 +570,18 @@ def main(argv=None) -> None:
     t0 = time.time()
     # The encoded set depends on seed, size and the VAE: cache it in --work for later runs on the same VAE.
     vae_id = f"{sum(float(p.double().sum()) for p in pipe.vae.parameters()):.10e}"
-    cache = work / f"latents_seed{args.seed}_n{args.dataset_size}.pt"
+    noise_tag = args.caption_noise.replace(",", "_").replace("=", "") if args.caption_noise else "clean"
+    cache = work / f"latents_seed{args.seed}_n{args.dataset_size}_{noise_tag}.pt"
     saved = torch.load(cache) if cache.is_file() else None
     if saved is not None and saved["vae_id"] == vae_id:
         data = (saved["mean"], saved["std"], saved["prompt_idx"])
         log["latents_from_cache"] = str(cache)
+        if "caption_noise" in saved:
+            log["caption_noise"] = saved["caption_noise"]
     else:
-        data = encode_dataset(pipe.vae, train_prompts, args)
-        torch.save({"vae_id": vae_id, "mean": data[0], "std": data[1], "prompt_idx": data[2]}, cache)
+        data = encode_dataset(pipe.vae, train_prompts, args, log)
+        torch.save({"vae_id": vae_id, "mean": data[0], "std": data[1], "prompt_idx": data[2],
+                    "caption_noise": log.get("caption_noise")}, cache)
     log["encode_seconds"] = round(time.time() - t0, 1)
 
     # 3. Transformer + text encoders
