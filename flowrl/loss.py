@@ -33,6 +33,13 @@ class Objective:
     def needs_reference(self) -> bool:
         return self.beta > 0
 
+    def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """An extra loss term the trainer adds once per optimizer step, after the edges' terms (e.g. a
+        best-path flow-matching term on the group's best leaf); None (default) for none. ``cond`` holds
+        one conditioning row per prompt group of ``forest``. Its gradient is averaged over processes
+        with the rest."""
+        return None
+
     def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
                  kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

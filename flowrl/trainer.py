@@ -217,6 +217,8 @@ class Trainer:
         diag_count = 0
         grad_norms = []
         first_delta = None
+        aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
+        aux_steps = 0
         for epoch in range(cfg.train.inner_epochs):
             order = batches
             if epoch > 0:
@@ -233,6 +235,13 @@ class Trainer:
                 diag_count += self._backward(forest, cond, part, n_global, step_sums)
                 if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
                     first_delta = step_sums.get("abs_delta_logp", 0.0)
+                aux = self.loss_fn.auxiliary(self.model, forest, cond)
+                if aux is not None:
+                    aux_loss, aux_diag = aux
+                    aux_loss.backward()
+                    for k, v in aux_diag.items():
+                        aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
+                    aux_steps += 1
                 for k, v in step_sums.items():
                     _fold(diag_sums, k, v)
                 self._average_gradients()
@@ -243,6 +252,7 @@ class Trainer:
                 self.plan.after_update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         out = {k: v if k in _EXTREMES else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
+        out.update({k: v / aux_steps for k, v in aux_sums.items()})
         out["first_step_abs_delta_logp"] = first_delta if first_delta is not None else 0.0
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["trained_edges"] = self._sum(edges.numel())

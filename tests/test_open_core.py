@@ -96,7 +96,7 @@ def test_plugin_sections_are_checked_against_the_plugins_own_fields(tmp_path, ti
 def test_unknown_component_names_list_the_registered_ones(plugin):
     with pytest.raises(ConfigError, match=r"rollout.plan='chanis' is not registered \(did you mean 'chains'\?\)"):
         TrainConfig.from_yaml(None, ["rollout.plan=chanis"])
-    with pytest.raises(ConfigError, match=r"credit.rule='grop'.*accepted: \['group'\]"):
+    with pytest.raises(ConfigError, match=r"credit.rule='grop' is not registered \(did you mean 'group'\?\); accepted: \['group'"):
         TrainConfig.from_yaml(None, ["credit.rule=grop"])
     with pytest.raises(ConfigError, match="loss.objective"):
         TrainConfig.from_yaml(None, ["loss.objective=nope"])
@@ -165,3 +165,44 @@ def test_merge_keeps_outcomes_components_and_probes():
     assert m.reward[[2, 5]].tolist() == [10.0, 30.0] and m.value[[1, 4]].tolist() == [5.0, 15.0]
     nodes, x0 = m.score_requests()
     assert nodes.tolist() == [2, 5, 1, 4] and x0.shape == (4, 2, 2, 2)
+
+
+def test_probe_x0_scores_states_reached_by_sde_steps_without_extra_forwards(sd3_model):
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.rollout.chains import Chains, SDEWindow
+
+    plan = Chains(group_size=2, steps=4, eta=0.7, window=SDEWindow(mode="fixed", start=1, size=2))
+    plain = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=3))
+    probed = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=3, probe_x0=True))
+    assert probed.counters["forwards"] == plain.counters["forwards"]
+    torch.testing.assert_close(probed.all_latents(), plain.all_latents(), rtol=0, atol=0)
+    reached = torch.nonzero(probed.stochastic).flatten()  # states after SDE steps 1 and 2, per chain
+    assert sorted(probed.probe_node.tolist()) == sorted(reached.tolist()) and reached.numel() == 4
+    n = int(probed.probe_node[0])
+    x = probed.all_latents()[n:n + 1]
+    sigma = float(probed.sigma[n])
+    cond = sd3_model.encode(probed.prompts, probed.guidance).select(probed.group[n:n + 1])
+    v = sd3_model.velocity(x, torch.full((1,), sigma), cond, probed.guidance)
+    torch.testing.assert_close(probed.probe_latents()[:1], x - sigma * v, rtol=1e-5, atol=1e-5)
+    nodes, _ = probed.score_requests()
+    assert nodes.numel() == probed.leaves().numel() + 4
+
+
+def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
+    from dataclasses import dataclass
+
+    from flowrl.loss import PolicyLoss
+
+    calls = []
+
+    @dataclass
+    class WithAux(PolicyLoss):
+        def auxiliary(self, model, forest, cond):
+            calls.append(forest.num_nodes)
+            p = next(q for q in model.trainable.parameters() if q.requires_grad)
+            return (p ** 2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
+
+    trainer = Trainer(tiny_config(tmp_path, "aux", "train.updates_per_epoch=2"), model=make_model("sd3"))
+    trainer.loss_fn = WithAux(**{k: getattr(trainer.loss_fn, k) for k in ("clip_low", "clip_high", "beta")})
+    record = trainer.train_step(0)
+    assert len(calls) == 2 and record["aux_term"] == 1.5

@@ -19,6 +19,8 @@ class RolloutContext:
     ``guidance``: CFG scale (None → the model's default). ``max_batch``: states per model forward.
     ``reduction``: how edge log-probs are reduced over latent elements (``mean`` | ``sum``); the loss
     owns this setting (``loss.reduction``) and the forest records it so replay matches.
+    ``probe_x0``: every state reached by a stochastic edge is also scored through its one-step clean
+    estimate x̂0 = x − σ·v, from the velocity the next step computes anyway (no extra forwards; VGPO).
     """
 
     seed: int = 0
@@ -27,10 +29,11 @@ class RolloutContext:
     guidance: float | None = None
     max_batch: int = 64
     reduction: str = "mean"
+    probe_x0: bool = False
 
     def new_forest(self, prompts: list[str], guidance: float) -> Forest:
         """An empty forest for ``prompts`` that records this context's sampler settings."""
-        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction)
+        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction, probe_x0=self.probe_x0)
 
 
 class RolloutPlan:
@@ -100,6 +103,10 @@ def advance(
         v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
                            cond.select(forest.group[chunk]), guidance)
         forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
+        if forest.probe_x0:  # x̂0 of states an SDE step reached, from this velocity: no extra forward
+            reached = forest.stochastic[chunk]
+            if bool(reached.any()):
+                forest.add_probe(chunk[reached], (x - sigma * v.float())[reached.to(x.device)])
         if fanout > 1:
             x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
             chunk = chunk.repeat_interleave(fanout)

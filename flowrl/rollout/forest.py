@@ -42,6 +42,7 @@ class Forest:
     prompts: list[str]
     guidance: float = 1.0
     reduction: str = "mean"  # how edge log-probs were reduced over latent elements (replay uses the same)
+    probe_x0: bool = False  # plans add x̂0 probes of states reached by SDE edges (RolloutContext.probe_x0)
     latents: torch.Tensor | None = None
     sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -145,7 +146,7 @@ class Forest:
             if len({getattr(f, attr) for f in forests}) != 1:
                 raise ValueError(f"cannot merge forests sampled with different {attr}")
         out = Forest(prompts=[p for f in forests for p in f.prompts], guidance=forests[0].guidance,
-                     reduction=forests[0].reduction)
+                     reduction=forests[0].reduction, probe_x0=forests[0].probe_x0)
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
         out.reward_components = {k: torch.zeros(0) for k in names}
         node_offset = group_offset = batch_offset = 0
