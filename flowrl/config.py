@@ -40,7 +40,7 @@ class LoraSection:
 
 @dataclass
 class ModelSection:
-    family: str = "shapes"  # shapes | sd3 | flux
+    family: str = "shapes"  # shapes | sd3 | flux | sana
     path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -198,7 +198,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key."""
-        choose("model.family", self.model.family, ("shapes", "sd3", "flux"))
+        choose("model.family", self.model.family, ("shapes", "sd3", "flux", "sana"))
         choose("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         choose("reward_normalize", self.reward_normalize, REWARD_NORMALIZE)
         choose("optim.schedule", self.optim.schedule, ("constant", "linear", "cosine"))

@@ -284,6 +284,7 @@ class Trainer:
     def train_step(self, iteration: int) -> dict[str, float]:
         """One full iteration; returns its metrics (global over processes)."""
         forest, times = self.rollout(iteration)
+        plan_stats = self.plan.metrics(forest)
         credit_stats = self.credit.assign(forest, gather=self._gather)
         t0 = time.perf_counter()
         update_stats = self.update(forest, iteration)
@@ -296,7 +297,7 @@ class Trainer:
                                     "reward_failed": float(rewards.numel() - ok.numel())}
         for name, values in forest.reward_components.items():
             record[f"reward/{name}"] = float(self._gather(values[leaves]).nanmean())
-        record.update({k: self._sum(v) / self.world for k, v in credit_stats.items()})
+        record.update({k: self._sum(v) / self.world for k, v in {**plan_stats, **credit_stats}.items()})
         record.update(update_stats)
         record["rollout_forwards"] = self._sum(forest.counters["forwards"])
         record["rollout_nfe"] = self._sum(forest.counters["nfe"])

@@ -45,7 +45,7 @@ class RolloutPlan:
     1. :meth:`setup` once with the model and the reward, before the first rollout (an explore plan
        builds its low-precision copy of the policy here and keeps the reward to score its preview pool);
     2. :meth:`rollout` every iteration; the forest's leaves, and any states the plan asked for with
-       ``forest.add_probe``, are then decoded and scored by the trainer;
+       ``forest.add_probe``, are then decoded and scored by the trainer, which logs :meth:`metrics`;
     3. :meth:`after_update` after every optimizer step (so a copy of the policy follows the weights).
 
     A plan that wraps another (``inner``) passes each call on to it. :meth:`expected_counts` gives the
@@ -60,6 +60,11 @@ class RolloutPlan:
 
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         raise NotImplementedError
+
+    def metrics(self, forest: Forest) -> dict[str, float]:
+        """Statistics of a rolled-out and scored ``forest`` for the metrics log (e.g. how well an
+        explorer's preview ranked the regenerated samples); called before credit. Default: none."""
+        return {}
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (ALGORITHMS.md) of a rollout of
