@@ -51,3 +51,49 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: 
         img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
+
+
+def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, path: Path, ncol: int = 4,
+                       scale: int = 4) -> None:
+    """A PNG a person can read: each image [N, 3, H, W] in [0, 1] (``scale``× nearest upsampling) over its
+    prompt and its score from ``reward``'s first term — a green ✓ / red ✗ pass mark when that term is
+    pass/fail (scores in {0, 1}, e.g. the shapes checker in ``strict`` mode), else the score."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    if images.shape[0] == 0:
+        return
+    prompts = list(prompts)[: images.shape[0]]
+    first = next(iter(reward.components(images, prompts, {}).values())).float()
+    binary = bool(((first == 0) | (first == 1)).all())
+    font = ImageFont.load_default()
+    n, _, h, w = images.shape
+    cell_w, text_h, pad = max(w * scale, 128), 38, 6
+    rows = (n + ncol - 1) // ncol
+    canvas = Image.new("RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for i in range(n):
+        r, c = divmod(i, ncol)
+        x0, y0 = pad + c * (cell_w + pad), pad + r * (h * scale + text_h + pad)
+        array = (images[i].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        canvas.paste(Image.fromarray(array).resize((w * scale, h * scale), Image.NEAREST), (x0, y0))
+        score = float(first[i])
+        if binary:
+            mark, colour = ("PASS", (0, 140, 0)) if score == 1 else ("FAIL", (200, 0, 0))
+        else:
+            mark, colour = f"{score:.3f}", (0, 0, 0)
+        draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
+        draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompts[i], cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Greedy word wrap to lines of at most ``width`` characters."""
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return lines + ([line] if line else [])

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from flowrl import build
 from flowrl.checkpoint import load_weights, read_state, resolve_resume, save_weights, write_checkpoint
 from flowrl.config import ConfigError, TrainConfig
-from flowrl.evaluation import evaluate, save_grid
+from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.prompts import PromptSource, read_prompts
@@ -359,7 +359,7 @@ class Trainer:
         n = len(mine)
         metrics = {k: self._sum(v * n) / self._sum(n) for k, v in metrics.items()}
         if self.accelerator.is_main_process and images.numel():
-            save_grid(images, self.run_dir / "samples" / f"{tag or f'step-{step:06d}'}.png", scale=4)
+            save_labelled_grid(images, mine, self.eval_reward, self.run_dir / "samples" / f"{tag or f'step-{step:06d}'}.png")
         return metrics
 
     def save_checkpoint(self) -> Path | None:
