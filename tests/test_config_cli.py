@@ -17,7 +17,11 @@ PRESETS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "accelerate" not in p.
 def test_every_preset_loads_and_builds_its_plan(path):
     from flowrl import build
 
-    cfg = TrainConfig.from_yaml(path)
+    try:
+        cfg = TrainConfig.from_yaml(path)
+    except ConfigError as err:  # a GPU precision preset on a machine without that GPU
+        assert "cannot run on" in str(err) and "backends this machine can run" in str(err), err
+        cfg = TrainConfig.from_yaml(path, ["rollout.backend=same"])
     plan = build.build_plan(cfg.rollout)
     assert plan.expected_counts(2)["trained_edges"] > 0
     build.build_loss(cfg)

@@ -60,11 +60,11 @@ def perturb_lora(module, seed=0):
 def test_wrap_picks_adapter_by_class_and_names_supported_ones():
     assert isinstance(make("sd3")[1], SD3FlowModel)
     assert isinstance(make("flux")[1], FluxFlowModel)
-    with pytest.raises(TypeError, match="StableDiffusion3Pipeline.*FluxPipeline"):
+    with pytest.raises(TypeError, match="StableDiffusion3Pipeline.*FluxPipeline.*SanaPipeline"):
         wrap(object())
-    with pytest.raises(ValueError, match="'sana'.*flux.*sd3"):
-        load_model("sana", "nowhere")
-    assert set(MODEL_FAMILIES) == {"sd3", "flux"}
+    with pytest.raises(ValueError, match="'pixart'.*flux.*sana.*sd3"):
+        load_model("pixart", "nowhere")
+    assert set(MODEL_FAMILIES) == {"sd3", "flux", "sana"}
 
 
 @pytest.mark.parametrize("kind", ["sd3", "sd3_t5", "flux"])

@@ -1,7 +1,7 @@
 """Model adapters: diffusers flow-matching pipelines behind the :class:`FlowModel` contract.
 
-``wrap(pipe)`` picks the adapter by the pipeline's class; ``load_model(family, path)`` loads a
-pipeline (hub id or local folder) and wraps it. Importing this package does not import diffusers.
+``wrap(pipe)`` picks the adapter by the pipeline's class (SD3/SD3.5, FLUX.1, SANA); ``load_model(family,
+path)`` loads a pipeline (hub id or local folder) and wraps it. Importing this package does not import diffusers.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class ModelFamily:
 MODEL_FAMILIES: dict[str, ModelFamily] = {
     "sd3": ModelFamily("StableDiffusion3Pipeline", "flowrl.models.sd3:SD3FlowModel"),
     "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
+    "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
 }
 """Family name → pipeline class and adapter. SD3, SD3.5 and the embedded shapes model are "sd3"."""
 

@@ -22,8 +22,17 @@ FLUX.1-dev); CLIP text encoder (hidden 32 = pooled projection dim) and a 1-layer
 Dynamic shifting as FLUX.1. FLUX pipelines default to 1024 px, so pass ``height=16, width=16`` to
 the adapter.
 
-Every word of :data:`TINY_VOCAB` is one CLIP token and one T5 token, so different prompts always
-encode differently.
+``tiny_sana_pipeline``: 32×32 px images (``SanaPipeline`` needs multiples of 32) ↔ 4×8×8 latents
+(factor-4 ``AutoencoderDC``: blocks (ResBlock, ResBlock, EfficientViTBlock) × 8 channels, scaling
+0.41407, no shift), ``SanaTransformer2DModel`` with 2 layers × 2 heads × 8 (patch 1 → 64 image tokens,
+cross-attention 2 × 8; 16.8 k parameters), a 1-layer ``Gemma2Model`` (hidden 16 = caption channels)
+with an in-memory BPE ``GemmaTokenizer``, and SANA's scheduler (``DPMSolverMultistepScheduler`` with
+flow sigmas, ``flow_shift`` 3; ``scheduler="euler"`` gives ``FlowMatchEulerDiscreteScheduler(shift=3)``).
+Pass ``max_sequence_length`` (e.g. 8) to the adapter, and to the pipeline's own call
+``use_resolution_binning=False`` and ``complex_human_instruction=None``.
+
+Every word of :data:`TINY_VOCAB` is one CLIP token, one T5 token and one Gemma token, so different
+prompts always encode differently.
 """
 from __future__ import annotations
 
@@ -226,3 +235,74 @@ def tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def gemma_vocab_and_merges(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Vocabulary and merges of a BPE ``GemmaTokenizer`` in which each of ``words`` is one token, with and
+    without the leading ``▁`` (Gemma replaces spaces by ``▁`` and does not split words apart): ids 0–4
+    ``<pad> <eos> <bos> <unk> <mask>``, then ``▁``, characters and every substring of every word (each
+    split of a substring is a merge, so every word always ends as one token)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "▁"]
+    seen, merges, merge_seen = set(tokens), [], set()
+
+    def add(token: str) -> None:
+        if token not in seen:
+            seen.add(token)
+            tokens.append(token)
+
+    for c in sorted({c for w in words for c in w} | set("abcdefghijklmnopqrstuvwxyz0123456789.,")):
+        add(c)
+    for word in sorted({w.lower() for w in words if w}):
+        for full in (word, "▁" + word):
+            for length in range(2, len(full) + 1):
+                for i in range(len(full) - length + 1):
+                    add(full[i:i + length])
+                    for k in range(i + 1, i + length):
+                        pair = (full[i:k], full[k:i + length])
+                        if pair not in merge_seen:
+                            merge_seen.add(pair)
+                            merges.append(pair)
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def tiny_sana_pipeline(seed: int = 0, words: list[str] | None = None, scheduler: str = "dpm"):
+    """A random-weight ``SanaPipeline`` (see the module docstring for sizes); 32×32 px images.
+
+    ``scheduler``: ``"dpm"`` (SANA's ``DPMSolverMultistepScheduler`` with flow sigmas) or ``"euler"``
+    (``FlowMatchEulerDiscreteScheduler``). Returns the pipeline on CPU, fp32.
+    """
+    from diffusers import (AutoencoderDC, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, SanaPipeline,
+                           SanaTransformer2DModel)
+    from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
+
+    words = list(words or TINY_VOCAB)
+    torch.manual_seed(seed)
+    vocab, merges = gemma_vocab_and_merges(words)
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=16, add_bos_token=True)
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        attn_implementation="eager",
+    )).eval()
+    transformer = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_layers=2, num_attention_heads=2, attention_head_dim=8,
+        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16,
+        sample_size=8, patch_size=1,
+    ).eval()
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2,
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8, 8), decoder_block_out_channels=(8, 8, 8),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
+        decoder_act_fns="silu", scaling_factor=0.41407,
+    ).eval()
+    if scheduler == "dpm":
+        sched = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    elif scheduler == "euler":
+        sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    else:
+        raise ValueError(f"scheduler must be 'dpm' or 'euler'; got {scheduler!r}")
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=sched)

@@ -21,6 +21,9 @@ class RolloutContext:
     owns this setting (``loss.reduction``) and the forest records it so replay matches.
     ``probe_x0``: every state reached by a stochastic edge is also scored through its one-step clean
     estimate x̂0 = x − σ·v, from the velocity the next step computes anyway (no extra forwards; VGPO).
+    ``root_seeds``: set by a wrapping plan (Sol-RL's explore) to choose the x_T of the inner plan's roots:
+    one list of seeds per prompt group of this rollout, :meth:`RolloutPlan.root_count` seeds each
+    (None: the plan derives its own root seeds).
     """
 
     seed: int = 0
@@ -30,6 +33,17 @@ class RolloutContext:
     max_batch: int = 64
     reduction: str = "mean"
     probe_x0: bool = False
+    root_seeds: list[list[int]] | None = None
+
+    def given_root_seeds(self, num_groups: int, per_group: int) -> list[int] | None:
+        """``root_seeds`` flattened group by group [num_groups·per_group] after checking their count, or
+        None when no wrapping plan chose them."""
+        if self.root_seeds is None:
+            return None
+        counts = [len(s) for s in self.root_seeds]
+        if len(counts) != num_groups or any(c != per_group for c in counts):
+            raise ValueError(f"root_seeds must give {per_group} seed(s) for each of {num_groups} prompt groups; got {counts}")
+        return [int(s) for seeds in self.root_seeds for s in seeds]
 
     def new_forest(self, prompts: list[str], guidance: float) -> Forest:
         """An empty forest for ``prompts`` that records this context's sampler settings."""
@@ -66,6 +80,11 @@ class RolloutPlan:
         explorer's preview ranked the regenerated samples); called before credit. Default: none."""
         return {}
 
+    def root_count(self) -> int | None:
+        """Roots per prompt group whose x_T seeds a wrapping plan may choose through ``ctx.root_seeds``
+        (:meth:`RolloutContext.given_root_seeds`); None (default): the plan does not take given roots."""
+        return None
+
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (ALGORITHMS.md) of a rollout of
         ``num_prompts`` prompts in context ``ctx`` (its iteration and seed fix random windows)."""
@@ -85,6 +104,7 @@ def advance(
     guidance: float,
     max_batch: int,
     fanout: int = 1,
+    std_scale: float = 1.0,
 ) -> torch.Tensor:
     """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
     each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
@@ -95,6 +115,10 @@ def advance(
     row per prompt group; ``noise_for(parent_of_child, branch)`` (both [K] for the K children of a
     chunk; ``branch`` in 0..fanout−1) returns noise [K, C, H, W] (None for deterministic kernels).
     Returns the new child indices [M·fanout], the children of a parent adjacent, parents in order.
+
+    ``std_scale`` (default 1) widens the transition: x_next = μ + std_scale·std·ξ, and the edge's
+    std (stored on the forest) and log-prob are those of the widened Gaussian N(μ, (std_scale·std)²)
+    (BranchGRPO's ``independent_scaled`` split noise, ALGORITHMS.md §5).
     """
     if fanout > 1 and (kernel == "ode" or eta <= 0):
         raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
@@ -118,6 +142,9 @@ def advance(
         branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
         noise = noise_for(chunk, branch) if (kernel != "ode" and eta > 0) else None
         x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
+        if std_scale != 1.0 and noise is not None:
+            std = std * std_scale
+            x_next = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise.float()
         logp = sde.log_prob(x_next, mean, std, forest.reduction) if noise is not None else torch.zeros(chunk.shape[0])
         if noise is None:
             std = torch.zeros_like(std)

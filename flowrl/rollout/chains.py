@@ -136,11 +136,16 @@ class Chains(RolloutPlan):
         forwards = num_prompts * trunk + chains * (per_chain - trunk)
         return {"forwards": forwards, "trained_edges": chains * len(window), "leaves": chains}
 
+    def root_count(self) -> int:
+        """Roots per prompt group a wrapping plan may seed through ``ctx.root_seeds``: 1 with shared
+        noise, else G (chain j starts from the group's j-th seed)."""
+        return 1 if self.shared_noise else self.group_size
+
     # ---- rollout --------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         """Forest of len(prompts)·G chains, grouped per prompt in order (chain j of prompt p is
-        leaf p·G + j)."""
+        leaf p·G + j). Root x_T come from ``ctx.root_seeds`` when a wrapping plan set them."""
         G, T = self.group_size, self.steps
         guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
         sigmas = model.schedule(T).float().cpu()
@@ -150,14 +155,15 @@ class Chains(RolloutPlan):
         P = len(prompts)
         forest = ctx.new_forest(prompts, guidance)
         sigma0 = float(sigmas[0])
+        given = ctx.given_root_seeds(P, self.root_count())  # x_T chosen by a wrapping plan (explore), else None
         if self.shared_noise:
             # one x_T per group: the ODE steps before the window are the same for all G chains, so the
             # group shares one trunk and branches into its G chains at the first stochastic step
-            seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
+            seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
             nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
             chain_of = {int(n): (ctx.group_offset + g, None) for g, n in enumerate(nodes)}
         else:
-            seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
+            seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
             nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
             chain_of = {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
         cond = model.encode(prompts, guidance)

@@ -1,0 +1,393 @@
+"""Sol-RL: explore cheap, regenerate faithful, train on the regenerated (ALGORITHMS.md §7).
+
+Per prompt group, every iteration:
+
+1. **pool**: N seeds (``pool``, default 4·K), seed n of global group g = ``derive_seed(run seed,
+   iteration, "explore", g, n)``; x_T = ``model.noise([seed])`` (bit-exact on any device);
+2. **preview**: an ODE of ``preview_steps`` Euler steps with the explorer (:mod:`flowrl.precision`:
+   ``same`` precision with fewer steps, or a low-precision copy that follows the live weights);
+3. **score** the N previews with the run's reward (the MultiReward the trainer passes to ``setup``);
+4. **select** K seeds (K = the inner plan's :meth:`~flowrl.rollout.base.RolloutPlan.root_count`, e.g.
+   ``group_size`` of chains): ``extremes`` (default) the ⌈K/2⌉ best and ⌊K/2⌋ worst previews,
+   ``top_k`` the K best, ``spread`` K seeds evenly spaced over the preview ranking;
+5. **regenerate**: the inner plan runs at full precision from exactly those x_T (rebuilt from the
+   seeds through ``ctx.root_seeds``), with its own fresh SDE noise.
+
+The returned forest is the inner plan's: it holds only the regenerated samples, so only they are
+scored again by the trainer and reach credit and loss. Preview forwards are counted apart
+(``forest.counters["explore_forwards"]``, ``"explore_nfe"``, ``"explore_scored"``).
+
+The inner plan is any registered plan that takes given roots (``root_count()`` not None; chains
+does, one root per chain), named by ``inner`` with its keys in ``inner_args``, in the form of config
+overrides (a list, since the config loader reads nested mappings as its own keys)::
+
+    rollout:
+      plan: explore
+      inner: chains                       # or tree, my_pkg.plans:MyPlan, path/to/file.py:MyPlan
+      inner_args: [group_size=8, steps=10, eta=1.0, window.mode=random, window.size=2, "window.range=[0,5]"]
+      pool: 32
+      preview_steps: 6
+      backend: int8
+
+The keys are checked against the inner plan's own fields (a misspelled one names the nearest). From
+Python, ``inner_args`` may also be a dict, or pass a ready plan: ``Explore(inner_plan=Chains(...))``.
+
+The explorer follows the live weights (LoRA merged) lazily: ``after_update`` marks it stale and the
+next rollout syncs it once, so several optimizer steps per iteration re-quantize once, and weights
+loaded after ``setup`` (resume) are picked up too. :meth:`Explore.metrics` reports, per iteration:
+Spearman and Kendall τ-b between preview and regenerated rewards of the kept seeds (pooled over the
+iteration, and the mean within prompt groups), the separation of the kept upper vs lower half (by
+preview rank) after regeneration, the top-half hit rate, explorer vs full-precision forwards per
+second, and the time of every stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.rollout.base import RolloutContext, RolloutPlan
+from flowrl.rollout.forest import Forest
+from flowrl.rollout.seeding import derive_seed
+
+SELECTIONS = ("extremes", "top_k", "spread")
+
+
+def select_seeds(rewards: torch.Tensor, k: int, mode: str = "extremes") -> torch.Tensor:
+    """Indices [k] into a pool of preview ``rewards`` [N] of the seeds to keep.
+
+    ``extremes``: the ⌈k/2⌉ best (best first), then the ⌊k/2⌋ worst (worst first); ``top_k``: the k
+    best, best first; ``spread``: k seeds at evenly spaced positions of the ranking (best first).
+    Ties keep pool order; NaN rewards (failed scores) rank last and are taken only when the valid ones
+    run out.
+    """
+    if mode not in SELECTIONS:
+        raise ValueError(f"rollout.select={mode!r} is not supported; accepted: {list(SELECTIONS)}")
+    n = int(rewards.numel())
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot keep {k} of a pool of {n}")
+    values = rewards.detach().float().cpu().tolist()
+    valid = sorted((i for i in range(n) if not math.isnan(values[i])), key=lambda i: (-values[i], i))
+    failed = [i for i in range(n) if math.isnan(values[i])]
+    if mode == "top_k" or len(valid) <= k:
+        chosen = (valid + failed)[:k]
+    elif mode == "extremes":
+        best = valid[: (k + 1) // 2]
+        chosen = best + valid[len(best):][::-1][: k // 2]
+    else:
+        m = len(valid)
+        chosen = [valid[round(j * (m - 1) / (k - 1))] for j in range(k)] if k > 1 else valid[:1]
+    return torch.tensor(chosen, dtype=torch.long)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Average ranks (ties share the mean rank), float64 [n]."""
+    x = x.double()
+    order = torch.argsort(x, stable=True)
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(x.numel(), dtype=torch.float64)
+    for value in torch.unique(x):
+        tied = x == value
+        if int(tied.sum()) > 1:
+            ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's ρ of two [n] vectors (Pearson of average ranks); NaN if n < 2 or a side is constant."""
+    if a.numel() < 2:
+        return float("nan")
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = float(ra.norm() * rb.norm())
+    return float((ra * rb).sum()) / denom if denom > 0 else float("nan")
+
+
+def kendall(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Kendall's τ-b of two [n] vectors (ties corrected); NaN if n < 2 or a side is constant."""
+    if a.numel() < 2:
+        return float("nan")
+    da = torch.sign(a.double()[:, None] - a.double()[None, :])
+    db = torch.sign(b.double()[:, None] - b.double()[None, :])
+    upper = torch.triu(torch.ones_like(da, dtype=torch.bool), diagonal=1)
+    s = float((da * db)[upper].sum())
+    na, nb = float((da[upper] != 0).sum()), float((db[upper] != 0).sum())
+    return s / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
+
+
+def _nanmean(values: list[float]) -> float:
+    ok = [v for v in values if not math.isnan(v)]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
+def build_inner(name: str, args: list[str] | dict[str, Any] | None, key: str = "rollout.inner_args") -> RolloutPlan:
+    """The plan ``name`` (registry name, ``module:Class`` or ``file.py:Class``) built from ``args``:
+    ``key=value`` items (dotted keys for nested fields, e.g. ``window.mode=random``) or a dict, checked
+    against that plan's own fields."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    from flowrl import components
+
+    try:
+        cls = components.resolve(components.PLAN, name)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(f"{components.PLAN.key}=", "rollout.inner=", 1)) from None
+    if issubclass(cls, Explore):
+        raise ConfigError(f"rollout.inner={name!r}: an explore plan cannot wrap another explore plan")
+    fields = [f.name for f in components.component_fields(cls)]
+    if args is None:
+        args = {}
+    if isinstance(args, dict):
+        given = OmegaConf.create(dict(args))
+    else:
+        bad = [a for a in args if not isinstance(a, str) or "=" not in a]
+        if bad:
+            raise ConfigError(f"{key} items must be 'key=value' strings; got {bad}")
+        given = OmegaConf.from_dotlist(list(args))
+    for k in given.keys():
+        if k not in fields:
+            close = difflib.get_close_matches(str(k), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}: {k!r} is not a key of rollout.inner={name!r}{hint}; its keys: {fields}")
+    schema = OmegaConf.structured(components.section_schema(components.PLAN, name))
+    try:
+        section = OmegaConf.to_object(OmegaConf.merge(schema, given))
+    except (ConfigKeyError, ConfigAttributeError, ValidationError) as e:
+        raise ConfigError(f"{key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{key}: {e}") from None
+    plan = components.instantiate(components.PLAN, section)
+    if plan.root_count() is None:
+        raise ConfigError(f"rollout.inner={name!r} does not take given root seeds (its root_count() is None), so "
+                          "it cannot regenerate the selected seeds")
+    return plan
+
+
+@dataclass
+class Explore(RolloutPlan):
+    """Sol-RL's explore → select → regenerate around an inner plan (module docstring).
+
+    ``inner`` / ``inner_args``: the inner plan and its keys; ``pool``: N candidates per prompt (None →
+    4·K); ``select``: ``extremes`` | ``top_k`` | ``spread``; ``preview_steps``: Euler steps of the
+    explorer's ODE preview; ``backend``: the explorer (:data:`flowrl.precision.BACKENDS`), checked
+    against this machine when the config loads and against the model's device at ``setup``;
+    ``min_params`` / ``skip``: which Linear layers a quantizing backend converts (None → the
+    backend's default skip list, :data:`flowrl.precision.DEFAULT_SKIP`).
+    """
+
+    inner: str = "chains"
+    inner_args: list[str] = field(default_factory=list)
+    pool: int | None = None
+    select: str = "extremes"
+    preview_steps: int = 6
+    backend: str = "same"
+    min_params: int = 16384
+    skip: list[str] | None = None
+    inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
+
+    def __post_init__(self) -> None:
+        from flowrl.precision import check_backend
+
+        if self.inner_plan is None:
+            self.inner_plan = build_inner(self.inner, self.inner_args)
+        elif self.inner_plan.root_count() is None:
+            raise ConfigError(f"inner_plan {type(self.inner_plan).__name__} does not take given root seeds")
+        if self.select not in SELECTIONS:
+            raise ConfigError(f"rollout.select={self.select!r} is not supported; accepted: {list(SELECTIONS)}")
+        if self.preview_steps < 1:
+            raise ConfigError(f"rollout.preview_steps={self.preview_steps} must be >= 1")
+        if self.pool is not None and self.pool < self.keep:
+            raise ConfigError(f"rollout.pool={self.pool} must be >= the kept seeds per prompt "
+                              f"(K = {self.keep}, the inner plan's roots per group)")
+        if self.min_params < 0:
+            raise ConfigError(f"rollout.min_params={self.min_params} must be >= 0")
+        check_backend(self.backend)  # this machine; the model's device is checked again in setup
+        self._explorer = None
+        self._model = None
+        self._reward = None
+        self._stale = False
+        self._pending: list[dict[str, Any]] = []
+        self._sync_seconds = 0.0
+
+    @property
+    def keep(self) -> int:
+        """K: seeds kept per prompt (the inner plan's roots per group)."""
+        return int(self.inner_plan.root_count())
+
+    @property
+    def pool_size(self) -> int:
+        """N: candidates per prompt."""
+        return self.pool if self.pool is not None else 4 * self.keep
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def setup(self, model, reward=None) -> None:
+        """Set up the inner plan, keep the reward (it scores the preview pool) and build the explorer."""
+        from flowrl.precision import check_backend, make_explorer
+
+        self.inner_plan.setup(model, reward)
+        if isinstance(reward, str):
+            from rewards import MultiReward
+
+            reward = MultiReward([reward])
+        self._reward = reward
+        check_backend(self.backend, model.device)
+        self._model = model
+        self._explorer = make_explorer(model, self.backend, min_params=self.min_params, skip=self.skip)
+        self._stale = True  # weights loaded after setup (resume) are picked up by the first rollout
+
+    def after_update(self, model) -> None:
+        """Mark the explorer stale (the next rollout re-merges the LoRA into it once)."""
+        self.inner_plan.after_update(model)
+        self._model = model
+        self._stale = True
+
+    @property
+    def explorer(self):
+        """The :class:`~flowrl.precision.Explorer`, synced with the live weights."""
+        if self._explorer is None:
+            raise RuntimeError("Explore.setup(model, reward) must run before the explorer is used")
+        if self._stale:
+            t0 = time.perf_counter()
+            self._explorer.sync(self._model)
+            self._sync_seconds += time.perf_counter() - t0
+            self._stale = False
+        return self._explorer
+
+    def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
+        """The inner plan's counts (full-precision forwards, trained edges, leaves of K seeds per prompt)
+        plus ``explore_forwards`` = prompts · N · preview_steps (explorer forwards, ×2 NFE with CFG)."""
+        counts = dict(self.inner_plan.expected_counts(num_prompts, ctx))
+        counts["explore_forwards"] = num_prompts * self.pool_size * self.preview_steps
+        return counts
+
+    # ---- rollout ----------------------------------------------------------------------------
+    def _score_pool(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor) -> torch.Tensor:
+        """Combined reward [M] of the preview images [M, 3, H, W] (the run's MultiReward)."""
+        from flowrl.scoring import components_of
+
+        parts = components_of(self._reward, images, prompts, {})
+        if hasattr(self._reward, "combine"):
+            return self._reward.combine(parts, groups).float().cpu()
+        return next(iter(parts.values())).float().cpu()
+
+    @torch.no_grad()
+    def rollout(self, model, prompts: list[str], ctx: RolloutContext) -> Forest:
+        """Preview N seeds per prompt with the explorer, keep K by reward, regenerate them with the inner
+        plan; returns the inner plan's forest (regenerated samples only)."""
+        from flowrl.rollout.sampling import ode_sample
+        from flowrl.scoring import decode
+
+        if self._reward is None:
+            raise RuntimeError("Explore needs the run's reward to score its preview pool: call setup(model, reward) "
+                               "(flowrl.sample(..., reward=...) or the trainer do)")
+        P, N, K = len(prompts), self.pool_size, self.keep
+        sync_before = self._sync_seconds
+        explorer = self.explorer
+        guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        seeds = [derive_seed(ctx.seed, ctx.iteration, "explore", ctx.group_offset + g, n) for g in range(P) for n in range(N)]
+        pool_prompts = [p for p in prompts for _ in range(N)]
+
+        t0 = time.perf_counter()
+        x0 = ode_sample(explorer.model, pool_prompts, seeds, self.preview_steps, guidance=guidance,
+                        max_batch=ctx.max_batch, decode=False)
+        t1 = time.perf_counter()
+        groups = torch.arange(P).repeat_interleave(N)
+        rewards = self._score_pool(decode(model, x0, ctx.max_batch), pool_prompts, groups + ctx.group_offset)
+        t2 = time.perf_counter()
+        kept = [select_seeds(rewards[g * N:(g + 1) * N], K, self.select) for g in range(P)]
+        root_seeds = [[seeds[g * N + int(i)] for i in kept[g]] for g in range(P)]
+        t3 = time.perf_counter()
+        forest = self.inner_plan.rollout(model, prompts, dataclasses.replace(ctx, root_seeds=root_seeds))
+        t4 = time.perf_counter()
+
+        used = set(forest.seed[forest.roots()].tolist())
+        if used != {s for group in root_seeds for s in group}:
+            raise RuntimeError(f"inner plan {type(self.inner_plan).__name__} ignored ctx.root_seeds: its roots are not "
+                               "the selected seeds")
+        cfg = 2 if model.uses_cfg(guidance) else 1
+        forest.counters["explore_forwards"] = forest.counters.get("explore_forwards", 0) + P * N * self.preview_steps
+        forest.counters["explore_nfe"] = forest.counters.get("explore_nfe", 0) + P * N * self.preview_steps * cfg
+        forest.counters["explore_scored"] = forest.counters.get("explore_scored", 0) + P * N
+        self._pending.append({
+            "preview": {s: float(rewards[k]) for k, s in enumerate(seeds)},
+            "kept": root_seeds,  # per local group, in selection order
+            "pool_rewards": rewards,
+            "explorer_forwards": P * N * self.preview_steps, "full_forwards": forest.counters["forwards"],
+            "time/explore_preview": t1 - t0, "time/explore_score": t2 - t1, "time/explore_select": t3 - t2,
+            "time/explore_regenerate": t4 - t3, "time/explore_sync": self._sync_seconds - sync_before,
+        })
+        return forest
+
+    # ---- diagnostics ------------------------------------------------------------------------
+    def metrics(self, forest: Forest) -> dict[str, float]:
+        """Rank fidelity and stage times of the rollouts since the last call (``explore/…`` and
+        ``time/explore_…``); ``forest`` must be scored (rewards on its leaves)."""
+        if not self._pending:
+            return {}
+        pending, self._pending = self._pending, []
+        regen = _reward_per_root_seed(forest)
+        pooled_p, pooled_r, rho, tau, sep, hits = [], [], [], [], [], []
+        for record in pending:
+            for group in record["kept"]:
+                pairs = [(record["preview"][s], regen[s]) for s in group if s in regen and not math.isnan(regen[s])]
+                if not pairs:
+                    continue
+                p = torch.tensor([a for a, _ in pairs])
+                r = torch.tensor([b for _, b in pairs])
+                pooled_p.append(p)
+                pooled_r.append(r)
+                rho.append(spearman(p, r))
+                tau.append(kendall(p, r))
+                if len(pairs) >= 2:  # kept seeds in preview order: upper half vs lower half
+                    order = torch.argsort(p, descending=True, stable=True)
+                    upper, lower = order[: (len(pairs) + 1) // 2], order[(len(pairs) + 1) // 2:]
+                    if lower.numel():
+                        sep.append(float(r[upper].mean() - r[lower].mean()))
+                    top = set(torch.argsort(r, descending=True, stable=True)[: upper.numel()].tolist())
+                    hits.append(len(top & set(upper.tolist())) / upper.numel())
+        out: dict[str, float] = {}
+        p_all = torch.cat(pooled_p) if pooled_p else torch.zeros(0)
+        r_all = torch.cat(pooled_r) if pooled_r else torch.zeros(0)
+        out["explore/spearman"] = spearman(p_all, r_all)
+        out["explore/kendall"] = kendall(p_all, r_all)
+        out["explore/spearman_in_group"] = _nanmean(rho)
+        out["explore/kendall_in_group"] = _nanmean(tau)
+        out["explore/separation"] = _nanmean(sep)
+        out["explore/top_half_hit_rate"] = _nanmean(hits)
+        pool = torch.cat([r["pool_rewards"] for r in pending])
+        out["explore/pool_reward_mean"] = float(pool.nanmean())
+        out["explore/kept_preview_mean"] = float(p_all.mean()) if p_all.numel() else float("nan")
+        out["explore/kept_regenerated_mean"] = float(r_all.mean()) if r_all.numel() else float("nan")
+        t_preview = sum(r["time/explore_preview"] for r in pending)
+        t_full = sum(r["time/explore_regenerate"] for r in pending)
+        explorer_rate = sum(r["explorer_forwards"] for r in pending) / t_preview if t_preview > 0 else float("nan")
+        full_rate = sum(r["full_forwards"] for r in pending) / t_full if t_full > 0 else float("nan")
+        out["explore/explorer_forwards_per_s"] = explorer_rate
+        out["explore/full_forwards_per_s"] = full_rate
+        out["explore/explorer_speedup"] = explorer_rate / full_rate if full_rate and full_rate > 0 else float("nan")
+        for key in ("time/explore_preview", "time/explore_score", "time/explore_select", "time/explore_regenerate",
+                    "time/explore_sync"):
+            out[key] = sum(r[key] for r in pending)
+        return out
+
+
+def _reward_per_root_seed(forest: Forest) -> dict[int, float]:
+    """Mean reward of the leaves below each root, by the root's seed (chains: the chain's reward)."""
+    root_of = torch.arange(forest.num_nodes)
+    for n in range(forest.num_nodes):  # parents precede children
+        p = int(forest.parent[n])
+        if p >= 0:
+            root_of[n] = root_of[p]
+    leaves = forest.leaves()
+    sums: dict[int, list[float]] = {}
+    for leaf in leaves.tolist():
+        seed = int(forest.seed[int(root_of[leaf])])
+        sums.setdefault(seed, []).append(float(forest.reward[leaf]))
+    return {s: sum(v) / len(v) for s, v in sums.items()}
