@@ -1,0 +1,314 @@
+"""State rewards on forest nodes (ALGORITHMS.md §8–§9): the ``probed`` plan, the ODE completion of
+states, and the forest readers that step-level credit rules (TP-GRPO, VGPO) share.
+
+A *probe* asks the trainer to score an intermediate state through a clean-latent estimate
+(``forest.add_probe``); its combined reward lands in ``forest.value[node]``. Two probes:
+
+- ``ode_completion`` (TP-GRPO): complete the state to σ = 0 with Euler ODE steps of the rollout's own
+  schedule (:func:`ode_complete`), decode and score. The probed states are the *decision states*: the
+  parents of the stochastic edges (:func:`decision_states`), i.e. the state before every SDE step. On a
+  chain whose window starts at step 0 that includes the root, so the root's completion is the pure-ODE
+  reference R_0 from the chain's own x_T (the root latent is ``model.noise([seed])``, bit-exact, and its
+  completion equals :func:`flowrl.rollout.sampling.ode_sample` from that seed). With a window starting
+  at w > 0 the first decision state is the state at step w, reached from x_T by ODE steps only: its
+  completion is the same pure-ODE sample (up to float rounding of the batch layout), so it serves as R_0
+  without re-running the prefix. The state after the last SDE step is not probed: its completion *is*
+  the rest of the chain (ODE steps), so its value is the leaf's reward (:func:`state_values`).
+- ``x0_projection`` (VGPO): x̂0 = x − σ·v of every state reached by an SDE edge, from the velocity the
+  next step computes anyway (``RolloutContext.probe_x0``): zero extra forwards, one decode and one reward
+  evaluation per probed state.
+
+Probes never add nodes: the forest's structure, log-probs and replay layout are those of the inner
+plan, so replay still equals rollout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.models.base import FlowModel
+from flowrl.rollout.base import RolloutContext, RolloutPlan
+from flowrl.rollout.chains import Chains
+from flowrl.rollout.forest import Forest
+
+PROBES = ("ode_completion", "x0_projection")
+
+
+@dataclass
+class Probed(Chains):
+    """A rollout plan that wraps an inner plan and probes its states (``rollout.plan: probed``).
+
+    The inner plan is, by default, the chains described by this section's chain keys (``group_size``,
+    ``steps``, ``kernel``, ``eta``, ``shared_noise``, ``window``, ``post_solver``, ``post_steps_ratio``:
+    the same keys, defaults and checks as ``rollout.plan: chains``, which is why this class extends
+    :class:`Chains`). ``inner`` names any other plan instead (a registered name such as ``tree``,
+    ``package.module:Class`` or ``file.py:Class``), built from ``inner_kwargs`` (its own keys); the chain
+    keys are then unused. In Python, ``inner_plan=`` takes a ready plan object. ``setup``,
+    ``after_update`` and ``metrics`` are passed on to the inner plan.
+
+    ``probe``: ``ode_completion`` or ``x0_projection`` (module docstring).
+
+    Cost of ``ode_completion`` on chains of T steps with SDE window W (sorted steps): a completion from
+    the state at step i costs T − i forwards (its first velocity is recomputed: the rollout does not keep
+    velocities), so per chain the extra forwards are Σ_{i∈W} (T − i). For TP-GRPO's window W = 0..n−1
+    that is T + Σ_{k=1}^{n−1} (T − k), and with the chain's own T the total is ALGORITHMS.md §8's
+    T + T + Σ_{k=1}^{n−1}(T − k) exactly (64 for T 10, n 9). Differences from that closed form: with
+    ``shared_noise`` the first decision state (the group's trunk node) is completed once per *group*
+    (T − W[0] forwards per group, not per chain), and the chains themselves share their trunk
+    (:meth:`Chains.expected_counts`); a window starting at w > 0 uses the state at step w as R_0, so the
+    reference costs T − w, not T. Decodes and reward evaluations: one per probed state (n per chain) on top
+    of the leaf's (n + 1 per chain, §8). Counted in ``forest.counters["probe_forwards"]`` (and in
+    ``forwards``/``nfe``); logged by :meth:`metrics`.
+
+    All completions of an iteration run together, aligned on the schedule: at step i every probed state
+    with start step ≤ i moves one Euler step in forwards of at most ``max_batch`` states, all at σ_i.
+
+    Rewards: probe values and leaf rewards are combined separately by the MultiReward, so
+    ``reward_normalize`` must be ``none`` (checked in :meth:`setup`): step credit compares them.
+    """
+
+    probe: str = "ode_completion"
+    inner: str = "chains"
+    inner_kwargs: dict[str, Any] = field(default_factory=dict)
+    inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.probe not in PROBES:
+            raise ValueError(f"rollout.probe={self.probe!r} is not supported; accepted: {list(PROBES)}")
+        if self.inner_plan is None and self.inner != "chains":
+            from flowrl import components
+
+            try:
+                cls = components.resolve(components.PLAN, self.inner)
+            except ConfigError as e:
+                raise ConfigError(f"rollout.inner={self.inner!r}: {e}") from None
+            if issubclass(cls, Probed):
+                raise ConfigError(f"rollout.inner={self.inner!r} is itself a probed plan; name the plan to probe")
+            self.inner_plan = cls(**dict(self.inner_kwargs))
+        elif self.inner_plan is None and self.inner_kwargs:
+            raise ValueError(f"rollout.inner_kwargs={dict(self.inner_kwargs)} is for an inner plan other than chains; "
+                             "with rollout.inner=chains set the chain keys (group_size, steps, window, ...) directly")
+        if self.probe == "x0_projection" and self.inner_plan is None and self.post_solver != "none":
+            raise ValueError(f"rollout.probe=x0_projection with rollout.post_solver={self.post_solver!r}: the post-solver "
+                             "does not probe the state after the last SDE step; use post_solver: none")
+
+    # ---- lifecycle: passed on to the inner plan ----------------------------------------------
+    def setup(self, model: FlowModel, reward=None) -> None:
+        normalize = getattr(reward, "normalize", "none")
+        if normalize != "none":
+            raise ConfigError(f"reward_normalize={normalize!r} with rollout.plan=probed: probe values and leaf rewards "
+                              "are normalised separately and could not be compared; use reward_normalize: none")
+        if self.inner_plan is not None:
+            self.inner_plan.setup(model, reward)
+
+    def after_update(self, model: FlowModel) -> None:
+        if self.inner_plan is not None:
+            self.inner_plan.after_update(model)
+
+    def root_count(self) -> int | None:
+        """The inner plan's: a wrapping plan (explore) chooses the inner roots' x_T through ``ctx.root_seeds``,
+        which reaches the inner plan unchanged (the probes start from those roots too)."""
+        return self.inner_plan.root_count() if self.inner_plan is not None else super().root_count()
+
+    def metrics(self, forest: Forest) -> dict[str, float]:
+        """The inner plan's metrics, plus the probes' cost: ``probe/extra_forwards`` (model forwards of
+        the completions; 0 for x0 projection), ``probe/decodes`` (probed states decoded, one reward
+        evaluation each), ``probe/reward_calls`` (images scored: leaves + probes) and both per leaf, and
+        ``probe/value_mean`` (mean value of the probed states)."""
+        out = dict(self.inner_plan.metrics(forest)) if self.inner_plan is not None else {}
+        leaves = max(int(forest.leaves().numel()), 1)
+        probes = int(forest.probe_node.numel())
+        extra = float(forest.counters.get("probe_forwards", 0))
+        values = forest.value[forest.probe_node]
+        out.update({
+            "probe/extra_forwards": extra,
+            "probe/extra_forwards_per_leaf": extra / leaves,
+            "probe/decodes": float(probes),
+            "probe/reward_calls": float(probes + leaves),
+            "probe/reward_calls_per_leaf": (probes + leaves) / leaves,
+            "probe/value_mean": float(values.nanmean()) if probes and not bool(values.isnan().all()) else 0.0,
+        })
+        return out
+
+    # ---- rollout ------------------------------------------------------------------------------
+    @property
+    def steps_of_schedule(self) -> int:
+        """T: the number of schedule steps the inner plan samples with (completions follow its schedule)."""
+        steps = self.steps if self.inner_plan is None else getattr(self.inner_plan, "steps", None)
+        if steps is None:
+            raise ValueError(f"rollout.inner={self.inner!r} has no 'steps' field: the ODE completion needs the schedule length")
+        return int(steps)
+
+    @torch.no_grad()
+    def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+        """The inner plan's forest, with every decision state (``ode_completion``) or every state reached by
+        an SDE edge (``x0_projection``) added as a probe."""
+        if self.probe == "x0_projection":
+            forest = self._inner_rollout(model, prompts, dataclasses.replace(ctx, probe_x0=True))
+            forest.counters.setdefault("probe_forwards", 0)
+            return forest
+        forest = self._inner_rollout(model, prompts, ctx)
+        nodes = decision_states(forest)
+        before = forest.counters["forwards"]
+        x0 = ode_complete(model, forest, nodes, self.steps_of_schedule, ctx.max_batch)
+        forest.counters["probe_forwards"] = forest.counters.get("probe_forwards", 0) + forest.counters["forwards"] - before
+        if nodes.numel():
+            forest.add_probe(nodes, x0)
+        return forest
+
+    def _inner_rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+        if self.inner_plan is None:
+            return super().rollout(model, prompts, ctx)
+        return self.inner_plan.rollout(model, prompts, ctx)
+
+    def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
+        """The inner plan's closed forms plus ``probe_forwards`` and ``probes`` (class docstring);
+        ``forwards`` includes the probe forwards. Closed form for the chains inner plan only."""
+        ctx = ctx or RolloutContext()
+        inner = super().expected_counts(num_prompts, ctx) if self.inner_plan is None else \
+            self.inner_plan.expected_counts(num_prompts, ctx)
+        if self.probe == "x0_projection":
+            if self.inner_plan is not None:
+                raise NotImplementedError("expected_counts of x0 probes over an inner plan other than chains")
+            window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
+            return {**inner, "probe_forwards": 0, "probes": num_prompts * self.group_size * len(window)}
+        if self.inner_plan is not None:
+            raise NotImplementedError("expected_counts of ODE-completion probes over an inner plan other than chains")
+        T, G = self.steps, self.group_size
+        window = self.window.steps(T, ctx.iteration, ctx.seed)
+        first = 1 if self.shared_noise else G  # the first decision state is the group's trunk node with shared noise
+        extra = num_prompts * (first * (T - window[0]) + G * sum(T - i for i in window[1:]))
+        probes = num_prompts * (first + G * (len(window) - 1))
+        return {**inner, "forwards": inner["forwards"] + extra, "probe_forwards": extra, "probes": probes}
+
+
+# ---- probes --------------------------------------------------------------------------------------
+def decision_states(forest: Forest) -> torch.Tensor:
+    """The states an SDE step leaves from: the distinct parents of the stochastic edges [Q], sorted."""
+    edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+    return torch.unique(forest.parent[edges])
+
+
+@torch.no_grad()
+def ode_complete(model: FlowModel, forest: Forest, nodes: torch.Tensor, steps: int, max_batch: int) -> torch.Tensor:
+    """Clean latents [Q, C, H, W] (fp32, CPU) of the states ``nodes`` [Q] completed to σ = 0 with Euler
+    ODE steps of ``model.schedule(steps)`` at the forest's guidance — the same update as
+    :func:`flowrl.rollout.sampling.ode_sample`, so a root's completion is that function's sample from the
+    root's seed (bit-exact when the batch layouts agree, e.g. ``max_batch`` 1 in both).
+
+    Schedule-aligned batching: at step i every state whose own step is ≤ i moves one step, in forwards of
+    at most ``max_batch`` states (all at σ_i), each counted with ``forest.count_forward``."""
+    nodes = torch.as_tensor(nodes, dtype=torch.long).reshape(-1)
+    x = forest.all_latents()[nodes].clone()
+    if nodes.numel() == 0:
+        return x
+    sigmas = model.schedule(steps).float().cpu()
+    start = forest.step[nodes]
+    if int(start.max()) >= steps or not torch.allclose(sigmas[start], forest.sigma[nodes]):
+        raise ValueError(f"ode_complete: the probed states' sigmas are not those of a {steps}-step schedule of this model")
+    cond = model.encode(forest.prompts, forest.guidance)
+    groups = forest.group[nodes]
+    cfg = model.uses_cfg(forest.guidance)
+    for i in range(int(start.min()), steps):
+        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+        active = torch.nonzero(start <= i).flatten()
+        for c in range(0, active.numel(), max_batch):
+            rows = active[c:c + max_batch]
+            xb = x[rows].to(model.device)
+            v = model.velocity(xb, torch.full((rows.numel(),), sigma, device=model.device), cond.select(groups[rows]),
+                               forest.guidance)
+            forest.count_forward(rows.numel(), cfg=cfg)
+            x[rows] = (xb + v.float() * (sigma_next - sigma)).cpu()
+    return x
+
+
+# ---- readers for step-level credit -------------------------------------------------------------
+def state_values(forest: Forest) -> torch.Tensor:
+    """The reward of every state [N]: ``value`` where probed, ``reward`` at leaves, NaN elsewhere — except
+    that with ODE-completion probes (``not forest.probe_x0``) an unprobed state whose only way down is
+    one deterministic edge takes its child's value (completing it by ODE passes through that child; e.g.
+    the state after a chain's last SDE step takes its leaf's reward). With x0 probes no such fill-in
+    holds (x̂0 of a state is not its child's)."""
+    values = forest.value.clone()
+    leaves = forest.leaves()
+    values[leaves] = forest.reward[leaves]
+    if forest.probe_x0:
+        return values
+    parent = forest.parent.tolist()
+    stochastic = forest.stochastic.tolist()
+    n_children = [0] * forest.num_nodes
+    only_child = [-1] * forest.num_nodes
+    for n, p in enumerate(parent):
+        if p >= 0:
+            n_children[p] += 1
+            only_child[p] = n
+    probed = set(forest.probe_node.tolist())
+    column = values.tolist()
+    for n in range(forest.num_nodes - 1, -1, -1):  # children come after their parents
+        c = only_child[n]
+        if n not in probed and n_children[n] == 1 and not stochastic[c]:
+            column[n] = column[c]
+    return torch.tensor(column, dtype=torch.float32)
+
+
+@dataclass
+class StepPaths:
+    """The SDE steps of every root-to-leaf path of a forest (chains: one path per chain; trees: one per
+    leaf, sharing the edges above their branch points).
+
+    ``leaf`` [L] and ``group`` [L] per path; ``edges[l]`` [n_l]: the child nodes of the stochastic edges
+    along path l, root side first (the k-th entry is the path's SDE step k). :meth:`entries` flattens
+    them to (path, k, edge) triples; :meth:`edge_mean` averages a per-entry quantity over the paths
+    through each edge (an edge above a branch point lies on every path below it)."""
+
+    leaf: torch.Tensor
+    group: torch.Tensor
+    edges: list[torch.Tensor]
+
+    @classmethod
+    def from_forest(cls, forest: Forest) -> "StepPaths":
+        parent = forest.parent.tolist()
+        stochastic = forest.stochastic.tolist()
+        leaves = forest.leaves()
+        paths = []
+        for leaf in leaves.tolist():
+            path, n = [], leaf
+            while parent[n] >= 0:
+                if stochastic[n]:
+                    path.append(n)
+                n = parent[n]
+            paths.append(torch.tensor(path[::-1], dtype=torch.long))
+        return cls(leaves, forest.group[leaves], paths)
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat (path [M], k [M], edge [M]) over every SDE step of every path."""
+        path = torch.cat([torch.full((e.numel(),), i, dtype=torch.long) for i, e in enumerate(self.edges)]) \
+            if self.edges else torch.zeros(0, dtype=torch.long)
+        k = torch.cat([torch.arange(e.numel()) for e in self.edges]) if self.edges else torch.zeros(0, dtype=torch.long)
+        edge = torch.cat(self.edges) if self.edges else torch.zeros(0, dtype=torch.long)
+        return path, k, edge
+
+    def by_length(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Paths grouped by their number of SDE steps n ≥ 1, for vectorised math: {n: (path indices [L_n],
+        their entries' positions in :meth:`entries` [L_n, n], step k along the rows)}."""
+        lengths = torch.tensor([e.numel() for e in self.edges], dtype=torch.long)
+        start = torch.cumsum(lengths, 0) - lengths  # offset of each path's first entry
+        out = {}
+        for n in torch.unique(lengths).tolist():
+            if n > 0:
+                rows = torch.nonzero(lengths == n).flatten()
+                out[int(n)] = (rows, start[rows][:, None] + torch.arange(n))
+        return out
+
+    @staticmethod
+    def edge_mean(edge: torch.Tensor, values: torch.Tensor, num_nodes: int) -> torch.Tensor:
+        """Mean [N] of the finite ``values`` [M] of the entries on each edge (NaN where an edge has none)."""
+        ok = torch.isfinite(values)
+        total = torch.zeros(num_nodes).index_add_(0, edge[ok], values[ok].float())
+        count = torch.zeros(num_nodes).index_add_(0, edge[ok], torch.ones(int(ok.sum())))
+        return torch.where(count > 0, total / count.clamp(min=1), torch.full((num_nodes,), float("nan")))
