@@ -19,6 +19,7 @@ _LAZY = {
     "FlowModel": "flowrl.models.base:FlowModel",
     "Chains": "flowrl.rollout.chains:Chains",
     "SDEWindow": "flowrl.rollout.chains:SDEWindow",
+    "Tree": "flowrl.rollout.tree:Tree",
     "Forest": "flowrl.rollout.forest:Forest",
     "RolloutContext": "flowrl.rollout.base:RolloutContext",
     "sample": "flowrl.rollout.sampling:sample_with_plan",

@@ -3,10 +3,20 @@
 Reports seconds per iteration split into rollout, reward and update, the time spent inside model
 forwards (``velocity``) and backwards, and the loop's own overhead = iteration − (forwards +
 backwards + decode/reward). Peak memory: CUDA max allocated, or the process's peak RSS on CPU.
+
+``flowrl bench CONFIG --vs OTHER`` (:func:`bench_versus`) runs two configs one after the other in one
+process, on the same model (OTHER takes CONFIG's ``model`` section; each run gets a fresh copy of it)
+and the same reward (CONFIG's ``rewards`` and ``reward_normalize``), and reports both side by side with
+the ratios CONFIG / OTHER. Peak memory is then measured per run: CUDA max allocated since the run
+started, or on CPU the largest resident set sampled every 20 ms while it ran (``rss_at_start_mb`` says
+how much the process already held: torch's CPU allocator keeps some of the first run's memory).
 """
 from __future__ import annotations
 
+import copy
+import os
 import resource
+import threading
 import time
 
 import torch
@@ -29,13 +39,14 @@ class _Timed:
             self.calls += 1
 
 
-def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1) -> dict[str, float]:
-    """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving)."""
+def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None) -> dict[str, float]:
+    """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving).
+    ``model``: a ready FlowModel (default: built from ``cfg.model``)."""
     from flowrl.trainer import Trainer
 
     cfg.train.progress = False
     cfg.prompts.eval = None
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, model=model)
     for i in range(warmup):
         trainer.train_step(i)
     velocity = _Timed(trainer.model.velocity)
@@ -65,3 +76,96 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1) -> d
     else:
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+class _PeakRSS:
+    """Largest resident set size (MB) of this process while the context is open, sampled every
+    ``interval`` seconds from /proc/self/statm (Linux); elsewhere the process's lifetime peak."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak_mb = interval, 0.0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def _now(self) -> float | None:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self._page / 2**20
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = self._now()
+            if now is not None:
+                self.peak_mb = max(self.peak_mb, now)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "_PeakRSS":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        now = self._now()
+        if now is None:
+            self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        else:
+            self.peak_mb = max(self.peak_mb, now)
+
+
+VERSUS_ROWS = (  # (result key, label) of the side-by-side table
+    ("rollout_forwards", "rollout forwards"),
+    ("trained_edges", "trained edges"),
+    ("seconds_per_iteration", "s/iter"),
+    ("time/rollout", "  rollout s"),
+    ("time/reward", "  reward s"),
+    ("time/update", "  update s"),
+    ("peak_memory_mb", "peak memory MB"),
+)
+
+
+def bench_versus(cfg: TrainConfig, other: TrainConfig, iterations: int = 1, warmup: int = 1) -> dict:
+    """Benchmark ``cfg`` and ``other`` in this process on the same model and reward (``other`` takes
+    ``cfg``'s ``model``, ``rewards`` and ``reward_normalize``). Returns ``{"config": {...}, "vs": {...},
+    "ratio": {key: config / vs}}``; each run reports ``peak_memory_mb`` (CUDA allocated, or peak RSS on CPU)."""
+    from flowrl import build
+
+    other = copy.deepcopy(other)
+    other.model = copy.deepcopy(cfg.model)
+    other.rewards = copy.deepcopy(cfg.rewards)
+    other.reward_normalize = cfg.reward_normalize
+    results = {}
+    for name, c in (("config", cfg), ("vs", other)):
+        device = build.resolve_device(c.model.device)
+        model = build.build_model(c.model, device)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        with _PeakRSS() as rss:
+            start = rss._now()
+            out = bench_iteration(c, iterations=iterations, warmup=warmup, model=model)
+        if not torch.cuda.is_available():  # CUDA: bench_iteration's max allocated of this run
+            out["peak_memory_mb"] = rss.peak_mb
+            out["rss_at_start_mb"] = start if start is not None else float("nan")
+            out.pop("peak_rss_mb", None)
+        results[name] = out
+        del model
+    ratio = {k: results["config"][k] / results["vs"][k] for k in results["config"]
+             if k in results["vs"] and isinstance(results["vs"][k], (int, float)) and results["vs"][k]}
+    return {**results, "ratio": ratio}
+
+
+def versus_table(result: dict, names: tuple[str, str] = ("CONFIG", "OTHER")) -> str:
+    """The side-by-side table of :func:`bench_versus` (markdown)."""
+    a, b = names
+    lines = [f"| | {a} | {b} | {a} / {b} |", "|---|---|---|---|"]
+    for key, label in VERSUS_ROWS:
+        if key not in result["config"] or key not in result["vs"]:
+            continue
+        x, y = result["config"][key], result["vs"][key]
+        fmt = (lambda v: f"{v:.0f}") if key in ("rollout_forwards", "trained_edges", "peak_memory_mb") else (lambda v: f"{v:.3f}")
+        r = result["ratio"].get(key)
+        lines.append(f"| {label} | {fmt(x)} | {fmt(y)} | {'' if r is None else f'{r:.2f}'} |")
+    return "\n".join(lines)

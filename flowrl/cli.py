@@ -132,11 +132,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    from flowrl.bench import bench_iteration
+    from flowrl.bench import bench_iteration, bench_versus, versus_table
 
     config, overrides = _split_config_arg(args.config, args.overrides)
     cfg = _load_config(config, overrides)
-    result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup)
+    if args.vs is None:
+        if args.vs_set:
+            raise ConfigError("--vs-set needs --vs OTHER")
+        result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup)
+        print(json.dumps(result, indent=2))
+        return 0
+    other = _load_config(args.vs, args.vs_set or [])
+    result = bench_versus(cfg, other, iterations=args.iterations, warmup=args.warmup)
+    print(versus_table(result, (Path(config).stem if config else "default", Path(args.vs).stem)))
     print(json.dumps(result, indent=2))
     return 0
 
@@ -206,6 +214,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--vs", metavar="OTHER", help="a second config to run in the same process on CONFIG's model and "
+                                                 "reward; prints both side by side with the ratios CONFIG / OTHER")
+    p.add_argument("--vs-set", action="append", metavar="KEY=VALUE",
+                   help="an override of OTHER's config (repeat for several); positional overrides apply to CONFIG")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_bench)
 

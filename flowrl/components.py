@@ -58,7 +58,7 @@ CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
                         "turning_point": "flowrl.credit.turning_point:TurningPoint",
                         "value_anchor": "flowrl.credit.value_anchor:ValueAnchor"})
 LOSS = Kind("loss", "objective", "clipped", "flowrl.loss:Objective",
-            registry={"clipped": "flowrl.loss:PolicyLoss"})
+            registry={"clipped": "flowrl.loss:PolicyLoss", "layer_tuning": "flowrl.loss:LayerTuningLoss"})
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 

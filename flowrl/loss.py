@@ -118,3 +118,66 @@ class PolicyLoss(Objective):
                 "abs_delta_logp": d.abs().max(),
             }
         return loss, diag
+
+
+@dataclass
+class LayerTuningLoss(PolicyLoss):
+    """The clipped objective plus Dynamic-TreeRPO's LayerTuning-RL term (ALGORITHMS.md §6), once per
+    optimizer step (:meth:`Objective.auxiliary`):
+
+    λ·(1/(P·S))·Σ_g Σ_σ w_g·mean‖v_θ(x_σ, σ) − (ε − x0*_g)‖², over the P prompt groups of the forest and
+    the S distinct σ at which its stochastic edges start (the tree layers), where x0*_g is the clean
+    latent of group g's best leaf, x_σ = (1−σ)·x0*_g + σ·ε with fresh ε, and
+    w_g = clamp((r*_g − mean_g)/(std_g + 1e-4), 0, 3)/3 (leaf rewards of the group, std ddof 0)
+    **(ours)**. Groups with w_g = 0 run no forward. v_θ is the velocity the sampler uses (the rollout's
+    guidance, CFG composed as in the rollout). ε is drawn from ``derive_seed(seed of the group's root,
+    "layer_tuning", σ)``: no global RNG, the same draw for every process layout and on resume.
+
+    ``layer_lambda``: λ [0.1]. Set ``adaptive_kappa`` (κ [1]) for Dynamic-TreeRPO's adaptive clip.
+    """
+
+    layer_lambda: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_lambda < 0:
+            raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
+
+    def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        from flowrl.rollout.seeding import derive_seed, seeded_normal
+
+        if self.layer_lambda == 0:
+            return None
+        leaves = forest.leaves()
+        edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+        sigmas = torch.unique(forest.sigma[forest.parent[edges]]).tolist()
+        reward, group = forest.reward[leaves].double(), forest.group[leaves]
+        P = len(forest.prompts)
+        rows = []  # (group, best leaf, weight)
+        for g in range(P):
+            mine = (group == g) & torch.isfinite(reward)
+            if int(mine.sum()) < 2:
+                continue
+            r = reward[mine]
+            best = leaves[mine][int(torch.argmax(r))]
+            w = float(((r.max() - r.mean()) / (r.std(unbiased=False) + 1e-4)).clamp(0.0, 3.0)) / 3.0
+            if w > 0:
+                rows.append((g, int(best), w))
+        if not rows or not sigmas:
+            return None
+        device = model.device
+        groups = torch.tensor([g for g, _, _ in rows for _ in sigmas])
+        best = torch.tensor([b for _, b, _ in rows for _ in sigmas])
+        weight = torch.tensor([w for _, _, w in rows for _ in sigmas], device=device)
+        sigma = torch.tensor([s for _ in rows for s in sigmas], dtype=torch.float32)
+        x0 = forest.all_latents()[best].to(device)
+        root_seed = forest.seed[best].tolist()
+        eps = torch.stack([seeded_normal(derive_seed(seed, "layer_tuning", s), model.latent_shape)
+                           for seed, s in zip(root_seed, sigma.tolist())]).to(device)
+        sig = sigma.to(device).view(-1, 1, 1, 1)
+        x = (1.0 - sig) * x0 + sig * eps
+        v = model.velocity(x, sigma.to(device), cond.select(groups), forest.guidance)
+        per_row = ((v.float() - (eps - x0)) ** 2).mean(dim=tuple(range(1, x.ndim)))
+        loss = self.layer_lambda * (weight * per_row).sum() / (P * len(sigmas))
+        return loss, {"layer_tuning_loss": loss.detach(), "layer_tuning_weight": weight.mean().detach(),
+                      "layer_tuning_mse": per_row.detach().mean()}
