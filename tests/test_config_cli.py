@@ -27,6 +27,16 @@ def test_every_preset_loads_and_builds_its_plan(path):
     build.build_loss(cfg)
 
 
+def test_overrides_may_follow_options_and_unknown_options_still_fail():
+    from flowrl.cli import parse_args
+
+    args = parse_args(["snr", "configs/shapes/vgpo.yaml", "--batches", "4", "train.seed=3", "optim.lr=1e-4"])
+    assert args.batches == 4 and args.config == "configs/shapes/vgpo.yaml"
+    assert args.overrides == ["train.seed=3", "optim.lr=1e-4"]
+    with pytest.raises(SystemExit):
+        parse_args(["snr", "configs/shapes/vgpo.yaml", "--batches", "4", "--bogus"])
+
+
 def test_overrides_apply_with_types():
     cfg = TrainConfig.from_yaml(None, ["rollout.group_size=4", "optim.lr=1e-5", "rollout.window.range=[0,4]",
                                        "model.lora.targets=[to_q,to_k]"])

@@ -380,14 +380,9 @@ class Explore(RolloutPlan):
 
 def _reward_per_root_seed(forest: Forest) -> dict[int, float]:
     """Mean reward of the leaves below each root, by the root's seed (chains: the chain's reward)."""
-    root_of = torch.arange(forest.num_nodes)
-    for n in range(forest.num_nodes):  # parents precede children
-        p = int(forest.parent[n])
-        if p >= 0:
-            root_of[n] = root_of[p]
     leaves = forest.leaves()
+    seeds = forest.seed[leaves].tolist()  # every node carries its root's seed
     sums: dict[int, list[float]] = {}
-    for leaf in leaves.tolist():
-        seed = int(forest.seed[int(root_of[leaf])])
-        sums.setdefault(seed, []).append(float(forest.reward[leaf]))
+    for seed, r in zip(seeds, forest.reward[leaves].tolist()):
+        sums.setdefault(int(seed), []).append(float(r))
     return {s: sum(v) / len(v) for s, v in sums.items()}
