@@ -60,13 +60,16 @@ def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Te
     x_parent = latents[unique_parents].to(device)
     sigma_parent = forest.sigma[unique_parents].to(device)
     group_cond = cond.select(forest.group[unique_parents])
+    # the rollout's transition std, as recorded: it does not depend on the weights, and a plan may have
+    # widened it (BranchGRPO's independent_scaled split noise evaluates its log-prob at s·std)
+    recorded_std = forest.std[edges].to(device)
 
     def transition(v_parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = v_parent[position.to(device)]
         x = x_parent[position.to(device)]
-        _, mean, std = sde.step(kernel, x, v, forest.sigma[parents].to(device), forest.sigma[edges].to(device),
-                                forest.eta[edges].to(device))
-        return mean, std
+        _, mean, _ = sde.step(kernel, x, v, forest.sigma[parents].to(device), forest.sigma[edges].to(device),
+                              forest.eta[edges].to(device))
+        return mean, recorded_std
 
     v = model.velocity(x_parent, sigma_parent, group_cond, forest.guidance)
     mean, std = transition(v)

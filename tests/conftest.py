@@ -34,3 +34,37 @@ def sd3_model():
 @pytest.fixture
 def flux_model():
     return make_model("flux")
+
+
+LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
+
+
+def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6):
+    """Seeded training of the tiny SD3 pipeline on ``redness`` with ``overrides`` (the method's plan, credit
+    and sizes). Returns (before, after, train records): the mean reward of fixed-seed ODE samples of
+    LEARN_PROMPTS for two eval seed sets, before and after training."""
+    from flowrl.config import TrainConfig
+    from flowrl.evaluation import eval_seeds
+    from flowrl.rollout.sampling import ode_sample
+    from flowrl.trainer import Trainer
+
+    cfg = TrainConfig.from_yaml(None, [
+        "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", f"rollout.steps={steps}",
+        f"prompts.train={'|'.join(LEARN_PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
+        "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0",
+        f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
+        "train.checkpoint_every=0", "train.async_reward=false", *overrides,
+    ])
+    cfg.rewards[0].name = "redness"
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    reward = trainer.reward.rewards[0]
+    prompts = [p for p in LEARN_PROMPTS for _ in range(16)]
+
+    def mean_reward(seed: int) -> float:
+        images = ode_sample(trainer.model, prompts, eval_seeds(seed, len(prompts)), steps=steps, guidance=1.0)
+        return float(reward(images, prompts).mean())
+
+    before = [mean_reward(s) for s in (101, 202)]
+    records = trainer.train()
+    after = [mean_reward(s) for s in (101, 202)]
+    return before, after, [r for r in records if "reward_mean" in r]

@@ -120,6 +120,25 @@ def test_inner_chains_take_given_roots_and_are_unchanged_without_them(sd3_model)
     assert chains.root_count() == 3 and Chains(shared_noise=True).root_count() == 1
 
 
+def test_explore_wraps_a_tree_whose_root_is_the_kept_seed(sd3_model):
+    from flowrl.rollout.tree import Tree
+
+    tree = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.7)
+    assert tree.root_count() == 1
+    explore = Explore(inner="tree", inner_args=["steps=4", "split_steps=[0,1]", "eta=0.7"], pool=3, preview_steps=2)
+    explore.setup(sd3_model, "brightness")
+    forest = explore.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=3, iteration=1))
+    roots = forest.roots()
+    assert roots.numel() == 2 and forest.leaves().numel() == 2 * 4
+    pool = [[derive_seed(3, 1, "explore", g, j) for j in range(3)] for g in range(2)]
+    kept = forest.seed[roots].tolist()
+    assert all(seed in candidates for seed, candidates in zip(kept, pool)), (kept, pool)
+    assert torch.equal(forest.all_latents()[roots].cpu(), sd3_model.noise(kept).cpu())
+    # the same tree from the kept seeds, without explore, is the same forest
+    again = tree.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=3, iteration=1, root_seeds=[[s] for s in kept]))
+    assert torch.equal(again.all_latents(), forest.all_latents()) and torch.equal(again.logp_old, forest.logp_old)
+
+
 # ---- the loop -------------------------------------------------------------------------------
 def test_only_regenerated_samples_reach_credit_and_loss(tmp_path):
     trainer = Trainer(tiny_config(tmp_path), model=make_model("sd3"))

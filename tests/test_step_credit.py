@@ -21,7 +21,7 @@ from flowrl.rollout.probes import Probed, decision_states, state_values
 from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed, seeded_normal
 
-from conftest import make_model
+from conftest import make_model, train_redness
 
 PROMPTS = ["a red circle", "two blue squares"]
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -419,41 +419,19 @@ def test_presets_load(path, plan, rule):
 
 
 # ---- learning through the Trainer ------------------------------------------------------------------
-LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
 
 
 @pytest.mark.parametrize("method", ["tp_grpo", "vgpo"])
 def test_step_credit_raises_a_dense_reward_through_the_trainer(tmp_path, method):
     """Ten seeded iterations on the tiny SD3 pipeline with ``redness``: the mean reward of fixed-seed ODE
     samples rises by well above the spread between two seed sets of the same model."""
-    from flowrl.evaluation import eval_seeds
-    from flowrl.trainer import Trainer
-
     extra = (["rollout.probe=ode_completion", "credit.rule=turning_point"] if method == "tp_grpo"
              else ["rollout.probe=x0_projection", "credit.rule=value_anchor"])
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", "rollout.plan=probed", *extra,
-        f"prompts.train={'|'.join(LEARN_PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "rollout.group_size=6", "rollout.steps=6", "rollout.window.mode=fixed", "rollout.window.start=0",
-        "rollout.window.size=3", "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0",
-        "train.max_steps=10", f"train.output_dir={tmp_path}", f"train.name={method}", "train.progress=false",
-        "train.checkpoint_every=0", "train.async_reward=false",
-    ])
-    cfg.rewards[0].name = "redness"
-    trainer = Trainer(cfg, model=make_model("sd3"))
-    reward = trainer.reward.rewards[0]
-    prompts = [p for p in LEARN_PROMPTS for _ in range(16)]
-
-    def mean_reward(seed: int) -> float:
-        images = ode_sample(trainer.model, prompts, eval_seeds(seed, len(prompts)), steps=6, guidance=1.0)
-        return float(reward(images, prompts).mean())
-
-    before = [mean_reward(s) for s in (101, 202)]
-    records = trainer.train()
-    after = [mean_reward(s) for s in (101, 202)]
+    before, after, train = train_redness(tmp_path, method, [
+        "rollout.plan=probed", *extra, "rollout.group_size=6", "rollout.window.mode=fixed",
+        "rollout.window.start=0", "rollout.window.size=3", "train.max_steps=10"])
     gain = sum(after) / 2 - sum(before) / 2
     assert gain > max(3 * abs(before[0] - before[1]), 0.01), f"before {before}, after {after}"
-    train = [r for r in records if "reward_mean" in r]
     assert all(r["first_step_abs_delta_logp"] == 0.0 for r in train)
     key = "tp/rate" if method == "tp_grpo" else "vgpo/q_step0"
     assert all(key in r and "probe/extra_forwards" in r for r in train)

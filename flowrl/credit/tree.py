@@ -150,11 +150,12 @@ class TreeAdvantage(CreditRule):
             length = chain.sum(dim=1)  # nodes on the leaf's chain: the leaf and up to below its branch point
             padded = torch.cat([table, torch.full((table.shape[0], 1), -1, dtype=table.dtype)], dim=1)
             branch = padded.gather(1, length[:, None])[:, 0]  # the branch point (−1: the chain reaches the root)
-            rr = torch.where(valid, r, torch.full_like(r, -math.inf))
+            rival = valid & (branch >= 0)  # lone chains (no branch point) take no part in any sibling set
+            rr = torch.where(rival, r, torch.full_like(r, -math.inf))
             slot = branch.clamp(min=0)
             best = torch.full((forest.num_nodes,), -math.inf, dtype=rr.dtype).scatter_reduce(0, slot, rr, "amax")
             pos = torch.arange(leaves.numel())
-            is_best = valid & (rr == best[slot])
+            is_best = rival & (rr == best[slot])
             first = torch.full((forest.num_nodes,), leaves.numel()).scatter_reduce(0, slot[is_best], pos[is_best], "amin")
             winner = (is_best & (pos == first[slot])) | (valid & (branch < 0))  # a lone chain has no rival
             kept_leaf[leaves[winner]] = True

@@ -166,6 +166,10 @@ class Tree(RolloutPlan):
                 "trained_edges": num_prompts * (sum(n[i + 1] for i in stochastic) - pruned),
                 "depth_pruned_edges": num_prompts * pruned, "leaves": num_prompts * n[self.steps]}
 
+    def root_count(self) -> int:
+        """One root per prompt group: a wrapping plan (Sol-RL's explore) may choose its x_T seed."""
+        return 1
+
     # ---- rollout --------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
@@ -177,7 +181,8 @@ class Tree(RolloutPlan):
         splits = set(layout.splits)
         P = len(prompts)
         forest = ctx.new_forest(prompts, guidance)
-        seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
+        seeds = ctx.given_root_seeds(P, self.root_count()) or [
+            derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=float(sigmas[0]), step=0)
         path_of = {int(n): (ctx.group_offset + g,) for g, n in enumerate(nodes)}  # (global group, branches...)
         cond = model.encode(prompts, guidance)
