@@ -206,3 +206,13 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
     trainer.loss_fn = WithAux(**{k: getattr(trainer.loss_fn, k) for k in ("clip_low", "clip_high", "beta")})
     record = trainer.train_step(0)
     assert len(calls) == 2 and record["aux_term"] == 1.5
+
+
+def test_every_registered_component_is_a_public_name_of_flowrl():
+    import flowrl
+    from flowrl import components
+
+    for kind in components.KINDS:
+        for name, target in kind.registry.items():
+            cls_name = target.split(":")[1]
+            assert getattr(flowrl, cls_name) is components.resolve(kind, name), (kind.section, name)
