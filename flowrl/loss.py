@@ -74,6 +74,8 @@ class PolicyLoss(Objective):
             raise ValueError(f"loss.kl_form={self.kl_form!r} is not supported; accepted: {list(sde.KL_FORMS)}")
         if self.reduction not in sde.REDUCTIONS:
             raise ValueError(f"loss.reduction={self.reduction!r} is not supported; accepted: {list(sde.REDUCTIONS)}")
+        if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
+            raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
 
     def clip_bounds(self, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ε_low, ε_high per edge [E] (constant unless ``adaptive_kappa`` is set)."""

@@ -36,6 +36,19 @@ def flux_model():
     return make_model("flux")
 
 
+def with_lora(model, rank: int = 2):
+    """``model`` with a LoRA whose B matrices are random (seeded), so the policy differs from the base."""
+    from flowrl.models.base import LoraSpec
+
+    model.add_lora(LoraSpec(rank=rank, init="default"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.trainable.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
 LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
 
 

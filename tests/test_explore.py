@@ -120,6 +120,22 @@ def test_inner_chains_take_given_roots_and_are_unchanged_without_them(sd3_model)
     assert chains.root_count() == 3 and Chains(shared_noise=True).root_count() == 1
 
 
+def test_metrics_cover_only_the_rollouts_of_the_current_iteration(sd3_model):
+    """A rollout whose metrics nobody asked for (``flowrl snr`` draws several) must not leak into the next
+    iteration's explore statistics; the chunks of one iteration add up."""
+    p = plan()
+    p.setup(sd3_model, "brightness")
+    p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, iteration=0))  # metrics never read
+    first = p.rollout(sd3_model, PROMPTS[:1], RolloutContext(seed=0, iteration=1))
+    second = p.rollout(sd3_model, PROMPTS[1:2], RolloutContext(seed=0, iteration=1, group_offset=1))
+    assert len(p._pending) == 2 and {r["iteration"] for r in p._pending} == {1}
+    first.reward[first.leaves()] = second.reward[second.leaves()] = 0.5
+    from flowrl.rollout.forest import Forest
+
+    stats = p.metrics(Forest.merge([first, second]))
+    assert stats["time/explore_preview"] > 0 and p._pending == []
+
+
 def test_explore_wraps_a_tree_whose_root_is_the_kept_seed(sd3_model):
     from flowrl.rollout.tree import Tree
 

@@ -184,6 +184,7 @@ def test_adaptive_clip_widens_bound_with_advantage():
     ({"kl_form": "reverse"}, "kl_form"),
     ({"beta": -0.1}, "beta"),
     ({"reduction": "max"}, "reduction"),
+    ({"adaptive_kappa": -2.0}, "adaptive_kappa"),
 ])
 def test_bad_arguments_raise_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -12,7 +12,6 @@ import torch
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.credit.turning_point import TurningPoint, balance_signs, step_rewards, turning_points
 from flowrl.credit.value_anchor import ValueAnchor, discounted_values, temporal_weights
-from flowrl.models.base import LoraSpec
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import Chains, SDEWindow
@@ -20,8 +19,9 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import Probed, decision_states, state_values
 from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.rollout.tree import Tree
 
-from conftest import make_model, train_redness
+from conftest import make_model, train_redness, with_lora
 
 PROMPTS = ["a red circle", "two blue squares"]
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -281,13 +281,7 @@ def test_pure_ode_reference_starts_from_the_chains_own_x_T(sd3_model, guidance):
 
 @pytest.mark.parametrize("probe, rule", [("ode_completion", TurningPoint()), ("x0_projection", ValueAnchor())])
 def test_replay_ratio_is_one_on_the_trained_edges(probe, rule):
-    model = make_model("sd3")
-    model.add_lora(LoraSpec(rank=2, init="default"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.trainable.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    model = with_lora(make_model("sd3"))
     plan = Probed(group_size=3, steps=5, window=SDEWindow(mode="fixed", start=0, size=3), probe=probe)
     forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=2.0, max_batch=4))
     nodes, x0 = forest.score_requests()
@@ -439,3 +433,39 @@ def test_step_credit_raises_a_dense_reward_through_the_trainer(tmp_path, method)
         assert train[0]["probe/extra_forwards"] == 4 * 6 * (6 + 5 + 4)
     else:
         assert train[0]["probe/extra_forwards"] == 0 and train[0]["probe/decodes"] == 4 * 6 * 3
+
+
+# ---- step credit on pruned trees; metric keys independent of failed rewards ---------------------------
+def _scored_for_step_credit(forest, seed: int = 0, nan_rewards: bool = False):
+    """Random state values (every node, as probes would give) and leaf rewards (NaN when ``nan_rewards``)."""
+    g = torch.Generator().manual_seed(seed)
+    nodes = decision_states(forest)
+    forest.add_probe(nodes, forest.all_latents()[nodes])
+    forest.value[:] = torch.rand(forest.num_nodes, generator=g)
+    leaves = forest.leaves()
+    forest.reward[leaves] = float("nan") if nan_rewards else torch.rand(leaves.numel(), generator=g)
+    return forest
+
+
+@pytest.mark.parametrize("rule", [TurningPoint(), ValueAnchor()])
+def test_step_credit_keeps_a_trees_depth_pruning(sd3_model, rule):
+    plan = Tree(steps=5, split_steps=[0, 1], kernel="dance", eta=0.3, depth_prune_size=2)
+    forest = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=0))
+    pruned = torch.nonzero(forest.stochastic & (forest.parent >= 0) & (forest.weight == 0)).flatten()
+    assert pruned.numel() > 0 and set(forest.step[pruned].tolist()) <= set(plan.layout(0, 0).pruned)
+    stats = rule.assign(_scored_for_step_credit(forest))
+    assert (forest.weight[pruned] == 0).all()
+    assert stats["pruned_depth_edges"] == pruned.numel()
+    others = forest.edges(trainable=True)
+    assert bool((forest.weight[others[~torch.isin(others, pruned)]] > 0).any())
+
+
+def test_turning_point_logs_the_same_keys_when_a_process_rewards_fail(sd3_model):
+    plan = Chains(group_size=3, steps=4, kernel="flow_grpo", eta=0.7, window=SDEWindow(mode="fixed", start=0, size=2))
+
+    def keys(nan_rewards: bool) -> list[str]:
+        forest = _scored_for_step_credit(plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=0)),
+                                         nan_rewards=nan_rewards)
+        return sorted(TurningPoint().assign(forest))
+
+    assert keys(False) == keys(True)

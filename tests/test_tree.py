@@ -20,7 +20,6 @@ import torch
 from flowrl import sde
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.credit.tree import TreeAdvantage
-from flowrl.models.base import LoraSpec
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import SDEWindow
@@ -28,7 +27,7 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
-from conftest import make_model, train_redness
+from conftest import make_model, train_redness, with_lora
 
 PROMPTS = ["a red circle", "two blue squares"]
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -564,16 +563,6 @@ def test_width_extremes_b_keeps_the_best_and_worst_chains_per_tree(b):
 
 
 # ---- 5. replay == rollout on every tree edge -------------------------------------------------------
-def with_lora(model):
-    model.add_lora(LoraSpec(rank=2, init="default"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.trainable.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return model
-
-
 TREE_PLANS = {
     "sde": dict(steps=5, split_steps=[0, 2], kernel="dance", eta=0.3, depth_prune_size=1),
     "mix": dict(mode="mix", steps=5, split_steps=[1, 3], mix_window=1, kernel="flow_grpo", eta=0.7),

@@ -176,6 +176,9 @@ class TurningPoint(CreditRule):
         r_edge = StepPaths.edge_mean(edge, reward, forest.num_nodes)[edges]
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, r_edge, self.eps, self.zero_std_tol)
         train = torch.isfinite(r_edge) & ~zero_var
+        incoming = forest.weight if forest.weight.numel() == forest.num_nodes else torch.ones(forest.num_nodes)
+        pruned = incoming[edges] <= 0  # set by the plan (a tree's depth pruning): kept untrained
+        train = train & ~pruned
         forest.advantage = torch.zeros(forest.num_nodes)
         forest.weight = torch.zeros(forest.num_nodes)
         forest.advantage[edges] = torch.where(train, z, torch.zeros_like(z))
@@ -194,10 +197,12 @@ class TurningPoint(CreditRule):
             "tp/delta_mean": float(delta[valid & (k == 0)].mean()) if bool((valid & (k == 0)).any()) else 0.0,
             "tp/step_reward_mean": float(reward[valid].mean()) if bool(valid.any()) else 0.0,
             "zero_std_ratio": zero_ratio,
-            "skipped_edges": float((~train).sum()),
+            "skipped_edges": float((~train & ~pruned).sum()),
+            "pruned_depth_edges": float(pruned.sum()),
             "adv_abs_mean": float(forest.advantage[edges].abs().mean()) if edges.numel() else 0.0,
         }
-        stats.update(per_step_stats("tp/rate", step[valid], found[valid].float()))
+        # every step keeps its key when its rewards failed (NaN), so all processes log the same keys
+        stats.update(per_step_stats("tp/rate", step, torch.where(valid, found.float(), torch.full(found.shape, float("nan")))))
         stats.update(per_step_stats("tp/value", step, values[parent]))
         stats.update(per_step_std("tp/adv_std", edge_step, forest.advantage[edges]))
         return stats

@@ -95,6 +95,9 @@ class ValueAnchor(CreditRule):
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, q_edge, self.eps, self.zero_std_tol)
         adv = w_edge * (z + alpha * q_edge)
         train = torch.isfinite(adv) & ~(zero_var & (alpha == 0))
+        incoming = forest.weight if forest.weight.numel() == forest.num_nodes else torch.ones(forest.num_nodes)
+        pruned = incoming[edges] <= 0  # set by the plan (a tree's depth pruning): kept untrained
+        train = train & ~pruned
         forest.advantage = torch.zeros(forest.num_nodes)
         forest.weight = torch.zeros(forest.num_nodes)
         forest.advantage[edges] = torch.where(train, adv, torch.zeros_like(adv))
@@ -105,7 +108,8 @@ class ValueAnchor(CreditRule):
         trained = train & torch.isfinite(adv)
         stats = {
             "zero_std_ratio": zero_ratio,
-            "skipped_edges": float((~train).sum()),
+            "skipped_edges": float((~train & ~pruned).sum()),
+            "pruned_depth_edges": float(pruned.sum()),
             "adv_abs_mean": float(forest.advantage[edges].abs().mean()) if edges.numel() else 0.0,
             "vgpo/abs_term_mean": float((w_edge * alpha * q_edge)[trained].abs().mean()) if bool(trained.any()) else 0.0,
             "vgpo/rel_term_mean": float((w_edge * z)[trained].abs().mean()) if bool(trained.any()) else 0.0,

@@ -288,6 +288,9 @@ class Explore(RolloutPlan):
             raise RuntimeError("Explore needs the run's reward to score its preview pool: call setup(model, reward) "
                                "(flowrl.sample(..., reward=...) or the trainer do)")
         P, N, K = len(prompts), self.pool_size, self.keep
+        # records of an earlier iteration whose metrics were never asked for (e.g. flowrl snr) are dropped;
+        # the chunks of one iteration accumulate
+        self._pending = [r for r in self._pending if r["iteration"] == ctx.iteration]
         sync_before = self._sync_seconds
         explorer = self.explorer
         guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
@@ -316,6 +319,7 @@ class Explore(RolloutPlan):
         forest.counters["explore_nfe"] = forest.counters.get("explore_nfe", 0) + P * N * self.preview_steps * cfg
         forest.counters["explore_scored"] = forest.counters.get("explore_scored", 0) + P * N
         self._pending.append({
+            "iteration": ctx.iteration,
             "preview": {s: float(rewards[k]) for k, s in enumerate(seeds)},
             "kept": root_seeds,  # per local group, in selection order
             "pool_rewards": rewards,
