@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.credit.base import CreditRule, Gather
+from flowrl.credit.base import CreditRule, Gather, write_edge_credit
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import StepPaths, state_values
 
@@ -176,13 +176,8 @@ class TurningPoint(CreditRule):
         r_edge = StepPaths.edge_mean(edge, reward, forest.num_nodes)[edges]
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, r_edge, self.eps, self.zero_std_tol)
         train = torch.isfinite(r_edge) & ~zero_var
-        incoming = forest.weight if forest.weight.numel() == forest.num_nodes else torch.ones(forest.num_nodes)
-        pruned = incoming[edges] <= 0  # set by the plan (a tree's depth pruning): kept untrained
+        pruned = write_edge_credit(forest, edges, z, train)
         train = train & ~pruned
-        forest.advantage = torch.zeros(forest.num_nodes)
-        forest.weight = torch.zeros(forest.num_nodes)
-        forest.advantage[edges] = torch.where(train, z, torch.zeros_like(z))
-        forest.weight[edges] = train.float()
 
         step = forest.step[parent]
         edge_step = forest.step[forest.parent[edges]]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.credit.base import CreditRule, Gather
+from flowrl.credit.base import CreditRule, Gather, write_edge_credit
 from flowrl.credit.turning_point import per_step_stats, per_step_std, zscore_by_step
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import StepPaths, state_values
@@ -95,13 +95,8 @@ class ValueAnchor(CreditRule):
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, q_edge, self.eps, self.zero_std_tol)
         adv = w_edge * (z + alpha * q_edge)
         train = torch.isfinite(adv) & ~(zero_var & (alpha == 0))
-        incoming = forest.weight if forest.weight.numel() == forest.num_nodes else torch.ones(forest.num_nodes)
-        pruned = incoming[edges] <= 0  # set by the plan (a tree's depth pruning): kept untrained
+        pruned = write_edge_credit(forest, edges, adv, train)
         train = train & ~pruned
-        forest.advantage = torch.zeros(forest.num_nodes)
-        forest.weight = torch.zeros(forest.num_nodes)
-        forest.advantage[edges] = torch.where(train, adv, torch.zeros_like(adv))
-        forest.weight[edges] = train.float()
 
         step = forest.step[forest.parent[edge]]
         edge_step = forest.step[forest.parent[edges]]
