@@ -135,15 +135,20 @@ class LayerTuningLoss(PolicyLoss):
     guidance, CFG composed as in the rollout). ε is drawn from ``derive_seed(seed of the group's root,
     "layer_tuning", σ)``: no global RNG, the same draw for every process layout and on resume.
 
-    ``layer_lambda``: λ [0.1]. Set ``adaptive_kappa`` (κ [1]) for Dynamic-TreeRPO's adaptive clip.
+    ``layer_lambda``: λ [0.1]. ``layer_batch``: rows per forward [64]; each chunk runs under activation
+    checkpointing, so the term's memory does not grow with P·S (its backward recomputes one chunk at a
+    time). Set ``adaptive_kappa`` (κ [1]) for Dynamic-TreeRPO's adaptive clip.
     """
 
     layer_lambda: float = 0.1
+    layer_batch: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer_lambda < 0:
             raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
+        if self.layer_batch < 1:
+            raise ValueError(f"loss.layer_batch={self.layer_batch} must be >= 1")
 
     def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         from flowrl.rollout.seeding import derive_seed, seeded_normal
@@ -178,8 +183,16 @@ class LayerTuningLoss(PolicyLoss):
                            for seed, s in zip(root_seed, sigma.tolist())]).to(device)
         sig = sigma.to(device).view(-1, 1, 1, 1)
         x = (1.0 - sig) * x0 + sig * eps
-        v = model.velocity(x, sigma.to(device), cond.select(groups), forest.guidance)
-        per_row = ((v.float() - (eps - x0)) ** 2).mean(dim=tuple(range(1, x.ndim)))
+
+        def squared_error(a: int, b: int) -> torch.Tensor:  # [b − a] rows of mean ‖v − (ε − x0)‖²
+            v = model.velocity(x[a:b], sigma[a:b].to(device), cond.select(groups[a:b]), forest.guidance)
+            return ((v.float() - (eps[a:b] - x0[a:b])) ** 2).mean(dim=tuple(range(1, x.ndim)))
+
+        from torch.utils.checkpoint import checkpoint
+
+        per_row = torch.cat([checkpoint(squared_error, a, min(a + self.layer_batch, len(rows) * len(sigmas)),
+                                        use_reentrant=False)
+                             for a in range(0, len(rows) * len(sigmas), self.layer_batch)])
         loss = self.layer_lambda * (weight * per_row).sum() / (P * len(sigmas))
         return loss, {"layer_tuning_loss": loss.detach(), "layer_tuning_weight": weight.mean().detach(),
                       "layer_tuning_mse": per_row.detach().mean()}

@@ -189,3 +189,36 @@ def test_adaptive_clip_widens_bound_with_advantage():
 def test_bad_arguments_raise_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         PolicyLoss(**kwargs)
+
+
+def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
+    """The LayerTuning term (value and LoRA gradient) does not depend on ``layer_batch``; a prompt group
+    whose leaves all score the same has weight 0 and adds nothing."""
+    from conftest import make_model, with_lora
+    from flowrl.loss import LayerTuningLoss
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.rollout.tree import Tree
+
+    model = with_lora(make_model("sd3"))
+    forest = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.5).rollout(
+        model, ["a red circle", "two blue squares"], RolloutContext(seed=0))
+    leaves = forest.leaves()
+    forest.reward[leaves] = torch.tensor([0.1, 0.9, 0.3, 0.2, 0.5, 0.5, 0.5, 0.5])  # group 1 is flat
+    cond = model.encode(forest.prompts, forest.guidance)
+
+    def term(layer_batch: int):
+        model.trainable.zero_grad()
+        loss, diag = LayerTuningLoss(layer_lambda=1.0, layer_batch=layer_batch).auxiliary(model, forest, cond)
+        loss.backward()
+        return loss.detach(), diag, [p.grad.clone() for p in model.trainable.parameters() if p.grad is not None]
+
+    whole, diag, grads = term(64)
+    chunked, _, grads_chunked = term(1)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-7)
+    for a, b in zip(grads, grads_chunked):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    r = torch.tensor([0.1, 0.9, 0.3, 0.2], dtype=torch.float64)  # group 0 only
+    w = float(((r.max() - r.mean()) / (r.std(unbiased=False) + 1e-4)).clamp(0, 3)) / 3
+    assert float(diag["layer_tuning_weight"]) == pytest.approx(w, rel=1e-6)
+    forest.reward[leaves] = 0.5
+    assert LayerTuningLoss().auxiliary(model, forest, cond) is None
