@@ -1,6 +1,7 @@
 """What every credit rule shares: it reads a scored forest and writes advantages on its edges."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -37,3 +38,29 @@ def write_edge_credit(forest: Forest, edges: torch.Tensor, advantage: torch.Tens
     forest.advantage[edges] = torch.where(train, advantage, torch.zeros_like(advantage)).float()
     forest.weight[edges] = train.float()
     return pruned
+
+
+def set_stats(value: torch.Tensor, key: torch.Tensor, ok: torch.Tensor, num_sets: int) -> dict[str, torch.Tensor]:
+    """count, sum, sumsq, min, max, mean and std (ddof 0, two-pass) [num_sets] (fp64) of ``value`` [N] over
+    the sets ``key`` [N] (ids < num_sets), counting only the entries where ``ok`` [N] (e.g. finite)."""
+    v = torch.where(ok, value, torch.zeros_like(value)).double()
+    k = key[ok]
+    count = torch.zeros(num_sets, dtype=torch.float64).index_add_(0, k, torch.ones(k.numel(), dtype=torch.float64))
+    total = torch.zeros(num_sets, dtype=torch.float64).index_add_(0, k, v[ok])
+    mean = total / count.clamp(min=1)
+    dev = torch.zeros(num_sets, dtype=torch.float64).index_add_(0, k, (v[ok] - mean[k]) ** 2)
+    sumsq = torch.zeros(num_sets, dtype=torch.float64).index_add_(0, k, v[ok] ** 2)
+    lo = torch.full((num_sets,), math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amin")
+    hi = torch.full((num_sets,), -math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amax")
+    return {"count": count, "sum": total, "sumsq": sumsq, "min": lo, "max": hi, "mean": mean,
+            "std": (dev / count.clamp(min=1)).sqrt()}
+
+
+def standardize(value: torch.Tensor, key: torch.Tensor, stats: dict[str, torch.Tensor], eps: float,
+                zero_std_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """z-scores [N] (fp64) of ``value`` [N] within the sets ``key`` [N], from their ``stats`` (:func:`set_stats`),
+    and which sets are flat [num_sets] bool: fewer than two entries, or a spread ≤ ``zero_std_tol``. Entries
+    of flat sets and non-finite entries get 0."""
+    flat = (stats["count"] < 2) | ((stats["max"] - stats["min"]) <= zero_std_tol)
+    z = (value.double() - stats["mean"][key]) / (stats["std"][key] + eps)
+    return torch.where(torch.isfinite(value) & ~flat[key], z, torch.zeros_like(z)), flat

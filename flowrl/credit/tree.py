@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.credit.base import CreditRule, Gather
+from flowrl.credit.base import CreditRule, Gather, set_stats, standardize
 from flowrl.rollout.forest import Forest
 
 FUSIONS = ("mean", "path_softmax")
@@ -112,12 +112,12 @@ class TreeAdvantage(CreditRule):
             key = tree * D + depth
             _, key = torch.unique(key, return_inverse=True)
             K = int(key.max()) + 1 if key.numel() else 0
-            stats = _set_stats(value, key, ok, K)
+            stats = set_stats(value, key, ok, K)
         else:  # every tree of the iteration on every process: gather per-depth sufficient statistics
             if gather is not None:
                 D = int(gather(torch.tensor([D], dtype=torch.long)).max())
             key = depth
-            local = _set_stats(value, key, ok, D)
+            local = set_stats(value, key, ok, D)
             packed = torch.stack([local["count"], local["sum"], local["sumsq"], local["min"], local["max"]], dim=1)
             if gather is not None:
                 packed = gather(packed).reshape(-1, D, 5)
@@ -127,12 +127,9 @@ class TreeAdvantage(CreditRule):
             n = stats["count"].clamp(min=1)
             stats["mean"] = stats["sum"] / n
             stats["std"] = (stats["sumsq"] / n - stats["mean"] ** 2).clamp(min=0).sqrt()
-        mean, std = stats["mean"][key], stats["std"][key]
-        zero = (stats["count"][key] < 2) | ((stats["max"] - stats["min"])[key] <= self.zero_std_tol) | ~ok
-        adv = torch.where(zero, torch.zeros_like(value), (value - mean) / (std + self.eps))
+        adv, flat = standardize(value, key, stats, self.eps, self.zero_std_tol)
         sets = stats["count"] >= 2
-        flat = sets & ((stats["max"] - stats["min"]) <= self.zero_std_tol)
-        return adv, zero, {"zero_std_ratio": float(flat.sum()) / max(int(sets.sum()), 1)}
+        return adv, flat[key] | ~ok, {"zero_std_ratio": float((flat & sets).sum()) / max(int(sets.sum()), 1)}
 
     def width_keep(self, forest: Forest, value: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
         """Which edges width pruning keeps [N] bool (True off the post-split chains)."""
@@ -208,18 +205,3 @@ class TreeAdvantage(CreditRule):
             out[f"adv_std/depth_{d:02d}"] = float(adv[edge & (depth == d)].std(unbiased=False))
         return out
 
-
-def _set_stats(value: torch.Tensor, key: torch.Tensor, ok: torch.Tensor, K: int) -> dict[str, torch.Tensor]:
-    """count, sum, sumsq, min, max, mean and std (ddof 0, two-pass) of ``value`` over sets ``key`` [N]
-    (ids < K), finite entries only."""
-    v = torch.where(ok, value, torch.zeros_like(value))
-    k = key[ok]
-    count = torch.zeros(K, dtype=torch.float64).index_add_(0, k, torch.ones(k.numel(), dtype=torch.float64))
-    total = torch.zeros(K, dtype=torch.float64).index_add_(0, k, v[ok])
-    mean = total / count.clamp(min=1)
-    dev = torch.zeros(K, dtype=torch.float64).index_add_(0, k, (v[ok] - mean[k]) ** 2)
-    sumsq = torch.zeros(K, dtype=torch.float64).index_add_(0, k, v[ok] ** 2)
-    lo = torch.full((K,), math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amin")
-    hi = torch.full((K,), -math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amax")
-    return {"count": count, "sum": total, "sumsq": sumsq, "min": lo, "max": hi, "mean": mean,
-            "std": (dev / count.clamp(min=1)).sqrt()}

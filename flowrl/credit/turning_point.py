@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.credit.base import CreditRule, Gather, write_edge_credit
+from flowrl.credit.base import CreditRule, Gather, set_stats, standardize, write_edge_credit
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import StepPaths, state_values
 
@@ -85,23 +85,14 @@ def zscore_by_step(forest: Forest, edges: torch.Tensor, values: torch.Tensor, ep
 
     Returns ``(z [E], zero_var [E] bool: the edge's cell has spread ≤ zero_std_tol (or one finite value),
     the fraction of (group, step) cells with zero variance)``."""
-    z = torch.zeros(edges.shape[0])
-    zero_var = torch.zeros(edges.shape[0], dtype=torch.bool)
-    step = forest.step[forest.parent[edges]]
-    group = forest.group[edges]
-    ok = torch.isfinite(values)
-    cells = torch.unique(torch.stack([group, step], dim=1), dim=0).tolist()
-    flat_cells = 0
-    for g, i in cells:
-        members = (group == g) & (step == i)
-        good = members & ok
-        r = values[good].float()
-        flat = r.numel() < 2 or float(r.max() - r.min()) <= zero_std_tol
-        flat_cells += flat
-        zero_var |= members & flat
-        if not flat:
-            z[good] = (r - r.mean()) / (r.std(unbiased=False) + eps)
-    return z, zero_var, flat_cells / max(len(cells), 1)
+    if edges.numel() == 0:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.bool), 0.0
+    cells = torch.stack([forest.group[edges], forest.step[forest.parent[edges]]], dim=1)
+    _, cell = torch.unique(cells, dim=0, return_inverse=True)
+    num_cells = int(cell.max()) + 1
+    stats = set_stats(values, cell, torch.isfinite(values), num_cells)
+    z, flat = standardize(values, cell, stats, eps, zero_std_tol)
+    return z.float(), flat[cell], float(flat.sum()) / num_cells
 
 
 def per_step_stats(prefix: str, steps: torch.Tensor, values: torch.Tensor) -> dict[str, float]:
