@@ -239,21 +239,18 @@ def state_values(forest: Forest) -> torch.Tensor:
     values[leaves] = forest.reward[leaves]
     if forest.probe_x0:
         return values
-    parent = forest.parent.tolist()
-    stochastic = forest.stochastic.tolist()
-    n_children = [0] * forest.num_nodes
-    only_child = [-1] * forest.num_nodes
-    for n, p in enumerate(parent):
-        if p >= 0:
-            n_children[p] += 1
-            only_child[p] = n
-    probed = set(forest.probe_node.tolist())
-    column = values.tolist()
-    for n in range(forest.num_nodes - 1, -1, -1):  # children come after their parents
-        c = only_child[n]
-        if n not in probed and n_children[n] == 1 and not stochastic[c]:
-            column[n] = column[c]
-    return torch.tensor(column, dtype=torch.float32)
+    nodes = torch.arange(forest.num_nodes)
+    has_parent = forest.parent >= 0
+    only_child = torch.full((forest.num_nodes,), -1, dtype=torch.long)
+    only_child[forest.parent[has_parent]] = nodes[has_parent]  # meaningful where a node has one child
+    passes_on = (forest.num_children() == 1) & ~torch.isin(nodes, forest.probe_node) \
+        & ~forest.stochastic[only_child.clamp(min=0)]
+    source = torch.where(passes_on, only_child, nodes)  # follow deterministic only-child edges down ...
+    while True:  # ... to the first state that does not pass on (pointer jumping: O(log depth) passes)
+        further = source[source]
+        if torch.equal(further, source):
+            return values[source]
+        source = further
 
 
 @dataclass
@@ -272,18 +269,11 @@ class StepPaths:
 
     @classmethod
     def from_forest(cls, forest: Forest) -> "StepPaths":
-        parent = forest.parent.tolist()
-        stochastic = forest.stochastic.tolist()
         leaves = forest.leaves()
-        paths = []
-        for leaf in leaves.tolist():
-            path, n = [], leaf
-            while parent[n] >= 0:
-                if stochastic[n]:
-                    path.append(n)
-                n = parent[n]
-            paths.append(torch.tensor(path[::-1], dtype=torch.long))
-        return cls(leaves, forest.group[leaves], paths)
+        table = forest.ancestor_table(leaves).flip(1)  # [L, D+1]: root side first, −1 before a shorter path's root
+        node = table.clamp(min=0)
+        sde_edge = (table >= 0) & (forest.parent[node] >= 0) & forest.stochastic[node]
+        return cls(leaves, forest.group[leaves], [row[keep] for row, keep in zip(table, sde_edge)])
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat (path [M], k [M], edge [M]) over every SDE step of every path."""
