@@ -79,6 +79,10 @@ class PromptsSection:
     train: str = "configs/shapes/prompts/train.txt"  # a .txt file (one per line) or inline "a|b|c"
     eval: Optional[str] = "configs/shapes/prompts/eval.txt"
     per_step: int = 8  # prompt groups per iteration over all processes
+    sampling: str = "epoch"  # epoch (seeded permutations) | adaptive (∝ recent reward spread per difficulty key)
+    difficulty_key: str = "prompt"  # adaptive: pool statistics by prompt | shapes_task | module:function
+    adaptive_floor: float = 0.1  # adaptive: least draw weight of a key, relative to an average one
+    adaptive_decay: float = 0.7  # adaptive: weight of the old spread in each key's moving average
 
 
 @dataclass
@@ -207,6 +211,11 @@ class TrainConfig:
         positive("train.inner_epochs", self.train.inner_epochs)
         positive("train.updates_per_epoch", self.train.updates_per_epoch)
         positive("prompts.per_step", self.prompts.per_step)
+        choose("prompts.sampling", self.prompts.sampling, ("epoch", "adaptive"))
+        if not 0.0 < self.prompts.adaptive_floor <= 1.0:
+            raise ConfigError(f"prompts.adaptive_floor={self.prompts.adaptive_floor} must be in (0, 1]")
+        if not 0.0 <= self.prompts.adaptive_decay < 1.0:
+            raise ConfigError(f"prompts.adaptive_decay={self.prompts.adaptive_decay} must be in [0, 1)")
         positive("rollout.max_batch", self.rollout.max_batch)
         positive("rollout.chunks", self.rollout.chunks)
         self.train.async_reward = str(self.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"

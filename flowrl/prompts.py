@@ -1,11 +1,17 @@
-"""Prompt sources: which prompt groups each iteration trains on, derived from (seed, iteration)."""
+"""Prompt sources: which prompt groups each iteration trains on, derived from (seed, iteration).
+
+``PromptSource`` (``prompts.sampling: epoch``) walks seeded permutations; ``AdaptivePromptSource``
+(``prompts.sampling: adaptive``) draws prompt *kinds* in proportion to the reward spread their recent
+groups showed, so groups that would all score alike (nothing to learn: zero advantage) are drawn less.
+"""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from flowrl.config import REPO_ROOT
+from flowrl.config import REPO_ROOT, ConfigError
 from flowrl.rollout.seeding import derive_seed
 
 
@@ -49,3 +55,139 @@ class PromptSource:
             out.append(self.prompts[self._epoch(epoch)[offset]])
             pos += 1
         return out
+
+
+def shapes_task(prompt: str) -> str:
+    """The shapes-world task of ``prompt`` (``single``, ``counting``, ...): a difficulty key."""
+    from flowrl.shapes.world import parse
+
+    return parse(prompt).task
+
+
+DIFFICULTY_KEYS: dict[str, Callable[[str], str]] = {"prompt": lambda p: p, "shapes_task": shapes_task}
+
+
+def resolve_difficulty_key(name: str) -> Callable[[str], str]:
+    """``prompts.difficulty_key``: a name of :data:`DIFFICULTY_KEYS`, or ``package.module:function`` /
+    ``path/file.py:function`` mapping a prompt to the key its statistics are pooled under."""
+    if name in DIFFICULTY_KEYS:
+        return DIFFICULTY_KEYS[name]
+    if ":" not in name:
+        raise ConfigError(f"prompts.difficulty_key={name!r} is not supported; accepted: {list(DIFFICULTY_KEYS)} "
+                          "or 'package.module:function' / 'path/file.py:function'")
+    from flowrl.plugins import is_file_target, load_from_file, load_from_module
+
+    module_path, _, fn_name = name.rpartition(":")
+    label = f"prompts.difficulty_key={name!r}"
+    fn = (load_from_file(module_path, fn_name, "difficulty-key file", object) if is_file_target(module_path)
+          else load_from_module(module_path, fn_name, label))
+    if not callable(fn):
+        raise ConfigError(f"{label} resolves to {fn!r}, which is not callable (prompt -> key)")
+    return fn
+
+
+class AdaptivePromptSource(PromptSource):
+    """Difficulty-adaptive prompts. Prompts are pooled by ``key(prompt)`` (the prompt itself, or e.g.
+    its task); each iteration draws ``per_step`` keys with probability ∝ ``max(s_k / mean s, floor)``,
+    where ``s_k`` is an exponential average (``decay``) of the reward std within the groups of key
+    ``k`` (never-seen keys count as average), then takes each key's next prompt from its own seeded
+    permutations. :meth:`observe` feeds each iteration's group spreads back; the statistics are part
+    of the checkpoint (:meth:`state_dict`), so a resumed run draws the same prompts.
+
+    With about as many keys as draws (``key: prompt`` on a large file) few prompts are seen twice
+    and the weights stay near uniform; pool by a coarser key (``shapes_task``) to act within one run.
+    """
+
+    def __init__(self, prompts: list[str], per_step: int, seed: int = 0, key: Callable[[str], str] = lambda p: p,
+                 floor: float = 0.1, decay: float = 0.7):
+        super().__init__(prompts, per_step, seed)
+        if not 0.0 < floor <= 1.0:
+            raise ConfigError(f"prompts.adaptive_floor={floor} must be in (0, 1]")
+        if not 0.0 <= decay < 1.0:
+            raise ConfigError(f"prompts.adaptive_decay={decay} must be in [0, 1)")
+        self.floor, self.decay = floor, decay
+        keys = [str(key(p)) for p in self.prompts]
+        self.keys = sorted(set(keys))
+        index = {k: i for i, k in enumerate(self.keys)}
+        self.members = [[] for _ in self.keys]  # prompt indices of each key
+        for i, k in enumerate(keys):
+            self.members[index[k]].append(i)
+        self.key_of_prompt = torch.tensor([index[k] for k in keys])
+        self.spread = torch.zeros(len(self.keys), dtype=torch.float64)  # EMA of the group reward std per key
+        self.seen = torch.zeros(len(self.keys), dtype=torch.bool)
+        self.cursor = torch.zeros(len(self.keys), dtype=torch.long)  # prompts drawn so far per key
+        self._last: list[int] = []
+        self._last_iteration: int | None = None
+
+    def weights(self) -> torch.Tensor:
+        """Draw weight per key [K]: average spread → 1, unseen → 1, spread-less keys → ``floor``."""
+        w = torch.ones(len(self.keys), dtype=torch.float64)
+        if self.seen.any():
+            mean = self.spread[self.seen].mean()
+            if mean > 0:
+                w[self.seen] = (self.spread[self.seen] / mean).clamp(min=self.floor)
+        return w
+
+    def _next_of_key(self, k: int) -> int:
+        members = self.members[k]
+        epoch, offset = divmod(int(self.cursor[k]), len(members))
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", "key", self.keys[k], epoch))
+        self.cursor[k] += 1
+        return members[torch.randperm(len(members), generator=gen)[offset].item()]
+
+    def batch(self, iteration: int) -> list[str]:
+        """The ``per_step`` prompts of ``iteration``, drawn from the statistics observed so far (call
+        in order: drawing advances each key's position; asking again for the same iteration repeats it)."""
+        if iteration == self._last_iteration:
+            return [self.prompts[i] for i in self._last]
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", "adaptive", iteration))
+        w = self.weights()
+        replacement = len(self.keys) < self.per_step
+        drawn = torch.multinomial(w, self.per_step, replacement=replacement, generator=gen).tolist()
+        self._last = [self._next_of_key(k) for k in drawn]
+        self._last_iteration = iteration
+        return [self.prompts[i] for i in self._last]
+
+    def observe(self, group_std: torch.Tensor) -> None:
+        """Fold in the reward std of each group [per_step] of the last :meth:`batch` (NaN: not scored)."""
+        if len(self._last) != group_std.numel():
+            raise ValueError(f"observe got {group_std.numel()} group spreads for {len(self._last)} prompts drawn")
+        for i, s in zip(self._last, group_std.double().tolist()):
+            if s != s:  # NaN
+                continue
+            k = int(self.key_of_prompt[i])
+            self.spread[k] = s if not self.seen[k] else self.decay * self.spread[k] + (1 - self.decay) * s
+            self.seen[k] = True
+
+    def stats(self) -> dict[str, float]:
+        """Each key's draw probability (``prompts/p/<key>``), for at most 16 keys."""
+        if len(self.keys) > 16:
+            return {}
+        p = self.weights() / self.weights().sum()
+        return {f"prompts/p/{k}": float(v) for k, v in zip(self.keys, p)}
+
+    def state_dict(self) -> dict:
+        return {"keys": list(self.keys), "spread": self.spread.clone(), "seen": self.seen.clone(),
+                "cursor": self.cursor.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["keys"]) != self.keys:
+            raise ValueError("the checkpoint's prompt statistics were kept for other prompt keys "
+                             "(prompts.train or prompts.difficulty_key changed since it was written)")
+        self.spread, self.seen, self.cursor = state["spread"].clone(), state["seen"].clone(), state["cursor"].clone()
+
+
+def build_prompt_source(section, seed: int) -> PromptSource:
+    """The source ``prompts.sampling`` names, over the ``prompts.train`` prompts."""
+    prompts = read_prompts(section.train)
+    if section.sampling == "epoch":
+        return PromptSource(prompts, section.per_step, seed)
+    key_fn = resolve_difficulty_key(section.difficulty_key)
+    keys = {}
+    for p in prompts:
+        try:
+            keys[p] = str(key_fn(p))
+        except Exception as e:  # a prompt the key function cannot read
+            raise ConfigError(f"prompts.difficulty_key={section.difficulty_key!r} fails on prompt {p!r}: {e}") from e
+    return AdaptivePromptSource(prompts, section.per_step, seed, key=keys.__getitem__, floor=section.adaptive_floor,
+                                decay=section.adaptive_decay)

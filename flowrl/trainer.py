@@ -24,7 +24,7 @@ from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
 from flowrl.models.base import FlowModel
-from flowrl.prompts import PromptSource, read_prompts
+from flowrl.prompts import AdaptivePromptSource, build_prompt_source, read_prompts
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
@@ -65,7 +65,7 @@ class Trainer:
         self.scorer = BackgroundScorer(self.reward, enabled=async_reward)
         self.credit = build.build_credit(config)
         self.plan.setup(self.model, self.reward)
-        self.prompts = PromptSource(read_prompts(config.prompts.train), config.prompts.per_step, config.train.seed)
+        self.prompts = build_prompt_source(config.prompts, config.train.seed)
         self.eval_prompts = read_prompts(config.prompts.eval, "prompts.eval") if config.prompts.eval else []
         if config.eval.num_prompts:
             self.eval_prompts = self.eval_prompts[: config.eval.num_prompts]
@@ -267,6 +267,7 @@ class Trainer:
         Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
         over all trainable edges at once (ratios are exactly 1)."""
         forest, _ = self.rollout(iteration)
+        self._observe_spread(forest)
         self.credit.assign(forest, gather=self._gather)
         self.model.trainable.train()
         cond = self.model.encode(forest.prompts, forest.guidance)
@@ -280,6 +281,17 @@ class Trainer:
                           for p in self.params])
         self.optimizer.zero_grad(set_to_none=True)
         return flat
+
+    def _observe_spread(self, forest: Forest) -> dict[str, float]:
+        """The share of prompt groups whose rewards did not spread (they train nothing); an adaptive
+        prompt source learns from every group's spread (gathered over processes, in global order)."""
+        spread = self._gather(forest.group_reward_std())
+        scored = spread[~torch.isnan(spread)]
+        out = {"groups_without_spread": float((scored <= 1e-8).float().mean()) if scored.numel() else float("nan")}
+        if isinstance(self.prompts, AdaptivePromptSource):
+            self.prompts.observe(spread)
+            out.update(self.prompts.stats())
+        return out
 
     def train_step(self, iteration: int) -> dict[str, float]:
         """One full iteration; returns its metrics (global over processes)."""
@@ -302,6 +314,7 @@ class Trainer:
         record["rollout_forwards"] = self._sum(forest.counters["forwards"])
         record["rollout_nfe"] = self._sum(forest.counters["nfe"])
         record["leaves"] = self._sum(forest.leaves().numel())
+        record.update(self._observe_spread(forest))
         record.update(times)
         return record
 
@@ -368,6 +381,8 @@ class Trainer:
         if self.accelerator.is_main_process:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state()}
+            if isinstance(self.prompts, AdaptivePromptSource):
+                state["prompts"] = self.prompts.state_dict()
 
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
@@ -387,6 +402,10 @@ class Trainer:
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
         self.step = int(state["step"])
+        if isinstance(self.prompts, AdaptivePromptSource):
+            if "prompts" not in state:
+                raise ValueError(f"{path} was written without prompts.sampling=adaptive: its prompt statistics are missing")
+            self.prompts.load_state_dict(state["prompts"])
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:

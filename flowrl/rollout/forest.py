@@ -224,6 +224,18 @@ class Forest:
     def roots(self) -> torch.Tensor:
         return torch.nonzero(self.parent < 0).flatten()
 
+    def group_reward_std(self) -> torch.Tensor:
+        """Std (population) of the scored leaf rewards of each prompt group [len(prompts)]; NaN for a
+        group without a scored leaf. Zero means the group's advantages are all zero: nothing to learn."""
+        leaves = self.leaves()
+        r = self.reward[leaves].double()
+        ok = ~torch.isnan(r)
+        g, r = self.group[leaves][ok], r[ok]
+        n = torch.zeros(len(self.prompts), dtype=torch.float64).index_add_(0, g, torch.ones_like(r))
+        mean = torch.zeros_like(n).index_add_(0, g, r) / n.clamp(min=1)
+        var = torch.zeros_like(n).index_add_(0, g, (r - mean[g]) ** 2) / n.clamp(min=1)
+        return torch.where(n > 0, var.sqrt(), torch.full_like(n, float("nan"))).float()
+
     def children(self, n: int) -> torch.Tensor:
         return torch.nonzero(self.parent == n).flatten()
 

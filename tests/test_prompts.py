@@ -1,0 +1,130 @@
+"""Prompt sources: seeded epochs, difficulty-adaptive sampling, its config keys and its resume state."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.prompts import AdaptivePromptSource, PromptSource, build_prompt_source, shapes_task
+from flowrl.rollout.forest import Forest
+from flowrl.trainer import Trainer
+from tests.conftest import make_model
+from tests.test_trainer import tiny_config
+
+EASY = [f"easy {i}" for i in range(20)]
+HARD = [f"hard {i}" for i in range(20)]
+BY_WORD = lambda p: p.split()[0]  # noqa: E731
+
+
+def test_epoch_source_is_a_seeded_permutation_per_epoch():
+    src = PromptSource(list("abcdef"), per_step=3, seed=1)
+    first_epoch = src.batch(0) + src.batch(1)
+    assert sorted(first_epoch) == list("abcdef")
+    assert PromptSource(list("abcdef"), per_step=3, seed=1).batch(1) == src.batch(1)
+
+
+def test_adaptive_draws_keys_with_spread_more_often():
+    """A key whose groups never spread ("easy") falls to the floor weight; the other is drawn ~1/floor× more."""
+    src = AdaptivePromptSource(EASY + HARD, per_step=8, seed=0, key=BY_WORD, floor=0.1, decay=0.5)
+    first = Counter(BY_WORD(p) for p in src.batch(0))
+    assert first["easy"] > 0 and first["hard"] > 0  # unseen keys start equal
+    counts = Counter()
+    for it in range(50):
+        prompts = src.batch(it)
+        counts.update(BY_WORD(p) for p in prompts)
+        src.observe(torch.tensor([0.0 if p.startswith("easy") else 0.3 for p in prompts]))
+    w = src.weights()
+    assert w[src.keys.index("easy")] == pytest.approx(0.1) and w[src.keys.index("hard")] > 1.0
+    assert counts["hard"] > 4 * counts["easy"], counts
+
+
+def test_adaptive_walks_each_key_through_its_prompts_and_repeats_an_iteration():
+    src = AdaptivePromptSource(EASY + HARD, per_step=4, seed=3, key=BY_WORD)
+    drawn = []
+    for it in range(10):
+        batch = src.batch(it)
+        assert src.batch(it) == batch  # asking again does not advance
+        drawn += batch
+        src.observe(torch.full((4,), 0.2))
+    easy = [p for p in drawn if p.startswith("easy")]
+    assert len(set(easy[:20])) == min(20, len(easy))  # no prompt of a key repeats before its epoch ends
+
+
+def test_adaptive_ignores_unscored_groups_and_checks_lengths():
+    src = AdaptivePromptSource(EASY + HARD, per_step=2, seed=0, key=BY_WORD)
+    src.batch(0)
+    src.observe(torch.tensor([float("nan"), float("nan")]))
+    assert not src.seen.any()
+    with pytest.raises(ValueError, match="3 group spreads for 2 prompts"):
+        src.observe(torch.zeros(3))
+
+
+def test_adaptive_state_round_trip_draws_the_same_prompts():
+    a = AdaptivePromptSource(EASY + HARD, per_step=4, seed=0, key=BY_WORD)
+    for it in range(5):
+        prompts = a.batch(it)
+        a.observe(torch.tensor([0.0 if p.startswith("easy") else 0.5 for p in prompts]))
+    b = AdaptivePromptSource(EASY + HARD, per_step=4, seed=0, key=BY_WORD)
+    b.load_state_dict(a.state_dict())
+    assert [b.batch(it) for it in range(5, 9)] == [a.batch(it) for it in range(5, 9)]
+    other = AdaptivePromptSource(EASY, per_step=4, seed=0, key=BY_WORD)
+    with pytest.raises(ValueError, match="other prompt keys"):
+        other.load_state_dict(a.state_dict())
+
+
+def test_group_reward_std_per_group():
+    forest = Forest(prompts=["a", "b", "c"])
+    forest.add_roots(torch.zeros(5, 1), group=[0, 0, 1, 1, 2], seed=[0, 1, 2, 3, 4])
+    forest.reward[:] = torch.tensor([1.0, 3.0, 2.0, 2.0, float("nan")])
+    std = forest.group_reward_std()
+    assert std[:2].tolist() == [1.0, 0.0] and torch.isnan(std[2])
+
+
+def test_config_keys_and_errors(tmp_path):
+    cfg = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=shapes_task"])
+    src = build_prompt_source(cfg.prompts, seed=0)
+    assert isinstance(src, AdaptivePromptSource) and src.keys == sorted(["single", "two_objects", "counting",
+                                                                         "color_attr", "position"])
+    assert shapes_task("three green triangles") == "counting"
+    with pytest.raises(ConfigError, match=r"prompts.sampling='adaptiv'.*did you mean 'adaptive'"):
+        TrainConfig.from_yaml(None, ["prompts.sampling=adaptiv"])
+    with pytest.raises(ConfigError, match=r"prompts.adaptive_floor=0.0 must be in \(0, 1\]"):
+        TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.adaptive_floor=0"])
+    bad = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=task"])
+    with pytest.raises(ConfigError, match=r"prompts.difficulty_key='task' is not supported; accepted: \['prompt', 'shapes_task'\]"):
+        build_prompt_source(bad.prompts, seed=0)
+    odd = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=shapes_task",
+                                       "prompts.train=a red circle|a purple dog"])
+    with pytest.raises(ConfigError, match="fails on prompt 'a purple dog'"):
+        build_prompt_source(odd.prompts, seed=0)
+    plugin = tmp_path / "keys.py"
+    plugin.write_text("def first_word(prompt):\n    return prompt.split()[0]\n")
+    own = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", f"prompts.difficulty_key={plugin}:first_word",
+                                       "prompts.train=a red circle|two blue squares|a dog"])
+    assert build_prompt_source(own.prompts, seed=0).keys == ["a", "two"]
+
+
+def test_trainer_feeds_spreads_back_and_resumes_the_same_prompts(tmp_path):
+    """Adaptive sampling in the loop: the statistics move, are logged, and a resumed run draws what an
+    uninterrupted one drew (they are in the checkpoint)."""
+    extra = ("prompts.sampling=adaptive", "train.checkpoint_every=2")
+    straight = Trainer(tiny_config(tmp_path, "straight", "train.max_steps=4", *extra), model=make_model("sd3"))
+    straight.train()
+    assert straight.prompts.seen.any()
+    Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=2", *extra), model=make_model("sd3")).train()
+    second = Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=4", "train.resume=latest", *extra),
+                     model=make_model("sd3"))
+    second.train()
+    read = lambda name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    a = [r for r in read("straight") if "reward_mean" in r]
+    b = [r for r in read("resumed") if "reward_mean" in r]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert ra["reward_mean"] == rb["reward_mean"], (ra["step"], ra, rb)
+        assert {k: v for k, v in ra.items() if k.startswith("prompts/p/")} == \
+               {k: v for k, v in rb.items() if k.startswith("prompts/p/")}
+    assert "groups_without_spread" in a[0] and any(k.startswith("prompts/p/") for k in a[-1])
+    assert torch.equal(straight.prompts.cursor, second.prompts.cursor)
