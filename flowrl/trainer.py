@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import signal
 import time
 from pathlib import Path
