@@ -53,7 +53,7 @@ and overrides, where the family differs from the defaults:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import os
 from typing import Iterator, Sequence
 

@@ -16,7 +16,6 @@ Conventions, as ``StableDiffusion3Pipeline.__call__`` applies them:
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 import torch
 

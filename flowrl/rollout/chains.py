@@ -6,7 +6,6 @@ by fewer DPM-Solver++(2M) steps (MixGRPO-Flash).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
