@@ -19,9 +19,9 @@ def is_file_target(module_path: str) -> bool:
     return module_path.endswith(".py") or "/" in module_path or os.sep in module_path
 
 
-def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
-    """``cls_name`` from the Python file ``path``; ``what`` names the kind in errors ("reward plugin
-    file"); ``base`` lists the candidate classes of the file when ``cls_name`` is missing."""
+def import_file(path: str, what: str):
+    """The module of the Python file ``path``, imported once per process; ``what`` names the kind in
+    errors ("reward plugin file")."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"{what} {path!r} does not exist (relative paths are from {os.getcwd()})")
@@ -39,6 +39,13 @@ def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
         except BaseException:
             del sys.modules[mod_name]
             raise
+    return module
+
+
+def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
+    """``cls_name`` from the Python file ``path``; ``what`` names the kind in errors ("reward plugin
+    file"); ``base`` lists the candidate classes of the file when ``cls_name`` is missing."""
+    module = import_file(path, what)
     if not hasattr(module, cls_name):
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v is not base)
         raise AttributeError(f"{what} {path!r} has no class {cls_name!r} ({base.__name__} classes in it: {found})")

@@ -70,17 +70,33 @@ DIFFICULTY_KEYS: dict[str, Callable[[str], str]] = {"prompt": lambda p: p, "shap
 def resolve_difficulty_key(name: str) -> Callable[[str], str]:
     """``prompts.difficulty_key``: a name of :data:`DIFFICULTY_KEYS`, or ``package.module:function`` /
     ``path/file.py:function`` mapping a prompt to the key its statistics are pooled under."""
+    import difflib
+    import importlib
+
+    from flowrl.plugins import import_file, is_file_target
+
     if name in DIFFICULTY_KEYS:
         return DIFFICULTY_KEYS[name]
-    if ":" not in name:
-        raise ConfigError(f"prompts.difficulty_key={name!r} is not supported; accepted: {list(DIFFICULTY_KEYS)} "
-                          "or 'package.module:function' / 'path/file.py:function'")
-    from flowrl.plugins import is_file_target, load_from_file, load_from_module
-
-    module_path, _, fn_name = name.rpartition(":")
     label = f"prompts.difficulty_key={name!r}"
-    fn = (load_from_file(module_path, fn_name, "difficulty-key file", object) if is_file_target(module_path)
-          else load_from_module(module_path, fn_name, label))
+    accepted = f"accepted: {list(DIFFICULTY_KEYS)} or 'package.module:function' / 'path/file.py:function'"
+    module_path, _, fn_name = name.rpartition(":")
+    if not module_path or not fn_name:
+        close = difflib.get_close_matches(name, list(DIFFICULTY_KEYS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{label} is not supported{hint}; {accepted}")
+    if is_file_target(module_path):
+        if not Path(module_path).expanduser().is_file():
+            raise ConfigError(f"{label}: no such file {module_path!r}")
+        module = import_file(module_path, "difficulty-key file")
+    else:
+        try:
+            module = importlib.import_module(module_path)
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"{label}: cannot import {module_path!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        functions = sorted(k for k, v in vars(module).items() if callable(v) and not isinstance(v, type) and not k.startswith("_"))
+        raise ConfigError(f"{label}: {module_path!r} has no function {fn_name!r} (functions in it: {functions})")
     if not callable(fn):
         raise ConfigError(f"{label} resolves to {fn!r}, which is not callable (prompt -> key)")
     return fn
@@ -88,8 +104,9 @@ def resolve_difficulty_key(name: str) -> Callable[[str], str]:
 
 class AdaptivePromptSource(PromptSource):
     """Difficulty-adaptive prompts. Prompts are pooled by ``key(prompt)`` (the prompt itself, or e.g.
-    its task); each iteration draws ``per_step`` keys with probability ∝ ``max(s_k / mean s, floor)``,
-    where ``s_k`` is an exponential average (``decay``) of the reward std within the groups of key
+    its task); each iteration draws ``per_step`` keys independently (with replacement) with probability
+    ∝ ``max(s_k / mean s, floor)``, where ``s_k`` is an exponential average (``decay``, one update per
+    iteration from the mean std of the key's groups in it) of the reward std within the groups of key
     ``k`` (never-seen keys count as average), then takes each key's next prompt from its own seeded
     permutations. :meth:`observe` feeds each iteration's group spreads back; the statistics are part
     of the checkpoint (:meth:`state_dict`), so a resumed run draws the same prompts.
@@ -116,8 +133,13 @@ class AdaptivePromptSource(PromptSource):
         self.spread = torch.zeros(len(self.keys), dtype=torch.float64)  # EMA of the group reward std per key
         self.seen = torch.zeros(len(self.keys), dtype=torch.bool)
         self.cursor = torch.zeros(len(self.keys), dtype=torch.long)  # prompts drawn so far per key
+        self.fingerprint = _fingerprint(self.prompts, keys)
+        self._reset_cache()
+
+    def _reset_cache(self) -> None:
         self._last: list[int] = []
         self._last_iteration: int | None = None
+        self._observed = False
 
     def weights(self) -> torch.Tensor:
         """Draw weight per key [K]: average spread → 1, unseen → 1, spread-less keys → ``floor``."""
@@ -142,39 +164,57 @@ class AdaptivePromptSource(PromptSource):
             return [self.prompts[i] for i in self._last]
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "prompts", "adaptive", iteration))
         w = self.weights()
-        replacement = len(self.keys) < self.per_step
-        drawn = torch.multinomial(w, self.per_step, replacement=replacement, generator=gen).tolist()
+        drawn = torch.multinomial(w, self.per_step, replacement=True, generator=gen).tolist()
         self._last = [self._next_of_key(k) for k in drawn]
-        self._last_iteration = iteration
+        self._last_iteration, self._observed = iteration, False
         return [self.prompts[i] for i in self._last]
 
     def observe(self, group_std: torch.Tensor) -> None:
-        """Fold in the reward std of each group [per_step] of the last :meth:`batch` (NaN: not scored)."""
+        """Fold in the reward std of each group [per_step] of the last :meth:`batch` (NaN: not scored),
+        once per batch: each key drawn in it moves its average once, towards its groups' mean std."""
+        if self._observed:
+            raise RuntimeError(f"the spreads of iteration {self._last_iteration} were already observed")
         if len(self._last) != group_std.numel():
             raise ValueError(f"observe got {group_std.numel()} group spreads for {len(self._last)} prompts drawn")
-        for i, s in zip(self._last, group_std.double().tolist()):
-            if s != s:  # NaN
-                continue
-            k = int(self.key_of_prompt[i])
-            self.spread[k] = s if not self.seen[k] else self.decay * self.spread[k] + (1 - self.decay) * s
-            self.seen[k] = True
+        std = group_std.double()
+        ok = ~torch.isnan(std)
+        keys = self.key_of_prompt[torch.tensor(self._last, dtype=torch.long)][ok]
+        n = torch.zeros(len(self.keys), dtype=torch.float64).index_add_(0, keys, torch.ones_like(std[ok]))
+        mean = torch.zeros_like(n).index_add_(0, keys, std[ok]) / n.clamp(min=1)
+        new, old = (n > 0) & ~self.seen, (n > 0) & self.seen
+        self.spread[new] = mean[new]
+        self.spread[old] = self.decay * self.spread[old] + (1 - self.decay) * mean[old]
+        self.seen |= n > 0
+        self._observed = True
 
     def stats(self) -> dict[str, float]:
-        """Each key's draw probability (``prompts/p/<key>``), for at most 16 keys."""
-        if len(self.keys) > 16:
-            return {}
+        """Each key's draw probability ``prompts/p/<key>`` (up to 16 keys; beyond, only the share of
+        keys seen and the largest probability)."""
         p = self.weights() / self.weights().sum()
+        if len(self.keys) > 16:
+            return {"prompts/keys_seen": float(self.seen.double().mean()), "prompts/p_max": float(p.max())}
         return {f"prompts/p/{k}": float(v) for k, v in zip(self.keys, p)}
 
     def state_dict(self) -> dict:
-        return {"keys": list(self.keys), "spread": self.spread.clone(), "seen": self.seen.clone(),
-                "cursor": self.cursor.clone()}
+        return {"fingerprint": self.fingerprint, "keys": list(self.keys), "spread": self.spread.clone(),
+                "seen": self.seen.clone(), "cursor": self.cursor.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        if list(state["keys"]) != self.keys:
-            raise ValueError("the checkpoint's prompt statistics were kept for other prompt keys "
-                             "(prompts.train or prompts.difficulty_key changed since it was written)")
+        if state.get("fingerprint") != self.fingerprint:
+            theirs = list(state.get("keys", []))
+            raise ValueError(
+                f"the checkpoint's prompt statistics were kept for other prompts or keys ({len(theirs)} keys, e.g. "
+                f"{theirs[:3]}; now {len(self.keys)}: {self.keys[:3]}): prompts.train or prompts.difficulty_key "
+                "changed since it was written; restore them, or start a new run (train.resume=null)")
         self.spread, self.seen, self.cursor = state["spread"].clone(), state["seen"].clone(), state["cursor"].clone()
+        self._reset_cache()
+
+
+def _fingerprint(prompts: list[str], keys: list[str]) -> str:
+    """A digest of the prompt list and each prompt's key (what the statistics belong to)."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(f"{k}\t{p}" for p, k in zip(prompts, keys)).encode()).hexdigest()[:16]
 
 
 def build_prompt_source(section, seed: int) -> PromptSource:

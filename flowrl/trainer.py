@@ -11,6 +11,7 @@ import contextlib
 import copy
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -264,9 +265,9 @@ class Trainer:
         update when ``train.updates_per_epoch`` is 1.
 
         Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
-        over all trainable edges at once (ratios are exactly 1)."""
+        over all trainable edges at once (ratios are exactly 1). An adaptive prompt source is not fed
+        (the draws stay independent, from the statistics the run or its checkpoint holds)."""
         forest, _ = self.rollout(iteration)
-        self._observe_spread(forest)
         self.credit.assign(forest, gather=self._gather)
         self.model.trainable.train()
         cond = self.model.encode(forest.prompts, forest.guidance)
@@ -403,8 +404,12 @@ class Trainer:
         self.step = int(state["step"])
         if isinstance(self.prompts, AdaptivePromptSource):
             if "prompts" not in state:
-                raise ValueError(f"{path} was written without prompts.sampling=adaptive: its prompt statistics are missing")
+                raise ValueError(f"{path} was written with prompts.sampling=epoch: it holds no prompt statistics for "
+                                 "prompts.sampling=adaptive; resume it with prompts.sampling=epoch, or start a new run")
             self.prompts.load_state_dict(state["prompts"])
+        elif "prompts" in state:
+            warnings.warn(f"{path} holds adaptive prompt statistics but prompts.sampling=epoch: they are not used",
+                          stacklevel=2)
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:

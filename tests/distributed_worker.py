@@ -1,7 +1,8 @@
 """Run by tests/test_distributed.py under ``torch.distributed.run`` (2 CPU processes, gloo), or alone.
 
-Trains the tiny SD3 pipeline for 2 iterations and writes, per rank, the world size, the advantages of
-its leaves, the global training metrics and the final LoRA weights to ``OUT/rank<r>.pt``.
+Trains the tiny SD3 pipeline for 2 iterations (adaptive prompt sampling, fed from every rank's groups)
+and writes, per rank, the world size, the prompts drawn, the advantages of its leaves, the global
+training metrics, the prompt statistics and the final LoRA weights to ``OUT/rank<r>.pt``.
 """
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ from flowrl.trainer import Trainer  # noqa: E402
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
-    cfg = tiny_config(Path(out), "dist", "train.max_steps=2", "prompts.eval=null", "credit.scale=global")
+    cfg = tiny_config(Path(out), "dist", "train.max_steps=2", "prompts.eval=null", "credit.scale=global",
+                      "prompts.sampling=adaptive")
     trainer = Trainer(cfg, model=make_model("sd3"))
     initial = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
-    advantages, records = [], []
+    advantages, records, drawn = [], [], []
     for it in range(2):
         forest, _ = trainer.rollout(it)
+        drawn.append(trainer.prompts.batch(it))
+        trainer._observe_spread(forest)
         trainer.credit.assign(forest, gather=trainer._gather)
         advantages.append(forest.advantage[forest.leaves()].clone())
         records.append(trainer.update(forest, it))
     lora = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
     torch.save({"world": trainer.world, "rank": trainer.rank, "advantages": advantages, "records": records, "lora": lora, "initial": initial,
+                "drawn": drawn, "prompt_stats": trainer.prompts.state_dict(),
                 "distributed_type": str(trainer.accelerator.distributed_type)},
                Path(out) / f"rank{trainer.rank}.pt")
 

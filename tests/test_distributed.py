@@ -31,6 +31,12 @@ def test_two_processes_match_one(tmp_path):
         joined = torch.cat([ranks[0]["advantages"][it], ranks[1]["advantages"][it]])
         torch.testing.assert_close(joined, one["advantages"][it], rtol=1e-4, atol=1e-5)
         assert ranks[0]["records"][it]["trained_edges"] == one["records"][it]["trained_edges"]
+    # adaptive prompts: every rank fed the same gathered spreads (in global group order), so all draw
+    # what one process draws, the second iteration's from the first's statistics
+    assert ranks[0]["drawn"] == ranks[1]["drawn"] == one["drawn"]
+    assert one["prompt_stats"]["seen"].any()
+    for r in ranks:
+        torch.testing.assert_close(r["prompt_stats"]["spread"], one["prompt_stats"]["spread"], rtol=1e-4, atol=1e-6)
     for name, value in one["lora"].items():
         assert torch.equal(ranks[0]["lora"][name], ranks[1]["lora"][name]), name  # ranks agree exactly
         # equal up to float summation order (Adam divides by tiny second moments, so compare absolutely)
