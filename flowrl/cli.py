@@ -58,13 +58,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.accelerator.is_main_process:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         if len(evals) >= 2:
-            first, last = evals[0], evals[-1]
-            keys = [k for k in last if k.startswith("eval/") and k in first]
-            print("\neval before → after:")
-            for k in sorted(keys):
-                print(f"  {k}: {first[k]:.4f} → {last[k]:.4f}")
+            print("\n" + "\n".join(eval_summary(evals[0], evals[-1])))
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
     return 0
+
+
+def eval_summary(first: dict[str, float], last: dict[str, float]) -> list[str]:
+    """Lines comparing two eval records: each metric before → after with its change; per-task prompt
+    counts (``…/n``, ``…/n/<task>``) once in the heading, not as metrics."""
+    keys = sorted(k for k in last if k.startswith("eval/") and k in first)
+    is_count = lambda k: k.endswith("/n") or "/n/" in k  # noqa: E731
+    counts = [last[k] for k in keys if k.endswith("/n")]
+    heading = f"eval before → after ({int(counts[0])} held-out prompts):" if counts else "eval before → after:"
+    return [heading] + [f"  {k}: {first[k]:.4f} → {last[k]:.4f}  ({last[k] - first[k]:+.4f})"
+                        for k in keys if not is_count(k)]
 
 
 # ---- shared: a model with a run's trained weights ----------------------------------------------

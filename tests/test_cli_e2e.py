@@ -88,3 +88,14 @@ def test_tensorboard_logging_writes_events(tmp_path):
                  "train.progress=false"]) == 0
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_eval_summary_shows_changes_and_counts_once():
+    from flowrl.cli import eval_summary
+
+    first = {"step": 0, "eval/shapes/accuracy": 0.5, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
+    last = {"step": 150, "eval/shapes/accuracy": 0.625, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
+    lines = eval_summary(first, last)
+    assert lines[0] == "eval before → after (240 held-out prompts):"
+    assert lines[1:] == ["  eval/shapes/accuracy: 0.5000 → 0.6250  (+0.1250)"]
+
