@@ -6,6 +6,10 @@ groups showed, so groups that would all score alike (nothing to learn: zero adva
 """
 from __future__ import annotations
 
+import difflib
+import hashlib
+import importlib
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +39,10 @@ def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
 
 class PromptSource:
     """Epoch-wise shuffled prompts: iteration ``it`` takes prompts ``[it·n, (it+1)·n)`` of an endless
-    sequence of seeded permutations, so a resumed run sees exactly the same prompts."""
+    sequence of seeded permutations, so a resumed run sees exactly the same prompts.
+
+    The loop's contract with a source: :meth:`batch` once per iteration, in order; :meth:`observe`
+    after the iteration is scored; :meth:`state_dict` / :meth:`load_state_dict` in checkpoints."""
 
     def __init__(self, prompts: list[str], per_step: int, seed: int = 0):
         self.prompts = list(prompts)
@@ -56,6 +63,20 @@ class PromptSource:
             pos += 1
         return out
 
+    def observe(self, group_std: torch.Tensor) -> dict[str, float]:
+        """Feedback on the last :meth:`batch`: the reward std of each of its groups [per_step] (NaN: not
+        scored), gathered over processes. Returns metrics to log. Epochs need no feedback."""
+        return {}
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps so that resume draws the same prompts (None: the iteration alone decides)."""
+        return None
+
+    def load_state_dict(self, state: dict | None, where: str = "the checkpoint") -> None:
+        if state is not None:
+            warnings.warn(f"{where} holds adaptive prompt statistics but prompts.sampling=epoch: they are not used",
+                          stacklevel=2)
+
 
 def shapes_task(prompt: str) -> str:
     """The shapes-world task of ``prompt`` (``single``, ``counting``, ...): a difficulty key."""
@@ -70,9 +91,6 @@ DIFFICULTY_KEYS: dict[str, Callable[[str], str]] = {"prompt": lambda p: p, "shap
 def resolve_difficulty_key(name: str) -> Callable[[str], str]:
     """``prompts.difficulty_key``: a name of :data:`DIFFICULTY_KEYS`, or ``package.module:function`` /
     ``path/file.py:function`` mapping a prompt to the key its statistics are pooled under."""
-    import difflib
-    import importlib
-
     from flowrl.plugins import import_file, is_file_target
 
     if name in DIFFICULTY_KEYS:
@@ -169,9 +187,10 @@ class AdaptivePromptSource(PromptSource):
         self._last_iteration, self._observed = iteration, False
         return [self.prompts[i] for i in self._last]
 
-    def observe(self, group_std: torch.Tensor) -> None:
+    def observe(self, group_std: torch.Tensor) -> dict[str, float]:
         """Fold in the reward std of each group [per_step] of the last :meth:`batch` (NaN: not scored),
-        once per batch: each key drawn in it moves its average once, towards its groups' mean std."""
+        once per batch: each key drawn in it moves its average once, towards its groups' mean std.
+        Returns :meth:`stats` after the update."""
         if self._observed:
             raise RuntimeError(f"the spreads of iteration {self._last_iteration} were already observed")
         if len(self._last) != group_std.numel():
@@ -186,11 +205,13 @@ class AdaptivePromptSource(PromptSource):
         self.spread[old] = self.decay * self.spread[old] + (1 - self.decay) * mean[old]
         self.seen |= n > 0
         self._observed = True
+        return self.stats()
 
     def stats(self) -> dict[str, float]:
         """Each key's draw probability ``prompts/p/<key>`` (up to 16 keys; beyond, only the share of
         keys seen and the largest probability)."""
-        p = self.weights() / self.weights().sum()
+        w = self.weights()
+        p = w / w.sum()
         if len(self.keys) > 16:
             return {"prompts/keys_seen": float(self.seen.double().mean()), "prompts/p_max": float(p.max())}
         return {f"prompts/p/{k}": float(v) for k, v in zip(self.keys, p)}
@@ -199,7 +220,10 @@ class AdaptivePromptSource(PromptSource):
         return {"fingerprint": self.fingerprint, "keys": list(self.keys), "spread": self.spread.clone(),
                 "seen": self.seen.clone(), "cursor": self.cursor.clone()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None, where: str = "the checkpoint") -> None:
+        if state is None:
+            raise ValueError(f"{where} was written with prompts.sampling=epoch: it holds no prompt statistics for "
+                             "prompts.sampling=adaptive; resume it with prompts.sampling=epoch, or start a new run")
         if state.get("fingerprint") != self.fingerprint:
             theirs = list(state.get("keys", []))
             raise ValueError(
@@ -212,8 +236,6 @@ class AdaptivePromptSource(PromptSource):
 
 def _fingerprint(prompts: list[str], keys: list[str]) -> str:
     """A digest of the prompt list and each prompt's key (what the statistics belong to)."""
-    import hashlib
-
     return hashlib.sha1("\n".join(f"{k}\t{p}" for p, k in zip(prompts, keys)).encode()).hexdigest()[:16]
 
 

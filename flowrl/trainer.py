@@ -11,7 +11,6 @@ import contextlib
 import copy
 import signal
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,7 +23,7 @@ from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
 from flowrl.models.base import FlowModel
-from flowrl.prompts import AdaptivePromptSource, build_prompt_source, read_prompts
+from flowrl.prompts import build_prompt_source, read_prompts
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
@@ -283,14 +282,12 @@ class Trainer:
         return flat
 
     def _observe_spread(self, forest: Forest) -> dict[str, float]:
-        """The share of prompt groups whose rewards did not spread (they train nothing); an adaptive
-        prompt source learns from every group's spread (gathered over processes, in global order)."""
+        """The share of prompt groups whose rewards did not spread (they train nothing), and the prompt
+        source's feedback: every group's spread, gathered over processes in global order."""
         spread = self._gather(forest.group_reward_std())
         scored = spread[~torch.isnan(spread)]
         out = {"groups_without_spread": float((scored <= 1e-8).float().mean()) if scored.numel() else float("nan")}
-        if isinstance(self.prompts, AdaptivePromptSource):
-            self.prompts.observe(spread)
-            out.update(self.prompts.stats())
+        out.update(self.prompts.observe(spread))
         return out
 
     def train_step(self, iteration: int) -> dict[str, float]:
@@ -380,9 +377,8 @@ class Trainer:
         path = None
         if self.accelerator.is_main_process:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state()}
-            if isinstance(self.prompts, AdaptivePromptSource):
-                state["prompts"] = self.prompts.state_dict()
+                     "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state(),
+                     "prompts": self.prompts.state_dict()}
 
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
@@ -402,14 +398,7 @@ class Trainer:
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
         self.step = int(state["step"])
-        if isinstance(self.prompts, AdaptivePromptSource):
-            if "prompts" not in state:
-                raise ValueError(f"{path} was written with prompts.sampling=epoch: it holds no prompt statistics for "
-                                 "prompts.sampling=adaptive; resume it with prompts.sampling=epoch, or start a new run")
-            self.prompts.load_state_dict(state["prompts"])
-        elif "prompts" in state:
-            warnings.warn(f"{path} holds adaptive prompt statistics but prompts.sampling=epoch: they are not used",
-                          stacklevel=2)
+        self.prompts.load_state_dict(state.get("prompts"), where=str(path))
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:

@@ -195,3 +195,6 @@ def test_resume_across_sampling_modes_is_explained(tmp_path):
     with pytest.raises(ValueError, match="written with prompts.sampling=epoch.*resume it with prompts.sampling=epoch"):
         Trainer(tiny_config(tmp_path, "epoch", "train.max_steps=2", "train.resume=latest", "prompts.sampling=adaptive"),
                 model=make_model("sd3")).train()
+    Trainer(tiny_config(tmp_path, "adaptive", "train.max_steps=1", "prompts.sampling=adaptive"), model=make_model("sd3")).train()
+    with pytest.warns(UserWarning, match="holds adaptive prompt statistics but prompts.sampling=epoch"):
+        Trainer(tiny_config(tmp_path, "adaptive", "train.max_steps=2", "train.resume=latest"), model=make_model("sd3")).train()
