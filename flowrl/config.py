@@ -212,10 +212,9 @@ class TrainConfig:
         positive("train.updates_per_epoch", self.train.updates_per_epoch)
         positive("prompts.per_step", self.prompts.per_step)
         choose("prompts.sampling", self.prompts.sampling, ("epoch", "adaptive"))
-        if not 0.0 < self.prompts.adaptive_floor <= 1.0:
-            raise ConfigError(f"prompts.adaptive_floor={self.prompts.adaptive_floor} must be in (0, 1]")
-        if not 0.0 <= self.prompts.adaptive_decay < 1.0:
-            raise ConfigError(f"prompts.adaptive_decay={self.prompts.adaptive_decay} must be in [0, 1)")
+        from flowrl.prompts import check_adaptive_settings  # prompts imports this module
+
+        check_adaptive_settings(self.prompts.adaptive_floor, self.prompts.adaptive_decay)
         positive("rollout.max_batch", self.rollout.max_batch)
         positive("rollout.chunks", self.rollout.chunks)
         self.train.async_reward = str(self.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"

@@ -52,10 +52,11 @@ def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
     return getattr(module, cls_name)
 
 
-def load_from_module(module_path: str, cls_name: str, label: str) -> type:
-    """``cls_name`` from the importable module ``module_path``; ``label`` starts every error."""
+def import_module(module_path: str, label: str):
+    """The importable module ``module_path``; ``label`` starts the error, which tells a missing module
+    from a missing dependency of it."""
     try:
-        module = importlib.import_module(module_path)
+        return importlib.import_module(module_path)
     except ModuleNotFoundError as e:
         missing = e.name or ""
         if missing and (module_path == missing or module_path.startswith(missing + ".")):
@@ -63,6 +64,11 @@ def load_from_module(module_path: str, cls_name: str, label: str) -> type:
         else:
             msg = f"{label}: module {module_path!r} needs {missing!r}, which is not installed ({e})"
         raise ModuleNotFoundError(msg, name=missing) from e
+
+
+def load_from_module(module_path: str, cls_name: str, label: str) -> type:
+    """``cls_name`` from the importable module ``module_path``; ``label`` starts every error."""
+    module = import_module(module_path, label)
     if not hasattr(module, cls_name):
         raise AttributeError(f"{label}: module {module_path!r} has no class {cls_name!r}")
     return getattr(module, cls_name)

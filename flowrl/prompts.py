@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -91,7 +90,7 @@ DIFFICULTY_KEYS: dict[str, Callable[[str], str]] = {"prompt": lambda p: p, "shap
 def resolve_difficulty_key(name: str) -> Callable[[str], str]:
     """``prompts.difficulty_key``: a name of :data:`DIFFICULTY_KEYS`, or ``package.module:function`` /
     ``path/file.py:function`` mapping a prompt to the key its statistics are pooled under."""
-    from flowrl.plugins import import_file, is_file_target
+    from flowrl.plugins import import_file, import_module, is_file_target
 
     if name in DIFFICULTY_KEYS:
         return DIFFICULTY_KEYS[name]
@@ -108,9 +107,9 @@ def resolve_difficulty_key(name: str) -> Callable[[str], str]:
         module = import_file(module_path, "difficulty-key file")
     else:
         try:
-            module = importlib.import_module(module_path)
+            module = import_module(module_path, label)
         except ModuleNotFoundError as e:
-            raise ConfigError(f"{label}: cannot import {module_path!r} ({e})") from e
+            raise ConfigError(str(e)) from e
     fn = getattr(module, fn_name, None)
     if fn is None:
         functions = sorted(k for k, v in vars(module).items() if callable(v) and not isinstance(v, type) and not k.startswith("_"))
@@ -118,6 +117,14 @@ def resolve_difficulty_key(name: str) -> Callable[[str], str]:
     if not callable(fn):
         raise ConfigError(f"{label} resolves to {fn!r}, which is not callable (prompt -> key)")
     return fn
+
+
+def check_adaptive_settings(floor: float, decay: float) -> None:
+    """``prompts.adaptive_floor`` in (0, 1] and ``prompts.adaptive_decay`` in [0, 1) (checked at config load too)."""
+    if not 0.0 < floor <= 1.0:
+        raise ConfigError(f"prompts.adaptive_floor={floor} must be in (0, 1]")
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"prompts.adaptive_decay={decay} must be in [0, 1)")
 
 
 class AdaptivePromptSource(PromptSource):
@@ -136,10 +143,7 @@ class AdaptivePromptSource(PromptSource):
     def __init__(self, prompts: list[str], per_step: int, seed: int = 0, key: Callable[[str], str] = lambda p: p,
                  floor: float = 0.1, decay: float = 0.7):
         super().__init__(prompts, per_step, seed)
-        if not 0.0 < floor <= 1.0:
-            raise ConfigError(f"prompts.adaptive_floor={floor} must be in (0, 1]")
-        if not 0.0 <= decay < 1.0:
-            raise ConfigError(f"prompts.adaptive_decay={decay} must be in [0, 1)")
+        check_adaptive_settings(floor, decay)
         self.floor, self.decay = floor, decay
         keys = [str(key(p)) for p in self.prompts]
         self.keys = sorted(set(keys))
