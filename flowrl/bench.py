@@ -60,8 +60,10 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     try:
         for i in range(warmup, warmup + iterations):
             rec = trainer.train_step(i)
-            for k in ("time/rollout", "time/reward", "time/update", "rollout_forwards", "rollout_nfe", "trained_edges"):
-                sums[k] = sums.get(k, 0.0) + rec[k]
+            for k in ("time/rollout", "time/reward", "time/update", "rollout_forwards", "rollout_nfe", "trained_edges",
+                      "trained_leaves"):
+                if k in rec:  # an objective trains edges (policy) or leaves (forward-process)
+                    sums[k] = sums.get(k, 0.0) + rec[k]
     finally:
         torch.Tensor.backward = backward.fn
     total = (time.perf_counter() - t0) / iterations
@@ -119,6 +121,7 @@ class _PeakRSS:
 VERSUS_ROWS = (  # (result key, label) of the side-by-side table
     ("rollout_forwards", "rollout forwards"),
     ("trained_edges", "trained edges"),
+    ("trained_leaves", "trained leaves"),
     ("seconds_per_iteration", "s/iter"),
     ("time/rollout", "  rollout s"),
     ("time/reward", "  reward s"),
@@ -165,7 +168,7 @@ def versus_table(result: dict, names: tuple[str, str] = ("CONFIG", "OTHER")) -> 
         if key not in result["config"] or key not in result["vs"]:
             continue
         x, y = result["config"][key], result["vs"][key]
-        fmt = (lambda v: f"{v:.0f}") if key in ("rollout_forwards", "trained_edges", "peak_memory_mb") else (lambda v: f"{v:.3f}")
+        fmt = (lambda v: f"{v:.0f}") if key in ("rollout_forwards", "trained_edges", "trained_leaves", "peak_memory_mb") else (lambda v: f"{v:.3f}")
         r = result["ratio"].get(key)
         lines.append(f"| {label} | {fmt(x)} | {fmt(y)} | {'' if r is None else f'{r:.2f}'} |")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import torch
 from flowrl import components
 from flowrl.config import ConfigError, ModelSection, RewardTerm, TrainConfig
 from flowrl.credit.base import CreditRule
-from flowrl.loss import Objective
+from flowrl.objective import Objective
 from flowrl.models.base import FlowModel, LoraSpec
 from flowrl.rollout.base import RolloutPlan
 

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 # OpenMP threads that spin at barriers while another process holds a core made a 2-thread CPU
-# iteration up to 70x slower on a shared 2-core machine (docs/benchmarks.md); passive waiting avoids
-# it. Set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# iteration up to 70x slower on a shared 2-core machine; purely passive waiting avoids that but makes
+# every small kernel wait for a sleeping thread (1.7x slower forwards alone). A short spin (1,000
+# iterations, then sleep) is as fast as spinning alone and as safe as passive under contention
+# (docs/benchmarks.md). Set before torch is imported; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
+# environment win.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
 
@@ -66,19 +70,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> list[str]:
     """Lines comparing two eval records: each metric before → after with its change; per-task prompt
     counts (``…/n``, ``…/n/<task>``) once in the heading, not as metrics."""
-    keys = sorted(k for k in last if k.startswith("eval/") and k in first)
+    keys = sorted(k for k in last if k.startswith(("eval/", "eval_default/")) and k in first and not k.endswith("/guidance"))
     is_count = lambda k: k.endswith("/n") or "/n/" in k  # noqa: E731
     counts = [last[k] for k in keys if k.endswith("/n")]
-    heading = f"eval before → after ({int(counts[0])} held-out prompts):" if counts else "eval before → after:"
+    at = "; ".join(f"{p} at guidance {last[p + '/guidance']:g}" for p in ("eval", "eval_default") if f"{p}/guidance" in last)
+    details = [f"{int(counts[0])} held-out images"] if counts else []
+    details += [at] if at else []
+    heading = f"eval before → after ({', '.join(details)}):" if details else "eval before → after:"
     return [heading] + [f"  {k}: {first[k]:.4f} → {last[k]:.4f}  ({last[k] - first[k]:+.4f})"
                         for k in keys if not is_count(k)]
 
 
 # ---- shared: a model with a run's trained weights ----------------------------------------------
 def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
-    """(config, model) for a run folder or checkpoint (its config.yaml and newest weights), or a config."""
+    """(config, model, policy guidance) for a run folder or checkpoint (its config.yaml, newest weights and
+    the guidance its policy was trained to sample with, None for a checkpoint that does not record it), or
+    for a config (guidance None)."""
     from flowrl import build
-    from flowrl.checkpoint import find_checkpoint, load_weights
+    from flowrl.checkpoint import find_checkpoint, load_weights, read_state
 
     ckpt = None
     if run is not None:
@@ -86,11 +95,17 @@ def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
         config = config or str(run_dir / "config.yaml")
     cfg = _load_config(config, overrides)
     model = build.build_model(cfg.model)
+    guidance = None
     if ckpt is not None:
         if not cfg.model.full_finetune:
             model.add_lora(build.lora_spec(cfg.model))
         load_weights(model, ckpt)
-    return cfg, model
+        guidance = read_state(ckpt).get("policy_guidance")
+    return cfg, model, guidance
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
 
 
 # ---- sample -----------------------------------------------------------------------------------
@@ -98,11 +113,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from flowrl.evaluation import save_grid
     from flowrl.rollout.sampling import ode_sample
 
-    cfg, model = _model_from_run(args.checkpoint, args.config, args.overrides)
+    cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
     prompts = [p for p in args.prompt for _ in range(args.num)]
     seeds = [args.seed + i for i in range(len(prompts))]
-    images = ode_sample(model, prompts, seeds, args.steps or cfg.eval.steps,
-                        args.guidance if args.guidance is not None else cfg.eval.guidance)
+    guidance = _first_set(args.guidance, cfg.eval.guidance, trained_at, model.guidance)
+    images = ode_sample(model, prompts, seeds, args.steps or cfg.eval.steps, guidance)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from PIL import Image
@@ -111,7 +126,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         array = (img.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
         Image.fromarray(array).save(out / f"{i:03d}-{prompt.replace(' ', '_')[:60]}.png")
     save_grid(images, out / "grid.png", scale=args.scale)
-    print(f"wrote {len(prompts)} images and grid.png to {out}")
+    print(f"wrote {len(prompts)} images and grid.png to {out} (guidance {guidance:g})")
     return 0
 
 
@@ -121,13 +136,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flowrl.evaluation import evaluate, save_grid
     from flowrl.prompts import read_prompts
 
-    cfg, model = _model_from_run(args.checkpoint, args.config, args.overrides)
+    cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
     prompts = read_prompts(cfg.prompts.eval, "prompts.eval")
     if cfg.eval.num_prompts:
         prompts = prompts[: cfg.eval.num_prompts]
     reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
-    metrics, images = evaluate(model, prompts, reward, steps=cfg.eval.steps, guidance=cfg.eval.guidance,
-                               seed=cfg.eval.seed, max_batch=cfg.eval.batch_size, keep_images=cfg.eval.grid_prompts)
+    guidance = float(_first_set(cfg.eval.guidance, trained_at, model.guidance))  # the checkpoint's, unless told
+    runs = [("eval", guidance)]
+    if cfg.eval.default_guidance and float(model.guidance) != guidance:
+        runs.append(("eval_default", float(model.guidance)))
+    metrics: dict[str, float] = {}
+    for prefix, g in runs:
+        found, grid = evaluate(model, prompts, reward, steps=cfg.eval.steps, guidance=g, seed=cfg.eval.seed,
+                               max_batch=cfg.eval.batch_size, keep_images=cfg.eval.grid_prompts,
+                               images_per_prompt=cfg.eval.images_per_prompt, prefix=prefix)
+        metrics.update(found)
+        metrics[f"{prefix}/guidance"] = g
+        if prefix == "eval":
+            images = grid
     metrics["num_prompts"] = len(prompts)
     print(json.dumps(metrics, indent=2))
     if args.out:
@@ -200,7 +226,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
     p.add_argument("--num", type=int, default=4, help="images per prompt (default 4)")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: eval.guidance)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="CFG scale (default: eval.guidance, else the guidance the checkpoint's policy was trained for)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
     p.add_argument("--out", default="samples", help="output folder (default ./samples)")
     p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")

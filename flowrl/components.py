@@ -52,13 +52,15 @@ PLAN = Kind("rollout", "plan", "chains", "flowrl.rollout.base:RolloutPlan",
             loop_keys=(("max_batch", int, 64),   # states per model forward; training replays the same layout
                        ("chunks", int, 1)),      # roll out the groups in parts, scoring each while the next rolls out
             registry={"chains": "flowrl.rollout.chains:Chains", "tree": "flowrl.rollout.tree:Tree",
-                      "explore": "flowrl.rollout.explore:Explore", "probed": "flowrl.rollout.probes:Probed"})
+                      "explore": "flowrl.rollout.explore:Explore", "probed": "flowrl.rollout.probes:Probed",
+                      "ode": "flowrl.rollout.chains:ODEChains"})
 CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
               registry={"group": "flowrl.credit.group:GroupAdvantage", "tree": "flowrl.credit.tree:TreeAdvantage",
                         "turning_point": "flowrl.credit.turning_point:TurningPoint",
                         "value_anchor": "flowrl.credit.value_anchor:ValueAnchor"})
-LOSS = Kind("loss", "objective", "clipped", "flowrl.loss:Objective",
-            registry={"clipped": "flowrl.loss:PolicyLoss", "layer_tuning": "flowrl.loss:LayerTuningLoss"})
+LOSS = Kind("loss", "objective", "clipped", "flowrl.objective:Objective",
+            registry={"clipped": "flowrl.loss:PolicyLoss", "layer_tuning": "flowrl.loss:LayerTuningLoss",
+                      "nft": "flowrl.forward_process:NFTLoss", "awm": "flowrl.forward_process:AWMLoss"})
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 

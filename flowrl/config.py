@@ -90,7 +90,9 @@ class EvalSection:
     every: int = 0  # iterations between evals (0 = only at start and end)
     at_start: bool = True
     steps: int = 20
-    guidance: Optional[float] = None
+    guidance: Optional[float] = None  # None → the guidance the policy samples with (the rollouts')
+    default_guidance: bool = True  # also evaluate at the model's default guidance when it differs (eval_default/*)
+    images_per_prompt: int = 2  # images per held-out prompt, each from its own seed set
     rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
     num_prompts: Optional[int] = None  # None → all eval prompts
     grid_prompts: int = 16
@@ -227,8 +229,13 @@ class TrainConfig:
                               f"{self.model.family!r} use model.guidance")
         if not 0.0 <= self.train.ema < 1.0:
             raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
-        for kind in components.KINDS:  # each component checks its own fields (choices, ranges) by key
-            components.instantiate(kind, getattr(self, kind.section))
+        built = {kind.section: components.instantiate(kind, getattr(self, kind.section))  # each checks its own fields
+                 for kind in components.KINDS}
+        objective = built[components.LOSS.section]
+        objective.check_plan(built[components.PLAN.section])  # e.g. a policy objective on ODE rollouts
+        objective.rollout_guidance(self.model.guidance)  # e.g. CFG-free training with a guided rollout
+        positive("eval.images_per_prompt", self.eval.images_per_prompt)
+        positive("eval.batch_size", self.eval.batch_size)
 
 
 def choose(key: str, value: Any, accepted: tuple) -> None:

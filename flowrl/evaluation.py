@@ -11,26 +11,34 @@ from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed
 
 
-def eval_seeds(seed: int, n: int) -> list[int]:
-    """Fixed per-image seeds of an evaluation (the same at every eval, so grids compare)."""
-    return [derive_seed(seed, "eval", i) for i in range(n)]
+def eval_seeds(seed: int, n: int, seed_set: int = 0) -> list[int]:
+    """Fixed per-image seeds of an evaluation (the same at every eval, so grids compare): image i of seed
+    set ``seed_set`` (set 0 is the historical one; each further set draws a new image per prompt)."""
+    if seed_set == 0:
+        return [derive_seed(seed, "eval", i) for i in range(n)]
+    return [derive_seed(seed, "eval", i, seed_set) for i in range(n)]
 
 
 @torch.no_grad()
 def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, guidance: float | None, seed: int,
-             max_batch: int = 64, keep_images: int = 0) -> tuple[dict[str, float], torch.Tensor]:
-    """Mean of each reward term (``eval/<name>_mean``), per-task breakdowns of rewards that offer
-    ``evaluate(images, prompts)``, and the first ``keep_images`` images [K, 3, H, W]."""
-    images = ode_sample(model, prompts, eval_seeds(seed, len(prompts)), steps, guidance, max_batch)
+             max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval"
+             ) -> tuple[dict[str, float], torch.Tensor]:
+    """Mean of each reward term (``<prefix>/<name>_mean``) and per-task breakdowns of rewards that offer
+    ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
+    the standard error shrinks by √k), and the first ``keep_images`` images [K, 3, H, W] of seed set 0."""
+    prompts = list(prompts)
+    images = torch.cat([ode_sample(model, prompts, eval_seeds(seed, len(prompts), k), steps, guidance, max_batch)
+                        for k in range(images_per_prompt)])
+    every = prompts * images_per_prompt
     metrics: dict[str, float] = {}
-    for name, scores in reward.components(images, list(prompts), {}).items():
-        metrics[f"eval/{name}_mean"] = float(scores.mean())
+    for name, scores in reward.components(images, every, {}).items():
+        metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
     for term in reward.rewards:
         if hasattr(term, "evaluate"):
-            for k, v in term.evaluate(images, list(prompts)).items():
+            for k, v in term.evaluate(images, every).items():
                 if isinstance(v, (int, float)):
-                    metrics[f"eval/{term.name}/{k}"] = float(v)
-    return metrics, images[:keep_images]
+                    metrics[f"{prefix}/{term.name}/{k}"] = float(v)
+    return metrics, images[:min(keep_images, len(prompts))]
 
 
 def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: int = 1) -> None:

@@ -63,7 +63,7 @@ def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | None = None, progress: bool = True) -> dict[str, float]:
-    """Gradient signal-to-noise of ``cfg``'s iterations at its initial weights (or a run's ``checkpoint``).
+    """Gradient signal-to-noise of ``cfg``'s objective at its initial weights (or a run's ``checkpoint``).
 
     Uses the ``batches`` iterations the run would do next (0.. at the start, from the checkpoint's step
     on), each a full rollout, reward and credit and one backward over all its trained edges.
@@ -83,9 +83,9 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
 
         trainer.load_checkpoint(find_checkpoint(checkpoint)[0])
     first = trainer.step
-    grads = torch.stack([trainer.policy_gradient(i) for i in
-                         tqdm(range(first, first + batches), desc="gradients", disable=not progress)])
-    samples = cfg.prompts.per_step * cfg.rollout.group_size
+    draws = [trainer.policy_gradient(i) for i in tqdm(range(first, first + batches), desc="gradients", disable=not progress)]
+    grads = torch.stack([g for g, _ in draws])
+    samples = round(sum(n for _, n in draws) / len(draws))  # leaves per iteration, counted on the forests
     out = split_signal_noise(grads, samples)
     adam = split_signal_noise(adam_normalised(grads), samples)
     out.update({f"adam_{k}": v for k, v in adam.items() if k not in ("batches", "samples_per_batch")})

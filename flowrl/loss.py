@@ -1,9 +1,14 @@
-"""The clipped policy objective over a batch of edges (ALGORITHMS.md §2).
+"""Policy objectives: the clipped ratio over replayed edges (ALGORITHMS.md §2) and LayerTuning (§6).
 
 For each trained edge e: r_e = exp(logp_θ(e) − logp_old(e)), A_e clipped to ±adv_clip,
 L = mean_e max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e KL_e.
 Edge weights w_e (default 1) multiply each edge's term. The mean is over the edges handed in;
 the trainer scales micro-batches so an update averages over all its trained edges.
+
+A policy objective trains the forest's stochastic edges (:class:`~flowrl.objective.Objective` with
+``trains_on = "edges"``): its micro-batches are the rollout's forwards (:func:`~flowrl.replay.replay_batches`),
+and :meth:`PolicyLoss.loss` replays them (ratio exactly 1 at unchanged weights) and, with β > 0, runs the
+reference forward for the KL term. :meth:`PolicyLoss.__call__` is the math on plain tensors.
 """
 from __future__ import annotations
 
@@ -12,39 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from flowrl import sde
+from flowrl.objective import Batch, Objective
+from flowrl.policy_copies import Reference
+from flowrl.replay import replay, replay_batches
 
-
-class Objective:
-    """Base of policy objectives (``loss.objective``): edge batch → (loss, diagnostics).
-
-    The objective owns how log-probs are reduced (``reduction``: ``mean`` over latent elements or
-    ``sum``) and the KL form; the rollout records log-probs with this ``reduction`` and replay
-    recomputes them the same way, so a ratio is 1 at unchanged weights whatever is chosen. A
-    reference forward (the KL term) runs only when :attr:`needs_reference`. Subclasses are
-    dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.components`) and may
-    declare ``reduction``/``kl_form``/``beta`` as fields; the class values below are the defaults.
-    """
-
-    reduction: str = "mean"
-    kl_form: str = "exact"
-    beta: float = 0.0
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
-
-    def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        """An extra loss term the trainer adds once per optimizer step, after the edges' terms (e.g. a
-        best-path flow-matching term on the group's best leaf); None (default) for none. ``cond`` holds
-        one conditioning row per prompt group of ``forest``. Its gradient is averaged over processes
-        with the rest."""
-        return None
-
-    def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
-                 kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss (scalar) and detached diagnostics for edges [E] (see :class:`PolicyLoss`)."""
-        raise NotImplementedError
+__all__ = ["Objective", "PolicyLoss", "LayerTuningLoss"]
 
 
 @dataclass
@@ -64,6 +41,34 @@ class PolicyLoss(Objective):
     kl_form: str = "exact"  # exact | flow_grpo
     reduction: str = "mean"  # mean | sum
     adaptive_kappa: float | None = None
+
+    trains_on = "edges"
+    extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
+    first_step_keys = ("abs_delta_logp",)  # weights not yet updated: every ratio must be exactly 1
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def setup(self, model) -> None:
+        self._reference = Reference(model) if self.needs_reference else None
+
+    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
+        """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
+        return [Batch(b, int(b.numel())) for b in replay_batches(forest, forest.edges(trainable=True))]
+
+    def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Replay the batch's edges under the current weights (and the reference for β > 0), then
+        :meth:`__call__` on the plain tensors."""
+        b = batch.index
+        reference = getattr(self, "_reference", None)
+        if self.needs_reference and reference is None:
+            raise RuntimeError("PolicyLoss with beta > 0 needs setup(model) first (the KL reference)")
+        out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
+                     reference=reference.active if reference is not None else None)
+        device = out.logp.device
+        return self(out.logp, forest.logp_old[b].to(device), forest.advantage[b].to(device), out.kl,
+                    forest.weight[b].to(device))
 
     def __post_init__(self) -> None:
         if self.clip_low <= 0 or self.clip_high <= 0:

@@ -38,7 +38,7 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path, key: str = "rewa
     import matplotlib.pyplot as plt
 
     train = [(r["step"], r[key]) for r in records if key in r and r[key] is not None and not math.isnan(r[key])]
-    evals = {k for r in records for k in r if k.startswith("eval/") and k.endswith("_mean")}
+    evals = {k for r in records for k in r if k.startswith(("eval/", "eval_default/")) and k.endswith("_mean")}
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     if train:
         ax.plot(*zip(*train), lw=1, alpha=0.5, label="train reward")

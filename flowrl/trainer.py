@@ -1,14 +1,15 @@
-"""The one training loop: rollout plan → rewards → credit rule → clipped loss → optimizer step.
+"""The one training loop: rollout plan → rewards → credit rule → objective → optimizer step.
 
 ``Trainer(TrainConfig, model=None, reward=None).train()`` is what ``flowrl train`` runs. One code
 path for one and N processes (accelerate): each process rolls out its own whole prompt groups,
 global statistics (``credit.scale: global``, edge counts) are all-reduced, and gradients are
 averaged across processes before every optimizer step, so all ranks hold the same weights.
+The objective (``loss.objective``) builds its own micro-batches from the forest and computes their loss
+(:mod:`flowrl.objective`); the loop only zero-grads, back-propagates and steps.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import signal
 import time
 from pathlib import Path
@@ -23,8 +24,8 @@ from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
 from flowrl.models.base import FlowModel
+from flowrl.objective import Batch
 from flowrl.prompts import build_prompt_source, read_prompts
-from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
@@ -53,10 +54,14 @@ class Trainer:
         if config.prompts.per_step % self.world:
             raise ConfigError(f"prompts.per_step={config.prompts.per_step} must be divisible by the number of processes ({self.world})")
         self.model = model if model is not None else build.build_model(config.model, self.accelerator.device)
-        self.loss_fn = build.build_loss(config)
+        self.objective = build.build_loss(config)
         torch.manual_seed(derive_seed(config.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
+        self.objective.setup(self.model)
         self.plan = build.build_plan(config.rollout)
+        self.objective.check_plan(self.plan)
+        rollout_guidance = self.objective.rollout_guidance(config.model.guidance)
+        self.guidance = float(self.model.guidance if rollout_guidance is None else rollout_guidance)
         self.reward = (self._as_multi(reward, config.reward_normalize) if reward is not None
                        else build.build_rewards(config.rewards, config.reward_normalize))
         self.eval_reward = build.build_rewards(config.eval.rewards) if config.eval.rewards else self.reward
@@ -92,8 +97,6 @@ class Trainer:
         module = self.model.trainable
         if self.cfg.model.full_finetune:
             module.requires_grad_(True)
-            if self.loss_fn.needs_reference:  # the KL reference: a frozen copy of the initial transformer
-                self._frozen_reference = copy.deepcopy(module).requires_grad_(False).eval()
         else:
             self.model.add_lora(build.lora_spec(self.cfg.model))
         params = [p for p in module.parameters() if p.requires_grad]
@@ -170,7 +173,7 @@ class Trainer:
         t_sample = t_score = 0.0
         for a, b in zip(bounds[:-1], bounds[1:]):
             ctx = RolloutContext(seed=self.cfg.train.seed, iteration=iteration, group_offset=offset + a,
-                                 guidance=self.cfg.model.guidance, max_batch=max_batch, reduction=self.loss_fn.reduction)
+                                 guidance=self.guidance, max_batch=max_batch, reduction=self.objective.reduction)
             t0 = time.perf_counter()
             forest = self.plan.rollout(self.model, prompts[a:b], ctx)
             nodes, future = request_scores(self.scorer, self.model, forest, max_batch)
@@ -186,36 +189,32 @@ class Trainer:
         t_score += time.perf_counter() - t2  # waiting for the scorer after the last part
         return forest, {"time/rollout": t_sample, "time/reward": t_score}
 
-    def _backward(self, forest: Forest, cond, part: list[torch.Tensor], n_global: float,
-                  sums: dict[str, float]) -> int:
-        """Replay the micro-batches ``part`` (edge index tensors), back-propagate the loss scaled so
-        the update averages over ``n_global`` edges of all processes, and fold diagnostics into
-        ``sums`` (edge-weighted sums; extremes for ratio min/max). Returns the edges replayed."""
+    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float]) -> int:
+        """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
+        step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
+        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). Returns the
+        units seen."""
         count = 0
+        extremes = self.objective.extremes
         for b in part:
-            out = replay(self.model, forest, cond, b, kl_form=self.loss_fn.kl_form if self.loss_fn.needs_reference else None,
-                         reference=self.reference)
-            loss, diag = self.loss_fn(out.logp, forest.logp_old[b].to(out.logp.device),
-                                      forest.advantage[b].to(out.logp.device), out.kl,
-                                      forest.weight[b].to(out.logp.device))
-            (loss * (b.numel() * self.world / n_global)).backward()
+            loss, diag = self.objective.loss(self.model, forest, b, cond)
+            (loss * (b.size * self.world / n_global)).backward()
             for k, v in diag.items():
-                _fold(sums, k, float(v) if k in _EXTREMES else float(v) * b.numel())
-            count += b.numel()
+                _fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
+            count += b.size
         return count
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
-        """Inner epochs of clipped-objective updates over the forest's trainable edges."""
+        """Inner epochs of optimizer steps over the objective's micro-batches of ``forest``."""
         cfg = self.cfg
-        module = self.model.trainable
-        module.train()
-        cond = self.model.encode(forest.prompts, forest.guidance)
-        edges = forest.edges(trainable=True)
-        batches = replay_batches(forest, edges)
+        objective, extremes = self.objective, self.objective.extremes
+        self.model.trainable.train()
+        cond = objective.encode(self.model, forest)
+        batches = objective.batches(forest, iteration, cfg.train.seed)
         diag_sums: dict[str, float] = {}
         diag_count = 0
         grad_norms = []
-        first_delta = None
+        first: dict[str, float] = {}
         aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
         aux_steps = 0
         for epoch in range(cfg.train.inner_epochs):
@@ -226,15 +225,17 @@ class Trainer:
             U = cfg.train.updates_per_epoch
             for u in range(U):
                 part = order[u * len(order) // U:(u + 1) * len(order) // U]
-                n_global = self._sum(sum(b.numel() for b in part))
+                n_global = self._sum(sum(b.size for b in part))
                 if n_global == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step_sums: dict[str, float] = {}
-                diag_count += self._backward(forest, cond, part, n_global, step_sums)
-                if epoch == 0 and u == 0:  # weights not yet updated: every ratio must be exactly 1
-                    first_delta = step_sums.get("abs_delta_logp", 0.0)
-                aux = self.loss_fn.auxiliary(self.model, forest, cond)
+                seen = self._backward(forest, cond, part, n_global, step_sums)
+                diag_count += seen
+                if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
+                    first = {f"first_step_{k}": step_sums.get(k, 0.0) if k in extremes else step_sums.get(k, 0.0) / max(seen, 1)
+                             for k in objective.first_step_keys}
+                aux = objective.auxiliary(self.model, forest, cond)
                 if aux is not None:
                     aux_loss, aux_diag = aux
                     aux_loss.backward()
@@ -242,44 +243,48 @@ class Trainer:
                         aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
                     aux_steps += 1
                 for k, v in step_sums.items():
-                    _fold(diag_sums, k, v)
+                    _fold(diag_sums, k, v, extremes)
                 self._average_gradients()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
                 self.optimizer.step()
                 self.scheduler.step()
                 self._update_ema()
                 self.plan.after_update(self.model)
+                objective.after_update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v if k in _EXTREMES else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
+        out = {k: v if k in extremes else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
         out.update({k: v / aux_steps for k, v in aux_sums.items()})
-        out["first_step_abs_delta_logp"] = first_delta if first_delta is not None else 0.0
+        out.update({f"first_step_{k}": 0.0 for k in objective.first_step_keys})
+        out.update(first)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
-        out["trained_edges"] = self._sum(edges.numel())
+        out[f"trained_{objective.trains_on}"] = self._sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def policy_gradient(self, iteration: int) -> torch.Tensor:
-        """The policy gradient of the whole of ``iteration``, flat [P] over the trainable parameters
-        (mean over processes, before clipping), without changing any weight: the gradient of its first
-        update when ``train.updates_per_epoch`` is 1.
+    def policy_gradient(self, iteration: int) -> tuple[torch.Tensor, int]:
+        """The gradient of the objective over the whole of ``iteration``, flat [P] over the trainable
+        parameters (mean over processes, before clipping), and the samples (leaves, all processes) it
+        came from, without changing any weight: the gradient of its first update when
+        ``train.updates_per_epoch`` is 1.
 
         Rolls out and credits ``iteration`` as :meth:`train_step` does, then back-propagates the loss
-        over all trainable edges at once (ratios are exactly 1). An adaptive prompt source is not fed
-        (the draws stay independent, from the statistics the run or its checkpoint holds)."""
+        over all the objective's micro-batches at once (a policy's ratios are exactly 1). An adaptive
+        prompt source is not fed (the draws stay independent, from the statistics the run or its
+        checkpoint holds)."""
         forest, _ = self.rollout(iteration)
         self.credit.assign(forest, gather=self._gather)
         self.model.trainable.train()
-        cond = self.model.encode(forest.prompts, forest.guidance)
-        edges = forest.edges(trainable=True)
+        cond = self.objective.encode(self.model, forest)
+        batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
         self.optimizer.zero_grad(set_to_none=True)
-        n_global = self._sum(edges.numel())
+        n_global = self._sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, replay_batches(forest, edges), n_global, {})
+            self._backward(forest, cond, batches, n_global, {})
             self._average_gradients()
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                           for p in self.params])
         self.optimizer.zero_grad(set_to_none=True)
-        return flat
+        return flat, int(self._sum(forest.leaves().numel()))
 
     def _observe_spread(self, forest: Forest) -> dict[str, float]:
         """The share of prompt groups whose rewards did not spread (they train nothing), and the prompt
@@ -315,20 +320,6 @@ class Trainer:
         record.update(times)
         return record
 
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
-        """The KL reference policy: LoRA disabled, or (full fine-tuning) the frozen initial transformer."""
-        if self.model.has_lora:
-            with self.model.reference():
-                yield
-            return
-        pipe = self.model.pipe
-        live, pipe.transformer = pipe.transformer, self._frozen_reference
-        try:
-            yield
-        finally:
-            pipe.transformer = live
-
     # ---- EMA -----------------------------------------------------------------------------------
     def _update_ema(self) -> None:
         if self.ema is None:
@@ -356,21 +347,38 @@ class Trainer:
                     p.copy_(l)
 
     # ---- eval, checkpoints ----------------------------------------------------------------------
+    def eval_guidances(self) -> list[tuple[str, float]]:
+        """(metric prefix, guidance) of every eval: ``eval`` at ``eval.guidance`` (default: the guidance the
+        policy samples with) and, with ``eval.default_guidance``, ``eval_default`` at the model's default
+        guidance when it differs (a CFG-free policy is also measured where the base model is used)."""
+        e = self.cfg.eval
+        main = float(e.guidance) if e.guidance is not None else self.guidance
+        out = [("eval", main)]
+        if e.default_guidance and float(self.model.guidance) != main:
+            out.append(("eval_default", float(self.model.guidance)))
+        return out
+
     def run_eval(self, step: int, tag: str | None = None) -> dict[str, float]:
-        """Evaluate on this process's share of the held-out prompts; metrics averaged over all."""
+        """Evaluate on this process's share of the held-out prompts at every eval guidance; metrics
+        averaged over all processes, ``<prefix>/guidance`` recorded."""
         if not self.eval_prompts:
             return {}
         e = self.cfg.eval
         mine = self.eval_prompts[self.rank::self.world]
         self.model.trainable.eval()
-        with self.ema_weights():
-            metrics, images = evaluate(self.model, mine, self.eval_reward, steps=e.steps, guidance=e.guidance,
-                                       seed=e.seed + self.rank, max_batch=e.batch_size, keep_images=e.grid_prompts)
-        n = len(mine)
-        metrics = {k: self._sum(v * n) / self._sum(n) for k, v in metrics.items()}
-        if self.accelerator.is_main_process and images.numel():
-            save_labelled_grid(images, mine, self.eval_reward, self.run_dir / "samples" / f"{tag or f'step-{step:06d}'}.png")
-        return metrics
+        out: dict[str, float] = {}
+        for prefix, guidance in self.eval_guidances():
+            with self.ema_weights():
+                metrics, images = evaluate(self.model, mine, self.eval_reward, steps=e.steps, guidance=guidance,
+                                           seed=e.seed + self.rank, max_batch=e.batch_size, keep_images=e.grid_prompts,
+                                           images_per_prompt=e.images_per_prompt, prefix=prefix)
+            n = len(mine)
+            out.update({k: self._sum(v * n) / self._sum(n) for k, v in metrics.items()})
+            out[f"{prefix}/guidance"] = guidance
+            if self.accelerator.is_main_process and images.numel():
+                name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
+                save_labelled_grid(images, mine, self.eval_reward, self.run_dir / "samples" / f"{name}.png")
+        return out
 
     def save_checkpoint(self) -> Path | None:
         self.accelerator.wait_for_everyone()
@@ -378,7 +386,8 @@ class Trainer:
         if self.accelerator.is_main_process:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state(),
-                     "prompts": self.prompts.state_dict()}
+                     "prompts": self.prompts.state_dict(), "objective": self.objective.state_dict(),
+                     "policy_guidance": self.guidance}
 
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
@@ -399,6 +408,7 @@ class Trainer:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
         self.step = int(state["step"])
         self.prompts.load_state_dict(state.get("prompts"), where=str(path))
+        self.objective.load_state_dict(state.get("objective"))
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:
@@ -455,13 +465,10 @@ class Trainer:
         return records
 
 
-_EXTREMES = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}  # diagnostics that are not averaged
-
-
-def _fold(sums: dict[str, float], key: str, value: float) -> None:
-    """Accumulate one diagnostic: extremes combine by min/max, the rest add (edge-weighted sums)."""
-    if key in _EXTREMES and key in sums:
-        sums[key] = _EXTREMES[key](sums[key], value)
+def _fold(sums: dict[str, float], key: str, value: float, extremes: dict) -> None:
+    """Accumulate one diagnostic: the objective's extremes combine by min/max, the rest add (size-weighted sums)."""
+    if key in extremes and key in sums:
+        sums[key] = extremes[key](sums[key], value)
     else:
         sums[key] = sums.get(key, 0.0) + value
 

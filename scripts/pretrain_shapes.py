@@ -44,7 +44,8 @@ from pathlib import Path
 
 # On a shared CPU, OpenMP threads that spin at barriers while another process holds a core make a
 # 2-thread step ~6x slower than 1 thread (measured: 12 s vs 1.9 s); passive waiting avoids that.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:  # short spin, then sleep (flowrl/cli.py)
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -96,6 +96,6 @@ def test_eval_summary_shows_changes_and_counts_once():
     first = {"step": 0, "eval/shapes/accuracy": 0.5, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
     last = {"step": 150, "eval/shapes/accuracy": 0.625, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
     lines = eval_summary(first, last)
-    assert lines[0] == "eval before → after (240 held-out prompts):"
+    assert lines[0] == "eval before → after (240 held-out images):"
     assert lines[1:] == ["  eval/shapes/accuracy: 0.5000 → 0.6250  (+0.1250)"]
 

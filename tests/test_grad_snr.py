@@ -74,7 +74,8 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
     cfg = tiny_config(tmp_path, "snr", "loss.beta=0")
     trainer = Trainer(cfg, model=make_model("sd3"))
     before = [p.detach().clone() for p in trainer.params]
-    measured = trainer.policy_gradient(0)
+    measured, samples = trainer.policy_gradient(0)
+    assert samples == 8  # the forest's leaves
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))
     assert all(p.grad is None for p in trainer.params)
     assert measured.abs().sum() > 0
@@ -88,8 +89,8 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
     trainer.update(forest, 0)
     assert torch.allclose(stepped[0], measured, rtol=1e-5, atol=1e-12)
     # the same iteration thrice is the same draw: all power is "signal", cosine 1
-    again = trainer.policy_gradient(1)
-    stats = split_signal_noise(torch.stack([again, trainer.policy_gradient(1), trainer.policy_gradient(1)]), 8)
+    draws = [trainer.policy_gradient(1)[0] for _ in range(3)]
+    stats = split_signal_noise(torch.stack(draws), 8)
     assert stats["mean_pairwise_cosine"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -123,7 +124,7 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
 
     def fake_gradient(self, iteration):
         seen.append(iteration)
-        return torch.randn(10)
+        return torch.randn(10), 8
 
     monkeypatch.setattr(Trainer, "policy_gradient", fake_gradient)
     gradient_snr(tiny_config(tmp_path, "snr3", "loss.beta=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)

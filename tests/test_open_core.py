@@ -203,7 +203,8 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
             return (p ** 2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
 
     trainer = Trainer(tiny_config(tmp_path, "aux", "train.updates_per_epoch=2"), model=make_model("sd3"))
-    trainer.loss_fn = WithAux(**{k: getattr(trainer.loss_fn, k) for k in ("clip_low", "clip_high", "beta")})
+    trainer.objective = WithAux(**{k: getattr(trainer.objective, k) for k in ("clip_low", "clip_high", "beta")})
+    trainer.objective.setup(trainer.model)
     record = trainer.train_step(0)
     assert len(calls) == 2 and record["aux_term"] == 1.5
 

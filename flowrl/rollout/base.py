@@ -80,6 +80,16 @@ class RolloutPlan:
         explorer's preview ranked the regenerated samples); called before credit. Default: none."""
         return {}
 
+    @property
+    def has_trainable_edges(self) -> bool:
+        """Whether rollouts leave stochastic edges a policy objective can replay (an ODE plan does not)."""
+        return True
+
+    @property
+    def keeps_clean_latents(self) -> bool:
+        """Whether the forest's leaves are clean samples (σ = 0) a forward-process objective can train on."""
+        return True
+
     def root_count(self) -> int | None:
         """Roots per prompt group whose x_T seeds a wrapping plan may choose through ``ctx.root_seeds``
         (:meth:`RolloutContext.given_root_seeds`); None (default): the plan does not take given roots."""

@@ -1,8 +1,10 @@
-"""Independent chains: Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO (ALGORITHMS.md §4).
+"""Independent chains: Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO (ALGORITHMS.md §4), and ODE rollouts.
 
 G chains per prompt. Steps inside the SDE window use the plan's kernel (trainable edges); all other
 steps are ODE (never trained). With ``post_solver="dpm2"`` the steps after the window are replaced
-by fewer DPM-Solver++(2M) steps (MixGRPO-Flash).
+by fewer DPM-Solver++(2M) steps (MixGRPO-Flash). With ``kernel="ode"`` (``rollout.plan: ode``) every
+step is deterministic (``solver``: Euler or DPM-Solver++(2M) over all T steps): no log-probs, the leaves'
+clean latents for forward-process objectives (DiffusionNFT, AWM).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from flowrl.rollout.seeding import derive_seed, seeded_normal
 
 WINDOW_MODES = ("all", "fixed", "random", "progressive")
 POST_SOLVERS = ("none", "dpm2")
+SOLVERS = ("euler", "dpm2")
 
 
 @dataclass
@@ -93,18 +96,25 @@ class Chains(RolloutPlan):
     window: SDEWindow = field(default_factory=SDEWindow)
     post_solver: str = "none"
     post_steps_ratio: float = 0.4
+    solver: str = "euler"
 
     def __post_init__(self) -> None:
         if isinstance(self.window, dict):
             self.window = SDEWindow(**self.window)
         sde.check_kernel(self.kernel, "rollout.kernel")
-        if self.kernel == "ode":
-            raise ValueError("rollout.kernel='ode' has no stochastic edges to train; accepted: flow_grpo, dance, cps")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"rollout.solver={self.solver!r} is not supported; accepted: {list(SOLVERS)}")
+        if self.kernel != "ode" and self.solver != "euler":
+            raise ValueError(f"rollout.solver={self.solver!r} is the ODE plan's solver (rollout.kernel='ode'); with an "
+                             "SDE kernel use rollout.post_solver for the steps after the window")
+        if self.kernel == "ode" and self.shared_noise:
+            raise ValueError("rollout.kernel='ode' with rollout.shared_noise=true would make every chain of a group "
+                             "the same sample; use shared_noise: false")
         if self.group_size < 2:
             raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (group advantages need several samples)")
         if self.steps < 2:
             raise ValueError(f"rollout.steps={self.steps} must be >= 2")
-        if self.shared_noise and self.eta <= 0:
+        if self.shared_noise and self.eta <= 0 and self.kernel != "ode":
             raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
                              "the same ODE sample; use eta > 0")
         if self.post_solver not in POST_SOLVERS:
@@ -125,8 +135,10 @@ class Chains(RolloutPlan):
         """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges.
         With ``shared_noise`` the steps up to and including the first stochastic one cost one forward per group."""
         ctx = ctx or RolloutContext()
-        window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
         chains = num_prompts * self.group_size
+        if self.kernel == "ode":
+            return {"forwards": chains * self.steps, "trained_edges": 0, "leaves": chains}
+        window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
         per_chain = self.steps
         if self.post_solver == "dpm2":
             end = window[-1] + 1
@@ -134,6 +146,10 @@ class Chains(RolloutPlan):
         trunk = window[0] + 1 if self.shared_noise else 0  # forwards one per group: the trunk and the branch point
         forwards = num_prompts * trunk + chains * (per_chain - trunk)
         return {"forwards": forwards, "trained_edges": chains * len(window), "leaves": chains}
+
+    @property
+    def has_trainable_edges(self) -> bool:
+        return self.kernel != "ode"
 
     def root_count(self) -> int:
         """Roots per prompt group a wrapping plan may seed through ``ctx.root_seeds``: 1 with shared
@@ -148,7 +164,7 @@ class Chains(RolloutPlan):
         G, T = self.group_size, self.steps
         guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
         sigmas = model.schedule(T).float().cpu()
-        window = self.window.steps(T, ctx.iteration, ctx.seed)
+        window = [] if self.kernel == "ode" else self.window.steps(T, ctx.iteration, ctx.seed)
         window_set = set(window)
 
         P = len(prompts)
@@ -180,10 +196,13 @@ class Chains(RolloutPlan):
             return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_key(int(p), int(b)), step_now), shape)
                                 for p, b in zip(parents, branch)]).to(model.device)
 
-        last = T if self.post_solver == "none" else window[-1] + 1
+        if self.kernel == "ode" and self.solver == "dpm2":
+            self._post_solve(forest, model, nodes, cond, sigmas, list(range(T + 1)), guidance, ctx.max_batch)
+            return forest
+        last = T if (self.post_solver == "none" or not window) else window[-1] + 1
         for i in range(last):
             step_now = i
-            fanout = G if (self.shared_noise and i == window[0]) else 1
+            fanout = G if (self.shared_noise and window and i == window[0]) else 1
             kernel = self.kernel if i in window_set else "ode"
             children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
                                self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout)
@@ -192,14 +211,13 @@ class Chains(RolloutPlan):
                         for p, b, c in zip(forest.parent[children], branches, children)}
             nodes = children
         if last < T:
-            self._post_solve(forest, model, nodes, cond, sigmas, last, guidance, ctx.max_batch)
+            self._post_solve(forest, model, nodes, cond, sigmas, self._post_indices(last), guidance, ctx.max_batch)
         return forest
 
     def _post_solve(self, forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor,
-                    start: int, guidance: float, max_batch: int) -> None:
-        """DPM-Solver++(2M) from schedule index ``start`` to σ=0 over the sub-schedule of
-        :meth:`_post_indices` (untrained ODE edges of kernel ``dpm2``)."""
-        idx = self._post_indices(start)
+                    idx: list[int], guidance: float, max_batch: int) -> None:
+        """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0): untrained ODE edges of
+        kernel ``dpm2`` (after a window: :meth:`_post_indices`; the ODE plan's ``solver: dpm2``: all steps)."""
         prev_x0: torch.Tensor | None = None
         prev_sigma: float | None = None
         for a, b in zip(idx[:-1], idx[1:]):
@@ -218,3 +236,13 @@ class Chains(RolloutPlan):
             zeros = torch.zeros(nodes.shape[0])
             nodes = forest.add_children(nodes, torch.cat(outs), s_next, b, zeros, zeros, "dpm2", 0.0, -1)
             prev_x0, prev_sigma = torch.cat(x0s), s
+
+
+@dataclass
+class ODEChains(Chains):
+    """``rollout.plan: ode``: G deterministic chains per prompt, one x_T seed each (``solver``: ``euler`` or
+    ``dpm2`` over the T steps of the model's schedule). No stochastic edges: the forest's leaves are clean
+    samples for forward-process objectives (``loss.objective: nft | awm``); explore can wrap it."""
+
+    kernel: str = "ode"
+    eta: float = 0.0
