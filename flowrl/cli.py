@@ -204,6 +204,34 @@ def cmd_snr(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- compare ----------------------------------------------------------------------------------
+def cmd_compare(args: argparse.Namespace) -> int:
+    from flowrl.compare import compare
+
+    configs = [w for w in args.items if w.endswith((".yaml", ".yml"))]
+    overrides = [w for w in args.items if w not in configs]
+    if not configs:
+        raise ConfigError("flowrl compare needs at least one CONFIG.yaml (or LABEL=CONFIG.yaml)")
+    bad = [w for w in overrides if "=" not in w]
+    if bad:
+        raise ConfigError(f"{bad[0]!r} is neither a CONFIG.yaml nor a key=value override")
+    per_label: dict[str, list[str]] = {}
+    for label, item in args.set or []:
+        per_label.setdefault(label, []).append(item)
+    entries = []
+    for spec in configs:
+        label, _, path = spec.rpartition("=") if "=" in spec else (Path(spec).stem, "", spec)
+        entries.append((label, path, overrides + per_label.pop(label, [])))
+    if per_label:
+        raise ConfigError(f"--set names labels {sorted(per_label)} that are not among the configs' labels "
+                          f"{[e[0] for e in entries]}")
+    text = compare(entries, args.seeds, args.budget, args.out, parallel=args.parallel, threads=args.threads,
+                   metric=args.metric)
+    print(text)
+    print(f"plots and table in {args.out} (results.md, curves.png, commands.sh)")
+    return 0
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``flowrl`` parser; ``argv`` (when asking for help) picks the config whose keys the help lists."""
     epilog = _defaults_epilog(argv) if argv and ("-h" in argv or "--help" in argv) else _defaults_epilog()
@@ -254,6 +282,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="an override of OTHER's config (repeat for several); positional overrides apply to CONFIG")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("compare", help="several configs × seeds under one budget: plots, a table, the commands",
+                       description="Run each CONFIG (or LABEL=CONFIG) with every seed under the same budget, each "
+                                   "run a `flowrl train` process; resumable (OUT/status.json). key=value overrides "
+                                   "apply to every config; --set LABEL key=value to one.")
+    p.add_argument("items", nargs="+", metavar="CONFIG|LABEL=CONFIG|key=value")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--budget", default="iterations=150", help="iterations=N | images=N | minutes=N (default iterations=150)")
+    p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--metric", default=None, help="held-out metric key (default: the first eval/*/accuracy)")
+    p.add_argument("--set", nargs=2, action="append", metavar=("LABEL", "KEY=VALUE"), help="an override of one config")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("snr", help="gradient signal-to-noise of one update: is the batch big enough?",
                        description="Policy gradients of N independent iterations at fixed weights; their agreement "

@@ -106,6 +106,7 @@ class TrainSection:
     output_dir: str = "runs"
     seed: int = 0
     max_steps: int = 100
+    max_minutes: float = 0.0  # stop after this much training time (evals excluded); 0 = only max_steps
     inner_epochs: int = 1
     updates_per_epoch: int = 1  # optimizer steps per pass over an iteration's edges
     checkpoint_every: int = 0  # 0 = only at the end
@@ -210,6 +211,7 @@ class TrainConfig:
         choose("optim.schedule", self.optim.schedule, ("constant", "linear", "cosine"))
         choose("train.log_with", self.train.log_with, ("none", "tensorboard", "wandb"))
         positive("train.max_steps", self.train.max_steps, allow_zero=True)
+        positive("train.max_minutes", self.train.max_minutes, allow_zero=True)
         positive("train.inner_epochs", self.train.inner_epochs)
         positive("train.updates_per_epoch", self.train.updates_per_epoch)
         positive("prompts.per_step", self.prompts.per_step)

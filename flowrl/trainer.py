@@ -77,6 +77,7 @@ class Trainer:
         self.scheduler = self._make_scheduler()
         self.ema = [p.detach().clone() for p in self.params] if config.train.ema > 0 else None
         self.step = 0
+        self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
 
     # ---- setup ----------------------------------------------------------------------------
     @property
@@ -347,14 +348,15 @@ class Trainer:
                     p.copy_(l)
 
     # ---- eval, checkpoints ----------------------------------------------------------------------
-    def eval_guidances(self) -> list[tuple[str, float]]:
-        """(metric prefix, guidance) of every eval: ``eval`` at ``eval.guidance`` (default: the guidance the
+    def eval_guidances(self, periodic: bool = False) -> list[tuple[str, float]]:
+        """(metric prefix, guidance) of an eval: ``eval`` at ``eval.guidance`` (default: the guidance the
         policy samples with) and, with ``eval.default_guidance``, ``eval_default`` at the model's default
-        guidance when it differs (a CFG-free policy is also measured where the base model is used)."""
+        guidance when it differs (a CFG-free policy is also measured where the base model is used) — before
+        and after training, not at the ``periodic`` evals of ``eval.every``."""
         e = self.cfg.eval
         main = float(e.guidance) if e.guidance is not None else self.guidance
         out = [("eval", main)]
-        if e.default_guidance and float(self.model.guidance) != main:
+        if e.default_guidance and not periodic and float(self.model.guidance) != main:
             out.append(("eval_default", float(self.model.guidance)))
         return out
 
@@ -367,7 +369,7 @@ class Trainer:
         mine = self.eval_prompts[self.rank::self.world]
         self.model.trainable.eval()
         out: dict[str, float] = {}
-        for prefix, guidance in self.eval_guidances():
+        for prefix, guidance in self.eval_guidances(periodic=tag is None):
             with self.ema_weights():
                 metrics, images = evaluate(self.model, mine, self.eval_reward, steps=e.steps, guidance=guidance,
                                            seed=e.seed + self.rank, max_batch=e.batch_size, keep_images=e.grid_prompts,
@@ -387,7 +389,7 @@ class Trainer:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state(),
                      "prompts": self.prompts.state_dict(), "objective": self.objective.state_dict(),
-                     "policy_guidance": self.guidance}
+                     "policy_guidance": self.guidance, "train_seconds": self.train_seconds}
 
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
@@ -407,12 +409,18 @@ class Trainer:
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
         self.step = int(state["step"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         self.prompts.load_state_dict(state.get("prompts"), where=str(path))
         self.objective.load_state_dict(state.get("objective"))
 
     # ---- the loop -----------------------------------------------------------------------------
+    def out_of_time(self) -> bool:
+        """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
+        return bool(self.cfg.train.max_minutes) and self.train_seconds >= 60.0 * self.cfg.train.max_minutes
+
     def train(self) -> list[dict[str, float]]:
-        """Run to ``train.max_steps``; returns the metric records of this call."""
+        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set);
+        returns the metric records of this call."""
         cfg = self.cfg
         main = self.accelerator.is_main_process
         resume_from = resolve_resume(cfg.train.resume, self.run_dir / "checkpoints") if cfg.train.resume else None
@@ -438,14 +446,16 @@ class Trainer:
             emit({"step": 0, **self.run_eval(0, "before")})
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (main and cfg.train.progress), desc="flowrl train")
         with _stop_on_first_interrupt() as stop:
-            while self.step < cfg.train.max_steps and not stop.requested:
+            while self.step < cfg.train.max_steps and not stop.requested and not self.out_of_time():
+                t0 = time.perf_counter()
                 record = self.train_step(self.step)
+                self.train_seconds += self._sum(time.perf_counter() - t0) / self.world  # the same on every rank
                 self.step += 1
                 emit(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record.get('approx_kl', 0):.1e}",
                                 clip=f"{record.get('clipfrac_high', 0) + record.get('clipfrac_low', 0):.2f}")
-                last = self.step == cfg.train.max_steps
+                last = self.step == cfg.train.max_steps or self.out_of_time()
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
                     emit({"step": self.step, **self.run_eval(self.step)})
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not last:

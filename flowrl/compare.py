@@ -1,0 +1,242 @@
+"""``flowrl compare``: several configs × seeds under one budget, one folder of plots, a table and commands.
+
+Each (config, seed) is one ``flowrl train`` run in its own process (``OUT/runs/<label>-s<seed>``, with
+``train.resume=latest``), one at a time or ``parallel`` at once, each pinned to ``threads`` torch threads.
+The budget is the same for every run: ``iterations`` (``train.max_steps``), ``images`` (iterations =
+⌈images / leaves per iteration⌉, from the plan's closed-form counts) or ``minutes`` of training
+(``train.max_minutes``; evals excluded). ``OUT/status.json`` records every finished or failed run, so a
+killed comparison continues where it stopped: finished runs are kept, the others resume from their last
+checkpoint. A failing run is reported (its log's last lines) and the others' results are kept.
+
+Written to ``OUT``: ``results.md`` (final held-out metric per seed, mean ± spread, s/iteration, images,
+rollout forwards; the exact commands), ``curves.png`` (training reward against wall time and the
+held-out metric against images drawn, every seed drawn thin and the mean thick), ``commands.sh``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowrl.config import ConfigError, TrainConfig
+
+BUDGETS = ("iterations", "images", "minutes")
+
+
+@dataclass
+class Run:
+    """One (config, seed) of a comparison."""
+
+    label: str
+    seed: int
+    command: list[str]
+    folder: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.label}-s{self.seed}"
+
+
+def parse_budget(text: str) -> tuple[str, float]:
+    """``iterations=150`` | ``images=9600`` | ``minutes=10`` → (kind, value)."""
+    kind, _, value = text.partition("=")
+    if kind not in BUDGETS or not value:
+        raise ConfigError(f"--budget={text!r} must be KIND=VALUE with KIND one of {list(BUDGETS)}, e.g. images=9600")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"--budget={text!r}: {value!r} is not a number") from None
+    if number <= 0:
+        raise ConfigError(f"--budget={text!r} must be > 0")
+    return kind, number
+
+
+def budget_overrides(cfg: TrainConfig, kind: str, value: float) -> list[str]:
+    """The ``train.*`` overrides that give ``cfg`` the budget (kind, value)."""
+    if kind == "iterations":
+        return [f"train.max_steps={int(value)}"]
+    if kind == "images":
+        from flowrl import build
+
+        leaves = build.build_plan(cfg.rollout).expected_counts(cfg.prompts.per_step)["leaves"]
+        return [f"train.max_steps={math.ceil(value / leaves)}"]
+    return [f"train.max_minutes={value:g}", "train.max_steps=1000000"]
+
+
+def plan_runs(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: tuple[str, float], out: Path,
+              threads: int) -> list[Run]:
+    """The runs of a comparison: ``entries`` are (label, config path, overrides); each is loaded (so a bad
+    config fails here, naming it) to turn the budget into its own overrides."""
+    runs = []
+    for label, path, overrides in entries:
+        cfg = TrainConfig.from_yaml(path, overrides)
+        extra = budget_overrides(cfg, *budget)
+        every = max(1, cfg.eval.every or 0)
+        for seed in seeds:
+            folder = out / "runs" / f"{label}-s{seed}"
+            command = [sys.executable, "-m", "flowrl.cli", "train", path, *overrides, *extra,
+                       f"train.seed={seed}", f"train.output_dir={out / 'runs'}", f"train.name={label}-s{seed}",
+                       "train.resume=latest", "train.progress=false", f"train.num_threads={threads}",
+                       f"train.checkpoint_every={cfg.train.checkpoint_every or every}"]
+            runs.append(Run(label, seed, command, folder))
+    return runs
+
+
+def run_all(runs: list[Run], out: Path, parallel: int = 1) -> dict[str, dict]:
+    """Run what ``OUT/status.json`` does not mark finished; returns the status of every run."""
+    status_path = out / "status.json"
+    status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    todo = [r for r in runs if status.get(r.key, {}).get("state") != "done"]
+
+    def one(run: Run) -> tuple[str, dict]:
+        run.folder.parent.mkdir(parents=True, exist_ok=True)
+        log = out / "logs" / f"{run.key}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(_threads(run.command))}
+        with log.open("a") as f:
+            rc = subprocess.call(run.command, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if rc == 0:
+            return run.key, {"state": "done"}
+        tail = log.read_text().strip().splitlines()[-5:]
+        return run.key, {"state": "failed", "rc": rc, "log": str(log), "last_lines": tail}
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        for key, result in pool.map(one, todo):
+            status[key] = result
+            status_path.write_text(json.dumps(status, indent=2))  # after each run: a kill keeps what finished
+    return status
+
+
+def _threads(command: list[str]) -> int:
+    return int(next(c.split("=", 1)[1] for c in command if c.startswith("train.num_threads=")))
+
+
+# ---- reading runs ------------------------------------------------------------------------------
+def read_run(folder: Path, metric: str | None = None) -> dict:
+    """Curves and totals of one run folder: ``train`` (cumulative seconds, reward) pairs, ``evals`` (images
+    drawn, metric) pairs, the final metric, s/iteration, images and rollout forwards."""
+    path = folder / "metrics.jsonl"
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line of a killed run
+    metric = metric or _default_metric(records)
+    seconds = images = forwards = 0.0
+    train, evals, per_step_images = [], [], {0: 0.0}
+    for r in records:
+        if "reward_mean" in r:
+            seconds += r.get("time/rollout", 0.0) + r.get("time/reward", 0.0) + r.get("time/update", 0.0)
+            images += r.get("leaves", 0.0)
+            forwards += r.get("rollout_forwards", 0.0)
+            train.append((seconds, r["reward_mean"]))
+            per_step_images[int(r["step"])] = images
+        elif metric and metric in r:
+            evals.append((per_step_images.get(int(r["step"]), images), r[metric]))
+    n = len(train)
+    return {"metric": metric, "train": train, "evals": evals, "final": evals[-1][1] if evals else float("nan"),
+            "first": evals[0][1] if evals else float("nan"), "iterations": n,
+            "seconds_per_iteration": seconds / n if n else float("nan"), "images": images, "forwards": forwards}
+
+
+def _default_metric(records: list[dict]) -> str | None:
+    keys = [k for r in records for k in r if k.startswith("eval/")]
+    for suffix in ("/accuracy", "_mean"):
+        found = [k for k in keys if k.endswith(suffix) and k.count("/") <= 2]
+        if found:
+            return sorted(found)[0]
+    return None
+
+
+def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | None = None) -> str:
+    """Write ``results.md``, ``curves.png`` and ``commands.sh``; return the Markdown."""
+    labels = list(dict.fromkeys(r.label for r in runs))
+    data = {r.key: read_run(r.folder, metric) for r in runs}
+    metric = metric or next((d["metric"] for d in data.values() if d["metric"]), "eval metric")
+    lines = [f"# Comparison ({metric}, final held-out value per seed)", "",
+             "| config | seeds: start → final | mean final ± spread | mean change | s/iteration | images | rollout forwards |",
+             "|---|---|---|---|---|---|---|"]
+    for label in labels:
+        mine = [r for r in runs if r.label == label]
+        ok = [data[r.key] for r in mine if status.get(r.key, {}).get("state") == "done"]
+        per_seed = ", ".join(f"s{r.seed}: " + (f"{data[r.key]['first']:.3f} → {data[r.key]['final']:.3f}"
+                                                if status.get(r.key, {}).get("state") == "done"
+                                                else status.get(r.key, {}).get("state", "not run"))
+                             for r in mine)
+        finals = [d["final"] for d in ok]
+        changes = [d["final"] - d["first"] for d in ok]
+        mean = statistics.fmean(finals) if finals else float("nan")
+        spread = (max(finals) - min(finals)) / 2 if len(finals) > 1 else 0.0
+        lines.append(f"| {label} | {per_seed} | {mean:.3f} ± {spread:.3f} | "
+                     f"{(statistics.fmean(changes) if changes else float('nan')):+.3f} | "
+                     f"{_mean(d['seconds_per_iteration'] for d in ok):.2f} | {_mean(d['images'] for d in ok):.0f} | "
+                     f"{_mean(d['forwards'] for d in ok):.0f} |")
+    failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
+    if failed:
+        lines += ["", "Failed runs:"] + [f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()]
+    lines += ["", "Commands:", "", "```bash"] + [shlex.join(r.command) for r in runs] + ["```"]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text)
+    (out / "commands.sh").write_text("\n".join(shlex.join(r.command) for r in runs) + "\n")
+    _plot(runs, data, labels, metric, out / "curves.png")
+    return text
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v == v]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, label in enumerate(labels):
+        colour = colours[i % len(colours)]
+        mine = [data[r.key] for r in runs if r.label == label]
+        for d in mine:
+            if d["train"]:
+                xs, ys = zip(*d["train"])
+                w = max(1, len(ys) // 15)
+                smooth = [statistics.fmean(ys[max(0, j - w + 1):j + 1]) for j in range(len(ys))]
+                left.plot([x / 60 for x in xs], smooth, color=colour, lw=0.8, alpha=0.45)
+            if d["evals"]:
+                right.plot(*zip(*d["evals"]), "o-", color=colour, lw=0.8, ms=3, alpha=0.45)
+        curves = [d["evals"] for d in mine if d["evals"]]
+        if curves and len({len(c) for c in curves}) == 1:
+            xs = [statistics.fmean(c[j][0] for c in curves) for j in range(len(curves[0]))]
+            ys = [statistics.fmean(c[j][1] for c in curves) for j in range(len(curves[0]))]
+            right.plot(xs, ys, "o-", color=colour, lw=2.2, label=f"{label} (mean of {len(curves)})")
+        left.plot([], [], color=colour, label=label)
+    left.set(xlabel="training wall time (min)", ylabel="training reward (moving mean)")
+    right.set(xlabel="images drawn", ylabel=metric)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,
+            parallel: int = 1, threads: int = 1, metric: str | None = None) -> str:
+    """Plan, run (resuming) and report a comparison; returns the Markdown table."""
+    out = Path(out)
+    runs = plan_runs(entries, seeds, parse_budget(budget), out, threads)
+    status = run_all(runs, out, parallel)
+    return report(runs, status, out, metric)
