@@ -240,10 +240,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
 
     p = sub.add_parser("train", help="train with a YAML config (default: the embedded shapes preset)",
-                       description="Train: rollout plan → rewards → credit → clipped loss, to train.max_steps. "
+                       description="Train: rollout plan → rewards → credit → objective, to train.max_steps. "
                                    f"Without CONFIG runs {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}.",
                        epilog=epilog, formatter_class=fmt)
-    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_train)
 
@@ -273,7 +273,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time iterations: rollout, reward, update, model-forward overhead, peak memory",
                        epilog=epilog, formatter_class=fmt)
-    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml)")
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--vs", metavar="OTHER", help="a second config to run in the same process on CONFIG's model and "
@@ -301,7 +301,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        description="Policy gradients of N independent iterations at fixed weights; their agreement "
                                    "is the signal, their spread the noise (docs/benchmarks.md).",
                        epilog=epilog, formatter_class=fmt)
-    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/grpo.yaml, or the run's)")
+    p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml, or the run's)")
     p.add_argument("--batches", type=int, default=12, help="independent iterations to draw (default 12)")
     p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)

@@ -26,7 +26,7 @@ from flowrl.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "grpo.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"  # the main job (`flowrl train` with no config)
 
 
 @dataclass

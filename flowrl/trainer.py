@@ -10,7 +10,6 @@ The objective (``loss.objective``) builds its own micro-batches from the forest 
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,6 +29,7 @@ from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
 from flowrl.scoring import BackgroundScorer, request_scores
+from flowrl.signals import stop_on_first_interrupt
 
 
 class Trainer:
@@ -445,7 +445,7 @@ class Trainer:
         if self.step == 0 and cfg.eval.at_start:
             emit({"step": 0, **self.run_eval(0, "before")})
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (main and cfg.train.progress), desc="flowrl train")
-        with _stop_on_first_interrupt() as stop:
+        with stop_on_first_interrupt() as stop:
             while self.step < cfg.train.max_steps and not stop.requested and not self.out_of_time():
                 t0 = time.perf_counter()
                 record = self.train_step(self.step)
@@ -481,31 +481,3 @@ def _fold(sums: dict[str, float], key: str, value: float, extremes: dict) -> Non
         sums[key] = extremes[key](sums[key], value)
     else:
         sums[key] = sums.get(key, 0.0) + value
-
-
-class _StopFlag:
-    requested = False
-
-
-@contextlib.contextmanager
-def _stop_on_first_interrupt() -> Iterator[_StopFlag]:
-    """First Ctrl-C: finish the current iteration, then stop (the loop saves a checkpoint).
-    Second Ctrl-C: interrupt at once. Only installed in the main thread."""
-    flag = _StopFlag()
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            if flag.requested:
-                raise KeyboardInterrupt
-            flag.requested = True
-            print("\nCtrl-C: finishing this iteration, then saving a checkpoint (Ctrl-C again to abort)")
-
-        signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread
-        previous = None
-    try:
-        yield flag
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)

@@ -53,12 +53,9 @@ def with_lora(model, rank: int = 2):
 LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
 
 
-POLICY_LOSS = ["loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0"]
-
-
-def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6, loss: list[str] | None = None):
+def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6):
     """Seeded training of the tiny SD3 pipeline on ``redness`` with ``overrides`` (the method's plan, credit
-    and sizes; ``loss``: the objective's keys, default the clipped policy loss's). Returns (before, after, train records): the mean reward of fixed-seed ODE samples of
+    and sizes). Returns (before, after, train records): the mean reward of fixed-seed ODE samples of
     LEARN_PROMPTS for two eval seed sets, before and after training."""
     from flowrl.config import TrainConfig
     from flowrl.evaluation import eval_seeds
@@ -68,7 +65,7 @@ def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6, los
     cfg = TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", f"rollout.steps={steps}",
         f"prompts.train={'|'.join(LEARN_PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "optim.lr=1e-2", *(POLICY_LOSS if loss is None else loss),
+        "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0",
         f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
         "train.checkpoint_every=0", "train.async_reward=false", *overrides,
     ])

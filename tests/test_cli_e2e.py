@@ -16,7 +16,7 @@ def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys):
     common = [f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square",
               "prompts.eval=a red circle|a green cat", "prompts.per_step=2", "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all",
               "rewards=[{name: brightness}]", "eval.rewards=null", "eval.steps=3", "model.lora.rank=4"]
-    assert main(["train", *common, "train.max_steps=2", f"train.output_dir={tmp_path}", "train.name=cli",
+    assert main(["train", "configs/shapes/grpo.yaml", *common, "train.max_steps=2", f"train.output_dir={tmp_path}", "train.name=cli",
                  "train.progress=false"]) == 0
     run = tmp_path / "cli"
     assert (run / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors").is_file()

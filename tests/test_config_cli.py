@@ -23,8 +23,11 @@ def test_every_preset_loads_and_builds_its_plan(path):
         assert "cannot run on" in str(err) and "backends this machine can run" in str(err), err
         cfg = TrainConfig.from_yaml(path, ["rollout.backend=same"])
     plan = build.build_plan(cfg.rollout)
-    assert plan.expected_counts(2)["trained_edges"] > 0
-    build.build_loss(cfg)
+    counts = plan.expected_counts(2)
+    objective = build.build_loss(cfg)
+    objective.check_plan(plan)
+    # what the objective trains on is there: stochastic edges for a policy, clean leaves for a forward process
+    assert counts["trained_edges" if objective.trains_on == "edges" else "leaves"] > 0
 
 
 def test_overrides_may_follow_options_and_unknown_options_still_fail():

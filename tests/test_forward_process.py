@@ -8,7 +8,7 @@ import torch
 
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.forward_process import AWMLoss, NFTLoss
-from tests.conftest import make_model, train_redness, with_lora
+from tests.conftest import make_model, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
@@ -274,17 +274,20 @@ def test_a_plan_without_clean_latents_is_refused_for_a_forward_process_objective
 
 
 # ---- learning -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("objective, extra", [
-    ("nft", ["loss.beta=1.0", "loss.old_decay=0.5"]),
-    ("awm", ["loss.kl_old=0.0"]),
-])
-def test_forward_process_objective_learns_redness(tmp_path, objective, extra):
-    before, after, records = train_redness(
-        tmp_path, objective, ["rollout.plan=ode", "rollout.group_size=8", f"loss.objective={objective}",
-                              "loss.draws=2", "credit.scale=group", "train.max_steps=12", "optim.lr=3e-3", *extra],
-        loss=[])
-    gain = [a - b for a, b in zip(after, before)]
-    assert all(g > 0.01 for g in gain), (objective, before, after)
+@pytest.mark.parametrize("preset", ["nft", "awm"])
+def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
+    """The preset (full fine-tuning, CFG-free ODE rollouts) on 4 prompts with the dense ``redness`` reward:
+    fixed-seed held-out reward rises by a margin well above seed noise in 12 iterations. (A random tiny
+    pipeline is no flow model to begin with: forward-process objectives need a real one.)"""
+    from tests.test_shapes_learning import PROMPTS, train_and_check_gain
+    from flowrl.trainer import Trainer
+
+    torch.set_num_threads(2)
+    cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", [
+        f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null", "rollout.group_size=8",
+        "train.max_steps=12", "optim.lr=1e-3", "rewards=[{name: redness}]", f"train.output_dir={tmp_path}",
+        f"train.name={preset}", "train.progress=false", "train.checkpoint_every=0", "train.num_threads=2"])
+    train_and_check_gain(Trainer(cfg))
 
 
 def test_snr_measures_a_forward_process_objective(tmp_path, monkeypatch):
