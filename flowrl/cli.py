@@ -226,7 +226,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--set names labels {sorted(per_label)} that are not among the configs' labels "
                           f"{[e[0] for e in entries]}")
     text = compare(entries, args.seeds, args.budget, args.out, parallel=args.parallel, threads=args.threads,
-                   metric=args.metric)
+                   metric=args.metric, run=not args.report_only)
     print(text)
     print(f"plots and table in {args.out} (results.md, curves.png, commands.sh)")
     return 0
@@ -295,6 +295,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--metric", default=None, help="held-out metric key (default: the first eval/*/accuracy)")
     p.add_argument("--set", nargs=2, action="append", metavar=("LABEL", "KEY=VALUE"), help="an override of one config")
+    p.add_argument("--report-only", action="store_true", help="write the table and plots from the runs there, run nothing")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("snr", help="gradient signal-to-noise of one update: is the batch big enough?",

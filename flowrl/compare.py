@@ -74,12 +74,13 @@ def plan_runs(entries: list[tuple[str, str, list[str]]], seeds: list[int], budge
               threads: int) -> list[Run]:
     """The runs of a comparison: ``entries`` are (label, config path, overrides); each is loaded (so a bad
     config fails here, naming it) to turn the budget into its own overrides."""
-    runs = []
+    loaded = []
     for label, path, overrides in entries:
         cfg = TrainConfig.from_yaml(path, overrides)
-        extra = budget_overrides(cfg, *budget)
-        every = max(1, cfg.eval.every or 0)
-        for seed in seeds:
+        loaded.append((label, path, overrides, cfg, budget_overrides(cfg, *budget), max(1, cfg.eval.every or 0)))
+    runs = []
+    for seed in seeds:  # every config's first seed first: a cut-short comparison still compares
+        for label, path, overrides, cfg, extra, every in loaded:
             folder = out / "runs" / f"{label}-s{seed}"
             command = [sys.executable, "-m", "flowrl.cli", "train", path, *overrides, *extra,
                        f"train.seed={seed}", f"train.output_dir={out / 'runs'}", f"train.name={label}-s{seed}",
@@ -234,9 +235,14 @@ def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Pat
 
 
 def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,
-            parallel: int = 1, threads: int = 1, metric: str | None = None) -> str:
-    """Plan, run (resuming) and report a comparison; returns the Markdown table."""
+            parallel: int = 1, threads: int = 1, metric: str | None = None, run: bool = True) -> str:
+    """Plan, run (resuming; ``run=False``: only report what is there) and report a comparison; returns the
+    Markdown table."""
     out = Path(out)
     runs = plan_runs(entries, seeds, parse_budget(budget), out, threads)
-    status = run_all(runs, out, parallel)
+    if run:
+        status = run_all(runs, out, parallel)
+    else:
+        status_path = out / "status.json"
+        status = json.loads(status_path.read_text()) if status_path.is_file() else {}
     return report(runs, status, out, metric)

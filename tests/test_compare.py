@@ -76,4 +76,8 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     assert (out / "runs" / "good-s0" / "metrics.jsonl").read_text() == before
     assert json.loads((out / "status.json").read_text())["good-s1"]["state"] == "done"
     assert read_run(out / "runs" / "good-s1")["iterations"] == 2  # resumed from its checkpoint, not run twice
+    (out / "results.md").unlink()
+    assert main(args + ["--report-only"]) == 0  # the table from what is there, nothing run
+    assert "| good | s0: " in (out / "results.md").read_text()
+    assert (out / "runs" / "good-s0" / "metrics.jsonl").read_text() == before
     assert 0.0 <= first["final"] <= 1.0  # brightness of the final eval

@@ -297,3 +297,15 @@ def test_snr_measures_a_forward_process_objective(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
     out = gradient_snr(tiny(tmp_path, "snr", "loss.objective=nft"), batches=3, progress=False)
     assert out["samples_per_batch"] == 4 and out["noise"] > 0  # leaves counted on the forests
+
+
+def test_a_tree_feeds_a_forward_process_objective(tmp_path):
+    from flowrl.trainer import Trainer
+
+    chains_only = ("rollout.group_size", "rollout.plan")
+    cfg = TrainConfig.from_yaml(None, [*(o for o in TINY if not o.startswith(chains_only)), "rollout.plan=tree",
+                                       "credit.rule=tree", "rollout.split_steps=[0,1]", "rollout.kernel=dance",
+                                       "rollout.eta=0.5", "loss.objective=nft", "train.max_steps=1",
+                                       f"train.output_dir={tmp_path}", "train.name=tree"])
+    records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
+    assert records[0]["trained_leaves"] == records[0]["leaves"] == 2 * 4  # 2 prompts × 2² leaves, no replay
