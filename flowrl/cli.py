@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        print(f"flowrl {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ The objective (``loss.objective``) builds its own micro-batches from the forest 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -77,6 +79,7 @@ class Trainer:
         self.scheduler = self._make_scheduler()
         self.ema = [p.detach().clone() for p in self.params] if config.train.ema > 0 else None
         self.step = 0
+        self.nonfinite_streak = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
 
     # ---- setup ----------------------------------------------------------------------------
@@ -218,6 +221,7 @@ class Trainer:
         first: dict[str, float] = {}
         aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
         aux_steps = 0
+        skipped = 0
         for epoch in range(cfg.train.inner_epochs):
             order = batches
             if epoch > 0:
@@ -246,7 +250,13 @@ class Trainer:
                 for k, v in step_sums.items():
                     _fold(diag_sums, k, v, extremes)
                 self._average_gradients()
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)))
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip))
+                if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
+                    self._skip_step(iteration)
+                    skipped += 1
+                    continue
+                self.nonfinite_streak = 0
+                grad_norms.append(grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self._update_ema()
@@ -258,9 +268,23 @@ class Trainer:
         out.update({f"first_step_{k}": 0.0 for k in objective.first_step_keys})
         out.update(first)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out["skipped_steps"] = float(skipped)
         out[f"trained_{objective.trains_on}"] = self._sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    MAX_NONFINITE_STREAK = 3
+
+    def _skip_step(self, iteration: int) -> None:
+        """Drop a step whose loss or gradient is not finite (warned, counted); several in a row stop the run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak += 1
+        warnings.warn(f"iteration {iteration}: the loss or gradient is not finite; optimizer step skipped "
+                      f"({self.nonfinite_streak} in a row)", RuntimeWarning, stacklevel=2)
+        if self.nonfinite_streak >= self.MAX_NONFINITE_STREAK:
+            raise FloatingPointError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                                     f"(iteration {iteration}); the weights were left as they were before them. Check the "
+                                     "reward's values, optim.lr and model.dtype")
 
     def policy_gradient(self, iteration: int) -> tuple[torch.Tensor, int]:
         """The gradient of the objective over the whole of ``iteration``, flat [P] over the trainable

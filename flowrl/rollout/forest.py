@@ -197,10 +197,13 @@ class Forest:
         return nodes, torch.cat([self.all_latents()[leaves], self.probe_latents()])
 
     def record_scores(self, nodes: torch.Tensor, components: dict[str, torch.Tensor]) -> None:
-        """Write each reward term's raw scores [S] of ``nodes`` [S] into ``reward_components``."""
+        """Write each reward term's raw scores [S] of ``nodes`` [S] into ``reward_components``. A non-finite
+        score (±inf, NaN: a broken reward or server) is stored as NaN: it counts as a failed reward, is left
+        out of every statistic and never trained (``reward_failed`` in the metrics)."""
         for name, values in components.items():
             column = self.reward_components.setdefault(name, torch.full((self.num_nodes,), float("nan")))
-            column[nodes] = values.detach().float().cpu()
+            values = values.detach().float().cpu()
+            column[nodes] = torch.where(torch.isfinite(values), values, torch.full_like(values, float("nan")))
 
     def combine_scores(self, combine) -> None:
         """``reward`` on the leaves and ``value`` on the probed states from ``reward_components``:
