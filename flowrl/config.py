@@ -221,6 +221,18 @@ class TrainConfig:
         check_adaptive_settings(self.prompts.adaptive_floor, self.prompts.adaptive_decay)
         positive("rollout.max_batch", self.rollout.max_batch)
         positive("rollout.chunks", self.rollout.chunks)
+        positive("optim.grad_clip", self.optim.grad_clip)  # ≤ 0 would reverse or zero every update
+        positive("train.checkpoint_every", self.train.checkpoint_every, allow_zero=True)
+        positive("train.keep_last", self.train.keep_last, allow_zero=True)
+        positive("eval.every", self.eval.every, allow_zero=True)
+        positive("eval.steps", self.eval.steps)
+        positive("model.lora.rank", self.model.lora.rank)
+        if self.train.num_threads is not None:
+            positive("train.num_threads", self.train.num_threads)
+        name = Path(self.train.name)
+        if not self.train.name or name.is_absolute() or ".." in name.parts:
+            raise ConfigError(f"train.name={self.train.name!r} must be a plain folder name inside train.output_dir "
+                              "(no '..', not an absolute path)")
         self.train.async_reward = str(self.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"
         choose("train.async_reward", self.train.async_reward, ("auto", "true", "false"))
         positive("optim.lr", self.optim.lr)

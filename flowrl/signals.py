@@ -1,4 +1,5 @@
-"""Ctrl-C during training: finish the iteration, save, stop (a second Ctrl-C aborts at once)."""
+"""Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) during training: finish the iteration, save a
+checkpoint, stop (a second signal aborts at once)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,23 +13,26 @@ class StopFlag:
 
 @contextlib.contextmanager
 def stop_on_first_interrupt() -> Iterator[StopFlag]:
-    """First Ctrl-C: finish the current iteration, then stop (the loop saves a checkpoint).
-    Second Ctrl-C: interrupt at once. Only installed in the main thread."""
+    """First SIGINT/SIGTERM: finish the current iteration (or eval), then stop (the loop saves a checkpoint).
+    Second: interrupt at once. Only installed in the main thread."""
     flag = StopFlag()
+    signals = (signal.SIGINT, signal.SIGTERM)
     try:
-        previous = signal.getsignal(signal.SIGINT)
+        previous = {s: signal.getsignal(s) for s in signals}
 
         def handler(signum, frame):
             if flag.requested:
                 raise KeyboardInterrupt
             flag.requested = True
-            print("\nCtrl-C: finishing this iteration, then saving a checkpoint (Ctrl-C again to abort)")
+            what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+            print(f"\n{what}: finishing this iteration, then saving a checkpoint (again to abort)")
 
-        signal.signal(signal.SIGINT, handler)
+        for s in signals:
+            signal.signal(s, handler)
     except ValueError:  # not the main thread
-        previous = None
+        previous = {}
     try:
         yield flag
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

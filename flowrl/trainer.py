@@ -484,14 +484,17 @@ class Trainer:
                     emit({"step": self.step, **self.run_eval(self.step)})
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not last:
                     self.save_checkpoint()
-        bar.close()
-        if stop.requested:
-            if main:
-                print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
-            self.save_checkpoint()
-            raise KeyboardInterrupt
-        emit({"step": self.step, **self.run_eval(self.step, "after")})
-        self.save_checkpoint()
+            bar.close()
+            self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
+            if stop.requested:
+                if main:
+                    print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
+                raise KeyboardInterrupt
+            emit({"step": self.step, **self.run_eval(self.step, "after")})
+            if stop.requested:  # during the final eval: the checkpoint above holds everything
+                if main:
+                    print(f"\ninterrupted after the final eval; the checkpoint of step {self.step} is saved")
+                raise KeyboardInterrupt
         if main and log is not None:
             plot_reward_curve(log.read(), self.run_dir / "reward_curve.png")
         if cfg.train.log_with != "none":

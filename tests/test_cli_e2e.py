@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from flowrl.cli import main
@@ -42,7 +43,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "no checkpoints/step-N/ folder" in capsys.readouterr().err
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, signum):
     import signal
     import subprocess
     import sys
@@ -56,13 +58,14 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
             "prompts.per_step=2", "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all",
             "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=4", f"train.output_dir={tmp_path}",
             "train.name=int", "train.progress=false"]
+    args = ["configs/shapes/grpo.yaml", *args]
     proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args, "train.max_steps=1000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "int" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and '"reward_mean"' in metrics.read_text()):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signum))
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err[-2000:]
     assert "saved a checkpoint" in out
