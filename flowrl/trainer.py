@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl import build
-from flowrl.checkpoint import load_weights, read_state, resolve_resume, save_weights, write_checkpoint
+from flowrl.checkpoint import list_checkpoints, load_weights, read_state, resolve_resume, save_weights, write_checkpoint
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
@@ -409,6 +410,9 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         self.accelerator.wait_for_everyone()
         path = None
+        if not self._weights_finite():
+            raise FloatingPointError(f"the weights at step {self.step} are not finite: no checkpoint was written, the "
+                                     "previous one is intact")
         if self.accelerator.is_main_process:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "ema": self.ema, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state(),
@@ -424,6 +428,33 @@ class Trainer:
             path = write_checkpoint(self.run_dir / "checkpoints", self.step, write_weights, state, self.cfg.train.keep_last)
         self.accelerator.wait_for_everyone()
         return path
+
+    def _weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    def _resume(self, spec: str) -> Path | None:
+        """Load ``train.resume``: a checkpoint folder, or ``latest`` — the newest intact checkpoint of the run: one
+        that cannot be read or holds non-finite weights is reported and the one before it is used."""
+        if spec != "latest":
+            path = resolve_resume(spec, self.run_dir / "checkpoints")
+            self.load_checkpoint(path)
+            if not self._weights_finite():
+                raise ValueError(f"train.resume={spec!r}: the weights in this checkpoint are not finite")
+            return path
+        found = list_checkpoints(self.run_dir / "checkpoints")
+        for _, path in reversed(found):
+            try:
+                self.load_checkpoint(path)
+                if not self._weights_finite():
+                    raise ValueError("its weights are not finite")
+                return path
+            except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+                warnings.warn(f"checkpoint {path} is damaged ({str(e).splitlines()[0][:200]}); trying the one before it",
+                              RuntimeWarning, stacklevel=2)
+        if found:
+            raise ValueError(f"train.resume='latest': every checkpoint in {self.run_dir / 'checkpoints'} is damaged; "
+                             "nothing was changed (move the folder away to start afresh)")
+        return None
 
     def load_checkpoint(self, path: Path) -> None:
         state = read_state(path)
@@ -447,9 +478,7 @@ class Trainer:
         returns the metric records of this call."""
         cfg = self.cfg
         main = self.accelerator.is_main_process
-        resume_from = resolve_resume(cfg.train.resume, self.run_dir / "checkpoints") if cfg.train.resume else None
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
+        resume_from = self._resume(cfg.train.resume) if cfg.train.resume else None
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume_from is not None else None) if main else None
         if main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())

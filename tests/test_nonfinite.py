@@ -66,3 +66,40 @@ def test_a_nonfinite_gradient_skips_the_step_and_a_streak_stops_the_run(tmp_path
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"), pytest.warns(RuntimeWarning):
         trainer.train_step(2)
     assert all(torch.equal(a, p) for a, p in zip(weights, trainer.params))  # nothing non-finite got in
+
+
+@pytest.mark.parametrize("damage", ["garbage_state", "nan_weights"])
+def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
+    import json
+
+    from flowrl.trainer import Trainer
+
+    common = ["loss.beta=0", "train.checkpoint_every=1", "train.keep_last=3"]
+    Trainer(config(tmp_path, "run", *common, "train.max_steps=2"), model=make_model("sd3")).train()
+    newest = tmp_path / "run" / "checkpoints" / "step-2"
+    if damage == "garbage_state":
+        (newest / "trainer_state.pt").write_bytes(b"\x00torn write")
+    else:
+        from safetensors.torch import load_file, save_file
+
+        f = newest / "pytorch_lora_weights.safetensors"
+        save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(f).items()}, f)
+    trainer = Trainer(config(tmp_path, "run", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3"))
+    with pytest.warns(RuntimeWarning, match="step-2 is damaged"):
+        trainer.train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # continued from step 1: its step 2 again, then 3
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.params)
+
+
+def test_nonfinite_weights_are_never_written(tmp_path):
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(config(tmp_path, "w", "loss.beta=0", "train.max_steps=1"), model=make_model("sd3"))
+    trainer.train()
+    with torch.no_grad():
+        trainer.params[0].fill_(float("inf"))
+    trainer.step = 5
+    with pytest.raises(FloatingPointError, match="not finite"):
+        trainer.save_checkpoint()
+    assert not (tmp_path / "w" / "checkpoints" / "step-5").exists()
