@@ -262,13 +262,17 @@ class AWMLoss(ForwardProcessObjective):
     the ratio ρ = exp(L_old − L_θ) and the clipped objective max(−A·ρ, −A·clip(ρ, 1−``clip``, 1+``clip``)),
     plus ``kl_old``·mean‖v_θ − v_old‖² (velocity space) and ``kl_ref``·mean‖v_θ − v_ref‖². Timesteps are shared
     by the group (``share_t``) so its samples' errors compare at the same noise levels. With ``old_decay`` 0
-    the old copy is the policy that sampled the iteration (PPO's old policy; ρ = 1 at its first step).
+    the old copy is the policy that sampled the iteration (PPO's old policy; ρ = 1 at its first step); then
+    with one step per iteration neither the clip nor the KL binds, and measured on the shapes model
+    (lr 3e-4, full fine-tuning) the flow-matching error of the policy grew from 0.16 to 24 within 50
+    iterations (pushing errors up on poor samples is unbounded). The defaults keep a lagging copy (EMA 0.9)
+    and ``kl_old`` 1.0: the error stayed at 0.13–0.17 over 40 iterations.
     """
 
     share_t: bool = True
     clip: float = 0.2
-    kl_old: float = 0.1
-    old_decay: float = 0.0
+    kl_old: float = 1.0
+    old_decay: float = 0.9
 
     extremes = {"ratio_min": min, "ratio_max": max}
 
