@@ -437,28 +437,42 @@ class Trainer:
         that cannot be read or holds non-finite weights is reported and the one before it is used."""
         if spec != "latest":
             path = resolve_resume(spec, self.run_dir / "checkpoints")
-            self.load_checkpoint(path)
-            if not self._weights_finite():
-                raise ValueError(f"train.resume={spec!r}: the weights in this checkpoint are not finite")
+            try:
+                state = self._read_intact(path)
+            except ValueError as e:
+                raise ValueError(f"train.resume={spec!r}: {e}") from None
+            self.load_checkpoint(path, state)
             return path
         found = list_checkpoints(self.run_dir / "checkpoints")
         for _, path in reversed(found):
             try:
-                self.load_checkpoint(path)
-                if not self._weights_finite():
-                    raise ValueError("its weights are not finite")
-                return path
+                state = self._read_intact(path)
             except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
                 warnings.warn(f"checkpoint {path} is damaged ({str(e).splitlines()[0][:200]}); trying the one before it",
                               RuntimeWarning, stacklevel=2)
+                continue
+            self.load_checkpoint(path, state)
+            return path
         if found:
             raise ValueError(f"train.resume='latest': every checkpoint in {self.run_dir / 'checkpoints'} is damaged; "
                              "nothing was changed (move the folder away to start afresh)")
         return None
 
-    def load_checkpoint(self, path: Path) -> None:
+    def _read_intact(self, path: Path) -> dict:
+        """The state of checkpoint ``path`` with its weights loaded into the model; raises when it is damaged
+        (unreadable, or non-finite weights)."""
         state = read_state(path)
         load_weights(self.model, path / "live" if (path / "live").is_dir() else path)
+        if not self._weights_finite():
+            raise ValueError("its weights are not finite")
+        return state
+
+    def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
+        """Continue from checkpoint ``path`` (``state``: already read by :meth:`_read_intact`). A mismatch
+        with this run's settings (e.g. prompt sampling) raises: that is a refusal, not damage."""
+        if state is None:
+            state = read_state(path)
+            load_weights(self.model, path / "live" if (path / "live").is_dir() else path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None and state.get("ema") is not None:
