@@ -219,7 +219,7 @@ class Trainer:
         diag_sums: dict[str, float] = {}
         diag_count = 0
         grad_norms = []
-        first: dict[str, float] = {}
+        first = {f"first_step_{k}": 0.0 for k in objective.first_step_keys}  # diagnostics before any weight changed
         aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
         aux_steps = 0
         skipped = 0
@@ -266,7 +266,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         out = {k: v if k in extremes else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
         out.update({k: v / aux_steps for k, v in aux_sums.items()})
-        out.update({f"first_step_{k}": 0.0 for k in objective.first_step_keys})
         out.update(first)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         out["skipped_steps"] = float(skipped)
@@ -468,11 +467,10 @@ class Trainer:
         return state
 
     def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
-        """Continue from checkpoint ``path`` (``state``: already read by :meth:`_read_intact`). A mismatch
+        """Continue from checkpoint ``path`` (``state``: already read by :meth:`_read_intact`; else it is read
+        here, and a damaged checkpoint raises). A mismatch
         with this run's settings (e.g. prompt sampling) raises: that is a refusal, not damage."""
-        if state is None:
-            state = read_state(path)
-            load_weights(self.model, path / "live" if (path / "live").is_dir() else path)
+        state = self._read_intact(path) if state is None else state
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None and state.get("ema") is not None:
