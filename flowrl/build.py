@@ -7,6 +7,7 @@ import torch
 
 from flowrl import components
 from flowrl.config import ConfigError, ModelSection, RewardTerm, TrainConfig
+from flowrl.errors import shown
 from flowrl.credit.base import CreditRule
 from flowrl.objective import Objective
 from flowrl.models.base import FlowModel, LoraSpec
@@ -34,18 +35,33 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value
-    if section.family == "shapes":
-        from flowrl.shapes.model import load_shapes_model
-
-        return load_shapes_model(section.path, **kwargs)
-    if section.path is None:
+    if section.family != "shapes" and section.path is None:
         raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
-    return models.load_model(section.family, section.path, **kwargs)
+    try:
+        if section.family == "shapes":
+            from flowrl.shapes.model import load_shapes_model
+
+            return load_shapes_model(section.path, **kwargs)
+        return models.load_model(section.family, section.path, **kwargs)
+    except (ValueError, OSError) as e:  # a missing folder, a size the model cannot make, …
+        if isinstance(e, ConfigError):
+            raise
+        chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
+                           if getattr(section, k) is not None)
+        raise ConfigError(f"{chosen}: {e}") from e
 
 
 def lora_spec(section: ModelSection) -> LoraSpec:
     lora = section.lora
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.targets, dropout=lora.dropout, init=lora.init)
+
+
+def add_lora(model: FlowModel, section: ModelSection) -> None:
+    """Wrap ``model``'s trainable module in the LoRA ``model.lora`` describes; bad targets name the key."""
+    try:
+        model.add_lora(lora_spec(section))
+    except ValueError as e:
+        raise ConfigError(f"model.lora.targets={section.lora.targets}: {e}") from e
 
 
 def build_plan(section: Any) -> RolloutPlan:
@@ -60,8 +76,9 @@ def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
     try:
         return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label) for t in terms],
                            normalize=normalize)
-    except (KeyError, ModuleNotFoundError, AttributeError, TypeError) as e:
-        raise ConfigError(f"rewards: {e}") from e
+    except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
+        names = ", ".join(shown(t.name, 60) for t in terms)
+        raise ConfigError(f"rewards ({names}): {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
 
 
 def build_credit(cfg: TrainConfig) -> CreditRule:

@@ -31,13 +31,20 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
                      keep_last: int) -> Path:
     """Write ``step-N`` atomically: weights by ``write_weights(tmp_dir)``, then ``state``; rename; prune."""
     folder.mkdir(parents=True, exist_ok=True)
+    remove_stale(folder)
     final = folder / f"step-{step}"
     tmp = folder / f".step-{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_weights(tmp)
-    torch.save(state, tmp / STATE_FILE)
+    try:
+        tmp.mkdir()
+        write_weights(tmp)
+        torch.save(state, tmp / STATE_FILE)
+    except BaseException as e:  # a full disk, an interrupt: the partial folder goes, earlier checkpoints stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise OSError(getattr(e, "errno", None) or 0, f"could not write checkpoint {final} ({reason}); "
+                          "the previous checkpoints are intact") from e
+        raise
     if final.exists():  # re-saving the same step: move the old one aside first
         old = folder / f".step-{step}.old-{os.getpid()}"
         os.replace(final, old)
@@ -49,6 +56,18 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
         for _, path in list_checkpoints(folder)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Remove the temporary ``.step-N.tmp-PID`` / ``.step-N.old-PID`` folders that killed writes left in
+    ``folder`` (one process writes a run's checkpoints, so any other than this process's own is stale)."""
+    removed = []
+    for child in folder.glob(".step-*"):
+        m = re.match(r"^\.step-\d+\.(tmp|old)-(\d+)$", child.name)
+        if m and int(m.group(2)) != os.getpid() and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
 
 
 def resolve_resume(spec: str, folder: Path) -> Path | None:

@@ -26,7 +26,7 @@ def _defaults_epilog(argv: list[str] | None = None) -> str:
     """Every key and its value: of the config (and ``key=value`` overrides) named on the command line
     ``argv`` when it loads, so the sections list the keys of the components it chooses, else the defaults."""
     words = [w for w in (argv or [])[1:] if not w.startswith("-")]
-    config = next((w for w in words if "=" not in w and Path(w).is_file()), None)
+    config = next((w for w in words if "=" not in w and _is_file(w)), None)
     overrides = [w for w in words if "=" in w]
     if config is not None or overrides:
         try:
@@ -43,9 +43,16 @@ def _load_config(path: str | None, overrides: list[str]) -> TrainConfig:
 
 def _split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """Allow ``flowrl train key=value`` without a config path."""
-    if config is not None and "=" in config and not Path(config).exists():
+    if config is not None and "=" in config and not _is_file(config):
         return None, [config] + overrides
     return config, overrides
+
+
+def _is_file(word: str) -> bool:
+    try:
+        return Path(word).exists()
+    except OSError:  # e.g. a name too long to be a path
+        return False
 
 
 # ---- train ------------------------------------------------------------------------------------
@@ -98,7 +105,7 @@ def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
     guidance = None
     if ckpt is not None:
         if not cfg.model.full_finetune:
-            model.add_lora(build.lora_spec(cfg.model))
+            build.add_lora(model, cfg.model)
         load_weights(model, ckpt)
         guidance = read_state(ckpt).get("policy_guidance")
     return cfg, model, guidance
@@ -137,6 +144,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flowrl.prompts import read_prompts
 
     cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
+    if not cfg.prompts.eval:
+        raise ConfigError("prompts.eval is null (the run was trained without held-out prompts); name them: "
+                          "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
     prompts = read_prompts(cfg.prompts.eval, "prompts.eval")
     if cfg.eval.num_prompts:
         prompts = prompts[: cfg.eval.num_prompts]
@@ -235,7 +245,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``flowrl`` parser; ``argv`` (when asking for help) picks the config whose keys the help lists."""
     epilog = _defaults_epilog(argv) if argv and ("-h" in argv or "--help" in argv) else _defaults_epilog()
-    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models.")
+    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models. "
+                                     "Add --debug to any command to see the traceback of a failure.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
 
@@ -315,25 +326,61 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+        into = "overrides" if hasattr(args, "overrides") else "items" if hasattr(args, "items") else None
+        if into is None or any(a.startswith("-") or "=" not in a for a in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = list(args.overrides or []) + extra
+        setattr(args, into, list(getattr(args, into) or []) + extra)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    """Run one command; a failure is one message on stderr (``--debug``: the traceback too) and an exit
+    status: 2 a bad config or input, 3 a run stopped for non-finite values, 1 anything else."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    args = parse_args([a for a in argv if a != "--debug"])
+    if not debug:
+        _quiet_libraries()
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"flowrl {args.command}: config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.command, f"config error: {e}", 2, debug)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.command, f"error: {_text(e)}", 2, debug)
     except FloatingPointError as e:
-        print(f"flowrl {args.command}: stopped: {e}", file=sys.stderr)
-        return 3
+        return _fail(args.command, f"stopped: {e}", 3, debug)
+    except OSError as e:
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return _fail(args.command, f"error: {e.strerror or e}{where}", 1, debug)
+    except Exception as e:  # noqa: BLE001 — anything else is still one message, not a traceback
+        return _fail(args.command, f"error: {type(e).__name__}: {_text(e)}", 1, debug)
+
+
+def _quiet_libraries() -> None:
+    """diffusers' and transformers' loading bars and advisory warnings off: the command's own progress bar and
+    messages are what a user reads (``--debug`` keeps them)."""
+    import diffusers
+    import transformers
+
+    for lib in (diffusers, transformers):
+        lib.utils.logging.set_verbosity_error()
+        lib.utils.logging.disable_progress_bar()
+
+
+def _text(e: BaseException) -> str:
+    """An exception's message (KeyError's without its quotes), at most 2,000 characters."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return text if len(text) <= 2000 else text[:2000] + f"… ({len(text):,} characters)"
+
+
+def _fail(command: str, message: str, status: int, debug: bool) -> int:
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    hint = "" if debug else "\n(add --debug to see the traceback)" if status == 1 else ""
+    print(f"flowrl {command}: {message}{hint}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

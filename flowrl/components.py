@@ -72,6 +72,16 @@ def register(kind: Kind, name: str, target: str | type) -> None:
     section_schema.cache_clear()
 
 
+def name_of(component: Any) -> str:
+    """The registered name of ``component``'s class (``ODEChains`` → ``"ode"``), else its class name."""
+    cls = type(component)
+    for kind in KINDS:
+        for name, target in kind.registry.items():
+            if target is cls or target == f"{cls.__module__}:{cls.__qualname__}":
+                return name
+    return cls.__name__
+
+
 def resolve(kind: Kind, name: str) -> type:
     """The component class behind a registered name, ``module:Class`` or ``file.py:Class``."""
     target: Any = kind.registry.get(name)

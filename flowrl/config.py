@@ -13,6 +13,8 @@ the chosen component's dataclass fields, so the schema is assembled per config b
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import MISSING as NO_DEFAULT, asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,7 +24,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl import components
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, shown
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -112,6 +114,7 @@ class TrainSection:
     checkpoint_every: int = 0  # 0 = only at the end
     keep_last: int = 2
     resume: Optional[str] = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # replace an earlier run of the same name (else starting under a taken name is refused)
     ema: float = 0.0  # EMA decay of trainable weights for eval/saving (0 = off)
     log_with: str = "none"  # none | tensorboard | wandb
     progress: bool = True
@@ -159,13 +162,12 @@ class TrainConfig:
             path = Path(path)
             if not path.is_file():
                 raise ConfigError(f"config file {str(path)!r} does not exist")
-            try:
-                loaded = OmegaConf.load(path)
-            except OmegaConfBaseException as e:
-                raise ConfigError(f"{path}: {e}") from None
+            loaded = _load_yaml(path)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
+        if loaded is not None:
+            _check_sections(loaded, path)
         schema = cls.schema(**_selected_components(loaded, overrides or []))
         base = OmegaConf.structured(schema)
         try:
@@ -178,7 +180,7 @@ class TrainConfig:
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise ConfigError(_unknown_key_message(e, schema)) from None
         except ValidationError as e:
-            raise ConfigError(f"config key {e.full_key!r}: {str(e.msg).splitlines()[0]}") from None
+            raise ConfigError(f"config key {e.full_key!r}: {shown_message(str(e.msg).splitlines()[0])}") from None
         except OmegaConfBaseException as e:
             raise ConfigError(str(e)) from None
         missing = OmegaConf.missing_keys(base)
@@ -227,6 +229,30 @@ class TrainConfig:
         positive("eval.every", self.eval.every, allow_zero=True)
         positive("eval.steps", self.eval.steps)
         positive("model.lora.rank", self.model.lora.rank)
+        positive("model.lora.alpha", self.model.lora.alpha)
+        within("model.lora.dropout", self.model.lora.dropout, 0.0, 1.0)
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.model.device)):
+            raise ConfigError(f"model.device={shown(self.model.device)} is not supported; accepted: auto, cpu, mps, "
+                              "cuda, cuda:N")
+        for key in ("guidance", "true_cfg"):
+            if getattr(self.model, key) is not None:
+                positive(f"model.{key}", getattr(self.model, key), allow_zero=True)
+        for key in ("height", "width", "max_sequence_length"):
+            if getattr(self.model, key) is not None:
+                positive(f"model.{key}", getattr(self.model, key))
+        if len(self.optim.betas) != 2:
+            raise ConfigError(f"optim.betas={list(self.optim.betas)} must be two numbers, e.g. [0.9, 0.999]")
+        for i, beta in enumerate(self.optim.betas):
+            within(f"optim.betas[{i}]", beta, 0.0, 1.0)
+        positive("optim.weight_decay", self.optim.weight_decay, allow_zero=True)
+        positive("optim.eps", self.optim.eps)
+        positive("optim.warmup_steps", self.optim.warmup_steps, allow_zero=True)
+        positive("eval.grid_prompts", self.eval.grid_prompts, allow_zero=True)
+        if self.eval.num_prompts is not None:
+            positive("eval.num_prompts", self.eval.num_prompts)
+        for i, term in enumerate(self.rewards):
+            if not math.isfinite(term.weight):
+                raise ConfigError(f"rewards[{i}].weight={term.weight} must be a finite number")
         if self.train.num_threads is not None:
             positive("train.num_threads", self.train.num_threads)
         name = Path(self.train.name)
@@ -241,6 +267,9 @@ class TrainConfig:
         if self.model.true_cfg is not None and self.model.family != "flux":
             raise ConfigError(f"model.true_cfg={self.model.true_cfg} is FLUX's real CFG; for model.family="
                               f"{self.model.family!r} use model.guidance")
+        if self.train.overwrite and self.train.resume:
+            raise ConfigError(f"train.overwrite=true replaces the run, train.resume={self.train.resume!r} continues "
+                              "it: set one of them")
         if not 0.0 <= self.train.ema < 1.0:
             raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
         built = {kind.section: components.instantiate(kind, getattr(self, kind.section))  # each checks its own fields
@@ -252,16 +281,80 @@ class TrainConfig:
         positive("eval.batch_size", self.eval.batch_size)
 
 
+# Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
+# decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
+RESUME_FREE = ("train.resume", "train.overwrite", "train.max_steps", "train.max_minutes", "train.progress",
+               "train.num_threads", "train.log_with", "train.checkpoint_every", "train.keep_last",
+               "train.async_reward", "model.device", "eval.")
+SHAPE_KEYS = ("model.family", "model.path", "model.full_finetune", "model.lora.rank", "model.lora.targets",
+              "model.height", "model.width")
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every dotted key that differs between two
+    :meth:`TrainConfig.to_dict` trees, except :data:`RESUME_FREE` ones; a key only one side has shows
+    ``None`` on the other."""
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+        return {prefix: tree}
+
+    a, b = flat(saved), flat(current)
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)]
+
+
+def _load_yaml(path: Path) -> Any:
+    """The YAML tree of ``path``; a syntax error names the file, line and column."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: not valid YAML ({problem})") from None
+    except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
+        raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
+                          "model:, rollout:, loss:") from None
+
+
+def _check_sections(loaded: Any, path: Path) -> None:
+    """A config file is a mapping, and each section (``model``, ``rollout``, …) a mapping too."""
+    tree = OmegaConf.to_container(loaded)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a config is a mapping of sections (model:, rollout:, loss:, …), "
+                          f"got a {type(tree).__name__}")
+    mappings = {f.name for f in fields(TrainConfig) if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory())}
+    for key, value in tree.items():
+        if key in mappings and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} in {path} is a section of keys ({key}.…), got {shown(value)}")
+        if key in ("rewards",) and value is not None and not isinstance(value, list):
+            raise ConfigError(f"config key 'rewards' in {path} is a list of rewards, e.g. [{{name: shapes}}], "
+                              f"got {shown(value)}")
+
+
+def shown_message(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
+
+
 def choose(key: str, value: Any, accepted: tuple) -> None:
     if value not in accepted:
         close = difflib.get_close_matches(str(value), [str(a) for a in accepted], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}={value!r} is not supported{hint}; accepted: {list(accepted)}")
+        raise ConfigError(f"{key}={shown(value)} is not supported{hint}; accepted: {list(accepted)}")
 
 
 def positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def within(key: str, value: float, low: float, high: float) -> None:
+    """``low <= value < high``."""
+    if not (math.isfinite(value) and low <= value < high):
+        raise ConfigError(f"{key}={value} must be in [{low:g}, {high:g})")
 
 
 def _selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:

@@ -1,6 +1,12 @@
-"""Errors shown to users."""
+"""Errors shown to users, and how values appear in their messages."""
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
     """A bad configuration key or value; the message names the key, the value and what is accepted."""
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 200k-character prompt is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 30]}…' ({len(str(value)):,} characters)"

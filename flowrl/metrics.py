@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ class MetricsLog:
         if resume_step is None:
             path.write_text("")
         elif path.exists():
-            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [json.dumps(r) for r in self.read() if r.get("step", 0) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -25,9 +26,24 @@ class MetricsLog:
             f.write(json.dumps(clean) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
+        """The records; a line that is not a JSON object (torn by a kill mid-write) is skipped with a warning
+        naming the file and line."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(self.path.read_text(errors="replace").splitlines()):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                warnings.warn(f"{self.path} line {i + 1} is not a metrics record (torn by an interrupted write?); "
+                              "skipped", RuntimeWarning, stacklevel=2)
+                continue
+            records.append(record)
+        return records
 
 
 def plot_reward_curve(records: list[dict[str, Any]], out: Path, key: str = "reward_mean") -> None:

@@ -100,4 +100,6 @@ class Objective:
 
 
 def _name(component) -> str:
-    return type(component).__name__
+    from flowrl.components import name_of
+
+    return name_of(component)

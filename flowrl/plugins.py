@@ -36,10 +36,24 @@ def import_file(path: str, what: str):
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise ImportError(f"{what} {path!r} failed while being imported{_where(e, resolved)}: "
+                              f"{type(e).__name__}: {e}") from e
         except BaseException:
             del sys.modules[mod_name]
             raise
     return module
+
+
+def _where(error: BaseException, file: str) -> str:
+    """`` (line N)``: the deepest line of ``file`` in ``error``'s traceback, or ``""``."""
+    import traceback
+
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == file]
+    if isinstance(error, SyntaxError) and error.lineno:
+        lines.append(error.lineno)
+    return f" (line {lines[-1]})" if lines else ""
 
 
 def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
@@ -64,6 +78,8 @@ def import_module(module_path: str, label: str):
         else:
             msg = f"{label}: module {module_path!r} needs {missing!r}, which is not installed ({e})"
         raise ModuleNotFoundError(msg, name=missing) from e
+    except Exception as e:  # the module itself raised while being imported
+        raise ImportError(f"{label}: module {module_path!r} failed while being imported: {type(e).__name__}: {e}") from e
 
 
 def load_from_module(module_path: str, cls_name: str, label: str) -> type:

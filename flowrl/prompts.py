@@ -14,26 +14,52 @@ from typing import Callable
 
 import torch
 
-from flowrl.config import REPO_ROOT, ConfigError
+from flowrl.config import REPO_ROOT, ConfigError, shown_message
+from flowrl.errors import shown
 from flowrl.rollout.seeding import derive_seed
 
 
 def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
     """Prompts from a text file (one per line; blank lines and ``#`` comments skipped), resolved
     against the working directory and then the repository root, or inline ``"a|b|c"``."""
-    if "|" in spec or not (spec.endswith(".txt") or "/" in spec):
-        prompts = [p.strip() for p in spec.split("|") if p.strip()]
+    return [prompt for _, prompt in read_prompt_lines(spec, key)]
+
+
+def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, str]]:
+    """``(where, prompt)`` pairs of :func:`read_prompts` (``where``: ``"line 51"`` of a file or ``"prompt 3"``
+    of an inline list). ``spec`` is inline when it holds ``|`` or a space and does not look like a path
+    (``.txt``, ``/``); a single word is a file name, so ``prompts.train=nope`` is an error, not one prompt."""
+    looks_like_path = spec.endswith(".txt") or "/" in spec or "\\" in spec
+    if not looks_like_path and ("|" in spec or " " in spec.strip()):
+        pairs = [(f"prompt {i + 1}", p.strip()) for i, p in enumerate(spec.split("|")) if p.strip()]
     else:
         path = Path(spec)
         if not path.is_file() and (REPO_ROOT / spec).is_file():
             path = REPO_ROOT / spec
         if not path.is_file():
-            raise FileNotFoundError(f"{key}={spec!r}: no such prompt file (relative paths are tried from the "
-                                    f"working directory and from {REPO_ROOT})")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    if not prompts:
-        raise ValueError(f"{key}={spec!r} holds no prompts")
-    return prompts
+            raise FileNotFoundError(f"{key}={shown(spec)}: no such prompt file (relative paths are tried from the "
+                                    f"working directory and from {REPO_ROOT}); inline prompts are written "
+                                    "'a red circle|two blue squares'")
+        try:
+            lines = path.read_text().splitlines()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{key}={shown(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+        pairs = [(f"line {i + 1}", line.strip()) for i, line in enumerate(lines)
+                 if line.strip() and not line.lstrip().startswith("#")]
+    if not pairs:
+        raise ValueError(f"{key}={shown(spec)} holds no prompts")
+    return pairs
+
+
+def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
+    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~rewards.Reward.check_prompt`); else a
+    ConfigError naming the key, the line and the prompt."""
+    for where, prompt in read_prompt_lines(spec, key):
+        try:
+            check(prompt)
+        except ValueError as e:
+            raise ConfigError(f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)} cannot be scored: "
+                              f"{shown_message(str(e))}") from None
 
 
 class PromptSource:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -22,12 +23,13 @@ from tqdm.auto import tqdm
 
 from flowrl import build
 from flowrl.checkpoint import list_checkpoints, load_weights, read_state, resolve_resume, save_weights, write_checkpoint
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config import SHAPE_KEYS, ConfigError, TrainConfig, config_changes
+from flowrl.errors import shown
 from flowrl.evaluation import evaluate, save_labelled_grid
 from flowrl.metrics import MetricsLog, plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.objective import Batch
-from flowrl.prompts import build_prompt_source, read_prompts
+from flowrl.prompts import build_prompt_source, check_prompts, read_prompts
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
@@ -72,6 +74,12 @@ class Trainer:
         self.scorer = BackgroundScorer(self.reward, enabled=async_reward)
         self.credit = build.build_credit(config)
         self.plan.setup(self.model, self.reward)
+        check_prompts(config.prompts.train, "prompts.train", self.reward.check_prompt)  # every line, now
+        if config.prompts.eval:
+            check_prompts(config.prompts.eval, "prompts.eval", self.eval_reward.check_prompt)
+        self.reward.check_ready()  # e.g. a remote reward's server answers, before any model time is spent
+        if self.eval_reward is not self.reward:
+            self.eval_reward.check_ready()
         self.prompts = build_prompt_source(config.prompts, config.train.seed)
         self.eval_prompts = read_prompts(config.prompts.eval, "prompts.eval") if config.prompts.eval else []
         if config.eval.num_prompts:
@@ -82,11 +90,41 @@ class Trainer:
         self.step = 0
         self.nonfinite_streak = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
+        self._claimed = False  # whether train() has checked (or replaced) the run folder
 
     # ---- setup ----------------------------------------------------------------------------
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg.train.output_dir) / self.cfg.train.name
+
+    def _check_run_name(self) -> None:
+        """A run folder that already holds a run is continued (``train.resume``) or replaced
+        (``train.overwrite``), never silently reused."""
+        t = self.cfg.train
+        held = [name for name in ("metrics.jsonl", "checkpoints") if (self.run_dir / name).exists()]
+        if held and not t.resume and not t.overwrite:
+            raise ConfigError(f"train.name={t.name!r}: {self.run_dir} already holds a run ({', '.join(held)}); continue "
+                              "it with train.resume=latest, choose another train.name, or replace it with "
+                              "train.overwrite=true")
+
+    @contextlib.contextmanager
+    def _run_folder(self) -> Iterator[None]:
+        """The run folder for one :meth:`train` call: emptied first with ``train.overwrite``; removed again
+        when this call created it and fails before its first iteration (a failed start leaves nothing)."""
+        main = self.accelerator.is_main_process
+        if not self._claimed:  # a second train() call of this trainer continues what the first one wrote
+            self._check_run_name()
+            if main and self.cfg.train.overwrite and self.run_dir.exists():
+                shutil.rmtree(self.run_dir)
+            self._claimed = True
+        self.accelerator.wait_for_everyone()
+        fresh, start = not self.run_dir.exists(), self.step
+        try:
+            yield
+        except Exception:
+            if main and fresh and self.step == start == 0:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
 
     @staticmethod
     def _as_multi(reward: Any, normalize: str = "none"):
@@ -103,7 +141,7 @@ class Trainer:
         if self.cfg.model.full_finetune:
             module.requires_grad_(True)
         else:
-            self.model.add_lora(build.lora_spec(self.cfg.model))
+            build.add_lora(self.model, self.cfg.model)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("no trainable parameters: check model.lora.targets")
@@ -446,6 +484,8 @@ class Trainer:
         for _, path in reversed(found):
             try:
                 state = self._read_intact(path)
+            except ConfigError:  # a refusal (e.g. another LoRA rank), not damage
+                raise
             except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
                 warnings.warn(f"checkpoint {path} is damaged ({str(e).splitlines()[0][:200]}); trying the one before it",
                               RuntimeWarning, stacklevel=2)
@@ -461,10 +501,25 @@ class Trainer:
         """The state of checkpoint ``path`` with its weights loaded into the model; raises when it is damaged
         (unreadable, or non-finite weights)."""
         state = read_state(path)
+        self._check_resumed_config(state.get("config"), path)
         load_weights(self.model, path / "live" if (path / "live").is_dir() else path)
         if not self._weights_finite():
             raise ValueError("its weights are not finite")
         return state
+
+    def _check_resumed_config(self, saved: dict | None, path: Path) -> None:
+        """Name every setting that changed since checkpoint ``path`` was written: a warning, or a ConfigError
+        for one that changes the trained weights' shapes (:data:`~flowrl.config.SHAPE_KEYS`)."""
+        if not isinstance(saved, dict):
+            return
+        changes = config_changes(saved, self.cfg.to_dict())
+        listed = "; ".join(f"{k}: {shown(old, 60)} → {shown(new, 60)}" for k, old, new in changes)
+        shaped = [k for k, _, _ in changes if k in SHAPE_KEYS or k.startswith("model.lora.targets")]
+        if shaped:
+            raise ConfigError(f"cannot resume from {path}: {', '.join(shaped)} changed ({listed}); the checkpoint's "
+                              "weights have other shapes. Resume with the saved values or start a new train.name")
+        if changes and self.accelerator.is_main_process:
+            warnings.warn(f"resuming from {path} with changed settings: {listed}", RuntimeWarning, stacklevel=3)
 
     def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
         """Continue from checkpoint ``path`` (``state``: already read by :meth:`_read_intact`; else it is read
@@ -480,6 +535,14 @@ class Trainer:
         self.prompts.load_state_dict(state.get("prompts"), where=str(path))
         self.objective.load_state_dict(state.get("objective"))
 
+    def _finished(self, log: MetricsLog | None) -> bool:
+        """Whether ``log`` ends with this step's final record (its closing eval, or the step itself without
+        eval prompts): resuming a finished run again adds nothing."""
+        records = log.read() if log is not None else []
+        if not records or records[-1]["step"] != self.step:
+            return False
+        return not self.eval_prompts or any(k.startswith("eval/") for k in records[-1])
+
     # ---- the loop -----------------------------------------------------------------------------
     def out_of_time(self) -> bool:
         """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
@@ -488,10 +551,19 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set);
         returns the metric records of this call."""
+        with self._run_folder():
+            return self._train()
+
+    def _train(self) -> list[dict[str, float]]:
         cfg = self.cfg
         main = self.accelerator.is_main_process
         resume_from = self._resume(cfg.train.resume) if cfg.train.resume else None
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume_from is not None else None) if main else None
+        if resume_from is not None and self.step >= cfg.train.max_steps and self._sum(self._finished(log)) > 0:
+            if main:
+                print(f"the run already finished at step {self.step} (train.max_steps={cfg.train.max_steps}); "
+                      "raise train.max_steps to go on")
+            return []
         if main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if cfg.train.log_with != "none":

@@ -28,6 +28,14 @@ class Reward:
         """Scores float32 [B] for images [B, 3, H, W] in [0, 1]."""
         raise NotImplementedError
 
+    def check_prompt(self, prompt: str) -> None:
+        """Raise ValueError for a prompt this reward cannot score; a run checks every prompt of its files
+        at the start (so a bad line fails at load, with its line number, not when it is drawn)."""
+
+    def check_ready(self) -> None:
+        """Raise when the reward cannot score now (e.g. a server that does not answer); called once at
+        the start of a run, before any model time is spent."""
+
     @torch.no_grad()
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None

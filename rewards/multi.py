@@ -92,7 +92,14 @@ class MultiReward(Reward):
                    ) -> dict[str, torch.Tensor]:
         """Raw scores of every term: name → float32 [B]."""
         meta = {} if meta is None else meta
-        return {r.name: r(images, prompts, meta) for r in self.rewards}
+        out = {}
+        for r in self.rewards:
+            try:
+                out[r.name] = r(images, prompts, meta)
+            except Exception as e:  # name the failing reward; the cause stays chained
+                raise RuntimeError(f"reward {r.name!r} ({type(r).__name__}) failed on {len(prompts)} images: "
+                                   f"{type(e).__name__}: {e}") from e
+        return out
 
     @staticmethod
     def _zscore(x: torch.Tensor) -> torch.Tensor:
@@ -128,3 +135,11 @@ class MultiReward(Reward):
 
     def score(self, images, prompts, meta):
         return self.combine(self.components(images, prompts, meta))
+
+    def check_prompt(self, prompt: str) -> None:
+        for reward in self.rewards:
+            reward.check_prompt(prompt)
+
+    def check_ready(self) -> None:
+        for reward in self.rewards:
+            reward.check_ready()

@@ -198,6 +198,10 @@ class RemoteReward(Reward):
             raise RemoteRewardError(
                 f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})") from e
 
+    def check_ready(self) -> None:
+        """The server answers ``GET /health`` (RemoteRewardError naming the URL otherwise)."""
+        self.health()
+
     # -- one HTTP request ------------------------------------------------------------------------
     def _post(self, payload: bytes) -> bytes:
         req = urllib.request.Request(self.url, data=payload, method="POST",

@@ -406,6 +406,10 @@ class ShapesReward(Reward):
             raise ValueError(f"ShapesReward: mode {mode!r} is not accepted; accepted: {', '.join(MODES)}")
         self.mode = mode
 
+    def check_prompt(self, prompt: str) -> None:
+        """A shapes-world prompt the parser reads (ValueError otherwise)."""
+        _parse(prompt)
+
     def details(self, images: Any, prompts: Sequence[str]) -> dict[str, Any]:
         """Per-image ``task`` (list), ``strict``, ``partial``, ``precise``, ``geneval``, ``colors_found``
         (float32 numpy [B] each)."""

@@ -255,7 +255,7 @@ def test_explore_feeds_the_ode_plan(sd3_model):
     (["loss.objective=nft", "loss.cfg=half"], ["loss.cfg='half'", "free", "guided"]),
     (["loss.objective=nft", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
     (["loss.objective=awm", "loss.t_range=[0.5,0.2]"], ["loss.t_range"]),
-    (["loss.objective=clipped"], ["rollout.plan='ODEChains'", "loss.objective"]),
+    (["loss.objective=clipped"], ["rollout.plan='ode'", "loss.objective='clipped'"]),
     (["rollout.solver=rk4"], ["rollout.solver='rk4'", "euler"]),
 ])
 def test_bad_forward_process_settings_fail_at_load(tmp_path, overrides, words):
