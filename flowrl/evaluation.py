@@ -105,3 +105,47 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             line = f"{line} {word}".strip()
     return lines + ([line] if line else [])
+
+
+class HeldOutEval:
+    """The run's evals on its held-out prompts (``eval.*``), this process's share, metrics averaged over
+    processes: at the guidance the policy samples with (``eval/…``) and, before and after training, at the
+    model's default guidance when it differs (``eval_default/…``); labelled grids in ``samples/``."""
+
+    def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path,
+                 policy_guidance: float):
+        self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
+        self.prompts = list(prompts)[group.rank::group.world]
+        self.any = bool(prompts)
+        self.policy_guidance = policy_guidance
+
+    def guidances(self, periodic: bool = False) -> list[tuple[str, float]]:
+        """(metric prefix, guidance) of an eval: ``eval`` at ``eval.guidance`` (default: the guidance the
+        policy samples with) and, with ``eval.default_guidance``, ``eval_default`` at the model's default
+        guidance when it differs (a CFG-free policy is also measured where the base model is used) — before
+        and after training, not at the ``periodic`` evals of ``eval.every``."""
+        e = self.e
+        main = float(e.guidance) if e.guidance is not None else self.policy_guidance
+        out = [("eval", main)]
+        if e.default_guidance and not periodic and float(self.model.guidance) != main:
+            out.append(("eval_default", float(self.model.guidance)))
+        return out
+
+    def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
+        """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``)."""
+        if not self.any:
+            return {}
+        e = self.e
+        self.model.trainable.eval()
+        out: dict[str, float] = {}
+        for prefix, guidance in self.guidances(periodic=tag is None):
+            metrics, images = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance,
+                                       seed=e.seed + self.group.rank, max_batch=e.batch_size, keep_images=e.grid_prompts,
+                                       images_per_prompt=e.images_per_prompt, prefix=prefix)
+            n = len(self.prompts)
+            out.update({k: self.group.sum(v * n) / self.group.sum(n) for k, v in metrics.items()})
+            out[f"{prefix}/guidance"] = guidance
+            if self.group.is_main and images.numel():
+                name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
+                save_labelled_grid(images, self.prompts, self.reward, self.samples / f"{name}.png")
+        return out

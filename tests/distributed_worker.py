@@ -29,7 +29,7 @@ def main(out: str) -> None:
         forest, _ = trainer.rollout(it)
         drawn.append(trainer.prompts.batch(it))
         trainer._observe_spread(forest)
-        trainer.credit.assign(forest, gather=trainer._gather)
+        trainer.credit.assign(forest, gather=trainer.group.gather)
         advantages.append(forest.advantage[forest.leaves()].clone())
         records.append(trainer.update(forest, it))
     lora = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}

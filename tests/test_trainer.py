@@ -155,7 +155,7 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
     one = Trainer(tiny_config(tmp_path, "one", "prompts.per_step=4"), model=make_model("sd3"))
     two = Trainer(tiny_config(tmp_path, "two", "prompts.per_step=4", "rollout.chunks=2", "train.async_reward=true"),
                   model=make_model("sd3"))
-    assert two.scorer.enabled
+    assert two.runner.scorer.enabled
     fa, _ = one.rollout(0)
     fb, _ = two.rollout(0)
     assert fa.prompts == fb.prompts and fa.num_nodes == fb.num_nodes

@@ -75,6 +75,14 @@ class RolloutPlan:
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         raise NotImplementedError
 
+    def state_dict(self) -> dict | None:
+        """The plan's own state for checkpoints (None: none). Copies of the policy need none: after a resume
+        loads the weights the loop calls :meth:`after_update`, as after any change of the weights."""
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what :meth:`state_dict` returned (called before :meth:`after_update` on resume)."""
+
     def metrics(self, forest: Forest) -> dict[str, float]:
         """Statistics of a rolled-out and scored ``forest`` for the metrics log (e.g. how well an
         explorer's preview ranked the regenerated samples); called before credit. Default: none."""

@@ -1,0 +1,54 @@
+"""The processes of a run, as the loop, credit rules and prompt sources see them: one object for
+gathering tensors, summing numbers and averaging gradients over an accelerate process group (with one
+process every call is the identity, so the single-process path has no collective in it)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class ProcessGroup:
+    """``world`` processes, this one ``rank``; the main process (rank 0) writes the run's files."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.is_main = accelerator.is_main_process
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every process's ``t`` [n, ...] concatenated in rank order [world·n, ...], on the CPU."""
+        if self.world == 1:
+            return t
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+
+    def sum(self, value: float) -> float:
+        """``value`` summed over processes."""
+        if self.world == 1:
+            return float(value)
+        t = torch.tensor([float(value)], device=self.accelerator.device)
+        return float(self.accelerator.reduce(t, reduction="sum").item())
+
+    def mean(self, value: float) -> float:
+        return self.sum(value) / self.world
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace every ``p.grad`` by its mean over processes (one flat all-reduce; a missing grad counts 0)."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.accelerator.device)
+        flat = self.accelerator.reduce(flat, reduction="mean")
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset: offset + g.numel()].view_as(g).to(p.device, p.dtype)
+            offset += g.numel()
+
+    def shard(self, items: list) -> tuple[list, int]:
+        """This process's contiguous share of ``items`` (len divisible by ``world``) and its first index."""
+        k = len(items) // self.world
+        return items[self.rank * k:(self.rank + 1) * k], self.rank * k
+
+    def wait(self) -> None:
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,217 @@
+"""The update of one iteration: optimizer steps over the objective's micro-batches of a forest.
+
+The objective (:mod:`flowrl.objective`) says what it trains on, cuts its micro-batches and computes their
+loss; the :class:`Updater` only zero-grads, back-propagates (each micro-batch weighted by its share of all
+processes' units), averages gradients over processes, clips, and steps — skipping a step whose loss or
+gradient is not finite. It also owns what changes with the weights: the optimizer, the learning-rate
+schedule and the EMA of the weights used for evals and saving.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.objective import Batch, Objective
+from flowrl.process_group import ProcessGroup
+from flowrl.rollout.forest import Forest
+from flowrl.rollout.seeding import derive_seed
+
+
+class Updater:
+    """Optimizer, schedule and EMA of ``params``; :meth:`update` runs ``train.inner_epochs`` ×
+    ``train.updates_per_epoch`` optimizer steps of ``objective`` on one forest."""
+
+    MAX_NONFINITE_STREAK = 3  # optimizer steps skipped in a row before the run stops
+
+    def __init__(self, cfg: TrainConfig, model, objective: Objective, plan, params: list[torch.nn.Parameter],
+                 group: ProcessGroup):
+        self.cfg, self.model, self.objective, self.plan = cfg, model, objective, plan
+        self.params, self.group = params, group
+        self.optimizer = self._make_optimizer()
+        self.scheduler = self._make_scheduler()
+        self.ema = [p.detach().clone() for p in params] if cfg.train.ema > 0 else None
+        self.nonfinite_streak = 0
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        kwargs = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+        if o.use_8bit:
+            try:
+                import bitsandbytes as bnb
+            except ImportError as e:
+                raise ConfigError("optim.use_8bit=true needs bitsandbytes: pip install 'flowrl[quant]'") from e
+            return bnb.optim.AdamW8bit(self.params, **kwargs)
+        return torch.optim.AdamW(self.params, **kwargs)
+
+    def _make_scheduler(self):
+        from diffusers.optimization import get_scheduler
+
+        o, t = self.cfg.optim, self.cfg.train
+        name = "constant_with_warmup" if o.schedule == "constant" else o.schedule
+        total = max(1, t.max_steps * t.inner_epochs * t.updates_per_epoch)
+        return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
+
+    # ---- back-propagation ---------------------------------------------------------------------
+    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float]) -> int:
+        """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
+        step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
+        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). Returns the
+        units seen."""
+        count = 0
+        extremes = self.objective.extremes
+        for b in part:
+            loss, diag = self.objective.loss(self.model, forest, b, cond)
+            (loss * (b.size * self.group.world / n_global)).backward()
+            for k, v in diag.items():
+                fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
+            count += b.size
+        return count
+
+    def update(self, forest: Forest, iteration: int) -> dict[str, float]:
+        """Inner epochs of optimizer steps over the objective's micro-batches of ``forest``; returns the
+        diagnostics (the objective's, averaged per unit; its ``first_step_*`` before any weight changed;
+        grad norm, skipped steps, units trained, lr)."""
+        cfg, objective = self.cfg, self.objective
+        extremes = objective.extremes
+        self.model.trainable.train()
+        cond = objective.encode(self.model, forest)
+        batches = objective.batches(forest, iteration, cfg.train.seed)
+        diag_sums: dict[str, float] = {}
+        aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
+        first = {f"first_step_{k}": 0.0 for k in objective.first_step_keys}
+        diag_count = aux_steps = skipped = 0
+        grad_norms = []
+        for epoch in range(cfg.train.inner_epochs):
+            order = batches
+            if epoch > 0:
+                gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, "shuffle", epoch))
+                order = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+            U = cfg.train.updates_per_epoch
+            for u in range(U):
+                part = order[u * len(order) // U:(u + 1) * len(order) // U]
+                n_global = self.group.sum(sum(b.size for b in part))
+                if n_global == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                step_sums: dict[str, float] = {}
+                seen = self._backward(forest, cond, part, n_global, step_sums)
+                diag_count += seen
+                if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
+                    first = {f"first_step_{k}": step_sums.get(k, 0.0) / (1 if k in extremes else max(seen, 1))
+                             for k in objective.first_step_keys}
+                aux = objective.auxiliary(self.model, forest, cond)
+                if aux is not None:
+                    aux[0].backward()
+                    for k, v in aux[1].items():
+                        aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
+                    aux_steps += 1
+                for k, v in step_sums.items():
+                    fold(diag_sums, k, v, extremes)
+                grad_norm = self._step(iteration)
+                if grad_norm is None:
+                    skipped += 1
+                else:
+                    grad_norms.append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v if k in extremes else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
+        out.update({k: v / aux_steps for k, v in aux_sums.items()})
+        out.update(first)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out["skipped_steps"] = float(skipped)
+        out[f"trained_{objective.trains_on}"] = self.group.sum(sum(b.size for b in batches))
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _step(self, iteration: int) -> float | None:
+        """Average, clip and apply the gradients; the gradient norm, or None for a skipped step."""
+        self.group.average_gradients(self.params)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
+        if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
+            self._skip_step(iteration)
+            return None
+        self.nonfinite_streak = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        self._update_ema()
+        self.plan.after_update(self.model)
+        self.objective.after_update(self.model)
+        return grad_norm
+
+    def _skip_step(self, iteration: int) -> None:
+        """Drop a step whose loss or gradient is not finite (warned, counted); several in a row stop the run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak += 1
+        warnings.warn(f"iteration {iteration}: the loss or gradient is not finite; optimizer step skipped "
+                      f"({self.nonfinite_streak} in a row)", RuntimeWarning, stacklevel=3)
+        if self.nonfinite_streak >= self.MAX_NONFINITE_STREAK:
+            raise FloatingPointError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                                     f"(iteration {iteration}); the weights were left as they were before them. Check the "
+                                     "reward's values, optim.lr and model.dtype")
+
+    def gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
+        """The objective's gradient over all of ``forest``, flat [P] over ``params`` (mean over processes,
+        before clipping), without changing any weight."""
+        self.model.trainable.train()
+        cond = self.objective.encode(self.model, forest)
+        batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
+        self.optimizer.zero_grad(set_to_none=True)
+        n_global = self.group.sum(sum(b.size for b in batches))
+        if n_global > 0:
+            self._backward(forest, cond, batches, n_global, {})
+            self.group.average_gradients(self.params)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                          for p in self.params])
+        self.optimizer.zero_grad(set_to_none=True)
+        return flat
+
+    # ---- EMA ------------------------------------------------------------------------------------
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        d = self.cfg.train.ema
+        with torch.no_grad():
+            for e, p in zip(self.ema, self.params):
+                e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Temporarily load the EMA weights into the model (no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        live = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, e in zip(self.params, self.ema):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.params, live):
+                    p.copy_(saved)
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "ema": self.ema}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
+
+
+def fold(sums: dict[str, float], key: str, value: float, extremes: dict) -> None:
+    """Accumulate one diagnostic: the objective's extremes combine by min/max, the rest add (size-weighted sums)."""
+    if key in extremes and key in sums:
+        sums[key] = extremes[key](sums[key], value)
+    else:
+        sums[key] = sums.get(key, 0.0) + value
