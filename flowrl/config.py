@@ -13,8 +13,6 @@ the chosen component's dataclass fields, so the schema is assembled per config b
 from __future__ import annotations
 
 import difflib
-import math
-import re
 from dataclasses import MISSING as NO_DEFAULT, asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -24,9 +22,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl import components
-from flowrl.errors import ConfigError, shown
+from flowrl.errors import REPO_ROOT, ConfigError, shown, shown_message
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"  # the main job (`flowrl train` with no config)
 
@@ -125,7 +122,6 @@ class TrainSection:
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
 CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
 LossSection = components.section_schema(components.LOSS, components.LOSS.default)
-REWARD_NORMALIZE = ("none", "batch", "group")
 MOVED_KEYS = {"credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
                                         "prompt group before the weighted sum) with credit.scale: none"}
 
@@ -206,102 +202,10 @@ class TrainConfig:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 
     def validate(self) -> None:
-        """Checks that need no model: choices and ranges, each naming its key."""
-        choose("model.family", self.model.family, ("shapes", "sd3", "flux", "sana"))
-        choose("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        choose("reward_normalize", self.reward_normalize, REWARD_NORMALIZE)
-        choose("optim.schedule", self.optim.schedule, ("constant", "linear", "cosine"))
-        choose("train.log_with", self.train.log_with, ("none", "tensorboard", "wandb"))
-        positive("train.max_steps", self.train.max_steps, allow_zero=True)
-        positive("train.max_minutes", self.train.max_minutes, allow_zero=True)
-        positive("train.inner_epochs", self.train.inner_epochs)
-        positive("train.updates_per_epoch", self.train.updates_per_epoch)
-        positive("prompts.per_step", self.prompts.per_step)
-        choose("prompts.sampling", self.prompts.sampling, ("epoch", "adaptive"))
-        from flowrl.prompts import check_adaptive_settings  # prompts imports this module
+        """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config_checks`)."""
+        from flowrl.config_checks import check_config
 
-        check_adaptive_settings(self.prompts.adaptive_floor, self.prompts.adaptive_decay)
-        positive("rollout.max_batch", self.rollout.max_batch)
-        positive("rollout.chunks", self.rollout.chunks)
-        positive("optim.grad_clip", self.optim.grad_clip)  # ≤ 0 would reverse or zero every update
-        positive("train.checkpoint_every", self.train.checkpoint_every, allow_zero=True)
-        positive("train.keep_last", self.train.keep_last, allow_zero=True)
-        positive("eval.every", self.eval.every, allow_zero=True)
-        positive("eval.steps", self.eval.steps)
-        positive("model.lora.rank", self.model.lora.rank)
-        positive("model.lora.alpha", self.model.lora.alpha)
-        within("model.lora.dropout", self.model.lora.dropout, 0.0, 1.0)
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.model.device)):
-            raise ConfigError(f"model.device={shown(self.model.device)} is not supported; accepted: auto, cpu, mps, "
-                              "cuda, cuda:N")
-        for key in ("guidance", "true_cfg"):
-            if getattr(self.model, key) is not None:
-                positive(f"model.{key}", getattr(self.model, key), allow_zero=True)
-        for key in ("height", "width", "max_sequence_length"):
-            if getattr(self.model, key) is not None:
-                positive(f"model.{key}", getattr(self.model, key))
-        if len(self.optim.betas) != 2:
-            raise ConfigError(f"optim.betas={list(self.optim.betas)} must be two numbers, e.g. [0.9, 0.999]")
-        for i, beta in enumerate(self.optim.betas):
-            within(f"optim.betas[{i}]", beta, 0.0, 1.0)
-        positive("optim.weight_decay", self.optim.weight_decay, allow_zero=True)
-        positive("optim.eps", self.optim.eps)
-        positive("optim.warmup_steps", self.optim.warmup_steps, allow_zero=True)
-        positive("eval.grid_prompts", self.eval.grid_prompts, allow_zero=True)
-        if self.eval.num_prompts is not None:
-            positive("eval.num_prompts", self.eval.num_prompts)
-        for i, term in enumerate(self.rewards):
-            if not math.isfinite(term.weight):
-                raise ConfigError(f"rewards[{i}].weight={term.weight} must be a finite number")
-        if self.train.num_threads is not None:
-            positive("train.num_threads", self.train.num_threads)
-        name = Path(self.train.name)
-        if not self.train.name or name.is_absolute() or ".." in name.parts:
-            raise ConfigError(f"train.name={self.train.name!r} must be a plain folder name inside train.output_dir "
-                              "(no '..', not an absolute path)")
-        self.train.async_reward = str(self.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"
-        choose("train.async_reward", self.train.async_reward, ("auto", "true", "false"))
-        positive("optim.lr", self.optim.lr)
-        if not self.rewards:
-            raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
-        if self.model.true_cfg is not None and self.model.family != "flux":
-            raise ConfigError(f"model.true_cfg={self.model.true_cfg} is FLUX's real CFG; for model.family="
-                              f"{self.model.family!r} use model.guidance")
-        if self.train.overwrite and self.train.resume:
-            raise ConfigError(f"train.overwrite=true replaces the run, train.resume={self.train.resume!r} continues "
-                              "it: set one of them")
-        if not 0.0 <= self.train.ema < 1.0:
-            raise ConfigError(f"train.ema={self.train.ema} must be in [0, 1)")
-        built = {kind.section: components.instantiate(kind, getattr(self, kind.section))  # each checks its own fields
-                 for kind in components.KINDS}
-        objective = built[components.LOSS.section]
-        objective.check_plan(built[components.PLAN.section])  # e.g. a policy objective on ODE rollouts
-        objective.rollout_guidance(self.model.guidance)  # e.g. CFG-free training with a guided rollout
-        positive("eval.images_per_prompt", self.eval.images_per_prompt)
-        positive("eval.batch_size", self.eval.batch_size)
-
-
-# Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
-# decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
-RESUME_FREE = ("train.resume", "train.overwrite", "train.max_steps", "train.max_minutes", "train.progress",
-               "train.num_threads", "train.log_with", "train.checkpoint_every", "train.keep_last",
-               "train.async_reward", "model.device", "eval.")
-SHAPE_KEYS = ("model.family", "model.path", "model.full_finetune", "model.lora.rank", "model.lora.targets",
-              "model.height", "model.width")
-
-
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(key, saved value, current value)`` for every dotted key that differs between two
-    :meth:`TrainConfig.to_dict` trees, except :data:`RESUME_FREE` ones; a key only one side has shows
-    ``None`` on the other."""
-    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(tree, dict):
-            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
-        return {prefix: tree}
-
-    a, b = flat(saved), flat(current)
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)]
+        check_config(self)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -333,28 +237,6 @@ def _check_sections(loaded: Any, path: Path) -> None:
         if key in ("rewards",) and value is not None and not isinstance(value, list):
             raise ConfigError(f"config key 'rewards' in {path} is a list of rewards, e.g. [{{name: shapes}}], "
                               f"got {shown(value)}")
-
-
-def shown_message(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
-
-
-def choose(key: str, value: Any, accepted: tuple) -> None:
-    if value not in accepted:
-        close = difflib.get_close_matches(str(value), [str(a) for a in accepted], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}={shown(value)} is not supported{hint}; accepted: {list(accepted)}")
-
-
-def positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-def within(key: str, value: float, low: float, high: float) -> None:
-    """``low <= value < high``."""
-    if not (math.isfinite(value) and low <= value < high):
-        raise ConfigError(f"{key}={value} must be in [{low:g}, {high:g})")
 
 
 def _selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:

@@ -1,5 +1,9 @@
-"""Errors shown to users, and how values appear in their messages."""
+"""Errors shown to users, how values appear in their messages, and where the repository lies."""
 from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # relative config and prompt paths are also tried from here
 
 
 class ConfigError(ValueError):
@@ -10,3 +14,8 @@ def shown(value: object, limit: int = 120) -> str:
     """``repr(value)`` cut to ``limit`` characters (a 200k-character prompt is not echoed whole)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 30]}…' ({len(str(value)):,} characters)"
+
+
+def shown_message(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters, with its length when cut."""
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"

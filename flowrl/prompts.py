@@ -14,8 +14,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.config import REPO_ROOT, ConfigError, shown_message
-from flowrl.errors import shown
+from flowrl.errors import REPO_ROOT, ConfigError, shown, shown_message
 from flowrl.rollout.seeding import derive_seed
 
 

@@ -83,7 +83,8 @@ def main() -> None:
 
     from flowrl import load_shapes_model
     from flowrl.config import CONFIG_DIR
-    from flowrl.precision import available_backends, make_explorer
+    from flowrl.explorer import make_explorer
+    from flowrl.precision import available_backends
     from flowrl.prompts import read_prompts
     from flowrl.rollout.seeding import derive_seed
     from flowrl.scoring import decode

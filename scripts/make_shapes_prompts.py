@@ -1,4 +1,4 @@
-"""Write the shapes world's prompt files from :func:`flowrl.shapes.world.prompt_sets`.
+"""Write the shapes world's prompt files from :func:`flowrl.shapes.prompt_sets.prompt_sets`.
 
     python scripts/make_shapes_prompts.py                 # configs/shapes/prompts/{train,eval}.txt, seed 0
     python scripts/make_shapes_prompts.py --check         # exit 1 if the files differ from prompt_sets(0)
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.shapes.world import held_out_pairs, prompt_sets  # noqa: E402
+from flowrl.shapes.prompt_sets import held_out_pairs, prompt_sets  # noqa: E402
 
 DEFAULT_OUT = ROOT / "configs" / "shapes" / "prompts"
 

@@ -7,7 +7,7 @@ Stages (each with its own time budget, ``--minutes VAE TRANSFORMER``):
    Then ``shift_factor`` / ``scaling_factor`` are set to the mean and 1 / std of sampled latents,
    and the detector is run on reconstructions of the held-out eval renders (an upper bound for
    the generator).
-2. Latents: ``--dataset-size`` renders of the *train* prompts (world.prompt_sets: task-balanced, the
+2. Latents: ``--dataset-size`` renders of the *train* prompts (prompt_sets.prompt_sets: task-balanced, the
    held-out colour–shape pairs never appear) are encoded once; the posterior mean and std are kept,
    so each step draws a fresh posterior sample without running the encoder.
 3. Transformer + both CLIP text encoders, jointly: rectified flow (x_t = (1 - t)·x0 + t·ε, target
@@ -54,7 +54,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.shapes import world  # noqa: E402
+from flowrl.shapes import prompt_sets, world  # noqa: E402
 from flowrl.shapes.caption_noise import KINDS, CaptionNoise  # noqa: E402
 from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, MAX_SEQUENCE_LENGTH,  # noqa: E402
                                     build_shapes_pipeline, write_generation_defaults)
@@ -324,7 +324,7 @@ def encode_dataset(vae, train_prompts: list[str], args, log: dict) -> tuple[torc
     noise = CaptionNoise.parse(args.caption_noise)
     if noise.any():  # draw each image from its caption's spec or a one-fact-wrong version of it
         noise_rng = np.random.default_rng([args.seed, 31])
-        held = world.held_out_pairs(args.seed)
+        held = prompt_sets.held_out_pairs(args.seed)
         drawn = [noise.apply(specs[k], noise_rng, held) for k in idx]
         kinds = [kind for _, kind in drawn]
         log["caption_noise"] = {"setting": asdict(noise), "images": len(drawn),
@@ -519,13 +519,13 @@ def main(argv=None) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    train_prompts, eval_prompts = world.prompt_sets(args.seed)
+    train_prompts, eval_prompts = prompt_sets.prompt_sets(args.seed)
     if args.eval_size is not None:
         eval_prompts = eval_prompts[:args.eval_size]
     log: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                  "torch": torch.__version__, "threads": args.threads,
                  "clip_max_length": CLIP_MAX_LENGTH, "max_sequence_length": MAX_SEQUENCE_LENGTH,
-                 "held_out_pairs": world.held_out_pairs(args.seed),
+                 "held_out_pairs": prompt_sets.held_out_pairs(args.seed),
                  "n_train_prompts": len(train_prompts), "n_distinct_train_prompts": len(set(train_prompts)),
                  "n_eval_prompts": len(eval_prompts)}
 

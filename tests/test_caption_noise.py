@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowrl.shapes import world
+from flowrl.shapes import prompt_sets, world
 from flowrl.shapes.caption_noise import KINDS, CaptionNoise, corrupt
 from rewards.shapes import ShapesReward
 
@@ -31,8 +31,8 @@ def test_swap_never_draws_a_held_out_pair():
 
 
 def test_rates_follow_the_setting_and_wrong_images_fail_the_checker():
-    train, _ = world.prompt_sets(0)
-    held = world.held_out_pairs(0)
+    train, _ = prompt_sets.prompt_sets(0)
+    held = prompt_sets.held_out_pairs(0)
     noise = CaptionNoise(count=0.7, mirror=0.7, swap=1.0, drop=0.5)
     rng = np.random.default_rng(0)
     flipped = {k: 0 for k in KINDS}

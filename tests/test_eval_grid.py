@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from flowrl.evaluation import save_labelled_grid
-from flowrl.shapes import world
+from flowrl.shapes import prompt_sets, world
 from rewards import MultiReward
 
 
@@ -27,7 +27,7 @@ def _marks(path, n: int, ncol: int = 4) -> list[str]:
 
 def test_grid_marks_each_image_with_the_eval_rewards_verdict(tmp_path):
     rng = np.random.default_rng(0)
-    prompts = world.prompt_sets(0)[1][:6]
+    prompts = prompt_sets.prompt_sets(0)[1][:6]
     images = torch.from_numpy(np.stack([world.render(world.parse(p), rng) for p in prompts])).permute(0, 3, 1, 2).float() / 255
     images[2] = 0  # a blank image fails its prompt
     images[5] = images[5].flip(-1).flip(-2) if "left of" in prompts[5] or "above" in prompts[5] else 0

@@ -10,7 +10,7 @@ import torch
 from flowrl.config import TrainConfig
 from flowrl.errors import ConfigError
 from flowrl.models.base import LoraSpec
-from flowrl.precision import make_explorer
+from flowrl.explorer import make_explorer
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.explore import Explore, kendall, select_seeds, spearman

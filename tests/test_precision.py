@@ -1,4 +1,4 @@
-"""Explorer copies (flowrl/precision.py): closeness to full precision per backend this machine runs, the
+"""Explorer copies (flowrl/explorer.py, flowrl/precision.py): closeness to full precision per backend this machine runs, the
 documented error for the others, skip lists and layer sizes, and following the weights after updates."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.models.base import LoraSpec
-from flowrl.precision import (BACKENDS, DEFAULT_SKIP, available_backends, check_backend, make_explorer,
-                              quantize_linear, unavailable_reason)
+from flowrl.explorer import make_explorer
+from flowrl.precision import BACKENDS, DEFAULT_SKIP, available_backends, check_backend, quantize_linear, unavailable_reason
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from flowrl.shapes import world
+from flowrl.shapes import prompt_sets, world
 from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, CONFIG_FILE, MAX_SEQUENCE_LENGTH, SHIPPED_DIR,
                                     build_shapes_pipeline, generation_defaults, load_shapes_pipeline)
 from rewards.shapes import ShapesReward
@@ -51,7 +51,7 @@ def test_tokenizer_one_token_per_word(untrained, shipped):
             ids[word] = enc[1]
         assert len(set(ids.values())) == len(ids)                # distinct words, distinct tokens
     # Longest prompt form still fits (BOS + 8 words + EOS ≤ CLIP_MAX_LENGTH).
-    longest = max(world.prompt_sets(0)[0], key=lambda p: len(p.split()))
+    longest = max(prompt_sets.prompt_sets(0)[0], key=lambda p: len(p.split()))
     assert len(pipe.tokenizer(longest).input_ids) <= CLIP_MAX_LENGTH
 
 

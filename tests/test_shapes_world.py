@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from flowrl.shapes import world
-from flowrl.shapes.world import (CANVAS, COLORS, SHAPES, TASKS, ObjectSpec, Spec, parse,
-                                 prompt_sets, render, sample_spec, to_prompt, vocabulary)
+from flowrl.shapes import prompt_sets as sets
+from flowrl.shapes.prompt_sets import prompt_sets
+from flowrl.shapes.world import (CANVAS, COLORS, SHAPES, TASKS, ObjectSpec, Spec, parse, render, sample_spec,
+                                 to_prompt, vocabulary)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_DIR = ROOT / "configs" / "shapes" / "prompts"
@@ -100,7 +102,7 @@ def test_invalid_specs_are_rejected(spec, named):
 def test_sample_spec_is_deterministic_and_respects_exclude():
     a = [sample_spec(np.random.default_rng(5)) for _ in range(3)]
     assert a[0] == a[1] == a[2]
-    exclude = world.held_out_pairs(0)
+    exclude = sets.held_out_pairs(0)
     rng = np.random.default_rng(1)
     for task in TASKS:
         for _ in range(200):
@@ -156,17 +158,17 @@ def _pairs_in(prompt: str) -> set[tuple[str, str]]:
 
 def test_prompt_sets_hold_out_pairs_and_are_disjoint():
     train, eval_ = prompt_sets(0)
-    held = set(world.held_out_pairs(0))
-    assert len(held) == world.N_HELD_OUT
-    assert len({s for s, _ in held}) == len({c for _, c in held}) == world.N_HELD_OUT
+    held = set(sets.held_out_pairs(0))
+    assert len(held) == sets.N_HELD_OUT
+    assert len({s for s, _ in held}) == len({c for _, c in held}) == sets.N_HELD_OUT
     assert not any(_pairs_in(p) & held for p in train)
     assert not set(train) & set(eval_)
     assert 300 <= len(set(train)) and len(train) <= 5000
-    assert len(eval_) == 5 * world.EVAL_PER_TASK == 240
+    assert len(eval_) == 5 * sets.EVAL_PER_TASK == 240
     eval_tasks = Counter(parse(p).task for p in eval_)
-    assert set(eval_tasks.values()) == {world.EVAL_PER_TASK}
+    assert set(eval_tasks.values()) == {sets.EVAL_PER_TASK}
     train_tasks = Counter(parse(p).task for p in train)
-    assert set(train_tasks.values()) == {world.TRAIN_PER_TASK}
+    assert set(train_tasks.values()) == {sets.TRAIN_PER_TASK}
     for task in TASKS:  # every task tests both novel pairs and unseen compositions of seen pairs
         prompts = {p for p in eval_ if parse(p).task == task}
         assert any(_pairs_in(p) & held for p in prompts)

@@ -455,14 +455,6 @@ class FlowModel:
         with torch.no_grad():
             set_peft_model_state_dict(module, state, adapter_name="default")
 
-    def sample(self, prompts: Sequence[str], plan, generator_seed: int = 0, guidance: float | None = None,
-               max_batch: int = 64):
-        """SDE sampling with log-probs by a rollout plan (``flowrl.Chains(...)``, trees, explore):
-        returns ``SampleOutput(images [L, 3, H, W], forest)``. Same as :func:`flowrl.sample`."""
-        from flowrl.rollout.sampling import sample_with_plan
-
-        return sample_with_plan(self, prompts, plan, seed=generator_seed, guidance=guidance, max_batch=max_batch)
-
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Within this context the model computes the reference (base) policy: LoRA disabled.

@@ -4,7 +4,7 @@ Per prompt group, every iteration:
 
 1. **pool**: N seeds (``pool``, default 4·K), seed n of global group g = ``derive_seed(run seed,
    iteration, "explore", g, n)``; x_T = ``model.noise([seed])`` (bit-exact on any device);
-2. **preview**: an ODE of ``preview_steps`` Euler steps with the explorer (:mod:`flowrl.precision`:
+2. **preview**: an ODE of ``preview_steps`` Euler steps with the explorer (:mod:`flowrl.explorer`:
    ``same`` precision with fewer steps, or a low-precision copy that follows the live weights);
 3. **score** the N previews with the run's reward (the MultiReward the trainer passes to ``setup``);
 4. **select** K seeds (K = the inner plan's :meth:`~flowrl.rollout.base.RolloutPlan.root_count`, e.g.
@@ -229,7 +229,8 @@ class Explore(RolloutPlan):
     # ---- lifecycle --------------------------------------------------------------------------
     def setup(self, model, reward=None) -> None:
         """Set up the inner plan, keep the reward (it scores the preview pool) and build the explorer."""
-        from flowrl.precision import check_backend, make_explorer
+        from flowrl.explorer import make_explorer
+        from flowrl.precision import check_backend
 
         self.inner_plan.setup(model, reward)
         if isinstance(reward, str):
@@ -250,7 +251,7 @@ class Explore(RolloutPlan):
 
     @property
     def explorer(self):
-        """The :class:`~flowrl.precision.Explorer`, synced with the live weights."""
+        """The :class:`~flowrl.explorer.Explorer`, synced with the live weights."""
         if self._explorer is None:
             raise RuntimeError("Explore.setup(model, reward) must run before the explorer is used")
         if self._stale:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # the models import this module lazily (FlowModel.sample): no import cycle
+if TYPE_CHECKING:
     from flowrl.models.base import FlowModel
     from flowrl.rollout.forest import Forest
 

@@ -1,0 +1,114 @@
+"""No import cycle between the modules of flowrl/ and rewards/: every ``import`` / ``from … import`` counts,
+at module level or inside a function (a function-level import only hides a cycle until it runs).
+``if TYPE_CHECKING:`` blocks are annotations only and do not count."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("flowrl", "rewards")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports (a package import counts as its ``__init__``)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:  # flowrl.rollout.forest.Forest → flowrl.rollout.forest
+                name = name.rpartition(".")[0]
+            if name and name != this:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    known = {module_name(p) for p in files}
+    return {module_name(p): imports_of(p, known) for p in files}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "x.py").write_text("def f():\n    from pkg import y\n")
+    (pkg / "y.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import x\n")
+    known = {"pkg.x", "pkg.y", "pkg"}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert imports_of(pkg / "x.py", known) == {"pkg", "pkg.y"}
+        assert imports_of(pkg / "y.py", known) == set()  # annotations only
+    finally:
+        ROOT = saved
+
+
+def test_no_import_cycle_in_flowrl_and_rewards():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
