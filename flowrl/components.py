@@ -162,3 +162,46 @@ def instantiate(kind: Kind, section: Any) -> Any:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def build_nested(kind: Kind, name: str, args: list[str] | dict[str, Any] | None, *, name_key: str,
+                 args_key: str, refuse: type | None = None) -> Any:
+    """A component that another one wraps (e.g. ``rollout.inner`` / ``rollout.inner_args`` of a probed or an
+    explore plan): ``name`` (registry name, ``module:Class`` or ``file.py:Class``) built from ``args`` —
+    ``key=value`` items (dotted keys for nested fields, e.g. ``window.mode=random``), as on the command
+    line, or a mapping — checked against that component's own fields like a section of the config.
+    Errors name ``name_key`` / ``args_key``; a subclass of ``refuse`` (a wrapper wrapping its own kind) is
+    refused before its keys are read."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    try:
+        cls = resolve(kind, name)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(f"{kind.key}=", f"{name_key}=", 1)) from None
+    if refuse is not None and issubclass(cls, refuse):
+        raise ConfigError(f"{name_key}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot wrap another "
+                          "one; name the component to wrap")
+    fields = [f.name for f in component_fields(cls)]
+    if args is None:
+        args = {}
+    if isinstance(args, dict) or hasattr(args, "keys"):
+        given = OmegaConf.create(dict(args))
+    else:
+        bad = [a for a in args if not isinstance(a, str) or "=" not in a]
+        if bad:
+            raise ConfigError(f"{args_key} items must be 'key=value' strings; got {bad}")
+        given = OmegaConf.from_dotlist(list(args))
+    for k in given.keys():
+        if k not in fields:
+            close = difflib.get_close_matches(str(k), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{args_key}: {k!r} is not a key of {name_key}={name!r}{hint}; its keys: {fields}")
+    schema = OmegaConf.structured(section_schema(kind, name))
+    try:
+        section = OmegaConf.to_object(OmegaConf.merge(schema, given))
+    except (ConfigKeyError, ConfigAttributeError, ValidationError) as e:
+        raise ConfigError(f"{args_key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{args_key}: {e}") from None
+    return instantiate(kind, section)

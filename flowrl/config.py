@@ -122,7 +122,8 @@ class TrainSection:
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
 CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
 LossSection = components.section_schema(components.LOSS, components.LOSS.default)
-MOVED_KEYS = {"credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
+MOVED_KEYS = {"rollout.inner_kwargs": "rollout.inner_args: [key=value, ...] (the inner plan's own keys, as in explore)",
+              "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
                                         "prompt group before the weighted sum) with credit.scale: none"}
 
 

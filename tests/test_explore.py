@@ -239,7 +239,7 @@ def test_inner_plan_keys_are_checked_against_its_own_fields():
         plan(inner_args=["window.mod=fixed"])
     with pytest.raises(ConfigError, match="'key=value'"):
         plan(inner_args=["group_size"])
-    with pytest.raises(ConfigError, match="cannot wrap another explore"):
+    with pytest.raises(ConfigError, match="is a Explore too: a Explore cannot wrap another one"):
         plan(inner="explore")
     with pytest.raises(ConfigError, match=r"rollout.inner='chanis' is not registered \(did you mean 'chains'\?\)"):
         plan(inner="chanis")

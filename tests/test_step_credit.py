@@ -312,8 +312,10 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
         Probed(steps=4, window=win).setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))
     with pytest.raises(ValueError, match="rollout.probe"):
         Probed(probe="x0")
-    with pytest.raises(ValueError, match="inner_kwargs"):
-        Probed(inner_kwargs={"steps": 3})
+    with pytest.raises(ValueError, match="inner_args"):
+        Probed(inner_args=["steps=3"])
+    with pytest.raises(ConfigError, match="rollout.inner_args: 'stepz' is not a key of rollout.inner='tree'.*'steps'"):
+        Probed(inner="tree", inner_args=["stepz=3"])
     with pytest.raises(ConfigError, match="rollout.inner='no_such_plan'"):
         Probed(inner="no_such_plan")
 
@@ -341,8 +343,8 @@ def test_probed_wraps_any_inner_plan_and_passes_the_lifecycle_on(sd3_model):
     assert inner.calls == ["setup", "after_update"]
     assert wrapped.metrics(forest)["inner/leaves"] == 4.0
     own = Probed(group_size=2, steps=4, window=win).rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
-    by_name = Probed(inner="flowrl.rollout.chains:Chains",
-                     inner_kwargs={"group_size": 2, "steps": 4, "window": {"mode": "fixed", "start": 0, "size": 2}})
+    by_name = Probed(inner="flowrl.rollout.chains:Chains",  # the same key=value form as explore's inner_args
+                     inner_args=["group_size=2", "steps=4", "window.mode=fixed", "window.start=0", "window.size=2"])
     named = by_name.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     for other in (own, named):
         assert torch.equal(other.all_latents(), forest.all_latents())

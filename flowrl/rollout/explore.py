@@ -43,7 +43,6 @@ second, and the time of every stage.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import time
 from dataclasses import dataclass, field
@@ -127,43 +126,11 @@ def _nanmean(values: list[float]) -> float:
 
 
 def build_inner(name: str, args: list[str] | dict[str, Any] | None, key: str = "rollout.inner_args") -> RolloutPlan:
-    """The plan ``name`` (registry name, ``module:Class`` or ``file.py:Class``) built from ``args``:
-    ``key=value`` items (dotted keys for nested fields, e.g. ``window.mode=random``) or a dict, checked
-    against that plan's own fields."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
-
+    """The inner plan ``name`` built from ``args`` by :func:`flowrl.components.build_nested`; it must take given
+    root seeds (the explorer chooses them) and not be an explore plan itself."""
     from flowrl import components
 
-    try:
-        cls = components.resolve(components.PLAN, name)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace(f"{components.PLAN.key}=", "rollout.inner=", 1)) from None
-    if issubclass(cls, Explore):
-        raise ConfigError(f"rollout.inner={name!r}: an explore plan cannot wrap another explore plan")
-    fields = [f.name for f in components.component_fields(cls)]
-    if args is None:
-        args = {}
-    if isinstance(args, dict):
-        given = OmegaConf.create(dict(args))
-    else:
-        bad = [a for a in args if not isinstance(a, str) or "=" not in a]
-        if bad:
-            raise ConfigError(f"{key} items must be 'key=value' strings; got {bad}")
-        given = OmegaConf.from_dotlist(list(args))
-    for k in given.keys():
-        if k not in fields:
-            close = difflib.get_close_matches(str(k), fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{key}: {k!r} is not a key of rollout.inner={name!r}{hint}; its keys: {fields}")
-    schema = OmegaConf.structured(components.section_schema(components.PLAN, name))
-    try:
-        section = OmegaConf.to_object(OmegaConf.merge(schema, given))
-    except (ConfigKeyError, ConfigAttributeError, ValidationError) as e:
-        raise ConfigError(f"{key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{key}: {e}") from None
-    plan = components.instantiate(components.PLAN, section)
+    plan = components.build_nested(components.PLAN, name, args, name_key="rollout.inner", args_key=key, refuse=Explore)
     if plan.root_count() is None:
         raise ConfigError(f"rollout.inner={name!r} does not take given root seeds (its root_count() is None), so "
                           "it cannot regenerate the selected seeds")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+
 
 import torch
 
@@ -46,7 +46,8 @@ class Probed(Chains):
     ``steps``, ``kernel``, ``eta``, ``shared_noise``, ``window``, ``post_solver``, ``post_steps_ratio``:
     the same keys, defaults and checks as ``rollout.plan: chains``, which is why this class extends
     :class:`Chains`). ``inner`` names any other plan instead (a registered name such as ``tree``,
-    ``package.module:Class`` or ``file.py:Class``), built from ``inner_kwargs`` (its own keys); the chain
+    ``package.module:Class`` or ``file.py:Class``), built from ``inner_args`` (its own keys, ``key=value``
+    items as in an explore plan, :func:`flowrl.components.build_nested`); the chain
     keys are then unused. In Python, ``inner_plan=`` takes a ready plan object. ``setup``,
     ``after_update`` and ``metrics`` are passed on to the inner plan.
 
@@ -73,7 +74,7 @@ class Probed(Chains):
 
     probe: str = "ode_completion"
     inner: str = "chains"
-    inner_kwargs: dict[str, Any] = field(default_factory=dict)
+    inner_args: list[str] = field(default_factory=list)
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:
@@ -83,15 +84,10 @@ class Probed(Chains):
         if self.inner_plan is None and self.inner != "chains":
             from flowrl import components
 
-            try:
-                cls = components.resolve(components.PLAN, self.inner)
-            except ConfigError as e:
-                raise ConfigError(f"rollout.inner={self.inner!r}: {e}") from None
-            if issubclass(cls, Probed):
-                raise ConfigError(f"rollout.inner={self.inner!r} is itself a probed plan; name the plan to probe")
-            self.inner_plan = cls(**dict(self.inner_kwargs))
-        elif self.inner_plan is None and self.inner_kwargs:
-            raise ValueError(f"rollout.inner_kwargs={dict(self.inner_kwargs)} is for an inner plan other than chains; "
+            self.inner_plan = components.build_nested(components.PLAN, self.inner, self.inner_args, name_key="rollout.inner",
+                                                      args_key="rollout.inner_args", refuse=Probed)
+        elif self.inner_plan is None and self.inner_args:
+            raise ValueError(f"rollout.inner_args={list(self.inner_args)} is for an inner plan other than chains; "
                              "with rollout.inner=chains set the chain keys (group_size, steps, window, ...) directly")
         if self.probe == "x0_projection" and self.inner_plan is None and self.post_solver != "none":
             raise ValueError(f"rollout.probe=x0_projection with rollout.post_solver={self.post_solver!r}: the post-solver "
