@@ -35,15 +35,11 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value
-    if section.family != "shapes" and section.path is None:
-        raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
     try:
-        if section.family == "shapes":
-            from flowrl.shapes.model import load_shapes_model
-
-            return load_shapes_model(section.path, **kwargs)
+        if section.path is None and models.model_family(section.family).needs_path:
+            raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
         return models.load_model(section.family, section.path, **kwargs)
-    except (ValueError, OSError) as e:  # a missing folder, a size the model cannot make, …
+    except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
         if isinstance(e, ConfigError):
             raise
         chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")

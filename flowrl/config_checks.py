@@ -21,7 +21,10 @@ REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines severa
 
 def check_config(cfg: "TrainConfig") -> None:
     """Every check that needs no model; raises ConfigError at the first failure."""
-    choose("model.family", cfg.model.family, ("shapes", "sd3", "flux", "sana"))
+    if ":" not in cfg.model.family:  # else an out-of-tree adapter, checked when it is imported
+        from flowrl.models import MODEL_FAMILIES
+
+        choose("model.family", cfg.model.family, tuple(MODEL_FAMILIES))
     choose("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     choose("reward_normalize", cfg.reward_normalize, REWARD_NORMALIZE)
     choose("optim.schedule", cfg.optim.schedule, ("constant", "linear", "cosine"))

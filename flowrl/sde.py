@@ -10,18 +10,79 @@ tensors [B] (broadcast over the non-batch dimensions); stds returned as [B].
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
-KERNELS: tuple[str, ...] = ("ode", "flow_grpo", "dance", "cps")
 KL_FORMS: tuple[str, ...] = ("exact", "flow_grpo")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                  tuple[torch.Tensor, torch.Tensor]]
+"""``kernel(x, v, sigma, sigma_next, eta) -> (mean, std)``: x, v fp32 [B, ...]; sigma, sigma_next, eta fp32
+[B, 1, …] (broadcast over x); mean [B, ...], std broadcastable to [B, 1, …]. The transition is
+N(mean, std²); std 0 is deterministic."""
+
+
+def _ode(x, v, s, s_next, e):
+    return x + v * (s_next - s), torch.zeros_like(s)
+
+
+def _flow_grpo(x, v, s, s_next, e):
+    # a = η·sqrt(σ/(1−σ')) with σ' = σ, except σ' = σ_next at σ = 1 (the first step)
+    dt = s_next - s
+    s_prime = torch.where(s >= 1.0, s_next, s)
+    a = e * torch.sqrt(s / (1.0 - s_prime))
+    a2 = a * a
+    mean = x * (1.0 + a2 * dt / (2.0 * s)) + v * (1.0 + a2 * (1.0 - s) / (2.0 * s)) * dt
+    return mean, a * torch.sqrt(-dt)
+
+
+def _dance(x, v, s, s_next, e):
+    dt = s_next - s
+    x0_hat = x - s * v
+    score = -(x - (1.0 - s) * x0_hat) / (s * s)
+    return x + dt * (v - 0.5 * e * e * score), e * torch.sqrt(-dt)
+
+
+def _cps(x, v, s, s_next, e):
+    x0_hat = x - s * v
+    x1_hat = x + (1.0 - s) * v
+    std = s_next * torch.sin(e * math.pi / 2.0)
+    return (1.0 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next * s_next - std * std, min=0.0)) * x1_hat, std
+
+
+KERNEL_FUNCTIONS: dict[str, Kernel] = {"ode": _ode, "flow_grpo": _flow_grpo, "dance": _dance, "cps": _cps}
+"""Registered transition kernels by name (:func:`register_kernel` adds one; ALGORITHMS.md §1 has the math)."""
+KERNELS: tuple[str, ...] = tuple(KERNEL_FUNCTIONS)
+
+
+def register_kernel(name: str, fn: Kernel) -> None:
+    """Make ``fn`` (see :data:`Kernel`) available as ``rollout.kernel: name`` to every plan."""
+    global KERNELS
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"kernel name {name!r} must be a non-empty string")
+    KERNEL_FUNCTIONS[name] = fn
+    KERNELS = tuple(KERNEL_FUNCTIONS)
+
 
 def check_kernel(kernel: str, key: str = "kernel") -> str:
-    if kernel not in KERNELS:
-        raise ValueError(f"{key}={kernel!r} is not a transition kernel; accepted: {list(KERNELS)}")
-    return kernel
+    """``kernel`` if registered; a ``package.module:function`` or ``path/file.py:function`` name is imported
+    and registered under that name (out-of-tree kernels from YAML alone)."""
+    if kernel in KERNEL_FUNCTIONS:
+        return kernel
+    if ":" in str(kernel):
+        from flowrl.plugins import import_file, import_module, is_file_target
+
+        module_path, _, fn_name = str(kernel).rpartition(":")
+        module = import_file(module_path, f"{key} file") if is_file_target(module_path) else import_module(module_path, key)
+        fn = getattr(module, fn_name, None)
+        if not callable(fn):
+            raise ValueError(f"{key}={kernel!r}: {module_path!r} has no function {fn_name!r}")
+        register_kernel(kernel, fn)
+        return kernel
+    raise ValueError(f"{key}={kernel!r} is not a transition kernel; accepted: {list(KERNEL_FUNCTIONS)}, or "
+                     "'package.module:function' / 'path/file.py:function'")
 
 
 def _per_sample(value, x: torch.Tensor) -> torch.Tensor:
@@ -51,30 +112,12 @@ def step(
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
     e = _per_sample(eta, x)
-    dt = s_next - s
-    if kernel == "ode":
-        mean = x + v * dt
-        std = torch.zeros_like(s)
-    elif kernel == "flow_grpo":
-        # a = η·sqrt(σ/(1−σ')) with σ' = σ, except σ' = σ_next at σ = 1 (the first step)
-        s_prime = torch.where(s >= 1.0, s_next, s)
-        a = e * torch.sqrt(s / (1.0 - s_prime))
-        a2 = a * a
-        mean = x * (1.0 + a2 * dt / (2.0 * s)) + v * (1.0 + a2 * (1.0 - s) / (2.0 * s)) * dt
-        std = a * torch.sqrt(-dt)
-    elif kernel == "dance":
-        x0_hat = x - s * v
-        score = -(x - (1.0 - s) * x0_hat) / (s * s)
-        mean = x + dt * (v - 0.5 * e * e * score)
-        std = e * torch.sqrt(-dt)
-    elif kernel == "cps":
-        x0_hat = x - s * v
-        x1_hat = x + (1.0 - s) * v
-        std = s_next * torch.sin(e * math.pi / 2.0)
-        mean = (1.0 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next * s_next - std * std, min=0.0)) * x1_hat
-    else:
+    fn = KERNEL_FUNCTIONS.get(kernel)
+    if fn is None:
         check_kernel(kernel)
-        raise AssertionError
+        fn = KERNEL_FUNCTIONS[kernel]
+    mean, std = fn(x, v, s, s_next, e)
+    std = torch.broadcast_to(std, s.shape)
     std = std.reshape(x.shape[0])
     if noise is None:
         return mean, mean, std

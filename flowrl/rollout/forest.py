@@ -29,7 +29,14 @@ import torch
 
 from flowrl import sde
 
-EDGE_KERNELS: tuple[str, ...] = sde.KERNELS + ("dpm2",)
+EDGE_KERNELS: list[str] = list(sde.KERNELS) + ["dpm2"]  # a kernel registered later is appended on first use
+
+
+def kernel_index(name: str) -> int:
+    """The index of edge kernel ``name`` in :data:`EDGE_KERNELS` (the forest's ``kernel`` column)."""
+    if name not in EDGE_KERNELS:
+        EDGE_KERNELS.append(name)
+    return EDGE_KERNELS.index(name)
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
 _OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0}
 
@@ -118,7 +125,7 @@ class Forest:
         return self._append(
             latents, sigma=column(sigma), step=column(step, torch.long), parent=parents, group=self.group[parents],
             seed=self.seed[parents], logp_old=logp.detach().float().cpu(), std=std,
-            stochastic=(std > 0) & (kernel != "ode"), kernel=column(EDGE_KERNELS.index(kernel), torch.long),
+            stochastic=(std > 0) & (kernel != "ode"), kernel=column(kernel_index(kernel), torch.long),
             eta=column(eta), batch=column(batch, torch.long),
         )
 
