@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flowrl.config import TrainConfig
 from flowrl.grad_snr import adam_normalised, gradient_snr, split_signal_noise
 from flowrl.trainer import Trainer
 from tests.conftest import make_model
@@ -129,3 +130,17 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
     monkeypatch.setattr(Trainer, "policy_gradient", fake_gradient)
     gradient_snr(tiny_config(tmp_path, "snr3", "loss.beta=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)
     assert seen == [2, 3, 4]
+
+
+@pytest.mark.parametrize("preset", ["grpo", "branchgrpo", "tp_grpo", "solrl", "nft"])
+def test_snr_runs_on_every_kind_of_plan(tmp_path, monkeypatch, preset):
+    """Chains, tree, probed and explore presets: samples are counted on the forests, not from chain keys."""
+    import flowrl.build as build
+
+    model = make_model("sd3")
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
+    cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", ["prompts.per_step=2", f"train.output_dir={tmp_path}",
+                                                                  "train.num_threads=1", "model.full_finetune=false",
+                                                                  "model.lora.rank=2"])
+    out = gradient_snr(cfg, batches=3, progress=False)
+    assert out["batches"] == 3 and out["samples_per_batch"] > 0 and out["noise"] > 0
