@@ -109,6 +109,18 @@ class Trainer:
         return self.folder.path
 
     @property
+    def objective(self):
+        """The objective (``loss.objective``); assigning one hands it to the updater and the rollouts too."""
+        return self._objective
+
+    @objective.setter
+    def objective(self, objective) -> None:
+        self._objective = objective
+        if hasattr(self, "updater"):
+            self.updater.objective = objective
+            self.runner.reduction = objective.reduction
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.updater.optimizer
 

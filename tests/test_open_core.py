@@ -170,10 +170,11 @@ def test_merge_keeps_outcomes_components_and_probes():
 def test_probe_x0_scores_states_reached_by_sde_steps_without_extra_forwards(sd3_model):
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.chains import Chains, SDEWindow
+    from flowrl.rollout.probes import probe_x0
 
     plan = Chains(group_size=2, steps=4, eta=0.7, window=SDEWindow(mode="fixed", start=1, size=2))
     plain = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=3))
-    probed = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=3, probe_x0=True))
+    probed = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=3, observers=(probe_x0,)))
     assert probed.counters["forwards"] == plain.counters["forwards"]
     torch.testing.assert_close(probed.all_latents(), plain.all_latents(), rtol=0, atol=0)
     reached = torch.nonzero(probed.stochastic).flatten()  # states after SDE steps 1 and 2, per chain

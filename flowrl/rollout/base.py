@@ -19,8 +19,9 @@ class RolloutContext:
     ``guidance``: CFG scale (None → the model's default). ``max_batch``: states per model forward.
     ``reduction``: how edge log-probs are reduced over latent elements (``mean`` | ``sum``); the loss
     owns this setting (``loss.reduction``) and the forest records it so replay matches.
-    ``probe_x0``: every state reached by a stochastic edge is also scored through its one-step clean
-    estimate x̂0 = x − σ·v, from the velocity the next step computes anyway (no extra forwards; VGPO).
+    ``observers``: functions ``observe(forest, nodes [K], x [K, ...], sigma, v [K, ...])`` that :func:`advance`
+    calls after every velocity forward, so a wrapping plan sees each state with its velocity without extra
+    forwards (e.g. probed's x̂0 probes, VGPO).
     ``root_seeds``: set by a wrapping plan (Sol-RL's explore) to choose the x_T of the inner plan's roots:
     one list of seeds per prompt group of this rollout, :meth:`RolloutPlan.root_count` seeds each
     (None: the plan derives its own root seeds).
@@ -32,7 +33,7 @@ class RolloutContext:
     guidance: float | None = None
     max_batch: int = 64
     reduction: str = "mean"
-    probe_x0: bool = False
+    observers: tuple[Callable[..., None], ...] = ()
     root_seeds: list[list[int]] | None = None
 
     def given_root_seeds(self, num_groups: int, per_group: int) -> list[int] | None:
@@ -47,7 +48,7 @@ class RolloutContext:
 
     def new_forest(self, prompts: list[str], guidance: float) -> Forest:
         """An empty forest for ``prompts`` that records this context's sampler settings."""
-        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction, probe_x0=self.probe_x0)
+        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction, observers=tuple(self.observers))
 
 
 class RolloutPlan:
@@ -136,7 +137,8 @@ def advance(
 
     ``std_scale`` (default 1) widens the transition: x_next = μ + std_scale·std·ξ, and the edge's
     std (stored on the forest) and log-prob are those of the widened Gaussian N(μ, (std_scale·std)²)
-    (BranchGRPO's ``independent_scaled`` split noise, ALGORITHMS.md §5).
+    (BranchGRPO's ``independent_scaled`` split noise, ALGORITHMS.md §5). The forest's ``observers`` (its
+    context's, :meth:`RolloutContext.new_forest`) see every chunk's parents with their velocity.
     """
     if fanout > 1 and (kernel == "ode" or eta <= 0):
         raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
@@ -150,10 +152,8 @@ def advance(
         v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
                            cond.select(forest.group[chunk]), guidance)
         forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
-        if forest.probe_x0:  # x̂0 of states an SDE step reached, from this velocity: no extra forward
-            reached = forest.stochastic[chunk]
-            if bool(reached.any()):
-                forest.add_probe(chunk[reached], (x - sigma * v.float())[reached.to(x.device)])
+        for observe in forest.observers:
+            observe(forest, chunk, x, sigma, v)
         if fanout > 1:
             x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
             chunk = chunk.repeat_interleave(fanout)

@@ -49,7 +49,8 @@ class Forest:
     prompts: list[str]
     guidance: float = 1.0
     reduction: str = "mean"  # how edge log-probs were reduced over latent elements (replay uses the same)
-    probe_x0: bool = False  # plans add x̂0 probes of states reached by SDE edges (RolloutContext.probe_x0)
+    probe_x0: bool = False  # its probes are x̂0 projections of states reached by SDE edges (probed's x0_projection)
+    observers: tuple = field(default=(), repr=False, compare=False)  # RolloutContext.observers, while rolling out
     latents: torch.Tensor | None = None
     sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))

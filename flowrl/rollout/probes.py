@@ -145,7 +145,8 @@ class Probed(Chains):
         """The inner plan's forest, with every decision state (``ode_completion``) or every state reached by
         an SDE edge (``x0_projection``) added as a probe."""
         if self.probe == "x0_projection":
-            forest = self._inner_rollout(model, prompts, dataclasses.replace(ctx, probe_x0=True))
+            forest = self._inner_rollout(model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,)))
+            forest.probe_x0 = True
             forest.counters.setdefault("probe_forwards", 0)
             return forest
         forest = self._inner_rollout(model, prompts, ctx)
@@ -221,6 +222,14 @@ def ode_complete(model: FlowModel, forest: Forest, nodes: torch.Tensor, steps: i
             forest.count_forward(rows.numel(), cfg=cfg)
             x[rows] = (xb + v.float() * (sigma_next - sigma)).cpu()
     return x
+
+
+def probe_x0(forest: Forest, nodes: torch.Tensor, x: torch.Tensor, sigma: float, v: torch.Tensor) -> None:
+    """A rollout observer: every state in ``nodes`` [K] an SDE step reached is probed through its one-step clean
+    estimate x̂0 = x − σ·v [K, ...], from the velocity the next step computes anyway (no extra forwards)."""
+    reached = forest.stochastic[nodes]
+    if bool(reached.any()):
+        forest.add_probe(nodes[reached], (x - sigma * v.float())[reached.to(x.device)])
 
 
 # ---- readers for step-level credit -------------------------------------------------------------
