@@ -453,7 +453,7 @@ def _scored_for_step_credit(forest, seed: int = 0, nan_rewards: bool = False):
 def test_step_credit_keeps_a_trees_depth_pruning(sd3_model, rule):
     plan = Tree(steps=5, split_steps=[0, 1], kernel="dance", eta=0.3, depth_prune_size=2)
     forest = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=0))
-    pruned = torch.nonzero(forest.stochastic & (forest.parent >= 0) & (forest.weight == 0)).flatten()
+    pruned = torch.nonzero(forest.stochastic & (forest.parent >= 0) & (forest.trainable == 0)).flatten()
     assert pruned.numel() > 0 and set(forest.step[pruned].tolist()) <= set(plan.layout(0, 0).pruned)
     stats = rule.assign(_scored_for_step_credit(forest))
     assert (forest.weight[pruned] == 0).all()

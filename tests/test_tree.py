@@ -81,8 +81,8 @@ def test_closed_forms_reproduce_the_published_numbers():
 # ---- 1. counts observed on real rollouts ---------------------------------------------------------------
 def observed(forest: Forest) -> dict[str, int]:
     stochastic = (forest.parent >= 0) & forest.stochastic
-    return {"forwards": forest.counters["forwards"], "trained_edges": int((stochastic & (forest.weight > 0)).sum()),
-            "depth_pruned_edges": int((stochastic & (forest.weight == 0)).sum()), "leaves": forest.leaves().numel()}
+    return {"forwards": forest.counters["forwards"], "trained_edges": int((stochastic & (forest.trainable > 0)).sum()),
+            "depth_pruned_edges": int((stochastic & (forest.trainable == 0)).sum()), "leaves": forest.leaves().numel()}
 
 
 COUNT_CASES = [  # (plan kwargs, iterations)
@@ -475,12 +475,12 @@ def test_depth_window_slides_with_the_iteration_and_changes_only_the_backward(sd
     for it in (0, 1, 2, 5, 8, 100):
         forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=1, iteration=it))
         edges = (forest.parent >= 0) & forest.stochastic
-        pruned = sorted(set(forest.step[edges & (forest.weight == 0)].tolist()))
+        pruned = sorted(set(forest.step[edges & (forest.trainable == 0)].tolist()))
         start = min(4 + it // every, T + 1 - size)  # first step below the last split's children: 2 + 2
         assert pruned == list(range(start, start + size)), it
         seen.append(pruned[0])
         # the split edges (child step 3) are always trained; all other stochastic edges too
-        assert bool((forest.weight[edges & ~torch.isin(forest.step, torch.tensor(pruned))] == 1).all())
+        assert bool((forest.trainable[edges & ~torch.isin(forest.step, torch.tensor(pruned))] == 1).all())
         # backward only: the same rollout as without pruning
         ref = plain.rollout(sd3_model, PROMPTS, RolloutContext(seed=1, iteration=it))
         assert torch.equal(ref.all_latents(), forest.all_latents()) and torch.equal(ref.logp_old, forest.logp_old)

@@ -28,10 +28,9 @@ class CreditRule:
 
 def write_edge_credit(forest: Forest, edges: torch.Tensor, advantage: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
     """Write ``advantage`` [E] and weight 1 on the ``edges`` [E] marked ``train`` [E] bool; every other node
-    gets advantage 0 and weight 0. Edges the plan left at weight 0 (a tree's depth pruning) stay untrained.
-    Returns which of ``edges`` were so pruned [E] bool."""
-    incoming = forest.weight if forest.weight.numel() == forest.num_nodes else torch.ones(forest.num_nodes)
-    pruned = incoming[edges] <= 0
+    gets advantage 0 and weight 0. Edges the plan left untrainable (``forest.trainable`` 0: a tree's depth
+    pruning) stay untrained. Returns which of ``edges`` were so pruned [E] bool."""
+    pruned = forest.trainable[edges] <= 0
     train = train & ~pruned
     forest.advantage = torch.zeros(forest.num_nodes)
     forest.weight = torch.zeros(forest.num_nodes)

@@ -18,8 +18,8 @@ below a shared trunk) through the vectorised structure helpers; no Python loop w
    chains hanging from one branch point, only the one with the highest fused reward (ties: the first);
    ``extremes_b`` keeps, per tree, the chains of the ``width_b`` best and ``width_b`` worst leaves.
 
-Weights multiply into the forest's incoming ``weight``: the tree plan's depth pruning (weight 0 set at
-rollout, see :mod:`flowrl.rollout.tree`) is kept and counted as ``pruned_depth_edges``.
+Edges the tree plan's depth pruning left untrainable (``forest.trainable`` 0, set at rollout, see
+:mod:`flowrl.rollout.tree`) get weight 0 and are counted as ``pruned_depth_edges``.
 """
 from __future__ import annotations
 
@@ -173,20 +173,19 @@ class TreeAdvantage(CreditRule):
 
     # ---- on the forest ----------------------------------------------------------------------
     def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
-        """Write ``advantage`` (A of each edge's child) and ``weight`` (incoming weight × not skipped ×
-        not width-pruned) on every node; return statistics for the metrics log."""
+        """Write ``advantage`` (A of each edge's child) and ``weight`` (1 unless depth-pruned by the plan,
+        width-pruned or skipped) on every node; return statistics for the metrics log."""
         N = forest.num_nodes
         depth, tree = forest.depth(), forest.root_of()
         fusion = fuse(forest, self.fusion_beta if self.fusion == "path_softmax" else 0.0)
         adv, zero, stats = self.depth_advantages(fusion.value, depth, tree, gather)
         keep = self.width_keep(forest, fusion.value, tree)
         edge = (forest.parent >= 0) & forest.stochastic
-        incoming = forest.weight.clone() if forest.weight.numel() == N else torch.ones(N)
-        depth_pruned = edge & (incoming <= 0)
+        depth_pruned = edge & (forest.trainable <= 0)
         width_pruned = edge & ~depth_pruned & ~keep
         skipped = edge & ~depth_pruned & ~width_pruned & zero
         forest.advantage = torch.where(forest.parent >= 0, adv, torch.zeros_like(adv)).float()
-        forest.weight = torch.where(depth_pruned | width_pruned | skipped, torch.zeros(N), incoming.float())
+        forest.weight = torch.where(depth_pruned | width_pruned | skipped, torch.zeros(N), torch.ones(N))
         trained = edge & (forest.weight > 0)
         branching = fusion.count >= 2
         out = {

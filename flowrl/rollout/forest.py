@@ -13,7 +13,9 @@ Per edge into n: ``logp_old`` [N], ``std`` [N], ``stochastic`` [N] (SDE edge, tr
 Outcomes (allocated with the nodes, kept by :meth:`merge`, never wiped): ``reward`` [N] (combined
 reward of a leaf; NaN elsewhere), ``value`` [N] (combined reward of a probed intermediate state; NaN if
 unset), ``reward_components[name]`` [N] (each reward term's raw score on every scored node),
-``advantage`` [N] (0) and ``weight`` [N] (1), written by credit rules (weight 0 = edge skipped).
+``advantage`` [N] (0) and ``weight`` [N] (1), written by credit rules (weight 0 = edge skipped);
+``trainable`` [N] (1), written by the plan (0 = an edge its layout leaves untrained, e.g. a tree's depth
+pruning): credit rules never overwrite it, and :meth:`edges` skips an edge that either column zeroes.
 
 Scoring: leaves are always scored (their latents are clean samples); a plan may ask for intermediate
 states to be scored too with :meth:`add_probe` (node, clean-latent estimate: an ODE completion, an x̂0
@@ -38,7 +40,7 @@ def kernel_index(name: str) -> int:
         EDGE_KERNELS.append(name)
     return EDGE_KERNELS.index(name)
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
-_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0}
+_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "trainable": 1.0}
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Forest:
     value: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     advantage: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     weight: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    trainable: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     probe_node: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     _latent_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -349,11 +352,9 @@ class Forest:
         return torch.where(n_leaves == 1, leaf_of, torch.full_like(leaf_of, -1))
 
     def edges(self, trainable: bool = True) -> torch.Tensor:
-        """Indices of child nodes of edges [E]: all edges, or (default) the stochastic ones with
-        non-zero weight (credit rules set weight 0 on skipped edges)."""
+        """Indices of child nodes of edges [E]: all edges, or (default) the stochastic ones that the plan
+        left ``trainable`` and the credit rule gave a non-zero ``weight``."""
         mask = self.parent >= 0
         if trainable:
-            mask = mask & self.stochastic
-            if self.weight is not None:
-                mask = mask & (self.weight > 0)
+            mask = mask & self.stochastic & (self.trainable > 0) & (self.weight > 0)
         return torch.nonzero(mask).flatten()

@@ -228,7 +228,7 @@ class Tree(RolloutPlan):
         if layout.pruned:
             edges = forest.edges(trainable=True)
             pruned = edges[torch.isin(forest.step[edges], torch.tensor(layout.pruned))]
-            forest.weight[pruned] = 0.0
+            forest.trainable[pruned] = 0.0
         return forest
 
     def metrics(self, forest: Forest) -> dict[str, float]:
@@ -236,5 +236,5 @@ class Tree(RolloutPlan):
         edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
         roots = forest.roots().numel()
         return {"tree/stochastic_edges": float(edges.numel()),
-                "tree/depth_pruned_edges": float((forest.weight[edges] == 0).sum()),
+                "tree/depth_pruned_edges": float((forest.trainable[edges] == 0).sum()),
                 "tree/leaves_per_tree": forest.leaves().numel() / max(roots, 1)}
