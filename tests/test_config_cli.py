@@ -101,3 +101,32 @@ def test_resolved_config_round_trips(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
     assert TrainConfig.from_yaml(path) == cfg
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path, monkeypatch):
+    """Each preset's plan, credit rule and objective, on the tiny SD3 pipeline (its model swapped in): one
+    iteration trains, and a policy objective's first inner step replays every edge with ratio exactly 1."""
+    import math
+
+    from flowrl import build
+    from flowrl.trainer import Trainer
+    from tests.conftest import make_model
+
+    overrides = ["model.lora.targets=null", "model.lora.rank=2", "model.full_finetune=false", "model.dtype=float32",
+                 "model.device=cpu", "model.gradient_checkpointing=false", "prompts.per_step=2",
+                 "prompts.train=a red circle|two blue squares", "prompts.eval=null", "rewards=[{name: brightness}]",
+                 "reward_normalize=none", "train.num_threads=1", "train.progress=false", "train.async_reward=false",
+                 f"train.output_dir={tmp_path}"]
+    try:
+        cfg = TrainConfig.from_yaml(path, overrides)
+    except ConfigError as err:  # a GPU precision preset on a machine without that GPU
+        assert "cannot run on" in str(err), err
+        cfg = TrainConfig.from_yaml(path, overrides + ["rollout.backend=same"])
+    model = make_model("sd3")
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
+    trainer = Trainer(cfg, model=model)
+    record = trainer.train_step(0)
+    assert math.isfinite(record["grad_norm"]) and record["skipped_steps"] == 0
+    if trainer.objective.trains_on == "edges":
+        assert record["first_step_abs_delta_logp"] == 0.0, record
