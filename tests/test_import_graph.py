@@ -112,3 +112,10 @@ def test_the_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
 def test_no_import_cycle_in_flowrl_and_rewards():
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
+
+
+def test_no_module_of_flowrl_is_over_400_lines():
+    """Small modules with one job each (issue 25): a module past 400 lines is doing more than one."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "flowrl").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
