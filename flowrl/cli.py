@@ -178,6 +178,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from flowrl.bench import bench_iteration, bench_versus, versus_table
 
     config, overrides = _split_config_arg(args.config, args.overrides)
+    if args.estimate:  # before loading: a preset's GPU-only explorer is checked against --gpu, not this machine
+        if args.vs is not None:
+            raise ConfigError("--estimate predicts one config; drop --vs")
+        from flowrl.estimate import run_estimate
+
+        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes)
     cfg = _load_config(config, overrides)
     if args.vs is None:
         if args.vs_set:
@@ -291,6 +297,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                  "reward; prints both side by side with the ratios CONFIG / OTHER")
     p.add_argument("--vs-set", action="append", metavar="KEY=VALUE",
                    help="an override of OTHER's config (repeat for several); positional overrides apply to CONFIG")
+    p.add_argument("--estimate", action="store_true",
+                   help="predict peak GPU memory and s/iteration without running anything (meta device; docs/estimate.md)")
+    p.add_argument("--gpu", default="H100", help="GPU class of --estimate: H100, H200, A100, L40S, 4090 (default H100)")
+    p.add_argument("--processes", type=int, default=1, help="--estimate: processes (GPUs) sharing prompts.per_step")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_bench)
 
