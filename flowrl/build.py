@@ -26,8 +26,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(section: ModelSection, device: torch.device | None = None) -> FlowModel:
-    """The adapter for ``model.family`` loaded from ``model.path`` (the shipped shapes model by default)."""
+    """The adapter for ``model.family`` loaded from ``model.path`` (the shipped shapes model by default), in
+    ``model.dtype``. With ``model.full_finetune`` and a bf16/fp16 ``model.dtype`` the transformer is kept in fp32
+    (the weights the optimizer updates) and computes under autocast in ``model.dtype``
+    (:func:`flowrl.models.dtypes.master_weights_fp32`); with LoRA the base stays in ``model.dtype`` and the LoRA
+    is fp32."""
     from flowrl import models
+    from flowrl.models.dtypes import master_weights_fp32
 
     device = device or resolve_device(section.device)
     kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
@@ -38,13 +43,16 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     try:
         if section.path is None and models.model_family(section.family).needs_path:
             raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
-        return models.load_model(section.family, section.path, **kwargs)
+        model = models.load_model(section.family, section.path, **kwargs)
     except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
         if isinstance(e, ConfigError):
             raise
         chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
                            if getattr(section, k) is not None)
         raise ConfigError(f"{chosen}: {e}") from e
+    if section.full_finetune:
+        master_weights_fp32(model)
+    return model
 
 
 def lora_spec(section: ModelSection) -> LoraSpec:

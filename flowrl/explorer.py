@@ -191,5 +191,6 @@ def make_explorer(model, backend: str = "same", *, min_params: int = DEFAULT_MIN
     view = copy.copy(model)  # same pipeline, prompt cache and settings; own forward module and dtype
     view.set_forward_module(copy_)
     view.dtype = dtype
+    view.autocast = None  # the copy computes in its backend's dtype (quantized layers take fp32/bf16 inputs as built)
     explorer.model = view
     return explorer

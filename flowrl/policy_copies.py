@@ -17,6 +17,8 @@ from typing import Iterator
 
 import torch
 
+from flowrl.models.dtypes import keep_adapter_fp32
+
 OLD_ADAPTER = "flowrl_old"
 
 
@@ -78,6 +80,7 @@ class OldPolicy:
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # intended: two adapters
                     module.add_adapter(config, adapter_name=OLD_ADAPTER)
                     module.set_adapter("default")
+                keep_adapter_fp32(module, OLD_ADAPTER)  # as the policy's LoRA: an fp32 EMA on any base dtype
             named = dict(module.named_parameters())
             self.pairs = [(named[n.replace(".default.", f".{OLD_ADAPTER}.")], p) for n, p in named.items()
                           if ".default." in n and "lora_" in n]

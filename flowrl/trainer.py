@@ -96,6 +96,10 @@ class Trainer:
     def _setup_trainable(self) -> list[torch.nn.Parameter]:
         module = self.model.trainable
         if self.cfg.model.full_finetune:
+            from flowrl.models.dtypes import master_weights_fp32
+
+            master_weights_fp32(self.model)  # fp32 weights, forward under autocast in model.dtype (no-op in fp32)
+            module = self.model.trainable
             module.requires_grad_(True)
         else:
             build.add_lora(self.model, self.cfg.model)

@@ -58,6 +58,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context, cast_module
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
 
 
@@ -149,6 +150,9 @@ class FlowModel(LoraAdapter):
     guidance: float = 1.0
     negative_prompt: str = ""
     default_lora_targets: list[str] = []
+    autocast: torch.dtype | str | None = AUTOCAST_FOLLOWS_ACCELERATE
+    """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``
+    (default: accelerate's ``mixed_precision`` of this process); :mod:`flowrl.models.dtypes` has the conventions."""
     shift_defaults: dict[str, float] = {
         "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
     }
@@ -167,7 +171,7 @@ class FlowModel(LoraAdapter):
         self.dtype = dtype if dtype is not None else transformer.dtype
         pipe.to(self.device)
         if transformer.dtype != self.dtype:
-            transformer.to(self.dtype)
+            cast_module(transformer, self.dtype)  # keeps _keep_in_fp32_modules; no diffusers `.to()` warning
         modules = [getattr(pipe, name, None) for name in frozen]
         align_cpu_tensors(transformer, *modules)
         for module in modules:
@@ -362,6 +366,11 @@ class FlowModel(LoraAdapter):
         return v_uncond + scale * (v_cond - v_uncond)
 
     # ---- shared behaviour -----------------------------------------------------------------
+    def autocast_context(self):
+        """The context :meth:`velocity`'s transformer call runs in: ``torch.autocast`` in :attr:`autocast`'s dtype,
+        or a null context. Velocities leave it as fp32; kernels and log-probs run outside it in fp32."""
+        return autocast_context(self)
+
     def set_forward_module(self, module: nn.Module | None) -> None:
         """Route :meth:`velocity`'s transformer call through ``module`` (None: :attr:`trainable` itself).
 

@@ -171,15 +171,16 @@ class FluxFlowModel(FlowModel):
         img_ids = self.pipe._prepare_latent_image_ids(rows, h // 2, w // 2, self.device, self.dtype)
         txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=self.device, dtype=self.dtype)
 
-        out = self.forward_module(
-            hidden_states=hidden,
-            timestep=timestep,
-            guidance=guidance_vec,
-            pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
-            encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
-            txt_ids=txt_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
+        with self.autocast_context():
+            out = self.forward_module(
+                hidden_states=hidden,
+                timestep=timestep,
+                guidance=guidance_vec,
+                pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
+                encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
+                txt_ids=txt_ids,
+                img_ids=img_ids,
+                return_dict=False,
+            )[0]
         v = self.unpack(out).float()
         return self._cfg_combine(v, self.true_cfg) if cfg else v

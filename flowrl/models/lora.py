@@ -11,6 +11,8 @@ from typing import Iterator
 
 import torch
 
+from flowrl.models.dtypes import dropped_log_messages, keep_adapter_fp32
+
 
 @dataclass
 class LoraSpec:
@@ -27,7 +29,9 @@ class LoraAdapter:
     """The LoRA half of the :class:`~flowrl.models.base.FlowModel` contract."""
 
     def add_lora(self, spec: LoraSpec) -> None:
-        """Attach a peft LoRA adapter named ``"default"`` to :attr:`trainable` and freeze the rest."""
+        """Attach a peft LoRA adapter named ``"default"`` to :attr:`trainable` and freeze the rest. The LoRA
+        parameters are fp32 whatever the base weights' dtype (bf16/fp16 base, fp32 LoRA: an optimizer step on
+        them is sound; :mod:`flowrl.models.dtypes`)."""
         from peft import LoraConfig
 
         targets = spec.target_modules or list(self.default_lora_targets)
@@ -41,6 +45,7 @@ class LoraAdapter:
             target_modules=targets,
         )
         module.add_adapter(config)
+        keep_adapter_fp32(module, "default")  # fp32 LoRA on any base dtype (flowrl.models.dtypes)
         self.has_lora = True
 
     has_lora: bool = False
@@ -66,25 +71,38 @@ class LoraAdapter:
         With an adapter already attached (``add_lora`` with the same spec, e.g. on resume) its
         weights are overwritten in place, so optimizer references stay valid; every LoRA tensor must be
         matched. Without one, the adapter is created from the file (named ``"default"``, LoRA weights
-        trainable, the rest frozen).
+        trainable and fp32, the rest frozen) by ``pipe.load_lora_weights``, with its expected notices about
+        text encoders without LoRA keys left out, then its values are set again from the file in fp32 (peft
+        created them in the base dtype).
         """
         from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
         module = self.trainable
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"LoRA directory {str(directory)!r} does not exist")
+        rounded = False  # whether peft created (and filled) the adapter below in a lower precision than fp32
         if not self.has_lora:
-            self.pipe.load_lora_weights(str(directory), adapter_name="default")
+            # flowrl's LoRA is the transformer's only: "No LoRA keys associated to CLIPTextModel… found with the
+            # prefix='text_encoder'" is expected for every text encoder, so that notice (only) is dropped; the same
+            # notice about the transformer would mean something and still shows
+            with dropped_log_messages(("diffusers.loaders.lora_base", "diffusers.loaders.lora_pipeline",
+                                       "diffusers.loaders.peft"), "No LoRA keys associated to", "prefix='text_encoder"):
+                self.pipe.load_lora_weights(str(directory), adapter_name="default")
+            rounded = any(p.dtype != torch.float32 for n, p in module.named_parameters() if "lora_" in n)
+            keep_adapter_fp32(module, "default")
             for name, param in module.named_parameters():
                 param.requires_grad_("lora_" in name)
             self.has_lora = True
-            return
+            if not rounded:
+                return
         state = type(self.pipe).lora_state_dict(str(directory))
         if isinstance(state, tuple):
             state = state[0]
         prefix = "transformer."
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         expected = set(get_peft_model_state_dict(module, adapter_name="default"))
+        if set(state) != expected and rounded:
+            return  # a LoRA in another layout (converted by load_lora_weights): its values as loaded, upcast
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
             raise ValueError(f"LoRA in {str(directory)!r} does not match the attached adapter: "

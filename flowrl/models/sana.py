@@ -145,13 +145,15 @@ class SanaFlowModel(FlowModel):
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)
         hidden = x.to(device=self.device, dtype=self.dtype).repeat(rows, 1, 1, 1)
-        out = self.forward_module(
-            hidden_states=hidden,
-            encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
-            encoder_attention_mask=text["prompt_attention_mask"].to(self.device),
-            timestep=timestep.repeat(rows),
-            return_dict=False,
-        )[0].float()
+        with self.autocast_context():
+            out = self.forward_module(
+                hidden_states=hidden,
+                encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
+                encoder_attention_mask=text["prompt_attention_mask"].to(self.device),
+                timestep=timestep.repeat(rows),
+                return_dict=False,
+            )[0]
+        out = out.float()
         if config.out_channels // 2 == self.latent_channels:  # learned sigma: keep the velocity half
             out = out.chunk(2, dim=1)[0]
         return self._cfg_combine(out, g) if cfg else out

@@ -124,11 +124,13 @@ class SD3FlowModel(FlowModel):
             hidden = torch.cat([hidden, hidden])
             timestep = torch.cat([timestep, timestep])
 
-        out = self.forward_module(
-            hidden_states=hidden,
-            timestep=timestep,
-            encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
-            pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
-            return_dict=False,
-        )[0].float()
+        with self.autocast_context():
+            out = self.forward_module(
+                hidden_states=hidden,
+                timestep=timestep,
+                encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
+                pooled_projections=text["pooled"].to(device=self.device, dtype=self.dtype),
+                return_dict=False,
+            )[0]
+        out = out.float()
         return self._cfg_combine(out, g) if cfg else out

@@ -162,10 +162,14 @@ def load_shapes_pipeline(path: str | Path = SHIPPED_DIR, device: str | torch.dev
     """Load a saved shapes pipeline (default: the shipped, pretrained one) with plain diffusers.
 
     Equivalent to ``StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None,
-    tokenizer_3=None).to(device=device, dtype=dtype)`` (the weights are stored in fp32). Generate
-    with ``generation_defaults(path)`` (notably ``max_sequence_length``; see the module docstring).
+    tokenizer_3=None, dtype=dtype).to(device)`` (the weights are stored in fp32; loading in ``dtype``,
+    rather than casting after, is what diffusers asks for). It loads in a fraction of a second, so
+    diffusers' and transformers' loading bars are off during the load. Generate with
+    ``generation_defaults(path)`` (notably ``max_sequence_length``; see the module docstring).
     """
     from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.models.dtypes import no_loading_bars
 
     path = Path(path)
     if not (path / "model_index.json").is_file():
@@ -173,6 +177,7 @@ def load_shapes_pipeline(path: str | Path = SHIPPED_DIR, device: str | torch.dev
             f"no shapes pipeline at {str(path)!r} (model_index.json missing); "
             "train one with `python scripts/pretrain_shapes.py --out <folder>`"
         )
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None)
+    with no_loading_bars():
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device=device, dtype=dtype)
+    return pipe.to(device)
