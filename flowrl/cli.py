@@ -328,6 +328,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_snr)
+    from flowrl.data import add_data_parser  # flowrl data fetch | list: the GPU presets' prompt sets
+
+    add_data_parser(sub)
     return parser
 
 

@@ -1,0 +1,587 @@
+"""``flowrl data fetch NAME`` / ``flowrl data list``: the prompt sets the GPU presets name.
+
+The SD3.5 / FLUX / SANA presets read ``dataset/<name>/train.txt`` and ``dataset/<name>/test.txt`` (one
+prompt per line; relative paths resolve against the working directory, then the repository). This module
+knows where each set comes from, downloads it (``huggingface_hub`` for Hugging Face dataset repos, which
+honours ``HF_HOME`` / ``HF_HUB_CACHE`` / ``HF_TOKEN``; plain HTTPS for files that live in a GitHub
+repository), turns it into prompt files, checks the prompt counts (and the sha256 of each produced file
+where one is recorded) and only then writes the files, each replaced atomically.
+
+Sets (``PROMPT_SETS``), each pinned to the source the reference implementations use:
+
+- ``pickscore``: Pick-a-Pic v1 captions, the SFW subset Flow-GRPO recommends
+  (``CarperAI/pickapic_v1_no_images_training_sfw``; Flow-GRPO's own ``dataset/pickscore`` is the unfiltered
+  ``yuvalkirstain/pickapic_v1``). Whitespace collapsed, unique, at least 5 spaces (Flow-GRPO's SFW filter),
+  sorted, shuffled with ``random.Random(0)``; the first 2,048 are ``test.txt`` (Flow-GRPO's test split
+  has about as many), the rest ``train.txt``.
+- ``hpdv2``: Human Preference Dataset v2 (``ymhao/HPDv2``), the prompts of the DanceGRPO / BranchGRPO /
+  MixGRPO HPS recipes. ``test.txt``: the 400 prompts of ``test.json`` in file order; ``train.txt``: the
+  unique prompts of ``train.json`` in first-seen order, minus the test prompts.
+- ``geneval``: ``test.txt`` = GenEval's 553 evaluation prompts (``djghosh13/geneval``,
+  ``prompts/evaluation_metadata.jsonl``); ``train.txt`` = Flow-GRPO's GenEval-style training prompts
+  (``yifan123/flow_grpo``, ``dataset/geneval/train_metadata.jsonl``), minus any test prompt.
+  ``{train,test}_metadata.jsonl`` beside them hold the metadata line of each prompt (same order) for the
+  GenEval reward server.
+- ``drawbench``: the 200 DrawBench prompts (``Jialuo21/DrawBench``, ``data/test-*.parquet``), ``test.txt``
+  only: an eval set (``prompts.eval=dataset/drawbench/test.txt``).
+
+Counts: exact where the source documents them (or the split fixes them), else a floor that catches a
+truncated download. ``Output.sha256`` is verified when recorded; none is recorded yet (these sets were
+defined without network access), so the first fetch prints each file's sha256 and writes it to
+``manifest.json`` for recording here.
+
+Offline (``--source FOLDER`` or ``$FLOWRL_DATA_SOURCE``): a local mirror laid out as
+``FOLDER/<owner>/<repo>/<path in the repo>``; nothing is downloaded then. When a file cannot be had, the
+command exits with status 2 and a message naming each file's URL and where to put it.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import posixpath
+import random
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from flowrl.errors import REPO_ROOT
+
+SOURCE_ENV = "FLOWRL_DATA_SOURCE"
+DEFAULT_OUT = "dataset"
+MANIFEST = "manifest.json"
+
+
+class DataError(ValueError):
+    """A prompt set that cannot be produced as specified (bad name, count, checksum or source file)."""
+
+
+class DataUnavailable(DataError):
+    """Source files that could not be downloaded (or found under ``--source``); the message says which,
+    from where, and where to put them."""
+
+
+# ---- what a prompt set is -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Remote:
+    """One source file: ``kind`` ``hub`` (a Hugging Face *dataset* repo; ``path`` may be a glob such as
+    ``data/test-*.parquet``) or ``github`` (a file in a GitHub repository), at ``revision``."""
+
+    kind: str
+    repo: str
+    path: str
+    revision: str = "main"
+
+    @property
+    def is_glob(self) -> bool:
+        return any(c in self.path for c in "*?[")
+
+    @property
+    def url(self) -> str:
+        """Where a person downloads it (a folder page for a glob)."""
+        if self.kind == "hub":
+            base = f"https://huggingface.co/datasets/{self.repo}"
+            if self.is_glob:
+                return f"{base}/tree/{self.revision}/{posixpath.dirname(self.path)}"
+            return f"{base}/resolve/{self.revision}/{self.path}"
+        return f"https://raw.githubusercontent.com/{self.repo}/{self.revision}/{self.path}"
+
+    @property
+    def mirror(self) -> str:
+        """Its path under a ``--source`` folder."""
+        return f"{self.repo}/{self.path}"
+
+    def label(self) -> str:
+        where = "Hugging Face dataset" if self.kind == "hub" else "GitHub"
+        return f"{where} {self.repo} @ {self.revision[:12]}: {self.path}"
+
+
+@dataclass(frozen=True)
+class Output:
+    """One produced file under ``OUT/<name>/``: its exact line count (``count``; None: unknown, then at
+    least ``min_count``) and, once known, the sha256 of its bytes."""
+
+    file: str
+    count: int | None
+    min_count: int = 1
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A named prompt set: its sources (by key), its outputs and the converter from the downloaded files
+    (``{key: [paths]}``) to each output's lines (``{file: [line, ...]}``)."""
+
+    name: str
+    description: str
+    remotes: dict[str, Remote]
+    outputs: tuple[Output, ...]
+    convert: Callable[[dict[str, list[Path]]], dict[str, list[str]]]
+    needs: tuple[str, ...] = field(default=())  # importable modules the converter needs (checked first)
+
+
+# ---- converters ---------------------------------------------------------------------------------
+def clean_prompt(text: object) -> str | None:
+    """One line of a prompt file: whitespace (newlines included) collapsed to single spaces; None for a
+    non-string, an empty prompt or one starting with ``#`` (prompt files read such a line as a comment)."""
+    if not isinstance(text, str):
+        return None
+    line = " ".join(text.split())
+    return line if line and not line.startswith("#") else None
+
+
+def unique(lines: Iterable[str | None]) -> list[str]:
+    """Non-None ``lines`` without repeats, in first-seen order."""
+    seen: set[str] = set()
+    out = []
+    for line in lines:
+        if line is not None and line not in seen:
+            seen.add(line)
+            out.append(line)
+    return out
+
+
+def read_parquet_column(paths: list[Path], column: str) -> list:
+    """Values of ``column`` over the parquet files ``paths``, in order (needs pyarrow)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading parquet files needs pyarrow: pip install pyarrow") from None
+    values: list = []
+    for path in paths:
+        table = pq.read_table(path)
+        if column not in table.column_names:
+            raise DataError(f"{path}: no column {column!r}; its columns: {table.column_names}")
+        values.extend(table.column(column).to_pylist())
+    return values
+
+
+def read_json_prompts(path: Path) -> list[object]:
+    """The ``prompt`` of each record of a JSON list (HPDv2's ``train.json`` / ``test.json``)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not JSON ({e})") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "prompt" in r for r in records):
+        raise DataError(f"{path}: expected a JSON list of objects with a 'prompt' key")
+    return [r["prompt"] for r in records]
+
+
+def read_jsonl_records(path: Path) -> list[tuple[str, dict]]:
+    """``(line, record)`` of each non-blank line of a JSONL file whose records hold a ``prompt``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {number}: not JSON ({e})") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise DataError(f"{path}, line {number}: expected an object with a 'prompt' key")
+            out.append((line.strip(), record))
+    return out
+
+
+PICKSCORE_TEST = 2048
+PICKSCORE_MIN_SPACES = 5
+PICKSCORE_SEED = 0
+
+
+def convert_pickscore(files: dict[str, list[Path]]) -> dict[str, list[str]]:
+    """Pick-a-Pic captions → unique prompts with >= 5 spaces, sorted then shuffled with
+    ``random.Random(0)``: the first ``PICKSCORE_TEST`` are the test split, the rest the train split."""
+    prompts = sorted({p for p in map(clean_prompt, read_parquet_column(files["captions"], "caption"))
+                      if p is not None and p.count(" ") >= PICKSCORE_MIN_SPACES})
+    random.Random(PICKSCORE_SEED).shuffle(prompts)
+    return {"test.txt": prompts[:PICKSCORE_TEST], "train.txt": prompts[PICKSCORE_TEST:]}
+
+
+def convert_hpdv2(files: dict[str, list[Path]]) -> dict[str, list[str]]:
+    """HPDv2: test prompts in file order; unique train prompts in first-seen order, minus test prompts."""
+    test = [clean_prompt(p) for p in read_json_prompts(files["test"][0])]
+    test = [p for p in test if p is not None]
+    held_out = set(test)
+    train = [p for p in unique(map(clean_prompt, read_json_prompts(files["train"][0]))) if p not in held_out]
+    return {"test.txt": test, "train.txt": train}
+
+
+def convert_geneval(files: dict[str, list[Path]]) -> dict[str, list[str]]:
+    """GenEval metadata JSONL → prompts and the metadata line of each (same order; its ``prompt`` is the
+    written one); the train split loses repeats and every test prompt."""
+    out: dict[str, list[str]] = {}
+    held_out: set[str] = set()
+    for split in ("test", "train"):
+        prompts, lines = [], []
+        for line, record in read_jsonl_records(files[split][0]):
+            p = clean_prompt(record["prompt"])
+            if p is None or (split == "train" and p in held_out):
+                continue
+            if split == "train":
+                held_out.add(p)
+            prompts.append(p)
+            lines.append(line if p == record["prompt"] else json.dumps({**record, "prompt": p}))
+        if split == "test":
+            held_out = set(prompts)
+        out[f"{split}.txt"], out[f"{split}_metadata.jsonl"] = prompts, lines
+    return out
+
+
+def convert_drawbench(files: dict[str, list[Path]]) -> dict[str, list[str]]:
+    """DrawBench: the ``prompts`` column in order (its 200 rows; repeats kept, as the benchmark has them)."""
+    return {"test.txt": [p for p in map(clean_prompt, read_parquet_column(files["test"], "prompts")) if p is not None]}
+
+
+PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
+    PromptSet(
+        name="pickscore",
+        description="Pick-a-Pic v1 captions, SFW subset (Flow-GRPO's recommended PickScore prompts); "
+                    "2,048 test, the rest train",
+        remotes={"captions": Remote("hub", "CarperAI/pickapic_v1_no_images_training_sfw",
+                                    "pickapic_training_sfw.parquet", "ebca1a045fbb7d4192df1d4804865f9c4c91f27b")},
+        outputs=(Output("train.txt", None, min_count=5_000), Output("test.txt", PICKSCORE_TEST)),
+        convert=convert_pickscore, needs=("pyarrow",)),
+    PromptSet(
+        name="hpdv2",
+        description="Human Preference Dataset v2 prompts (the DanceGRPO / BranchGRPO / MixGRPO HPS recipes): "
+                    "unique train prompts, the 400 test prompts",
+        remotes={"train": Remote("hub", "ymhao/HPDv2", "train.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1"),
+                 "test": Remote("hub", "ymhao/HPDv2", "test.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1")},
+        outputs=(Output("train.txt", None, min_count=50_000), Output("test.txt", 400)),
+        convert=convert_hpdv2),
+    PromptSet(
+        name="geneval",
+        description="GenEval: the 553 evaluation prompts; Flow-GRPO's GenEval-style training prompts; "
+                    "with each prompt's metadata for the GenEval reward server",
+        remotes={"train": Remote("github", "yifan123/flow_grpo", "dataset/geneval/train_metadata.jsonl"),
+                 "test": Remote("github", "djghosh13/geneval", "prompts/evaluation_metadata.jsonl")},
+        outputs=(Output("train.txt", None, min_count=1_000), Output("train_metadata.jsonl", None, min_count=1_000),
+                 Output("test.txt", 553), Output("test_metadata.jsonl", 553)),
+        convert=convert_geneval),
+    PromptSet(
+        name="drawbench",
+        description="DrawBench's 200 prompts (11 categories), an eval set: prompts.eval=dataset/drawbench/test.txt",
+        remotes={"test": Remote("hub", "Jialuo21/DrawBench", "data/test-*.parquet")},
+        outputs=(Output("test.txt", 200),),
+        convert=convert_drawbench, needs=("pyarrow",)),
+)}
+
+
+def get_set(name: str) -> PromptSet:
+    """The prompt set ``name``; else a DataError naming the accepted names."""
+    if name in PROMPT_SETS:
+        return PROMPT_SETS[name]
+    close = difflib.get_close_matches(name, list(PROMPT_SETS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise DataError(f"unknown prompt set {name!r}{hint}; accepted: {sorted(PROMPT_SETS)}")
+
+
+def used_by(spec: PromptSet, configs: Path = REPO_ROOT / "configs") -> list[str]:
+    """The shipped presets that name one of ``spec``'s files (``dataset/<name>/<file>``)."""
+    wanted = [f"dataset/{spec.name}/{o.file}" for o in spec.outputs]
+    return sorted(str(p.relative_to(configs.parent)) for p in configs.rglob("*.yaml")
+                  if any(w in p.read_text(encoding="utf-8") for w in wanted))
+
+
+# ---- getting the source files -------------------------------------------------------------------
+class NoMatch(FileNotFoundError):
+    """The hub answered, but no file of the repo matches a glob."""
+
+
+def _cache_dir() -> Path:
+    """Where GitHub-hosted source files are kept: ``$HF_HOME/flowrl-data`` (HF_HOME as huggingface_hub
+    resolves it)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "flowrl-data"
+
+
+def _download_url(url: str, dest: Path) -> Path:
+    """``url`` to ``dest`` through a temporary file (a failed download leaves nothing at ``dest``)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
+            while chunk := response.read(1 << 20):
+                f.write(chunk)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _obtain(remote: Remote, source: Path | None) -> list[Path]:
+    """Local paths of ``remote``: from the mirror ``source`` when given (nothing is downloaded then), else
+    downloaded (``hf_hub_download`` / ``snapshot_download`` for a glob; HTTPS for GitHub). Raises OSError
+    (or FileNotFoundError) when it cannot be had."""
+    if source is not None:
+        base = source / remote.repo
+        paths = sorted(base.glob(remote.path)) if remote.is_glob else [base / remote.path]
+        paths = [p for p in paths if p.is_file()]
+        if not paths:
+            raise FileNotFoundError(f"not in --source: no file {source / remote.mirror}")
+        return paths
+    if remote.kind == "hub":
+        import huggingface_hub
+
+        if remote.is_glob:
+            folder = Path(huggingface_hub.snapshot_download(remote.repo, repo_type="dataset", revision=remote.revision,
+                                                            allow_patterns=[remote.path]))
+            paths = sorted(p for p in folder.glob(remote.path) if p.is_file())
+            if not paths:
+                raise NoMatch(f"{remote.repo} @ {remote.revision} has no file matching {remote.path!r}")
+            return paths
+        return [Path(huggingface_hub.hf_hub_download(remote.repo, remote.path, repo_type="dataset",
+                                                     revision=remote.revision))]
+    if remote.kind == "github":
+        return [_download_url(remote.url, _cache_dir() / "github" / remote.repo / remote.revision / remote.path)]
+    raise DataError(f"Remote.kind={remote.kind!r} is not supported; accepted: ['hub', 'github']")
+
+
+def _is_http_answer(error: OSError) -> bool:
+    """The server answered (HTTP 404, a gated repo, ...): the network itself works."""
+    import urllib.error
+
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return isinstance(error, (HfHubHTTPError, urllib.error.HTTPError, NoMatch))
+
+
+def unavailable_message(spec: PromptSet, failures: dict[str, str], out: Path, source: Path | None) -> str:
+    """What to download from where and where to put it, for each source file of ``spec``."""
+    folder = str(source) if source is not None else "FOLDER"
+    lines = [f"could not get the source files of prompt set {spec.name!r}"
+             + (f" from --source {source}" if source is not None else " (no network, or the hub unreachable?)") + ":"]
+    for key, remote in spec.remotes.items():
+        status = f"  (failed: {failures[key]})" if key in failures else "  (ok)"
+        lines.append(f"  - {remote.label()}{status}")
+        if remote.is_glob:
+            lines.append(f"      download the file matching {posixpath.basename(remote.path)} from {remote.url}")
+            lines.append(f"      put it in {folder}/{remote.repo}/{posixpath.dirname(remote.path)}/")
+        else:
+            lines.append(f"      download {remote.url}")
+            lines.append(f"      put it at {folder}/{remote.mirror}")
+    lines.append(f"then run: flowrl data fetch {spec.name} --source {folder}"
+                 + (f" --out {out}" if str(out) != DEFAULT_OUT else "")
+                 + f"   (or set {SOURCE_ENV}={folder})")
+    lines.append(f"or fetch on a machine with network access and copy {out}/{spec.name}/ "
+                 f"({', '.join(o.file for o in spec.outputs)}) here")
+    return "\n".join(lines)
+
+
+# ---- producing and checking the files -----------------------------------------------------------
+def render(lines: list[str]) -> bytes:
+    """A prompt file's bytes: UTF-8, one line each, ending with a newline."""
+    return "".join(line + "\n" for line in lines).encode("utf-8")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_output(spec: PromptSet, output: Output, lines: int, digest: str, where: str) -> None:
+    """``lines`` and ``digest`` of ``output`` against its expected count and sha256; else a DataError
+    naming the file, what it holds and what is accepted."""
+    if output.count is not None and lines != output.count:
+        raise DataError(f"{where}: {lines:,} lines, expected exactly {output.count:,} for prompt set "
+                        f"{spec.name!r} (sources: {'; '.join(r.label() for r in spec.remotes.values())})")
+    if output.count is None and lines < output.min_count:
+        raise DataError(f"{where}: {lines:,} lines, expected at least {output.min_count:,} for prompt set "
+                        f"{spec.name!r}: a truncated or wrong source file?")
+    if output.sha256 is not None and digest != output.sha256:
+        raise DataError(f"{where}: sha256 {digest}, expected {output.sha256} for prompt set {spec.name!r}: "
+                        "the source changed since the checksum was recorded")
+
+
+def present(spec: PromptSet, target: Path) -> dict[str, tuple[int, str] | None]:
+    """``{file: (lines, sha256) or None if missing}`` for ``spec``'s outputs under ``target``."""
+    out: dict[str, tuple[int, str] | None] = {}
+    for o in spec.outputs:
+        path = target / o.file
+        if path.is_file():
+            data = path.read_bytes()
+            out[o.file] = (data.count(b"\n") + (0 if not data or data.endswith(b"\n") else 1), sha256(data))
+        else:
+            out[o.file] = None
+    return out
+
+
+def up_to_date(spec: PromptSet, target: Path) -> bool:
+    """Every output of ``spec`` exists under ``target`` and passes its count and checksum."""
+    found = present(spec, target)
+    try:
+        for o in spec.outputs:
+            if found[o.file] is None:
+                return False
+            check_output(spec, o, *found[o.file], where=str(target / o.file))
+    except DataError:
+        return False
+    return True
+
+
+def write_atomic(target: Path, files: dict[str, bytes]) -> None:
+    """Write every file of ``files`` under ``target``: each is written in full to a temporary file beside
+    it and fsynced before any is moved into place (``os.replace``, atomic per file), so a failure while
+    writing leaves the previous files (or none) and no temporary file."""
+    target.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, data in files.items():
+            final = target / name
+            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            staged.append((tmp, final))
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def fetch(name: str, out: str | Path = DEFAULT_OUT, source: str | Path | None = None, force: bool = False,
+          log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Produce prompt set ``name`` under ``out/<name>/``; returns ``{file: {"lines", "sha256", "path"}}``.
+
+    Skips the download when every file is already there and passes its checks (``force``: fetch anyway).
+    Raises DataUnavailable (source files not to be had: the message says what to put where) or DataError
+    (a count or checksum that does not match; nothing is written then)."""
+    spec = get_set(name)
+    out = Path(out)
+    target = out / spec.name
+    if not force and up_to_date(spec, target):
+        found = present(spec, target)
+        log(f"{spec.name}: up to date in {target} ({', '.join(f'{f} {n:,}' for f, (n, _) in found.items())}); "
+            "--force fetches again")
+        return {f: {"lines": n, "sha256": d, "path": str(target / f)} for f, (n, d) in found.items()}
+    missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DataError(f"prompt set {spec.name!r} needs {missing}: pip install {' '.join(missing)}")
+    source = Path(source) if source else None
+    files: dict[str, list[Path]] = {}
+    failures: dict[str, str] = {}
+    offline = False
+    for key, remote in spec.remotes.items():
+        if offline:  # the network failed for an earlier file: do not wait for its retries again
+            failures[key] = "not tried: the network failed for the file above"
+            continue
+        log(f"{spec.name}: {'reading' if source else 'fetching'} {remote.label()}")
+        try:
+            files[key] = _obtain(remote, source)
+        except OSError as e:  # offline, hub errors (LocalEntryNotFound, HTTP 404, gated), URLError, no file
+            failures[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            offline = source is None and not _is_http_answer(e)
+    if failures:
+        raise DataUnavailable(unavailable_message(spec, failures, out, source))
+    produced = spec.convert(files)
+    data = {o.file: render(produced[o.file]) for o in spec.outputs}
+    result = {}
+    for o in spec.outputs:  # every check before any file is written
+        lines, digest = len(produced[o.file]), sha256(data[o.file])
+        check_output(spec, o, lines, digest, where=str(target / o.file))
+        result[o.file] = {"lines": lines, "sha256": digest, "path": str(target / o.file)}
+    manifest = {"name": spec.name, "description": spec.description,
+                "sources": [{"kind": r.kind, "repo": r.repo, "path": r.path, "revision": r.revision, "url": r.url,
+                             "files": [p.name for p in files[k]]} for k, r in spec.remotes.items()],
+                "from": f"mirror {source}" if source else "network",
+                "files": {f: {"lines": v["lines"], "sha256": v["sha256"]} for f, v in result.items()}}
+    data[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode("utf-8")
+    write_atomic(target, data)
+    for o in spec.outputs:
+        r = result[o.file]
+        note = "" if o.sha256 else "  (no checksum recorded: record this one in flowrl/data.py)"
+        log(f"wrote {r['path']}: {r['lines']:,} lines, sha256 {r['sha256']}{note}")
+    return result
+
+
+# ---- command line -------------------------------------------------------------------------------
+def list_sets(out: str | Path = DEFAULT_OUT) -> str:
+    """A description of every prompt set: sources, files with expected counts, what is present under
+    ``out``, and the presets that use it."""
+    blocks = []
+    for spec in PROMPT_SETS.values():
+        found = present(spec, Path(out) / spec.name)
+        lines = [f"{spec.name}: {spec.description}"]
+        lines += [f"  source: {r.label()}" for r in spec.remotes.values()]
+        for o in spec.outputs:
+            expected = f"{o.count:,}" if o.count is not None else f">= {o.min_count:,}"
+            have = "missing" if found[o.file] is None else f"present, {found[o.file][0]:,} lines"
+            lines.append(f"  {Path(out) / spec.name / o.file}: {expected} lines; {have}")
+        users = used_by(spec)
+        lines.append(f"  used by: {', '.join(users) if users else '(no shipped preset; name it in prompts.*)'}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """``flowrl data fetch NAME... | list``; a prompt set that cannot be produced prints one message and
+    returns 2."""
+    if args.data_command == "list":
+        print(list_sets(args.out))
+        return 0
+    source = args.source or os.environ.get(SOURCE_ENV) or None
+    try:
+        for name in args.names:
+            get_set(name)  # every name checked before anything is downloaded
+        for name in args.names:
+            fetch(name, args.out, source, force=args.force)
+    except DataError as e:
+        print(f"flowrl data: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    if out not in (Path.cwd().resolve() / DEFAULT_OUT, REPO_ROOT.resolve() / DEFAULT_OUT):
+        print(f"note: the presets name {DEFAULT_OUT}/<set>/...; run them from {out.parent} or point "
+              f"prompts.train / prompts.eval at the files")
+    return 0
+
+
+def add_data_commands(parser: argparse.ArgumentParser) -> None:
+    """``fetch NAME... [--out DIR] [--source FOLDER] [--force]`` and ``list [--out DIR]`` under ``parser``."""
+    names = ", ".join(sorted(PROMPT_SETS))
+    sub = parser.add_subparsers(dest="data_command", required=True)
+    f = sub.add_parser("fetch", help="download and convert prompt sets",
+                       description=f"Prompt sets: {names}. Hugging Face downloads honour HF_HOME / HF_TOKEN; "
+                                   f"offline, give a local mirror with --source (or ${SOURCE_ENV}). "
+                                   "Exit status 2 when a set cannot be produced.")
+    f.add_argument("names", nargs="+", metavar="NAME", help=f"prompt set(s): {names}")
+    f.add_argument("--out", default=DEFAULT_OUT, help=f"folder that receives <name>/ (default ./{DEFAULT_OUT}, "
+                                                     "where the presets look)")
+    f.add_argument("--source", default=None, metavar="FOLDER",
+                   help=f"local mirror FOLDER/<owner>/<repo>/<path> instead of downloading (default ${SOURCE_ENV})")
+    f.add_argument("--force", action="store_true", help="fetch again even when the files are present and check out")
+    f.set_defaults(func=cmd_data)
+    ls = sub.add_parser("list", help="the prompt sets: sources, files, what is present, which presets use them")
+    ls.add_argument("--out", default=DEFAULT_OUT, help=f"folder to look in (default ./{DEFAULT_OUT})")
+    ls.set_defaults(func=cmd_data)
+
+
+def add_data_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``data`` command (``data fetch NAME...``, ``data list``) to ``flowrl``'s sub-parsers."""
+    names = ", ".join(sorted(PROMPT_SETS))
+    p = subparsers.add_parser("data", help=f"fetch the prompt sets the GPU presets name ({names})",
+                              description="Fetch prompt sets into DIR/<name>/ (train.txt, test.txt): download, "
+                                          "convert, check counts and checksums, write atomically.")
+    add_data_commands(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flowrl.data fetch NAME`` / ``python -m flowrl.data list`` (the same as ``flowrl data ...``)."""
+    parser = argparse.ArgumentParser(prog="python -m flowrl.data",
+                                     description="Fetch the prompt sets the GPU presets name.")
+    add_data_commands(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
