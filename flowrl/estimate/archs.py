@@ -1,0 +1,219 @@
+"""The published architectures on the meta device: an architecture (a stored JSON of
+flowrl/models/archs/, a local pipeline folder's configs, or a live pipeline's) and building its diffusers
+transformer and VAE and counting its text encoders on the ``meta`` device (shapes and dtypes, no memory),
+with the preset's LoRA attached by peft exactly as training attaches it."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import diffusers
+import torch
+import transformers
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from flowrl.errors import ConfigError
+from flowrl.models import model_family
+from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
+
+ARCH_DIR = Path(__file__).resolve().parents[1] / "models" / "archs"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def list_archs() -> list[str]:
+    """Names (file stems) of the stored architectures, e.g. ``sd35_medium``."""
+    return sorted(p.stem for p in ARCH_DIR.glob("*.json"))
+
+
+def load_arch(name: str) -> dict:
+    """The stored architecture ``name`` (a file stem of flowrl/models/archs, e.g. ``flux1_dev``)."""
+    path = ARCH_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"no stored architecture {name!r}; stored: {list_archs()}")
+    arch = json.loads(path.read_text())
+    arch["key"] = name
+    return arch
+
+
+def arch_for_model(section) -> dict:
+    """The architecture of ``model`` (a :class:`~flowrl.config.ModelSection`): a stored one when ``model.path``
+    is one of its hub ids, a local pipeline folder's own configs, or the shipped shapes model."""
+    path = section.path
+    if section.family == "shapes" and path is None:
+        return arch_from_folder(SHIPPED_DIR, family="sd3", shapes=True)
+    if path is None:
+        raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
+    for name in list_archs():
+        arch = load_arch(name)
+        if str(path).rstrip("/") in arch["hub_ids"]:
+            return arch
+    folder = Path(path)
+    if folder.is_dir() and (folder / "model_index.json").is_file():
+        return arch_from_folder(folder, family="sd3" if section.family == "shapes" else section.family,
+                                shapes=section.family == "shapes")
+    known = sorted(i for n in list_archs() for i in load_arch(n)["hub_ids"])
+    raise ConfigError(f"model.path={path!r}: no stored architecture for it and not a local pipeline folder; stored "
+                      f"hub ids: {known} (add a JSON file to flowrl/models/archs/ for another model)")
+
+
+def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> dict:
+    """The architecture of a saved diffusers pipeline folder (``model_index.json`` and the components'
+    ``config.json``; tokenizers' ``model_max_length`` for the CLIP tokens of SD3)."""
+    folder = Path(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+
+    def component(name: str) -> dict | None:
+        entry = index.get(name)
+        if not entry or entry[0] is None or not (folder / name / "config.json").is_file():
+            return None
+        config = json.loads((folder / name / "config.json").read_text())
+        return {"name": name, "class": entry[1], "config": {k: v for k, v in config.items() if not k.startswith("_")}}
+
+    transformer, vae = component("transformer"), component("vae")
+    if transformer is None or vae is None:
+        raise ConfigError(f"{folder}: a pipeline folder needs transformer/ and vae/ with their config.json")
+    encoders = [c for c in (component(n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")) if c]
+    for enc in encoders:
+        enc["config"] = {k: v for k, v in enc["config"].items() if k not in ("architectures", "transformers_version",
+                                                                             "dtype", "torch_dtype")}
+    clip_tokens = 0
+    if family == "sd3":
+        tok = folder / "tokenizer" / "tokenizer_config.json"
+        clip_tokens = int(json.loads(tok.read_text()).get("model_max_length", 77)) if tok.is_file() else 77
+    vae_config = vae["config"]
+    blocks = vae_config.get("block_out_channels") or vae_config.get("decoder_block_out_channels") or [0]
+    arch = {
+        "name": folder.name, "key": str(folder), "family": family, "hub_ids": [],
+        "transformer": transformer, "text_encoders": encoders,
+        "vae": {**vae, "scale_factor": 2 ** (len(blocks) - 1), "latent_channels": vae_config.get("latent_channels")},
+        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": 512},
+    }
+    if shapes:
+        arch["defaults"] = generation_defaults(folder)
+        arch["name"] = f"shapes model ({folder.name})"
+    return arch
+
+
+def arch_from_pipeline(pipe, family: str | None = None) -> dict:
+    """The architecture of a live diffusers pipeline (e.g. the tiny test pipelines): the configs of its
+    transformer and VAE, its text encoders' parameter counts, the CLIP tokens of SD3."""
+    name = type(pipe).__name__
+    family = family or {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "SanaPipeline": "sana"}.get(name)
+    if family is None:
+        raise ConfigError(f"no estimate for a {name}; supported: StableDiffusion3Pipeline, FluxPipeline, SanaPipeline")
+    encoders = [{"name": n, "class": type(m).__name__, "params": sum(p.numel() for p in m.parameters()),
+                 "dtype": str(next(m.parameters()).dtype).replace("torch.", "")}
+                for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if (m := getattr(pipe, n, None)) is not None]
+    clip_tokens = int(pipe.tokenizer.model_max_length) if family == "sd3" else 0
+    arch = {
+        "name": f"{name} (in memory)", "family": family, "hub_ids": [],
+        "transformer": {"class": type(pipe.transformer).__name__, "config": dict(pipe.transformer.config)},
+        "vae": {"class": type(pipe.vae).__name__, "config": dict(pipe.vae.config), "scale_factor": pipe.vae_scale_factor,
+                "latent_channels": pipe.vae.config.latent_channels},
+        "text_encoders": encoders,
+        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": 512,
+                 "default_image_size": getattr(pipe, "default_sample_size", 0) * pipe.vae_scale_factor},
+    }
+    # the key names what the meta model is built from (cached builds and traces): the configs, not the object
+    digest = hashlib.sha1(json.dumps([arch["transformer"], arch["vae"]], sort_keys=True, default=str).encode())
+    arch["key"] = f"pipeline-{digest.hexdigest()[:16]}"
+    return arch
+
+
+def _diffusers_class(name: str):
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ConfigError(f"diffusers has no class {name!r} (needed to build the architecture on the meta device)")
+    return cls
+
+
+def build_transformer(arch: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The architecture's diffusers transformer on the meta device (no memory), in ``dtype``, eval mode."""
+    cls = _diffusers_class(arch["transformer"]["class"])
+    with torch.device("meta"):
+        module = cls.from_config(_public(arch["transformer"]["config"]))
+    return module.to(dtype).eval().requires_grad_(False)
+
+
+def build_vae(arch: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The architecture's VAE on the meta device, in ``dtype``, eval mode, frozen."""
+    cls = _diffusers_class(arch["vae"]["class"])
+    with torch.device("meta"):
+        module = cls.from_config(_public(arch["vae"]["config"]))
+    return module.to(dtype).eval().requires_grad_(False)
+
+
+ARCH_CACHE: dict[str, dict] = {}
+"""Architectures by ``key``, for the caches keyed by it (text encoder counts, meta models, traced phases)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _text_encoder_params(key: str, index: int) -> int:
+    return _count_text_encoder(ARCH_CACHE[key]["text_encoders"][index])
+
+
+def _count_text_encoder(spec: dict) -> int:
+    """Parameters of one text encoder: given (``params``) or built from its config on the meta device."""
+    if "params" in spec:
+        return int(spec["params"])
+    config = dict(spec["config"])
+    model_type = config.pop("model_type")
+    cls = getattr(transformers, spec["class"], None)
+    if cls is None:
+        raise ConfigError(f"transformers has no class {spec['class']!r} (text encoder {spec['name']})")
+    with torch.device("meta"):
+        module = cls(transformers.AutoConfig.for_model(model_type, **config))
+    return sum(p.numel() for p in module.parameters())
+
+
+def text_encoder_params(arch: dict) -> dict[str, int]:
+    """Parameters of each text encoder of ``arch`` by component name (built on the meta device, cached)."""
+    ARCH_CACHE[arch["key"]] = arch
+    return {spec["name"]: _text_encoder_params(arch["key"], i) for i, spec in enumerate(arch["text_encoders"])}
+
+
+def _public(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def add_lora(module: nn.Module, rank: int, alpha: float, targets: list[str], init: str = "gaussian") -> int:
+    """Attach a peft LoRA named ``default`` to ``module`` (as :meth:`FlowModel.add_lora`); returns the number
+    of LoRA-wrapped layers. Raises :class:`ConfigError` naming the targets when none matches."""
+    module.requires_grad_(False)
+    try:
+        with torch.device("meta"):  # peft builds the LoRA layers on the default device: keep them shapes only
+            module.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                          init_lora_weights=init if init != "default" else True))
+    except ValueError as e:
+        raise ConfigError(f"model.lora.targets={list(targets)}: {e}") from e
+    # peft moves new LoRA layers to their base layer's device and dtype, but leaves them alone on meta: do it here
+    # (a bf16 transformer gets bf16 LoRA weights, as a real one does)
+    base_dtype = next(p.dtype for n, p in module.named_parameters() if "lora_" not in n and p.is_floating_point())
+    for name, param in module.named_parameters():
+        if "lora_" in name and param.dtype != base_dtype:
+            param.data = param.data.to(base_dtype)
+    return sum(isinstance(m, LoraLayer) for m in module.modules())
+
+
+def default_lora_targets(family: str) -> list[str]:
+    """The adapter's ``default_lora_targets`` of ``family`` (sd3/shapes, flux, sana)."""
+    return list(model_family("sd3" if family == "shapes" else family).adapter_class().default_lora_targets)
+
+
+@functools.lru_cache(maxsize=8)
+def model_with_lora(arch_key: str, dtype_name: str, lora: tuple | None) -> tuple[nn.Module, int]:
+    """(meta transformer with the LoRA ``lora`` = (rank, alpha, targets, init) attached or None for full
+    fine-tuning, number of LoRA layers); cached: building FLUX with LoRA takes a few seconds."""
+    arch = ARCH_CACHE[arch_key]
+    module = build_transformer(arch, DTYPES[dtype_name])
+    layers = 0
+    if lora is None:
+        module.requires_grad_(True)
+    else:
+        rank, alpha, targets, init = lora
+        layers = add_lora(module, rank, alpha, list(targets), init)
+    return module, layers

@@ -1,0 +1,69 @@
+"""The estimate for people: ``flowrl bench``'s ``--estimate`` arguments and the markdown summary of
+:func:`flowrl.estimate.estimate`'s result."""
+from __future__ import annotations
+
+from flowrl.estimate.gpus import GPUS
+
+
+def add_estimate_arguments(parser) -> None:
+    """``--estimate``, ``--gpu`` and ``--processes`` of ``flowrl bench``."""
+    parser.add_argument("--estimate", action="store_true",
+                        help="predict peak GPU memory and s/iteration without running (meta device; docs/estimate.md)")
+    parser.add_argument("--gpu", default="H100", help=f"GPU class of --estimate: {', '.join(GPUS)} (default H100)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="processes (GPUs) sharing prompts.per_step, for --estimate (default 1)")
+
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.2f} MiB"
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.3g} FLOP"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def format_estimate(result: dict) -> str:
+    """A short human-readable summary of :func:`estimate`'s result (markdown)."""
+    mem, arch, sh, t, fl = (result[k] for k in ("memory_gib", "architecture", "shapes", "time", "flops"))
+    lo, hi = t["seconds_per_iteration"]
+    lines = [
+        f"## estimate: {result['model']} on {result['processes']} × {result['gpu']}",
+        f"transformer {_count(arch['transformer_params'])} parameters, trainable {_count(arch['trainable_params'])}"
+        + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)") + f", {arch['dtype']}",
+        f"{sh['height']}×{sh['width']} px → latent {sh['latent']}, {sh['image_tokens']} image + {sh['text_tokens']} text "
+        f"tokens; rollout forward {sh['rollout_rows']} rows, update micro-batch {sh['update_rows']} rows"
+        + (" (CFG doubles rows)" if sh["cfg"] else ""),
+        "",
+        "| memory | |", "|---|---|",
+    ]
+    for key in ("transformer_weights", "transformer_buffers", "lora", "text_encoders", "vae", "reward_models",
+                "gradients", "optimizer_state", "ema", "old_policy", "reference", "explorer", "prompt_cache",
+                "activations_rollout", "activations_decode", "activations_update", "optimizer_step_transient"):
+        if mem[key]:
+            lines.append(f"| {key.replace('_', ' ')} | {_size(mem[key])} |")
+    lines += [
+        f"| **peak** ({mem['peak_phase']}) | **{_size(mem['peak'])}** of {mem['gpu_memory']:.0f} GiB "
+        f"({'fits' if mem['fits'] else 'does NOT fit'}) |",
+        f"| peak with / without gradient checkpointing | {_size(mem['peak_with_gradient_checkpointing'])} / "
+        f"{_size(mem['peak_without_gradient_checkpointing'])} |",
+        f"| peak at the end of the run (prompt cache grown to {_size(mem['prompt_cache_end_of_run'])}) | "
+        f"{_size(mem['peak_end_of_run'])} |",
+        "",
+        f"FLOPs per iteration {_flops(fl['total'])} (rollout {_flops(fl['rollout'])}, explore {_flops(fl['explore'])}, "
+        f"decode {_flops(fl['decode'])}, update {_flops(fl['update'])}) → "
+        f"**{_seconds(lo)}–{_seconds(hi)} s/iteration** at {t['utilisation'][0]:.0%}–{t['utilisation'][1]:.0%} of "
+        f"{t['gpu_bf16_tflops']:.0f} bf16 TFLOP/s",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Sizes of the static memory: reward models' weights, an explorer copy in its quantized format, tensor
+bytes, and the prompts a prompt file holds (for the prompt cache's growth)."""
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+from torch import nn
+
+from flowrl.errors import REPO_ROOT, ConfigError
+from flowrl.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
+
+REWARD_MODELS: dict[str, tuple[float, str]] = {
+    "pickscore": (986e6, "CLIP ViT-H/14 (632 M vision + 354 M text)"),
+    "hpsv2": (986e6, "open_clip ViT-H-14"),
+    "clip_score": (428e6, "CLIP ViT-L/14"),
+    "aesthetic": (428e6, "CLIP ViT-L/14 + MLP head"),
+    "imagereward": (447e6, "BLIP ViT-L + BERT-base with cross-attention (≈ 1.8 GB fp32 checkpoint)"),
+}
+"""Approximate parameters of the built-in model rewards (loaded on the GPU in fp16 unless their ``dtype``
+says otherwise); rewards not listed (``remote``, ``shapes``, image statistics) hold no GPU weights."""
+
+
+_QUANT_BYTES = {  # bytes per weight element of a quantized Linear (scales included)
+    "int8": 1.0 + 4 / 4096,  # per-row fp32 scales: negligible
+    "fp8": 1.0 + 4 / 4096,  # e4m3 weights, per-row fp32 scales
+    "nf4": 0.5 + 4 / 64,  # 4-bit codes, one fp32 absmax per 64-block
+    "nvfp4": 0.5 + 1 / 16,  # 4-bit e2m1, one fp8 scale per 16-block
+}
+
+
+def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = None, skip: list[str] | None = None) -> int:
+    """Bytes of an explorer copy of ``module`` (a meta transformer, LoRA attached or not) in ``backend``
+    (:mod:`flowrl.precision`): LoRA merged; Linear layers the backend converts (large enough, not skipped,
+    dimensions it takes) in its format, the rest in the rest dtype (bf16 on GPUs)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"rollout.backend={backend!r} is not supported; accepted: {list(BACKENDS)}")
+    if backend == "same":
+        return 0
+    min_params = DEFAULT_MIN_PARAMS if min_params is None else min_params
+    patterns = DEFAULT_SKIP[backend] if skip is None else tuple(skip)
+    rest = 2  # bf16 / fp16 on a GPU
+    total = 0
+    counted: set[int] = set()
+    for name, layer in module.named_modules():
+        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+        if not isinstance(base, nn.Linear) or ".lora_" in name or name.endswith(".base_layer"):
+            continue  # LoRA's own layers are merged; a wrapped layer is counted once, through its wrapper
+        for p in base.parameters(recurse=False):
+            counted.add(id(p))
+        w = base.weight
+        convert = (backend in QUANTIZING and w.numel() >= min_params and _shape_ok(backend, w.shape)
+                   and not any(fnmatch.fnmatchcase(name, p) for p in patterns))
+        total += int(w.numel() * (_QUANT_BYTES[backend] if convert else rest))
+        if base.bias is not None:
+            total += base.bias.numel() * rest
+    for name, p in module.named_parameters():
+        if id(p) not in counted and "lora_" not in name:
+            total += p.numel() * rest
+    total += sum(b.numel() * rest for b in module.buffers() if b.is_floating_point())
+    return total
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of ``tensors`` (meta tensors included: their numel and dtype)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def reward_model_bytes(cfg) -> tuple[int, list[str]]:
+    """Bytes of the model rewards' weights of ``cfg`` (training and eval rewards, each model once) and a note
+    naming each."""
+    total, notes = 0, []
+    seen = set()
+    for term in list(cfg.rewards) + list(cfg.eval.rewards or []):
+        name = str(term.name)
+        if name in REWARD_MODELS and name not in seen:
+            seen.add(name)
+            params, what = REWARD_MODELS[name]
+            size = 4 if str(term.kwargs.get("dtype", "auto")) in ("fp32", "float32") else 2
+            total += int(params * size)
+            notes.append(f"reward {name}: {what}, ≈ {params / 1e6:.0f} M parameters")
+    return total, notes
+
+
+def prompt_count(spec: str | None) -> int:
+    """Prompts in a prompts file (or inline ``a|b|c``); 0 when the file is not here."""
+    if not spec:
+        return 0
+    for path in (Path(spec), REPO_ROOT / spec):
+        if path.is_file():
+            return sum(1 for line in path.read_text().splitlines() if line.strip())
+    if "|" in spec or not spec.endswith(".txt"):
+        return len([p for p in spec.split("|") if p.strip()])
+    return 0
+

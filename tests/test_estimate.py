@@ -1,0 +1,375 @@
+"""The estimate (flowrl/estimate/, docs/estimate.md): the GPU presets' real architectures built on the meta
+device with their LoRA, their shapes, an estimate for every GPU preset, and the estimator against what one
+training iteration of the tiny pipelines really allocates on this CPU (glibc's heap, sampled around every op)."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flowrl import estimate as E
+from flowrl.config import ConfigError, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_PRESETS = sorted(str(p.relative_to(ROOT)) for d in ("sd35", "flux", "sana") for p in (ROOT / "configs" / d).glob("*.yaml"))
+PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
+    "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
+    "sd35_large": (7.9e9, 8.2e9),  # "8.1 billion parameters"
+    "flux1_dev": (11.8e9, 12.0e9),  # "12 billion parameter rectified flow transformer"; diffusers' module: 11.9 B
+    "sana_1600m": (1.55e9, 1.65e9),  # "Sana-1.6B"
+}
+TEXT_ENCODERS = {  # published sizes: T5 v1.1 XXL encoder 4.76 B, CLIP ViT-L/14 text 123 M, OpenCLIP bigG text 695 M,
+    "T5EncoderModel": (4.7e9, 4.8e9),  # Gemma-2 2B 2.6 B
+    "CLIPTextModel": (120e6, 126e6),
+    "CLIPTextModelWithProjection": (120e6, 700e6),
+    "Gemma2Model": (2.55e9, 2.65e9),
+}
+
+
+def preset(path: str) -> TrainConfig:
+    return E.load_config(str(ROOT / path), [], "H100")
+
+
+def arch_of(path: str) -> dict:
+    return E.arch_for_model(preset(path).model)
+
+
+# ---- the presets' architectures on the meta device ----------------------------------------------
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_stored_architecture_builds_on_meta_with_the_published_size(name):
+    arch = E.load_arch(name)
+    module = E.build_transformer(arch)
+    params = list(module.parameters())
+    assert params and all(p.device.type == "meta" for p in params)  # shapes only: nothing allocated
+    assert all(b.device.type == "meta" for b in module.buffers())
+    low, high = PUBLISHED[name]
+    assert low <= sum(p.numel() for p in params) <= high
+    for spec_name, count in E.text_encoder_params(arch).items():
+        cls = next(s["class"] for s in arch["text_encoders"] if s["name"] == spec_name)
+        lo, hi = TEXT_ENCODERS[cls]
+        assert lo <= count <= hi, (spec_name, count)
+    vae = E.build_vae(arch)
+    assert vae.config.latent_channels == arch["vae"]["latent_channels"]
+    blocks = vae.config.get("block_out_channels") or vae.config.get("decoder_block_out_channels")
+    assert 2 ** (len(blocks) - 1) == arch["vae"]["scale_factor"]
+
+
+def _lora_expected(module: nn.Module, targets: list[str], rank: int) -> tuple[int, int]:
+    """(layers, parameters) a LoRA of ``rank`` on the Linear layers whose name ends with a target should
+    have: rank·(in + out) per layer, from the base layers' own shapes."""
+    layers = params = 0
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            layers += 1
+            params += rank * (m.in_features + m.out_features)
+    return layers, params
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS)
+def test_every_gpu_preset_finds_its_lora_targets(path):
+    cfg = preset(path)
+    arch = E.arch_for_model(cfg.model)
+    targets = cfg.model.lora.targets or E.default_lora_targets(cfg.model.family)
+    base = E.build_transformer(arch)
+    layers, params = _lora_expected(base, targets, cfg.model.lora.rank)
+    names = [n for n, _ in base.named_modules()]
+    for t in targets:  # every target names at least one layer of the real architecture
+        assert any(n == t or n.endswith("." + t) for n in names), t
+    wrapped = E.add_lora(base, cfg.model.lora.rank, cfg.model.lora.alpha, targets)
+    trainable = [p for p in base.parameters() if p.requires_grad]
+    assert wrapped == layers > 0
+    assert sum(p.numel() for p in trainable) == params
+    assert all(p.device.type == "meta" for p in base.parameters())
+
+
+def test_lora_targets_that_match_nothing_fail_naming_them():
+    module = E.build_transformer(E.load_arch("sana_1600m"))
+    with pytest.raises(ConfigError, match="model.lora.targets"):
+        E.add_lora(module, 4, 8, ["no_such_layer"])
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS)
+def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
+    cfg = preset(path)
+    arch = E.arch_for_model(cfg.model)
+    m = cfg.model
+    shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length)
+    f = arch["vae"]["scale_factor"]
+    assert shapes.latent[1:] == (m.height // f, m.width // f)
+    patch = 2 if arch["family"] == "flux" else arch["transformer"]["config"]["patch_size"]
+    assert shapes.image_tokens == (m.height // f // patch) * (m.width // f // patch)
+    assert shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if arch["family"] == "sd3" else 0)
+    # the transformer takes rollout.max_batch rows (×2 with CFG) at these shapes and returns the velocity's shape
+    module = E.build_transformer(arch)
+    rows = cfg.rollout.max_batch * 2
+    with torch.no_grad(), E.fused_attention("cuda"):
+        out = module(**E.transformer_inputs(arch, shapes, rows, torch.bfloat16), return_dict=False)[0]
+    if arch["family"] == "flux":
+        assert tuple(out.shape) == (rows, shapes.image_tokens, 4 * shapes.latent[0])
+    else:
+        assert tuple(out.shape) == (rows, *shapes.latent)
+    assert out.device.type == "meta"
+
+
+def test_sizes_the_model_cannot_take_fail_naming_the_keys():
+    arch = E.load_arch("flux1_dev")
+    with pytest.raises(ConfigError, match="height/width"):
+        E.preset_shapes(arch, 712, 720, 512)  # FLUX needs multiples of 16
+    with pytest.raises(ConfigError, match="max_sequence_length"):
+        E.preset_shapes(arch, 720, 720, 1024)
+
+
+# ---- an estimate for every GPU preset -------------------------------------------------------------
+_ESTIMATES: dict[tuple, dict] = {}
+
+
+def estimate_of(path: str, gpu: str = "H100", overrides: tuple = ()) -> dict:
+    key = (path, gpu, overrides)
+    if key not in _ESTIMATES:
+        cfg = E.load_config(str(ROOT / path), list(overrides), gpu)
+        with E.assume_gpu(gpu):
+            _ESTIMATES[key] = E.estimate(cfg, gpu=gpu)
+    return _ESTIMATES[key]
+
+
+# Each preset whose model, shapes and batch layout no earlier preset shares traces the full-size transformer on the
+# meta device (6–10 s each, over half of this file's time). These repeat a model family and a plan that an unmarked
+# preset covers (SD3.5 chains/tree/probed, FLUX NFT, SANA explore): run them with -m slow.
+SLOW_ESTIMATES = {
+    "configs/flux/branchgrpo_hps.yaml", "configs/flux/dance_grpo_hps.yaml", "configs/flux/mix_grpo.yaml",  # 720 px FLUX
+    "configs/flux/solrl_pickscore.yaml", "configs/sd35/nft_geneval.yaml", "configs/sd35/solrl_hps.yaml",
+}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_ESTIMATES else p
+                                  for p in GPU_PRESETS])
+def test_estimate_gives_memory_and_time_for_every_gpu_preset(path):
+    r = estimate_of(path)
+    mem, t, fl = r["memory_gib"], r["time"], r["flops"]
+    cfg = preset(path)
+    # the parts add up: weights in the preset's dtype, LoRA trainable, peak = static + prompt cache + largest phase
+    arch = r["architecture"]
+    assert mem["transformer_weights"] == pytest.approx(arch["transformer_params"] * 2 / 2**30, rel=1e-6)  # bf16
+    assert mem["gradients"] == pytest.approx(arch["trainable_params"] * 2 / 2**30, rel=1e-6)
+    assert mem["optimizer_state"] == pytest.approx(2 * mem["gradients"], rel=1e-6)
+    assert mem["peak"] == pytest.approx(mem["static"] + mem["prompt_cache"] + mem["dynamic"], rel=1e-6)
+    assert mem["static"] > mem["transformer_weights"] + mem["text_encoders"]
+    # activations: the presets check-point; without it the update holds every block's activations
+    assert cfg.model.gradient_checkpointing
+    assert mem["activations_update_with_checkpointing"] < 0.5 * mem["activations_update_without_checkpointing"]
+    assert mem["peak"] == pytest.approx(mem["peak_with_gradient_checkpointing"])
+    assert mem["peak_without_gradient_checkpointing"] > mem["peak"]
+    assert mem["activations_rollout"] > 0 and mem["activations_decode"] > 0
+    assert mem["explorer"] > 0 if cfg.rollout.plan == "explore" else mem["explorer"] == 0
+    # FLOPs: the plan's forwards at the traced cost per row (×2 rows with CFG), a training row costs more than
+    # a rollout row (backward, recompute, reference/old forwards)
+    rows = 2 if r["shapes"]["cfg"] else 1
+    assert fl["rollout"] == pytest.approx(r["counts"]["forwards"] * rows * fl["per_rollout_row"])
+    assert fl["per_update_row"] > 1.5 * fl["per_rollout_row"]
+    lo, hi = t["seconds_per_iteration"]
+    assert 0 < lo < hi
+    assert hi / lo == pytest.approx(E.UTILISATION[1] / E.UTILISATION[0])
+    text = E.format_estimate(r)
+    assert f"{lo:.0f}–{hi:.0f} s/iteration" in text and "**peak**" in text
+
+
+def test_more_processes_share_the_work_and_not_the_weights():
+    cfg = preset("configs/sd35/flow_grpo_pickscore.yaml")
+    one = estimate_of("configs/sd35/flow_grpo_pickscore.yaml")
+    two = E.estimate(cfg, processes=2)
+    assert two["flops"]["total"] == pytest.approx(one["flops"]["total"] / 2, rel=1e-6)
+    assert two["memory_gib"]["static"] == pytest.approx(one["memory_gib"]["static"])
+    with pytest.raises(ConfigError, match="divisible"):
+        E.estimate(cfg, processes=5)
+
+
+def test_time_scales_with_the_gpu_and_fp8_needs_ada_or_hopper():
+    h100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml")
+    a100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml", "A100")
+    ratio = a100["time"]["seconds_per_iteration"][0] / h100["time"]["seconds_per_iteration"][0]
+    assert ratio == pytest.approx(E.GPUS["H100"].bf16_tflops / E.GPUS["A100"].bf16_tflops)
+    assert a100["memory_gib"]["peak"] == pytest.approx(h100["memory_gib"]["peak"])
+    with pytest.raises(ConfigError, match="capability"):
+        E.load_config(str(ROOT / "configs/sana/solrl.yaml"), [], "A100")  # fp8 explorer on an A100
+    with pytest.raises(ConfigError, match="unknown GPU class"):
+        E.gpu_class("V100")
+
+
+def test_the_prompt_cache_grows_with_the_run():
+    short = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("train.max_steps=10",))
+    long = estimate_of("configs/flux/nft_pickscore.yaml")
+    assert short["memory_gib"]["peak"] == pytest.approx(long["memory_gib"]["peak"])
+    assert long["memory_gib"]["prompt_cache_end_of_run"] > 10 * short["memory_gib"]["prompt_cache_end_of_run"]
+
+
+def test_bench_estimate_prints_a_table_and_json(capsys):
+    assert E.run_estimate(None, ["train.max_steps=5"], gpu="h200") == 0
+    out = capsys.readouterr().out
+    assert "H200" in out and "s/iteration" in out
+    result = json.loads(out[out.index("\n{") + 1:])
+    assert result["memory_gib"]["peak"] > 0 and result["model"].startswith("shapes model")  # the shipped weights
+
+
+# ---- against one real training iteration on this CPU -----------------------------------------------
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader():
+    """glibc's bytes in use (small chunks + mmapped large ones), or None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
+class HeapPeak(TorchDispatchMode):
+    """Largest rise of the process's heap in use, read before and after every aten op while active: the real
+    allocations of an iteration (tensors, with the allocator's own overhead), independent of the estimator."""
+
+    def __init__(self, in_use):
+        super().__init__()
+        self.in_use, self.base, self.peak = in_use, in_use(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.peak = max(self.peak, self.in_use() - self.base)
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use() - self.base)
+        return out
+
+
+TINY = {  # pipeline builder, adapter keywords, config overrides: sizes where the transformer dominates
+    "sd3": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sd3_pipeline(sample_size=32),
+            dict(guidance=4.5, height=64, width=64, max_sequence_length=16),
+            ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=16"]),
+    "flux": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_flux_pipeline(),
+             dict(height=64, width=64, max_sequence_length=16),
+             ["model.height=64", "model.width=64", "model.max_sequence_length=16"]),
+    "sana": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sana_pipeline(scheduler="euler"),
+             dict(guidance=4.5, height=128, width=128, max_sequence_length=8),
+             ["model.guidance=4.5", "model.height=128", "model.width=128", "model.max_sequence_length=8"]),
+}
+CASES = {  # id → (pipeline, extra overrides)
+    "sd3-lora-cfg-kl": ("sd3", []),
+    "sd3-checkpointing": ("sd3", ["model.gradient_checkpointing=true"]),
+    "sd3-nft-full": ("sd3", ["loss.objective=nft", "loss.batch_size=8", "rollout.plan=ode", "rollout.group_size=4",
+                             "rollout.steps=4", "model.guidance=1", "model.full_finetune=true"]),
+    "sd3-nft-decode-peak": ("sd3", ["loss.objective=nft", "loss.batch_size=2", "loss.draws=1", "rollout.plan=ode",
+                                    "rollout.group_size=4", "rollout.steps=4", "model.guidance=1"]),
+    "flux-lora": ("flux", []),
+    "flux-checkpointing": ("flux", ["model.gradient_checkpointing=true", "loss.beta=0"]),
+    "sana-lora-cfg": ("sana", []),
+}
+MEASURED_ERRORS: dict[str, float] = {}
+
+
+def _static_tensor_bytes(trainer) -> int:
+    """Bytes of what the GPU would hold before an iteration: the pipeline's weights (LoRA included), optimizer
+    state, EMA and the objective's copies (counted once per storage)."""
+    seen, total = set(), 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+
+    pipe = trainer.model.pipe
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            for t in list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]:
+                add(t)
+    for state in trainer.optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.numel() > 1:
+                add(v)
+    for t in trainer.updater.ema or []:
+        add(t)
+    for name in ("_old", "_reference"):
+        copy_ = getattr(trainer.objective, name, None)
+        if copy_ is not None and copy_.frozen is not None:
+            for t in list(copy_.frozen.parameters()) + [b for b in copy_.frozen.buffers() if b.is_floating_point()]:
+                add(t)
+    return total
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flowrl.models import wrap
+    from flowrl.trainer import Trainer
+
+    in_use = _heap_reader()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 to read the heap")
+    family, extra = CASES[case]
+    build, adapter_kw, overrides = TINY[family]
+    if "rollout.plan=ode" not in extra:
+        overrides = overrides + ["rollout.group_size=4", "rollout.steps=4"]
+    cfg = TrainConfig.from_yaml(None, [
+        "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
+        "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}", "train.progress=false",
+        "train.async_reward=false", "train.ema=0.9", f"model.family={family}", "model.path=in-memory",
+    ] + overrides + extra)
+    pipe = build()
+    model = wrap(pipe, device="cpu", dtype=torch.float32,
+                 gradient_checkpointing=cfg.model.gradient_checkpointing, **adapter_kw)
+    trainer = Trainer(cfg, model=model)
+    trainer.train_step(0)  # warm-up: prompt cache, optimizer state, one-time allocations
+    gc.collect()
+    heap = HeapPeak(in_use)
+    with heap:
+        trainer.train_step(1)
+    flops = FlopCounterMode(display=False)
+    with flops:
+        trainer.train_step(2)
+
+    result = E.estimate(cfg, arch=E.arch_from_pipeline(pipe), target="cpu")
+    mem = result["memory_gib"]
+    predicted = mem["dynamic"] * 2**30
+    error = predicted / heap.peak - 1
+    MEASURED_ERRORS[case] = error
+    print(f"{case}: measured {heap.peak / 2**20:.2f} MiB, estimated {predicted / 2**20:.2f} MiB ({error:+.1%}; "
+          f"peak phase {mem['peak_phase']}); FLOPs measured {flops.get_total_flops():.4g}, "
+          f"estimated {result['flops']['total']:.4g}")
+    assert heap.peak > 2**20  # the iteration allocates megabytes: the comparison is not lost in noise
+    assert abs(error) <= 0.20
+    assert result["flops"]["total"] == pytest.approx(flops.get_total_flops(), rel=0.02)
+    # the static part: what the model, optimizer, EMA and copies hold before the iteration
+    static = (mem["static"] - mem["reward_models"]) * 2**30
+    assert static == pytest.approx(_static_tensor_bytes(trainer), rel=0.05)
+
+
+def test_live_bytes_counts_saved_activations_and_frees_them():
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def step() -> None:
+        h = torch.randn(32, 256)
+        for _ in range(3):
+            h = torch.tanh(h @ w)  # each tanh output is saved for backward: 3 × 32 KiB kept
+        loss = h.sum()
+        del h
+        loss.backward()
+
+    out = E.trace(step, "cpu")
+    assert out.peak >= 4 * 32 * 256 * 4  # input + three saved activations, alive together before backward
+    assert out.end == 256 * 256 * 4  # only w.grad survives
+    # 3 forward matmuls, 3 weight-gradient matmuls, 2 input-gradient ones (the first input needs none)
+    assert out.flops == (3 + 3 + 2) * 2 * 32 * 256 * 256
