@@ -51,6 +51,7 @@ class ModelSection:
     lora: LoraSection = field(default_factory=LoraSection)
     full_finetune: bool = False
     gradient_checkpointing: bool = False
+    prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
 
 
 @dataclass

@@ -52,7 +52,7 @@ def check_config(cfg: "TrainConfig") -> None:
     for key in ("guidance", "true_cfg"):
         if getattr(cfg.model, key) is not None:
             positive(f"model.{key}", getattr(cfg.model, key), allow_zero=True)
-    for key in ("height", "width", "max_sequence_length"):
+    for key in ("height", "width", "max_sequence_length", "prompt_cache_mb"):
         if getattr(cfg.model, key) is not None:
             positive(f"model.{key}", getattr(cfg.model, key))
     if len(cfg.optim.betas) != 2:

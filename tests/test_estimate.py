@@ -201,11 +201,15 @@ def test_time_scales_with_the_gpu_and_fp8_needs_ada_or_hopper():
         E.gpu_class("V100")
 
 
-def test_the_prompt_cache_grows_with_the_run():
-    short = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("train.max_steps=10",))
-    long = estimate_of("configs/flux/nft_pickscore.yaml")
+def test_the_prompt_cache_grows_with_the_run_unless_bounded():
+    unbounded = ("model.prompt_cache_mb=null",)
+    short = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("train.max_steps=10", *unbounded))
+    long = estimate_of("configs/flux/nft_pickscore.yaml", overrides=unbounded)
     assert short["memory_gib"]["peak"] == pytest.approx(long["memory_gib"]["peak"])
     assert long["memory_gib"]["prompt_cache_end_of_run"] > 10 * short["memory_gib"]["prompt_cache_end_of_run"]
+    bounded = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("model.prompt_cache_mb=512",))["memory_gib"]
+    assert 0.5 < bounded["prompt_cache_end_of_run"] <= 0.5 + bounded["prompt_cache"] + 1e-9
+    assert bounded["peak_end_of_run"] < long["memory_gib"]["peak_end_of_run"] - 50
 
 
 def test_bench_estimate_prints_a_table_and_json(capsys):

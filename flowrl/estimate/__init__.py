@@ -184,6 +184,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     if cfg.eval.num_prompts:
         eval_prompts = min(eval_prompts or cfg.eval.num_prompts, cfg.eval.num_prompts)
     cache_end = (distinct + eval_prompts + 1) * per_prompt
+    if cfg.model.prompt_cache_mb is not None:  # LRU-bounded between batches; one batch's prompts on top
+        cache_end = min(cache_end, cfg.model.prompt_cache_mb * 2 ** 20 + cache_now)
     forest_bytes = int(counts["forwards"] + counts["leaves"]) * math.prod(shapes.latent) * 4  # fp32 node latents
 
     phases = {

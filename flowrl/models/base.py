@@ -60,6 +60,7 @@ from torch import nn
 
 from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context, cast_module
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
+from flowrl.models.prompt_cache import PromptCache
 
 
 def align_cpu_tensors(*modules: nn.Module | None) -> None:
@@ -180,7 +181,7 @@ class FlowModel(LoraAdapter):
         transformer.eval()  # no dropout in these transformers; eval keeps the forward deterministic
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        self._prompt_cache = {}
+        self.__dict__.pop("_prompt_cache", None)  # a fresh cache (its budget: build_model sets model.prompt_cache_mb)
 
     def _init_size(self, height: int | None, width: int | None, default_px: int, multiple: int, what: str) -> None:
         """Set ``height``/``width`` (None → ``default_px``); both must be multiples of ``multiple``."""
@@ -218,19 +219,30 @@ class FlowModel(LoraAdapter):
         """Embeddings of one prompt, each tensor with a leading batch dimension of 1 (subclasses)."""
         raise NotImplementedError
 
+    @property
+    def prompt_cache(self) -> PromptCache:
+        """The embeddings of encoded prompts (LRU, bounded by ``prompt_cache.max_bytes``; see
+        :mod:`flowrl.models.prompt_cache`)."""
+        cache = self.__dict__.get("_prompt_cache")
+        if cache is None:
+            cache = self.__dict__["_prompt_cache"] = PromptCache()
+        return cache
+
     def _cached_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        cache = self.__dict__.setdefault("_prompt_cache", {})
-        for p in prompts:
-            if p not in cache:
-                with torch.no_grad():
-                    embeds = self._encode_one(p)
-                cache[p] = {k: v.detach().to(self.device) for k, v in embeds.items()}
-        keys = cache[prompts[0]].keys()
-        return {k: torch.cat([cache[p][k] for p in prompts]) for k in keys}
+        cache = self.prompt_cache
+
+        def encoded(p: str):
+            with torch.no_grad():
+                return {k: v.detach().to(self.device) for k, v in self._encode_one(p).items()}
+
+        entries = [cache.get(p, lambda p=p: encoded(p)) for p in prompts]
+        batch = {k: torch.cat([e[k] for e in entries]) for k in entries[0]}
+        cache.trim()
+        return batch
 
     def clear_cache(self) -> None:
         """Forget cached prompt embeddings (needed only if the text encoders change)."""
-        self.__dict__["_prompt_cache"] = {}
+        self.prompt_cache.clear()
 
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance: float | None = None

@@ -120,12 +120,12 @@ class SanaFlowModel(FlowModel):
         cond = super().encode(prompts, 1.0).cond  # guidance 1: conditional rows only
         uncond = None
         if self.uses_cfg(guidance):
-            cache = self.__dict__.setdefault("_prompt_cache", {})
-            key = (_NEGATIVE, self.negative_prompt)
-            if key not in cache:
+            def encoded():
                 with torch.no_grad():
-                    cache[key] = {k: v.detach().to(self.device) for k, v in self._gemma(self.negative_prompt, None).items()}
-            uncond = {k: v.expand(len(cond["prompt_embeds"]), *v.shape[1:]) for k, v in cache[key].items()}
+                    return {k: v.detach().to(self.device) for k, v in self._gemma(self.negative_prompt, None).items()}
+
+            negative = self.prompt_cache.get((_NEGATIVE, self.negative_prompt), encoded)
+            uncond = {k: v.expand(len(cond["prompt_embeds"]), *v.shape[1:]) for k, v in negative.items()}
         return Conditioning(cond, uncond)
 
     def velocity(
