@@ -9,8 +9,8 @@ killed comparison continues where it stopped: finished runs are kept, the others
 checkpoint. A failing run is reported (its log's last lines) and the others' results are kept.
 
 Written to ``OUT``: ``results.md`` (final held-out metric per seed, mean ± spread, s/iteration, images,
-rollout forwards; the exact commands), ``curves.png`` (training reward against wall time and the
-held-out metric against images drawn, every seed drawn thin and the mean thick), ``commands.sh``.
+rollout forwards; the exact commands), ``curves.png`` (training reward against wall time, the held-out
+metric against images drawn and against training wall time; every seed drawn thin and the mean thick), ``commands.sh``.
 """
 from __future__ import annotations
 
@@ -133,20 +133,24 @@ def read_run(folder: Path, metric: str | None = None) -> dict:
                 continue  # a torn last line of a killed run
     metric = metric or _default_metric(records)
     seconds = images = forwards = 0.0
-    train, evals, per_step_images = [], [], {0: 0.0}
+    train, evals, evals_by_time, at_step = [], [], [], {0: (0.0, 0.0)}
     for r in records:
         if "reward_mean" in r:
-            seconds += r.get("time/rollout", 0.0) + r.get("time/reward", 0.0) + r.get("time/update", 0.0)
+            parts = r.get("time/rollout", 0.0) + r.get("time/reward", 0.0) + r.get("time/update", 0.0)
+            seconds = r.get("time/train_total", seconds + parts)  # the trainer's own clock where logged
             images += r.get("leaves", 0.0)
             forwards += r.get("rollout_forwards", 0.0)
             train.append((seconds, r["reward_mean"]))
-            per_step_images[int(r["step"])] = images
+            at_step[int(r["step"])] = (images, seconds)
         elif metric and metric in r:
-            evals.append((per_step_images.get(int(r["step"]), images), r[metric]))
+            drawn, elapsed = at_step.get(int(r["step"]), (images, seconds))
+            evals.append((drawn, r[metric]))
+            evals_by_time.append((elapsed, r[metric]))
     n = len(train)
-    return {"metric": metric, "train": train, "evals": evals, "final": evals[-1][1] if evals else float("nan"),
-            "first": evals[0][1] if evals else float("nan"), "iterations": n,
-            "seconds_per_iteration": seconds / n if n else float("nan"), "images": images, "forwards": forwards}
+    return {"metric": metric, "train": train, "evals": evals, "evals_by_time": evals_by_time,
+            "final": evals[-1][1] if evals else float("nan"), "first": evals[0][1] if evals else float("nan"),
+            "iterations": n, "minutes": seconds / 60, "seconds_per_iteration": seconds / n if n else float("nan"),
+            "images": images, "forwards": forwards}
 
 
 def _default_metric(records: list[dict]) -> str | None:
@@ -164,8 +168,8 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
     data = {r.key: read_run(r.folder, metric) for r in runs}
     metric = metric or next((d["metric"] for d in data.values() if d["metric"]), "eval metric")
     lines = [f"# Comparison ({metric}, final held-out value per seed)", "",
-             "| config | seeds: start → final | mean final ± spread | mean change | s/iteration | images | rollout forwards |",
-             "|---|---|---|---|---|---|---|"]
+             "| config | seeds: start → final | mean final ± spread | mean change | training min | s/iteration | images | rollout forwards |",
+             "|---|---|---|---|---|---|---|---|"]
     for label in labels:
         mine = [r for r in runs if r.label == label]
         ok = [data[r.key] for r in mine if status.get(r.key, {}).get("state") == "done"]
@@ -179,7 +183,7 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
         spread = (max(finals) - min(finals)) / 2 if len(finals) > 1 else 0.0
         lines.append(f"| {label} | {per_seed} | {mean:.3f} ± {spread:.3f} | "
                      f"{(statistics.fmean(changes) if changes else float('nan')):+.3f} | "
-                     f"{_mean(d['seconds_per_iteration'] for d in ok):.2f} | {_mean(d['images'] for d in ok):.0f} | "
+                     f"{_mean(d['minutes'] for d in ok):.1f} | {_mean(d['seconds_per_iteration'] for d in ok):.2f} | {_mean(d['images'] for d in ok):.0f} | "
                      f"{_mean(d['forwards'] for d in ok):.0f} |")
     failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
     if failed:
@@ -199,12 +203,14 @@ def _mean(values) -> float:
 
 
 def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Path) -> None:
+    """Three panels: training reward against training wall time, the held-out metric against images drawn
+    and against training wall time (evals excluded); every seed thin, the mean of the seeds thick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    fig, (reward_ax, images_ax, time_ax) = plt.subplots(1, 3, figsize=(15, 4), dpi=110)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, label in enumerate(labels):
         colour = colours[i % len(colours)]
@@ -214,24 +220,31 @@ def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Pat
                 xs, ys = zip(*d["train"])
                 w = max(1, len(ys) // 15)
                 smooth = [statistics.fmean(ys[max(0, j - w + 1):j + 1]) for j in range(len(ys))]
-                left.plot([x / 60 for x in xs], smooth, color=colour, lw=0.8, alpha=0.45)
-            if d["evals"]:
-                right.plot(*zip(*d["evals"]), "o-", color=colour, lw=0.8, ms=3, alpha=0.45)
-        curves = [d["evals"] for d in mine if d["evals"]]
-        if curves and len({len(c) for c in curves}) == 1:
-            xs = [statistics.fmean(c[j][0] for c in curves) for j in range(len(curves[0]))]
-            ys = [statistics.fmean(c[j][1] for c in curves) for j in range(len(curves[0]))]
-            right.plot(xs, ys, "o-", color=colour, lw=2.2, label=f"{label} (mean of {len(curves)})")
-        left.plot([], [], color=colour, label=label)
-    left.set(xlabel="training wall time (min)", ylabel="training reward (moving mean)")
-    right.set(xlabel="images drawn", ylabel=metric)
-    for ax in (left, right):
+                reward_ax.plot([x / 60 for x in xs], smooth, color=colour, lw=0.8, alpha=0.45)
+        _seeds_and_mean(images_ax, [d["evals"] for d in mine], colour, label)
+        _seeds_and_mean(time_ax, [[(x / 60, y) for x, y in d["evals_by_time"]] for d in mine], colour, label)
+        reward_ax.plot([], [], color=colour, label=label)
+    reward_ax.set(xlabel="training wall time (min)", ylabel="training reward (moving mean)")
+    images_ax.set(xlabel="images drawn", ylabel=metric)
+    time_ax.set(xlabel="training wall time (min, evals excluded)", ylabel=metric)
+    for ax in (reward_ax, images_ax, time_ax):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _seeds_and_mean(ax, curves: list[list[tuple[float, float]]], colour: str, label: str) -> None:
+    """Each seed's (x, y) points thin; where the seeds have as many points, their pointwise mean thick."""
+    curves = [c for c in curves if c]
+    for c in curves:
+        ax.plot(*zip(*c), "o-", color=colour, lw=0.8, ms=3, alpha=0.45)
+    if curves and len({len(c) for c in curves}) == 1:
+        xs = [statistics.fmean(c[j][0] for c in curves) for j in range(len(curves[0]))]
+        ys = [statistics.fmean(c[j][1] for c in curves) for j in range(len(curves[0]))]
+        ax.plot(xs, ys, "o-", color=colour, lw=2.2, label=f"{label} (mean of {len(curves)})")
 
 
 def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,

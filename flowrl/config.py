@@ -72,6 +72,7 @@ class OptimSection:
     schedule: str = "constant"  # constant | linear | cosine
     grad_clip: float = 1.0
     use_8bit: bool = False
+    loss_scaling: str = "auto"  # dynamic loss scaling: auto (on when the transformer computes in fp16) | true | false
 
 
 @dataclass
@@ -88,6 +89,7 @@ class PromptsSection:
 @dataclass
 class EvalSection:
     every: int = 0  # iterations between evals (0 = only at start and end)
+    every_minutes: float = 0.0  # also evaluate each time this much training time has passed (evals excluded; 0 = off)
     at_start: bool = True
     steps: int = 20
     guidance: Optional[float] = None  # None → the guidance the policy samples with (the rollouts')

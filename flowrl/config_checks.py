@@ -28,6 +28,8 @@ def check_config(cfg: "TrainConfig") -> None:
     choose("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     choose("reward_normalize", cfg.reward_normalize, REWARD_NORMALIZE)
     choose("optim.schedule", cfg.optim.schedule, ("constant", "linear", "cosine"))
+    cfg.optim.loss_scaling = str(cfg.optim.loss_scaling).lower()  # YAML true/false arrive as "True"/"False"
+    choose("optim.loss_scaling", cfg.optim.loss_scaling, ("auto", "true", "false"))
     choose("train.log_with", cfg.train.log_with, ("none", "tensorboard", "wandb"))
     positive("train.max_steps", cfg.train.max_steps, allow_zero=True)
     positive("train.max_minutes", cfg.train.max_minutes, allow_zero=True)
@@ -42,6 +44,7 @@ def check_config(cfg: "TrainConfig") -> None:
     positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
     positive("train.keep_last", cfg.train.keep_last, allow_zero=True)
     positive("eval.every", cfg.eval.every, allow_zero=True)
+    positive("eval.every_minutes", cfg.eval.every_minutes, allow_zero=True)
     positive("eval.steps", cfg.eval.steps)
     positive("model.lora.rank", cfg.model.lora.rank)
     positive("model.lora.alpha", cfg.model.lora.alpha)

@@ -3,7 +3,7 @@ gathering tensors, summing numbers and averaging gradients over an accelerate pr
 process every call is the identity, so the single-process path has no collective in it)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,6 +33,22 @@ class ProcessGroup:
     def mean(self, value: float) -> float:
         return self.sum(value) / self.world
 
+    def reduce_sums(self, sums: dict[str, float], extremes: dict[str, Callable]) -> dict[str, float]:
+        """``sums`` combined over processes key by key, over the union of every process's keys: a key in
+        ``extremes`` by its function (e.g. ``min``; processes without the key take no part), the others
+        added (a missing key counts 0). One gather of the small dicts; the result is the same on every rank."""
+        if self.world == 1:
+            return dict(sums)
+        import torch.distributed as dist
+
+        every: list[dict[str, float]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(every, dict(sums))
+        out: dict[str, float] = {}
+        for part in every:  # rank order, so every rank folds the same numbers in the same order
+            for key, value in part.items():
+                fold(out, key, value, extremes)
+        return out
+
     def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Replace every ``p.grad`` by its mean over processes (one flat all-reduce; a missing grad counts 0)."""
         if self.world == 1:
@@ -52,3 +68,12 @@ class ProcessGroup:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+
+def fold(sums: dict[str, float], key: str, value: float, extremes: dict[str, Callable]) -> None:
+    """Accumulate one diagnostic into ``sums``: keys in ``extremes`` combine by their function (min/max),
+    the rest add (size-weighted sums, divided by the units at the end)."""
+    if key in extremes and key in sums:
+        sums[key] = extremes[key](sums[key], value)
+    else:
+        sums[key] = sums.get(key, 0.0) + value

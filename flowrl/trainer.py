@@ -237,6 +237,14 @@ class Trainer:
         """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
         return bool(self.cfg.train.max_minutes) and self.train_seconds >= 60.0 * self.cfg.train.max_minutes
 
+    def eval_due(self, seconds_before: float) -> bool:
+        """Whether the step just taken ends an eval period: every ``eval.every`` iterations, or (with
+        ``eval.every_minutes``) when the training time crossed a multiple of that many minutes during it."""
+        every, minutes = self.cfg.eval.every, self.cfg.eval.every_minutes
+        by_steps = bool(every) and self.step % every == 0
+        by_time = bool(minutes) and int(self.train_seconds // (60 * minutes)) > int(seconds_before // (60 * minutes))
+        return by_steps or by_time
+
     def train(self) -> list[dict[str, float]]:
         """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set);
         returns the metric records of this call."""
@@ -281,16 +289,17 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not (main and t.progress), desc="flowrl train")
         with stop_on_first_interrupt() as stop:
             while self.step < t.max_steps and not stop.requested and not self.out_of_time():
-                t0 = time.perf_counter()
+                t0, seconds_before = time.perf_counter(), self.train_seconds
                 record = self.train_step(self.step)
                 self.train_seconds += self.group.mean(time.perf_counter() - t0)  # the same on every rank
                 self.step += 1
+                record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
                 emit(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record.get('approx_kl', 0):.1e}",
                                 clip=f"{record.get('clipfrac_high', 0) + record.get('clipfrac_low', 0):.2f}")
                 last = self.step == t.max_steps or self.out_of_time()
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
+                if self.eval_due(seconds_before) and not last:
                     evaluate()
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and not last:
                     self.save_checkpoint()

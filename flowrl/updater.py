@@ -3,8 +3,10 @@
 The objective (:mod:`flowrl.objective`) says what it trains on, cuts its micro-batches and computes their
 loss; the :class:`Updater` only zero-grads, back-propagates (each micro-batch weighted by its share of all
 processes' units), averages gradients over processes, clips, and steps — skipping a step whose loss or
-gradient is not finite. It also owns what changes with the weights: the optimizer, the learning-rate
-schedule and the EMA of the weights used for evals and saving.
+gradient is not finite. With an fp16 transformer it scales the loss dynamically (``optim.loss_scaling``;
+:mod:`flowrl.models.dtypes` says why). Its diagnostics are reduced over processes, so every rank logs the
+global values. It also owns what changes with the weights: the optimizer, the loss scale, the
+learning-rate schedule and the EMA of the weights used for evals and saving.
 """
 from __future__ import annotations
 
@@ -17,9 +19,12 @@ import torch
 
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.objective import Batch, Objective
-from flowrl.process_group import ProcessGroup
+from flowrl.process_group import ProcessGroup, fold
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
+
+
+UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
 
 
 class Updater:
@@ -36,6 +41,19 @@ class Updater:
         self.scheduler = self._make_scheduler()
         self.ema = [p.detach().clone() for p in params] if cfg.train.ema > 0 else None
         self.nonfinite_streak = 0
+        self.scaler = self._make_scaler()
+        self.overflows = 0  # steps skipped by the loss scaler (scale too high; not failures)
+        self._loss_finite = True
+
+    def _make_scaler(self) -> torch.amp.GradScaler:
+        """Dynamic loss scaling (``optim.loss_scaling``; ``auto``: when the transformer computes in fp16,
+        whose range the per-element gradients of a mean-reduced loss fall below). Disabled, it is the identity."""
+        from flowrl.models.dtypes import computes_in_fp16
+
+        choice = self.cfg.optim.loss_scaling
+        enabled = choice == "true" or (choice == "auto" and computes_in_fp16(self.model))
+        device = self.params[0].device.type if self.params else "cpu"
+        return torch.amp.GradScaler(device, enabled=enabled)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -66,7 +84,9 @@ class Updater:
         extremes = self.objective.extremes
         for b in part:
             loss, diag = self.objective.loss(self.model, forest, b, cond)
-            (loss * (b.size * self.group.world / n_global)).backward()
+            if self.scaler.is_enabled():
+                self._loss_finite &= bool(torch.isfinite(loss))
+            self.scaler.scale(loss * (b.size * self.group.world / n_global)).backward()
             for k, v in diag.items():
                 fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
             count += b.size
@@ -81,10 +101,10 @@ class Updater:
         self.model.trainable.train()
         cond = objective.encode(self.model, forest)
         batches = objective.batches(forest, iteration, cfg.train.seed)
-        diag_sums: dict[str, float] = {}
-        aux_sums: dict[str, float] = {}  # the objective's auxiliary term, averaged over optimizer steps
-        first = {f"first_step_{k}": 0.0 for k in objective.first_step_keys}
-        diag_count = aux_steps = skipped = 0
+        diag_sums: dict[str, float] = {}  # size-weighted sums (extremes: min/max) over this process's units
+        aux_sums: dict[str, float] = {}  # the objective's auxiliary term, summed over optimizer steps
+        first_sums: dict[str, float] = {}  # the first optimizer step's, before any weight changed
+        skipped, overflows = 0, self.overflows
         grad_norms = []
         for epoch in range(cfg.train.inner_epochs):
             order = batches
@@ -98,18 +118,18 @@ class Updater:
                 if n_global == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
+                self._loss_finite = True
                 step_sums: dict[str, float] = {}
                 seen = self._backward(forest, cond, part, n_global, step_sums)
-                diag_count += seen
+                step_sums[UNITS] = float(seen)
                 if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
-                    first = {f"first_step_{k}": step_sums.get(k, 0.0) / (1 if k in extremes else max(seen, 1))
-                             for k in objective.first_step_keys}
+                    first_sums = {k: v for k, v in step_sums.items() if k in objective.first_step_keys or k == UNITS}
                 aux = objective.auxiliary(self.model, forest, cond)
                 if aux is not None:
-                    aux[0].backward()
+                    self.scaler.scale(aux[0]).backward()
                     for k, v in aux[1].items():
                         aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
-                    aux_steps += 1
+                    aux_sums[STEPS] = aux_sums.get(STEPS, 0.0) + 1.0
                 for k, v in step_sums.items():
                     fold(diag_sums, k, v, extremes)
                 grad_norm = self._step(iteration)
@@ -118,24 +138,45 @@ class Updater:
                 else:
                     grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v if k in extremes else v / diag_count for k, v in diag_sums.items()} if diag_count else {}
-        out.update({k: v / aux_steps for k, v in aux_sums.items()})
-        out.update(first)
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        out = self._averages(diag_sums, extremes)
+        out.update(self._averages(aux_sums, {}, units=STEPS))
+        first = self._averages(first_sums, extremes)
+        out.update({f"first_step_{k}": first.get(k, 0.0) for k in objective.first_step_keys})
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0  # the same on every rank
         out["skipped_steps"] = float(skipped)
+        if self.scaler.is_enabled():
+            out["loss_scale"] = self.scaler.get_scale()
+            out["loss_scale_overflows"] = float(self.overflows - overflows)
         out[f"trained_{objective.trains_on}"] = self.group.sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
+    def _averages(self, sums: dict[str, float], extremes: dict, units: str = "__units") -> dict[str, float]:
+        """Per-unit averages of size-weighted sums over every process (extremes as they are): the same
+        diagnostics on every rank, equal to one process's over all the units."""
+        total = self.group.reduce_sums(sums, extremes)
+        n = total.pop(units, 0.0)
+        return {k: v if k in extremes else v / n for k, v in total.items()} if n else {}
+
     def _step(self, iteration: int) -> float | None:
-        """Average, clip and apply the gradients; the gradient norm, or None for a skipped step."""
+        """Average, unscale, clip and apply the gradients; the gradient norm, or None for a skipped step. With
+        loss scaling, a non-finite gradient of a finite loss is an overflow: the scale halves and the step is
+        skipped without counting as a failure (until the scale falls below 1)."""
         self.group.average_gradients(self.params)
+        self.scaler.unscale_(self.optimizer)  # no-op without loss scaling
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
         if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
-            self._skip_step(iteration)
+            overflow = self.scaler.is_enabled() and self._loss_finite and self.scaler.get_scale() >= 1.0
+            self.scaler.update()  # lowers the scale after an inf/NaN gradient (no-op when disabled)
+            if overflow:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.overflows += 1
+            else:
+                self._skip_step(iteration)
             return None
         self.nonfinite_streak = 0
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # = optimizer.step(): the gradients were checked finite above
+        self.scaler.update()
         self.scheduler.step()
         self._update_ema()
         self.plan.after_update(self.model)
@@ -166,6 +207,8 @@ class Updater:
             self.group.average_gradients(self.params)
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                           for p in self.params])
+        if self.scaler.is_enabled():
+            flat = flat / self.scaler.get_scale()
         self.optimizer.zero_grad(set_to_none=True)
         return flat
 
@@ -200,18 +243,14 @@ class Updater:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "ema": self.ema}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "ema": self.ema,
+                "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
 
-
-def fold(sums: dict[str, float], key: str, value: float, extremes: dict) -> None:
-    """Accumulate one diagnostic: the objective's extremes combine by min/max, the rest add (size-weighted sums)."""
-    if key in extremes and key in sums:
-        sums[key] = extremes[key](sums[key], value)
-    else:
-        sums[key] = sums.get(key, 0.0) + value

@@ -2,7 +2,7 @@
 
 Trains the tiny SD3 pipeline for 2 iterations (adaptive prompt sampling, fed from every rank's groups)
 and writes, per rank, the world size, the prompts drawn, the advantages of its leaves, the global
-training metrics, the prompt statistics and the final LoRA weights to ``OUT/rank<r>.pt``.
+training metrics (2 optimizer steps per iteration), the prompt statistics and the final LoRA weights to ``OUT/rank<r>.pt``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from flowrl.trainer import Trainer  # noqa: E402
 def main(out: str) -> None:
     torch.set_num_threads(1)
     cfg = tiny_config(Path(out), "dist", "train.max_steps=2", "prompts.eval=null", "credit.scale=global",
-                      "prompts.sampling=adaptive")
+                      "prompts.sampling=adaptive", "train.updates_per_epoch=2")
     trainer = Trainer(cfg, model=make_model("sd3"))
     initial = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
     advantages, records, drawn = [], [], []

@@ -32,6 +32,20 @@ def test_read_run_tolerates_a_torn_last_line(tmp_path):
     assert run["final"] == 0.75 and run["seconds_per_iteration"] == 1.5 and run["images"] == 4
 
 
+def test_read_run_places_evals_on_the_trainers_clock(tmp_path):
+    """Evals are placed at the images drawn and the training time (``time/train_total``, evals excluded) of
+    the step they follow; the parts' sum stands in for runs logged before that key."""
+    lines = [{"step": 0, "eval/x/accuracy": 0.5},
+             {"step": 1, "reward_mean": 0.2, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 2.0},
+             {"step": 2, "reward_mean": 0.3, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 4.5},
+             {"step": 2, "eval/x/accuracy": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = read_run(tmp_path)
+    assert run["evals_by_time"] == [(0.0, 0.5), (4.5, 0.75)] and run["evals"] == [(0.0, 0.5), (8, 0.75)]
+    assert run["train"] == [(2.0, 0.2), (4.5, 0.3)] and run["minutes"] == 4.5 / 60
+    assert run["seconds_per_iteration"] == 2.25
+
+
 @pytest.fixture(scope="module")
 def pipeline_folder(tmp_path_factory):
     from flowrl.models.testing import tiny_sd3_pipeline

@@ -12,6 +12,7 @@ from flowrl.config import ConfigError, TrainConfig
     ("train.checkpoint_every=-1", ["train.checkpoint_every=-1", ">= 0"]),
     ("train.keep_last=-1", ["train.keep_last=-1", ">= 0"]),
     ("eval.every=-1", ["eval.every=-1", ">= 0"]),
+    ("eval.every_minutes=-0.5", ["eval.every_minutes=-0.5", ">= 0"]),
     ("eval.batch_size=0", ["eval.batch_size=0", "> 0"]),
     ("eval.images_per_prompt=0", ["eval.images_per_prompt=0", "> 0"]),
     ("train.num_threads=0", ["train.num_threads=0", "> 0"]),

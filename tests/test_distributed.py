@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -31,6 +32,16 @@ def test_two_processes_match_one(tmp_path):
         joined = torch.cat([ranks[0]["advantages"][it], ranks[1]["advantages"][it]])
         torch.testing.assert_close(joined, one["advantages"][it], rtol=1e-4, atol=1e-5)
         assert ranks[0]["records"][it]["trained_edges"] == one["records"][it]["trained_edges"]
+        # the objective's diagnostics are reduced over the processes: both ranks log what one process
+        # logs over all the edges (size-weighted means; ratio extremes by min/max)
+        # (2 optimizer steps per iteration, so the second replays with ratios off 1)
+        for key in ("policy_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max", "clipfrac_high",
+                    "clipfrac_low", "abs_delta_logp", "first_step_abs_delta_logp", "kl"):
+            a, b, single = ranks[0]["records"][it][key], ranks[1]["records"][it][key], one["records"][it][key]
+            assert a == b, (key, a, b)
+            rel = 1e-2 if key == "policy_loss" else 1e-3  # a sum of ± advantages: float-order noise near 0
+            assert a == pytest.approx(single, rel=rel, abs=1e-12), (key, it, a, single)
+        assert one["records"][it]["ratio_max"] > 1 > one["records"][it]["ratio_min"]
     # adaptive prompts: every rank fed the same gathered spreads (in global group order), so all draw
     # what one process draws, the second iteration's from the first's statistics
     assert ranks[0]["drawn"] == ranks[1]["drawn"] == one["drawn"]

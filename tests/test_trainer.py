@@ -186,3 +186,35 @@ def test_shared_noise_trains_from_the_branch_point_with_every_update(tmp_path):
     assert stats["first_step_abs_delta_logp"] == 0.0
     assert len(steps) == 3
     assert stats["trained_edges"] == 2 * 4 * 3
+
+
+def test_eval_every_minutes_evaluates_when_training_time_crosses_each_period():
+    """``eval.every_minutes``: an eval after the step whose training time crossed a multiple of the period
+    (however many steps that took), combined with ``eval.every`` by 'or'."""
+    from types import SimpleNamespace
+
+    def due(extra, walk):
+        fake = SimpleNamespace(cfg=TrainConfig.from_yaml(None, extra), step=0, train_seconds=0.0)
+        steps = []
+        for seconds in walk:
+            before, fake.train_seconds = fake.train_seconds, seconds
+            fake.step += 1
+            if Trainer.eval_due(fake, before):
+                steps.append(fake.step)
+        return steps
+
+    walk = [25, 50, 75, 100, 125, 130, 250]  # cumulative seconds after steps 1..7
+    assert due(["eval.every_minutes=1"], walk) == [3, 5, 7]  # crosses 60, 120, 180 (+240 in one step)
+    assert due(["eval.every=2"], walk) == [2, 4, 6]
+    assert due(["eval.every=2", "eval.every_minutes=1"], walk) == [2, 3, 4, 5, 6, 7]
+    assert due([], walk) == []
+
+
+def test_eval_every_minutes_in_a_run_and_training_time_in_the_metrics(tmp_path):
+    trainer = Trainer(tiny_config(tmp_path, "timed", "eval.every_minutes=1e-9"), model=make_model("sd3"))
+    trainer.train()
+    records = [json.loads(l) for l in (tmp_path / "timed" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in records if "reward_mean" not in r]
+    assert evals == [0, 1, 2, 3]  # every step crosses a period this short; the last step's eval is the final one
+    totals = [r["time/train_total"] for r in records if "reward_mean" in r]
+    assert all(b > a > 0 for a, b in zip(totals, totals[1:])) and totals[-1] == pytest.approx(trainer.train_seconds)
