@@ -237,14 +237,21 @@ def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Pat
 
 
 def _seeds_and_mean(ax, curves: list[list[tuple[float, float]]], colour: str, label: str) -> None:
-    """Each seed's (x, y) points thin; where the seeds have as many points, their pointwise mean thick."""
+    """Each seed's (x, y) points thin, and their pointwise mean thick (``mean_curve``)."""
     curves = [c for c in curves if c]
     for c in curves:
         ax.plot(*zip(*c), "o-", color=colour, lw=0.8, ms=3, alpha=0.45)
-    if curves and len({len(c) for c in curves}) == 1:
-        xs = [statistics.fmean(c[j][0] for c in curves) for j in range(len(curves[0]))]
-        ys = [statistics.fmean(c[j][1] for c in curves) for j in range(len(curves[0]))]
-        ax.plot(xs, ys, "o-", color=colour, lw=2.2, label=f"{label} (mean of {len(curves)})")
+    if curves:
+        ax.plot(*zip(*mean_curve(curves)), "o-", color=colour, lw=2.2, label=f"{label} (mean of {len(curves)})")
+
+
+def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Pointwise mean of the seeds' (x, y) curves. Evals on a wall-time schedule can give seeds different
+    counts (one more eval just before the budget's end): then the first ``m - 1`` points (``m`` the fewest)
+    and every seed's last point (its final eval) are averaged."""
+    m = min(len(c) for c in curves)
+    aligned = [c[:m] for c in curves] if len({len(c) for c in curves}) == 1 else [c[:m - 1] + [c[-1]] for c in curves]
+    return [(statistics.fmean(c[j][0] for c in aligned), statistics.fmean(c[j][1] for c in aligned)) for j in range(m)]
 
 
 def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,

@@ -32,6 +32,7 @@ class Updater:
     ``train.updates_per_epoch`` optimizer steps of ``objective`` on one forest."""
 
     MAX_NONFINITE_STREAK = 3  # optimizer steps skipped in a row before the run stops
+    MAX_OVERFLOW_STREAK = 12  # loss-scale overflows in a row (the scale / 4096) before they count as failures
 
     def __init__(self, cfg: TrainConfig, model, objective: Objective, plan, params: list[torch.nn.Parameter],
                  group: ProcessGroup):
@@ -43,6 +44,7 @@ class Updater:
         self.nonfinite_streak = 0
         self.scaler = self._make_scaler()
         self.overflows = 0  # steps skipped by the loss scaler (scale too high; not failures)
+        self.overflow_streak = 0  # overflows since the last step taken
         self._loss_finite = True
 
     def _make_scaler(self) -> torch.amp.GradScaler:
@@ -126,6 +128,8 @@ class Updater:
                     first_sums = {k: v for k, v in step_sums.items() if k in objective.first_step_keys or k == UNITS}
                 aux = objective.auxiliary(self.model, forest, cond)
                 if aux is not None:
+                    if self.scaler.is_enabled():
+                        self._loss_finite &= bool(torch.isfinite(aux[0]))
                     self.scaler.scale(aux[0]).backward()
                     for k, v in aux[1].items():
                         aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
@@ -160,21 +164,30 @@ class Updater:
 
     def _step(self, iteration: int) -> float | None:
         """Average, unscale, clip and apply the gradients; the gradient norm, or None for a skipped step. With
-        loss scaling, a non-finite gradient of a finite loss is an overflow: the scale halves and the step is
-        skipped without counting as a failure (until the scale falls below 1)."""
+        loss scaling, a non-finite gradient of losses finite on every process is an overflow: the scale halves
+        and the step is skipped without counting as a failure, unless the scale has fallen below 1 or
+        ``MAX_OVERFLOW_STREAK`` overflows came in a row (then it counts, so a gradient that is NaN for another
+        reason still stops the run). A non-finite loss keeps the scale and counts."""
         self.group.average_gradients(self.params)
         self.scaler.unscale_(self.optimizer)  # no-op without loss scaling
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
         if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
-            overflow = self.scaler.is_enabled() and self._loss_finite and self.scaler.get_scale() >= 1.0
-            self.scaler.update()  # lowers the scale after an inf/NaN gradient (no-op when disabled)
-            if overflow:
+            # grad_norm is the same on every process, so all of them are here and agree on the losses
+            losses_finite = self.scaler.is_enabled() and self.group.sum(0.0 if self._loss_finite else 1.0) == 0
+            if losses_finite:
+                self.scaler.update()  # an overflow: halve the scale
+                self.overflow_streak += 1
+            else:
+                self.scaler.update(self.scaler.get_scale())  # clears the step's state, keeps the scale
+            tolerated = (losses_finite and self.scaler.get_scale() >= 1.0
+                         and self.overflow_streak <= self.MAX_OVERFLOW_STREAK)
+            if tolerated:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.overflows += 1
             else:
                 self._skip_step(iteration)
             return None
-        self.nonfinite_streak = 0
+        self.nonfinite_streak = self.overflow_streak = 0
         self.scaler.step(self.optimizer)  # = optimizer.step(): the gradients were checked finite above
         self.scaler.update()
         self.scheduler.step()
@@ -244,13 +257,14 @@ class Updater:
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "ema": self.ema,
-                "scaler": self.scaler.state_dict()}
+                "scaler": self.scaler.state_dict(), "overflow_streak": self.overflow_streak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self.overflow_streak = int(state.get("overflow_streak", 0))
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
 

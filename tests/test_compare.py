@@ -95,3 +95,13 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     assert "| good | s0: " in (out / "results.md").read_text()
     assert (out / "runs" / "good-s0" / "metrics.jsonl").read_text() == before
     assert 0.0 <= first["final"] <= 1.0  # brightness of the final eval
+
+
+def test_mean_curve_of_seeds_with_different_eval_counts_keeps_the_finals():
+    from flowrl.compare import mean_curve
+
+    same = mean_curve([[(0, 0.0), (1, 0.2)], [(0, 0.2), (1, 0.4)]])
+    assert same == [pytest.approx((0, 0.1)), pytest.approx((1, 0.3))]
+    # a wall-time schedule: the second seed got one more eval before its final one
+    ragged = mean_curve([[(0, 0.0), (60, 0.1), (300, 0.3)], [(0, 0.0), (60, 0.1), (290, 0.2), (300, 0.5)]])
+    assert len(ragged) == 3 and ragged[-1] == pytest.approx((300, 0.4)) and ragged[1] == pytest.approx((60, 0.1))

@@ -89,3 +89,38 @@ def test_a_non_finite_loss_still_stops_the_run_under_loss_scaling(tmp_path):
     trainer.objective.loss = lambda *a, **k: (lambda out: (out[0] * float("nan"), out[1]))(loss(*a, **k))
     with pytest.raises(FloatingPointError, match="non-finite"):
         trainer.train()
+
+
+def test_a_non_finite_loss_keeps_the_scale(tmp_path):
+    """The failure is the loss's, not the scale's: three NaN losses stop the run with the scale untouched
+    (halving it would leave fp16 gradients truncated for thousands of steps after a transient NaN)."""
+    trainer = Trainer(low_config(tmp_path, "keep", "sd3", "float16", "train.max_steps=4"), model=low_model("sd3", torch.float16))
+    start = trainer.updater.scaler.get_scale()
+    loss = trainer.objective.loss
+    trainer.objective.loss = lambda *a, **k: (lambda out: (out[0] * float("nan"), out[1]))(loss(*a, **k))
+    with pytest.raises(FloatingPointError):
+        trainer.train()
+    assert trainer.updater.scaler.get_scale() == start and trainer.updater.overflows == 0
+
+
+def test_a_non_finite_auxiliary_loss_is_a_failure_not_an_overflow(tmp_path):
+    trainer = Trainer(low_config(tmp_path, "aux", "sd3", "float16", "train.max_steps=4"), model=low_model("sd3", torch.float16))
+    params = trainer.updater.params
+    trainer.objective.auxiliary = lambda *a: (sum(p.float().sum() for p in params) * float("nan"), {})
+    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"):
+        trainer.train()
+    assert trainer.updater.overflows == 0
+
+
+def test_overflows_in_a_row_end_up_counting_as_failures(tmp_path):
+    """A gradient that is NaN whatever the scale (a finite loss, a broken backward) is first taken for an
+    overflow; after ``MAX_OVERFLOW_STREAK`` of them in a row the next ones count, and the run stops instead of
+    halving the scale for ever."""
+    trainer = Trainer(low_config(tmp_path, "streak", "sd3", "float16", "train.max_steps=10"),
+                      model=low_model("sd3", torch.float16))
+    trainer.updater.MAX_OVERFLOW_STREAK = 2
+    for p in trainer.updater.params:
+        p.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(FloatingPointError, match="iteration 4"):  # 0-based: 2 overflows, then 3 failures
+        trainer.train()
+    assert trainer.updater.overflows == 2
