@@ -222,3 +222,24 @@ def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
     assert float(diag["layer_tuning_weight"]) == pytest.approx(w, rel=1e-6)
     forest.reward[leaves] = 0.5
     assert LayerTuningLoss().auxiliary(model, forest, cond) is None
+
+
+def test_layer_tuning_regresses_the_conditional_velocity_at_any_guidance():
+    """The term fits v_θ(x_σ, σ, prompt) to ε − x0* as flow-matching training does: the rollout's CFG scale
+    does not enter it (regressing the CFG-composed velocity onto an unguided target collapsed the shapes
+    model at guidance 3)."""
+    from conftest import make_model, with_lora
+    from flowrl.loss import LayerTuningLoss
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.rollout.tree import Tree
+
+    model = with_lora(make_model("sd3"))
+    forest = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.5).rollout(
+        model, ["a red circle", "two blue squares"], RolloutContext(seed=0))
+    forest.reward[forest.leaves()] = torch.tensor([0.1, 0.9, 0.3, 0.2, 0.5, 0.1, 0.5, 0.8])
+    terms = {}
+    for g in (1.0, 3.0):
+        forest.guidance = g
+        terms[g] = LayerTuningLoss(layer_lambda=1.0).auxiliary(model, forest, model.encode(forest.prompts, g))[0]
+    assert float(terms[1.0]) > 0
+    torch.testing.assert_close(terms[3.0], terms[1.0], rtol=1e-5, atol=1e-7)
