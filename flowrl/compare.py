@@ -246,11 +246,11 @@ def _seeds_and_mean(ax, curves: list[list[tuple[float, float]]], colour: str, la
 
 
 def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
-    """Pointwise mean of the seeds' (x, y) curves. Evals on a wall-time schedule can give seeds different
-    counts (one more eval just before the budget's end): then the first ``m - 1`` points (``m`` the fewest)
-    and every seed's last point (its final eval) are averaged."""
+    """Pointwise mean of the seeds' (x, y) curves: the first ``m - 1`` points (``m`` the fewest) and every
+    seed's last point (its final eval). With equal counts that is every point; evals on a wall-time schedule
+    can give a seed one more eval just before the budget's end, which is left out."""
     m = min(len(c) for c in curves)
-    aligned = [c[:m] for c in curves] if len({len(c) for c in curves}) == 1 else [c[:m - 1] + [c[-1]] for c in curves]
+    aligned = [c[:m - 1] + [c[-1]] for c in curves]
     return [(statistics.fmean(c[j][0] for c in aligned), statistics.fmean(c[j][1] for c in aligned)) for j in range(m)]
 
 

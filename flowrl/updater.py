@@ -155,7 +155,7 @@ class Updater:
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _averages(self, sums: dict[str, float], extremes: dict, units: str = "__units") -> dict[str, float]:
+    def _averages(self, sums: dict[str, float], extremes: dict, units: str = UNITS) -> dict[str, float]:
         """Per-unit averages of size-weighted sums over every process (extremes as they are): the same
         diagnostics on every rank, equal to one process's over all the units."""
         total = self.group.reduce_sums(sums, extremes)
