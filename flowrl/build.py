@@ -80,7 +80,8 @@ def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
     from rewards import MultiReward, RewardSpec
 
     try:
-        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label) for t in terms],
+        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label,
+                                       timeout=t.timeout) for t in terms],
                            normalize=normalize)
     except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
         names = ", ".join(shown(t.name, 60) for t in terms)

@@ -1,6 +1,8 @@
 """Atomic checkpoints: ``checkpoints/step-N/`` holds the LoRA in the diffusers format (or the full
-transformer) and ``trainer_state.pt`` (optimizer, scheduler, EMA, step). A folder is written under a
-temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint intact."""
+transformer), ``trainer_state.pt`` (optimizer, scheduler, EMA, step) and, written last, ``manifest.json``
+(every file's size and sha256, :mod:`flowrl.manifest`). A folder is written under a temporary name and
+renamed into place, so a crash mid-write leaves the previous checkpoint intact; every reader here verifies
+the manifest first, so a damaged checkpoint is an error naming its file, never wrong weights."""
 from __future__ import annotations
 
 import os
@@ -11,25 +13,50 @@ from typing import Any, Callable
 
 import torch
 
+from flowrl.manifest import MANIFEST, DamagedCheckpoint, verify_checkpoint, write_manifest
+
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def list_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``folder`` as (step, path), oldest first."""
+    """Every ``step-N`` entry in ``folder`` as (step, path), oldest first. Only whole folders are ever renamed
+    to such a name, so one that is not a folder or lacks its state is damage, which the readers report
+    (:func:`verify`), not a checkpoint to pass over in silence."""
     if not folder.is_dir():
         return []
     found = []
     for child in folder.iterdir():
         m = _STEP_DIR.match(child.name)
-        if m and (child / STATE_FILE).is_file():
+        if m:
             found.append((int(m.group(1)), child))
     return sorted(found)
 
 
+def verify(path: Path) -> bool:
+    """Check checkpoint ``path`` against its manifest (:func:`flowrl.manifest.verify_checkpoint`): True when
+    verified, False for a checkpoint written before manifests; raises DamagedCheckpoint naming the file."""
+    return verify_checkpoint(Path(path), STATE_FILE, _records_manifest)
+
+
+def _records_manifest(path: Path) -> bool:
+    """Whether the state of checkpoint ``path`` (without a manifest) says one was written; memory-mapped,
+    so its tensors are not read. A state that cannot be read at all is damage."""
+    try:
+        try:
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # not the zip format (torch < 1.6) cannot be mapped: read it whole
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 — any failure to unpickle is a damaged file
+        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {path / STATE_FILE} cannot be read "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    return isinstance(state, dict) and bool(state.get("manifest"))
+
+
 def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], None], state: dict[str, Any],
                      keep_last: int) -> Path:
-    """Write ``step-N`` atomically: weights by ``write_weights(tmp_dir)``, then ``state``; rename; prune."""
+    """Write ``step-N`` atomically: weights by ``write_weights(tmp_dir)``, then ``state``, then the manifest of
+    both; rename; prune."""
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale(folder)
     final = folder / f"step-{step}"
@@ -37,7 +64,8 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
     try:
         tmp.mkdir()
         write_weights(tmp)
-        torch.save(state, tmp / STATE_FILE)
+        torch.save({**state, "manifest": MANIFEST}, tmp / STATE_FILE)
+        write_manifest(tmp)  # last: a folder with a whole manifest was written whole
     except BaseException as e:  # a full disk, an interrupt: the partial folder goes, earlier checkpoints stay
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError):
@@ -49,13 +77,21 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
         old = folder / f".step-{step}.old-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old)
+        remove(old)
     else:
         os.replace(tmp, final)
     if keep_last > 0:
         for _, path in list_checkpoints(folder)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
     return final
+
+
+def remove(path: Path) -> None:
+    """Remove a checkpoint entry: a folder, or a file (or link) that took a folder's place."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def remove_stale(folder: Path) -> list[Path]:
@@ -71,7 +107,7 @@ def remove_stale(folder: Path) -> list[Path]:
 
 
 def resolve_resume(spec: str, folder: Path) -> Path | None:
-    """``latest`` → newest complete checkpoint in ``folder`` (None if there is none); else a path."""
+    """``latest`` → newest checkpoint entry in ``folder`` (None if there is none); else a path."""
     if spec == "latest":
         found = list_checkpoints(folder)
         return found[-1][1] if found else None
@@ -82,19 +118,32 @@ def resolve_resume(spec: str, folder: Path) -> Path | None:
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """``(checkpoint folder, run folder)`` for a run folder (its newest complete checkpoint) or a
-    ``checkpoints/step-N`` folder."""
+    """``(checkpoint folder, run folder)`` for a run folder (its newest checkpoint) or a ``checkpoints/step-N``
+    folder, verified against its manifest (:func:`verify`: a damaged one raises, naming the file)."""
     path = Path(path)
-    if (path / STATE_FILE).is_file():
+    if (path / STATE_FILE).is_file() or (_STEP_DIR.match(path.name) and (path.exists() or path.is_symlink())):
+        verify(path)
         return path, path.parent.parent
     found = list_checkpoints(path / "checkpoints")
     if not found:
         raise FileNotFoundError(f"--checkpoint {str(path)!r}: no checkpoints/step-N/ folder with {STATE_FILE} in it")
+    verify(found[-1][1])
     return found[-1][1], path
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state of checkpoint ``path``, after verifying the checkpoint (:func:`verify`)."""
+    verify(path)
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def checkpoint_root(folder: Path) -> Path | None:
+    """The checkpoint that weights folder ``folder`` belongs to (itself, or its parent for ``live/``); None
+    for a folder that is no flowrl checkpoint (e.g. a LoRA from elsewhere)."""
+    for root in (folder, folder.parent) if folder.name == "live" else (folder,):
+        if (root / STATE_FILE).exists() or (root / MANIFEST).exists():
+            return root
+    return None
 
 
 def save_weights(model, folder: Path) -> None:
@@ -107,8 +156,14 @@ def save_weights(model, folder: Path) -> None:
 
 
 def load_weights(model, folder: Path) -> None:
-    """Inverse of :func:`save_weights` (in place, so optimizer references stay valid)."""
+    """Inverse of :func:`save_weights` (in place, so optimizer references stay valid), from a verified
+    checkpoint (:func:`verify`)."""
     folder = Path(folder)
+    root = checkpoint_root(folder)
+    if root is not None:
+        verify(root)
+    elif not folder.is_dir():
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it is not a folder")
     if (folder / "transformer").is_dir():
         from safetensors.torch import load_file
 

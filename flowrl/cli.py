@@ -16,6 +16,7 @@ from pathlib import Path
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
+from flowrl.cli_sample import _first_set, _model_from_run, check_flags, cmd_sample
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
 
 OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
@@ -88,53 +89,7 @@ def eval_summary(first: dict[str, float], last: dict[str, float]) -> list[str]:
                         for k in keys if not is_count(k)]
 
 
-# ---- shared: a model with a run's trained weights ----------------------------------------------
-def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
-    """(config, model, policy guidance) for a run folder or checkpoint (its config.yaml, newest weights and
-    the guidance its policy was trained to sample with, None for a checkpoint that does not record it), or
-    for a config (guidance None)."""
-    from flowrl import build
-    from flowrl.checkpoint import find_checkpoint, load_weights, read_state
-
-    ckpt = None
-    if run is not None:
-        ckpt, run_dir = find_checkpoint(run)
-        config = config or str(run_dir / "config.yaml")
-    cfg = _load_config(config, overrides)
-    model = build.build_model(cfg.model)
-    guidance = None
-    if ckpt is not None:
-        if not cfg.model.full_finetune:
-            build.add_lora(model, cfg.model)
-        load_weights(model, ckpt)
-        guidance = read_state(ckpt).get("policy_guidance")
-    return cfg, model, guidance
-
-
-def _first_set(*values):
-    return next((v for v in values if v is not None), None)
-
-
-# ---- sample -----------------------------------------------------------------------------------
-def cmd_sample(args: argparse.Namespace) -> int:
-    from flowrl.evaluation import save_grid
-    from flowrl.rollout.sampling import ode_sample
-
-    cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
-    prompts = [p for p in args.prompt for _ in range(args.num)]
-    seeds = [args.seed + i for i in range(len(prompts))]
-    guidance = _first_set(args.guidance, cfg.eval.guidance, trained_at, model.guidance)
-    images = ode_sample(model, prompts, seeds, args.steps or cfg.eval.steps, guidance)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from PIL import Image
-
-    for i, (prompt, img) in enumerate(zip(prompts, images)):
-        array = (img.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        Image.fromarray(array).save(out / f"{i:03d}-{prompt.replace(' ', '_')[:60]}.png")
-    save_grid(images, out / "grid.png", scale=args.scale)
-    print(f"wrote {len(prompts)} images and grid.png to {out} (guidance {guidance:g})")
-    return 0
+# ---- sample (and the model of a run, shared with eval): flowrl/cli_sample.py -------------------
 
 
 # ---- eval -------------------------------------------------------------------------------------
@@ -241,10 +196,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if per_label:
         raise ConfigError(f"--set names labels {sorted(per_label)} that are not among the configs' labels "
                           f"{[e[0] for e in entries]}")
-    text = compare(entries, args.seeds, args.budget, args.out, parallel=args.parallel, threads=args.threads,
-                   metric=args.metric, run=not args.report_only)
+    text, failed = compare(entries, args.seeds, args.budget, args.out, parallel=args.parallel, threads=args.threads,
+                           metric=args.metric, run=not args.report_only)
     print(text)
     print(f"plots and table in {args.out} (results.md, curves.png, commands.sh)")
+    if failed:  # the table is written; the exit status still says that not every run finished
+        print(f"flowrl compare: {len(failed)} of {len(entries) * len(args.seeds)} runs failed ({', '.join(failed)}); "
+              f"their logs' last lines are in {Path(args.out) / 'results.md'}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -355,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if not debug:
         _quiet_libraries()
     try:
+        check_flags(args)  # every numeric flag in its range, named (flowrl/cli_sample.py)
         return args.func(args)
     except ConfigError as e:
         return _fail(args.command, f"config error: {e}", 2, debug)

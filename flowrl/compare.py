@@ -8,8 +8,10 @@ The budget is the same for every run: ``iterations`` (``train.max_steps``), ``im
 killed comparison continues where it stopped: finished runs are kept, the others resume from their last
 checkpoint. A failing run is reported (its log's last lines) and the others' results are kept.
 
-Written to ``OUT``: ``results.md`` (final held-out metric per seed, mean ± spread, s/iteration, images,
-rollout forwards; the exact commands), ``curves.png`` (training reward against wall time, the held-out
+Written to ``OUT``: ``results.md`` (final held-out metric per seed; per config the mean, the eval's own
+standard error from its image count, the spread across seeds and the standard error of the mean;
+s/iteration, images, rollout forwards; each pair of configs' difference marked "within noise" or "beyond
+noise"; the exact commands), ``curves.png`` (training reward against wall time, the held-out
 metric against images drawn and against training wall time; every seed drawn thin and the mean thick), ``commands.sh``.
 """
 from __future__ import annotations
@@ -132,6 +134,8 @@ def read_run(folder: Path, metric: str | None = None) -> dict:
             except json.JSONDecodeError:
                 continue  # a torn last line of a killed run
     metric = metric or _default_metric(records)
+    n_key = count_key(metric) if metric else None
+    final_n = None
     seconds = images = forwards = 0.0
     train, evals, evals_by_time, at_step = [], [], [], {0: (0.0, 0.0)}
     for r in records:
@@ -146,11 +150,65 @@ def read_run(folder: Path, metric: str | None = None) -> dict:
             drawn, elapsed = at_step.get(int(r["step"]), (images, seconds))
             evals.append((drawn, r[metric]))
             evals_by_time.append((elapsed, r[metric]))
+            final_n = r.get(n_key) if n_key else None
     n = len(train)
     return {"metric": metric, "train": train, "evals": evals, "evals_by_time": evals_by_time,
             "final": evals[-1][1] if evals else float("nan"), "first": evals[0][1] if evals else float("nan"),
             "iterations": n, "minutes": seconds / 60, "seconds_per_iteration": seconds / n if n else float("nan"),
-            "images": images, "forwards": forwards}
+            "images": images, "forwards": forwards,
+            "final_n": final_n if final_n is not None or n_key is None or not evals else _eval_images(folder)}
+
+
+def count_key(metric: str) -> str | None:
+    """The metric key holding the image count of an accuracy (``eval/shapes/accuracy`` → ``eval/shapes/n``,
+    ``…/accuracy/<task>`` → ``…/n/<task>``); None for a metric that is not a pass/fail rate."""
+    parts = metric.split("/")
+    if "accuracy" not in parts:
+        return None
+    i = len(parts) - 1 - parts[::-1].index("accuracy")
+    return "/".join(parts[:i] + ["n"] + parts[i + 1:])
+
+
+def _eval_images(folder: Path) -> float | None:
+    """Held-out images of one eval from a run's ``config.yaml`` (prompts × ``eval.images_per_prompt``), or None."""
+    try:
+        from flowrl.prompts import read_prompts
+
+        cfg = TrainConfig.from_yaml(folder / "config.yaml")
+        prompts = read_prompts(cfg.prompts.eval, "prompts.eval") if cfg.prompts.eval else []
+        prompts = prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else prompts
+        return float(len(prompts) * cfg.eval.images_per_prompt) or None
+    except Exception:  # noqa: BLE001 — a missing or old config: the eval's error is then unknown
+        return None
+
+
+def noise(finals: list[float], counts: list[float | None], binary: bool) -> dict[str, float]:
+    """Noise of one config's final metric over its seeds: ``eval_se`` (one run's eval standard error,
+    √(p(1−p)/n) for a pass rate p over n images, RMS over seeds; NaN when not a pass rate or n unknown),
+    ``sd``/``lo``/``hi`` (spread across seeds) and ``se``, the standard error of the mean:
+    √(Σ eval_se²/k² + sd²/k). The seed spread already holds each run's eval noise, so adding both is on
+    the safe side; with one seed only the eval's own error is known."""
+    k = len(finals)
+    nan = float("nan")
+    if not k:
+        return {"mean": nan, "eval_se": nan, "n": nan, "sd": nan, "lo": nan, "hi": nan, "se": nan, "k": 0}
+    ses = [math.sqrt(min(max(p, 0.0), 1.0) * (1 - min(max(p, 0.0), 1.0)) / n) if binary and n else nan
+           for p, n in zip(finals, counts)]
+    sd = statistics.stdev(finals) if k > 1 else nan
+    parts = [sum(s * s for s in ses) / k ** 2 if all(s == s for s in ses) else nan, sd * sd / k if k > 1 else nan]
+    known = [v for v in parts if v == v]
+    return {"mean": statistics.fmean(finals), "eval_se": math.sqrt(statistics.fmean(s * s for s in ses)),
+            "n": _mean(n or nan for n in counts), "sd": sd, "lo": min(finals), "hi": max(finals),
+            "se": math.sqrt(sum(known)) if known else nan, "k": k}
+
+
+def verdict(a: dict[str, float], b: dict[str, float]) -> tuple[float, float, str]:
+    """(Δ = b − a of the means, the noise band 2·√(se_a² + se_b²), "within noise" | "beyond noise" | "noise unknown")."""
+    delta = b["mean"] - a["mean"]
+    band = 2.0 * math.sqrt(a["se"] ** 2 + b["se"] ** 2)
+    if band != band or delta != delta:
+        return delta, band, "noise unknown"
+    return delta, band, "within noise" if abs(delta) < band else "beyond noise"
 
 
 def _default_metric(records: list[dict]) -> str | None:
@@ -167,9 +225,12 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
     labels = list(dict.fromkeys(r.label for r in runs))
     data = {r.key: read_run(r.folder, metric) for r in runs}
     metric = metric or next((d["metric"] for d in data.values() if d["metric"]), "eval metric")
+    binary = count_key(metric) is not None
     lines = [f"# Comparison ({metric}, final held-out value per seed)", "",
-             "| config | seeds: start → final | mean final ± spread | mean change | training min | s/iteration | images | rollout forwards |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | seeds: start → final | mean final | eval s.e. per run (images) | seed std (min–max) | "
+             "s.e. of the mean | mean change | training min | s/iteration | images | rollout forwards |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    stats = {}
     for label in labels:
         mine = [r for r in runs if r.label == label]
         ok = [data[r.key] for r in mine if status.get(r.key, {}).get("state") == "done"]
@@ -177,14 +238,25 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
                                                 if status.get(r.key, {}).get("state") == "done"
                                                 else status.get(r.key, {}).get("state", "not run"))
                              for r in mine)
-        finals = [d["final"] for d in ok]
+        done = [d for d in ok if d["final"] == d["final"]]
+        stats[label] = st = noise([d["final"] for d in done], [d["final_n"] for d in done], binary)
         changes = [d["final"] - d["first"] for d in ok]
-        mean = statistics.fmean(finals) if finals else float("nan")
-        spread = (max(finals) - min(finals)) / 2 if len(finals) > 1 else 0.0
-        lines.append(f"| {label} | {per_seed} | {mean:.3f} ± {spread:.3f} | "
+        eval_se = f"±{st['eval_se']:.3f} ({st['n']:.0f})" if st["eval_se"] == st["eval_se"] else "n/a"
+        spread = f"{st['sd']:.3f} ({st['lo']:.3f}–{st['hi']:.3f})" if st["k"] > 1 else ("one seed" if st["k"] else "—")
+        lines.append(f"| {label} | {per_seed} | {st['mean']:.3f} | {eval_se} | {spread} | "
+                     f"{'±%.3f' % st['se'] if st['se'] == st['se'] else 'n/a'} | "
                      f"{(statistics.fmean(changes) if changes else float('nan')):+.3f} | "
                      f"{_mean(d['minutes'] for d in ok):.1f} | {_mean(d['seconds_per_iteration'] for d in ok):.2f} | {_mean(d['images'] for d in ok):.0f} | "
                      f"{_mean(d['forwards'] for d in ok):.0f} |")
+    lines += ["", "eval s.e.: √(p(1−p)/n) of a pass rate p over the eval's n images (n/a for a metric that is not one); "
+              "s.e. of the mean: √(Σ eval s.e.²/k² + seed std²/k) over the k finished seeds."]
+    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:] if stats[a]["k"] and stats[b]["k"]]
+    if pairs:
+        lines += ["", "Differences of the mean final value; within noise when |Δ| < 2·√(se_a² + se_b²):", "",
+                  "| pair | Δ mean | 2·√(se_a² + se_b²) | verdict |", "|---|---|---|---|"]
+        for a, b in pairs:
+            delta, band, word = verdict(stats[a], stats[b])
+            lines.append(f"| {b} − {a} | {delta:+.3f} | {band:.3f} | {word} |")
     failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
     if failed:
         lines += ["", "Failed runs:"] + [f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()]
@@ -255,9 +327,9 @@ def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, flo
 
 
 def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,
-            parallel: int = 1, threads: int = 1, metric: str | None = None, run: bool = True) -> str:
+            parallel: int = 1, threads: int = 1, metric: str | None = None, run: bool = True) -> tuple[str, list[str]]:
     """Plan, run (resuming; ``run=False``: only report what is there) and report a comparison; returns the
-    Markdown table."""
+    Markdown table and the keys (``label-sSEED``) of the runs that failed."""
     out = Path(out)
     runs = plan_runs(entries, seeds, parse_budget(budget), out, threads)
     if run:
@@ -265,4 +337,5 @@ def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget:
     else:
         status_path = out / "status.json"
         status = json.loads(status_path.read_text()) if status_path.is_file() else {}
-    return report(runs, status, out, metric)
+    failed = [r.key for r in runs if status.get(r.key, {}).get("state") == "failed"]
+    return report(runs, status, out, metric), failed

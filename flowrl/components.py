@@ -60,7 +60,8 @@ CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
                         "value_anchor": "flowrl.credit.value_anchor:ValueAnchor"})
 LOSS = Kind("loss", "objective", "clipped", "flowrl.objective:Objective",
             registry={"clipped": "flowrl.loss:PolicyLoss", "layer_tuning": "flowrl.loss:LayerTuningLoss",
-                      "nft": "flowrl.forward_process:NFTLoss", "awm": "flowrl.forward_process:AWMLoss"})
+                      "nft": "flowrl.forward_process:NFTLoss", "awm": "flowrl.awm:AWMLoss",
+                      "raft": "flowrl.raft:RAFTLoss"})
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 

@@ -60,6 +60,7 @@ class RewardTerm:
     weight: float = 1.0
     label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: Optional[float] = None  # seconds one call may take; past it that call's scores are NaN (reward_failed)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class TrainSection:
     progress: bool = True
     num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
     async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
+    max_failed_iterations: int = 3  # iterations in a row with every reward failed (all NaN) before the run stops
 
 
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
@@ -207,9 +209,16 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config_checks`)."""
-        from flowrl.config_checks import check_config
+        from flowrl.config_checks import check_config, positive
 
         check_config(self)
+        if self.train.max_failed_iterations < 1:
+            raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
+                              "(iterations in a row with every reward failed before the run stops)")
+        for key, terms in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards or [])):
+            for i, term in enumerate(terms):
+                if term.timeout is not None:
+                    positive(f"{key}[{i}].timeout", term.timeout)  # seconds
 
 
 def _load_yaml(path: Path) -> Any:
@@ -270,13 +279,17 @@ def _schema(plan: str, rule: str, objective: str) -> type:
 
 def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
     """Every dotted key of the schema (for suggestions)."""
+    import typing
+
     out = []
+    hints = typing.get_type_hints(schema)
     for f in fields(schema):
         key = f"{prefix}{f.name}"
         out.append(key)
         default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            out.extend(all_keys(type(default), key + "."))
+        nested = [a for a in typing.get_args(hints.get(f.name)) if is_dataclass(a)]  # Optional[Section], default None
+        if is_dataclass(default) or nested:
+            out.extend(all_keys(type(default) if is_dataclass(default) else nested[0], key + "."))
     return out
 
 

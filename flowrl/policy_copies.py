@@ -23,7 +23,7 @@ OLD_ADAPTER = "flowrl_old"
 
 
 @contextlib.contextmanager
-def _swapped_transformer(model, module: torch.nn.Module) -> Iterator[None]:
+def swapped_transformer(model, module: torch.nn.Module) -> Iterator[None]:
     """``model.velocity`` runs ``module`` instead of the trained transformer inside the context."""
     pipe = model.pipe
     live, pipe.transformer = pipe.transformer, module
@@ -60,7 +60,7 @@ class Reference:
             with self.model.reference():
                 yield
         else:
-            with _swapped_transformer(self.model, self.frozen):
+            with swapped_transformer(self.model, self.frozen):
                 yield
 
 
@@ -106,7 +106,7 @@ class OldPolicy:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         if self.frozen is not None:
-            with _swapped_transformer(self.model, self.frozen):
+            with swapped_transformer(self.model, self.frozen):
                 yield
             return
         module = self.model.trainable

@@ -269,8 +269,14 @@ def _fingerprint(prompts: list[str], keys: list[str]) -> str:
 
 
 def build_prompt_source(section, seed: int) -> PromptSource:
-    """The source ``prompts.sampling`` names, over the ``prompts.train`` prompts."""
+    """The source ``prompts.sampling`` names, over the ``prompts.train`` prompts; warns (once, here) when they
+    are fewer than one iteration draws (``prompts.per_step``): every iteration then trains on repeats."""
     prompts = read_prompts(section.train)
+    if len(prompts) < section.per_step:
+        warnings.warn(f"prompts.train={shown(section.train, 80)} holds {len(prompts)} prompt"
+                      f"{'s' if len(prompts) != 1 else ''}, fewer than the {section.per_step} prompt groups one "
+                      f"iteration draws (prompts.per_step={section.per_step}): every iteration repeats prompts; "
+                      "add prompts or lower prompts.per_step", RuntimeWarning, stacklevel=2)
     if section.sampling == "epoch":
         return PromptSource(prompts, section.per_step, seed)
     key_fn = resolve_difficulty_key(section.difficulty_key)

@@ -1,21 +1,33 @@
-"""A run's folder ``<train.output_dir>/<train.name>/`` and what protects it: a taken name is continued
-(``train.resume``) or replaced (``train.overwrite``), never silently reused; a start that fails before its
-first iteration leaves nothing; resume picks the newest intact checkpoint and names every setting that
-changed since it was written (docs/reliability.md)."""
+"""A run's folder ``<train.output_dir>/<train.name>/`` and what protects it: one process owns it at a time
+(an OS lock, :class:`FolderLock`); a taken name is continued (``train.resume``) or replaced
+(``train.overwrite``, only a folder that is a run), never silently reused; a start that fails or is stopped
+before its first iteration leaves nothing; resume picks the newest intact checkpoint and names every
+setting that changed since it was written (docs/reliability.md)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import os
 import pickle
-import shutil
+import socket
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flowrl.checkpoint import list_checkpoints, load_weights, read_state, resolve_resume, write_checkpoint
+from flowrl.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.errors import shown
+from flowrl.manifest import DamagedCheckpoint
 from flowrl.metrics import MetricsLog
 from flowrl.process_group import ProcessGroup
+from flowrl.signals import abort_on_terminate, signals_ignored
+
+LOCK_FILE = ".flowrl.lock"
+# What a run writes into its folder: a folder holding only these (or a config.yaml and a metrics.jsonl) is a
+# run that train.overwrite may replace; anything else is refused.
+RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "reward_curve.png", "samples", "checkpoints", LOCK_FILE}
 
 # Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
 # decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
@@ -43,10 +55,72 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
 
 
+def check_run_name(name: Any) -> None:
+    """``train.name`` is one folder name: not empty, not ``.``/``..``, no separator, no NUL."""
+    text = str(name)
+    if text in ("", ".", "..") or any(c in text for c in "/\\\0"):
+        raise ConfigError(f"train.name={shown(name)} must be one folder name inside train.output_dir: not empty, "
+                          "not '.' or '..', without '/', '\\' or NUL (e.g. train.name=shapes-nft)")
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``<folder>/.flowrl.lock``, which holds the owner's pid, host and start time
+    for a refusal to name. The kernel drops it when the process ends, ``kill -9`` included."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock (the folder must exist): None when taken, else a description of the holder."""
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return self.holder()
+            try:
+                mine = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                mine = False
+            if not mine:  # the holder removed the file as it let go: take the next one
+                os.close(fd)
+                continue
+            record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(record).encode())
+            self.fd = fd
+            return None
+        raise OSError(f"could not lock {self.path}: it was replaced 100 times in a row")
+
+    def holder(self) -> str:
+        """The holder as its lock file names it (read again briefly while a new holder is writing it)."""
+        for _ in range(20):
+            try:
+                record = json.loads(self.path.read_text())
+                return f"pid {record['pid']} on host {record['host']}, since {record['since']}"
+            except (OSError, ValueError, KeyError, TypeError):
+                time.sleep(0.05)
+        return "a process that has not written its pid yet"
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so nobody takes a file about to go) and let go."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
+                self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+
+
 class RunFolder:
     def __init__(self, cfg: TrainConfig, group: ProcessGroup):
+        check_run_name(cfg.train.name)
         self.cfg, self.group = cfg, group
         self.path = Path(cfg.train.output_dir) / cfg.train.name
+        self.lock = FolderLock(self.path)
         self.claimed = False  # whether this run has checked (or replaced) the folder
 
     # ---- the name -------------------------------------------------------------------------------
@@ -59,24 +133,103 @@ class RunFolder:
                               "it with train.resume=latest, choose another train.name, or replace it with "
                               "train.overwrite=true")
 
+    def is_run(self) -> bool:
+        """Whether the folder is a flowrl run that ``train.overwrite`` may remove: it holds a config.yaml and a
+        metrics.jsonl, or nothing but what a run writes (:data:`RUN_ENTRIES`)."""
+        names = {p.name for p in self.path.iterdir()}
+        return {"config.yaml", "metrics.jsonl"} <= names or names <= RUN_ENTRIES
+
+    def replace(self) -> None:
+        """``train.overwrite``: empty the folder (the lock file stays, held), refusing one that is not a run."""
+        if not self.is_run():
+            raise ConfigError(f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
+                              "metrics.jsonl); nothing was deleted. Choose another train.name or move it away")
+        for child in self.path.iterdir():
+            if child.name != LOCK_FILE:
+                remove(child)
+
+    def _agree(self, error: Exception | None) -> None:
+        """Raise ``error`` on the main process, a ConfigError on the others, when the main process failed."""
+        if self.group.sum(error is not None) > 0:
+            raise error or ConfigError(f"the main process could not claim the run folder {self.path}")
+
+    def _take(self) -> tuple[list[Path], bool]:
+        """The main process: make the folder (and missing parents), lock it, check the name and, with
+        ``train.overwrite``, empty it. Returns (the folders it made, whether it holds only this run)."""
+        made = [p for p in (self.path, *self.path.parents) if not p.exists() and not p.is_symlink()][::-1]
+        if (self.path.exists() or self.path.is_symlink()) and not self.path.is_dir():
+            raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is a file, not a run folder; "
+                              "choose another train.name")
+        self.path.mkdir(parents=True, exist_ok=True)
+        holder = self.lock.acquire()
+        if holder is not None:
+            raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is in use by another flowrl process "
+                              f"({holder}); one process owns a run folder at a time, whatever train.resume or "
+                              "train.overwrite say. Wait for it to end, stop it, or choose another train.name")
+        try:
+            if not self.claimed:
+                self.check_name()
+                if self.cfg.train.overwrite:
+                    self.replace()
+                    return made, True
+            return made, self.path in made
+        except BaseException:  # a refused name or overwrite: the folder as it was, lock released
+            if self.path in made:
+                self._remove(made, set(), True)
+            self.lock.release()
+            raise
+
     @contextlib.contextmanager
     def claim(self, step: Callable[[], int]) -> Iterator[None]:
-        """Hold the folder for one ``train()`` call: checked, and emptied first with ``train.overwrite``, on the
-        first call; removed again when this call created it and fails before the first iteration (``step()``
-        still 0): a failed start leaves nothing."""
-        if not self.claimed:  # a second train() call continues what the first one wrote
-            self.check_name()
-            if self.group.is_main and self.cfg.train.overwrite and self.path.exists():
-                shutil.rmtree(self.path)
+        """Own the folder for one ``train()`` call: the main process locks it before looking at or writing
+        anything (a second process of the same name is refused, naming the holder), checks the name and
+        empties it with ``train.overwrite`` on the first call. A call that fails or is stopped (Ctrl-C twice,
+        SIGTERM during the start) before its first iteration finishes (``step()`` still 0) removes what it
+        created: the folder when it made it or replaced a run, else the entries that were not there."""
+        main = self.group.is_main
+        with abort_on_terminate():
+            made, own, before, error = [], False, set(), None
+            if main:
+                try:
+                    made, own = self._take()
+                    before = {p.name for p in self.path.iterdir()}
+                except Exception as e:  # noqa: BLE001 — handed to every process by _agree
+                    error = e
+            self._agree(error)
+            if not main and not self.claimed:
+                self.check_name()
             self.claimed = True
-        self.group.wait()
-        fresh, start = not self.path.exists(), step()
-        try:
-            yield
-        except Exception:
-            if self.group.is_main and fresh and start == step() == 0:
-                shutil.rmtree(self.path, ignore_errors=True)
-            raise
+            try:
+                self.group.wait()
+                start = step()
+                try:
+                    yield
+                except BaseException:
+                    if main and start == step() == 0:
+                        self._remove(made, before, own)
+                    raise
+            finally:
+                if main:
+                    self.lock.release()
+
+    def _remove(self, made: list[Path], before: set[str], own: bool) -> None:
+        """Remove what a failed start created: the whole folder when it is this run's alone, else its new
+        entries; then the parent folders it made, when empty. Signals wait until it is done."""
+        with signals_ignored():
+            if own:
+                children = list(self.path.iterdir()) if self.path.is_dir() else []
+            else:
+                children = [p for p in self.path.iterdir() if p.name not in before and p.name != LOCK_FILE]
+            for child in children:
+                if child.name != LOCK_FILE:
+                    remove(child)
+            if own:
+                self.lock.release()
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when empty
 
     # ---- checkpoints ------------------------------------------------------------------------------
     @property
@@ -109,15 +262,17 @@ class RunFolder:
                 raise
             except ValueError as e:
                 raise ValueError(f"train.resume={spec!r}: {e}") from None
-        found = list_checkpoints(self.checkpoints)
-        for _, path in reversed(found):
+        found = [path for _, path in list_checkpoints(self.checkpoints)]
+        for i in reversed(range(len(found))):
             try:
-                return path, read(path)
+                return found[i], read(found[i])
             except ConfigError:  # a refusal (e.g. another LoRA rank), not damage
                 raise
             except DAMAGE as e:
-                warnings.warn(f"checkpoint {path} is damaged ({str(e).splitlines()[0][:200]}); trying the one before it",
-                              RuntimeWarning, stacklevel=2)
+                then = f"falling back to the one before it, {found[i - 1]}" if i else "there is none before it"
+                what = str(e) if isinstance(e, DamagedCheckpoint) else \
+                    f"checkpoint {found[i]} is damaged ({str(e).splitlines()[0][:300]})"
+                warnings.warn(f"{what}; {then}", RuntimeWarning, stacklevel=2)
         if found:
             raise ValueError(f"train.resume='latest': every checkpoint in {self.checkpoints} is damaged; "
                              "nothing was changed (move the folder away to start afresh)")

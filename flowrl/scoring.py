@@ -107,3 +107,29 @@ class BackgroundScorer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class RewardsFailed(FloatingPointError):
+    """Every reward failed (all NaN) several iterations in a row: the run stops with exit status 3."""
+
+
+class FailedRewardStreak:
+    """Counts iterations in a row whose every leaf's reward failed (``reward_failed`` == ``leaves``); the
+    ``limit``-th (``train.max_failed_iterations``) raises :class:`RewardsFailed` naming the rewards that failed
+    and why (:attr:`rewards.MultiReward.failures` of the last call), instead of training on nothing."""
+
+    def __init__(self, limit: int, reward: Reward):
+        self.limit, self.reward, self.count = int(limit), reward, 0
+
+    def observe(self, record: dict[str, float]) -> None:
+        """Fold in one iteration's metrics (global over processes, so every process decides alike)."""
+        leaves, failed = record.get("leaves", 0.0), record.get("reward_failed", 0.0)
+        self.count = self.count + 1 if leaves > 0 and failed >= leaves else 0
+        if self.count >= self.limit:
+            failures = getattr(self.reward, "failures", None) or {}
+            why = "; ".join(f"reward {name!r}: {text}" for name, text in failures.items()) or (
+                f"rewards {[r.name for r in getattr(self.reward, 'rewards', [self.reward])]} gave no error, "
+                "but every combined reward was NaN")
+            raise RewardsFailed(f"every reward failed in {self.count} iterations in a row (train.max_failed_iterations="
+                                f"{self.limit}; the last: {failed:.0f} of {leaves:.0f} images); last error: {why}. Fix "
+                                "the reward (or its server) and continue with train.resume=latest")

@@ -33,6 +33,7 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
+from flowrl.scoring import FailedRewardStreak
 from flowrl.signals import stop_on_first_interrupt
 from flowrl.updater import Updater
 
@@ -83,9 +84,10 @@ class Trainer:
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
         self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
                                     guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
-                                    reduction=self.objective.reduction,
+                                    reduction=self.objective.reduction, teacher=getattr(self.objective, "teacher_model", None),
                                     async_reward={"auto": "auto", "true": True, "false": False}[c.train.async_reward])
         self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group)
+        self.failed_rewards = FailedRewardStreak(c.train.max_failed_iterations, self.reward)  # all-NaN streak stops
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
@@ -171,6 +173,15 @@ class Trainer:
         record["rollout_forwards"] = g.sum(forest.counters["forwards"])
         record["rollout_nfe"] = g.sum(forest.counters["nfe"])
         record["leaves"] = g.sum(forest.leaves().numel())
+        if "teacher_forwards" in forest.counters:  # the teacher's share of the rollout forwards
+            record["rollout_teacher_forwards"] = g.sum(forest.counters["teacher_forwards"])
+            teacher_leaves = forest.leaves()[forest.from_teacher[forest.leaves()] > 0]
+            record["reward_teacher"] = float(g.gather(forest.reward[teacher_leaves]).nanmean())
+            student = forest.leaves()[forest.from_teacher[forest.leaves()] == 0]
+            record["reward_policy"] = float(g.gather(forest.reward[student]).nanmean())
+        stats = getattr(self.objective, "take_stats", None)
+        if stats is not None:
+            record.update({k: g.sum(v) if k == "teacher_forwards" else g.mean(v) for k, v in stats().items()})
         record.update(self._observe_spread(forest))
         record.update(times)
         return record
@@ -295,6 +306,7 @@ class Trainer:
                 self.step += 1
                 record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
                 emit(record)
+                self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record.get('approx_kl', 0):.1e}",
                                 clip=f"{record.get('clipfrac_high', 0) + record.get('clipfrac_low', 0):.2f}")

@@ -19,10 +19,12 @@ class Reward:
     """Base class of every reward. Subclasses implement :meth:`score`.
 
     Attributes: ``name`` (used in metric keys), ``higher_is_better`` (always True for training
-    rewards; flip the sign in your subclass otherwise).
+    rewards; flip the sign in your subclass otherwise), ``last_error`` (a reward that returns NaN for
+    samples it could not score may say why here; a run stopped because every reward failed names it).
     """
 
     name: str = "reward"
+    last_error: str | None = None  # why the last call's scores hold NaN, when the reward knows (e.g. remote)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
         """Scores float32 [B] for images [B, 3, H, W] in [0, 1]."""

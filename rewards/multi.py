@@ -1,6 +1,8 @@
 """Several rewards combined with weights."""
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -8,6 +10,7 @@ import torch
 
 from rewards.base import Reward
 from rewards.registry import build_reward
+from rewards.timeout import RewardTimeout, call_with_timeout
 
 NORMALIZE = ("none", "batch", "group")
 
@@ -17,13 +20,15 @@ class RewardSpec:
     """One term of a :class:`MultiReward`: registry name (or ``module:Class``), weight, kwargs.
 
     ``label`` renames the built reward (its metric key), e.g. to use one reward twice with
-    different kwargs.
+    different kwargs. ``timeout`` (seconds) bounds one call: past it the call's scores are NaN (failed
+    rewards) with a warning (:mod:`rewards.timeout`).
     """
 
     name: str
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     label: str | None = None
+    timeout: float | None = None
 
 
 class MultiReward(Reward):
@@ -39,6 +44,12 @@ class MultiReward(Reward):
     of each reward's group z-scores); ``"none"`` (default) sums raw scores. A NaN score (a masked
     remote batch) makes that sample's total NaN. The trainer combines through here only: credit rules
     read the combined ``reward``.
+
+    A term with a ``timeout`` is called in a worker thread with that deadline; a call past it gives NaN
+    scores (counted as failed rewards) and a RuntimeWarning naming the reward and the limit. After every
+    :meth:`components` call, :attr:`failures` maps each term whose scores were not all finite to why
+    (the timeout, the reward's own ``last_error``, or how many scores were NaN): what a run that stops
+    because every reward failed names.
     """
 
     name = "multi"
@@ -52,25 +63,32 @@ class MultiReward(Reward):
         self.normalize = normalize
         self.rewards: list[Reward] = []
         self.weights: list[float] = []
+        self.timeouts: list[float | None] = []
+        self.failures: dict[str, str] = {}  # term name → why its scores of the last call were not all finite
         for i, term in enumerate(terms):
             if isinstance(term, str):
                 term = {"name": term}
+            timeout = None
             if isinstance(term, Reward):
                 reward, weight = term, 1.0
             else:
                 if isinstance(term, dict):
-                    unknown = set(term) - {"name", "weight", "kwargs", "label"}
+                    unknown = set(term) - {"name", "weight", "kwargs", "label", "timeout"}
                     if unknown or "name" not in term:
                         raise ValueError(f"MultiReward: reward term {term!r} needs 'name' and may have 'weight', "
-                                         f"'kwargs', 'label' (unknown: {sorted(unknown)})")
+                                         f"'kwargs', 'label', 'timeout' (unknown: {sorted(unknown)})")
                 spec = term if isinstance(term, RewardSpec) else RewardSpec(**term)
+                if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
+                    raise ValueError(f"reward {spec.name!r}: timeout={spec.timeout!r} must be > 0 seconds")
                 reward, weight = build_reward(spec.name, **dict(spec.kwargs or {})), float(spec.weight)
+                timeout = None if spec.timeout is None else float(spec.timeout)
                 if spec.label:
                     reward.name = spec.label
             if weights is not None:
                 weight = float(weights[i])
             self.rewards.append(reward)
             self.weights.append(weight)
+            self.timeouts.append(timeout)
         if not self.rewards:
             raise ValueError("MultiReward needs at least one reward")
         names = [r.name for r in self.rewards]
@@ -90,15 +108,29 @@ class MultiReward(Reward):
 
     def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
                    ) -> dict[str, torch.Tensor]:
-        """Raw scores of every term: name → float32 [B]."""
+        """Raw scores of every term: name → float32 [B]; a term past its ``timeout`` gives NaN scores (warned)
+        and every term whose scores are not all finite is named in :attr:`failures`."""
         meta = {} if meta is None else meta
-        out = {}
-        for r in self.rewards:
+        out, failures = {}, {}
+        for r, timeout in zip(self.rewards, self.timeouts):
             try:
-                out[r.name] = r(images, prompts, meta)
+                out[r.name] = (r(images, prompts, meta) if timeout is None
+                               else call_with_timeout(r, images, prompts, meta, timeout))
+            except RewardTimeout as e:
+                warnings.warn(f"{e}: its {len(prompts)} scores are NaN (counted in reward_failed); the next call "
+                              "starts a fresh worker", RuntimeWarning, stacklevel=2)
+                out[r.name] = torch.full((len(prompts),), float("nan"))
+                failures[r.name] = str(e)
+                continue
             except Exception as e:  # name the failing reward; the cause stays chained
                 raise RuntimeError(f"reward {r.name!r} ({type(r).__name__}) failed on {len(prompts)} images: "
                                    f"{type(e).__name__}: {e}") from e
+            bad = int((~torch.isfinite(out[r.name])).sum())
+            if bad:
+                why = getattr(r, "last_error", None)
+                failures[r.name] = (f"returned {bad} non-finite score{'s' if bad > 1 else ''} of {len(prompts)}"
+                                    + (f" ({why})" if why else ""))
+        self.failures = failures
         return out
 
     @staticmethod

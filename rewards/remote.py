@@ -258,6 +258,7 @@ class RemoteReward(Reward):
         n = images.shape[0]
         scores = torch.full((n,), float("nan"), dtype=torch.float32)
         failed_batches = failed_samples = 0
+        self.last_error = None
         reply_meta: dict[str, list] = {}
         for sl in batches(n, self.batch_size):
             m = sl.stop - sl.start
@@ -270,6 +271,7 @@ class RemoteReward(Reward):
                     raise RemoteRewardError(f"remote reward {self.name!r} at {self.url}: {e}") from e
                 failed_batches += 1
                 failed_samples += m
+                self.last_error = f"remote reward at {self.url}: {e}"
                 log.warning("remote reward %s at %s: batch of %d masked with NaN: %s", self.name, self.url, m, e)
                 continue
             scores[sl] = torch.tensor(vals, dtype=torch.float32)

@@ -69,7 +69,7 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     out = tmp_path / "cmp"
     args = ["compare", str(good), f"broken={bad}", *common, "--set", "broken", "rewards=[{name: no_such_reward}]",
             "--seeds", "0", "1", "--budget", "images=8", "--out", str(out), "--parallel", "2"]
-    assert main(args) == 0
+    assert main(args) == 1  # the broken config's runs failed: reported, and the exit status says so
     status = json.loads((out / "status.json").read_text())
     assert {k: v["state"] for k, v in status.items()} == {"good-s0": "done", "good-s1": "done",
                                                            "broken-s0": "failed", "broken-s1": "failed"}
@@ -86,12 +86,12 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     before = (out / "runs" / "good-s0" / "metrics.jsonl").read_text()
     status.pop("good-s1")
     (out / "status.json").write_text(json.dumps(status))
-    assert main(args) == 0
+    assert main(args) == 1
     assert (out / "runs" / "good-s0" / "metrics.jsonl").read_text() == before
     assert json.loads((out / "status.json").read_text())["good-s1"]["state"] == "done"
     assert read_run(out / "runs" / "good-s1")["iterations"] == 2  # resumed from its checkpoint, not run twice
     (out / "results.md").unlink()
-    assert main(args + ["--report-only"]) == 0  # the table from what is there, nothing run
+    assert main(args + ["--report-only"]) == 1  # the table from what is there, nothing run
     assert "| good | s0: " in (out / "results.md").read_text()
     assert (out / "runs" / "good-s0" / "metrics.jsonl").read_text() == before
     assert 0.0 <= first["final"] <= 1.0  # brightness of the final eval

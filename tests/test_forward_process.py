@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, TrainConfig
-from flowrl.forward_process import AWMLoss, NFTLoss
+from flowrl.awm import AWMLoss
+from flowrl.forward_process import NFTLoss
 from tests.conftest import make_model, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",

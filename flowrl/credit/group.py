@@ -81,14 +81,17 @@ class GroupAdvantage(CreditRule):
     def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
         """Write ``advantage`` and ``weight`` on every edge of ``forest`` from its leaves' ``reward``.
 
-        Leaves must come in prompt groups of equal size (as every chains plan produces). Returns statistics.
+        Prompt groups must have equal sizes; their leaves may come in any node order (a group's leaves are
+        taken in node order, e.g. the ODE plan's teacher share puts the teacher's chains after the policy's).
+        Returns statistics.
         """
         leaves = forest.leaves()
+        leaves = leaves[torch.argsort(forest.group[leaves], stable=True)]
         groups = forest.group[leaves]
         num_groups = int(groups.max()) + 1 if leaves.numel() else 0
         if leaves.numel() % max(num_groups, 1) != 0 or not torch.equal(
                 groups, torch.arange(num_groups).repeat_interleave(leaves.numel() // max(num_groups, 1))):
-            raise ValueError("group credit needs leaves ordered by prompt group with equal group sizes")
+            raise ValueError("group credit needs prompt groups of equal sizes")
         G = leaves.numel() // num_groups
         adv, zero_var, dropped = self.normalise(forest.reward[leaves].reshape(num_groups, G), gather)
         leaf_of = forest.leaf_of_each_node()

@@ -25,6 +25,8 @@ class RolloutContext:
     ``root_seeds``: set by a wrapping plan (Sol-RL's explore) to choose the x_T of the inner plan's roots:
     one list of seeds per prompt group of this rollout, :meth:`RolloutPlan.root_count` seeds each
     (None: the plan derives its own root seeds).
+    ``teacher``: the objective's guided teacher (:class:`flowrl.teacher.Teacher`; None without ``loss.teacher``),
+    for plans that let it draw a share of each group (the ODE plan's ``teacher_share``).
     """
 
     seed: int = 0
@@ -35,6 +37,7 @@ class RolloutContext:
     reduction: str = "mean"
     observers: tuple[Callable[..., None], ...] = ()
     root_seeds: list[list[int]] | None = None
+    teacher: object | None = None
 
     def given_root_seeds(self, num_groups: int, per_group: int) -> list[int] | None:
         """``root_seeds`` flattened group by group [num_groups·per_group] after checking their count, or

@@ -8,7 +8,8 @@ clean latents for forward-process objectives (DiffusionNFT, AWM).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -242,7 +243,63 @@ class Chains(RolloutPlan):
 class ODEChains(Chains):
     """``rollout.plan: ode``: G deterministic chains per prompt, one x_T seed each (``solver``: ``euler`` or
     ``dpm2`` over the T steps of the model's schedule). No stochastic edges: the forest's leaves are clean
-    samples for forward-process objectives (``loss.objective: nft | awm``); explore can wrap it."""
+    samples for forward-process objectives (``loss.objective: nft | awm``); explore can wrap it.
+
+    ``teacher_share``: k of the G chains of every group are drawn by the objective's guided teacher
+    (``loss.teacher``, at its own guidance, from the same seeds those chains would have had; the share follows
+    ``loss.teacher.share_schedule``), the other G − k by the policy. All G are scored and credited in one
+    group; the forest's ``from_teacher`` column marks the teacher's nodes. Leaves: the policy's chains of
+    every group, then the teacher's."""
 
     kernel: str = "ode"
     eta: float = 0.0
+    teacher_share: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.teacher_share <= self.group_size:
+            raise ValueError(f"rollout.teacher_share={self.teacher_share} must be in [0, rollout.group_size="
+                             f"{self.group_size}] (the teacher's samples per prompt group)")
+
+    def teacher_count(self, ctx: RolloutContext) -> int:
+        """The teacher's chains per group in this rollout (0 without a teacher in ``ctx``)."""
+        if not self.teacher_share:
+            return 0
+        if ctx.teacher is None:
+            raise ValueError(f"rollout.teacher_share={self.teacher_share} needs a teacher (loss.teacher) to draw them")
+        return int(round(self.teacher_share * ctx.teacher.share_fraction))
+
+    @torch.no_grad()
+    def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+        k = self.teacher_count(ctx)
+        if k == 0:
+            return super().rollout(model, prompts, ctx)
+        G, P = self.group_size, len(prompts)
+        seeds = ctx.given_root_seeds(P, G) or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j)
+                                               for g in range(P) for j in range(G)]
+        per_group = [seeds[g * G:(g + 1) * G] for g in range(P)]
+        parts = []
+        for chains, guidance, who in ((range(G - k), ctx.guidance, None), (range(G - k, G), ctx.teacher.guidance, ctx.teacher)):
+            if not len(chains):
+                continue
+            plan = copy.copy(self)
+            plan.group_size, plan.teacher_share = len(chains), 0  # a part of the group (no re-validation)
+            part_ctx = replace(ctx, guidance=guidance, root_seeds=[[s[j] for j in chains] for s in per_group])
+            if who is None:
+                parts.append(Chains.rollout(plan, model, prompts, part_ctx))
+            else:
+                with who.active():
+                    forest = Chains.rollout(plan, model, prompts, part_ctx)
+                forest.from_teacher[:] = 1.0
+                forest.counters["teacher_forwards"] = forest.counters["forwards"]
+                parts.append(forest)
+        policy_guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        for forest in parts:
+            forest.guidance = policy_guidance  # the training forward's guidance; the teacher's marks its nodes
+        return Forest.merge(parts, same_prompts=True)
+
+    def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
+        counts = super().expected_counts(num_prompts, ctx)
+        if ctx is not None and self.teacher_share and ctx.teacher is not None:
+            counts["teacher_forwards"] = num_prompts * self.teacher_count(ctx) * self.steps
+        return counts

@@ -15,7 +15,8 @@ reward of a leaf; NaN elsewhere), ``value`` [N] (combined reward of a probed int
 unset), ``reward_components[name]`` [N] (each reward term's raw score on every scored node),
 ``advantage`` [N] (0) and ``weight`` [N] (1), written by credit rules (weight 0 = edge skipped);
 ``trainable`` [N] (1), written by the plan (0 = an edge its layout leaves untrained, e.g. a tree's depth
-pruning): credit rules never overwrite it, and :meth:`edges` skips an edge that either column zeroes.
+pruning): credit rules never overwrite it, and :meth:`edges` skips an edge that either column zeroes;
+``from_teacher`` [N] (0; 1 on nodes a guided teacher sampled, the ODE plan's ``teacher_share``).
 
 Scoring: leaves are always scored (their latents are clean samples); a plan may ask for intermediate
 states to be scored too with :meth:`add_probe` (node, clean-latent estimate: an ODE completion, an x̂0
@@ -40,7 +41,8 @@ def kernel_index(name: str) -> int:
         EDGE_KERNELS.append(name)
     return EDGE_KERNELS.index(name)
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
-_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "trainable": 1.0}
+_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "trainable": 1.0,
+                     "from_teacher": 0.0}
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Forest:
     advantage: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     weight: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     trainable: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    from_teacher: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     probe_node: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     _latent_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -147,16 +150,20 @@ class Forest:
         return self.latents
 
     @staticmethod
-    def merge(forests: Sequence["Forest"]) -> "Forest":
+    def merge(forests: Sequence["Forest"], same_prompts: bool = False) -> "Forest":
         """One forest from several rolled out separately (prompt groups renumbered in order, node,
         parent, probe and rollout-batch indices offset). Outcome columns, reward components and probes
-        are carried."""
+        are carried. ``same_prompts``: the forests are parts of the same prompt groups (each holds some of
+        every group's chains): groups keep their numbers and the prompts are listed once."""
         if len(forests) == 1:
             return forests[0]
+        if same_prompts and any(f.prompts != forests[0].prompts for f in forests):
+            raise ValueError("merge(same_prompts=True) needs forests over the same prompts, in the same order")
         for attr in ("guidance", "reduction"):
             if len({getattr(f, attr) for f in forests}) != 1:
                 raise ValueError(f"cannot merge forests sampled with different {attr}")
-        out = Forest(prompts=[p for f in forests for p in f.prompts], guidance=forests[0].guidance,
+        prompts = list(forests[0].prompts) if same_prompts else [p for f in forests for p in f.prompts]
+        out = Forest(prompts=prompts, guidance=forests[0].guidance,
                      reduction=forests[0].reduction, probe_x0=forests[0].probe_x0)
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
         out.reward_components = {k: torch.zeros(0) for k in names}
@@ -173,7 +180,7 @@ class Forest:
             if f.probe_node.numel():
                 out.add_probe(f.probe_node + node_offset, f.probe_latents())
             node_offset += f.num_nodes
-            group_offset += len(f.prompts)
+            group_offset += 0 if same_prompts else len(f.prompts)
             batch_offset += max(f._next_batch_id, int(f.batch.max()) + 1 if f.num_nodes else 0)
             for k, v in f.counters.items():
                 out.counters[k] = out.counters.get(k, 0) + v

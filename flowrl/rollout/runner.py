@@ -15,10 +15,11 @@ class RolloutRunner:
     """``run(iteration)`` → (scored forest, timings) for this process's share of the iteration's prompts."""
 
     def __init__(self, plan: RolloutPlan, model, reward, prompts, group: ProcessGroup, *, seed: int, guidance: float,
-                 max_batch: int, chunks: int, reduction: str, async_reward: bool | str = "auto"):
+                 max_batch: int, chunks: int, reduction: str, async_reward: bool | str = "auto", teacher=None):
         self.plan, self.model, self.reward, self.prompts, self.group = plan, model, reward, prompts, group
         self.seed, self.guidance, self.max_batch, self.chunks, self.reduction = seed, guidance, max_batch, chunks, reduction
         self.async_reward = async_reward
+        self.teacher = teacher  # the objective's guided teacher (plans may let it draw a share of each group)
         self._scorer: BackgroundScorer | None = None
 
     @property
@@ -50,7 +51,7 @@ class RolloutRunner:
         t_sample = t_score = 0.0
         for a, b in zip(bounds[:-1], bounds[1:]):
             ctx = RolloutContext(seed=self.seed, iteration=iteration, group_offset=offset + a, guidance=self.guidance,
-                                 max_batch=self.max_batch, reduction=self.reduction)
+                                 max_batch=self.max_batch, reduction=self.reduction, teacher=self.teacher)
             t0 = time.perf_counter()
             forest = self.plan.rollout(self.model, prompts[a:b], ctx)
             nodes, future = request_scores(self.scorer, self.model, forest, self.max_batch)

@@ -1,0 +1,262 @@
+"""A guided teacher for forward-process objectives (issue 33): the anchor, teacher samples, schedules,
+DiffusionNFT's published settings, best-of-N distillation, and bad settings refused at load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.forward_process import NFTLoss
+from flowrl.objective import Batch
+from flowrl.teacher import Schedule, TeacherSpec, leaf_weights
+from tests.conftest import make_model, with_lora
+from tests.test_forward_process import tiny
+
+TEACHER = "loss.teacher={guidance: 3.0, anchor: 1.0}"
+
+
+# ---- the anchor on hand-made tensors --------------------------------------------------------------
+@pytest.mark.parametrize("weight", [0.5, 2.0])
+def test_anchor_gradient_is_zero_at_the_teacher_and_pulls_towards_it(weight):
+    nft = NFTLoss(draws=2, teacher=TeacherSpec(anchor=1.0))
+    gen = torch.Generator().manual_seed(0)
+    v_t = torch.randn(4, 3, 2, 2, generator=gen)  # 2 leaves × 2 draws
+    batch = Batch(torch.arange(2), 2, {"anchor": torch.full((2,), weight)})
+    nft._v_teacher = v_t
+    at = v_t.clone().requires_grad_(True)
+    diag = {}
+    nft.with_teacher(torch.zeros(2), at, batch, diag).sum().backward()
+    assert at.grad.abs().max() == 0 and diag["anchor_error"] == 0
+    off = (v_t + 0.3 * torch.randn(v_t.shape, generator=gen)).requires_grad_(True)
+    nft.with_teacher(torch.zeros(2), off, batch, {}).sum().backward()
+    # d/dv of w·mean_draws(mean_elements ‖v − v_T‖²) = w·2(v − v_T)/(draws·elements per row)
+    expected = weight * 2 * (off.detach() - v_t) / (2 * v_t[0].numel())
+    assert torch.allclose(off.grad, expected, atol=1e-6)
+
+
+def test_reward_term_zero_leaves_the_anchor_alone():
+    nft = NFTLoss(draws=1, teacher=TeacherSpec(anchor=1.0), reward_term=0.0)
+    nft._v_teacher = torch.zeros(2, 1)
+    v = torch.ones(2, 1, requires_grad=True)
+    out = nft.with_teacher(torch.tensor([5.0, 7.0]), v, Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}), {})
+    assert torch.equal(out.detach(), torch.ones(2))  # the NFT term (5, 7) weighted by 0
+
+
+def test_leaf_weights():
+    reward, group = torch.tensor([0.2, 0.6, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    adv = torch.tensor([-2.0, 0.5, 0.0, 0.0])
+    assert torch.equal(leaf_weights("none", reward, group, adv), torch.ones(4))
+    assert torch.allclose(leaf_weights("reward", reward, group, adv), torch.tensor([0.5, 1.5, 1.0, 1.0]))
+    assert torch.allclose(leaf_weights("advantage", reward, group, adv), torch.tensor([0.0, 1.5, 1.0, 1.0]))
+
+
+# ---- schedules ----------------------------------------------------------------------------------
+def test_schedules():
+    assert [Schedule.parse("constant", "k")(k) for k in (0, 99)] == [1.0, 1.0]
+    assert [Schedule.parse("linear:10", "k")(k) for k in (0, 5, 10, 20)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert [Schedule.parse("off_after:3", "k")(k) for k in (0, 2, 3, 9)] == [1.0, 1.0, 0.0, 0.0]
+    assert [Schedule.parse("cosine:4", "k")(k) for k in (0, 2, 4)] == pytest.approx([1.0, 0.5, 0.0])
+    rew = Schedule.parse("reward:0.4:0.8", "k")
+    assert [rew(0, r) for r in (0.2, 0.6, 0.9)] == pytest.approx([0.0, 0.5, 1.0])
+
+
+def test_old_decay_follows_the_published_rate_schedule():
+    nft = NFTLoss(old_decay=0.5, old_decay_rate=0.001, old_decay_flat=2)
+    assert [nft.decay(k) for k in (1, 2, 3, 102, 502, 900)] == pytest.approx([0.0, 0.0, 0.001, 0.1, 0.5, 0.5])
+
+
+def test_linear_optimality_is_the_public_codes_half_plus_a_tenth():
+    nft = NFTLoss(optimality_form="linear", adv_clip=5.0)
+    assert torch.allclose(nft.optimality(torch.tensor([-9.0, -1.0, 0.0, 2.0, 5.0])),
+                          torch.tensor([0.0, 0.4, 0.5, 0.7, 1.0]))
+
+
+# ---- the teacher through the trainer -------------------------------------------------------------
+def _spy(model):
+    """Record (guidance, has uncond rows, grad enabled, which transformer) of every velocity call."""
+    seen = []
+    velocity = model.velocity
+
+    def spy(x, sigma, cond, guidance=None):
+        seen.append((guidance, cond.uncond is not None, torch.is_grad_enabled(), id(model.pipe.transformer)))
+        return velocity(x, sigma, cond, guidance)
+
+    model.velocity = spy
+    return seen
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_teacher_runs_at_its_guidance_and_is_never_updated(tmp_path, full):
+    from flowrl.trainer import Trainer
+
+    model = make_model("sd3")
+    extra = ["model.full_finetune=true"] if full else []
+    trainer = Trainer(tiny(tmp_path, f"t{full}", TEACHER, "loss.objective=nft", "train.max_steps=2", "optim.lr=1e-2",
+                           *extra), model=model)
+    teacher = trainer.objective.teacher_model
+    frozen = [p.detach().clone() for p in teacher._copy.frozen.parameters()] if full else None
+    seen = _spy(model)
+    records = [r for r in trainer.train() if "reward_mean" in r]
+    guided = [s for s in seen if s[0] == 3.0]
+    assert guided and all(has_uncond and not grad for _, has_uncond, grad, _ in guided)  # CFG rows, no gradient
+    assert all(g == 1.0 for g, _, grad, _ in seen if grad)  # the policy trains CFG-free
+    assert records[-1]["teacher_forwards"] == 4 * 2  # 4 leaves × 2 draws per update, one guided forward each
+    assert records[-1]["anchor_error"] > 0 and records[-1]["time/teacher"] > 0
+    if full:  # one frozen copy, its weights as they were
+        assert all(torch.equal(a, b) for a, b in zip(frozen, teacher._copy.frozen.parameters()))
+        assert not any(p.requires_grad for p in teacher._copy.frozen.parameters())
+    else:  # LoRA: the teacher is the base with the adapter off, and the base never moves
+        base = [p for n, p in model.trainable.named_parameters() if "lora_" not in n]
+        assert all(not p.requires_grad for p in base)
+    with torch.no_grad(), teacher.active():  # the teacher's velocity is the initial model's
+        x = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+        cond = model.encode(["a red circle"], 3.0)
+        v_teacher = model.velocity(x, torch.full((1,), 0.5), cond, 3.0)
+    fresh = make_model("sd3")
+    with torch.no_grad():
+        v_initial = fresh.velocity(x, torch.full((1,), 0.5), fresh.encode(["a red circle"], 3.0), 3.0)
+    assert torch.allclose(v_teacher, v_initial, atol=1e-5)
+
+
+def test_teacher_samples_are_credited_in_their_group(sd3_model):
+    from flowrl.credit.group import GroupAdvantage
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.rollout.chains import ODEChains
+    from flowrl.teacher import Teacher
+
+    model = with_lora(sd3_model)
+    teacher = Teacher(model, TeacherSpec(guidance=3.0))
+    plan = ODEChains(group_size=4, steps=3, teacher_share=2)
+    ctx = RolloutContext(seed=5, iteration=1, guidance=1.0, teacher=teacher)
+    forest = plan.rollout(model, ["a red circle", "two blue squares"], ctx)
+    leaves = forest.leaves()
+    assert forest.group[leaves].bincount().tolist() == [4, 4]
+    from_teacher = forest.from_teacher[leaves] > 0
+    assert [int(from_teacher[forest.group[leaves] == g].sum()) for g in (0, 1)] == [2, 2]
+    assert forest.counters["teacher_forwards"] == 2 * 2 * 3
+    # the same seeds without a teacher share: the policy's chains are unchanged, the teacher's differ
+    alone = ODEChains(group_size=4, steps=3).rollout(model, ["a red circle", "two blue squares"], ctx)
+    by_seed = {int(alone.seed[n]): alone.all_latents()[n] for n in alone.leaves()}
+    for n, t in zip(leaves.tolist(), from_teacher.tolist()):
+        same = torch.equal(forest.all_latents()[n], by_seed[int(forest.seed[n])])
+        assert same != t  # policy leaves identical; teacher leaves drawn at guidance 3 by the base
+    forest.reward[leaves] = torch.arange(8, dtype=torch.float32)
+    GroupAdvantage(scale="group").assign(forest)
+    for g in (0, 1):
+        mine = leaves[forest.group[leaves] == g]
+        r = forest.reward[mine]
+        assert torch.allclose(forest.advantage[mine], (r - r.mean()) / (r.std(unbiased=False) + 1e-4), atol=1e-5)
+
+
+def test_share_schedule_gives_the_teacher_fewer_chains_as_training_goes(tmp_path):
+    from flowrl.trainer import Trainer
+
+    cfg = tiny(tmp_path, "sched", "loss.teacher={guidance: 3.0, anchor: 0.0, share_schedule: 'linear:2'}",
+               "loss.objective=nft", "rollout.teacher_share=2", "rollout.group_size=2", "train.max_steps=3")
+    records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
+    # share 2 · (1, 0.5, 0): 2 then 1 then no teacher chain per group (2 groups, 3 steps each)
+    assert [r.get("rollout_teacher_forwards", 0) for r in records] == [12, 6, 0]
+    assert "anchor_error" not in records[0]  # anchor 0: no teacher forward in the update
+
+
+def test_raft_trains_the_top_k_of_each_group():
+    from flowrl.raft import RAFTLoss
+    from flowrl.rollout.forest import Forest
+
+    forest = Forest(prompts=["a", "b"])
+    forest.add_roots(torch.zeros(6, 1, 1, 1), torch.tensor([0, 0, 0, 1, 1, 1]), list(range(6)), sigma=0.0)
+    forest.reward[:] = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.2, 0.8])
+    assert RAFTLoss(top_k=2).select_leaves(forest, forest.leaves()).tolist() == [1, 2, 3, 5]
+    assert RAFTLoss(top_k=1, min_reward=0.85).select_leaves(forest, forest.leaves()).tolist() == [1]
+
+
+def test_sampler_timesteps_are_distinct_levels_of_the_rollout_schedule(tmp_path):
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.rollout.chains import ODEChains
+
+    model = make_model("sd3")
+    forest = ODEChains(group_size=2, steps=4).rollout(model, ["a red circle"], RolloutContext(seed=1))
+    forest.reward[forest.leaves()] = torch.tensor([0.0, 1.0])
+    nft = NFTLoss(timesteps="sampler", draws=3)
+    t = nft.batches(forest, iteration=0, seed=0)[0].extra["t"]
+    levels = set(model.schedule(4)[:4].clamp(1e-4, 1 - 1e-4).tolist())  # σ_0 = 1 kept just inside (0, 1)
+    assert all(any(abs(x - lv) < 1e-6 for lv in levels) for x in t.tolist())
+    assert all(len(set(t[i:i + 3].tolist())) == 3 for i in (0, 3))  # distinct per leaf
+    with pytest.raises(ValueError, match="loss.draws=5"):
+        NFTLoss(timesteps="sampler", draws=5).batches(forest)
+
+
+# ---- presets, resume, bad settings ----------------------------------------------------------------
+def test_resume_with_a_teacher_is_exact(tmp_path):
+    from flowrl.trainer import Trainer
+
+    common = [TEACHER, "loss.objective=nft", "rollout.teacher_share=1", "optim.lr=1e-2", "train.checkpoint_every=1",
+              "model.full_finetune=true"]
+    straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
+    Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
+    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    assert drop(resumed[-1]) == drop(straight[-1]) and "anchor_error" in resumed[-1]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["loss.teacher={guidance: 0.5}"], ["loss.teacher.guidance=0.5", ">= 1"]),
+    (["loss.teacher={schedule: 'linear:abc'}"], ["loss.teacher.schedule='linear:abc'", "linear:N"]),
+    (["loss.teacher={schedule: 'sometimes'}"], ["loss.teacher.schedule='sometimes'", "off_after:N"]),
+    (["loss.teacher={weighting: loud}"], ["loss.teacher.weighting='loud'", "advantage"]),
+    (["loss.teacher={anchor: -1}"], ["loss.teacher.anchor=-1", ">= 0"]),
+    ([TEACHER, "rollout.teacher_share=3"], ["rollout.teacher_share=3", "rollout.group_size=2"]),
+    (["rollout.teacher_share=1"], ["rollout.teacher_share=1", "loss.teacher"]),
+    (["loss.center=teacher"], ["loss.center='teacher'", "loss.teacher"]),
+    (["loss.reward_term=0"], ["loss.reward_term=0", "loss.teacher.anchor"]),
+    (["loss.timesteps=sometimes"], ["loss.timesteps='sometimes'", "sampler"]),
+])
+def test_bad_teacher_settings_fail_at_load(tmp_path, overrides, words):
+    with pytest.raises(ConfigError) as err:
+        tiny(tmp_path, "bad", "loss.objective=nft", *overrides)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_a_teacher_path_that_is_not_a_model_is_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, words in ((tmp_path / "missing", "is not a folder"), (empty, "holds no model")):
+        with pytest.raises(ConfigError) as err:
+            tiny(tmp_path, "bad", "loss.objective=nft", f"loss.teacher={{path: '{path}'}}")
+        assert f"loss.teacher.path='{path}'" in str(err.value) and words in str(err.value)
+
+
+def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):
+    from flowrl.checkpoint import find_checkpoint
+    from flowrl.trainer import Trainer
+
+    full = ["model.full_finetune=true", "optim.lr=5e-2"]
+    first = Trainer(tiny(tmp_path, "first", "loss.objective=nft", "train.max_steps=1", *full), model=make_model("sd3"))
+    first.train()
+    x = torch.randn(1, *first.model.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = first.model.velocity(x, torch.full((1,), 0.5), first.model.encode(["a dog"], 3.0), 3.0)
+    ckpt, _ = find_checkpoint(tmp_path / "first")
+    second = Trainer(tiny(tmp_path, "second", "loss.objective=nft", f"loss.teacher={{path: '{ckpt}'}}", *full),
+                     model=make_model("sd3"))
+    model = second.model
+    with torch.no_grad():
+        v = second.objective.teacher_model.velocity(x, torch.full((1,), 0.5), model.encode(["a dog"], 3.0))
+        own = model.velocity(x, torch.full((1,), 0.5), model.encode(["a dog"], 3.0), 3.0)
+    assert torch.allclose(v, trained, atol=1e-5) and not torch.allclose(v, own, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset, extra", [("nft_teacher", []), ("raft", ["rollout.teacher_share=4"])])
+def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
+    from flowrl.cli import main
+
+    args = ["train", f"configs/shapes/{preset}.yaml", *extra, "train.max_steps=1", "prompts.per_step=2", "rollout.group_size=4",
+            "rollout.steps=2", "eval.num_prompts=2", "eval.steps=2", f"train.output_dir={tmp_path}", "train.name=p",
+            "train.progress=false", "train.num_threads=1"]
+    assert main(args) == 0
+    records = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in records if "reward_mean" in r][0]
+    assert step.get("teacher_forwards", 0) > 0 or step.get("rollout_teacher_forwards", 0) > 0
