@@ -86,7 +86,23 @@ def eval_summary(first: dict[str, float], last: dict[str, float]) -> list[str]:
     details += [at] if at else []
     heading = f"eval before → after ({', '.join(details)}):" if details else "eval before → after:"
     return [heading] + [f"  {k}: {first[k]:.4f} → {last[k]:.4f}  ({last[k] - first[k]:+.4f})"
-                        for k in keys if not is_count(k)]
+                        for k in keys if not is_count(k)] + against_the_guided_base(first, last)
+
+
+def against_the_guided_base(first: dict[str, float], last: dict[str, float]) -> list[str]:
+    """The line that matters for a CFG-free policy: the aligned model at its own guidance against the base
+    model (the ``before`` eval) at its default guidance, when the two guidances differ."""
+    g, g_base = last.get("eval/guidance"), first.get("eval_default/guidance")
+    if g is None or g_base is None or g == g_base:
+        return []
+    out = []
+    for key in sorted(k for k in last if k.startswith("eval/") and k.endswith("_mean")):
+        base_key = "eval_default/" + key[len("eval/"):]
+        if base_key in first:
+            forwards = "one forward per step" if g == 1 else "two forwards per step"
+            out.append(f"the aligned model at guidance {g:g} ({forwards}): {key[5:]} {last[key]:.4f}; the base model at "
+                       f"guidance {g_base:g}: {first[base_key]:.4f}  ({last[key] - first[base_key]:+.4f})")
+    return out
 
 
 # ---- sample (and the model of a run, shared with eval): flowrl/cli_sample.py -------------------

@@ -117,6 +117,7 @@ class TrainSection:
     resume: Optional[str] = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # replace an earlier run of the same name (else starting under a taken name is refused)
     ema: float = 0.0  # EMA decay of trainable weights for eval/saving (0 = off)
+    ema_warmup: bool = False  # decay min((1+s)/(10+s), ema) after optimizer step s (DiffusionNFT's eval EMA)
     log_with: str = "none"  # none | tensorboard | wandb
     progress: bool = True
     num_threads: Optional[int] = None  # torch CPU threads (None = torch default)

@@ -249,7 +249,9 @@ class ForwardProcessObjective(Objective):
     # ---- the shared forward --------------------------------------------------------------------
     def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True):
         """Per row (leaf × draw, leaf-major): v_θ (with grad), v_old (no grad; None unless ``with_old``),
-        v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B]."""
+        v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B].
+        With a teacher's anchor (or ``center: teacher``) the teacher's guided velocity at the same rows is kept
+        for :meth:`with_teacher` / the loss (``_v_teacher``, no gradient)."""
         device = model.device
         D = self.draws
         leaves = batch.index

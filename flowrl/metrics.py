@@ -65,6 +65,12 @@ def plot_reward_curve(records: list[dict[str, Any]], out: Path, key: str = "rewa
     for k in sorted(evals):
         pts = [(r["step"], r[k]) for r in records if k in r]
         ax.plot(*zip(*pts), "o-", label=k)
+    base = next((r for r in records if any(k.startswith("eval_default/") for k in r)), None)
+    if base is not None and base.get("step") == 0:  # the untouched model at its default guidance: the bar to beat
+        for k in sorted(k for k in evals if k.startswith("eval_default/") and k in base):
+            g = base.get("eval_default/guidance")
+            ax.axhline(base[k], ls="--", lw=1, color="gray",
+                       label=f"base model, guidance {g:g}" if g is not None else "base model, default guidance")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -153,9 +154,10 @@ class RunFolder:
         if self.group.sum(error is not None) > 0:
             raise error or ConfigError(f"the main process could not claim the run folder {self.path}")
 
-    def _take(self) -> tuple[list[Path], bool]:
+    def _take(self) -> tuple[list[Path], bool, set[str]]:
         """The main process: make the folder (and missing parents), lock it, check the name and, with
-        ``train.overwrite``, empty it. Returns (the folders it made, whether it holds only this run)."""
+        ``train.overwrite``, empty it. Returns (the folders it made, whether it holds only this run, the
+        names in it now)."""
         made = [p for p in (self.path, *self.path.parents) if not p.exists() and not p.is_symlink()][::-1]
         if (self.path.exists() or self.path.is_symlink()) and not self.path.is_dir():
             raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is a file, not a run folder; "
@@ -167,12 +169,13 @@ class RunFolder:
                               f"({holder}); one process owns a run folder at a time, whatever train.resume or "
                               "train.overwrite say. Wait for it to end, stop it, or choose another train.name")
         try:
+            own = self.path in made
             if not self.claimed:
                 self.check_name()
                 if self.cfg.train.overwrite:
                     self.replace()
-                    return made, True
-            return made, self.path in made
+                    own = True
+            return made, own, {p.name for p in self.path.iterdir()}
         except BaseException:  # a refused name or overwrite: the folder as it was, lock released
             if self.path in made:
                 self._remove(made, set(), True)
@@ -191,8 +194,7 @@ class RunFolder:
             made, own, before, error = [], False, set(), None
             if main:
                 try:
-                    made, own = self._take()
-                    before = {p.name for p in self.path.iterdir()}
+                    made, own, before = self._take()
                 except Exception as e:  # noqa: BLE001 — handed to every process by _agree
                     error = e
             self._agree(error)
@@ -204,9 +206,12 @@ class RunFolder:
                 start = step()
                 try:
                     yield
-                except BaseException:
+                except BaseException as e:
                     if main and start == step() == 0:
                         self._remove(made, before, own)
+                        if isinstance(e, KeyboardInterrupt):
+                            print(f"stopped before the first iteration finished: removed what this start created "
+                                  f"in {self.path}", file=sys.stderr)
                     raise
             finally:
                 if main:

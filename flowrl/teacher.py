@@ -15,7 +15,7 @@ objective in two ways:
 Schedules (``schedule``, ``share_schedule``), k = optimizer steps so far:
 ``constant``; ``linear:N`` (1 − k/N, then 0); ``off_after:N`` (1 before step N, then 0); ``cosine:N``
 (½(1 + cos(πk/N)), then 0); ``reward:LO:HI`` (clamp((R̄ − LO)/(HI − LO), 0, 1) with R̄ the iteration's mean
-training reward: a strength that grows as the reward rises, so the early, low-reward phase learns fast
+training reward over this process's leaves, teacher samples included: a strength that grows as the reward rises, so the early, low-reward phase learns fast
 and the late phase cannot drift to reward loopholes — CRD's reward-adaptive strength, **ours** in form).
 Per-leaf weights (``weighting``): ``none`` (1); ``reward`` (the leaf's reward over the group's mean reward,
 so good samples' noised points carry more of the teacher; **ours**); ``advantage`` (1 + clip(A, −1, 1):

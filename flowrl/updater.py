@@ -230,6 +230,9 @@ class Updater:
         if self.ema is None:
             return
         d = self.cfg.train.ema
+        if self.cfg.train.ema_warmup:  # DiffusionNFT's eval EMA: min((1 + s)/(10 + s), ema) after optimizer step s
+            s = max(0, self.scheduler.last_epoch - 1)
+            d = min(d, (1 + s) / (10 + s))
         with torch.no_grad():
             for e, p in zip(self.ema, self.params):
                 e.mul_(d).add_(p.detach(), alpha=1 - d)

@@ -102,3 +102,16 @@ def test_eval_summary_shows_changes_and_counts_once():
     assert lines[0] == "eval before → after (240 held-out images):"
     assert lines[1:] == ["  eval/shapes/accuracy: 0.5000 → 0.6250  (+0.1250)"]
 
+
+
+def test_eval_summary_sets_a_cfg_free_policy_against_the_guided_base():
+    from flowrl.cli import eval_summary
+
+    first = {"step": 0, "eval/shapes_mean": 0.385, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.569,
+             "eval_default/guidance": 3.0}
+    last = {"step": 150, "eval/shapes_mean": 0.6, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.55,
+            "eval_default/guidance": 3.0}
+    assert eval_summary(first, last)[-1] == ("the aligned model at guidance 1 (one forward per step): shapes_mean 0.6000; "
+                                             "the base model at guidance 3: 0.5690  (+0.0310)")
+    same = {**last, "eval/guidance": 3.0}
+    assert not any("aligned model" in line for line in eval_summary({**first, "eval/guidance": 3.0}, same))

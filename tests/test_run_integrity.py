@@ -84,8 +84,6 @@ def test_a_second_process_is_refused_naming_the_holder_and_kill_9_releases_the_f
 
 
 def test_names_that_are_not_one_folder_are_refused_writing_and_deleting_nothing(tiny_folder, tmp_path, capsys):
-    from flowrl.run_folder import check_run_name
-
     out = tmp_path / "runs"
     (out / "a").mkdir(parents=True)
     (out / "config.yaml").write_text("a: 1\n")  # output_dir itself looks like a run: train.name=. must not replace it
@@ -99,6 +97,8 @@ def test_names_that_are_not_one_folder_are_refused_writing_and_deleting_nothing(
         assert rc == 2, (name, err)
         assert f"train.name={name!r}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert _tree(tmp_path) == before, name
+    from flowrl.run_folder import check_run_name
+
     for name in ("a\\b", "x\0y"):
         with pytest.raises(ValueError, match="one folder name"):
             check_run_name(name)
@@ -240,7 +240,7 @@ def test_resume_refuses_to_start_afresh_when_every_checkpoint_is_damaged(trained
 def test_a_checkpoint_written_before_manifests_loads_with_a_notice(trained_run, tiny_folder, tmp_path, capsys):
     run = _copy(trained_run, tmp_path)
     for step in (run / "checkpoints").iterdir():  # as an older flowrl wrote them: no manifest, none recorded
-        (step / "manifest.json").unlink()
+        (step / "manifest.json").unlink(missing_ok=True)
         state = torch.load(step / "trainer_state.pt", weights_only=False)
         state.pop("manifest", None)
         torch.save(state, step / "trainer_state.pt")

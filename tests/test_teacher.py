@@ -260,3 +260,18 @@ def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
     records = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in records if "reward_mean" in r][0]
     assert step.get("teacher_forwards", 0) > 0 or step.get("rollout_teacher_forwards", 0) > 0
+
+
+@pytest.mark.parametrize("warmup, decay", [(True, 0.1), (False, 0.9)])
+def test_eval_ema_warms_up_as_diffusion_nft_does(tmp_path, warmup, decay):
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(tiny(tmp_path, f"ema{warmup}", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
+                           "train.ema=0.9", f"train.ema_warmup={str(warmup).lower()}", "prompts.eval=null"),
+                      model=make_model("sd3"))
+    start = [p.detach().clone() for p in trainer.params]
+    trainer.train()
+    # after optimizer step s = 0 the decay is min((1 + 0)/(10 + 0), 0.9) = 0.1 with the warm-up, else 0.9
+    for e, p0, p in zip(trainer.ema, start, trainer.params):
+        assert torch.allclose(e, decay * p0 + (1 - decay) * p.detach(), atol=1e-6)
+    assert any(not torch.equal(p0, p) for p0, p in zip(start, trainer.params))
