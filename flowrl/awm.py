@@ -52,17 +52,10 @@ class AWMLoss(ForwardProcessObjective):
         err_old = self.per_leaf(row_mean((v_old - target) ** 2))
         policy, ratio = self.clipped(err, err_old, adv)
         drift = self.per_leaf(row_mean((v - v_old) ** 2))
-        per_leaf = policy + self.kl_old * drift
-        kl = self.kl_ref_rows(v, v_ref)
-        if kl is not None:
-            per_leaf = per_leaf + self.kl_ref * self.per_leaf(kl)
-        diag: dict[str, torch.Tensor] = {}
-        loss = self.with_teacher(per_leaf, v, batch, diag).mean()
+        loss, diag = self.total(policy + self.kl_old * drift, v, v_ref, batch)
         with torch.no_grad():
             r = ratio.detach()
             diag.update({"awm_policy_loss": policy.mean(), "fm_error": err.mean(), "old_drift": drift.mean(),
                          "ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
                          "clipfrac": ((r < 1.0 - self.clip) | (r > 1.0 + self.clip)).float().mean()})
-            if kl is not None:
-                diag["kl_ref"] = kl.mean()
         return loss, diag

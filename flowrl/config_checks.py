@@ -6,7 +6,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowrl import components
@@ -73,10 +72,7 @@ def check_config(cfg: "TrainConfig") -> None:
             raise ConfigError(f"rewards[{i}].weight={term.weight} must be a finite number")
     if cfg.train.num_threads is not None:
         positive("train.num_threads", cfg.train.num_threads)
-    name = Path(cfg.train.name)
-    if not cfg.train.name or name.is_absolute() or ".." in name.parts:
-        raise ConfigError(f"train.name={cfg.train.name!r} must be a plain folder name inside train.output_dir "
-                          "(no '..', not an absolute path)")
+    check_run_name(cfg.train.name)
     cfg.train.async_reward = str(cfg.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"
     choose("train.async_reward", cfg.train.async_reward, ("auto", "true", "false"))
     positive("optim.lr", cfg.optim.lr)
@@ -115,3 +111,12 @@ def within(key: str, value: float, low: float, high: float) -> None:
     """``low <= value < high``."""
     if not (math.isfinite(value) and low <= value < high):
         raise ConfigError(f"{key}={value} must be in [{low:g}, {high:g})")
+
+
+def check_run_name(name: Any) -> None:
+    """``train.name`` is one folder name: not empty, not ``.``/``..``, no separator, no NUL (checked at load, and
+    again by :class:`~flowrl.run_folder.RunFolder` before anything is written)."""
+    text = str(name)
+    if text in ("", ".", "..") or any(c in text for c in "/\\\0"):
+        raise ConfigError(f"train.name={shown(name)} must be one folder name inside train.output_dir: not empty, "
+                          "not '.' or '..', without '/', '\\' or NUL (e.g. train.name=shapes-nft)")

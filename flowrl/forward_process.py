@@ -251,7 +251,7 @@ class ForwardProcessObjective(Objective):
         """Per row (leaf × draw, leaf-major): v_θ (with grad), v_old (no grad; None unless ``with_old``),
         v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B].
         With a teacher's anchor (or ``center: teacher``) the teacher's guided velocity at the same rows is kept
-        for :meth:`with_teacher` / the loss (``_v_teacher``, no gradient)."""
+        for :meth:`total` / the loss (``_v_teacher``, no gradient)."""
         device = model.device
         D = self.draws
         leaves = batch.index
@@ -285,17 +285,24 @@ class ForwardProcessObjective(Objective):
     def kl_ref_rows(self, v: torch.Tensor, v_ref: torch.Tensor | None) -> torch.Tensor | None:
         return None if v_ref is None else row_mean((v - v_ref) ** 2)
 
-    def with_teacher(self, per_leaf: torch.Tensor, v: torch.Tensor, batch: Batch,
-                     diag: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``reward_term``·(the objective's per-leaf loss [B]) plus the anchor's per-leaf term
-        λ_k·w·mean over draws of mean‖v_θ − v_T‖² (rows of ``v`` [B·D, ...]); logs ``anchor_error``."""
-        total = self.reward_term * per_leaf
-        weight = batch.extra.get("anchor")
+    def total(self, own: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None,
+              batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's loss from the objective's own per-leaf term ``own`` [B]: ``reward_term``·own, plus
+        ``kl_ref``·(per-leaf mean‖v_θ − v_ref‖²) and the teacher's anchor λ_k·w·(per-leaf mean‖v_θ − v_T‖²)
+        (rows of ``v`` [B·D, ...]); returns (mean over leaves, diagnostics ``kl_ref`` / ``anchor_error``)."""
+        diag: dict[str, torch.Tensor] = {}
+        per_leaf = self.reward_term * own
+        kl = self.kl_ref_rows(v, v_ref)
+        if kl is not None:
+            per_leaf = per_leaf + self.kl_ref * self.per_leaf(kl)
+            diag["kl_ref"] = kl.detach().mean()
+        weight = batch.extra.get("anchor") if batch.extra else None
         if weight is not None and self._v_teacher is not None:
             err = self.per_leaf(row_mean((v - self._v_teacher) ** 2))
-            total = total + weight.to(err.device) * err
+            per_leaf = per_leaf + weight.to(err.device) * err
             diag["anchor_error"] = err.detach().mean()
-        return total
+        return per_leaf.mean(), diag
+
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over all non-batch elements: [R, ...] → [R]."""
@@ -364,15 +371,9 @@ class NFTLoss(ForwardProcessObjective):
         r = self.optimality(adv).repeat_interleave(self.draws)
         centre = self._v_teacher if self.center == "teacher" else v_old
         rows, err_pos, err_neg = self.row_loss(v, centre, target, t, r)
-        kl = self.kl_ref_rows(v, v_ref)
-        if kl is not None:
-            rows = rows + self.kl_ref * kl
-        diag: dict[str, torch.Tensor] = {}
-        loss = self.with_teacher(self.per_leaf(rows), v, batch, diag).mean()
+        loss, diag = self.total(self.per_leaf(rows), v, v_ref, batch)
         with torch.no_grad():
             diag.update({"nft_loss": loss.detach(), "optimality_mean": r.mean(), "nft_err_pos": err_pos.mean(),
                          "nft_err_neg": err_neg.mean(), "fm_error": row_mean((v - target) ** 2).mean(),
                          "old_drift": row_mean((v - v_old) ** 2).mean()})
-            if kl is not None:
-                diag["kl_ref"] = kl.mean()
         return loss, diag

@@ -46,12 +46,7 @@ class RAFTLoss(ForwardProcessObjective):
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         v, _, v_ref, target, _, _ = self.forward_rows(model, forest, batch, cond, with_old=False)
-        rows = row_mean((v - target) ** 2)
-        kl = self.kl_ref_rows(v, v_ref)
-        if kl is not None:
-            rows = rows + self.kl_ref * kl
-        diag: dict[str, torch.Tensor] = {}
-        loss = self.with_teacher(self.per_leaf(rows), v, batch, diag).mean()
+        loss, diag = self.total(self.per_leaf(row_mean((v - target) ** 2)), v, v_ref, batch)
         with torch.no_grad():
             diag.update({"raft_loss": loss.detach(), "fm_error": row_mean((v - target) ** 2).mean(),
                          "raft_reward": forest.reward[batch.index].float().mean()})

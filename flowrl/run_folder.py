@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 from flowrl.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
 from flowrl.config import ConfigError, TrainConfig
+from flowrl.config_checks import check_run_name
 from flowrl.errors import shown
 from flowrl.manifest import DamagedCheckpoint
 from flowrl.metrics import MetricsLog
@@ -54,14 +55,6 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
 
 
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
-
-
-def check_run_name(name: Any) -> None:
-    """``train.name`` is one folder name: not empty, not ``.``/``..``, no separator, no NUL."""
-    text = str(name)
-    if text in ("", ".", "..") or any(c in text for c in "/\\\0"):
-        raise ConfigError(f"train.name={shown(name)} must be one folder name inside train.output_dir: not empty, "
-                          "not '.' or '..', without '/', '\\' or NUL (e.g. train.name=shapes-nft)")
 
 
 class FolderLock:

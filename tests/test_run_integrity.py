@@ -97,7 +97,7 @@ def test_names_that_are_not_one_folder_are_refused_writing_and_deleting_nothing(
         assert rc == 2, (name, err)
         assert f"train.name={name!r}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert _tree(tmp_path) == before, name
-    from flowrl.run_folder import check_run_name
+    from flowrl.config_checks import check_run_name
 
     for name in ("a\\b", "x\0y"):
         with pytest.raises(ValueError, match="one folder name"):

@@ -26,13 +26,13 @@ def test_anchor_gradient_is_zero_at_the_teacher_and_pulls_towards_it(weight):
     batch = Batch(torch.arange(2), 2, {"anchor": torch.full((2,), weight)})
     nft._v_teacher = v_t
     at = v_t.clone().requires_grad_(True)
-    diag = {}
-    nft.with_teacher(torch.zeros(2), at, batch, diag).sum().backward()
+    loss, diag = nft.total(torch.zeros(2), at, None, batch)
+    loss.backward()
     assert at.grad.abs().max() == 0 and diag["anchor_error"] == 0
     off = (v_t + 0.3 * torch.randn(v_t.shape, generator=gen)).requires_grad_(True)
-    nft.with_teacher(torch.zeros(2), off, batch, {}).sum().backward()
-    # d/dv of w·mean_draws(mean_elements ‖v − v_T‖²) = w·2(v − v_T)/(draws·elements per row)
-    expected = weight * 2 * (off.detach() - v_t) / (2 * v_t[0].numel())
+    nft.total(torch.zeros(2), off, None, batch)[0].backward()
+    # d/dv of mean_leaves(w·mean_draws(mean_elements ‖v − v_T‖²)) = w·2(v − v_T)/(leaves·draws·elements per row)
+    expected = weight * 2 * (off.detach() - v_t) / (2 * 2 * v_t[0].numel())
     assert torch.allclose(off.grad, expected, atol=1e-6)
 
 
@@ -40,8 +40,8 @@ def test_reward_term_zero_leaves_the_anchor_alone():
     nft = NFTLoss(draws=1, teacher=TeacherSpec(anchor=1.0), reward_term=0.0)
     nft._v_teacher = torch.zeros(2, 1)
     v = torch.ones(2, 1, requires_grad=True)
-    out = nft.with_teacher(torch.tensor([5.0, 7.0]), v, Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}), {})
-    assert torch.equal(out.detach(), torch.ones(2))  # the NFT term (5, 7) weighted by 0
+    out, _ = nft.total(torch.tensor([5.0, 7.0]), v, None, Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}))
+    assert out.item() == 1.0  # the NFT term (5, 7) weighted by 0; the anchor's error 1 per leaf
 
 
 def test_leaf_weights():
