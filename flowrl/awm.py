@@ -31,6 +31,7 @@ class AWMLoss(ForwardProcessObjective):
     old_decay: float = 0.9
 
     extremes = {"ratio_min": min, "ratio_max": max}
+    progress_keys = {**ForwardProcessObjective.progress_keys, "clip": (("clipfrac",), ".2f")}
 
     def __post_init__(self) -> None:
         super().__post_init__()

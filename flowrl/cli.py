@@ -180,11 +180,13 @@ def cmd_snr(args: argparse.Namespace) -> int:
         checkpoint, run_dir = find_checkpoint(args.checkpoint)
         config = config or str(run_dir / "config.yaml")
     cfg = _load_config(config, overrides)
-    result = gradient_snr(cfg, batches=args.batches, checkpoint=checkpoint)
+    result = gradient_snr(cfg, batches=args.batches, checkpoint=checkpoint, reward_only=args.reward_only)
     print(json.dumps(result, indent=2))
     if result["signal_detected"]:
         print(f"signal detected: SNR {result['snr_per_batch']:.3g} per batch of {int(result['samples_per_batch'])} samples; "
               f"about {result['samples_for_snr_1']:.0f} samples per update for SNR 1")
+    elif result["signal"] == result["noise"] == 0:
+        print(f"every one of the {args.batches} gradients is zero: nothing in this objective depends on what was sampled")
     else:
         print(f"no signal detected above noise in {args.batches} batches of {int(result['samples_per_batch'])} samples: "
               f"an update needs at least ~{result['samples_for_snr_1_at_least']:.0f} samples for SNR 1")
@@ -301,6 +303,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml, or the run's)")
     p.add_argument("--batches", type=int, default=12, help="independent iterations to draw (default 12)")
     p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
+    p.add_argument("--reward-only", action="store_true", help="nft/awm: the reward's share alone (no teacher anchor, "
+                   "no kl_ref, the old copy set to the weights measured)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_snr)
     from flowrl.data import add_data_parser  # flowrl data fetch | list: the GPU presets' prompt sets

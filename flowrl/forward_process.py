@@ -73,6 +73,7 @@ class ForwardProcessObjective(Objective):
     reward_term: float = 1.0
 
     trains_on = "leaves"
+    progress_keys = {"fm": (("fm_error",), ".3f"), "anchor": (("anchor_error",), ".3f")}
     uses_old: ClassVar[bool] = True  # keeps a lagging old copy (a subclass that never reads it sets False)
 
     def __post_init__(self) -> None:

@@ -52,7 +52,8 @@ def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str,
     if detected:
         out["samples_for_snr_1"] = samples_per_batch * noise / signal
     else:  # S is at most Ŝ + 2·error (≈ 97.5% one-sided): at least this many samples
-        out["samples_for_snr_1_at_least"] = samples_per_batch * noise / (max(signal, 0.0) + 2.0 * error)
+        bound = max(signal, 0.0) + 2.0 * error  # 0 only when every draw is the zero gradient: no batch reaches SNR 1
+        out["samples_for_snr_1_at_least"] = samples_per_batch * noise / bound if bound > 0 else float("inf")
     return out
 
 
@@ -62,13 +63,16 @@ def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
     return torch.where(rms > 0, grads.double() / rms.clamp(min=1e-300), torch.zeros_like(grads, dtype=torch.float64))
 
 
-def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | None = None, progress: bool = True) -> dict[str, float]:
+def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | None = None, progress: bool = True,
+                 reward_only: bool = False) -> dict[str, float]:
     """Gradient signal-to-noise of ``cfg``'s objective at its initial weights (or a run's ``checkpoint``).
 
     Uses the ``batches`` iterations the run would do next (0.. at the start, from the checkpoint's step
     on), each a full rollout, reward and credit and one backward over all its trained edges.
     "Samples per batch" counts one iteration's leaves; with ``train.updates_per_epoch`` U > 1 an
-    update sees 1/U of them.
+    update sees 1/U of them. ``reward_only`` (forward-process objectives with an old copy): no teacher
+    anchor, no ``kl_ref``, and the old copy set to the measured weights, so every term that does not
+    depend on the reward has zero gradient and what is measured is the reward's share.
     """
     from flowrl.trainer import Trainer
 
@@ -77,11 +81,16 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
                          "its error drops one at a time)")
     cfg.train.progress = False
     cfg.prompts.eval = None
+    if reward_only:
+        check_reward_only(cfg)
+        cfg.loss.teacher, cfg.loss.kl_ref = None, 0.0
     trainer = Trainer(cfg)
     if checkpoint:  # a run folder or a checkpoints/step-N folder
         from flowrl.checkpoint import find_checkpoint
 
         trainer.load_checkpoint(find_checkpoint(checkpoint)[0])
+    if reward_only:
+        trainer.objective._old.copy_from_policy()
     first = trainer.step
     draws = [trainer.policy_gradient(i) for i in tqdm(range(first, first + batches), desc="gradients", disable=not progress)]
     grads = torch.stack([g for g, _ in draws])
@@ -90,3 +99,16 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
     adam = split_signal_noise(adam_normalised(grads), samples)
     out.update({f"adam_{k}": v for k, v in adam.items() if k not in ("batches", "samples_per_batch")})
     return out
+
+
+def check_reward_only(cfg: TrainConfig) -> None:
+    """``--reward-only`` needs an objective whose reward-free terms vanish at old = policy."""
+    from flowrl.errors import ConfigError
+
+    objective = cfg.loss.objective
+    if objective not in ("nft", "awm"):
+        raise ConfigError(f"--reward-only measures the reward's share of a forward-process objective with an old copy; "
+                          f"loss.objective={objective!r} is not one (accepted: nft, awm)")
+    if getattr(cfg.loss, "center", "old") != "old":
+        raise ConfigError(f"--reward-only needs loss.center='old' (got {cfg.loss.center!r}): centred on the teacher, "
+                          "the objective has no reward-free point to measure from")

@@ -45,6 +45,7 @@ class PolicyLoss(Objective):
     trains_on = "edges"
     extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
     first_step_keys = ("abs_delta_logp",)  # weights not yet updated: every ratio must be exactly 1
+    progress_keys = {"kl": (("approx_kl",), ".1e"), "clip": (("clipfrac_high", "clipfrac_low"), ".2f")}
 
     @property
     def needs_reference(self) -> bool:

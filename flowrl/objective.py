@@ -41,7 +41,9 @@ class Objective:
     Class attributes a subclass sets: :attr:`trains_on` (``"edges"``: stochastic edges replayed with
     log-probs; ``"leaves"``: the clean latents of the leaves), :attr:`extremes` (diagnostics combined by
     min/max over micro-batches instead of averaged), :attr:`first_step_keys` (diagnostics also logged as
-    ``first_step_<key>`` for the first micro-batches of an iteration, before any weight changed).
+    ``first_step_<key>`` for the first micro-batches of an iteration, before any weight changed),
+    :attr:`progress_keys` (the iteration record's keys the progress bar shows beside the reward: label →
+    (keys summed, format); a key the record lacks is left out).
     ``reduction`` (how rollouts reduce edge log-probs over latent elements) belongs to the objective;
     objectives that do not use log-probs leave the default.
     """
@@ -49,7 +51,16 @@ class Objective:
     trains_on: ClassVar[str] = "edges"
     extremes: ClassVar[dict[str, Any]] = {}
     first_step_keys: ClassVar[tuple[str, ...]] = ()
+    progress_keys: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {}
     reduction: str = "mean"
+
+    def progress(self, record: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's fields for one iteration ``record``: ``progress_keys`` the record holds."""
+        shown = {}
+        for label, (keys, fmt) in self.progress_keys.items():
+            if all(key in record for key in keys):
+                shown[label] = format(sum(float(record[key]) for key in keys), fmt)
+        return shown
 
     # ---- configuration checks ---------------------------------------------------------------
     def check_plan(self, plan) -> None:

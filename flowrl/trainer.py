@@ -308,8 +308,7 @@ class Trainer:
                 emit(record)
                 self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record.get('approx_kl', 0):.1e}",
-                                clip=f"{record.get('clipfrac_high', 0) + record.get('clipfrac_low', 0):.2f}")
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record))
                 last = self.step == t.max_steps or self.out_of_time()
                 if self.eval_due(seconds_before) and not last:
                     evaluate()

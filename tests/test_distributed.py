@@ -39,8 +39,11 @@ def test_two_processes_match_one(tmp_path):
                     "clipfrac_low", "abs_delta_logp", "first_step_abs_delta_logp", "kl"):
             a, b, single = ranks[0]["records"][it][key], ranks[1]["records"][it][key], one["records"][it][key]
             assert a == b, (key, a, b)
-            rel = 1e-2 if key == "policy_loss" else 1e-3  # a sum of ± advantages: float-order noise near 0
-            assert a == pytest.approx(single, rel=rel, abs=1e-12), (key, it, a, single)
+            # policy_loss is a mean of −A·ρ over group-centred advantages with ρ within 1e-3 of 1: its value
+            # (~1e-6) is float32 summation-order noise of O(1) terms, so it is held to that noise's size
+            # (measured on torch 2.14.1 here: −4.5e-6 with two processes against −3.3e-6 with one)
+            tol = {"rel": 1e-2, "abs": 1e-5} if key == "policy_loss" else {"rel": 1e-3, "abs": 1e-12}
+            assert a == pytest.approx(single, **tol), (key, it, a, single)
         assert one["records"][it]["ratio_max"] > 1 > one["records"][it]["ratio_min"]
     # adaptive prompts: every rank fed the same gathered spreads (in global group order), so all draw
     # what one process draws, the second iteration's from the first's statistics

@@ -279,7 +279,9 @@ def test_a_plan_without_clean_latents_is_refused_for_a_forward_process_objective
 def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
     """The preset (full fine-tuning, CFG-free ODE rollouts) on 4 prompts with the dense ``redness`` reward:
     fixed-seed held-out reward rises by a margin well above seed noise in 12 iterations. (A random tiny
-    pipeline is no flow model to begin with: forward-process objectives need a real one.)"""
+    pipeline is no flow model to begin with: forward-process objectives need a real one.) The objective's
+    own learning: without the main job's guided teacher, whose anchor pulls towards the starting model
+    (tests/test_teacher.py tests that pull)."""
     from tests.test_shapes_learning import PROMPTS, train_and_check_gain
     from flowrl.trainer import Trainer
 
@@ -287,7 +289,8 @@ def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
     cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", [
         f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null", "rollout.group_size=8",
         "train.max_steps=12", "optim.lr=1e-3", "rewards=[{name: redness}]", f"train.output_dir={tmp_path}",
-        f"train.name={preset}", "train.progress=false", "train.checkpoint_every=0", "train.num_threads=2"])
+        f"train.name={preset}", "train.progress=false", "train.checkpoint_every=0", "train.num_threads=2",
+        "loss.teacher=null"])
     train_and_check_gain(Trainer(cfg))
 
 
