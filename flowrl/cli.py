@@ -130,7 +130,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for prefix, g in runs:
         found, grid = evaluate(model, prompts, reward, steps=cfg.eval.steps, guidance=g, seed=cfg.eval.seed,
                                max_batch=cfg.eval.batch_size, keep_images=cfg.eval.grid_prompts,
-                               images_per_prompt=cfg.eval.images_per_prompt, prefix=prefix)
+                               images_per_prompt=cfg.eval.images_per_prompt, prefix=prefix, progress=cfg.train.progress)
         metrics.update(found)
         metrics[f"{prefix}/guidance"] = g
         if prefix == "eval":

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from flowrl.models.base import FlowModel
 from flowrl.rollout.sampling import ode_sample
@@ -21,14 +22,25 @@ def eval_seeds(seed: int, n: int, seed_set: int = 0) -> list[int]:
 
 @torch.no_grad()
 def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, guidance: float | None, seed: int,
-             max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval"
-             ) -> tuple[dict[str, float], torch.Tensor]:
+             max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval",
+             progress: bool = False) -> tuple[dict[str, float], torch.Tensor]:
     """Mean of each reward term (``<prefix>/<name>_mean``) and per-task breakdowns of rewards that offer
     ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
-    the standard error shrinks by √k), and the first ``keep_images`` images [K, 3, H, W] of seed set 0."""
+    the standard error shrinks by √k), and the first ``keep_images`` images [K, 3, H, W] of seed set 0.
+    ``progress``: a bar counting the images drawn."""
     prompts = list(prompts)
-    images = torch.cat([ode_sample(model, prompts, eval_seeds(seed, len(prompts), k), steps, guidance, max_batch)
-                        for k in range(images_per_prompt)])
+    shown = f"guidance {guidance:g}" if guidance is not None else "the model's guidance"
+    bar = tqdm(total=len(prompts) * images_per_prompt, unit="image", desc=f"{prefix} at {shown}", disable=not progress,
+               leave=False)
+    chunks = []
+    for k in range(images_per_prompt):
+        seeds = eval_seeds(seed, len(prompts), k)
+        for start in range(0, len(prompts), max_batch):
+            chunks.append(ode_sample(model, prompts[start:start + max_batch], seeds[start:start + max_batch], steps,
+                                     guidance, max_batch))
+            bar.update(len(chunks[-1]))
+    bar.close()
+    images = torch.cat(chunks)
     every = prompts * images_per_prompt
     metrics: dict[str, float] = {}
     for name, scores in reward.components(images, every, {}).items():
@@ -113,8 +125,9 @@ class HeldOutEval:
     model's default guidance when it differs (``eval_default/…``); labelled grids in ``samples/``."""
 
     def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path,
-                 policy_guidance: float):
+                 policy_guidance: float, progress: bool = False):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
+        self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
         self.prompts = list(prompts)[group.rank::group.world]
         self.any = bool(prompts)
         self.policy_guidance = policy_guidance
@@ -141,7 +154,7 @@ class HeldOutEval:
         for prefix, guidance in self.guidances(periodic=tag is None):
             metrics, images = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance,
                                        seed=e.seed + self.group.rank, max_batch=e.batch_size, keep_images=e.grid_prompts,
-                                       images_per_prompt=e.images_per_prompt, prefix=prefix)
+                                       images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress)
             n = len(self.prompts)
             out.update({k: self.group.sum(v * n) / self.group.sum(n) for k, v in metrics.items()})
             out[f"{prefix}/guidance"] = guidance

@@ -91,7 +91,7 @@ class Trainer:
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
-                                    run_dir / "samples", self.guidance)
+                                    run_dir / "samples", self.guidance, progress=c.train.progress)
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
 

@@ -349,3 +349,13 @@ def test_snr_reward_only_measures_nothing_when_the_reward_gives_no_advantage(tmp
         REGISTRY.pop("flowrl_test_per_prompt")
     with pytest.raises(ConfigError, match="loss.objective='raft'"):
         gradient_snr(tiny(tmp_path, "d", "loss.objective=raft", TEACHER), batches=3, progress=False, reward_only=True)
+
+
+def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
+    from flowrl.trainer import Trainer
+
+    Trainer(tiny(tmp_path, "evalbar", "loss.objective=nft", "train.max_steps=1", "train.progress=true",
+                 "prompts.eval=a red circle|two blue squares|a dog", "eval.images_per_prompt=2", "eval.steps=2"),
+            model=make_model("sd3")).train()
+    err = capsys.readouterr().err
+    assert "eval at guidance 1:" in err and "/6 [" in err and "image/s" in err  # a bar over 3 prompts × 2 images
