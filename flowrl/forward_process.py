@@ -193,8 +193,9 @@ class ForwardProcessObjective(Objective):
 
     def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
         """Micro-batches of leaves (``batch_size`` // ``draws`` each) with their draws: ``t`` [B·D] and
-        ``noise`` [B·D, C, H, W], leaf-major, and the anchor's per-leaf weight ``anchor`` [B] (with a teacher).
-        Leaves must be clean (σ = 0); failed rewards are left out."""
+        ``noise`` [B·D, C, H, W], leaf-major, the anchor's per-leaf weight ``anchor`` [B] (with a teacher) and the
+        teacher's conditioning of the forest's prompts ``teacher_cond`` (encoded once per iteration, when its
+        velocity is needed). Leaves must be clean (σ = 0); failed rewards are left out."""
         leaves = forest.leaves()
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
             raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
@@ -222,14 +223,20 @@ class ForwardProcessObjective(Objective):
         if self._anchor_now > 0:
             adv = forest.advantage[leaves].float().clamp(-self.adv_clip, self.adv_clip)
             anchor = self._anchor_now * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
+        teacher_cond = self.teacher_model.encode(forest.prompts) if self.needs_teacher_velocity(anchor) else None
         per = max(1, self.batch_size // D)
         out = []
         for a in range(0, leaves.numel(), per):
             rows = slice(a * D, min(a + per, leaves.numel()) * D)
             noise = torch.stack([seeded_normal(s, shape) for s in eps_seeds[rows]])
-            extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per]}
+            extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per],
+                     "teacher_cond": teacher_cond}
             out.append(Batch(leaves[a:a + per], int(leaves[a:a + per].numel()), extra))
         return out
+
+    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
+        """Whether the loss reads the teacher's velocity this iteration (``anchor``: the per-leaf weights or None)."""
+        return anchor is not None
 
     def select_leaves(self, forest, leaves: torch.Tensor) -> torch.Tensor:
         """The leaves [L'] this objective trains on, of the scored ``leaves`` [L] (default: all of them)."""
@@ -251,8 +258,8 @@ class ForwardProcessObjective(Objective):
     def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True):
         """Per row (leaf × draw, leaf-major): v_θ (with grad), v_old (no grad; None unless ``with_old``),
         v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B].
-        With a teacher's anchor (or ``center: teacher``) the teacher's guided velocity at the same rows is kept
-        for :meth:`total` / the loss (``_v_teacher``, no gradient)."""
+        When the batch carries ``teacher_cond`` (:meth:`needs_teacher_velocity`) the teacher's guided velocity at
+        the same rows is kept for :meth:`total` / the loss (``_v_teacher``, no gradient)."""
         device = model.device
         D = self.draws
         leaves = batch.index
@@ -272,9 +279,8 @@ class ForwardProcessObjective(Objective):
         if self._reference is not None:
             with torch.no_grad(), self._reference.active():
                 v_ref = model.velocity(x_t, t, rows_cond, g).float()
-        self._v_teacher = None
-        if (batch.extra.get("anchor") is not None or getattr(self, "center", "old") == "teacher") and self.teacher_model:
-            self._v_teacher = self.teacher_model.velocity(x_t, t, self.teacher_model.encode(forest.prompts).select(row_groups))
+        teacher_cond = batch.extra.get("teacher_cond")
+        self._v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
         v = model.velocity(x_t, t, rows_cond, g).float()
         adv = forest.advantage[leaves].float().to(device).clamp(-self.adv_clip, self.adv_clip)
         return v, v_old, v_ref, target, t, adv
@@ -347,6 +353,9 @@ class NFTLoss(ForwardProcessObjective):
             raise ValueError(f"loss.center={self.center!r} is not supported; accepted: ['old', 'teacher']")
         if self.center == "teacher" and self.teacher is None:
             raise ValueError("loss.center='teacher' centres NFT on the teacher's velocity, but loss.teacher is not set")
+
+    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
+        return self.center == "teacher" or super().needs_teacher_velocity(anchor)
 
     def optimality(self, adv: torch.Tensor) -> torch.Tensor:
         """r [B] from advantages [B] (see the class docstring)."""
