@@ -12,7 +12,7 @@ from flowrl.objective import Batch
 
 @dataclass
 class AWMLoss(ForwardProcessObjective):
-    """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; ALGORITHMS.md §12).
+    """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; docs/algorithms.md, "Forward-process objectives").
 
     Per leaf: the flow-matching error L_θ = mean over its draws of ‖v_θ − y‖² (and L_old under the old copy),
     the ratio ρ = exp(L_old − L_θ) and the clipped objective max(−A·ρ, −A·clip(ρ, 1−``clip``, 1+``clip``)),

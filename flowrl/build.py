@@ -11,9 +11,8 @@ from flowrl.errors import shown
 from flowrl.credit.base import CreditRule
 from flowrl.objective import Objective
 from flowrl.models.base import FlowModel, LoraSpec
+from flowrl.models.dtypes import DTYPES
 from flowrl.rollout.base import RolloutPlan
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,6 +39,11 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value
+    extra = dict(section.kwargs or {})
+    owned = sorted(set(extra) & (set(kwargs) | {"guidance", "true_cfg", "height", "width", "max_sequence_length", "path"}))
+    if owned:
+        raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
+    kwargs.update(extra)
     try:
         if section.path is None and models.model_family(section.family).needs_path:
             raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
@@ -47,6 +51,10 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
         if isinstance(e, ConfigError):
             raise
+        unknown = [k for k in extra if isinstance(e, TypeError) and f"unexpected keyword argument '{k}'" in str(e)]
+        if unknown:
+            raise ConfigError(f"model.kwargs.{unknown[0]}={shown(extra[unknown[0]])} is not a keyword of the "
+                              f"model.family={section.family!r} adapter ({e})") from e
         chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
                            if getattr(section, k) is not None)
         raise ConfigError(f"{chosen}: {e}") from e
@@ -94,5 +102,8 @@ def build_credit(cfg: TrainConfig) -> CreditRule:
 
 
 def build_loss(cfg: TrainConfig) -> Objective:
-    """The objective ``loss.objective`` names."""
-    return components.instantiate(components.LOSS, cfg.loss)
+    """The objective ``loss.objective`` names, with the run's one micro-batch size (``rollout.max_batch``: states
+    per rollout forward, which a policy objective's replay follows, and rows per training forward otherwise)."""
+    objective = components.instantiate(components.LOSS, cfg.loss)
+    objective.micro_batch = int(cfg.rollout.max_batch)
+    return objective

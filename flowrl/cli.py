@@ -16,26 +16,28 @@ from pathlib import Path
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-from flowrl.cli_sample import _first_set, _model_from_run, check_flags, cmd_sample
+from flowrl.cli_sample import check_flags, cmd_eval, cmd_sample
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
 
 OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
-                  "every key with its default is listed below")
+                  "every key with its value in the config that runs is listed below")
 
 
 def _defaults_epilog(argv: list[str] | None = None) -> str:
-    """Every key and its value: of the config (and ``key=value`` overrides) named on the command line
-    ``argv`` when it loads, so the sections list the keys of the components it chooses, else the defaults."""
+    """Every key and its value in the config that would run: the one named on the command line ``argv`` (with
+    its ``key=value`` overrides), else the main job's (``flowrl train`` without a config runs it), so the
+    sections list the keys of the components it chooses (e.g. the objective's own keys)."""
     words = [w for w in (argv or [])[1:] if not w.startswith("-")]
     config = next((w for w in words if "=" not in w and _is_file(w)), None)
     overrides = [w for w in words if "=" in w]
-    if config is not None or overrides:
-        try:
-            return (f"every config key, with its value in {config or 'the default config'}"
-                    f"{' and the overrides' if overrides else ''}:\n\n" + _load_config(config, overrides).to_yaml())
-        except (ConfigError, OSError) as e:
-            return f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n" + TrainConfig().to_yaml()
-    return "every config key and its default:\n\n" + TrainConfig().to_yaml()
+    shown_config = config or DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])
+    other = ("\n\nanother plan, credit rule or objective has its own keys: name its config to list them, e.g. "
+             "`flowrl train configs/shapes/grpo.yaml --help`.")
+    try:
+        return (f"every config key, with its value in {shown_config}{' and the overrides' if overrides else ''}:\n\n"
+                + _load_config(config, overrides).to_yaml() + other)
+    except (ConfigError, OSError) as e:
+        return f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n" + TrainConfig().to_yaml()
 
 
 def _load_config(path: str | None, overrides: list[str]) -> TrainConfig:
@@ -105,43 +107,7 @@ def against_the_guided_base(first: dict[str, float], last: dict[str, float]) -> 
     return out
 
 
-# ---- sample (and the model of a run, shared with eval): flowrl/cli_sample.py -------------------
-
-
-# ---- eval -------------------------------------------------------------------------------------
-def cmd_eval(args: argparse.Namespace) -> int:
-    from flowrl import build
-    from flowrl.evaluation import evaluate, save_grid
-    from flowrl.prompts import read_prompts
-
-    cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
-    if not cfg.prompts.eval:
-        raise ConfigError("prompts.eval is null (the run was trained without held-out prompts); name them: "
-                          "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
-    prompts = read_prompts(cfg.prompts.eval, "prompts.eval")
-    if cfg.eval.num_prompts:
-        prompts = prompts[: cfg.eval.num_prompts]
-    reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
-    guidance = float(_first_set(cfg.eval.guidance, trained_at, model.guidance))  # the checkpoint's, unless told
-    runs = [("eval", guidance)]
-    if cfg.eval.default_guidance and float(model.guidance) != guidance:
-        runs.append(("eval_default", float(model.guidance)))
-    metrics: dict[str, float] = {}
-    for prefix, g in runs:
-        found, grid = evaluate(model, prompts, reward, steps=cfg.eval.steps, guidance=g, seed=cfg.eval.seed,
-                               max_batch=cfg.eval.batch_size, keep_images=cfg.eval.grid_prompts,
-                               images_per_prompt=cfg.eval.images_per_prompt, prefix=prefix, progress=cfg.train.progress)
-        metrics.update(found)
-        metrics[f"{prefix}/guidance"] = g
-        if prefix == "eval":
-            images = grid
-    metrics["num_prompts"] = len(prompts)
-    print(json.dumps(metrics, indent=2))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "eval.json").write_text(json.dumps(metrics, indent=2))
-        save_grid(images, Path(args.out) / "grid.png", scale=4)
-    return 0
+# ---- sample and eval (a run's model, the trainer's held-out eval): flowrl/cli_sample.py -----
 
 
 # ---- bench ------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``flowrl sample`` (each batch of images written as soon as it is drawn, under names made by
-:mod:`flowrl.filenames`) and the range checks of every numeric command-line flag."""
+:mod:`flowrl.filenames`), ``flowrl eval`` (the trainer's held-out eval of a run or base model) and the range
+checks of every numeric command-line flag."""
 from __future__ import annotations
 
 import argparse
@@ -41,30 +42,38 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 # ---- shared: a model with a run's trained weights ----------------------------------------------
-def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
-    """(config, model, policy guidance) for a run folder or checkpoint (its config.yaml, newest weights and
-    the guidance its policy was trained to sample with, None for a checkpoint that does not record it), or
-    for a config (guidance None)."""
-    from flowrl import build
-    from flowrl.checkpoint import find_checkpoint, load_weights, read_state
+def _run_config(run: str | None, config: str | None, overrides: list[str]):
+    """(config, checkpoint folder or None) of a run folder or checkpoint (its config.yaml unless ``config``
+    names one), or of a config (the shapes preset by default)."""
+    from flowrl.checkpoint import find_checkpoint
 
     ckpt = None
     if run is not None:
         ckpt, run_dir = find_checkpoint(run)
         config = config or str(run_dir / "config.yaml")
-    cfg = TrainConfig.from_yaml(config or DEFAULT_CONFIG, overrides)
-    model = build.build_model(cfg.model)
-    guidance = None
-    if ckpt is not None:
-        if not cfg.model.full_finetune:
-            build.add_lora(model, cfg.model)
-        load_weights(model, ckpt)
-        guidance = read_state(ckpt).get("policy_guidance")
-    return cfg, model, guidance
+    return TrainConfig.from_yaml(config or DEFAULT_CONFIG, overrides), ckpt
 
 
-def _first_set(*values):
-    return next((v for v in values if v is not None), None)
+def _load_model(cfg: TrainConfig, ckpt, device=None):
+    """(model, policy guidance): ``cfg``'s model on ``device`` (default ``model.device``) with the weights of
+    ``ckpt`` and the guidance its policy was trained to sample with (None without a checkpoint, or for one
+    that does not record it)."""
+    from flowrl import build
+    from flowrl.checkpoint import load_weights, read_state
+
+    model = build.build_model(cfg.model, device)
+    if ckpt is None:
+        return model, None
+    if not cfg.model.full_finetune:
+        build.add_lora(model, cfg.model)
+    load_weights(model, ckpt)
+    return model, read_state(ckpt).get("policy_guidance")
+
+
+def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
+    """(config, model, policy guidance) for a run folder or checkpoint, or for a config (guidance None)."""
+    cfg, ckpt = _run_config(run, config, overrides)
+    return (cfg, *_load_model(cfg, ckpt))
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -73,14 +82,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
     from PIL import Image
 
-    from flowrl.evaluation import save_grid
+    from flowrl.evaluation import resolve_guidance, save_grid
     from flowrl.filenames import FileNamer
     from flowrl.rollout.sampling import ode_sample
 
     cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
     prompts = [p for p in args.prompt for _ in range(args.num)]
     seeds = [args.seed + i for i in range(len(prompts))]
-    guidance = _first_set(args.guidance, cfg.eval.guidance, trained_at, model.guidance)
+    guidance = resolve_guidance(model.guidance, args.guidance, cfg.eval.guidance, trained_at)
     steps = args.steps if args.steps is not None else cfg.eval.steps
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,4 +105,40 @@ def cmd_sample(args: argparse.Namespace) -> int:
         images.append(drawn)
     save_grid(torch.cat(images), grid_path, scale=args.scale)
     print(f"wrote {len(prompts)} images and {grid_path.name} to {out} (guidance {guidance:g})")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """The run's held-out eval (:class:`~flowrl.evaluation.HeldOutEval`, the trainer's: the same seeds, passes
+    and reductions) of a run's newest weights or a config's base model, at ``eval.guidance``, else the
+    guidance the checkpoint's policy was trained for; under ``accelerate launch`` each process draws its
+    share of the prompts. The main process prints the metrics and writes ``--out``."""
+    import json
+
+    from accelerate import Accelerator
+
+    from flowrl import build
+    from flowrl.evaluation import HeldOutEval, save_grid
+    from flowrl.process_group import ProcessGroup
+    from flowrl.prompts import read_prompts
+
+    cfg, ckpt = _run_config(args.checkpoint, args.config, args.overrides)
+    if not cfg.prompts.eval:
+        raise ConfigError("prompts.eval is null (the run was trained without held-out prompts); name them: "
+                          "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
+    prompts = read_prompts(cfg.prompts.eval, "prompts.eval")[: cfg.eval.num_prompts or None]
+    reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
+    group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
+    model, trained_at = _load_model(cfg, ckpt, group.accelerator.device)
+    held_out = HeldOutEval(cfg.eval, model, prompts, reward, group, None, trained_at, progress=cfg.train.progress)
+    metrics, grids = held_out.run()
+    metrics["num_prompts"] = len(prompts)
+    if group.is_main:
+        print(json.dumps(metrics, indent=2))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "eval.json").write_text(json.dumps(metrics, indent=2))
+            if grids.get("eval") is not None and grids["eval"].numel():
+                save_grid(grids["eval"], Path(args.out) / "grid.png", scale=4)
+    group.wait()
     return 0

@@ -1,7 +1,7 @@
-"""Components by name: rollout plans, credit rules and policy objectives (DESIGN.md: a method is a
-plan × a credit rule × a loss).
+"""Components by name: rollout plans, credit rules and policy objectives (docs/extending.md: a method
+is a plan × a credit rule × a loss).
 
-Each kind has a registry, as rewards do: a config names a component by its registered name
+Each kind has a :class:`~flowrl.registry.Registry`, as rewards do: a config names a component by its registered name
 (``rollout.plan: chains``), by ``package.module:Class`` or by ``path/to/file.py:Class``. A component
 is a dataclass, and its fields are the keys of its config section, next to the few keys the loop
 itself owns there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key itself)::
@@ -10,20 +10,22 @@ itself owns there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key
 
 :func:`section_schema` turns the chosen class into the section's schema (a dataclass), so unknown keys
 and ill-typed values fail at load naming the nearest valid key, for components outside the package
-too; :func:`instantiate` builds the component from a loaded section. :func:`register` adds a name.
+too; :func:`instantiate` builds the component from a loaded section, which checks the fields that declare
+their choices (:mod:`flowrl.choices`). :func:`register` adds a name.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional, Union
 
+from flowrl.choices import Checked, check_choices, did_you_mean
 from flowrl.errors import ConfigError
-from flowrl.plugins import load_target
+from flowrl.plugins import public_name
+from flowrl.registry import LOAD_ERRORS, Registry
 
 
 @dataclass(frozen=True)
@@ -35,17 +37,28 @@ class Kind:
     default: str                       # registered name used when the key is absent
     base: str                          # "module:Class" of the base class (imported lazily)
     loop_keys: tuple[tuple[str, type, Any], ...] = ()   # (name, type, default) owned by the loop
-    registry: dict[str, str | type] = field(default_factory=dict, compare=False, hash=False)
+    registry: Registry = field(default_factory=dict, compare=False, hash=False)  # given as a dict of the built-ins
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.registry, Registry):
+            object.__setattr__(self, "registry", Registry(self.key, dict(self.registry), base=self.base,
+                                                          check=self._check))
 
     @property
     def key(self) -> str:
         return f"{self.section}.{self.selector}"
 
     def base_class(self) -> type:
-        module, _, name = self.base.partition(":")
-        import importlib
+        return self.registry.base()
 
-        return getattr(importlib.import_module(module), name)
+    def _check(self, cls: Any, label: str) -> None:
+        """A component class: a dataclass subclassing :attr:`base`."""
+        base = self.base_class()
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"{label} resolves to {cls!r}, which is not a subclass of {public_name(base)}")
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{label}: {cls.__name__} must be a dataclass (its fields are the keys of the "
+                            f"{self.section!r} section)")
 
 
 PLAN = Kind("rollout", "plan", "chains", "flowrl.rollout.base:RolloutPlan",
@@ -67,9 +80,7 @@ KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 def register(kind: Kind, name: str, target: str | type) -> None:
     """Register ``target`` (a class or ``"module:Class"``) as ``name`` for ``kind`` (PLAN, CREDIT, LOSS)."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"{kind.key} name {name!r} must be a non-empty string without ':'")
-    kind.registry[name] = target
+    kind.registry.register(name, target)
     section_schema.cache_clear()
 
 
@@ -83,27 +94,15 @@ def name_of(component: Any) -> str:
     return cls.__name__
 
 
-def resolve(kind: Kind, name: str) -> type:
-    """The component class behind a registered name, ``module:Class`` or ``file.py:Class``."""
-    target: Any = kind.registry.get(name)
-    if target is None:
-        if ":" not in str(name):
-            close = difflib.get_close_matches(str(name), list(kind.registry), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{kind.key}={name!r} is not registered{hint}; accepted: {sorted(kind.registry)}, "
-                              "or 'package.module:Class' or 'path/to/file.py:Class'")
-        target = name
-    base = kind.base_class()
+def resolve(kind: Kind, name: str, key: str | None = None) -> type:
+    """The component class behind a registered name, ``module:Class`` or ``file.py:Class``; every failure a
+    :class:`ConfigError` naming ``key`` (default: the kind's, e.g. ``rollout.plan``)."""
     try:
-        cls = load_target(target, f"{kind.key}={name!r}", f"{kind.key} file", base) if isinstance(target, str) else target
-    except (ImportError, AttributeError, FileNotFoundError, ValueError, TypeError) as e:
+        return kind.registry.resolve(name, key)
+    except ConfigError:
+        raise
+    except LOAD_ERRORS as e:
         raise ConfigError(str(e)) from None
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(f"{kind.key}={name!r} resolves to {cls!r}, which is not a subclass of {base.__name__}")
-    if not dataclasses.is_dataclass(cls):
-        raise ConfigError(f"{kind.key}={name!r}: {cls.__name__} must be a dataclass (its fields are the keys of "
-                          f"the {kind.section!r} section)")
-    return cls
 
 
 def component_fields(cls: type) -> list[dataclasses.Field]:
@@ -158,51 +157,51 @@ def instantiate(kind: Kind, section: Any) -> Any:
     cls = resolve(kind, name)
     kwargs = {f.name: getattr(section, f.name) for f in component_fields(cls) if hasattr(section, f.name)}
     try:
-        return cls(**kwargs)
+        component = cls(**kwargs)  # a Checked subclass (every base is one) checks its choices here
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+    if not isinstance(component, Checked):
+        check_choices(component, kind.section)
+    return component
 
 
-def build_nested(kind: Kind, name: str, args: list[str] | dict[str, Any] | None, *, name_key: str,
-                 args_key: str, refuse: type | None = None) -> Any:
-    """A component that another one wraps (e.g. ``rollout.inner`` / ``rollout.inner_args`` of a probed or an
-    explore plan): ``name`` (registry name, ``module:Class`` or ``file.py:Class``) built from ``args`` —
-    ``key=value`` items (dotted keys for nested fields, e.g. ``window.mode=random``), as on the command
-    line, or a mapping — checked against that component's own fields like a section of the config.
-    Errors name ``name_key`` / ``args_key``; a subclass of ``refuse`` (a wrapper wrapping its own kind) is
-    refused before its keys are read."""
+def build_nested(kind: Kind, spec: str | dict[str, Any], *, key: str, refuse: type | None = None) -> Any:
+    """A component that another one wraps (e.g. ``rollout.inner`` of a probed or an explore plan), given in the
+    one nested form: a name (registry name, ``module:Class`` or ``file.py:Class``, with its defaults) or a
+    mapping ``{<selector>: name, key: value, ...}`` — the same form as a config section, nested fields as
+    nested mappings (``{plan: chains, steps: 10, window: {mode: random}}``) — checked against that
+    component's own fields like a section of the config. Errors name ``key``; a subclass of ``refuse`` (a
+    wrapper wrapping its own kind) is refused before its keys are read."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-    try:
-        cls = resolve(kind, name)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace(f"{kind.key}=", f"{name_key}=", 1)) from None
-    if refuse is not None and issubclass(cls, refuse):
-        raise ConfigError(f"{name_key}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot wrap another "
-                          "one; name the component to wrap")
-    fields = [f.name for f in component_fields(cls)]
-    if args is None:
-        args = {}
-    if isinstance(args, dict) or hasattr(args, "keys"):
-        given = OmegaConf.create(dict(args))
+    example = f"{key}: {{{kind.selector}: NAME, key: value, ...}}"
+    if isinstance(spec, str):
+        name, args = spec, {}
+    elif isinstance(spec, dict) or hasattr(spec, "keys"):
+        args = dict(spec)
+        name = args.pop(kind.selector, None)
+        if not isinstance(name, str):
+            raise ConfigError(f"{key} needs {kind.selector!r}, the name of the component to build, e.g. {example}")
     else:
-        bad = [a for a in args if not isinstance(a, str) or "=" not in a]
-        if bad:
-            raise ConfigError(f"{args_key} items must be 'key=value' strings; got {bad}")
-        given = OmegaConf.from_dotlist(list(args))
+        raise ConfigError(f"{key}={spec!r} must be a name or a mapping, e.g. {example}")
+    cls = resolve(kind, name, f"{key}.{kind.selector}")
+    if refuse is not None and issubclass(cls, refuse):
+        raise ConfigError(f"{key}.{kind.selector}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot "
+                          "wrap another one; name the component to wrap")
+    fields = [f.name for f in component_fields(cls)]
+    given = OmegaConf.create(args)
     for k in given.keys():
         if k not in fields:
-            close = difflib.get_close_matches(str(k), fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{args_key}: {k!r} is not a key of {name_key}={name!r}{hint}; its keys: {fields}")
+            raise ConfigError(f"{key}: {k!r} is not a key of {kind.section}.{kind.selector}={name!r}"
+                              f"{did_you_mean(k, fields)}; its keys: {fields}")
     schema = OmegaConf.structured(section_schema(kind, name))
     try:
         section = OmegaConf.to_object(OmegaConf.merge(schema, given))
     except (ConfigKeyError, ConfigAttributeError, ValidationError) as e:
-        raise ConfigError(f"{args_key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
+        raise ConfigError(f"{key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{args_key}: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     return instantiate(kind, section)

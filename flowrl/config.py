@@ -52,6 +52,8 @@ class ModelSection:
     full_finetune: bool = False
     gradient_checkpointing: bool = False
     prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
+    # complex_human_instruction or negative_prompt (passed through; an unknown one fails at load)
 
 
 @dataclass
@@ -128,7 +130,13 @@ class TrainSection:
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
 CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
 LossSection = components.section_schema(components.LOSS, components.LOSS.default)
-MOVED_KEYS = {"rollout.inner_kwargs": "rollout.inner_args: [key=value, ...] (the inner plan's own keys, as in explore)",
+MOVED_KEYS = {"loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
+                           "loss.beta is DiffusionNFT's step only)",
+              "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
+                                 "rows per training forward)",
+              "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
+              "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, "
+                                    "one mapping)",
               "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
                                         "prompt group before the weighted sum) with credit.scale: none"}
 
@@ -306,7 +314,9 @@ def _unknown_key_message(e: OmegaConfBaseException, schema: type = TrainConfig) 
     return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config.py for every key)"
 
 
-_FREE_FORM = ("rewards", "eval.rewards")  # lists of reward terms whose kwargs are the reward's own
+_FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own
+              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built)
+              "model.kwargs")  # the adapter's own keywords (checked against it when the model loads)
 
 
 def _dotted(tree: Any, prefix: str = "") -> list[str]:

@@ -3,28 +3,27 @@ ranges of every section, each failure a :class:`ConfigError` naming the key, the
 accepted; the chosen components check their own fields when instantiated here."""
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flowrl import components
+from flowrl.choices import choose
 from flowrl.errors import ConfigError, shown
+from flowrl.models.dtypes import DTYPES
 from flowrl.prompts import check_adaptive_settings
-
-if TYPE_CHECKING:
-    from flowrl.config import TrainConfig
 
 REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines several rewards
 
 
-def check_config(cfg: "TrainConfig") -> None:
-    """Every check that needs no model; raises ConfigError at the first failure."""
+def check_config(cfg: Any) -> None:
+    """Every check that needs no model on ``cfg`` (a TrainConfig, read by attribute: flowrl.config calls this
+    module, which never imports it); raises ConfigError at the first failure."""
     if ":" not in cfg.model.family:  # else an out-of-tree adapter, checked when it is imported
         from flowrl.models import MODEL_FAMILIES
 
         choose("model.family", cfg.model.family, tuple(MODEL_FAMILIES))
-    choose("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    choose("model.dtype", cfg.model.dtype, tuple(DTYPES))
     choose("reward_normalize", cfg.reward_normalize, REWARD_NORMALIZE)
     choose("optim.schedule", cfg.optim.schedule, ("constant", "linear", "cosine"))
     cfg.optim.loss_scaling = str(cfg.optim.loss_scaling).lower()  # YAML true/false arrive as "True"/"False"
@@ -90,16 +89,12 @@ def check_config(cfg: "TrainConfig") -> None:
              for kind in components.KINDS}
     objective = built[components.LOSS.section]
     objective.check_plan(built[components.PLAN.section])  # e.g. a policy objective on ODE rollouts
+    objective.check_credit(built[components.CREDIT.section])  # e.g. step-level credit with a leaf objective
+    for key, why in getattr(built[components.PLAN.section], "unread_keys", dict)().items():  # keys that do nothing
+        raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     positive("eval.images_per_prompt", cfg.eval.images_per_prompt)
     positive("eval.batch_size", cfg.eval.batch_size)
-
-
-def choose(key: str, value: Any, accepted: tuple) -> None:
-    if value not in accepted:
-        close = difflib.get_close_matches(str(value), [str(a) for a in accepted], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}={shown(value)} is not supported{hint}; accepted: {list(accepted)}")
 
 
 def positive(key: str, value: float, allow_zero: bool = False) -> None:

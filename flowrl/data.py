@@ -47,6 +47,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from flowrl.choices import choose
 from flowrl.errors import REPO_ROOT
 from flowrl.data_sets import (  # noqa: F401 (re-exported: the prompt sets are part of this module's API)
     SOURCE_ENV,
@@ -113,6 +114,7 @@ def _obtain(remote: Remote, source: Path | None) -> list[Path]:
         if not paths:
             raise FileNotFoundError(f"not in --source: no file {source / remote.mirror}")
         return paths
+    choose("Remote.kind", remote.kind, ("hub", "github"), error=DataError)
     if remote.kind == "hub":
         import huggingface_hub
 
@@ -125,9 +127,7 @@ def _obtain(remote: Remote, source: Path | None) -> list[Path]:
             return paths
         return [Path(huggingface_hub.hf_hub_download(remote.repo, remote.path, repo_type="dataset",
                                                      revision=remote.revision))]
-    if remote.kind == "github":
-        return [_download_url(remote.url, _cache_dir() / "github" / remote.repo / remote.revision / remote.path)]
-    raise DataError(f"Remote.kind={remote.kind!r} is not supported; accepted: ['hub', 'github']")
+    return [_download_url(remote.url, _cache_dir() / "github" / remote.repo / remote.revision / remote.path)]
 
 
 def _is_http_answer(error: OSError) -> bool:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -12,45 +12,106 @@ from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed
 
 
-def eval_seeds(seed: int, n: int, seed_set: int = 0) -> list[int]:
-    """Fixed per-image seeds of an evaluation (the same at every eval, so grids compare): image i of seed
-    set ``seed_set`` (set 0 is the historical one; each further set draws a new image per prompt)."""
+# ---- guidance ---------------------------------------------------------------------------------
+def resolve_guidance(model_default: float, *preferred: float | None) -> float:
+    """The guidance to sample with: the first of ``preferred`` that is set, in precedence order (e.g.
+    ``--guidance``, ``eval.guidance``, the rollouts' guidance), else the model's default."""
+    return float(next((g for g in preferred if g is not None), model_default))
+
+
+def eval_guidances(eval_guidance: float | None, policy_guidance: float | None, model_default: float,
+                   default_pass: bool) -> list[tuple[str, float]]:
+    """(metric prefix, guidance) of each pass of an eval: ``eval`` at ``eval.guidance``, else the guidance the
+    policy samples with, else the model's default; with ``default_pass`` also ``eval_default`` at the
+    model's default guidance when it differs."""
+    main = resolve_guidance(model_default, eval_guidance, policy_guidance)
+    out = [("eval", main)]
+    if default_pass and float(model_default) != main:
+        out.append(("eval_default", float(model_default)))
+    return out
+
+
+# ---- seeds and metrics ------------------------------------------------------------------------
+def prompt_seeds(seed: int, indices: Sequence[int], seed_set: int = 0) -> list[int]:
+    """The seed of image ``seed_set`` of each held-out prompt, by its index in the whole prompt list (so a
+    prompt draws the same image whichever process evaluates it; set 0 is the historical one)."""
     if seed_set == 0:
-        return [derive_seed(seed, "eval", i) for i in range(n)]
-    return [derive_seed(seed, "eval", i, seed_set) for i in range(n)]
+        return [derive_seed(seed, "eval", i) for i in indices]
+    return [derive_seed(seed, "eval", i, seed_set) for i in indices]
+
+
+def eval_seeds(seed: int, n: int, seed_set: int = 0) -> list[int]:
+    """Fixed per-image seeds of an evaluation of ``n`` prompts (the same at every eval, so grids compare):
+    :func:`prompt_seeds` of prompts 0 … n−1."""
+    return prompt_seeds(seed, range(n), seed_set)
+
+
+class Evaluated(NamedTuple):
+    """One process's eval: ``metrics`` key → value; ``weights`` key → the number of items behind a mean (a
+    key without one is a count, added over processes); ``images`` [K, 3, H, W] for the grid."""
+
+    metrics: dict[str, float]
+    weights: dict[str, float]
+    images: torch.Tensor
+
+
+def term_weights(summary: dict[str, float], n_images: int) -> dict[str, float]:
+    """The weight of each mean of a reward term's ``evaluate`` summary: ``<m>/<sub>`` by the count
+    ``n/<sub>`` when the summary has it, other means by ``n`` (else ``n_images``); counts (``n``,
+    ``n/<sub>``) get none."""
+    base = float(summary.get("n", n_images))
+    out = {}
+    for key in summary:
+        if key == "n" or key.startswith("n/"):
+            continue
+        sub = key.split("/", 1)[1] if "/" in key else None
+        out[key] = float(summary[f"n/{sub}"]) if sub is not None and f"n/{sub}" in summary else base
+    return out
+
+
+def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str) -> tuple[dict, dict]:
+    """(metrics, weights) of images [N, 3, H, W] of ``prompts``: the mean of each reward term
+    (``<prefix>/<name>_mean``, weight N) and the numeric summary of terms that offer ``evaluate``."""
+    metrics: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for name, scores in reward.components(images, prompts, {}).items():
+        metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
+        weights[f"{prefix}/{name}_mean"] = float(len(prompts))
+    for term in reward.rewards:
+        if hasattr(term, "evaluate"):
+            summary = {k: float(v) for k, v in term.evaluate(images, prompts).items() if isinstance(v, (int, float))}
+            metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
+            weights.update({f"{prefix}/{term.name}/{k}": w for k, w in term_weights(summary, len(prompts)).items()})
+    return metrics, weights
 
 
 @torch.no_grad()
 def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, guidance: float | None, seed: int,
              max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval",
-             progress: bool = False) -> tuple[dict[str, float], torch.Tensor]:
+             progress: bool = False, indices: Sequence[int] | None = None) -> Evaluated:
     """Mean of each reward term (``<prefix>/<name>_mean``) and per-task breakdowns of rewards that offer
     ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
-    the standard error shrinks by √k), and the first ``keep_images`` images [K, 3, H, W] of seed set 0.
-    ``progress``: a bar counting the images drawn."""
+    the standard error shrinks by √k), with the weight of each mean, and the first ``keep_images`` images
+    [K, 3, H, W] of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
+    seeds (default 0, 1, …). ``progress``: a bar counting the images drawn."""
     prompts = list(prompts)
+    indices = list(range(len(prompts)) if indices is None else indices)
+    if len(indices) != len(prompts):
+        raise ValueError(f"evaluate: {len(prompts)} prompts but {len(indices)} indices")
     shown = f"guidance {guidance:g}" if guidance is not None else "the model's guidance"
     bar = tqdm(total=len(prompts) * images_per_prompt, unit="image", desc=f"{prefix} at {shown}", disable=not progress,
                leave=False)
     chunks = []
     for k in range(images_per_prompt):
-        seeds = eval_seeds(seed, len(prompts), k)
+        seeds = prompt_seeds(seed, indices, k)
         for start in range(0, len(prompts), max_batch):
             chunks.append(ode_sample(model, prompts[start:start + max_batch], seeds[start:start + max_batch], steps,
                                      guidance, max_batch))
             bar.update(len(chunks[-1]))
     bar.close()
     images = torch.cat(chunks)
-    every = prompts * images_per_prompt
-    metrics: dict[str, float] = {}
-    for name, scores in reward.components(images, every, {}).items():
-        metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
-    for term in reward.rewards:
-        if hasattr(term, "evaluate"):
-            for k, v in term.evaluate(images, every).items():
-                if isinstance(v, (int, float)):
-                    metrics[f"{prefix}/{term.name}/{k}"] = float(v)
-    return metrics, images[:min(keep_images, len(prompts))]
+    metrics, weights = score_images(images, prompts * images_per_prompt, reward, prefix)
+    return Evaluated(metrics, weights, images[:min(keep_images, len(prompts))])
 
 
 def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: int = 1) -> None:
@@ -120,45 +181,59 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 class HeldOutEval:
-    """The run's evals on its held-out prompts (``eval.*``), this process's share, metrics averaged over
-    processes: at the guidance the policy samples with (``eval/…``) and, before and after training, at the
-    model's default guidance when it differs (``eval_default/…``); labelled grids in ``samples/``."""
+    """The run's evals on its held-out prompts (``eval.*``), this process's share (every ``world``-th prompt,
+    each drawn from the seeds of its index in the whole list, so any number of processes draws the same
+    images): at ``eval.guidance``, else the guidance the policy samples with (``eval/…``) and, outside the
+    periodic evals, at the model's default guidance when it differs (``eval_default/…``). Metrics are
+    reduced over processes in one :meth:`~flowrl.process_group.ProcessGroup.reduce_means` (count-weighted
+    means, counts added), equal to one process's over all the prompts; labelled grids in ``samples/``."""
 
-    def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path,
-                 policy_guidance: float, progress: bool = False):
+    def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path | None,
+                 policy_guidance: float | None, progress: bool = False):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
         self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
-        self.prompts = list(prompts)[group.rank::group.world]
+        prompts = list(prompts)
+        self.indices = list(range(group.rank, len(prompts), group.world))  # this process's, in the whole list
+        self.prompts = [prompts[i] for i in self.indices]
         self.any = bool(prompts)
         self.policy_guidance = policy_guidance
 
     def guidances(self, periodic: bool = False) -> list[tuple[str, float]]:
-        """(metric prefix, guidance) of an eval: ``eval`` at ``eval.guidance`` (default: the guidance the
-        policy samples with) and, with ``eval.default_guidance``, ``eval_default`` at the model's default
-        guidance when it differs (a CFG-free policy is also measured where the base model is used) — before
-        and after training, not at the ``periodic`` evals of ``eval.every``."""
-        e = self.e
-        main = float(e.guidance) if e.guidance is not None else self.policy_guidance
-        out = [("eval", main)]
-        if e.default_guidance and not periodic and float(self.model.guidance) != main:
-            out.append(("eval_default", float(self.model.guidance)))
-        return out
+        """(metric prefix, guidance) of an eval (:func:`eval_guidances`); ``eval_default`` with
+        ``eval.default_guidance``, not at the ``periodic`` evals of ``eval.every``."""
+        return eval_guidances(self.e.guidance, self.policy_guidance, self.model.guidance,
+                              default_pass=bool(self.e.default_guidance) and not periodic)
 
-    def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
-        """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``)."""
+    def run(self, periodic: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """(metrics over every process, this process's grid images [K, 3, H, W] per prefix) of one eval;
+        every process must call it (a process without prompts takes part in the reduction only)."""
         if not self.any:
-            return {}
+            return {}, {}
         e = self.e
         self.model.trainable.eval()
-        out: dict[str, float] = {}
-        for prefix, guidance in self.guidances(periodic=tag is None):
-            metrics, images = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance,
-                                       seed=e.seed + self.group.rank, max_batch=e.batch_size, keep_images=e.grid_prompts,
-                                       images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress)
-            n = len(self.prompts)
-            out.update({k: self.group.sum(v * n) / self.group.sum(n) for k, v in metrics.items()})
-            out[f"{prefix}/guidance"] = guidance
-            if self.group.is_main and images.numel():
-                name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
-                save_labelled_grid(images, self.prompts, self.reward, self.samples / f"{name}.png")
+        metrics: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        grids: dict[str, torch.Tensor] = {}
+        for prefix, guidance in self.guidances(periodic):
+            if self.prompts:
+                found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance, seed=e.seed,
+                                 max_batch=e.batch_size, keep_images=e.grid_prompts,
+                                 images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
+                                 indices=self.indices)
+                metrics.update(found.metrics)
+                weights.update(found.weights)
+                grids[prefix] = found.images
+        out = self.group.reduce_means(metrics, weights)
+        out.update({f"{prefix}/guidance": guidance for prefix, guidance in self.guidances(periodic)})
+        return out, grids
+
+    def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
+        """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``); the
+        main process writes each pass's labelled grid to ``samples/``."""
+        out, grids = self.run(periodic=tag is None)
+        if self.group.is_main and self.samples is not None:
+            for prefix, images in grids.items():
+                if images.numel():
+                    name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
+                    save_labelled_grid(images, self.prompts, self.reward, self.samples / f"{name}.png")
         return out

@@ -1,4 +1,4 @@
-"""Explorer copies of the policy: a cheap model that previews candidates (Sol-RL, ALGORITHMS.md §7).
+"""Explorer copies of the policy: a cheap model that previews candidates (Sol-RL; docs/explore.md, "The explorer").
 
     explorer = make_explorer(model, "int8")            # quantized copy of the transformer, LoRA merged
     x0 = ode_sample(explorer.model, prompts, seeds, steps=6, decode=False)

@@ -4,8 +4,8 @@ Both train on the clean latents x0 of the forest's leaves, whatever sampler made
 chains, a tree, explore): no log-probs, no replay. Per leaf and iteration, D draws (t, ε) give the
 forward-process point x_t = (1−t)·x0 + t·ε and the flow-matching target y = ε − x0 (the velocity the
 model predicts at noise level σ = t). Each leaf carries its group advantage A (written by the credit
-rule; 0 where the rule skipped it, e.g. a group without reward spread) and is trained unless its reward
-failed (NaN).
+rule; 0 in a group without reward spread, which is still trained) and is trained unless its reward failed
+(NaN) or the credit rule gave it weight 0 (MC-GRPO's median sample, a tree's width-pruned chain).
 
 Draws are addressed, never taken from a global RNG: ε by (run seed, iteration, root seed of the leaf,
 its index within its prompt group, draw), t the same way or, with ``share_t``, by (run seed, iteration,
@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from flowrl.choices import choice
 from flowrl.objective import Batch, Objective
 from flowrl.policy_copies import OldPolicy, Reference
 from flowrl.rollout.seeding import derive_seed, seeded_normal
@@ -44,6 +45,8 @@ from flowrl.teacher import Teacher, TeacherSpec, leaf_weights
 
 CFG_MODES = ("free", "guided")
 TIMESTEPS = ("logit_normal", "uniform", "sampler")
+OPTIMALITY_FORMS = ("clip", "linear")  # NFT's optimality probability
+CENTERS = ("old", "teacher")  # NFT's implicit policies' centre
 
 
 @dataclass
@@ -51,18 +54,18 @@ class ForwardProcessObjective(Objective):
     """What DiffusionNFT and AWM share: the leaves' micro-batches, (t, ε) draws, the old copy, CFG modes.
 
     ``draws``: (t, ε) pairs per leaf and iteration [2]. ``timesteps``: ``logit_normal`` (t = sigmoid(N(
-    ``logit_mean``, ``logit_std``²))) or ``uniform``, mapped into ``t_range`` = [lo, hi]. ``batch_size``:
-    rows (leaf × draw) per forward. ``adv_clip``: |A| bound.
+    ``logit_mean``, ``logit_std``²))) or ``uniform``, mapped into ``t_range`` = [lo, hi]. ``micro_batch``:
+    rows (leaf × draw) per training forward — not a key of its own: the run's ``rollout.max_batch``, set by
+    :func:`flowrl.build.build_loss`. ``adv_clip``: |A| bound.
     """
 
     draws: int = 2
-    timesteps: str = "logit_normal"
+    timesteps: str = choice("logit_normal", TIMESTEPS)
     logit_mean: float = 0.0
     logit_std: float = 1.0
     t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
     share_t: bool = False
-    cfg: str = "free"
-    batch_size: int = 64
+    cfg: str = choice("free", CFG_MODES)
     adv_clip: float = 5.0
     old_decay: float = 0.9
     old_decay_warmup: int = 0
@@ -73,20 +76,16 @@ class ForwardProcessObjective(Objective):
     reward_term: float = 1.0
 
     trains_on = "leaves"
+    trains_flat = True  # a group without spread still pulls towards the old copy (and the teacher)
     progress_keys = {"fm": (("fm_error",), ".3f"), "anchor": (("anchor_error",), ".3f")}
     uses_old: ClassVar[bool] = True  # keeps a lagging old copy (a subclass that never reads it sets False)
+    micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
 
     def __post_init__(self) -> None:
         if isinstance(self.teacher, dict):
             self.teacher = TeacherSpec(**self.teacher)
-        if self.cfg not in CFG_MODES:
-            raise ValueError(f"loss.cfg={self.cfg!r} is not supported; accepted: {list(CFG_MODES)}")
-        if self.timesteps not in TIMESTEPS:
-            raise ValueError(f"loss.timesteps={self.timesteps!r} is not supported; accepted: {list(TIMESTEPS)}")
         if self.draws < 1:
             raise ValueError(f"loss.draws={self.draws} must be >= 1")
-        if self.batch_size < 1:
-            raise ValueError(f"loss.batch_size={self.batch_size} must be >= 1")
         if len(self.t_range) != 2 or not 0.0 <= self.t_range[0] < self.t_range[1] <= 1.0:
             raise ValueError(f"loss.t_range={list(self.t_range)} must be [lo, hi] with 0 <= lo < hi <= 1")
         if self.logit_std <= 0:
@@ -192,15 +191,16 @@ class ForwardProcessObjective(Objective):
         return (lo + (hi - lo) * u).clamp(1e-4, 1.0 - 1e-4).float()
 
     def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
-        """Micro-batches of leaves (``batch_size`` // ``draws`` each) with their draws: ``t`` [B·D] and
+        """Micro-batches of leaves (``micro_batch`` // ``draws`` each) with their draws: ``t`` [B·D] and
         ``noise`` [B·D, C, H, W], leaf-major, the anchor's per-leaf weight ``anchor`` [B] (with a teacher) and the
         teacher's conditioning of the forest's prompts ``teacher_cond`` (encoded once per iteration, when its
-        velocity is needed). Leaves must be clean (σ = 0); failed rewards are left out."""
+        velocity is needed). Leaves must be clean (σ = 0); only the credited units are trained (:meth:`units`:
+        failed rewards and leaves the credit rule gave weight 0 are left out)."""
         leaves = forest.leaves()
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
             raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
                              "are not at sigma 0: the plan must sample to the end")
-        leaves = self.select_leaves(forest, leaves[torch.isfinite(forest.reward[leaves])])
+        leaves = self.select_leaves(forest, self.units(forest))
         if leaves.numel() == 0:
             return []
         group = forest.group[leaves]
@@ -224,7 +224,7 @@ class ForwardProcessObjective(Objective):
             adv = forest.advantage[leaves].float().clamp(-self.adv_clip, self.adv_clip)
             anchor = self._anchor_now * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
         teacher_cond = self.teacher_model.encode(forest.prompts) if self.needs_teacher_velocity(anchor) else None
-        per = max(1, self.batch_size // D)
+        per = max(1, self.micro_batch // D)
         out = []
         for a in range(0, leaves.numel(), per):
             rows = slice(a * D, min(a + per, leaves.numel()) * D)
@@ -318,7 +318,7 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class NFTLoss(ForwardProcessObjective):
-    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117; ALGORITHMS.md §11).
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117; docs/algorithms.md, "Forward-process objectives").
 
     Optimality probability per leaf r ∈ [0, 1] (``optimality``): ``clip`` r = ½ + ½·clip(A/``adv_scale``, −1, 1)
     **(ours)**; ``linear`` r = ½ + A/(2·``adv_clip``) (the public code's r = 0.5 + A/10 with A clipped to ±5).
@@ -334,10 +334,10 @@ class NFTLoss(ForwardProcessObjective):
 
     beta: float = 1.0
     adv_scale: float = 2.0
-    optimality_form: str = "clip"
+    optimality_form: str = choice("clip", OPTIMALITY_FORMS)
     adaptive_weight: bool = False
     adaptive_scale: float = 1.0
-    center: str = "old"
+    center: str = choice("old", CENTERS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -345,12 +345,8 @@ class NFTLoss(ForwardProcessObjective):
             raise ValueError(f"loss.beta={self.beta} must be > 0 (DiffusionNFT's implicit-policy step)")
         if self.adv_scale <= 0:
             raise ValueError(f"loss.adv_scale={self.adv_scale} must be > 0")
-        if self.optimality_form not in ("clip", "linear"):
-            raise ValueError(f"loss.optimality_form={self.optimality_form!r} is not supported; accepted: ['clip', 'linear']")
         if self.adaptive_scale <= 0:
             raise ValueError(f"loss.adaptive_scale={self.adaptive_scale} must be > 0")
-        if self.center not in ("old", "teacher"):
-            raise ValueError(f"loss.center={self.center!r} is not supported; accepted: ['old', 'teacher']")
         if self.center == "teacher" and self.teacher is None:
             raise ValueError("loss.center='teacher' centres NFT on the teacher's velocity, but loss.teacher is not set")
 

@@ -1,4 +1,5 @@
-"""Policy objectives: the clipped ratio over replayed edges (ALGORITHMS.md §2) and LayerTuning (§6).
+"""Policy objectives: the clipped ratio over replayed edges (docs/algorithms.md, "The clipped objective") and
+LayerTuning (docs/trees.md, "Dynamic-TreeRPO's loss").
 
 For each trained edge e: r_e = exp(logp_θ(e) − logp_old(e)), A_e clipped to ±adv_clip,
 L = mean_e max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e KL_e.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl import sde
+from flowrl.choices import choice
 from flowrl.objective import Batch, Objective
 from flowrl.policy_copies import Reference
 from flowrl.replay import replay, replay_batches
@@ -29,17 +31,18 @@ class PolicyLoss(Objective):
     """Clipped ratio objective with optional KL to the reference policy.
 
     ``clip_low``/``clip_high``: ε_low, ε_high (symmetric when equal). ``adv_clip``: |A| bound.
-    ``beta``: KL weight (0 = no reference forward). ``kl_form``: ``exact`` or ``flow_grpo``.
+    ``kl_ref``: weight of the KL to the reference policy (0 = no reference forward; the same key as the
+    forward-process objectives'). ``kl_form``: ``exact`` or ``flow_grpo``.
     ``reduction``: log-probs as the ``mean`` (Flow-GRPO) or ``sum`` over latent elements.
-    ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (Dynamic-TreeRPO, §6).
+    ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (docs/trees.md, "Dynamic-TreeRPO's loss").
     """
 
     clip_low: float = 1e-4
     clip_high: float = 1e-4
     adv_clip: float = 5.0
-    beta: float = 0.04
-    kl_form: str = "exact"  # exact | flow_grpo
-    reduction: str = "mean"  # mean | sum
+    kl_ref: float = 0.04
+    kl_form: str = choice("exact", sde.KL_FORMS)
+    reduction: str = choice("mean", sde.REDUCTIONS)
     adaptive_kappa: float | None = None
 
     trains_on = "edges"
@@ -49,14 +52,14 @@ class PolicyLoss(Objective):
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.kl_ref > 0
 
     def setup(self, model) -> None:
         self._reference = Reference(model) if self.needs_reference else None
 
     def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
         """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
-        return [Batch(b, int(b.numel())) for b in replay_batches(forest, forest.edges(trainable=True))]
+        return [Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest))]
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Replay the batch's edges under the current weights (and the reference for β > 0), then
@@ -64,7 +67,7 @@ class PolicyLoss(Objective):
         b = batch.index
         reference = getattr(self, "_reference", None)
         if self.needs_reference and reference is None:
-            raise RuntimeError("PolicyLoss with beta > 0 needs setup(model) first (the KL reference)")
+            raise RuntimeError("PolicyLoss with kl_ref > 0 needs setup(model) first (the KL reference)")
         out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
                      reference=reference.active if reference is not None else None)
         device = out.logp.device
@@ -74,12 +77,8 @@ class PolicyLoss(Objective):
     def __post_init__(self) -> None:
         if self.clip_low <= 0 or self.clip_high <= 0:
             raise ValueError(f"loss.clip_low={self.clip_low} and loss.clip_high={self.clip_high} must be > 0")
-        if self.beta < 0:
-            raise ValueError(f"loss.beta={self.beta} must be >= 0")
-        if self.kl_form not in sde.KL_FORMS:
-            raise ValueError(f"loss.kl_form={self.kl_form!r} is not supported; accepted: {list(sde.KL_FORMS)}")
-        if self.reduction not in sde.REDUCTIONS:
-            raise ValueError(f"loss.reduction={self.reduction!r} is not supported; accepted: {list(sde.REDUCTIONS)}")
+        if self.kl_ref < 0:
+            raise ValueError(f"loss.kl_ref={self.kl_ref} must be >= 0")
         if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
             raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
 
@@ -110,7 +109,7 @@ class PolicyLoss(Objective):
         kl_mean = torch.zeros((), device=logp.device)
         if kl is not None:
             kl_mean = (w * kl.float()).mean()
-            loss = loss + self.beta * kl_mean
+            loss = loss + self.kl_ref * kl_mean
         with torch.no_grad():
             d = delta.detach()
             r = ratio.detach()
@@ -130,8 +129,8 @@ class PolicyLoss(Objective):
 
 @dataclass
 class LayerTuningLoss(PolicyLoss):
-    """The clipped objective plus Dynamic-TreeRPO's LayerTuning-RL term (ALGORITHMS.md §6), once per
-    optimizer step (:meth:`Objective.auxiliary`):
+    """The clipped objective plus Dynamic-TreeRPO's LayerTuning-RL term (docs/trees.md,
+    "Dynamic-TreeRPO's loss"), once per optimizer step (:meth:`Objective.auxiliary`):
 
     λ·(1/(P·S))·Σ_g Σ_σ w_g·mean‖v_θ(x_σ, σ) − (ε − x0*_g)‖², over the P prompt groups of the forest and
     the S distinct σ at which its stochastic edges start (the tree layers), where x0*_g is the clean

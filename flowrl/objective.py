@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from flowrl.choices import Checked
 from flowrl.errors import ConfigError
 
 
@@ -35,7 +36,7 @@ class Batch:
     extra: dict[str, Any] | None = None
 
 
-class Objective:
+class Objective(Checked):
     """Base of ``loss.objective`` components (see the module docstring for the lifecycle).
 
     Class attributes a subclass sets: :attr:`trains_on` (``"edges"``: stochastic edges replayed with
@@ -48,7 +49,9 @@ class Objective:
     objectives that do not use log-probs leave the default.
     """
 
+    config_key = "loss"
     trains_on: ClassVar[str] = "edges"
+    trains_flat: ClassVar[bool] = False
     extremes: ClassVar[dict[str, Any]] = {}
     first_step_keys: ClassVar[tuple[str, ...]] = ()
     progress_keys: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {}
@@ -63,6 +66,20 @@ class Objective:
         return shown
 
     # ---- configuration checks ---------------------------------------------------------------
+    def units(self, forest) -> torch.Tensor:
+        """The nodes this objective trains [U] (``forest.units``: the credit rule's ``weight`` honoured alike by
+        every objective; flat units kept when :attr:`trains_flat`)."""
+        return forest.units(self.trains_on, flat=self.trains_flat)
+
+    def check_credit(self, credit) -> None:
+        """Refuse, at config load, a credit rule that writes no advantage where this objective reads one."""
+        writes = tuple(getattr(credit, "writes", ("edges", "leaves")))
+        if self.trains_on not in writes:
+            raise ConfigError(f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
+                              f"loss.objective={_name(self)!r} trains on {self.trains_on} (it would read advantage 0 on "
+                              f"every one); use credit.rule: group (or tree), or an objective that trains on "
+                              f"{writes[0]} (loss.objective: clipped)")
+
     def check_plan(self, plan) -> None:
         """Refuse, at config load, a rollout plan this objective cannot train on (names the keys)."""
         if self.trains_on == "edges" and not getattr(plan, "has_trainable_edges", True):

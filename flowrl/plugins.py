@@ -1,5 +1,6 @@
-"""Load a class named ``package.module:Class`` or ``path/to/file.py:Class`` (rewards, plans, credit
-rules and losses all resolve their ``name`` keys through here).
+"""Load a class (or a function) named ``package.module:Class`` or ``path/to/file.py:Class``: every
+:class:`~flowrl.registry.Registry` (plans, credit rules, objectives, rewards, kernels, model families)
+resolves such names through here.
 
 A file is imported once per process under a stable module name derived from its absolute path, so
 two configs naming the same file share one class.
@@ -56,11 +57,15 @@ def _where(error: BaseException, file: str) -> str:
     return f" (line {lines[-1]})" if lines else ""
 
 
-def load_from_file(path: str, cls_name: str, what: str, base: type) -> type:
+def load_from_file(path: str, cls_name: str, what: str, base: type | None = None) -> type:
     """``cls_name`` from the Python file ``path``; ``what`` names the kind in errors ("reward plugin
-    file"); ``base`` lists the candidate classes of the file when ``cls_name`` is missing."""
+    file"); when ``cls_name`` is missing the error lists the file's ``base`` subclasses (None: its functions)."""
     module = import_file(path, what)
     if not hasattr(module, cls_name):
+        if base is None:
+            found = sorted(k for k, v in vars(module).items()
+                           if callable(v) and not isinstance(v, type) and not k.startswith("_"))
+            raise AttributeError(f"{what} {path!r} has no function {cls_name!r} (functions in it: {found})")
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v is not base)
         raise AttributeError(f"{what} {path!r} has no class {cls_name!r} ({base.__name__} classes in it: {found})")
     return getattr(module, cls_name)
@@ -82,11 +87,11 @@ def import_module(module_path: str, label: str):
         raise ImportError(f"{label}: module {module_path!r} failed while being imported: {type(e).__name__}: {e}") from e
 
 
-def load_from_module(module_path: str, cls_name: str, label: str) -> type:
+def load_from_module(module_path: str, cls_name: str, label: str, noun: str = "class") -> type:
     """``cls_name`` from the importable module ``module_path``; ``label`` starts every error."""
     module = import_module(module_path, label)
     if not hasattr(module, cls_name):
-        raise AttributeError(f"{label}: module {module_path!r} has no class {cls_name!r}")
+        raise AttributeError(f"{label}: module {module_path!r} has no {noun} {cls_name!r}")
     return getattr(module, cls_name)
 
 
@@ -95,15 +100,17 @@ def public_name(cls: type) -> str:
     return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
 
 
-def load_target(target: str, label: str, file_what: str, base: type) -> type:
-    """The class behind ``"package.module:Class"`` or ``"path/file.py:Class"``, checked to subclass ``base``."""
+def load_target(target: str, label: str, file_what: str, base: type | None = None) -> type:
+    """The class behind ``"package.module:Class"`` or ``"path/file.py:Class"``, checked to subclass ``base``;
+    with ``base`` None, whatever object the name holds (e.g. a function)."""
+    noun = "Class" if base is not None else "function"
     module_path, _, cls_name = target.rpartition(":")
     if not module_path or not cls_name:
-        raise ValueError(f"{label}: expected 'package.module:Class' or 'path/to/file.py:Class'")
+        raise ValueError(f"{label}: expected 'package.module:{noun}' or 'path/to/file.py:{noun}'")
     if is_file_target(module_path):
         cls = load_from_file(module_path, cls_name, file_what, base)
     else:
-        cls = load_from_module(module_path, cls_name, label)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
+        cls = load_from_module(module_path, cls_name, label, noun.lower())
+    if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"{label} resolves to {cls!r}, which is not a subclass of {public_name(base)}")
     return cls

@@ -1,5 +1,5 @@
 """Low-precision backends for explorer copies of the policy (:mod:`flowrl.explorer`; Sol-RL,
-ALGORITHMS.md §7): which backends this machine can run, and the quantized replacement of one Linear layer.
+docs/explore.md, "The explorer"): which backends this machine can run, and the quantized replacement of one Linear layer.
 
 Backends (:data:`BACKENDS`) and what they need:
 
@@ -35,7 +35,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from flowrl.choices import choose
 from flowrl.errors import ConfigError
+from flowrl.models.dtypes import MIXED_PRECISION
 
 BACKENDS: tuple[str, ...] = ("same", "bf16", "fp16", "int8", "nf4", "fp8", "nvfp4")
 QUANTIZING: tuple[str, ...] = ("int8", "nf4", "fp8", "nvfp4")
@@ -119,8 +121,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 def check_backend(backend: str, device: torch.device | str | None = None, key: str = "rollout.backend") -> None:
     """Raise :class:`ConfigError` naming ``key``, the reason and the backends this device can run
     when ``backend`` cannot run on ``device`` (None → :func:`default_device`)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"{key}={backend!r} is not supported; accepted: {list(BACKENDS)}")
+    choose(key, backend, BACKENDS)
     reason = unavailable_reason(backend, device)
     if reason is not None:
         where = torch.device(device) if device is not None else default_device()
@@ -131,10 +132,8 @@ def check_backend(backend: str, device: torch.device | str | None = None, key: s
 # ---- layer conversion -----------------------------------------------------------------------
 def rest_dtype(backend: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
     """Compute dtype of the explorer's unquantized parts (and of its inputs)."""
-    if backend == "bf16":
-        return torch.bfloat16
-    if backend == "fp16":
-        return torch.float16
+    if backend in MIXED_PRECISION:  # bf16, fp16
+        return MIXED_PRECISION[backend]
     if backend in ("fp8", "nvfp4"):
         return torch.bfloat16
     if device.type == "cpu":

@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
+WEIGHT = "__weight:"  # the prefix of the weight beside each mean in reduce_means' sums
+
 
 class ProcessGroup:
     """``world`` processes, this one ``rank``; the main process (rank 0) writes the run's files."""
@@ -48,6 +50,25 @@ class ProcessGroup:
             for key, value in part.items():
                 fold(out, key, value, extremes)
         return out
+
+    def reduce_means(self, values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """``values`` combined over processes by one :meth:`reduce_sums`, over the union of every process's
+        keys: a key with a weight (the number of items behind its value, e.g. the prompts of a per-task
+        accuracy) as the weighted mean sum(value·weight) / sum(weight) (processes without the key, or with
+        weight 0, take no part); a key without one (a count) added. Equal on every rank to one process's
+        statistics over all the items."""
+        sums: dict[str, float] = {}
+        for key, value in values.items():
+            if key.startswith(WEIGHT):
+                raise ValueError(f"reduce_means: key {key!r} starts with the reserved {WEIGHT!r}")
+            weight = weights.get(key)
+            if weight is None:
+                sums[key] = float(value)
+            elif weight:
+                sums[key], sums[WEIGHT + key] = float(value) * weight, float(weight)
+        total = self.reduce_sums(sums, {})
+        return {k: v / total[WEIGHT + k] if WEIGHT + k in total else v
+                for k, v in total.items() if not k.startswith(WEIGHT)}
 
     def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Replace every ``p.grad`` by its mean over processes (one flat all-reduce; a missing grad counts 0)."""

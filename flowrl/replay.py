@@ -13,7 +13,7 @@ import torch
 
 from flowrl import sde
 from flowrl.models.base import Conditioning, FlowModel
-from flowrl.rollout.forest import EDGE_KERNELS, Forest
+from flowrl.rollout.forest import Forest
 
 
 def replay_batches(forest: Forest, edges: torch.Tensor) -> list[torch.Tensor]:
@@ -50,7 +50,7 @@ def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Te
     kernels = forest.kernel[edges].unique()
     if kernels.numel() != 1:
         raise ValueError("a replay batch must hold edges of one kernel")
-    kernel = EDGE_KERNELS[int(kernels[0])]
+    kernel = forest.kernels[int(kernels[0])]
     latents = forest.all_latents()
     parents = forest.parent[edges]
     unique_parents, position = torch.unique_consecutive(parents, return_inverse=True)

@@ -1,4 +1,5 @@
-"""Transition kernels of flow-matching samplers, their Gaussian log-densities and KL (ALGORITHMS.md §1).
+"""Transition kernels of flow-matching samplers, their Gaussian log-densities and KL (docs/algorithms.md,
+"Transition kernels").
 
 Pure tensor functions, all arithmetic in fp32. Conventions (rectified flow, diffusers'
 ``FlowMatchEulerDiscreteScheduler``): x_σ = (1−σ)·x0 + σ·ε, the model predicts v ≈ ε − x0,
@@ -13,6 +14,10 @@ import math
 from typing import Callable
 
 import torch
+
+from flowrl.choices import choose
+from flowrl.errors import ConfigError
+from flowrl.registry import LOAD_ERRORS, Registry
 
 KL_FORMS: tuple[str, ...] = ("exact", "flow_grpo")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum")
@@ -52,37 +57,39 @@ def _cps(x, v, s, s_next, e):
     return (1.0 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next * s_next - std * std, min=0.0)) * x1_hat, std
 
 
-KERNEL_FUNCTIONS: dict[str, Kernel] = {"ode": _ode, "flow_grpo": _flow_grpo, "dance": _dance, "cps": _cps}
-"""Registered transition kernels by name (:func:`register_kernel` adds one; ALGORITHMS.md §1 has the math)."""
-KERNELS: tuple[str, ...] = tuple(KERNEL_FUNCTIONS)
+def _check_kernel_function(fn, label: str) -> None:
+    if not callable(fn) or isinstance(fn, type):
+        raise TypeError(f"{label} resolves to {fn!r}, which is not a kernel function (flowrl.sde.Kernel)")
 
 
-def register_kernel(name: str, fn: Kernel) -> None:
-    """Make ``fn`` (see :data:`Kernel`) available as ``rollout.kernel: name`` to every plan."""
-    global KERNELS
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"kernel name {name!r} must be a non-empty string")
-    KERNEL_FUNCTIONS[name] = fn
-    KERNELS = tuple(KERNEL_FUNCTIONS)
+KERNEL_FUNCTIONS = Registry("rollout.kernel", {"ode": _ode, "flow_grpo": _flow_grpo, "dance": _dance, "cps": _cps},
+                            check=_check_kernel_function)
+"""Transition kernels by name (a :class:`~flowrl.registry.Registry`; :func:`register_kernel` adds one;
+docs/algorithms.md, "Transition kernels", has the math). A ``package.module:function`` or
+``path/file.py:function`` name resolves too (out-of-tree kernels from YAML alone)."""
+
+
+def __getattr__(name: str):
+    if name == "KERNELS":  # the registered names, as a tuple (kept for code that read the former constant)
+        return tuple(KERNEL_FUNCTIONS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register_kernel(name: str, fn: Kernel | str) -> None:
+    """Make ``fn`` (see :data:`Kernel`, or its ``"module:function"``) available as ``rollout.kernel: name``."""
+    KERNEL_FUNCTIONS.register(name, fn)
 
 
 def check_kernel(kernel: str, key: str = "kernel") -> str:
-    """``kernel`` if registered; a ``package.module:function`` or ``path/file.py:function`` name is imported
-    and registered under that name (out-of-tree kernels from YAML alone)."""
-    if kernel in KERNEL_FUNCTIONS:
-        return kernel
-    if ":" in str(kernel):
-        from flowrl.plugins import import_file, import_module, is_file_target
-
-        module_path, _, fn_name = str(kernel).rpartition(":")
-        module = import_file(module_path, f"{key} file") if is_file_target(module_path) else import_module(module_path, key)
-        fn = getattr(module, fn_name, None)
-        if not callable(fn):
-            raise ValueError(f"{key}={kernel!r}: {module_path!r} has no function {fn_name!r}")
-        register_kernel(kernel, fn)
-        return kernel
-    raise ValueError(f"{key}={kernel!r} is not a transition kernel; accepted: {list(KERNEL_FUNCTIONS)}, or "
-                     "'package.module:function' / 'path/file.py:function'")
+    """``kernel`` if it names a kernel (registered, ``package.module:function`` or ``path/file.py:function``,
+    imported now); else a :class:`ConfigError` naming ``key``."""
+    try:
+        KERNEL_FUNCTIONS.resolve(kernel, key)
+    except ConfigError:
+        raise
+    except LOAD_ERRORS as e:
+        raise ConfigError(str(e)) from None
+    return kernel
 
 
 def _per_sample(value, x: torch.Tensor) -> torch.Tensor:
@@ -113,9 +120,8 @@ def step(
     s_next = _per_sample(sigma_next, x)
     e = _per_sample(eta, x)
     fn = KERNEL_FUNCTIONS.get(kernel)
-    if fn is None:
-        check_kernel(kernel)
-        fn = KERNEL_FUNCTIONS[kernel]
+    if fn is None or isinstance(fn, str):  # a module:function name, or a lazy entry
+        fn = KERNEL_FUNCTIONS.resolve(kernel)
     mean, std = fn(x, v, s, s_next, e)
     std = torch.broadcast_to(std, s.shape)
     std = std.reshape(x.shape[0])
@@ -131,8 +137,7 @@ def log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduct
     Reduced over all non-batch elements by ``mean`` (Flow-GRPO convention) or ``sum``. Returns fp32
     [B]. Rows with std 0 (deterministic ODE edges) return 0: they are never trained, never NaN.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"loss.reduction={reduction!r} is not supported; accepted: {list(REDUCTIONS)}")
+    choose("loss.reduction", reduction, REDUCTIONS)
     x_next = x_next.float()
     mean = mean.float()
     std = std.float().reshape(-1)
@@ -151,8 +156,7 @@ def kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: torch.Tensor, form: str 
     ``exact``: mean(‖μ_a − μ_b‖²)/(2s²) (mean over non-batch elements). ``flow_grpo``: their form,
     which equals exact × |dt| (dt [B] or float required). Rows with std 0 give 0.
     """
-    if form not in KL_FORMS:
-        raise ValueError(f"loss.kl_form={form!r} is not supported; accepted: {list(KL_FORMS)}")
+    choose("loss.kl_form", form, KL_FORMS)
     diff2 = ((mean_a.float() - mean_b.float()) ** 2).mean(dim=tuple(range(1, mean_a.ndim)))
     std = std.float().reshape(-1)
     stochastic = std > 0

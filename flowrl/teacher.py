@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 
+from flowrl.choices import Checked, choice
 from flowrl.errors import ConfigError
 
 WEIGHTINGS = ("none", "reward", "advantage")
@@ -80,7 +81,7 @@ class Schedule:
 
 
 @dataclass
-class TeacherSpec:
+class TeacherSpec(Checked):
     """The ``loss.teacher`` section. ``guidance``: the teacher's CFG scale g_T (≥ 1) [3.0]. ``path``: None
     (the frozen initial weights) or a checkpoint / run folder / folder with ``transformer/``. ``anchor``: λ
     (0 = no anchor: the teacher only draws samples). ``schedule``: λ's schedule. ``weighting``: the anchor's
@@ -91,8 +92,10 @@ class TeacherSpec:
     path: str | None = None
     anchor: float = 1.0
     schedule: str = "constant"
-    weighting: str = "none"
+    weighting: str = choice("none", WEIGHTINGS)
     share_schedule: str = "constant"
+
+    config_key = "loss.teacher"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.guidance, (int, float)) and math.isfinite(self.guidance) and self.guidance >= 1.0):
@@ -100,8 +103,6 @@ class TeacherSpec:
                               "guidance)")
         if not (math.isfinite(self.anchor) and self.anchor >= 0):
             raise ConfigError(f"loss.teacher.anchor={self.anchor} must be >= 0 (the anchor's weight; 0 = none)")
-        if self.weighting not in WEIGHTINGS:
-            raise ConfigError(f"loss.teacher.weighting={self.weighting!r} is not supported; accepted: {list(WEIGHTINGS)}")
         self.anchor_schedule = Schedule.parse(self.schedule, "loss.teacher.schedule")
         self.sample_schedule = Schedule.parse(self.share_schedule, "loss.teacher.share_schedule")
         if self.path is not None:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from flowrl import build
 from flowrl.checkpoint import save_weights
 from flowrl.config import ConfigError, TrainConfig
-from flowrl.evaluation import HeldOutEval
+from flowrl.evaluation import HeldOutEval, resolve_guidance
 from flowrl.metrics import plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.process_group import ProcessGroup
@@ -77,9 +77,9 @@ class Trainer:
         self.objective.setup(self.model)
         self.plan = build.build_plan(c.rollout)
         self.objective.check_plan(self.plan)
-        rollout_guidance = self.objective.rollout_guidance(c.model.guidance)
-        self.guidance = float(self.model.guidance if rollout_guidance is None else rollout_guidance)
+        self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.credit = build.build_credit(c)
+        self.objective.check_credit(self.credit)
         self.plan.setup(self.model, self.reward)
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
         self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
@@ -190,8 +190,9 @@ class Trainer:
         """The share of prompt groups whose rewards did not spread (they train nothing), and the prompt
         source's feedback: every group's spread, gathered over processes in global order."""
         spread = self.group.gather(forest.group_reward_std())
-        scored = spread[~torch.isnan(spread)]
-        out = {"groups_without_spread": float((scored <= 1e-8).float().mean()) if scored.numel() else float("nan")}
+        flat = self.group.gather(forest.flat_groups(getattr(self.credit, "zero_std_tol", 1e-6)).float())
+        scored = ~torch.isnan(spread)
+        out = {"groups_without_spread": float(flat[scored].mean()) if bool(scored.any()) else float("nan")}
         out.update(self.prompts.observe(spread))
         return out
 

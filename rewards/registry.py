@@ -5,14 +5,13 @@ import heavy optional dependencies (open_clip, transformers models) until a rewa
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 from typing import Any
 
-from flowrl.plugins import load_target
+from flowrl.registry import Registry
 from rewards.base import Reward
 
-REGISTRY: dict[str, str | type] = {
+REGISTRY = Registry("reward", {
     "jpeg_compressibility": "rewards.image_stats:JpegCompressibility",
     "jpeg_incompressibility": "rewards.image_stats:JpegIncompressibility",
     "brightness": "rewards.image_stats:Brightness",
@@ -25,40 +24,18 @@ REGISTRY: dict[str, str | type] = {
     "imagereward": "rewards.imagereward:ImageRewardScore",
     "aesthetic": "rewards.aesthetic:Aesthetic",
     "remote": "rewards.remote:RemoteReward",
-}
+}, base=Reward)
+"""Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.registry.Registry`)."""
 
 
 def register(name: str, target: str | type) -> None:
     """Register ``target`` (a Reward subclass or ``"module:Class"``) under ``name``."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"reward registry name {name!r} must be a non-empty string without ':'")
-    if isinstance(target, str):
-        if target.count(":") < 1 or not all(target.rpartition(":")[::2]):
-            raise ValueError(f"register({name!r}, {target!r}): a string target must be 'module:Class' "
-                             "or 'file.py:Class'")
-    elif not (isinstance(target, type) and issubclass(target, Reward)):
-        raise TypeError(f"register({name!r}, {target!r}): target must be a rewards.Reward subclass or 'module:Class'")
-    REGISTRY[name] = target
+    REGISTRY.register(name, target)
 
 
 def resolve_reward_class(name: str) -> type:
-    """The class behind a registry name, ``module:Class`` or ``file.py:Class``."""
-    target: Any = REGISTRY.get(name)
-    if target is None:
-        if ":" not in name:
-            close = difflib.get_close_matches(name, list(REGISTRY), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise KeyError(
-                f"reward name {name!r} is not registered{hint}; registered: {sorted(REGISTRY)}; "
-                "or give 'package.module:Class' or 'path/to/file.py:Class'"
-            )
-        target = name
-    if isinstance(target, str):
-        return load_target(target, f"reward {name!r}", "reward plugin file", Reward)
-    cls = target
-    if not (isinstance(cls, type) and issubclass(cls, Reward)):
-        raise TypeError(f"reward {name!r} resolves to {cls!r}, which is not a subclass of rewards.Reward")
-    return cls
+    """The class behind a registry name, ``module:Class`` or ``file.py:Class`` (unknown names: a KeyError)."""
+    return REGISTRY.resolve(name)
 
 
 def _check_kwargs(name: str, cls: type, kwargs: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ SETTINGS = {
 }
 COMMON = ["model.family=sd3", "rollout.group_size=8", "rollout.steps=10", "rollout.max_batch=64", "prompts.per_step=8",
           "prompts.train=a red circle|two blue squares|a green cat|a small dog|a big house|a white car|one tree|a black dog",
-          "loss.beta=0.04", "model.lora.rank=8"]
+          "loss.kl_ref=0.04", "model.lora.rank=8"]
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6):
     cfg = TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", f"rollout.steps={steps}",
         f"prompts.train={'|'.join(LEARN_PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0",
+        "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0",
         f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
         "train.checkpoint_every=0", "train.async_reward=false", *overrides,
     ])

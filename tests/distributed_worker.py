@@ -3,6 +3,10 @@
 Trains the tiny SD3 pipeline for 2 iterations (adaptive prompt sampling, fed from every rank's groups)
 and writes, per rank, the world size, the prompts drawn, the advantages of its leaves, the global
 training metrics (2 optimizer steps per iteration), the prompt statistics and the final LoRA weights to ``OUT/rank<r>.pt``.
+
+``distributed_worker.py eval OUT`` (run by tests/test_eval_reduce.py): the held-out eval of the shapes model on
+each prompt list of ``tests.test_eval_reduce.PROMPT_LISTS``, its metrics to ``OUT/<list>.rank<r>.json`` as each
+eval ends (so a later eval that hangs leaves the earlier ones to compare).
 """
 from __future__ import annotations
 
@@ -39,5 +43,23 @@ def main(out: str) -> None:
                Path(out) / f"rank{trainer.rank}.pt")
 
 
+def main_eval(out: str) -> None:
+    import json
+
+    from accelerate import Accelerator
+
+    from flowrl.process_group import ProcessGroup
+    from tests.test_eval_reduce import PROMPT_LISTS, held_out_eval
+
+    torch.set_num_threads(1)
+    group = ProcessGroup(Accelerator(cpu=True))
+    for name, prompts in PROMPT_LISTS.items():
+        metrics = held_out_eval(prompts, group).run()[0]
+        (Path(out) / f"{name}.rank{group.rank}.json").write_text(json.dumps({"world": group.world, **metrics}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "eval":
+        main_eval(sys.argv[2])
+    else:
+        main(sys.argv[1])

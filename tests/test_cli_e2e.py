@@ -43,8 +43,9 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "no checkpoints/step-N/ folder" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, signum):
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
+    """SIGINT (Ctrl-C) to one run and SIGTERM to another, started together (one thread each, so the two
+    cores run them side by side): each saves a checkpoint, exits with status 130, and a resume continues."""
     import signal
     import subprocess
     import sys
@@ -54,29 +55,46 @@ def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, sig
 
     folder = tmp_path / "tiny-sd3"
     tiny_sd3_pipeline().save_pretrained(folder)
-    args = [f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square", "prompts.eval=null",
-            "prompts.per_step=2", "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all",
-            "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=4", f"train.output_dir={tmp_path}",
-            "train.name=int", "train.progress=false"]
-    args = ["configs/shapes/grpo.yaml", *args]
-    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args, "train.max_steps=1000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "int" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and '"reward_mean"' in metrics.read_text()):
-        time.sleep(0.2)
-    proc.send_signal(getattr(signal, signum))
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 130, err[-2000:]
-    assert "saved a checkpoint" in out
-    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
-    saved = sorted((tmp_path / "int" / "checkpoints").iterdir())
-    assert [p.name for p in saved] == [f"step-{steps[-1]}"] and 1 <= steps[-1] < 1000
-    resumed = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", *args, f"train.max_steps={steps[-1] + 1}",
-                              "train.resume=latest"], capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    after = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
-    assert after == list(range(1, steps[-1] + 2))
+
+    def args(name: str) -> list[str]:
+        return ["configs/shapes/grpo.yaml", f"model.path={folder}", "model.family=sd3",
+                "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2",
+                "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all", "rewards=[{name: brightness}]",
+                "eval.rewards=null", "model.lora.rank=4", f"train.output_dir={tmp_path}", f"train.name={name}",
+                "train.progress=false", "train.num_threads=1"]
+
+    signums = ["SIGINT", "SIGTERM"]
+    procs = {s: subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args(s), "train.max_steps=1000"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in signums}
+    steps, resumed = {}, {}
+    try:
+        for signum, proc in procs.items():
+            metrics = tmp_path / signum / "metrics.jsonl"
+            deadline = time.time() + 240
+            while time.time() < deadline and not (metrics.exists() and '"reward_mean"' in metrics.read_text()):
+                time.sleep(0.2)
+            proc.send_signal(getattr(signal, signum))
+        for signum, proc in procs.items():
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 130, (signum, err[-2000:])
+            assert "saved a checkpoint" in out, signum
+            steps[signum] = [json.loads(l)["step"] for l in (tmp_path / signum / "metrics.jsonl").read_text().splitlines()]
+            saved = sorted((tmp_path / signum / "checkpoints").iterdir())
+            last = steps[signum][-1]
+            assert [p.name for p in saved] == [f"step-{last}"] and 1 <= last < 1000, signum
+            resumed[signum] = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args(signum),
+                                                f"train.max_steps={last + 1}", "train.resume=latest"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for signum, proc in resumed.items():
+            _, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, (signum, err[-2000:])
+            after = [json.loads(l)["step"] for l in (tmp_path / signum / "metrics.jsonl").read_text().splitlines()]
+            assert after == list(range(1, steps[signum][-1] + 2)), signum
+    finally:  # a failure above leaves no run behind
+        for proc in [*procs.values(), *resumed.values()]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_tensorboard_logging_writes_events(tmp_path):
@@ -86,7 +104,7 @@ def test_tensorboard_logging_writes_events(tmp_path):
     tiny_sd3_pipeline().save_pretrained(folder)
     assert main(["train", f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square",
                  "prompts.eval=null", "prompts.per_step=2", "rollout.group_size=2", "rollout.steps=3",
-                 "rollout.window.mode=all", "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=2",
+                 "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=2",
                  "train.max_steps=1", f"train.output_dir={tmp_path}", "train.name=tb", "train.log_with=tensorboard",
                  "train.progress=false"]) == 0
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))

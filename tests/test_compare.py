@@ -63,9 +63,9 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
               "prompts.per_step=2", "prompts.eval=a red circle|a dog", "eval.steps=2", "eval.rewards=null",
               "rewards=[{name: brightness}]"]
     good = tmp_path / "good.yaml"
-    good.write_text("loss: {beta: 0}\n")
+    good.write_text("loss: {kl_ref: 0}\n")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("loss: {beta: 0}\n")
+    bad.write_text("loss: {kl_ref: 0}\n")
     out = tmp_path / "cmp"
     args = ["compare", str(good), f"broken={bad}", *common, "--set", "broken", "rewards=[{name: no_such_reward}]",
             "--seeds", "0", "1", "--budget", "images=8", "--out", str(out), "--parallel", "2"]

@@ -21,7 +21,7 @@ def make_runs(out: Path, finals: dict[str, list[float]], metric: str = "eval/sha
     configs = []
     for label, values in finals.items():
         config = out.parent / f"{label}.yaml"
-        config.write_text("loss: {beta: 0}\n")
+        config.write_text("loss: {kl_ref: 0}\n")
         configs.append(str(config))
         for seed, final in enumerate(values):
             run = out / "runs" / f"{label}-s{seed}"

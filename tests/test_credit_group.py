@@ -1,4 +1,5 @@
-"""Independent tests of flowrl/credit/group.py against ALGORITHMS.md §3 (and DESIGN invariant 4).
+"""Independent tests of flowrl/credit/group.py against docs/algorithms.md, "Group advantages" (and the invariant:
+advantages are always finite; a zero-variance group gets zeros and its edges are skipped, counted).
 
 Expected advantages are hand-computed from A_i = (r_i − b_g)/(scale + 1e-4).
 """
@@ -100,13 +101,13 @@ def test_median_baseline_tied_median_drops_exactly_one():
 
 
 def test_mad_scale_is_about_the_median_even_with_mean_baseline():
-    """§3: `mad` = median|r − median| + 1e-3, whatever the baseline."""
+    """Group advantages: `mad` = median|r − median| + 1e-3, whatever the baseline."""
     r = [1.0, 5.0, 2.0, 8.0, 3.0]  # mean 3.8, median 3, MAD about the median 2 (about the mean: 1.8)
     adv, _, _ = GroupAdvantage(baseline="mean", scale="mad").normalise(torch.tensor([r]))
     expected = (np.array(r) - 3.8) / (2.0 + 1e-3 + EPS)
     np.testing.assert_allclose(
         _np(adv)[0], expected, rtol=1e-6,
-        err_msg="SPEC MISMATCH (flowrl/credit/group.py normalise, scale='mad'): ALGORITHMS.md §3 defines "
+        err_msg="SPEC MISMATCH (flowrl/credit/group.py normalise, scale='mad'): docs/algorithms.md defines "
                 "mad = median|r − median| + 1e-3, but the code uses median|r − baseline| so with "
                 "baseline='mean' it divides by the median absolute deviation about the MEAN (1.8 here, not 2)")
 
@@ -191,11 +192,11 @@ def test_assign_chains_mean_group_std():
     for n in range(6, 18):  # every edge of a chain carries its leaf's advantage
         assert float(f.advantage[n]) == pytest.approx(leaf_adv[CHAIN_OF[n]], rel=1e-6, abs=1e-7), f"edge into {n}"
     assert torch.isfinite(f.advantage).all()
-    # zero-variance group: weight 0 on its edges, excluded from training
+    # zero-variance group: marked flat (policy objectives skip it; leaf objectives keep it), not excluded
     for n in (9, 10, 11, 15, 16, 17):
-        assert float(f.weight[n]) == 0.0, f"edge into {n} (zero-variance group) must have weight 0"
+        assert float(f.flat[n]) == 1.0 and float(f.weight[n]) == 1.0, f"edge into {n} (zero-variance group) is flat"
     for n in (6, 7, 8):
-        assert float(f.weight[n]) > 0
+        assert float(f.weight[n]) > 0 and float(f.flat[n]) == 0.0
     # ODE edges are never trainable; zero-variance edges are skipped
     assert f.edges(trainable=True).tolist() == [6, 7, 8]
     assert f.edges(trainable=False).tolist() == list(range(6, 18))

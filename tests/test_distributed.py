@@ -12,6 +12,7 @@ import torch
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     single, double = tmp_path / "single", tmp_path / "double"
     single.mkdir()

@@ -149,7 +149,7 @@ CHECKS = {
         "with torch.no_grad():\n"
         "    trained, loaded = model.pipe.transformer(**args).sample, pipe.transformer(**args).sample\n"
         "assert torch.allclose(trained, loaded, atol=1e-5), (trained - loaded).abs().max()\n",
-    ("docs/explore.md", "Explore(inner_args="):
+    ("docs/explore.md", "Explore(inner={"):
         "assert tuple(out.images.shape) == (16, 3, 32, 32)\nassert len(out.forest.roots()) == 16\n",
     ("docs/trees.md", "flowrl.Tree(steps=20"):
         "assert out.images.shape[0] == 32\nassert torch.isfinite(out.forest.advantage[out.forest.edges()]).all()\n",

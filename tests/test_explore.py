@@ -19,11 +19,12 @@ from flowrl.trainer import Trainer
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
-INNER = ["group_size=4", "steps=4", "window.mode=fixed", "window.start=0", "window.size=2"]
+INNER = {"plan": "chains", "group_size": 4, "steps": 4, "window": {"mode": "fixed", "start": 0, "size": 2}}
+INNER_YAML = "{plan: chains, group_size: 4, steps: 4, window: {mode: fixed, start: 0, size: 2}}"
 
 
 def plan(**kw) -> Explore:
-    kw.setdefault("inner_args", list(INNER))
+    kw.setdefault("inner", dict(INNER))
     kw.setdefault("pool", 8)
     kw.setdefault("preview_steps", 2)
     return Explore(**kw)
@@ -32,10 +33,10 @@ def plan(**kw) -> Explore:
 def tiny_config(tmp_path, name="explore", *extra: str) -> TrainConfig:
     cfg = TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.lora.rank=4", "model.lora.init=default",
-        "rollout.plan=explore", f"rollout.inner_args=[{','.join(INNER)}]", "rollout.pool=8", "rollout.preview_steps=2",
+        "rollout.plan=explore", f"rollout.inner={INNER_YAML}", "rollout.pool=8", "rollout.preview_steps=2",
         "rollout.backend=int8", "rollout.min_params=0", "rollout.max_batch=16",
         f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=2", "prompts.eval=null",
-        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0",
+        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0",
         "train.max_steps=2", f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
         *extra,
     ])
@@ -141,7 +142,7 @@ def test_explore_wraps_a_tree_whose_root_is_the_kept_seed(sd3_model):
 
     tree = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.7)
     assert tree.root_count() == 1
-    explore = Explore(inner="tree", inner_args=["steps=4", "split_steps=[0,1]", "eta=0.7"], pool=3, preview_steps=2)
+    explore = Explore(inner={"plan": "tree", "steps": 4, "split_steps": [0, 1], "eta": 0.7}, pool=3, preview_steps=2)
     explore.setup(sd3_model, "brightness")
     forest = explore.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=3, iteration=1))
     roots = forest.roots()
@@ -212,7 +213,7 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     from rewards import MultiReward
 
     reward = MultiReward(["brightness"])
-    p = plan(inner_args=["group_size=4", "steps=4", "eta=1e-4", "window.mode=fixed", "window.start=0", "window.size=1"],
+    p = plan(inner={"plan": "chains", "group_size": 4, "steps": 4, "eta": 1e-4, "window": {"mode": "fixed", "start": 0, "size": 1}},
              preview_steps=4, backend="same")
     p.setup(sd3_model, reward)
     forest = p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, max_batch=16))
@@ -231,18 +232,20 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
 
 # ---- configuration --------------------------------------------------------------------------
 def test_inner_plan_keys_are_checked_against_its_own_fields():
-    with pytest.raises(ConfigError, match=r"'grup_size' is not a key of rollout.inner='chains' \(did you mean 'group_size'\?\)"):
-        TrainConfig.from_yaml(None, ["rollout.plan=explore", "rollout.inner_args=[grup_size=4]"])
+    with pytest.raises(ConfigError, match=r"'grup_size' is not a key of rollout.plan='chains' \(did you mean 'group_size'\?\)"):
+        TrainConfig.from_yaml(None, ["rollout.plan=explore", "rollout.inner={plan: chains, grup_size: 4}"])
     with pytest.raises(ConfigError, match="rollout.kernel"):
-        plan(inner_args=["kernel=euler"])
-    with pytest.raises(ConfigError, match="rollout.inner_args"):
-        plan(inner_args=["window.mod=fixed"])
-    with pytest.raises(ConfigError, match="'key=value'"):
-        plan(inner_args=["group_size"])
+        plan(inner={"plan": "chains", "kernel": "euler"})
+    with pytest.raises(ConfigError, match="rollout.inner"):
+        plan(inner={"plan": "chains", "window": {"mod": "fixed"}})
+    with pytest.raises(ConfigError, match="rollout.inner needs 'plan'"):
+        plan(inner={"group_size": 4})
     with pytest.raises(ConfigError, match="is a Explore too: a Explore cannot wrap another one"):
         plan(inner="explore")
-    with pytest.raises(ConfigError, match=r"rollout.inner='chanis' is not registered \(did you mean 'chains'\?\)"):
+    with pytest.raises(ConfigError, match=r"rollout.inner.plan='chanis' is not registered \(did you mean 'chains'\?\)"):
         plan(inner="chanis")
+    with pytest.raises(ConfigError, match="rollout.inner_args.*is gone; use rollout.inner: {plan: NAME"):
+        TrainConfig.from_yaml(None, ["rollout.plan=explore", "rollout.inner_args=[group_size=4]"])
     with pytest.raises(ConfigError, match="rollout.pool=3 must be >= the kept seeds per prompt"):
         plan(pool=3)
     with pytest.raises(ConfigError, match="rollout.select='best'"):
@@ -251,7 +254,7 @@ def test_inner_plan_keys_are_checked_against_its_own_fields():
         plan(preview_steps=0)
     with pytest.raises(ConfigError, match="does not take given root seeds"):
         Explore(inner_plan=type("NoRoots", (Chains,), {"root_count": lambda self: None})())
-    p = plan(inner_args={"group_size": 6, "steps": 5, "window": {"mode": "all"}}, pool=None)
+    p = plan(inner={"plan": "chains", "group_size": 6, "steps": 5, "window": {"mode": "all"}}, pool=None)
     assert (p.keep, p.pool_size, p.inner_plan.steps, p.inner_plan.window.mode) == (6, 24, 5, "all")
     assert Explore(inner_plan=Chains(group_size=2, shared_noise=True, eta=0.5)).keep == 1
 
@@ -269,6 +272,7 @@ def test_preset_loads_with_its_inner_chains():
 
 
 # ---- learning -------------------------------------------------------------------------------
+@pytest.mark.slow  # 8 iterations of the shipped model with a 16-seed pool (about 10 s): `pytest -m slow`
 def test_explore_raises_a_dense_reward_on_the_shapes_model(tmp_path):
     """Seeded: 8 iterations of the shapes Sol-RL preset (int8 explorer, pool 4·G) on four prompts raise the
     mean `redness` of ODE samples on fixed seeds by well over the spread between two seed sets."""
@@ -279,7 +283,7 @@ def test_explore_raises_a_dense_reward_on_the_shapes_model(tmp_path):
     prompts = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
     cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "solrl.yaml", [
         f"prompts.train={'|'.join(prompts)}", "prompts.per_step=4", "prompts.eval=null", "model.guidance=1",
-        "rollout.inner_args=[group_size=4,steps=6,eta=1.0,window.mode=fixed,window.start=0,window.size=2]",
+        "rollout.inner={plan: chains, group_size: 4, steps: 6, eta: 1.0, window: {mode: fixed, start: 0, size: 2}}",
         "rollout.pool=16", "rollout.preview_steps=3", "optim.lr=3e-3", "rewards=[{name: redness}]",
         "train.num_threads=1", "train.max_steps=8", f"train.output_dir={tmp_path}", "train.name=learn",
         "train.progress=false", "train.checkpoint_every=0",

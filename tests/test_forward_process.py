@@ -199,7 +199,7 @@ def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
 def test_policy_objective_still_replays_with_ratio_one(tmp_path):
     from flowrl.trainer import Trainer
 
-    cfg = tiny(tmp_path, "pol", "rollout.plan=chains", "rollout.window.mode=all", "loss.beta=0.04", "train.max_steps=1")
+    cfg = tiny(tmp_path, "pol", "rollout.plan=chains", "rollout.window.mode=all", "loss.kl_ref=0.04", "train.max_steps=1")
     records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
     assert records[0]["first_step_abs_delta_logp"] == 0.0 and records[0]["trained_edges"] > 0
 
@@ -239,7 +239,7 @@ def test_explore_feeds_the_ode_plan(sd3_model):
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.explore import Explore
 
-    plan = Explore(inner="ode", inner_args=["group_size=2", "steps=3"], pool=6, preview_steps=2, backend="same")
+    plan = Explore(inner={"plan": "ode", "group_size": 2, "steps": 3}, pool=6, preview_steps=2, backend="same")
     from rewards import MultiReward
 
     plan.setup(sd3_model, MultiReward([{"name": "redness"}]))
@@ -275,6 +275,7 @@ def test_a_plan_without_clean_latents_is_refused_for_a_forward_process_objective
 
 
 # ---- learning -----------------------------------------------------------------------------------
+@pytest.mark.slow  # 12 iterations of the shipped model per preset (15–45 s each): `pytest -m slow`, run by .ci/run
 @pytest.mark.parametrize("preset", ["nft", "awm"])
 def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
     """The preset (full fine-tuning, CFG-free ODE rollouts) on 4 prompts with the dense ``redness`` reward:

@@ -72,7 +72,7 @@ def test_adam_normalisation_gives_unit_rms_columns_and_keeps_zero_columns():
 
 
 def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(tmp_path):
-    cfg = tiny_config(tmp_path, "snr", "loss.beta=0")
+    cfg = tiny_config(tmp_path, "snr", "loss.kl_ref=0")
     trainer = Trainer(cfg, model=make_model("sd3"))
     before = [p.detach().clone() for p in trainer.params]
     measured, samples = trainer.policy_gradient(0)
@@ -100,7 +100,7 @@ def test_gradient_snr_runs_independent_iterations(tmp_path, monkeypatch):
 
     model = make_model("sd3")
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
-    out = gradient_snr(tiny_config(tmp_path, "snr2", "loss.beta=0"), batches=3, progress=False)
+    out = gradient_snr(tiny_config(tmp_path, "snr2", "loss.kl_ref=0"), batches=3, progress=False)
     assert out["batches"] == 3 and out["samples_per_batch"] == 8
     assert out["noise"] > 0  # different iterations draw different prompts and noise
     assert -1.0 <= out["mean_pairwise_cosine"] < 1.0 - 1e-6
@@ -119,7 +119,7 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
     import flowrl.build as build
 
     monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
-    cfg = tiny_config(tmp_path, "snr3", "loss.beta=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null")
+    cfg = tiny_config(tmp_path, "snr3", "loss.kl_ref=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null")
     Trainer(cfg).train()
     seen = []
 
@@ -128,7 +128,7 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
         return torch.randn(10), 8
 
     monkeypatch.setattr(Trainer, "policy_gradient", fake_gradient)
-    gradient_snr(tiny_config(tmp_path, "snr3", "loss.beta=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)
+    gradient_snr(tiny_config(tmp_path, "snr3", "loss.kl_ref=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)
     assert seen == [2, 3, 4]
 
 

@@ -1,6 +1,7 @@
 """No import cycle between the modules of flowrl/ and rewards/: every ``import`` / ``from … import`` counts,
-at module level or inside a function (a function-level import only hides a cycle until it runs).
-``if TYPE_CHECKING:`` blocks are annotations only and do not count."""
+at module level, inside a function (a function-level import only hides a cycle until it runs) or under
+``if TYPE_CHECKING:`` (a type-only import still makes the two modules depend on each other: break the cycle
+instead, e.g. by taking the object duck-typed)."""
 from __future__ import annotations
 
 import ast
@@ -15,25 +16,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def imports_of(path: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` that ``path`` imports (a package import counts as its ``__init__``)."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_lines(tree)
     this = module_name(path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -92,21 +81,43 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _graph_of(tmp_path, files: dict[str, str]) -> dict[str, set[str]]:
+    """The import graph of a package ``pkg`` made of ``files`` (name → source) under ``tmp_path``."""
+    global ROOT
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, source in files.items():
+        (pkg / name).write_text(source)
+    paths = sorted(pkg.glob("*.py"))
+    saved, ROOT = ROOT, tmp_path
+    try:
+        known = {module_name(p) for p in paths}
+        return {module_name(p): imports_of(p, known) for p in paths}
+    finally:
+        ROOT = saved
+
+
 def test_the_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "x.py").write_text("def f():\n    from pkg import y\n")
-    (pkg / "y.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import x\n")
-    known = {"pkg.x", "pkg.y", "pkg"}
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        assert imports_of(pkg / "x.py", known) == {"pkg", "pkg.y"}
-        assert imports_of(pkg / "y.py", known) == set()  # annotations only
-    finally:
-        ROOT = saved
+    graph = _graph_of(tmp_path, {"x.py": "def f():\n    from pkg import y\n", "y.py": "import pkg.x\n"})
+    assert graph["pkg.x"] == {"pkg", "pkg.y"}
+    assert cycles(graph) == [["pkg.x", "pkg.y"]]
+
+
+def test_the_checker_sees_a_cycle_through_a_type_only_import(tmp_path):
+    """flowrl.config called flowrl.config_checks inside a method while config_checks imported TrainConfig
+    under ``if TYPE_CHECKING:`` for its annotations: a cycle all the same."""
+    graph = _graph_of(tmp_path, {
+        "config.py": "class TrainConfig:\n    def validate(self):\n        from pkg.checks import check\n"
+                     "        check(self)\n",
+        "checks.py": "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from pkg.config import TrainConfig\n\n"
+                     "def check(cfg: TrainConfig) -> None:\n    pass\n",
+    })
+    assert graph["pkg.checks"] == {"pkg.config"}
+    assert cycles(graph) == [["pkg.checks", "pkg.config"]]
 
 
 def test_no_import_cycle_in_flowrl_and_rewards():
@@ -114,8 +125,8 @@ def test_no_import_cycle_in_flowrl_and_rewards():
     assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
 
 
-def test_no_module_of_flowrl_is_over_400_lines():
-    """Small modules with one job each (issue 25): a module past 400 lines is doing more than one."""
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "flowrl").rglob("*.py")
+def test_no_module_of_flowrl_or_rewards_is_over_400_lines():
+    """Small modules with one job each (issues 25, 35): a module past 400 lines is doing more than one."""
+    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long

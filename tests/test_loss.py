@@ -1,4 +1,5 @@
-"""Independent tests of flowrl/loss.py against ALGORITHMS.md §2 (and the §6 adaptive clip).
+"""Independent tests of flowrl/loss.py against docs/algorithms.md, "The clipped objective" (and the adaptive clip
+of docs/trees.md, "Dynamic-TreeRPO's loss").
 
 Reference: L = mean_e w_e·max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e w_e·KL_e with
 A clipped to ±adv_clip, computed here in float64 numpy. (Edge weights default to 1; the spec's
@@ -58,9 +59,9 @@ def test_beta_times_mean_kl_is_added():
     logp = logp_old.clone().requires_grad_(True)
     adv = _t([1.0, -1.0, 2.0])
     kl = _t([0.3, 0.1, 0.8])
-    base, _ = PolicyLoss(beta=0.0)(logp, logp_old, adv, kl)
-    with_kl, _ = PolicyLoss(beta=0.25)(logp, logp_old, adv, kl)
-    no_kl_arg, _ = PolicyLoss(beta=0.25)(logp, logp_old, adv)
+    base, _ = PolicyLoss(kl_ref=0.0)(logp, logp_old, adv, kl)
+    with_kl, _ = PolicyLoss(kl_ref=0.25)(logp, logp_old, adv, kl)
+    no_kl_arg, _ = PolicyLoss(kl_ref=0.25)(logp, logp_old, adv)
     assert base.item() == pytest.approx(-2.0 / 3.0, rel=1e-6)  # ratio 1: mean(−A)
     assert with_kl.item() == pytest.approx(-2.0 / 3.0 + 0.25 * 1.2 / 3.0, rel=1e-6)
     assert no_kl_arg.item() == pytest.approx(-2.0 / 3.0, rel=1e-6)
@@ -80,7 +81,7 @@ def test_asymmetric_clip_value_and_gradient():
     logp_old = _t(np.linspace(-1.0, -0.2, r.size))
     logp = (logp_old + _t(np.log(r))).detach().requires_grad_(True)
     adv = _t(a)
-    pl = PolicyLoss(clip_low=0.2, clip_high=0.28, adv_clip=5.0, beta=0.0)
+    pl = PolicyLoss(clip_low=0.2, clip_high=0.28, adv_clip=5.0, kl_ref=0.0)
     loss, diag = pl(logp, logp_old, adv)
     lp, lo = _f64(logp), _f64(logp_old)
     assert loss.item() == pytest.approx(ref_loss(lp, lo, a, clip_low=0.2, clip_high=0.28, beta=0.0), rel=1e-6)
@@ -111,7 +112,7 @@ def test_default_tiny_clip_gradient_zero_on_binding_side():
     delta = _t([3e-4, -3e-4, 3e-4, -3e-4, 5e-5])
     logp = (logp_old + delta).detach().requires_grad_(True)
     adv = _t([1.0, -1.0, -1.0, 1.0, 1.0])
-    loss, _ = PolicyLoss(beta=0.0)(logp, logp_old, adv)
+    loss, _ = PolicyLoss(kl_ref=0.0)(logp, logp_old, adv)
     loss.backward()
     g = logp.grad
     assert g[0] == 0 and g[1] == 0, "A>0 with r > 1+ε and A<0 with r < 1−ε must be clipped (zero gradient)"
@@ -125,7 +126,7 @@ def test_weights_multiply_each_edge_term():
     adv = _t([1.0, 2.0, -1.0, 0.5])
     kl = _t([0.2, 0.4, 0.6, 0.8])
     w = _t([1.0, 0.5, 2.0, 1.0])
-    pl = PolicyLoss(clip_low=0.1, clip_high=0.1, beta=0.1)
+    pl = PolicyLoss(clip_low=0.1, clip_high=0.1, kl_ref=0.1)
     loss, _ = pl(logp, logp_old, adv, kl, w)
     expected = ref_loss(_f64(logp), _f64(logp_old), _f64(adv), _f64(kl), _f64(w), clip_low=0.1, clip_high=0.1, beta=0.1)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -138,7 +139,7 @@ def test_ratio_one_first_inner_step():
     logp_old = _t([-0.3, -1.2, -2.5])
     logp = logp_old.clone().requires_grad_(True)
     adv = _t([0.5, -1.0, 2.0])
-    loss, diag = PolicyLoss(beta=0.0)(logp, logp_old, adv)
+    loss, diag = PolicyLoss(kl_ref=0.0)(logp, logp_old, adv)
     assert float(diag["abs_delta_logp"]) == 0.0
     assert float(diag["approx_kl"]) == 0.0
     assert float(diag["clipfrac_high"]) == 0.0 and float(diag["clipfrac_low"]) == 0.0
@@ -151,7 +152,8 @@ def test_ratio_one_first_inner_step():
 
 
 def test_adaptive_clip_widens_bound_with_advantage():
-    """§6: ε_high(A) = ε·(1 + κ·max(A,0)/adv_clip), ε_low(A) = ε·(1 + κ·max(−A,0)/adv_clip)."""
+    """Adaptive clip (docs/trees.md, "Dynamic-TreeRPO's loss"):
+    ε_high(A) = ε·(1 + κ·max(A,0)/adv_clip), ε_low(A) = ε·(1 + κ·max(−A,0)/adv_clip)."""
     eps, kappa, adv_clip = 0.1, 1.0, 5.0
     # A = 5 → ε_high 0.2: r = 1.15 is inside; A = −5 → ε_low 0.2: r = 0.85 inside; A = 2.5 → ε_high 0.15: r = 1.18 clipped
     # last edge: A = −5 with r = 1.15 (the non-binding side: the high bound stays ε, so it counts as clipped high)
@@ -159,7 +161,7 @@ def test_adaptive_clip_widens_bound_with_advantage():
     a = np.array([5.0, -5.0, 2.5, -1.0, -5.0])
     logp_old = _t([-1.0] * 5)
     logp = (logp_old + _t(np.log(r))).detach().requires_grad_(True)
-    pl = PolicyLoss(clip_low=eps, clip_high=eps, adv_clip=adv_clip, beta=0.0, adaptive_kappa=kappa)
+    pl = PolicyLoss(clip_low=eps, clip_high=eps, adv_clip=adv_clip, kl_ref=0.0, adaptive_kappa=kappa)
     loss, diag = pl(logp, logp_old, _t(a))
     loss.backward()
     ratio = np.exp(_f64(logp) - _f64(logp_old))
@@ -182,7 +184,7 @@ def test_adaptive_clip_widens_bound_with_advantage():
     ({"clip_high": 0.0}, "clip_high"),
     ({"clip_high": -0.2}, "clip_high"),
     ({"kl_form": "reverse"}, "kl_form"),
-    ({"beta": -0.1}, "beta"),
+    ({"kl_ref": -0.1}, "kl_ref"),
     ({"reduction": "max"}, "reduction"),
     ({"adaptive_kappa": -2.0}, "adaptive_kappa"),
 ])

@@ -222,6 +222,7 @@ def _worker(out: str) -> None:
                Path(out) / f"rank{trainer.rank}.pt")
 
 
+@pytest.mark.slow  # three processes started on two cores (8–12 s): `pytest -m slow`, run by .ci/run
 def test_accelerate_launch_bf16_two_processes(tmp_path):
     """``accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16`` on CPU (gloo): the transformer
     computes in bf16 (autocast follows accelerate), log-probs stay fp32 (first-step ratio exactly 1), both ranks

@@ -24,14 +24,15 @@ class InfiniteOnFirst(Redness):
 
 
 def config(tmp_path, name, *extra):
+    window = [] if "rollout.plan=ode" in extra else ["rollout.window.mode=all"]  # the ODE plan has no window
     return TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.lora.rank=2", "model.lora.init=default", "rollout.group_size=4", "rollout.steps=3",
-        "rollout.window.mode=all", "prompts.train=a red circle|two blue squares", "prompts.per_step=2",
+        *window, "prompts.train=a red circle|two blue squares", "prompts.per_step=2",
         "prompts.eval=null", "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false",
         "rewards=[{name: redness}]", "optim.lr=1e-2", f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
 
 
-@pytest.mark.parametrize("objective", [["loss.objective=clipped", "loss.beta=0"], ["rollout.plan=ode", "loss.objective=nft"]])
+@pytest.mark.parametrize("objective", [["loss.objective=clipped", "loss.kl_ref=0"], ["rollout.plan=ode", "loss.objective=nft"]])
 def test_infinite_rewards_are_failed_rewards_not_poison(tmp_path, objective):
     from flowrl.trainer import Trainer
 
@@ -47,7 +48,7 @@ def test_infinite_rewards_are_failed_rewards_not_poison(tmp_path, objective):
 def test_a_nonfinite_gradient_skips_the_step_and_a_streak_stops_the_run(tmp_path, monkeypatch):
     from flowrl.trainer import Trainer
 
-    trainer = Trainer(config(tmp_path, "nan", "train.max_steps=5", "loss.beta=0"), model=make_model("sd3"))
+    trainer = Trainer(config(tmp_path, "nan", "train.max_steps=5", "loss.kl_ref=0"), model=make_model("sd3"))
     real = trainer.objective.loss
     calls = {"n": 0}
 
@@ -74,7 +75,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
 
     from flowrl.trainer import Trainer
 
-    common = ["loss.beta=0", "train.checkpoint_every=1", "train.keep_last=3"]
+    common = ["loss.kl_ref=0", "train.checkpoint_every=1", "train.keep_last=3"]
     Trainer(config(tmp_path, "run", *common, "train.max_steps=2"), model=make_model("sd3")).train()
     newest = tmp_path / "run" / "checkpoints" / "step-2"
     if damage == "garbage_state":
@@ -95,7 +96,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
 def test_nonfinite_weights_are_never_written(tmp_path):
     from flowrl.trainer import Trainer
 
-    trainer = Trainer(config(tmp_path, "w", "loss.beta=0", "train.max_steps=1"), model=make_model("sd3"))
+    trainer = Trainer(config(tmp_path, "w", "loss.kl_ref=0", "train.max_steps=1"), model=make_model("sd3"))
     trainer.train()
     with torch.no_grad():
         trainer.params[0].fill_(float("inf"))

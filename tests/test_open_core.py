@@ -119,7 +119,7 @@ def test_help_lists_the_keys_of_the_chosen_components(tmp_path, tiny_folder, plu
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "kernel: flow_grpo" in out and "events:" not in out
+    assert "plan: ode" in out and "objective: nft" in out and "events:" not in out  # the main job's keys
 
 
 def test_loss_reduction_sum_replays_with_ratio_one(tmp_path):
@@ -204,7 +204,7 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
             return (p ** 2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
 
     trainer = Trainer(tiny_config(tmp_path, "aux", "train.updates_per_epoch=2"), model=make_model("sd3"))
-    trainer.objective = WithAux(**{k: getattr(trainer.objective, k) for k in ("clip_low", "clip_high", "beta")})
+    trainer.objective = WithAux(**{k: getattr(trainer.objective, k) for k in ("clip_low", "clip_high", "kl_ref")})
     trainer.objective.setup(trainer.model)
     record = trainer.train_step(0)
     assert len(calls) == 2 and record["aux_term"] == 1.5

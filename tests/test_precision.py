@@ -75,7 +75,7 @@ def test_gpu_backends_fail_at_config_load_naming_what_runs_here():
     for backend in ("fp8", "nvfp4"):
         with pytest.raises(ConfigError, match=rf"rollout.backend='{backend}' cannot run on cpu.*can run: \['same'"):
             TrainConfig.from_yaml(None, ["rollout.plan=explore", f"rollout.backend={backend}"])
-    with pytest.raises(ConfigError, match="rollout.backend='int4' is not supported; accepted"):
+    with pytest.raises(ConfigError, match=r"rollout.backend='int4' is not supported \(did you mean 'int8'\?\); accepted"):
         check_backend("int4")
     assert {"same", "bf16", "fp16", "int8"} <= set(available_backends("cpu"))
     assert "torchao" in unavailable_reason("fp8", "cpu") or "CUDA" in unavailable_reason("fp8", "cpu")

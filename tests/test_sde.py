@@ -1,4 +1,4 @@
-"""Independent tests of flowrl/sde.py against ALGORITHMS.md §0–§1.
+"""Independent tests of flowrl/sde.py against docs/algorithms.md, "Conventions" and "Transition kernels".
 
 Every expected value is computed here from the formulas in the spec, in float64 numpy, never by
 calling back into the implementation.
@@ -18,7 +18,7 @@ DEFAULT_ETA = {"ode": 0.0, "flow_grpo": 0.7, "dance": 0.3, "cps": 0.8}
 
 
 # ---------------------------------------------------------------------------------------------
-# float64 reference of the §1 table
+# float64 reference of the kernel table (docs/algorithms.md, "Transition kernels")
 # ---------------------------------------------------------------------------------------------
 def schedule(T: int = 10, shift: float = 3.0) -> np.ndarray:
     """SD3-style shifted schedule σ_0 = 1 > … > σ_T = 0."""
@@ -34,7 +34,7 @@ def _col(a, x: np.ndarray) -> np.ndarray:
 
 
 def ref_step(kernel, x, v, sigma, sigma_next, eta):
-    """(mean, std[B]) of the §1 table, float64. σ' = σ_next on rows where σ = 1 (first step)."""
+    """(mean, std[B]) of the kernel table, float64. σ' = σ_next on rows where σ = 1 (first step)."""
     x = np.asarray(x, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
     s, sn, e = _col(sigma, x), _col(sigma_next, x), _col(eta, x)
@@ -151,7 +151,7 @@ def test_unknown_kernel_raises():
 
 
 # ---------------------------------------------------------------------------------------------
-# η = 0 is the ODE (DESIGN invariant 2)
+# η = 0 is the ODE; ODE edges are never trained and never give NaN (docs/algorithms.md, "Transition kernels")
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("i", [0, 4, 9])

@@ -3,7 +3,7 @@ on a handful of prompts raise their mean reward by a margin well above seed nois
 loads into the shipped pipeline with plain diffusers and reproduces the trainer's images.
 
 The reward is ``redness`` (a dense pixel statistic): on the shipped model the compositional shapes
-reward does not rise within a CI budget (docs/shapes.md, "Alignment study"), and a test that only
+reward does not rise within a CI budget (docs/shapes.md, "Aligning it"), and a test that only
 passes by luck would assert nothing. Sampled without CFG to keep it short."""
 from __future__ import annotations
 

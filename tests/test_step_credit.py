@@ -1,4 +1,4 @@
-"""Step-level credit (ALGORITHMS.md §8–§9): the ``probed`` plan (ODE completions, x̂0 projections), TP-GRPO's
+"""Step-level credit (docs/step_credit.md): the ``probed`` plan (ODE completions, x̂0 projections), TP-GRPO's
 turning points (``credit.rule: turning_point``) and VGPO's value anchoring (``credit.rule: value_anchor``)
 on chains and on hand-built branching forests; forward counts, the pure-ODE reference, replay, learning."""
 from __future__ import annotations
@@ -89,7 +89,7 @@ def chain_forest(chains: list[list[float]], groups: list[int], x0_probes: bool =
     """Chains with SDE steps 0..n−1 and one final ODE step. ``chains[c]``: R_0..R_n for TP-GRPO (values of the
     decision states at steps 0..n−1, R_n the leaf reward; ``x0_probes=False``) or R_0..R_{n−1} as the instant
     rewards of the states reached by SDE steps 0..n−1 (``x0_probes=True``; the leaf reward is 0)."""
-    forest = Forest(prompts=[f"p{g}" for g in sorted(set(groups))], probe_x0=x0_probes)
+    forest = Forest(prompts=[f"p{g}" for g in sorted(set(groups))], meta={"probe_x0": x0_probes})
     n = len(chains[0]) - (0 if x0_probes else 1)
     nodes = forest.add_roots(torch.zeros(len(chains), 1, 1, 1), groups, list(range(len(chains))))
     states = [nodes]
@@ -110,7 +110,7 @@ def chain_forest(chains: list[list[float]], groups: list[int], x0_probes: bool =
 
 def tree_forest(x0_probes: bool) -> tuple[Forest, dict[str, int]]:
     """One prompt group: root →(SDE) a, b →(SDE) c1, c2 under a and c3, c4 under b →(ODE) leaves l1..l4."""
-    forest = Forest(prompts=["p"], probe_x0=x0_probes)
+    forest = Forest(prompts=["p"], meta={"probe_x0": x0_probes})
     one = torch.zeros(1, 1, 1, 1)
     root = forest.add_roots(one, [0], [0])
     ab = forest.add_children(root.repeat(2), torch.zeros(2, 1, 1, 1), 0.66, 1, torch.zeros(2), torch.ones(2), "dance", 0.3, 0)
@@ -223,7 +223,8 @@ def test_value_anchor_on_a_branching_forest_averages_q_and_omega_over_the_leaves
 # ---- the probed plan on a real (tiny) pipeline ----------------------------------------------------
 @pytest.mark.parametrize("steps, window, shared", [(5, 3, False), (10, None, False), (5, 3, True)])
 def test_tp_grpo_forward_count_matches_the_closed_form(sd3_model, steps, window, shared):
-    """ALGORITHMS.md §8: T + T + Σ_{k=1}^{n−1}(T − k) forwards per chain (chain + reference + completions);
+    """docs/step_credit.md, "The probed plan": T + T + Σ_{k=1}^{n−1}(T − k) forwards per chain
+    (chain + reference + completions);
     with shared noise the trunk and the reference (the shared root) are one per group (Probed's docstring)."""
     win = SDEWindow(mode="all") if window is None else SDEWindow(mode="fixed", start=0, size=window)
     G, P = 2, len(PROMPTS)
@@ -312,11 +313,11 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
         Probed(steps=4, window=win).setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))
     with pytest.raises(ValueError, match="rollout.probe"):
         Probed(probe="x0")
-    with pytest.raises(ValueError, match="inner_args"):
-        Probed(inner_args=["steps=3"])
-    with pytest.raises(ConfigError, match="rollout.inner_args: 'stepz' is not a key of rollout.inner='tree'.*'steps'"):
-        Probed(inner="tree", inner_args=["stepz=3"])
-    with pytest.raises(ConfigError, match="rollout.inner='no_such_plan'"):
+    with pytest.raises(TypeError, match="inner_args"):
+        Probed(inner_args=["steps=3"])  # one nested form: rollout.inner: {plan: tree, steps: 3}
+    with pytest.raises(ConfigError, match="rollout.inner: 'stepz' is not a key of rollout.plan='tree'.*'steps'"):
+        Probed(inner={"plan": "tree", "stepz": 3})
+    with pytest.raises(ConfigError, match="rollout.inner.plan='no_such_plan'"):
         Probed(inner="no_such_plan")
 
 
@@ -343,8 +344,8 @@ def test_probed_wraps_any_inner_plan_and_passes_the_lifecycle_on(sd3_model):
     assert inner.calls == ["setup", "after_update"]
     assert wrapped.metrics(forest)["inner/leaves"] == 4.0
     own = Probed(group_size=2, steps=4, window=win).rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
-    by_name = Probed(inner="flowrl.rollout.chains:Chains",  # the same key=value form as explore's inner_args
-                     inner_args=["group_size=2", "steps=4", "window.mode=fixed", "window.start=0", "window.size=2"])
+    by_name = Probed(inner={"plan": "flowrl.rollout.chains:Chains",  # the same nested form as explore's inner
+                            "group_size": 2, "steps": 4, "window": {"mode": "fixed", "start": 0, "size": 2}})
     named = by_name.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     for other in (own, named):
         assert torch.equal(other.all_latents(), forest.all_latents())
@@ -371,7 +372,8 @@ class MiniTree(RolloutPlan):
                                                   model.latent_shape) for p, b in zip(parents, branch)])
             split = i < 2
             nodes = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, "dance" if split else "ode",
-                            0.3 if split else 0.0, noise_for, guidance, ctx.max_batch, fanout=2 if split else 1)
+                            0.3 if split else 0.0, noise_for, guidance, ctx.max_batch, fanout=2 if split else 1,
+                            observers=ctx.observers)
         return forest
 
 

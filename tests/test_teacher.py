@@ -290,6 +290,7 @@ def test_the_progress_bar_shows_the_objectives_own_keys(tmp_path, capsys):
         "kl": "2.0e-03", "clip": "0.75"}
 
 
+@pytest.mark.slow
 def test_the_main_job_distils_its_guided_teacher_on_the_shapes_model(tmp_path):
     """The main job (``nft.yaml``: NFT + the guided teacher's anchor) on the shipped model: in 8 iterations
     the policy's velocity at guidance 1 moves towards the frozen model's at guidance 3, at fixed points

@@ -23,7 +23,7 @@ def tiny_config(tmp_path: Path, name: str = "run", *extra: str) -> TrainConfig:
         "rollout.window.size=3", "rollout.max_batch=8",
         f"prompts.train={PROMPTS}", "prompts.per_step=2", "prompts.eval=a red circle|a small dog",
         "eval.steps=4", "eval.grid_prompts=2",
-        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.beta=0.01",
+        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0.01",
         "train.max_steps=3", f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
         *extra,
     ])
@@ -175,7 +175,7 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
 def test_shared_noise_trains_from_the_branch_point_with_every_update(tmp_path):
     """Shared x_T per group: chains branch at the first SDE step, the first inner step still replays
     with ratio exactly 1, and each of the configured optimizer steps happens."""
-    cfg = tiny_config(tmp_path, "shared", "rollout.shared_noise=true", "train.updates_per_epoch=3", "loss.beta=0")
+    cfg = tiny_config(tmp_path, "shared", "rollout.shared_noise=true", "train.updates_per_epoch=3", "loss.kl_ref=0")
     trainer = Trainer(cfg, model=make_model("sd3"))
     steps = []
     trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: steps.append(1))

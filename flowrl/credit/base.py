@@ -2,23 +2,32 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
+from flowrl.choices import Checked
 from flowrl.rollout.forest import Forest
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
-class CreditRule:
-    """Forest → ``advantage`` [N] and ``weight`` [N] on its edges (weight 0 = the edge is not trained).
+class CreditRule(Checked):
+    """Forest → ``advantage`` [N], ``weight`` [N] and ``flat`` [N] on the units it credits (weight 0 = not
+    trained; flat 1 = no reward spread to compare against; see :class:`~flowrl.rollout.forest.Forest`).
+
+    :attr:`writes`: the units it writes advantages on, ``"edges"`` (the stochastic edges) and/or ``"leaves"``;
+    an objective whose :attr:`~flowrl.objective.Objective.trains_on` is not among them is refused at load.
 
     A credit rule reads the forest only: ``reward`` on leaves and ``value`` on probed states (both
     combined over reward terms by the MultiReward), ``reward_components[name]`` per term, ``group``,
     the structure and the log-probs. Subclasses are dataclasses whose fields are the keys of the
-    ``credit`` section (:mod:`flowrl.components`).
+    ``credit`` section (:mod:`flowrl.components`); a field declares its accepted values with
+    :func:`flowrl.choices.choice`, checked on construction.
     """
+
+    writes: ClassVar[tuple[str, ...]] = ("edges", "leaves")
+    config_key = "credit"
 
     def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
         """Write ``forest.advantage`` and ``forest.weight``; return statistics for the metrics log.

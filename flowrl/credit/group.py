@@ -1,12 +1,13 @@
-"""Group-relative advantages (ALGORITHMS.md §3): Flow-GRPO, DanceGRPO, MixGRPO, MC-GRPO.
+"""Group-relative advantages (docs/algorithms.md, "Group advantages"): Flow-GRPO, DanceGRPO, MixGRPO, MC-GRPO.
 
 A_i = (r_i − b_g)/(scale + eps) for sample i of prompt group g, written on every edge of sample
 i's chain. Baseline ``mean`` or ``median`` (MC-GRPO: the median sample itself is dropped from
 training); scale ``group`` std, ``global`` std over the whole batch (all processes), ``mad`` or
 ``none``. Several rewards are combined into the leaves' ``reward`` by the MultiReward before credit
 (weighted raw sum, or ``reward_normalize: group`` for the weighted sum of each reward's group
-z-scores, DanceGRPO's advantage aggregation). Zero-variance groups get 0 and their edges are
-skipped (weight 0) and counted.
+z-scores, DanceGRPO's advantage aggregation). Groups without reward spread get 0 and are marked
+``flat`` (policy objectives skip their edges, counted in ``skipped_edges``; forward-process objectives
+keep their leaves); MC-GRPO's median sample and failed rewards get weight 0 (never trained).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.choices import choice
 from flowrl.credit.base import CreditRule, Gather
-from flowrl.rollout.forest import Forest
+from flowrl.rollout.forest import Forest, flat_rows
 
 BASELINES = ("mean", "median")
 SCALES = ("group", "global", "mad", "none")
@@ -23,19 +25,13 @@ SCALES = ("group", "global", "mad", "none")
 
 @dataclass
 class GroupAdvantage(CreditRule):
-    """Credit rule for chains: one advantage per sample, broadcast to its trainable edges. Chains may
-    hang from a shared deterministic trunk (``shared_noise``); trunk nodes get advantage 0, weight 0."""
+    """Credit rule for chains: one advantage per sample, broadcast to its trainable edges and its leaf. Chains
+    may hang from a shared deterministic trunk (``shared_noise``); trunk nodes get advantage 0, weight 0."""
 
-    baseline: str = "mean"  # mean | median
-    scale: str = "global"  # group | global | mad | none
+    baseline: str = choice("mean", BASELINES)
+    scale: str = choice("global", SCALES)
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.baseline not in BASELINES:
-            raise ValueError(f"credit.baseline={self.baseline!r} is not supported; accepted: {list(BASELINES)}")
-        if self.scale not in SCALES:
-            raise ValueError(f"credit.scale={self.scale!r} is not supported; accepted: {list(SCALES)}")
 
     # ---- pure math on [P, G] reward tables ---------------------------------------------------
     def normalise(self, rewards: torch.Tensor, gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,8 +57,7 @@ class GroupAdvantage(CreditRule):
             mid = order[:, (r.shape[1] - 1) // 2]
             dropped = torch.zeros_like(r, dtype=torch.bool)
             dropped[torch.arange(r.shape[0]), mid] = True
-        spread = r.max(dim=1).values - r.min(dim=1).values
-        zero_var = spread <= self.zero_std_tol
+        zero_var = flat_rows(r, ~failed, self.zero_std_tol)
         if self.scale == "group":
             scale = r.std(dim=1, unbiased=False, keepdim=True)
         elif self.scale == "global":
@@ -104,11 +99,12 @@ class GroupAdvantage(CreditRule):
         on_chain = leaf_of >= 0  # trunk nodes above a group's branch point have several leaves below
         node_pos = position[leaf_of.clamp(min=0)]  # the leaf's sample index (meaningful on chains only)
         flat_adv = adv.flatten()
-        skip = (zero_var[:, None].expand(-1, G) | dropped).flatten()
+        flat = zero_var[:, None].expand(-1, G).flatten()
         forest.advantage = torch.where(on_chain, flat_adv[node_pos], torch.zeros(forest.num_nodes))
-        forest.weight = torch.where(on_chain & ~skip[node_pos], torch.ones(forest.num_nodes), torch.zeros(forest.num_nodes))
+        forest.weight = (on_chain & ~dropped.flatten()[node_pos]).float()
+        forest.flat = (on_chain & flat[node_pos]).float()
         return {
             "zero_std_ratio": float(zero_var.float().mean()) if num_groups else 0.0,
-            "skipped_edges": int((forest.weight[edges] == 0).sum()),
+            "skipped_edges": int(((forest.weight[edges] == 0) | (forest.flat[edges] > 0)).sum()),
             "adv_abs_mean": float(flat_adv.abs().mean()) if flat_adv.numel() else 0.0,
         }

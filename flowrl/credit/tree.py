@@ -1,4 +1,4 @@
-"""Tree credit: rewards fused from the leaves up, depth-wise advantages, width pruning (ALGORITHMS.md §5, §6).
+"""Tree credit: rewards fused from the leaves up, depth-wise advantages, width pruning (docs/trees.md).
 
 Reads any forest (BranchGRPO / Dynamic-TreeRPO trees from :class:`flowrl.rollout.tree.Tree`, or chains
 below a shared trunk) through the vectorised structure helpers; no Python loop walks the nodes.
@@ -12,14 +12,17 @@ below a shared trunk) through the vectorised structure helpers; no Python loop w
    n's tree (``depth_norm_scope: tree``, default; a tree = the nodes below one root) or of every tree
    of the iteration on every process (``batch``, through ``gather``). std with ddof 0 (as the group
    rule). A set of nodes at one depth with one node, or with a spread ≤ ``zero_std_tol``, gives 0 and
-   its edges are skipped (weight 0) and counted (invariant 4). The edge n→child gets A(child).
+   its nodes are marked ``flat`` (policy objectives skip those edges, counted in ``skipped_edges``). The
+   edge n→child gets A(child).
 3. **Width pruning** (backward only) of the post-split chains — a leaf's chain is the edges on its path
    below its last branch point (the split edge included): ``parent_top1`` keeps, among the sibling
    chains hanging from one branch point, only the one with the highest fused reward (ties: the first);
    ``extremes_b`` keeps, per tree, the chains of the ``width_b`` best and ``width_b`` worst leaves.
 
-Edges the tree plan's depth pruning left untrainable (``forest.trainable`` 0, set at rollout, see
-:mod:`flowrl.rollout.tree`) get weight 0 and are counted as ``pruned_depth_edges``.
+Width-pruned chains (their edges and their leaf) and nodes without a valid fused value get weight 0, so
+no objective trains them (a forward-process objective reading the leaves included). Edges the tree plan's
+depth pruning left untrainable (``forest.trainable`` 0, set at rollout, see :mod:`flowrl.rollout.tree`) are
+counted as ``pruned_depth_edges``; the leaves below them are still trained by leaf objectives.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.choices import choice
 from flowrl.credit.base import CreditRule, Gather, set_stats, standardize
 from flowrl.rollout.forest import Forest
 
@@ -80,24 +84,18 @@ def fuse(forest: Forest, beta: float) -> Fusion:
 
 @dataclass
 class TreeAdvantage(CreditRule):
-    """Credit rule for trees (ALGORITHMS.md §5): fusion, depth-wise advantages, width pruning; see the
+    """Credit rule for trees (docs/trees.md, "The credit rule's keys"): fusion, depth-wise advantages, width pruning; see the
     module docstring for every key."""
 
-    fusion: str = "mean"  # mean | path_softmax
+    fusion: str = choice("mean", FUSIONS)
     fusion_beta: float = 1.0  # β of path_softmax
-    depth_norm_scope: str = "tree"  # tree | batch
-    width_prune: str = "none"  # none | parent_top1 | extremes_b
+    depth_norm_scope: str = choice("tree", SCOPES)
+    width_prune: str = choice("none", WIDTH_PRUNES)
     width_b: int = 4  # extremes_b: chains of the b best and b worst leaves per tree are kept
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.fusion not in FUSIONS:
-            raise ValueError(f"credit.fusion={self.fusion!r} is not supported; accepted: {list(FUSIONS)}")
-        if self.depth_norm_scope not in SCOPES:
-            raise ValueError(f"credit.depth_norm_scope={self.depth_norm_scope!r} is not supported; accepted: {list(SCOPES)}")
-        if self.width_prune not in WIDTH_PRUNES:
-            raise ValueError(f"credit.width_prune={self.width_prune!r} is not supported; accepted: {list(WIDTH_PRUNES)}")
         if self.width_b < 1:
             raise ValueError(f"credit.width_b={self.width_b} must be >= 1")
 
@@ -185,8 +183,11 @@ class TreeAdvantage(CreditRule):
         width_pruned = edge & ~depth_pruned & ~keep
         skipped = edge & ~depth_pruned & ~width_pruned & zero
         forest.advantage = torch.where(forest.parent >= 0, adv, torch.zeros_like(adv)).float()
-        forest.weight = torch.where(depth_pruned | width_pruned | skipped, torch.zeros(N), torch.ones(N))
-        trained = edge & (forest.weight > 0)
+        # weight 0: width-pruned or without a valid value (a leaf too); flat: no spread in its depth set. Depth
+        # pruning stays in the plan's ``trainable`` column (it concerns the edge only, never the leaf below it).
+        forest.weight = (keep & torch.isfinite(fusion.value)).float()
+        forest.flat = (zero & torch.isfinite(fusion.value)).float()
+        trained = edge & ~depth_pruned & (forest.weight > 0) & (forest.flat <= 0)
         branching = fusion.count >= 2
         out = {
             "pruned_edges": int((depth_pruned | width_pruned).sum()),

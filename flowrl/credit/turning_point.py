@@ -1,4 +1,4 @@
-"""TP-GRPO: incremental step rewards and turning points (ALGORITHMS.md §8; arXiv 2602.06422).
+"""TP-GRPO: incremental step rewards and turning points (docs/step_credit.md, "TP-GRPO: turning points"; arXiv 2602.06422).
 
 For a path with SDE steps k = 0..n−1 (then ODE): R_k = reward of the ODE completion of the state before
 SDE step k (``forest.value`` of the decision states, from ``rollout.plan: probed`` with
@@ -126,6 +126,8 @@ class TurningPoint(CreditRule):
     use_turning_points: bool = True
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
+
+    writes = ("edges",)  # step-level credit lives on the SDE edges; a leaf objective would read 0 everywhere
 
     def __post_init__(self) -> None:
         if self.tie_eps < 0:

@@ -1,4 +1,4 @@
-"""VGPO: value anchoring in time and in the group (ALGORITHMS.md §9; arXiv 2512.12387).
+"""VGPO: value anchoring in time and in the group (docs/step_credit.md, "VGPO: value anchoring"; arXiv 2512.12387).
 
 For a path with SDE steps t = 0..n−1: the instant reward R_t is the value of the state reached by SDE
 step t (``forest.value``: with ``rollout.plan: probed`` and ``probe: x0_projection`` the reward of
@@ -51,8 +51,8 @@ class ValueAnchor(CreditRule):
     """VGPO credit (``credit.rule: value_anchor``; module docstring). Needs the values of the states reached by
     SDE steps: ``rollout.plan: probed`` (``probe: x0_projection`` as published, or ``ode_completion``).
 
-    ``gamma`` [0.9], ``k_abs`` [0.1] and ``abs_steps`` [5] (ours, ALGORITHMS.md §9), ``omega_shift``
-    [1e-3] (the positivity shift of ω), ``eps`` and ``zero_std_tol`` as ``credit.rule: group``."""
+    ``gamma`` [0.9], ``k_abs`` [0.1] and ``abs_steps`` [5] (ours; docs/step_credit.md, "VGPO: value anchoring"),
+    ``omega_shift`` [1e-3] (the positivity shift of ω), ``eps`` and ``zero_std_tol`` as ``credit.rule: group``."""
 
     gamma: float = 0.9
     k_abs: float = 0.1
@@ -60,6 +60,8 @@ class ValueAnchor(CreditRule):
     omega_shift: float = 1e-3
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
+
+    writes = ("edges",)  # step-level credit lives on the SDE edges; a leaf objective would read 0 everywhere
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:

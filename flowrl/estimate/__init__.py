@@ -18,7 +18,7 @@ same code allocates on a device; attention runs as a fused kernel (flash/memory-
 kernel torch picks on CPU), and torch's ``FlopCounterMode`` counts the FLOPs of the same ops. The
 static part (weights, LoRA, gradients, AdamW state, EMA, old-policy / reference / explorer copies, text
 encoders, VAE, reward models) is counted from the built modules and the config. Forwards per iteration
-come from the plan's ``expected_counts`` (the closed forms of ALGORITHMS.md).
+come from the plan's ``expected_counts`` (the closed forms docs/extending.md lists).
 
 Measured against real runs on CPU (the tiny pipelines of :mod:`flowrl.models.testing`; tests/test_estimate.py)
 and stated with every estimate: the assumptions in :data:`ASSUMPTIONS` and docs/estimate.md.
@@ -43,7 +43,7 @@ import torch
 
 from flowrl import build
 from flowrl.errors import ConfigError
-from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, DTYPES, add_lora, arch_for_model, arch_from_folder,
+from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, add_lora, arch_for_model, arch_from_folder,
                                    arch_from_pipeline, build_transformer, build_vae, default_lora_targets,
                                    list_archs, load_arch, model_with_lora, text_encoder_params)
 from flowrl.estimate.counts import iteration_counts
@@ -53,6 +53,7 @@ from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.static import REWARD_MODELS, explorer_bytes, prompt_count, reward_model_bytes, tensor_bytes
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
+from flowrl.models.dtypes import DTYPES
 
 __all__ = [
     "ARCH_DIR", "ASSUMPTIONS", "GPUS", "GiB", "REWARD_MODELS", "UTILISATION", "GPUClass", "LiveBytes", "Shapes",
@@ -149,13 +150,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     else:
         train_cfg = cfg_on and getattr(objective, "cfg", "free") == "guided"
         draws = int(getattr(objective, "draws", 1))
-        update_states = max(1, int(objective.batch_size) // draws) * draws
+        update_states = max(1, max_batch // draws) * draws
     update_states = max(1, min(update_states, int(max(counts["train_rows"], 1))))
     rollout_states = max(1, min(max_batch, int(max(counts["forwards"], 1))))
 
     # ---- traced phases (cached: presets sharing a model, shapes and batch layout share them) ----
     before = () if policy else ("old",) + (("reference",) if getattr(objective, "kl_ref", 0) > 0 else ())
-    after = ("reference",) if policy and getattr(objective, "beta", 0) > 0 else ()
+    after = ("reference",) if policy and getattr(objective, "kl_ref", 0) > 0 else ()
     traces = phase_traces(arch["key"], m.dtype, lora, shapes, rollout_states, cfg_on, update_states, train_cfg,
                            before, after, bool(counts["explore_forwards"]), bool(cfg.optim.use_8bit), target)
     t_rollout, t_explore, t_decode, t_optim = (traces[k] for k in ("rollout", "explore", "decode", "optimizer"))
@@ -167,7 +168,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     optim_bytes = 2 * sum(p.numel() for p in trainable) if cfg.optim.use_8bit else 2 * trainable_bytes
     ema = trainable_bytes if cfg.train.ema > 0 else 0
     old = (trainable_bytes if lora is not None else full_copy) if not policy else 0
-    wants_reference = (policy and getattr(objective, "beta", 0) > 0) or (not policy and getattr(objective, "kl_ref", 0) > 0)
+    wants_reference = getattr(objective, "kl_ref", 0) > 0
     reference = full_copy if wants_reference and lora is None else 0
     explorer = explorer_bytes(module, plan.backend, plan.min_params, plan.skip) if hasattr(plan, "backend") else 0
     encoder_bytes = sum(encoders.values()) * dbytes

@@ -18,10 +18,10 @@ from torch import nn
 
 from flowrl.errors import ConfigError
 from flowrl.models import model_family
+from flowrl.models.dtypes import DTYPES
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
 
 ARCH_DIR = Path(__file__).resolve().parents[1] / "models" / "archs"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def list_archs() -> list[str]:

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import flowrl.precision as precision
 from flowrl.config import DEFAULT_CONFIG, TrainConfig
+from flowrl.choices import choose
 from flowrl.errors import ConfigError
 
 
@@ -62,8 +63,7 @@ def assume_gpu(gpu: str) -> Iterator[None]:
     original = precision.check_backend
 
     def check(backend: str, device=None, key: str = "rollout.backend") -> None:
-        if backend not in precision.BACKENDS:
-            raise ConfigError(f"{key}={backend!r} is not supported; accepted: {list(precision.BACKENDS)}")
+        choose(key, backend, precision.BACKENDS)
         need = {"fp8": (8, 9), "nvfp4": (8, 9)}.get(backend)
         if need is not None and spec.capability < need:
             raise ConfigError(f"{key}={backend!r} needs compute capability >= {need[0]}.{need[1]}; "

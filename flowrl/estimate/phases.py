@@ -7,9 +7,10 @@ import functools
 import torch
 from torch import nn
 
-from flowrl.estimate.archs import ARCH_CACHE, DTYPES, build_vae, model_with_lora
+from flowrl.estimate.archs import ARCH_CACHE, build_vae, model_with_lora
 from flowrl.estimate.inputs import Shapes, velocity
 from flowrl.estimate.trace import Trace, trace
+from flowrl.models.dtypes import DTYPES
 
 
 @functools.lru_cache(maxsize=64)

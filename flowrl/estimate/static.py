@@ -7,7 +7,8 @@ from pathlib import Path
 
 from torch import nn
 
-from flowrl.errors import REPO_ROOT, ConfigError
+from flowrl.choices import choose
+from flowrl.errors import REPO_ROOT
 from flowrl.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
 
 REWARD_MODELS: dict[str, tuple[float, str]] = {
@@ -33,8 +34,7 @@ def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = Non
     """Bytes of an explorer copy of ``module`` (a meta transformer, LoRA attached or not) in ``backend``
     (:mod:`flowrl.precision`): LoRA merged; Linear layers the backend converts (large enough, not skipped,
     dimensions it takes) in its format, the rest in the rest dtype (bf16 on GPUs)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"rollout.backend={backend!r} is not supported; accepted: {list(BACKENDS)}")
+    choose("rollout.backend", backend, BACKENDS)
     if backend == "same":
         return 0
     min_params = DEFAULT_MIN_PARAMS if min_params is None else min_params

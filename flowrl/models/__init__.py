@@ -12,23 +12,26 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel, LoraSpec
+from flowrl.registry import Registry
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     """A model family (``model.family``): the diffusers pipeline class it wraps (None: not picked by
-    :func:`wrap`), its adapter (``"module:Class"``, a :class:`FlowModel` subclass) and how a model is loaded:
+    :func:`wrap`), its adapter (a :class:`FlowModel` subclass or its ``"module:Class"``) and how a model is loaded:
     ``loader`` (``"module:function"``, called as ``loader(path, dtype=..., **kw)``) or else the adapter's
     ``from_pretrained(path, dtype=..., **kw)``; ``needs_path``: whether ``model.path`` must be set."""
 
     pipeline: str | None
-    adapter: str
+    adapter: str | type[FlowModel]
     loader: str | None = None
     needs_path: bool = True
 
     def adapter_class(self) -> type[FlowModel]:
         from flowrl.plugins import load_target
 
+        if isinstance(self.adapter, type):
+            return self.adapter
         return load_target(self.adapter, f"model.family adapter {self.adapter!r}", "model adapter file", FlowModel)
 
     def load(self, path, *, dtype: torch.dtype, **kw) -> FlowModel:
@@ -38,44 +41,46 @@ class ModelFamily:
         return self.adapter_class().from_pretrained(path, dtype=dtype, **kw)
 
 
-MODEL_FAMILIES: dict[str, ModelFamily] = {
+def _check_family(family, label: str) -> None:
+    """A registered :class:`ModelFamily`, or an adapter class (a ``module:Class`` name)."""
+    if not (isinstance(family, ModelFamily) or (isinstance(family, type) and issubclass(family, FlowModel))):
+        raise TypeError(f"{label} resolves to {family!r}, which is neither a ModelFamily nor a subclass of "
+                        "flowrl.FlowModel (an adapter)")
+
+
+MODEL_FAMILIES = Registry("model.family", {
     "shapes": ModelFamily(None, "flowrl.models.sd3:SD3FlowModel", loader="flowrl.shapes.model:load_shapes_model",
                           needs_path=False),
     "sd3": ModelFamily("StableDiffusion3Pipeline", "flowrl.models.sd3:SD3FlowModel"),
     "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
     "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
-}
-"""Family name → how to load and wrap it. SD3 and SD3.5 are "sd3"; "shapes" is the embedded model (an SD3
-pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family` adds one."""
+}, base=FlowModel, check=_check_family)
+"""Family name → how to load and wrap it (a :class:`~flowrl.registry.Registry`). SD3 and SD3.5 are "sd3"; "shapes"
+is the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family`
+adds one."""
 
 
 def register_model_family(name: str, family: ModelFamily) -> None:
     """Make ``family`` available as ``model.family: name`` (and to :func:`wrap`, by its pipeline class)."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"model family name {name!r} must be a non-empty string without ':'")
-    MODEL_FAMILIES[name] = family
+    MODEL_FAMILIES.register(name, family)
 
 
 def model_family(name: str) -> ModelFamily:
     """The registered family ``name``, or for ``package.module:Class`` / ``path/file.py:Class`` an out-of-tree
-    adapter (a :class:`FlowModel` subclass) loaded with its ``from_pretrained``."""
-    if name in MODEL_FAMILIES:
-        return MODEL_FAMILIES[name]
-    if ":" in str(name):
-        family = ModelFamily(None, str(name))
-        family.adapter_class()  # import and check it now: a bad name fails at load, naming the key
-        return family
-    raise ValueError(f"model family {name!r} is not supported; choose one of {sorted(MODEL_FAMILIES)}, or an adapter "
-                     "'package.module:Class' / 'path/file.py:Class' (a flowrl.FlowModel subclass)")
+    adapter (a :class:`FlowModel` subclass) loaded with its ``from_pretrained``; an unknown name raises
+    :class:`~flowrl.registry.NotRegistered` (a ValueError)."""
+    family = MODEL_FAMILIES.resolve(name)  # a module:Class is imported and checked now: a bad name fails at load
+    return family if isinstance(family, ModelFamily) else ModelFamily(None, family)
 
 
 def wrap(pipe, **kw) -> FlowModel:
     """The adapter for a diffusers pipeline, picked by its class (or a base class); ``kw`` go to the adapter."""
     names = [cls.__name__ for cls in type(pipe).__mro__]
-    for family in MODEL_FAMILIES.values():
+    families = [f for f in MODEL_FAMILIES.values() if isinstance(f, ModelFamily)]
+    for family in families:
         if family.pipeline is not None and family.pipeline in names:
             return family.adapter_class()(pipe, **kw)
-    supported = ", ".join(f.pipeline for f in MODEL_FAMILIES.values() if f.pipeline)
+    supported = ", ".join(f.pipeline for f in families if f.pipeline)
     raise TypeError(f"no flowrl adapter for {type(pipe).__name__}; supported pipelines: {supported}")
 
 

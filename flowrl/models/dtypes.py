@@ -37,7 +37,11 @@ from torch import nn
 AUTOCAST_FOLLOWS_ACCELERATE = "accelerate"
 """Default of ``FlowModel.autocast``: follow accelerate's ``mixed_precision`` of this process."""
 
-_MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.dtype`` name → torch dtype, the one definition of these names: the config's check (its accepted values),
+model building and the memory estimate read it."""
+MIXED_PRECISION: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The short names → torch dtype: accelerate's ``mixed_precision`` and the explorer's ``bf16`` / ``fp16`` backends."""
 
 
 def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -65,7 +69,7 @@ def accelerate_mixed_precision() -> torch.dtype | None:
         return None
     if not is_initialized():
         return None
-    return _MIXED_PRECISION.get(str(AcceleratorState().mixed_precision))
+    return MIXED_PRECISION.get(str(AcceleratorState().mixed_precision))
 
 
 def autocast_dtype(model) -> torch.dtype | None:

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from flowrl import sde
+from flowrl.choices import Checked
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.rollout.forest import Forest
 
@@ -51,11 +52,17 @@ class RolloutContext:
 
     def new_forest(self, prompts: list[str], guidance: float) -> Forest:
         """An empty forest for ``prompts`` that records this context's sampler settings."""
-        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction, observers=tuple(self.observers))
+        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction)
 
 
-class RolloutPlan:
-    """A rollout plan turns prompts into a :class:`Forest` (``rollout.plan``; DESIGN.md).
+def inner_unread(plan: "RolloutPlan") -> dict[str, str]:
+    """A wrapped plan's unread keys (:meth:`RolloutPlan.unread_keys`), named under ``rollout.inner`` where its
+    keys are given."""
+    return {k.replace("rollout.", "rollout.inner.", 1): why for k, why in plan.unread_keys().items()}
+
+
+class RolloutPlan(Checked):
+    """A rollout plan turns prompts into a :class:`Forest` (``rollout.plan``; docs/extending.md).
 
     Subclasses are dataclasses whose fields are the keys of the ``rollout`` section
     (:mod:`flowrl.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
@@ -67,8 +74,16 @@ class RolloutPlan:
     3. :meth:`after_update` after every optimizer step (so a copy of the policy follows the weights).
 
     A plan that wraps another (``inner``) passes each call on to it. :meth:`expected_counts` gives the
-    closed forms of ALGORITHMS.md for tests and logs, with one signature for every plan.
+    closed forms (docs/extending.md, "The loop, and what each component sees", lists each plan's page) for
+    tests and logs, with one signature for every plan.
     """
+
+    config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.choices)
+
+    def unread_keys(self) -> dict[str, str]:
+        """Keys of this plan's section set away from their defaults that its other settings leave unread
+        (key → why), refused at load so every accepted key does something. Default: none."""
+        return {}
 
     def setup(self, model: FlowModel, reward=None) -> None:
         """Called once before the first rollout; ``reward`` is the run's MultiReward (or None)."""
@@ -108,9 +123,50 @@ class RolloutPlan:
         return None
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
-        """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (ALGORITHMS.md) of a rollout of
+        """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (docs/extending.md) of a rollout of
         ``num_prompts`` prompts in context ``ctx`` (its iteration and seed fix random windows)."""
         raise NotImplementedError
+
+
+# ---- the stepping engine -------------------------------------------------------------------------
+# Every model forward of a rollout, a probe's completion or a plain ODE sample goes through
+# velocity_in_chunks: states x [M, C, H, W] all at one noise level σ (a python float), in forwards of at
+# most ``max_batch`` consecutive rows, in order. Every step over forest nodes goes through advance; states
+# outside a forest (ODE completions, samples) move with euler_ode. Updates are sde.step's kernels (Euler:
+# kernel "ode") and sde.dpm2_step, applied chunk by chunk, so a forward's layout fixes every number.
+
+
+def velocity_in_chunks(model: FlowModel, x: torch.Tensor, sigma: float, cond: Conditioning, guidance: float,
+                       max_batch: int, cond_rows: torch.Tensor | None = None, count_on: Forest | None = None):
+    """Velocities of the states ``x`` [M, ...] at ``sigma``, one forward per ``max_batch`` consecutive rows.
+
+    Yields ``(rows, x_chunk, v)``: ``rows`` a slice of 0..M−1, ``x_chunk`` = x[rows] on the model's device,
+    ``v`` [k, ...] its velocity. ``cond_rows`` [M]: the row of ``cond`` each state reads (None: ``cond`` has
+    one row per state; passed as is when one forward covers them all). ``count_on``: the forest whose
+    counters record each forward (:meth:`Forest.count_forward`)."""
+    for start in range(0, x.shape[0], max_batch):
+        rows = slice(start, start + max_batch)
+        xb = x[rows].to(model.device)
+        n = xb.shape[0]
+        if cond_rows is not None:
+            cond_b = cond.select(cond_rows[rows])
+        else:
+            cond_b = cond if n == x.shape[0] else cond.select(torch.arange(start, start + n))
+        v = model.velocity(xb, torch.full((n,), sigma, device=model.device), cond_b, guidance)
+        if count_on is not None:
+            count_on.count_forward(n, cfg=model.uses_cfg(guidance))
+        yield rows, xb, v
+
+
+@dataclass
+class DPM2:
+    """The DPM-Solver++(2M) multistep solver as a kernel of :func:`advance` (:func:`flowrl.sde.dpm2_step`).
+
+    Carries the previous step's x̂0 [M, ...] (rows in the order of the nodes it advanced) and its σ from
+    one call to the next: use one per solve, over the same nodes' descendants in order (fanout 1)."""
+
+    prev_x0: torch.Tensor | None = None
+    prev_sigma: float | None = None
 
 
 def advance(
@@ -120,48 +176,59 @@ def advance(
     cond: Conditioning,
     sigma_next: float,
     step_next: int,
-    kernel: str,
+    kernel: str | DPM2,
     eta: float,
-    noise_for: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+    noise_for: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None,
     guidance: float,
     max_batch: int,
     fanout: int = 1,
     std_scale: float = 1.0,
+    observers: tuple[Callable[..., None], ...] = (),
 ) -> torch.Tensor:
     """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
     each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
 
+    ``kernel``: a transition kernel's name (:data:`flowrl.sde.KERNEL_FUNCTIONS`; ``"ode"`` is the Euler ODE
+    step) or a :class:`DPM2` solver (deterministic edges of kernel ``dpm2``, never replayed: batch id −1;
+    ``eta``, ``noise_for`` unused).
+
     The velocity at the parents is computed in chunks of ``max_batch // fanout`` parents (at least one),
-    one forward each, so a forward carries at most ``max_batch`` new edges; its id is recorded on them
-    so training replays exactly this layout. ``cond`` holds one
+    one forward each (:func:`velocity_in_chunks`), so a forward carries at most ``max_batch`` new edges;
+    its id is recorded on them so training replays exactly this layout. ``cond`` holds one
     row per prompt group; ``noise_for(parent_of_child, branch)`` (both [K] for the K children of a
     chunk; ``branch`` in 0..fanout−1) returns noise [K, C, H, W] (None for deterministic kernels).
     Returns the new child indices [M·fanout], the children of a parent adjacent, parents in order.
 
     ``std_scale`` (default 1) widens the transition: x_next = μ + std_scale·std·ξ, and the edge's
     std (stored on the forest) and log-prob are those of the widened Gaussian N(μ, (std_scale·std)²)
-    (BranchGRPO's ``independent_scaled`` split noise, ALGORITHMS.md §5). The forest's ``observers`` (its
-    context's, :meth:`RolloutContext.new_forest`) see every chunk's parents with their velocity.
+    (BranchGRPO's ``independent_scaled`` split noise; docs/trees.md, "What one iteration does").
+    ``observers`` (the rollout context's, :attr:`RolloutContext.observers`) see every chunk's parents with
+    their velocity.
     """
-    if fanout > 1 and (kernel == "ode" or eta <= 0):
+    multistep = isinstance(kernel, DPM2)
+    if fanout > 1 and (multistep or kernel == "ode" or eta <= 0):
         raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
-    x_parents = forest.all_latents()[parents]
+    x_parents = forest.latents_of(parents)
     sigma = float(forest.sigma[parents[0]])
-    children = []
-    per_forward = max(1, max_batch // fanout)
-    for start in range(0, parents.shape[0], per_forward):
-        chunk = parents[start:start + per_forward]
-        x = x_parents[start:start + per_forward].to(model.device)
-        v = model.velocity(x, torch.full((chunk.shape[0],), sigma, device=model.device),
-                           cond.select(forest.group[chunk]), guidance)
-        forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
-        for observe in forest.observers:
+    children, x0s = [], []
+    stochastic = not multistep and kernel != "ode" and eta > 0
+    for rows, x, v in velocity_in_chunks(model, x_parents, sigma, cond, guidance, max(1, max_batch // fanout),
+                                         cond_rows=forest.group[parents], count_on=forest):
+        chunk = parents[rows]
+        for observe in observers:
             observe(forest, chunk, x, sigma, v)
+        if multistep:
+            prev_x0 = None if kernel.prev_x0 is None else kernel.prev_x0[rows]
+            x_next, x0 = sde.dpm2_step(x, v, sigma, sigma_next, prev_x0, kernel.prev_sigma)
+            x0s.append(x0)
+            zeros = torch.zeros(chunk.shape[0])
+            children.append(forest.add_children(chunk, x_next, sigma_next, step_next, zeros, zeros, "dpm2", 0.0, -1))
+            continue
         if fanout > 1:
             x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
             chunk = chunk.repeat_interleave(fanout)
         branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
-        noise = noise_for(chunk, branch) if (kernel != "ode" and eta > 0) else None
+        noise = noise_for(chunk, branch) if stochastic else None
         x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
         if std_scale != 1.0 and noise is not None:
             std = std * std_scale
@@ -171,4 +238,30 @@ def advance(
             std = torch.zeros_like(std)
         children.append(forest.add_children(chunk, x_next, sigma_next, step_next, logp, std, kernel if noise is not None else "ode",
                                             eta if noise is not None else 0.0, forest.new_batch_id()))
+    if multistep:
+        kernel.prev_x0, kernel.prev_sigma = torch.cat(x0s), sigma
     return torch.cat(children)
+
+
+def euler_ode(model: FlowModel, x: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning, guidance: float,
+              max_batch: int, start: torch.Tensor | None = None, cond_rows: torch.Tensor | None = None,
+              count_on: Forest | None = None) -> torch.Tensor:
+    """States outside a forest, ``x`` [Q, C, H, W], moved to σ = 0 with Euler ODE steps (``sde.step("ode")``)
+    of the schedule ``sigmas`` [T+1]. Returns fp32 [Q, C, H, W] on x's device (``x`` is not changed).
+
+    Row r starts at schedule step ``start[r]`` ([Q]; None: all at step 0). Schedule-aligned: at step i every
+    row with start ≤ i moves one step, in forwards of at most ``max_batch`` such rows
+    (:func:`velocity_in_chunks`, with ``cond_rows`` [Q] and ``count_on`` as there)."""
+    x = x.to(torch.float32, copy=True)
+    if x.shape[0] == 0:
+        return x
+    start = torch.zeros(x.shape[0], dtype=torch.long) if start is None else start
+    for i in range(int(start.min()), sigmas.shape[0] - 1):
+        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+        active = torch.nonzero(start <= i).flatten()
+        every = active.numel() == x.shape[0]
+        rows_cond = cond_rows if every else (active if cond_rows is None else cond_rows[active])
+        for rows, xb, v in velocity_in_chunks(model, x if every else x[active], sigma, cond, guidance, max_batch,
+                                              cond_rows=rows_cond, count_on=count_on):
+            x[active[rows]] = sde.step("ode", xb, v, sigma, sigma_next)[0].to(x.device)
+    return x

@@ -1,21 +1,24 @@
-"""Independent chains: Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO (ALGORITHMS.md §4), and ODE rollouts.
+"""Independent chains: Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO (docs/algorithms.md, "Chains"), and ODE rollouts.
 
 G chains per prompt. Steps inside the SDE window use the plan's kernel (trainable edges); all other
 steps are ODE (never trained). With ``post_solver="dpm2"`` the steps after the window are replaced
-by fewer DPM-Solver++(2M) steps (MixGRPO-Flash). With ``kernel="ode"`` (``rollout.plan: ode``) every
-step is deterministic (``solver``: Euler or DPM-Solver++(2M) over all T steps): no log-probs, the leaves'
-clean latents for forward-process objectives (DiffusionNFT, AWM).
+by fewer DPM-Solver++(2M) steps (MixGRPO-Flash). The ODE plan (``rollout.plan: ode``, :class:`ODEChains`)
+makes every step deterministic (``solver``: Euler or DPM-Solver++(2M) over all T steps): no log-probs, the
+leaves' clean latents for forward-process objectives (DiffusionNFT, AWM); its section has only the keys it
+reads (no kernel, eta, window or post-solver).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
 from flowrl import sde
+from flowrl.choices import Checked, choice
 from flowrl.models.base import FlowModel
-from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
+from flowrl.rollout.base import DPM2, RolloutContext, RolloutPlan, advance
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed, seeded_normal
 
@@ -25,7 +28,7 @@ SOLVERS = ("euler", "dpm2")
 
 
 @dataclass
-class SDEWindow:
+class SDEWindow(Checked):
     """Which schedule steps are stochastic (and trained).
 
     - ``all``: steps 0..T−2 (the last step, to σ=0, is never trained);
@@ -35,16 +38,16 @@ class SDEWindow:
     - ``progressive`` (MixGRPO): start = ``start`` + stride·⌊iteration/tau⌋, clamped at T−1−size.
     """
 
-    mode: str = "all"
+    mode: str = choice("all", WINDOW_MODES)
     start: int = 0
     size: int = 3
     range: list[int] | None = None
     stride: int = 1
     tau: int = 25
 
+    config_key = "rollout.window"
+
     def validate(self, steps: int) -> None:
-        if self.mode not in WINDOW_MODES:
-            raise ValueError(f"rollout.window.mode={self.mode!r} is not supported; accepted: {list(WINDOW_MODES)}")
         if self.mode != "all" and not (1 <= self.size <= steps - 1):
             raise ValueError(f"rollout.window.size={self.size} must be in [1, steps-1={steps - 1}]")
         if self.mode == "fixed" and not (0 <= self.start and self.start + self.size <= steps - 1):
@@ -95,18 +98,21 @@ class Chains(RolloutPlan):
     eta: float = 0.7
     shared_noise: bool = False
     window: SDEWindow = field(default_factory=SDEWindow)
-    post_solver: str = "none"
+    post_solver: str = choice("none", POST_SOLVERS)
     post_steps_ratio: float = 0.4
-    solver: str = "euler"
+    solver: str = choice("euler", SOLVERS)
+
+    deterministic: ClassVar[bool] = False  # every step ODE: the ODE plan
 
     def __post_init__(self) -> None:
         if isinstance(self.window, dict):
             self.window = SDEWindow(**self.window)
         sde.check_kernel(self.kernel, "rollout.kernel")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"rollout.solver={self.solver!r} is not supported; accepted: {list(SOLVERS)}")
+        if self.kernel == "ode" and not self.deterministic:
+            raise ValueError("rollout.kernel='ode' makes every chain deterministic: that is the ODE plan; use "
+                             "rollout.plan: ode (its keys: group_size, steps, solver, teacher_share)")
         if self.kernel != "ode" and self.solver != "euler":
-            raise ValueError(f"rollout.solver={self.solver!r} is the ODE plan's solver (rollout.kernel='ode'); with an "
+            raise ValueError(f"rollout.solver={self.solver!r} is the ODE plan's solver (rollout.plan: ode); with an "
                              "SDE kernel use rollout.post_solver for the steps after the window")
         if self.kernel == "ode" and self.shared_noise:
             raise ValueError("rollout.kernel='ode' with rollout.shared_noise=true would make every chain of a group "
@@ -118,8 +124,6 @@ class Chains(RolloutPlan):
         if self.shared_noise and self.eta <= 0 and self.kernel != "ode":
             raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
                              "the same ODE sample; use eta > 0")
-        if self.post_solver not in POST_SOLVERS:
-            raise ValueError(f"rollout.post_solver={self.post_solver!r} is not supported; accepted: {list(POST_SOLVERS)}")
         if not (0.0 < self.post_steps_ratio <= 1.0):
             raise ValueError(f"rollout.post_steps_ratio={self.post_steps_ratio} must be in (0, 1]")
         self.window.validate(self.steps)
@@ -131,6 +135,14 @@ class Chains(RolloutPlan):
         n_post = max(1, round(self.post_steps_ratio * remaining))
         idx = sorted({round(window_end + k * remaining / n_post) for k in range(n_post + 1)})
         return idx
+
+    def unread_keys(self) -> dict[str, str]:
+        """``post_steps_ratio`` without the post-solver it sizes. (The window's keys for other modes are left
+        alone: a preset's window switched to another mode on the command line keeps its sizes.)"""
+        unread = {}
+        if not self.deterministic and self.post_solver == "none" and self.post_steps_ratio != 0.4:
+            unread["rollout.post_steps_ratio"] = "it sizes the steps of rollout.post_solver: dpm2, which is off"
+        return unread
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges.
@@ -206,7 +218,8 @@ class Chains(RolloutPlan):
             fanout = G if (self.shared_noise and window and i == window[0]) else 1
             kernel = self.kernel if i in window_set else "ode"
             children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
-                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout)
+                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
+                               observers=ctx.observers)
             branches = torch.arange(fanout).repeat(nodes.shape[0])  # children come parent by parent
             chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
                         for p, b, c in zip(forest.parent[children], branches, children)}
@@ -218,25 +231,12 @@ class Chains(RolloutPlan):
     def _post_solve(self, forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor,
                     idx: list[int], guidance: float, max_batch: int) -> None:
         """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0): untrained ODE edges of
-        kernel ``dpm2`` (after a window: :meth:`_post_indices`; the ODE plan's ``solver: dpm2``: all steps)."""
-        prev_x0: torch.Tensor | None = None
-        prev_sigma: float | None = None
-        for a, b in zip(idx[:-1], idx[1:]):
-            s, s_next = float(sigmas[a]), float(sigmas[b])
-            x = forest.all_latents()[nodes].to(model.device)
-            outs, x0s = [], []
-            for c in range(0, nodes.shape[0], max_batch):
-                chunk = nodes[c:c + max_batch]
-                v = model.velocity(x[c:c + max_batch], torch.full((chunk.shape[0],), s, device=model.device),
-                                   cond.select(forest.group[chunk]), guidance)
-                forest.count_forward(chunk.shape[0], cfg=model.uses_cfg(guidance))
-                x_next, x0 = sde.dpm2_step(x[c:c + max_batch], v, s, s_next,
-                                           None if prev_x0 is None else prev_x0[c:c + max_batch], prev_sigma)
-                outs.append(x_next)
-                x0s.append(x0)
-            zeros = torch.zeros(nodes.shape[0])
-            nodes = forest.add_children(nodes, torch.cat(outs), s_next, b, zeros, zeros, "dpm2", 0.0, -1)
-            prev_x0, prev_sigma = torch.cat(x0s), s
+        kernel ``dpm2`` (after a window: :meth:`_post_indices`; the ODE plan's ``solver: dpm2``: all steps),
+        one :func:`advance` per step with one :class:`DPM2` solver carrying x̂0 between them. No observers:
+        the post-solver's states are not shown to a wrapping plan (probed's x̂0 probes refuse it)."""
+        solver = DPM2()
+        for b in idx[1:]:
+            nodes = advance(forest, model, nodes, cond, float(sigmas[b]), b, solver, 0.0, None, guidance, max_batch)
 
 
 @dataclass
@@ -251,9 +251,16 @@ class ODEChains(Chains):
     group; the forest's ``from_teacher`` column marks the teacher's nodes. Leaves: the policy's chains of
     every group, then the teacher's."""
 
-    kernel: str = "ode"
-    eta: float = 0.0
     teacher_share: int = 0
+    # Chains' SDE keys are fixed here and are not keys of the ODE plan's section (a given one is refused).
+    kernel: str = field(default="ode", init=False, metadata={"config": False})
+    eta: float = field(default=0.0, init=False, metadata={"config": False})
+    shared_noise: bool = field(default=False, init=False, metadata={"config": False})
+    window: SDEWindow = field(default_factory=SDEWindow, init=False, metadata={"config": False})
+    post_solver: str = field(default="none", init=False, metadata={"config": False})
+    post_steps_ratio: float = field(default=0.4, init=False, metadata={"config": False})
+
+    deterministic: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

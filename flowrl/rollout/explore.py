@@ -1,4 +1,4 @@
-"""Sol-RL: explore cheap, regenerate faithful, train on the regenerated (ALGORITHMS.md §7).
+"""Sol-RL: explore cheap, regenerate faithful, train on the regenerated (docs/explore.md).
 
 Per prompt group, every iteration:
 
@@ -18,19 +18,19 @@ scored again by the trainer and reach credit and loss. Preview forwards are coun
 (``forest.counters["explore_forwards"]``, ``"explore_nfe"``, ``"explore_scored"``).
 
 The inner plan is any registered plan that takes given roots (``root_count()`` not None; chains
-does, one root per chain), named by ``inner`` with its keys in ``inner_args``, in the form of config
-overrides (a list, since the config loader reads nested mappings as its own keys)::
+does, one root per chain), given by ``inner`` in the one nested form: a name, or the plan's section as a
+mapping (``plan`` names it, its own keys beside, nested fields nested)::
 
     rollout:
       plan: explore
-      inner: chains                       # or tree, my_pkg.plans:MyPlan, path/to/file.py:MyPlan
-      inner_args: [group_size=8, steps=10, eta=1.0, window.mode=random, window.size=2, "window.range=[0,5]"]
+      inner:                              # plan: chains | tree | my_pkg.plans:MyPlan | path/to/file.py:MyPlan
+        {plan: chains, group_size: 8, steps: 10, eta: 1.0, window: {mode: random, size: 2, range: [0, 5]}}
       pool: 32
       preview_steps: 6
       backend: int8
 
 The keys are checked against the inner plan's own fields (a misspelled one names the nearest). From
-Python, ``inner_args`` may also be a dict, or pass a ready plan: ``Explore(inner_plan=Chains(...))``.
+Python, ``inner`` takes the same name or dict, or pass a ready plan: ``Explore(inner_plan=Chains(...))``.
 
 The explorer follows the live weights (LoRA merged) lazily: ``after_update`` marks it stale and the
 next rollout syncs it once, so several optimizer steps per iteration re-quantize once, and weights
@@ -50,8 +50,10 @@ from typing import Any
 
 import torch
 
+from flowrl.choices import choice, choose
 from flowrl.errors import ConfigError
-from flowrl.rollout.base import RolloutContext, RolloutPlan
+from flowrl.precision import BACKENDS
+from flowrl.rollout.base import RolloutContext, RolloutPlan, inner_unread
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
 
@@ -66,8 +68,7 @@ def select_seeds(rewards: torch.Tensor, k: int, mode: str = "extremes") -> torch
     Ties keep pool order; NaN rewards (failed scores) rank last and are taken only when the valid ones
     run out.
     """
-    if mode not in SELECTIONS:
-        raise ValueError(f"rollout.select={mode!r} is not supported; accepted: {list(SELECTIONS)}")
+    choose("rollout.select", mode, SELECTIONS)
     n = int(rewards.numel())
     if not 1 <= k <= n:
         raise ValueError(f"cannot keep {k} of a pool of {n}")
@@ -125,14 +126,15 @@ def _nanmean(values: list[float]) -> float:
     return sum(ok) / len(ok) if ok else float("nan")
 
 
-def build_inner(name: str, args: list[str] | dict[str, Any] | None, key: str = "rollout.inner_args") -> RolloutPlan:
-    """The inner plan ``name`` built from ``args`` by :func:`flowrl.components.build_nested`; it must take given
-    root seeds (the explorer chooses them) and not be an explore plan itself."""
+def build_inner(spec: str | dict[str, Any], key: str = "rollout.inner") -> RolloutPlan:
+    """The inner plan ``spec`` (a name, or ``{plan: name, key: value, ...}``) built by
+    :func:`flowrl.components.build_nested`; it must take given root seeds (the explorer chooses them) and not be
+    an explore plan itself."""
     from flowrl import components
 
-    plan = components.build_nested(components.PLAN, name, args, name_key="rollout.inner", args_key=key, refuse=Explore)
+    plan = components.build_nested(components.PLAN, spec, key=key, refuse=Explore)
     if plan.root_count() is None:
-        raise ConfigError(f"rollout.inner={name!r} does not take given root seeds (its root_count() is None), so "
+        raise ConfigError(f"{key}={spec!r} does not take given root seeds (its root_count() is None), so "
                           "it cannot regenerate the selected seeds")
     return plan
 
@@ -141,7 +143,7 @@ def build_inner(name: str, args: list[str] | dict[str, Any] | None, key: str = "
 class Explore(RolloutPlan):
     """Sol-RL's explore → select → regenerate around an inner plan (module docstring).
 
-    ``inner`` / ``inner_args``: the inner plan and its keys; ``pool``: N candidates per prompt (None →
+    ``inner``: the inner plan, a name or ``{plan: name, its keys...}``; ``pool``: N candidates per prompt (None →
     4·K); ``select``: ``extremes`` | ``top_k`` | ``spread``; ``preview_steps``: Euler steps of the
     explorer's ODE preview; ``backend``: the explorer (:data:`flowrl.precision.BACKENDS`), checked
     against this machine when the config loads and against the model's device at ``setup``;
@@ -149,12 +151,11 @@ class Explore(RolloutPlan):
     backend's default skip list, :data:`flowrl.precision.DEFAULT_SKIP`).
     """
 
-    inner: str = "chains"
-    inner_args: list[str] = field(default_factory=list)
+    inner: str | dict = "chains"
     pool: int | None = None
-    select: str = "extremes"
+    select: str = choice("extremes", SELECTIONS)
     preview_steps: int = 6
-    backend: str = "same"
+    backend: str = choice("same", BACKENDS)
     min_params: int = 16384
     skip: list[str] | None = None
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
@@ -163,11 +164,9 @@ class Explore(RolloutPlan):
         from flowrl.precision import check_backend
 
         if self.inner_plan is None:
-            self.inner_plan = build_inner(self.inner, self.inner_args)
+            self.inner_plan = build_inner(self.inner)
         elif self.inner_plan.root_count() is None:
             raise ConfigError(f"inner_plan {type(self.inner_plan).__name__} does not take given root seeds")
-        if self.select not in SELECTIONS:
-            raise ConfigError(f"rollout.select={self.select!r} is not supported; accepted: {list(SELECTIONS)}")
         if self.preview_steps < 1:
             raise ConfigError(f"rollout.preview_steps={self.preview_steps} must be >= 1")
         if self.pool is not None and self.pool < self.keep:
@@ -194,6 +193,9 @@ class Explore(RolloutPlan):
         return self.pool if self.pool is not None else 4 * self.keep
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def unread_keys(self) -> dict[str, str]:
+        return inner_unread(self.inner_plan)
+
     def setup(self, model, reward=None) -> None:
         """Set up the inner plan, keep the reward (it scores the preview pool) and build the explorer."""
         from flowrl.explorer import make_explorer

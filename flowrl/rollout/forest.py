@@ -1,4 +1,4 @@
-"""The trajectory forest: one flat, tensor-backed structure for every rollout shape (DESIGN.md).
+"""The trajectory forest: one flat, tensor-backed structure for every rollout shape (docs/extending.md).
 
 Nodes are latent states; every non-root node n has one incoming edge parent[n] → n, and the edge's
 data is stored on its child n. Independent chains are unbranched trees, BranchGRPO trees are K-ary,
@@ -8,15 +8,29 @@ Per node (N nodes): ``latents`` fp32 [N, C, H, W], ``sigma`` [N] (noise level of
 noise), ``step`` [N] (schedule index; 0 = pure noise), ``parent`` [N] (-1 for roots), ``group`` [N]
 (prompt group), ``seed`` [N] (seed of the node's root: ``model.noise([seed])`` rebuilds it).
 Per edge into n: ``logp_old`` [N], ``std`` [N], ``stochastic`` [N] (SDE edge, trainable),
-``kernel`` [N] (index into :data:`EDGE_KERNELS`), ``eta`` [N] (the noise level used), ``batch`` [N]
-(id of the rollout forward that produced the velocity at the parent: replay uses the same layout).
+``kernel`` [N] (index into the forest's own ``kernels`` names; roots: 0, ``"ode"``), ``eta`` [N] (the noise
+level used), ``batch`` [N] (id of the rollout forward that produced the velocity at the parent: replay uses
+the same layout).
 Outcomes (allocated with the nodes, kept by :meth:`merge`, never wiped): ``reward`` [N] (combined
 reward of a leaf; NaN elsewhere), ``value`` [N] (combined reward of a probed intermediate state; NaN if
 unset), ``reward_components[name]`` [N] (each reward term's raw score on every scored node),
-``advantage`` [N] (0) and ``weight`` [N] (1), written by credit rules (weight 0 = edge skipped);
+``advantage`` [N] (0), ``weight`` [N] (1) and ``flat`` [N] (0), written by credit rules on the nodes they
+credit: weight 0 = the unit (an edge into the node, or a leaf) is excluded from training (pruned, dropped,
+failed); flat 1 = its comparison set (e.g. its prompt group) had no reward spread, so its advantage is 0 by
+construction — policy objectives skip such units (nothing to learn), forward-process ones keep them (their
+loss still pulls towards the old copy and the teacher); :meth:`units` reads all three.
 ``trainable`` [N] (1), written by the plan (0 = an edge its layout leaves untrained, e.g. a tree's depth
-pruning): credit rules never overwrite it, and :meth:`edges` skips an edge that either column zeroes;
+pruning): credit rules never overwrite it; it concerns edges only (a leaf is trained on its clean latents
+whatever the edge into it);
 ``from_teacher`` [N] (0; 1 on nodes a guided teacher sampled, the ODE plan's ``teacher_share``).
+
+Built in layers, frozen once: each :meth:`add_children` appends one layer of latents (kept as given, on the
+forest's ``device``: the device of its first latents) and writes its columns into buffers that grow by
+doubling, so building costs time linear in the number of nodes. During a rollout :meth:`latents_of` reads
+nodes from their layers; :meth:`all_latents` concatenates the layers once, when the rollout is read whole.
+Probe latents live on the same device as the nodes' latents. ``meta``: plain method data a plan records
+for the readers of its forest (e.g. ``probe_x0``: its probes are x̂0 projections of states reached by SDE
+edges), never callbacks.
 
 Scoring: leaves are always scored (their latents are clean samples); a plan may ask for intermediate
 states to be scored too with :meth:`add_probe` (node, clean-latent estimate: an ODE completion, an x̂0
@@ -31,31 +45,35 @@ from typing import Sequence
 import torch
 
 from flowrl import sde
+from flowrl.rollout.forest_paths import ForestPaths
 
-EDGE_KERNELS: list[str] = list(sde.KERNELS) + ["dpm2"]  # a kernel registered later is appended on first use
-
-
-def kernel_index(name: str) -> int:
-    """The index of edge kernel ``name`` in :data:`EDGE_KERNELS` (the forest's ``kernel`` column)."""
-    if name not in EDGE_KERNELS:
-        EDGE_KERNELS.append(name)
-    return EDGE_KERNELS.index(name)
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
-_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "trainable": 1.0,
-                     "from_teacher": 0.0}
+_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "flat": 0.0,
+                     "trainable": 1.0, "from_teacher": 0.0}
+UNITS = ("edges", "leaves")  # what an objective trains on (Objective.trains_on), what a credit rule writes
+
+
+def flat_rows(values: torch.Tensor, ok: torch.Tensor, tol: float) -> torch.Tensor:
+    """Which rows of ``values`` [P, G] have no spread [P] bool: max − min over the entries where ``ok``
+    [P, G] ≤ ``tol``, or fewer than two such entries. The loop's one spread test (:meth:`Forest.flat_groups`)."""
+    if values.shape[1] == 0:
+        return torch.ones(values.shape[0], dtype=torch.bool)
+    lo = torch.where(ok, values, torch.full_like(values, float("inf"))).min(dim=1).values
+    hi = torch.where(ok, values, torch.full_like(values, float("-inf"))).max(dim=1).values
+    return (ok.sum(dim=1) < 2) | ((hi - lo) <= tol)
 
 
 @dataclass
-class Forest:
+class Forest(ForestPaths):
     """Trajectory forest of one rollout (see module docstring). Build with :meth:`add_roots` /
     :meth:`add_children`, then read through the helpers."""
 
     prompts: list[str]
     guidance: float = 1.0
     reduction: str = "mean"  # how edge log-probs were reduced over latent elements (replay uses the same)
-    probe_x0: bool = False  # its probes are x̂0 projections of states reached by SDE edges (probed's x0_projection)
-    observers: tuple = field(default=(), repr=False, compare=False)  # RolloutContext.observers, while rolling out
-    latents: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)  # plain method data (see the module docstring)
+    kernels: list[str] = field(default_factory=lambda: ["ode"])  # the names behind the ``kernel`` column
+    device: torch.device | None = None  # where latents and probes live (None: the device of the first latents)
     sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     parent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -72,33 +90,54 @@ class Forest:
     value: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     advantage: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     weight: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    flat: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     trainable: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     from_teacher: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     probe_node: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     _latent_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _block_starts: list[int] = field(default_factory=list, repr=False)
     _probe_blocks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _next_batch_id: int = 0
+    copied_latent_rows: int = field(default=0, repr=False)  # latent rows copied while building and freezing
 
     # ---- building -------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
         return int(self.step.shape[0])
 
+    def _grown(self, key: str, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``current`` [n0] followed by ``new`` [n], as a view of a buffer that doubles when full (amortised
+        linear). A column replaced wholesale (e.g. by a credit rule) seeds a fresh buffer."""
+        n0, n = current.shape[0], current.shape[0] + new.shape[0]
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n or buf.dtype != current.dtype or (n0 and current.data_ptr() != buf.data_ptr()):
+            buf = torch.empty(max(2 * n, 16), dtype=current.dtype)
+            buf[:n0] = current
+            self._buffers[key] = buf
+        buf[n0:n] = new.to(current.dtype)
+        return buf[:n]
+
     def _append(self, latents: torch.Tensor, **cols: torch.Tensor) -> torch.Tensor:
         n0, n = self.num_nodes, latents.shape[0]
-        self._latent_blocks.append(latents.detach().float())
-        self.latents = None  # concatenated lazily
+        self.device = latents.device if self.device is None else self.device
+        self._block_starts.append(n0)
+        self._latent_blocks.append(latents.detach().to(self.device, torch.float32))
         for name in _NODE_FIELDS:
-            old = getattr(self, name)
-            new = torch.as_tensor(cols[name]).to(dtype=old.dtype).reshape(n).cpu()
-            setattr(self, name, torch.cat([old, new]))
+            setattr(self, name, self._grown(name, getattr(self, name), torch.as_tensor(cols[name]).reshape(n).cpu()))
         for name, default in _OUTCOME_DEFAULTS.items():
             new = cols[name].float().reshape(n).cpu() if name in cols else torch.full((n,), default)
-            setattr(self, name, torch.cat([getattr(self, name), new]))
+            setattr(self, name, self._grown(name, getattr(self, name), new))
         for name, column in self.reward_components.items():
-            self.reward_components[name] = torch.cat([column, torch.full((n,), float("nan"))])
+            self.reward_components[name] = self._grown(f"reward/{name}", column, torch.full((n,), float("nan")))
         return torch.arange(n0, n0 + n)
+
+    def kernel_index(self, name: str) -> int:
+        """The index of edge kernel ``name`` in this forest's ``kernels`` (the ``kernel`` column)."""
+        if name not in self.kernels:
+            self.kernels.append(name)
+        return self.kernels.index(name)
 
     def add_roots(self, latents: torch.Tensor, group: Sequence[int] | torch.Tensor, seed: Sequence[int] | torch.Tensor,
                   sigma: float = 1.0, step: int = 0) -> torch.Tensor:
@@ -132,7 +171,7 @@ class Forest:
         return self._append(
             latents, sigma=column(sigma), step=column(step, torch.long), parent=parents, group=self.group[parents],
             seed=self.seed[parents], logp_old=logp.detach().float().cpu(), std=std,
-            stochastic=(std > 0) & (kernel != "ode"), kernel=column(kernel_index(kernel), torch.long),
+            stochastic=(std > 0) & (kernel != "ode"), kernel=column(self.kernel_index(kernel), torch.long),
             eta=column(eta), batch=column(batch, torch.long),
         )
 
@@ -142,12 +181,26 @@ class Forest:
         self.counters["nfe"] += rows * (2 if cfg else 1)
         self.counters["model_calls"] += 1
 
+    def latents_of(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Latents [M, C, H, W] of ``nodes`` [M], read from their layers without freezing the forest."""
+        nodes = torch.as_tensor(nodes, dtype=torch.long).reshape(-1).cpu()
+        starts = torch.tensor(self._block_starts)
+        layer = torch.searchsorted(starts, nodes, right=True) - 1
+        if nodes.numel() and bool((layer == layer[0]).all()):
+            return self._latent_blocks[int(layer[0])][nodes - starts[layer[0]]]
+        out = torch.empty((nodes.numel(),) + tuple(self._latent_blocks[0].shape[1:]), device=self.device)
+        for k in torch.unique(layer).tolist():
+            mine = layer == k
+            out[mine.to(out.device)] = self._latent_blocks[k][nodes[mine] - self._block_starts[k]]
+        return out
+
     def all_latents(self) -> torch.Tensor:
-        """Latents [N, C, H, W] (concatenated once, then cached)."""
-        if self.latents is None or self.latents.shape[0] != self.num_nodes:
-            self.latents = torch.cat(self._latent_blocks) if len(self._latent_blocks) > 1 else self._latent_blocks[0]
-            self._latent_blocks = [self.latents]
-        return self.latents
+        """Latents [N, C, H, W]: the layers concatenated once (frozen), then cached."""
+        if len(self._latent_blocks) > 1:
+            frozen = torch.cat(self._latent_blocks)
+            self.copied_latent_rows += frozen.shape[0]
+            self._latent_blocks, self._block_starts = [frozen], [0]
+        return self._latent_blocks[0]
 
     @staticmethod
     def merge(forests: Sequence["Forest"], same_prompts: bool = False) -> "Forest":
@@ -163,8 +216,8 @@ class Forest:
             if len({getattr(f, attr) for f in forests}) != 1:
                 raise ValueError(f"cannot merge forests sampled with different {attr}")
         prompts = list(forests[0].prompts) if same_prompts else [p for f in forests for p in f.prompts]
-        out = Forest(prompts=prompts, guidance=forests[0].guidance,
-                     reduction=forests[0].reduction, probe_x0=forests[0].probe_x0)
+        out = Forest(prompts=prompts, guidance=forests[0].guidance, reduction=forests[0].reduction,
+                     meta=dict(forests[0].meta))
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
         out.reward_components = {k: torch.zeros(0) for k in names}
         node_offset = group_offset = batch_offset = 0
@@ -173,6 +226,7 @@ class Forest:
             cols["parent"] = torch.where(cols["parent"] >= 0, cols["parent"] + node_offset, cols["parent"])
             cols["batch"] = torch.where(cols["batch"] >= 0, cols["batch"] + batch_offset, cols["batch"])
             cols["group"] = cols["group"] + group_offset
+            cols["kernel"] = torch.tensor([out.kernel_index(k) for k in f.kernels])[cols["kernel"]]
             new = out._append(f.all_latents(), **cols)
             for k in names:
                 if k in f.reward_components:
@@ -196,12 +250,12 @@ class Forest:
         if x0.shape[0] != nodes.shape[0]:
             raise ValueError(f"add_probe: {nodes.shape[0]} nodes but {x0.shape[0]} latents")
         self.probe_node = torch.cat([self.probe_node, nodes])
-        self._probe_blocks.append(x0.detach().float().cpu())
+        self._probe_blocks.append(x0.detach().to(self.device, torch.float32))  # beside the nodes' latents
 
     def probe_latents(self) -> torch.Tensor:
         """Clean-latent estimates of the probed states [Q, C, H, W], in ``probe_node`` order."""
         if not self._probe_blocks:
-            return torch.zeros((0,) + tuple(self.all_latents().shape[1:]))
+            return torch.zeros((0,) + tuple(self._latent_blocks[0].shape[1:]), device=self.device)
         if len(self._probe_blocks) > 1:
             self._probe_blocks = [torch.cat(self._probe_blocks)]
         return self._probe_blocks[0]
@@ -212,7 +266,7 @@ class Forest:
         if self.probe_node.numel() and bool(torch.isin(self.probe_node, leaves).any()):
             raise ValueError("a probe was added on a leaf: leaves are scored from their own latents")
         nodes = torch.cat([leaves, self.probe_node])
-        return nodes, torch.cat([self.all_latents()[leaves], self.probe_latents()])
+        return nodes, torch.cat([self.latents_of(leaves), self.probe_latents()])
 
     def record_scores(self, nodes: torch.Tensor, components: dict[str, torch.Tensor]) -> None:
         """Write each reward term's raw scores [S] of ``nodes`` [S] into ``reward_components``. A non-finite
@@ -233,9 +287,7 @@ class Forest:
             if nodes.numel():
                 column[nodes] = combine({k: v[nodes] for k, v in self.reward_components.items()}, self.group[nodes]).float()
 
-    # ---- structure helpers ----------------------------------------------------------------
-    # Vectorised: each helper walks the forest level by level (a few tensor ops per level of depth),
-    # never node by node, so trees of thousands of nodes cost O(depth) tensor operations.
+    # ---- structure helpers (the path walks are in :class:`ForestPaths`) --------------------------
     def leaves(self) -> torch.Tensor:
         """Indices of nodes with no children, in node order [L]."""
         has_child = torch.zeros(self.num_nodes, dtype=torch.bool)
@@ -257,111 +309,39 @@ class Forest:
         var = torch.zeros_like(n).index_add_(0, g, (r - mean[g]) ** 2) / n.clamp(min=1)
         return torch.where(n > 0, var.sqrt(), torch.full_like(n, float("nan"))).float()
 
-    def children(self, n: int) -> torch.Tensor:
-        return torch.nonzero(self.parent == n).flatten()
-
-    def num_children(self) -> torch.Tensor:
-        """Number of children of every node [N]."""
-        return torch.bincount(self.parent[self.parent >= 0], minlength=self.num_nodes)
-
-    def _walk_up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(depth [N], root [N]) of every node: all nodes step up to their parents together, one tensor
-        step per level."""
-        depth = torch.zeros(self.num_nodes, dtype=torch.long)
-        cur = torch.arange(self.num_nodes)
-        up = self.parent.clone()
-        while True:
-            moving = up >= 0
-            if not bool(moving.any()):
-                return depth, cur
-            depth += moving.long()
-            cur = torch.where(moving, up, cur)
-            up = torch.where(moving, self.parent[up.clamp(min=0)], up)
-
-    def depth(self, n: int | None = None) -> torch.Tensor | int:
-        """Number of edges from the root to node ``n`` (or for all nodes [N] when n is None)."""
-        if n is not None:
-            d = 0
-            while int(self.parent[n]) >= 0:
-                n = int(self.parent[n])
-                d += 1
-            return d
-        return self._walk_up()[0]
-
-    def root_of(self) -> torch.Tensor:
-        """The root above every node [N] (a root is its own root)."""
-        return self._walk_up()[1]
-
-    def ancestor_table(self, nodes: torch.Tensor | None = None) -> torch.Tensor:
-        """Paths up to the root [M, D+1] of ``nodes`` [M] (default: the leaves): column k holds the
-        k-th ancestor (column 0 the node itself), −1 past the root; D = the largest depth among them."""
-        nodes = self.leaves() if nodes is None else torch.as_tensor(nodes, dtype=torch.long).reshape(-1)
-        columns = [nodes]
-        while True:
-            prev = columns[-1]
-            nxt = torch.where(prev >= 0, self.parent[prev.clamp(min=0)], prev)
-            if not bool((nxt >= 0).any()):
-                return torch.stack(columns, dim=1)
-            columns.append(nxt)
-
-    def ancestors(self, n: int) -> list[int]:
-        """Nodes from ``n`` up to its root, n first."""
-        path = [int(n)]
-        while int(self.parent[path[-1]]) >= 0:
-            path.append(int(self.parent[path[-1]]))
-        return path
-
-    def descendant_leaves(self, n: int) -> torch.Tensor:
-        """Leaves below node ``n`` (``n`` itself if it is a leaf), in node order [k]."""
-        leaves = self.leaves()
-        if leaves.numel() == 0:
-            return leaves
-        return leaves[(self.ancestor_table(leaves) == int(n)).any(dim=1)]
-
-    def path_logp(self, n: int | torch.Tensor, leaf: int | torch.Tensor) -> float | torch.Tensor:
-        """Sum of edge log-probs along the path n → leaf (excluding the edge into n).
-
-        ``n`` and ``leaf`` are node indices (returns a float) or index tensors [M] (returns fp64 [M],
-        pairs computed together). Raises ValueError when a ``leaf`` is not ``n`` or below it."""
-        if not isinstance(n, torch.Tensor) and not isinstance(leaf, torch.Tensor):
-            total, cur = 0.0, int(leaf)
-            while cur != n:
-                if cur < 0:
-                    raise ValueError(f"node {leaf} is not a descendant of {n}")
-                total += float(self.logp_old[cur])
-                cur = int(self.parent[cur])
-            return total
-        n = torch.as_tensor(n, dtype=torch.long).reshape(-1)
-        leaf = torch.as_tensor(leaf, dtype=torch.long).reshape(-1)
-        n, leaf = torch.broadcast_tensors(n, leaf)
-        table = self.ancestor_table(leaf)  # [M, D+1]
-        hit = table == n[:, None]
-        if not bool(hit.any(dim=1).all()):
-            bad = int(torch.nonzero(~hit.any(dim=1)).flatten()[0])
-            raise ValueError(f"node {int(leaf[bad])} is not a descendant of {int(n[bad])}")
-        below = torch.cumsum(hit.long(), dim=1) == 0  # columns strictly below n on the path
-        logp = self.logp_old.double()[table.clamp(min=0)]
-        return torch.where(below & (table >= 0), logp, torch.zeros_like(logp)).sum(dim=1)
-
-    def leaf_of_each_node(self) -> torch.Tensor:
-        """The unique leaf below each node [N], or −1 where several leaves lie below (a node with a
-        branch point at or under it, e.g. the shared trunk of a group). For chains every node has one."""
-        leaf_of = torch.full((self.num_nodes,), -1, dtype=torch.long)
-        leaves = self.leaves()
-        if leaves.numel() == 0:
-            return leaf_of
-        table = self.ancestor_table(leaves)  # [L, D+1]
-        owner = leaves[:, None].expand_as(table)
-        on_path = table >= 0
-        nodes, owners = table[on_path], owner[on_path]
-        n_leaves = torch.bincount(nodes, minlength=self.num_nodes)
-        leaf_of[nodes] = owners  # several writers only where n_leaves > 1, and those are reset below
-        return torch.where(n_leaves == 1, leaf_of, torch.full_like(leaf_of, -1))
-
     def edges(self, trainable: bool = True) -> torch.Tensor:
-        """Indices of child nodes of edges [E]: all edges, or (default) the stochastic ones that the plan
-        left ``trainable`` and the credit rule gave a non-zero ``weight``."""
-        mask = self.parent >= 0
-        if trainable:
-            mask = mask & self.stochastic & (self.trainable > 0) & (self.weight > 0)
+        """Indices of child nodes of edges [E]: all edges, or (default) the units a policy objective trains,
+        ``units("edges")``."""
+        return self.units("edges") if trainable else torch.nonzero(self.parent >= 0).flatten()
+
+    def units(self, trains_on: str, flat: bool = False) -> torch.Tensor:
+        """The nodes an objective trains [U], in node order: for ``"edges"`` the children of the stochastic
+        edges the plan left ``trainable``; for ``"leaves"`` the leaves whose reward is finite (a failed reward
+        is never trained). Either way only units the credit rule gave a non-zero ``weight``, and ``flat``
+        ones (no reward spread in their comparison set) only when ``flat`` is True."""
+        if trains_on == "edges":
+            mask = (self.parent >= 0) & self.stochastic & (self.trainable > 0)
+        elif trains_on == "leaves":
+            mask = torch.zeros(self.num_nodes, dtype=torch.bool)
+            mask[self.leaves()] = True
+            mask &= torch.isfinite(self.reward)
+        else:
+            raise ValueError(f"units({trains_on!r}): accepted: {list(UNITS)}")
+        mask &= self.weight > 0
+        if not flat:
+            mask &= self.flat <= 0
         return torch.nonzero(mask).flatten()
+
+    def flat_groups(self, tol: float = 1e-6) -> torch.Tensor:
+        """Which prompt groups had no reward spread [len(prompts)] bool (:func:`flat_rows` over each group's
+        leaf rewards, failed ones left out): the group credit rule's flat groups and the trainer's
+        ``groups_without_spread`` are this one test."""
+        leaves = self.leaves()
+        leaves = leaves[torch.argsort(self.group[leaves], stable=True)]
+        group = self.group[leaves]
+        P = len(self.prompts)
+        count = torch.bincount(group, minlength=P)
+        within = torch.arange(leaves.numel()) - (torch.cumsum(count, 0) - count)[group]
+        table = torch.full((P, int(count.max()) if leaves.numel() else 0), float("nan"), dtype=torch.float64)
+        table[group, within] = self.reward[leaves].double()
+        return flat_rows(table, torch.isfinite(table), tol)

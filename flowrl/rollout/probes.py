@@ -1,4 +1,4 @@
-"""State rewards on forest nodes (ALGORITHMS.md §8–§9): the ``probed`` plan, the ODE completion of
+"""State rewards on forest nodes (docs/step_credit.md): the ``probed`` plan, the ODE completion of
 states, and the forest readers that step-level credit rules (TP-GRPO, VGPO) share.
 
 A *probe* asks the trainer to score an intermediate state through a clean-latent estimate
@@ -15,7 +15,7 @@ A *probe* asks the trainer to score an intermediate state through a clean-latent
   without re-running the prefix. The state after the last SDE step is not probed: its completion *is*
   the rest of the chain (ODE steps), so its value is the leaf's reward (:func:`state_values`).
 - ``x0_projection`` (VGPO): x̂0 = x − σ·v of every state reached by an SDE edge, from the velocity the
-  next step computes anyway (``RolloutContext.probe_x0``): zero extra forwards, one decode and one reward
+  next step computes anyway (the observer :func:`probe_x0`; the forest records ``meta["probe_x0"]``): zero extra forwards, one decode and one reward
   evaluation per probed state.
 
 Probes never add nodes: the forest's structure, log-probs and replay layout are those of the inner
@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowrl.choices import choice
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
-from flowrl.rollout.base import RolloutContext, RolloutPlan
+from flowrl.rollout.base import RolloutContext, RolloutPlan, euler_ode, inner_unread
 from flowrl.rollout.chains import Chains
 from flowrl.rollout.forest import Forest
 
@@ -45,10 +46,10 @@ class Probed(Chains):
     The inner plan is, by default, the chains described by this section's chain keys (``group_size``,
     ``steps``, ``kernel``, ``eta``, ``shared_noise``, ``window``, ``post_solver``, ``post_steps_ratio``:
     the same keys, defaults and checks as ``rollout.plan: chains``, which is why this class extends
-    :class:`Chains`). ``inner`` names any other plan instead (a registered name such as ``tree``,
-    ``package.module:Class`` or ``file.py:Class``), built from ``inner_args`` (its own keys, ``key=value``
-    items as in an explore plan, :func:`flowrl.components.build_nested`); the chain
-    keys are then unused. In Python, ``inner_plan=`` takes a ready plan object. ``setup``,
+    :class:`Chains`). ``inner`` names any other plan instead, in the one nested form: a name (a registered one
+    such as ``tree``, ``package.module:Class`` or ``file.py:Class``) or ``{plan: name, its own keys...}``
+    (:func:`flowrl.components.build_nested`, as in an explore plan); the chain keys are then unused. In
+    Python, ``inner_plan=`` takes a ready plan object. ``setup``,
     ``after_update`` and ``metrics`` are passed on to the inner plan.
 
     ``probe``: ``ode_completion`` or ``x0_projection`` (module docstring).
@@ -56,13 +57,14 @@ class Probed(Chains):
     Cost of ``ode_completion`` on chains of T steps with SDE window W (sorted steps): a completion from
     the state at step i costs T − i forwards (its first velocity is recomputed: the rollout does not keep
     velocities), so per chain the extra forwards are Σ_{i∈W} (T − i). For TP-GRPO's window W = 0..n−1
-    that is T + Σ_{k=1}^{n−1} (T − k), and with the chain's own T the total is ALGORITHMS.md §8's
-    T + T + Σ_{k=1}^{n−1}(T − k) exactly (64 for T 10, n 9). Differences from that closed form: with
+    that is T + Σ_{k=1}^{n−1} (T − k), and with the chain's own T the total is TP-GRPO's closed form
+    T + T + Σ_{k=1}^{n−1}(T − k) exactly (64 for T 10, n 9; docs/step_credit.md, "The probed plan").
+    Differences from that closed form: with
     ``shared_noise`` the first decision state (the group's trunk node) is completed once per *group*
     (T − W[0] forwards per group, not per chain), and the chains themselves share their trunk
     (:meth:`Chains.expected_counts`); a window starting at w > 0 uses the state at step w as R_0, so the
     reference costs T − w, not T. Decodes and reward evaluations: one per probed state (n per chain) on top
-    of the leaf's (n + 1 per chain, §8). Counted in ``forest.counters["probe_forwards"]`` (and in
+    of the leaf's (n + 1 per chain, as TP-GRPO counts). Counted in ``forest.counters["probe_forwards"]`` (and in
     ``forwards``/``nfe``); logged by :meth:`metrics`.
 
     All completions of an iteration run together, aligned on the schedule: at step i every probed state
@@ -72,28 +74,34 @@ class Probed(Chains):
     ``reward_normalize`` must be ``none`` (checked in :meth:`setup`): step credit compares them.
     """
 
-    probe: str = "ode_completion"
-    inner: str = "chains"
-    inner_args: list[str] = field(default_factory=list)
+    probe: str = choice("ode_completion", PROBES)
+    inner: str | dict = "chains"
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.probe not in PROBES:
-            raise ValueError(f"rollout.probe={self.probe!r} is not supported; accepted: {list(PROBES)}")
         if self.inner_plan is None and self.inner != "chains":
             from flowrl import components
 
-            self.inner_plan = components.build_nested(components.PLAN, self.inner, self.inner_args, name_key="rollout.inner",
-                                                      args_key="rollout.inner_args", refuse=Probed)
-        elif self.inner_plan is None and self.inner_args:
-            raise ValueError(f"rollout.inner_args={list(self.inner_args)} is for an inner plan other than chains; "
-                             "with rollout.inner=chains set the chain keys (group_size, steps, window, ...) directly")
+            self.inner_plan = components.build_nested(components.PLAN, self.inner, key="rollout.inner", refuse=Probed)
         if self.probe == "x0_projection" and self.inner_plan is None and self.post_solver != "none":
             raise ValueError(f"rollout.probe=x0_projection with rollout.post_solver={self.post_solver!r}: the post-solver "
                              "does not probe the state after the last SDE step; use post_solver: none")
 
     # ---- lifecycle: passed on to the inner plan ----------------------------------------------
+    CHAIN_KEYS = ("group_size", "steps", "kernel", "eta", "shared_noise", "window", "post_solver", "post_steps_ratio",
+                  "solver")
+
+    def unread_keys(self) -> dict[str, str]:
+        """With an inner plan of its own, the section's chain keys are unread; else the chains' unread keys. The
+        inner plan's unread keys are named under ``rollout.inner``."""
+        if self.inner_plan is None:
+            return super().unread_keys()
+        default = Chains()
+        unread = {f"rollout.{k}": "the inner plan (rollout.inner) rolls out; give its keys inside rollout.inner"
+                  for k in self.CHAIN_KEYS if getattr(self, k) != getattr(default, k)}
+        return {**unread, **inner_unread(self.inner_plan)}
+
     def setup(self, model: FlowModel, reward=None) -> None:
         normalize = getattr(reward, "normalize", "none")
         if normalize != "none":
@@ -146,7 +154,7 @@ class Probed(Chains):
         an SDE edge (``x0_projection``) added as a probe."""
         if self.probe == "x0_projection":
             forest = self._inner_rollout(model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,)))
-            forest.probe_x0 = True
+            forest.meta["probe_x0"] = True
             forest.counters.setdefault("probe_forwards", 0)
             return forest
         forest = self._inner_rollout(model, prompts, ctx)
@@ -193,35 +201,25 @@ def decision_states(forest: Forest) -> torch.Tensor:
 
 @torch.no_grad()
 def ode_complete(model: FlowModel, forest: Forest, nodes: torch.Tensor, steps: int, max_batch: int) -> torch.Tensor:
-    """Clean latents [Q, C, H, W] (fp32, CPU) of the states ``nodes`` [Q] completed to σ = 0 with Euler
+    """Clean latents [Q, C, H, W] (fp32, on the forest's device) of the states ``nodes`` [Q] completed to σ = 0 with Euler
     ODE steps of ``model.schedule(steps)`` at the forest's guidance — the same update as
     :func:`flowrl.rollout.sampling.ode_sample`, so a root's completion is that function's sample from the
     root's seed (bit-exact when the batch layouts agree, e.g. ``max_batch`` 1 in both).
 
-    Schedule-aligned batching: at step i every state whose own step is ≤ i moves one step, in forwards of
-    at most ``max_batch`` states (all at σ_i), each counted with ``forest.count_forward``."""
+    Schedule-aligned batching (:func:`flowrl.rollout.base.euler_ode`): at step i every state whose own step
+    is ≤ i moves one step, in forwards of at most ``max_batch`` states (all at σ_i), each counted with
+    ``forest.count_forward``."""
     nodes = torch.as_tensor(nodes, dtype=torch.long).reshape(-1)
-    x = forest.all_latents()[nodes].clone()
+    x = forest.latents_of(nodes)
     if nodes.numel() == 0:
-        return x
+        return x.clone()
     sigmas = model.schedule(steps).float().cpu()
     start = forest.step[nodes]
     if int(start.max()) >= steps or not torch.allclose(sigmas[start], forest.sigma[nodes]):
         raise ValueError(f"ode_complete: the probed states' sigmas are not those of a {steps}-step schedule of this model")
     cond = model.encode(forest.prompts, forest.guidance)
-    groups = forest.group[nodes]
-    cfg = model.uses_cfg(forest.guidance)
-    for i in range(int(start.min()), steps):
-        sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-        active = torch.nonzero(start <= i).flatten()
-        for c in range(0, active.numel(), max_batch):
-            rows = active[c:c + max_batch]
-            xb = x[rows].to(model.device)
-            v = model.velocity(xb, torch.full((rows.numel(),), sigma, device=model.device), cond.select(groups[rows]),
-                               forest.guidance)
-            forest.count_forward(rows.numel(), cfg=cfg)
-            x[rows] = (xb + v.float() * (sigma_next - sigma)).cpu()
-    return x
+    return euler_ode(model, x, sigmas, cond, forest.guidance, max_batch, start=start, cond_rows=forest.group[nodes],
+                     count_on=forest)
 
 
 def probe_x0(forest: Forest, nodes: torch.Tensor, x: torch.Tensor, sigma: float, v: torch.Tensor) -> None:
@@ -235,14 +233,14 @@ def probe_x0(forest: Forest, nodes: torch.Tensor, x: torch.Tensor, sigma: float,
 # ---- readers for step-level credit -------------------------------------------------------------
 def state_values(forest: Forest) -> torch.Tensor:
     """The reward of every state [N]: ``value`` where probed, ``reward`` at leaves, NaN elsewhere — except
-    that with ODE-completion probes (``not forest.probe_x0``) an unprobed state whose only way down is
+    that with ODE-completion probes (no ``forest.meta["probe_x0"]``) an unprobed state whose only way down is
     one deterministic edge takes its child's value (completing it by ODE passes through that child; e.g.
     the state after a chain's last SDE step takes its leaf's reward). With x0 probes no such fill-in
     holds (x̂0 of a state is not its child's)."""
     values = forest.value.clone()
     leaves = forest.leaves()
     values[leaves] = forest.reward[leaves]
-    if forest.probe_x0:
+    if forest.meta.get("probe_x0"):
         return values
     nodes = torch.arange(forest.num_nodes)
     has_parent = forest.parent >= 0

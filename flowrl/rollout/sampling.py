@@ -1,10 +1,15 @@
-"""Plain ODE sampling (evaluation, ``flowrl sample``, probes): Euler steps of the flow, no forest."""
+"""Plain ODE sampling (evaluation, ``flowrl sample``, explore's preview) and plans outside the trainer.
+
+:func:`ode_sample` keeps no forest: its Euler steps are the stepping engine's for states outside a forest
+(:func:`flowrl.rollout.base.euler_ode`, the same update and chunked forward as every rollout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from flowrl.rollout.base import RolloutContext, euler_ode
 
 if TYPE_CHECKING:
     from flowrl.models.base import FlowModel
@@ -15,7 +20,8 @@ if TYPE_CHECKING:
 def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int], steps: int,
                guidance: float | None = None, max_batch: int = 64, decode: bool = True) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] (or clean latents with ``decode=False``) for ``prompts[i]`` from
-    ``model.noise([seeds[i]])`` with ``steps`` Euler steps of the ODE at CFG ``guidance``."""
+    ``model.noise([seeds[i]])`` with ``steps`` Euler steps of the ODE at CFG ``guidance``, ``max_batch``
+    samples at a time (each batch encoded, solved and decoded on its own), on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     guidance = model.guidance if guidance is None else float(guidance)
@@ -23,12 +29,8 @@ def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int],
     outs = []
     for start in range(0, len(prompts), max_batch):
         batch_prompts = list(prompts[start:start + max_batch])
-        x = model.noise(list(seeds[start:start + max_batch]))
-        cond = model.encode(batch_prompts, guidance)
-        for i in range(steps):
-            sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-            v = model.velocity(x, torch.full((x.shape[0],), sigma, device=x.device), cond, guidance)
-            x = x + v.float() * (sigma_next - sigma)
+        x = euler_ode(model, model.noise(list(seeds[start:start + max_batch])), sigmas,
+                      model.encode(batch_prompts, guidance), guidance, max_batch)
         outs.append(model.decode(x).cpu() if decode else x.cpu())
     return torch.cat(outs)
 
@@ -50,7 +52,6 @@ def sample_with_plan(model: "FlowModel", prompts: Sequence[str], plan, seed: int
 
     The plan is set up with ``model`` and ``reward`` first (a plan that scores candidates, as an
     explore plan does, needs the reward). ``reduction``: how edge log-probs are reduced (``mean`` | ``sum``)."""
-    from flowrl.rollout.base import RolloutContext
     from flowrl.scoring import decode
 
     plan.setup(model, reward)

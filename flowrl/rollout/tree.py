@@ -1,4 +1,4 @@
-"""Branching rollouts: BranchGRPO and Dynamic-TreeRPO as one tree plan (ALGORITHMS.md §5, §6).
+"""Branching rollouts: BranchGRPO and Dynamic-TreeRPO as one tree plan (docs/trees.md).
 
 One root per prompt (x_T from the seed ``derive_seed(seed, iteration, "root", global group, 0)``, the
 same x_T as shared-noise chains). Step i moves every node at step i one step in ONE batched forward
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowrl import sde
+from flowrl.choices import choice
 from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import SDEWindow
@@ -79,10 +80,10 @@ class Tree(RolloutPlan):
     steps: int = 20
     kernel: str = "dance"
     eta: float = 0.3
-    mode: str = "sde"  # sde | mix | window
+    mode: str = choice("sde", MODES)
     branch: int = 2  # K children per node at a split
     split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
-    split_noise: str = "correlated"  # correlated | independent_scaled
+    split_noise: str = choice("correlated", SPLIT_NOISE)
     split_scale: float = 4.0  # s
     mix_window: int = 4  # mode mix: SDE in steps [0, mix_window) besides the splits
     window: SDEWindow = field(default_factory=lambda: SDEWindow(mode="progressive", start=0, size=4, stride=1, tau=25))
@@ -99,14 +100,10 @@ class Tree(RolloutPlan):
             raise ValueError("rollout.kernel='ode' has no stochastic edges to train; accepted: flow_grpo, dance, cps")
         if self.eta <= 0:
             raise ValueError(f"rollout.eta={self.eta} must be > 0 (a tree's siblings differ by their noise)")
-        if self.mode not in MODES:
-            raise ValueError(f"rollout.mode={self.mode!r} is not supported; accepted: {list(MODES)}")
         if self.steps < 2:
             raise ValueError(f"rollout.steps={self.steps} must be >= 2")
         if self.branch < 2:
             raise ValueError(f"rollout.branch={self.branch} must be >= 2")
-        if self.split_noise not in SPLIT_NOISE:
-            raise ValueError(f"rollout.split_noise={self.split_noise!r} is not supported; accepted: {list(SPLIT_NOISE)}")
         if self.split_scale <= 0:
             raise ValueError(f"rollout.split_scale={self.split_scale} must be > 0")
         if self.mode != "window":
@@ -154,7 +151,7 @@ class Tree(RolloutPlan):
         return i in layout.eta and not (self.kernel == "cps" and i == self.steps - 1)
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
-        """Closed forms (ALGORITHMS.md §5, §6): ``forwards`` Σ_{i<T} n(i), ``trained_edges`` Σ n(i+1) over
+        """Closed forms (docs/trees.md, "Cost: closed forms"): ``forwards`` Σ_{i<T} n(i), ``trained_edges`` Σ n(i+1) over
         the stochastic steps minus the depth-pruned ones, ``depth_pruned_edges``, ``leaves`` n(T); per
         prompt times ``num_prompts``."""
         ctx = ctx or RolloutContext()
@@ -217,7 +214,7 @@ class Tree(RolloutPlan):
             scale = s if (split and self.split_noise == "independent_scaled") else 1.0
             children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1,
                                self.kernel if stochastic else "ode", layout.eta.get(i, 0.0), noise_for, guidance,
-                               ctx.max_batch, fanout, std_scale=scale)
+                               ctx.max_batch, fanout, std_scale=scale, observers=ctx.observers)
             parents = forest.parent[children].tolist()
             if split:
                 branches = torch.arange(K).repeat(nodes.shape[0]).tolist()
