@@ -253,12 +253,11 @@ class DirectShapes(FlowModel):
     def __init__(self, pipe, *, device=None, dtype=None, guidance=1.0, height=None, width=None,
                  max_sequence_length=8, negative_prompt="", gradient_checkpointing=False):
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "vae"), gradient_checkpointing)
-        self.guidance = float(guidance)
-        self.negative_prompt = negative_prompt
+        self.guidance, self.negative_prompt = float(guidance), negative_prompt
         self.max_sequence_length = int(max_sequence_length)
-        config = pipe.transformer.config
-        self._init_size(height, width, config.sample_size * self.vae_scale_factor,
-                        self.vae_scale_factor * config.patch_size, "vae_scale_factor × patch_size")
+        patch = self.vae_scale_factor * pipe.transformer.config.patch_size  # latent pixels per token side
+        self._init_size(height, width, pipe.transformer.config.sample_size * self.vae_scale_factor, patch,
+                        "vae_scale_factor × patch_size")
 
     @classmethod
     def from_pretrained(cls, path=None, *, dtype=torch.float32, device="cpu", pipeline_kwargs=None, **kw):

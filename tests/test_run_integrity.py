@@ -136,31 +136,39 @@ class Slow(Reward):
 '''
 
 
-@pytest.mark.parametrize("how", ["SIGTERM in the first eval", "Ctrl-C twice in the first iteration"])
-def test_a_start_stopped_before_its_first_iteration_leaves_no_folder(tiny_folder, tmp_path, how):
-    plugin, marker = tmp_path / "slow_reward.py", tmp_path / "scoring"
+def test_a_start_stopped_before_its_first_iteration_leaves_no_folder(tiny_folder, tmp_path):
+    """SIGTERM in the first eval, and Ctrl-C twice in the first iteration (the two started together, one
+    thread each): each exits with status 130 and leaves no run folder."""
+    plugin = tmp_path / "slow_reward.py"
     plugin.write_text(SLOW_REWARD)
-    out = tmp_path / "runs"
-    extra = ["eval.at_start=true"] if how.startswith("SIGTERM") else ["eval.at_start=false", "prompts.eval=null"]
-    proc = subprocess.Popen(CLI + tiny_args(tiny_folder, out, "run", f"rewards=[{{name: '{plugin}:Slow'}}]", *extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "FLOWRL_TEST_MARKER": str(marker)})
+    procs = {}
     try:
-        _wait_for(marker.exists, proc)  # scoring: the eval before training, or the first iteration's rewards
-        assert (out / "run").is_dir()
-        if how.startswith("SIGTERM"):
-            proc.send_signal(signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGINT)
-            time.sleep(0.5)
-            assert proc.poll() is None  # the first Ctrl-C only asks to finish the iteration
-            proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        for how in ("SIGTERM in the first eval", "Ctrl-C twice in the first iteration"):
+            case = tmp_path / how.split()[0]
+            extra = ["eval.at_start=true"] if how.startswith("SIGTERM") else ["eval.at_start=false", "prompts.eval=null"]
+            procs[how] = case, subprocess.Popen(
+                CLI + tiny_args(tiny_folder, case / "runs", "run", f"rewards=[{{name: '{plugin}:Slow'}}]", *extra),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "FLOWRL_TEST_MARKER": str(tmp_path / f"{case.name}.scoring")})
+        for how, (case, proc) in procs.items():
+            # scoring: the eval before training, or the first iteration's rewards
+            _wait_for((tmp_path / f"{case.name}.scoring").exists, proc)
+            assert (case / "runs" / "run").is_dir(), how
+            if how.startswith("SIGTERM"):
+                proc.send_signal(signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.5)
+                assert proc.poll() is None, how  # the first Ctrl-C only asks to finish the iteration
+                proc.send_signal(signal.SIGINT)
+        for how, (case, proc) in procs.items():
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 130, (how, err[-2000:])
+            assert not (case / "runs").exists(), (how, sorted((case / "runs").rglob("*")))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-2000:]
-    assert not out.exists(), sorted(out.rglob("*"))
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
 
 
 # ---- checkpoints verified against their manifest ---------------------------------------------------
