@@ -3,7 +3,8 @@ gathering tensors, summing numbers and averaging gradients over an accelerate pr
 process every call is the identity, so the single-process path has no collective in it)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -70,17 +71,9 @@ class ProcessGroup:
         return {k: v / total[WEIGHT + k] if WEIGHT + k in total else v
                 for k, v in total.items() if not k.startswith(WEIGHT)}
 
-    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Replace every ``p.grad`` by its mean over processes (one flat all-reduce; a missing grad counts 0)."""
-        if self.world == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.accelerator.device)
-        flat = self.accelerator.reduce(flat, reduction="mean")
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset: offset + g.numel()].view_as(g).to(p.device, p.dtype)
-            offset += g.numel()
+    def gradient_reducer(self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0) -> "GradientReducer":
+        """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``world`` > 1)."""
+        return GradientReducer(params, self.world, self.accelerator.device, bucket_bytes=int(bucket_mb * 2**20))
 
     def shard(self, items: list) -> tuple[list, int]:
         """This process's contiguous share of ``items`` (len divisible by ``world``) and its first index."""
@@ -98,3 +91,111 @@ def fold(sums: dict[str, float], key: str, value: float, extremes: dict[str, Cal
         sums[key] = extremes[key](sums[key], value)
     else:
         sums[key] = sums.get(key, 0.0) + value
+
+
+class GradientReducer:
+    """Replaces every ``p.grad`` of ``params`` by its mean over the ``world`` processes (a missing grad
+    counts 0; afterwards every parameter has a grad), once per optimizer step, overlapping the backward as
+    torch DDP does: the parameters (in reverse order, roughly that in which the backward finishes their
+    gradients) are cut into buckets of about ``bucket_bytes``; during the backward that ends an
+    accumulation (run under :meth:`final`) a post-accumulate-grad hook counts each parameter ready, and a
+    bucket whose parameters are all ready is all-reduced asynchronously (sum, then / world on
+    :meth:`finish`), buckets always launched in index order, so every process issues the same collectives
+    in the same order whatever its own backward does (a parameter it does not reach, or no backward at
+    all). :meth:`finish`, before the optimizer step and on every process, launches the buckets not yet
+    launched (their grads as they stand), waits for all of them and writes the means into the grads.
+    Between a :meth:`final` backward and :meth:`finish` no other collective may be issued. Backwards
+    outside :meth:`final` (the earlier micro-batches of an accumulation) only accumulate, like DDP's
+    ``no_sync``. With one process there are no hooks, and both calls do nothing."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], world: int, device, bucket_bytes: int = 25 * 2**20,
+                 all_reduce: Callable | None = None):
+        self.params, self.world, self.device = list(params), world, device
+        self._all_reduce = all_reduce  # torch.distributed.all_reduce unless given (tests count the calls)
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        for q in self.params[1:]:  # one reduce dtype, as torch.cat of the grads promotes them
+            self.dtype = torch.promote_types(self.dtype, q.dtype)
+        self.buckets: list[list[int]] = []  # parameter indices, in reverse parameter order
+        size = 0
+        for i in reversed(range(len(self.params))):
+            nbytes = self.params[i].numel() * self.dtype.itemsize
+            if not self.buckets or size + nbytes > bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.handles = []
+        if world > 1:
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        self._reset()
+
+    def _reset(self) -> None:
+        self.armed = False
+        self.pending = [len(b) for b in self.buckets]  # parameters of each bucket not yet ready
+        self.launched = 0  # buckets 0 .. launched-1 are in flight
+        self.inflight: list[tuple[int, torch.Tensor, object]] = []
+
+    def _hook(self, i: int) -> Callable:
+        def ready(_param: torch.Tensor) -> None:
+            if not self.armed:
+                return
+            b = self.bucket_of[i]
+            if b < self.launched or self.pending[b] == 0:
+                raise RuntimeError(f"GradientReducer: parameter {i} got gradient twice in the backward that ends an "
+                                   "accumulation, after its bucket was counted ready (reentrant checkpointing or a "
+                                   "second backward under final())")
+            self.pending[b] -= 1
+            while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+                self._launch(self.launched)
+        return ready
+
+    def _launch(self, b: int) -> None:
+        import torch.distributed as dist
+
+        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                 for i in self.buckets[b]]
+        flat = torch.cat([g.detach().reshape(-1).to(self.dtype) for g in grads]).to(self.device)
+        reduce = self._all_reduce or dist.all_reduce
+        self.inflight.append((b, flat, reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+        self.launched = b + 1
+
+    @contextlib.contextmanager
+    def final(self) -> Iterator[None]:
+        """Run the backward that ends an accumulation in this block: its ready buckets start reducing."""
+        if self.world == 1:
+            yield
+            return
+        if self.armed or self.launched:
+            raise RuntimeError("GradientReducer.final: a second final backward before finish()")
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for every bucket and write the means into the grads."""
+        if self.world == 1:
+            return
+        try:
+            while self.launched < len(self.buckets):
+                self._launch(self.launched)
+            for b, flat, work in self.inflight:
+                work.wait()
+                flat.div_(self.world)
+                offset = 0
+                for i in self.buckets[b]:
+                    p = self.params[i]
+                    p.grad = flat[offset: offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                    offset += p.numel()
+        finally:
+            self._reset()
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -38,6 +38,11 @@ class Updater:
                  group: ProcessGroup):
         self.cfg, self.model, self.objective, self.plan = cfg, model, objective, plan
         self.params, self.group = params, group
+        # averages the gradients over processes once per optimizer step, overlapping the backward that ends
+        # the accumulation: the last micro-batch's, unless the objective may add an auxiliary term after it
+        # (then all of it is reduced after the backward)
+        self.reducer = group.gradient_reducer(params)
+        self._overlap = type(objective).auxiliary is Objective.auxiliary
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.ema = [p.detach().clone() for p in params] if cfg.train.ema > 0 else None
@@ -77,18 +82,22 @@ class Updater:
         return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
 
     # ---- back-propagation ---------------------------------------------------------------------
-    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float]) -> int:
+    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float],
+                  final: bool = False) -> int:
         """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
         step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
-        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). Returns the
-        units seen."""
+        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). ``final``: the
+        last micro-batch's backward ends the accumulation (its gradients start reducing as they are ready).
+        Returns the units seen."""
         count = 0
         extremes = self.objective.extremes
-        for b in part:
+        for j, b in enumerate(part):
             loss, diag = self.objective.loss(self.model, forest, b, cond)
             if self.scaler.is_enabled():
                 self._loss_finite &= bool(torch.isfinite(loss))
-            self.scaler.scale(loss * (b.size * self.group.world / n_global)).backward()
+            last = final and j == len(part) - 1
+            with self.reducer.final() if last else contextlib.nullcontext():
+                self.scaler.scale(loss * (b.size * self.group.world / n_global)).backward()
             for k, v in diag.items():
                 fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
             count += b.size
@@ -122,7 +131,7 @@ class Updater:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._loss_finite = True
                 step_sums: dict[str, float] = {}
-                seen = self._backward(forest, cond, part, n_global, step_sums)
+                seen = self._backward(forest, cond, part, n_global, step_sums, final=self._overlap)
                 step_sums[UNITS] = float(seen)
                 if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
                     first_sums = {k: v for k, v in step_sums.items() if k in objective.first_step_keys or k == UNITS}
@@ -168,7 +177,7 @@ class Updater:
         and the step is skipped without counting as a failure, unless the scale has fallen below 1 or
         ``MAX_OVERFLOW_STREAK`` overflows came in a row (then it counts, so a gradient that is NaN for another
         reason still stops the run). A non-finite loss keeps the scale and counts."""
-        self.group.average_gradients(self.params)
+        self.reducer.finish()  # the mean over processes of every grad (a missing one counts 0)
         self.scaler.unscale_(self.optimizer)  # no-op without loss scaling
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
         if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
@@ -216,8 +225,8 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         n_global = self.group.sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, batches, n_global, {})
-            self.group.average_gradients(self.params)
+            self._backward(forest, cond, batches, n_global, {}, final=True)
+            self.reducer.finish()
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                           for p in self.params])
         if self.scaler.is_enabled():
