@@ -35,12 +35,13 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
 
     device = device or resolve_device(section.device)
     kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
-    for key in ("guidance", "true_cfg", "height", "width", "max_sequence_length"):
+    passed = ("guidance", "true_cfg", "height", "width", "max_sequence_length")  # model keys the adapter reads
+    for key in passed:
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value
     extra = dict(section.kwargs or {})
-    owned = sorted(set(extra) & (set(kwargs) | {"guidance", "true_cfg", "height", "width", "max_sequence_length", "path"}))
+    owned = sorted(set(extra) & (set(kwargs) | set(passed) | {"path"}))
     if owned:
         raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
     kwargs.update(extra)

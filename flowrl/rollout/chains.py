@@ -114,14 +114,11 @@ class Chains(RolloutPlan):
         if self.kernel != "ode" and self.solver != "euler":
             raise ValueError(f"rollout.solver={self.solver!r} is the ODE plan's solver (rollout.plan: ode); with an "
                              "SDE kernel use rollout.post_solver for the steps after the window")
-        if self.kernel == "ode" and self.shared_noise:
-            raise ValueError("rollout.kernel='ode' with rollout.shared_noise=true would make every chain of a group "
-                             "the same sample; use shared_noise: false")
         if self.group_size < 2:
             raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (group advantages need several samples)")
         if self.steps < 2:
             raise ValueError(f"rollout.steps={self.steps} must be >= 2")
-        if self.shared_noise and self.eta <= 0 and self.kernel != "ode":
+        if self.shared_noise and self.eta <= 0:  # (the ODE plan fixes shared_noise off)
             raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
                              "the same ODE sample; use eta > 0")
         if not (0.0 < self.post_steps_ratio <= 1.0):
@@ -140,7 +137,8 @@ class Chains(RolloutPlan):
         """``post_steps_ratio`` without the post-solver it sizes. (The window's keys for other modes are left
         alone: a preset's window switched to another mode on the command line keeps its sizes.)"""
         unread = {}
-        if not self.deterministic and self.post_solver == "none" and self.post_steps_ratio != 0.4:
+        default = Chains.__dataclass_fields__["post_steps_ratio"].default
+        if not self.deterministic and self.post_solver == "none" and self.post_steps_ratio != default:
             unread["rollout.post_steps_ratio"] = "it sizes the steps of rollout.post_solver: dpm2, which is off"
         return unread
 

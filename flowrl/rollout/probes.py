@@ -15,8 +15,8 @@ A *probe* asks the trainer to score an intermediate state through a clean-latent
   without re-running the prefix. The state after the last SDE step is not probed: its completion *is*
   the rest of the chain (ODE steps), so its value is the leaf's reward (:func:`state_values`).
 - ``x0_projection`` (VGPO): x̂0 = x − σ·v of every state reached by an SDE edge, from the velocity the
-  next step computes anyway (the observer :func:`probe_x0`; the forest records ``meta["probe_x0"]``): zero extra forwards, one decode and one reward
-  evaluation per probed state.
+  next step computes anyway (the observer :func:`probe_x0`; the forest records ``meta["probe_x0"]``): zero
+  extra forwards, one decode and one reward evaluation per probed state.
 
 Probes never add nodes: the forest's structure, log-probs and replay layout are those of the inner
 plan, so replay still equals rollout.
@@ -88,7 +88,7 @@ class Probed(Chains):
             raise ValueError(f"rollout.probe=x0_projection with rollout.post_solver={self.post_solver!r}: the post-solver "
                              "does not probe the state after the last SDE step; use post_solver: none")
 
-    # ---- lifecycle: passed on to the inner plan ----------------------------------------------
+    # ---- keys that an inner plan leaves unread ------------------------------------------------
     CHAIN_KEYS = ("group_size", "steps", "kernel", "eta", "shared_noise", "window", "post_solver", "post_steps_ratio",
                   "solver")
 
@@ -102,6 +102,7 @@ class Probed(Chains):
                   for k in self.CHAIN_KEYS if getattr(self, k) != getattr(default, k)}
         return {**unread, **inner_unread(self.inner_plan)}
 
+    # ---- lifecycle: passed on to the inner plan ----------------------------------------------
     def setup(self, model: FlowModel, reward=None) -> None:
         normalize = getattr(reward, "normalize", "none")
         if normalize != "none":
