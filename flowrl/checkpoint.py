@@ -14,7 +14,9 @@ from typing import Any, Callable
 import torch
 
 from flowrl.manifest import MANIFEST, DamagedCheckpoint, verify_checkpoint, write_manifest
+from flowrl.sharded_checkpoint import is_sharded_checkpoint, read_model
 
+LORA_FILE = "pytorch_lora_weights.safetensors"  # the diffusers LoRA file save_lora writes
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -99,7 +101,7 @@ def remove_stale(folder: Path) -> list[Path]:
     ``folder`` (one process writes a run's checkpoints, so any other than this process's own is stale)."""
     removed = []
     for child in folder.glob(".step-*"):
-        m = re.match(r"^\.step-\d+\.(tmp|old)-(\d+)$", child.name)
+        m = re.match(r"^\.step-\d+\.(tmp|old|shards)-(\d+)$", child.name)
         if m and int(m.group(2)) != os.getpid() and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
@@ -146,13 +148,23 @@ def checkpoint_root(folder: Path) -> Path | None:
     return None
 
 
-def save_weights(model, folder: Path) -> None:
+def save_weights(model, folder: Path, whole: dict[str, torch.Tensor] | None = None) -> None:
     """The trained weights of ``model``: its LoRA in the diffusers format (``pipe.load_lora_weights``
-    reads it), or for full fine-tuning the whole transformer (``save_pretrained`` into ``transformer/``)."""
+    reads it), or for full fine-tuning the whole transformer (``save_pretrained`` into ``transformer/``).
+    ``whole``: those weights already gathered (:func:`flowrl.sharding.full_state`; a sharded model's own
+    tensors cannot be written), else read from the model."""
     if model.has_lora:
-        model.save_lora(folder)
-    else:
+        model.save_lora(folder, layers=whole)
+    elif whole is None:
         model.trainable.save_pretrained(Path(folder) / "transformer", safe_serialization=True)
+    else:  # what save_pretrained writes: the config and one safetensors file, diffusers' names
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        target = Path(folder) / "transformer"
+        model.trainable.save_config(target)
+        save_file({k: v.contiguous() for k, v in whole.items()}, target / SAFETENSORS_WEIGHTS_NAME,
+                  metadata={"format": "pt"})
 
 
 def load_weights(model, folder: Path) -> None:
@@ -164,7 +176,10 @@ def load_weights(model, folder: Path) -> None:
         verify(root)
     elif not folder.is_dir():
         raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it is not a folder")
-    if (folder / "transformer").is_dir():
+    if root is not None and is_sharded_checkpoint(root) and not (folder / "transformer").is_dir() and \
+            not (folder / LORA_FILE).is_file():
+        read_model(model, root, live=folder.name == "live")  # full fine-tuning sharded: its DCP shards
+    elif (folder / "transformer").is_dir():
         from safetensors.torch import load_file
 
         files = sorted((folder / "transformer").glob("*.safetensors"))
@@ -176,3 +191,24 @@ def load_weights(model, folder: Path) -> None:
             raise ValueError(f"transformer weights in {folder} do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
     else:
         model.load_lora(folder)
+
+
+def write_export(target: Path, write_weights: Callable[[Path], None]) -> Path:
+    """Write ``target`` (consolidated weights, :func:`save_weights`) atomically: into a temporary folder
+    beside it, then renamed into place, an existing export moved aside and removed only after."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        write_weights(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target

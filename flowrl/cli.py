@@ -16,7 +16,7 @@ from pathlib import Path
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-from flowrl.cli_sample import check_flags, cmd_eval, cmd_sample
+from flowrl.cli_sample import check_flags, cmd_eval, cmd_export, cmd_sample
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
 
 OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
@@ -120,7 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigError("--estimate predicts one config; drop --vs")
         from flowrl.estimate import run_estimate
 
-        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes)
+        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes, shard=args.shard)
     cfg = _load_config(config, overrides)
     if args.vs is None:
         if args.vs_set:
@@ -222,6 +222,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_sample)
 
+    p = sub.add_parser("export", help="consolidate a run's weights (sharded or not) into one folder a single GPU loads",
+                       description="Write a run's newest (or a given) checkpoint's trained weights whole: a LoRA in the "
+                                   "diffusers format, or a transformer/ folder that from_pretrained reads (docs/gpu.md).")
+    p.add_argument("run", help="run folder (runs/<name>) or a checkpoints/step-N folder")
+    p.add_argument("--out", help="output folder (default: <run>/export)")
+    p.add_argument("--config", help="config file (default: the run's config.yaml)")
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("eval", help="evaluate a run or base model on the held-out prompts",
                        description="ODE-sample the eval prompts (prompts.eval) and score them with eval.rewards.",
                        epilog=epilog, formatter_class=fmt)
@@ -243,7 +252,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--estimate", action="store_true",
                    help="predict peak GPU memory and s/iteration without running anything (meta device; docs/estimate.md)")
     p.add_argument("--gpu", default="H100", help="GPU class of --estimate: H100, H200, A100, L40S, 4090 (default H100)")
-    p.add_argument("--processes", type=int, default=1, help="--estimate: processes (GPUs) sharing prompts.per_step")
+    p.add_argument("--processes", "--gpus", dest="processes", type=int, default=1,
+                   help="--estimate: processes (GPUs) sharing prompts.per_step")
+    p.add_argument("--shard", choices=("ddp", "fsdp"), default=None,
+                   help="--estimate: ddp (a whole copy per GPU) or fsdp (FSDP2, split over --gpus); default: model.shard")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_bench)
 

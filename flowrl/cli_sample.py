@@ -76,6 +76,23 @@ def _model_from_run(run: str | None, config: str | None, overrides: list[str]):
     return (cfg, *_load_model(cfg, ckpt))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Consolidate a run's (or one checkpoint's) trained weights, sharded or not, into one folder that a single
+    GPU loads: the LoRA in the diffusers format (``pipe.load_lora_weights``) or ``transformer/`` for
+    ``SD3Transformer2DModel.from_pretrained`` and its kin (the EMA's weights where the run kept one). One
+    process, on the CPU; written atomically."""
+    import torch
+
+    from flowrl.checkpoint import save_weights, write_export
+
+    cfg, ckpt = _run_config(args.run, args.config, args.overrides)
+    model, _ = _load_model(cfg, ckpt, torch.device("cpu"))
+    out = write_export(Path(args.out) if args.out else ckpt.parent.parent / "export", lambda f: save_weights(model, f))
+    what = "LoRA (pipe.load_lora_weights)" if model.has_lora else "transformer (from_pretrained(..., subfolder='transformer'))"
+    print(f"exported the {what} of {ckpt} to {out}")
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     """ODE-sample ``--num`` images of every ``--prompt``; each batch is written as soon as it is drawn (a failure
     loses only what was not drawn yet), under names made from the prompt and never outside ``--out``."""

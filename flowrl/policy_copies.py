@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from flowrl.models.dtypes import keep_adapter_fp32
+from flowrl.sharding import frozen_copy
 
 OLD_ADAPTER = "flowrl_old"
 
@@ -52,7 +53,7 @@ class Reference:
 
     def __init__(self, model):
         self.model = model
-        self.frozen = None if model.has_lora else copy.deepcopy(model.trainable).requires_grad_(False).eval()
+        self.frozen = None if model.has_lora else frozen_copy(model)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -81,16 +82,22 @@ class OldPolicy:
                     module.add_adapter(config, adapter_name=OLD_ADAPTER)
                     module.set_adapter("default")
                 keep_adapter_fp32(module, OLD_ADAPTER)  # as the policy's LoRA: an fp32 EMA on any base dtype
-            named = dict(module.named_parameters())
-            self.pairs = [(named[n.replace(".default.", f".{OLD_ADAPTER}.")], p) for n, p in named.items()
-                          if ".default." in n and "lora_" in n]
+            self.frozen = None
             for old, _ in self.pairs:
                 old.requires_grad_(False)
-            self.frozen = None
         else:
-            self.frozen = copy.deepcopy(module).requires_grad_(False).eval()
-            self.pairs = list(zip(self.frozen.parameters(), module.parameters()))
+            self.frozen = frozen_copy(model)
         self.copy_from_policy()
+
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(old, live) parameter pairs, looked up each time (sharding replaces the parameter objects)."""
+        module = self.model.trainable
+        if self.frozen is not None:
+            return list(zip(self.frozen.parameters(), module.parameters()))
+        named = dict(module.named_parameters())
+        return [(named[n.replace(".default.", f".{OLD_ADAPTER}.")], p) for n, p in named.items()
+                if ".default." in n and "lora_" in n]
 
     @torch.no_grad()
     def copy_from_policy(self) -> None:

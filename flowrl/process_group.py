@@ -71,9 +71,26 @@ class ProcessGroup:
         return {k: v / total[WEIGHT + k] if WEIGHT + k in total else v
                 for k, v in total.items() if not k.startswith(WEIGHT)}
 
-    def gradient_reducer(self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0) -> "GradientReducer":
-        """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``world`` > 1)."""
-        return GradientReducer(params, self.world, self.accelerator.device, bucket_bytes=int(bucket_mb * 2**20))
+    def max(self, value: float) -> float:
+        """The largest ``value`` over processes."""
+        return self.reduce_sums({"value": float(value)}, {"value": max})["value"]
+
+    def gradient_reducer(self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0,
+                         enabled: bool = True) -> "GradientReducer":
+        """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``world`` > 1 and
+        ``enabled``: a sharded model reduces its own gradients)."""
+        return GradientReducer(params, self.world if enabled else 1, self.accelerator.device,
+                               bucket_bytes=int(bucket_mb * 2**20))
+
+    def broadcast(self, obj):
+        """The main process's ``obj`` (any picklable value), on every process."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def shard(self, items: list) -> tuple[list, int]:
         """This process's contiguous share of ``items`` (len divisible by ``world``) and its first index."""

@@ -24,12 +24,13 @@ from flowrl.errors import shown
 from flowrl.manifest import DamagedCheckpoint
 from flowrl.metrics import MetricsLog
 from flowrl.process_group import ProcessGroup
+from flowrl.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
 from flowrl.signals import abort_on_terminate, signals_ignored
 
 LOCK_FILE = ".flowrl.lock"
 # What a run writes into its folder: a folder holding only these (or a config.yaml and a metrics.jsonl) is a
 # run that train.overwrite may replace; anything else is refused.
-RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "reward_curve.png", "samples", "checkpoints", LOCK_FILE}
+RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "reward_curve.png", "samples", "checkpoints", "export", LOCK_FILE}
 
 # Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
 # decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
@@ -238,13 +239,50 @@ class RunFolder:
         """``checkpoints/step-N`` written atomically; the oldest beyond ``train.keep_last`` pruned."""
         return write_checkpoint(self.checkpoints, step, write_weights, state, self.cfg.train.keep_last)
 
-    def read_intact(self, path: Path, model, weights_finite: Callable[[], bool]) -> dict[str, Any]:
+    def save_sharded(self, step: int, shards: dict, write_weights: Callable[[Path], None],
+                     state: dict[str, Any]) -> Path | None:
+        """``checkpoints/step-N`` of a sharded run (:mod:`flowrl.sharded_checkpoint`), every process calling:
+        each writes its ``shards`` into a staging folder named by the main process, which then writes the
+        checkpoint atomically (:meth:`save`) with the shards moved inside. The path, on the main process."""
+        staging = self.checkpoints / f".step-{step}.shards-{self.group.broadcast(os.getpid())}"
+        error, path = None, None
+        try:
+            save_shards(shards, staging)
+        except Exception as e:  # noqa: BLE001 — agreed on below, so no process waits for another forever
+            error = e
+        self.group.wait()
+        if self.group.is_main and error is None:
+            def write(folder: Path) -> None:
+                os.replace(staging, folder / SHARDED_DIR)
+                write_weights(folder)
+            try:
+                path = self.save(step, write, state)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if self.group.is_main:
+            remove(staging) if staging.exists() else None
+        if self.group.sum(error is not None) > 0:
+            raise error or OSError(f"another process could not write its shards of checkpoint step-{step}; the "
+                                   "previous checkpoints are intact")
+        return path
+
+    def read_intact(self, path: Path, model, weights_finite: Callable[[], bool], sharded=None) -> dict[str, Any]:
         """The state of checkpoint ``path`` with its weights loaded into ``model``, after checking its settings
         against this run's (:meth:`check_changes`); raises a :data:`DAMAGE` error when it is unreadable or
-        its weights are not finite, a ConfigError when this run refuses it."""
+        its weights are not finite, a ConfigError when this run refuses it. ``sharded``: a sharded run's
+        ``read(path, state) -> state`` that loads the shards (every process calls it)."""
         state = read_state(path)
         self.check_changes(state.get("config"), path)
-        load_weights(model, path / "live" if (path / "live").is_dir() else path)
+        written_sharded = is_sharded_checkpoint(path)
+        if written_sharded != (sharded is not None):
+            was, now = ("fsdp", "ddp") if written_sharded else ("ddp", "fsdp")
+            raise ConfigError(f"cannot resume from {path}: it was written with model.shard={was}, this run has "
+                              f"model.shard={now}; resume with model.shard={was}"
+                              + (" (or `flowrl export` its weights and start a new run from them)" if written_sharded else ""))
+        if sharded is not None:
+            state = sharded(path, state)
+        else:
+            load_weights(model, path / "live" if (path / "live").is_dir() else path)
         if not weights_finite():
             raise ValueError("its weights are not finite")
         return state

@@ -177,13 +177,12 @@ class _LoadedCopy:
     """A frozen copy of the policy's transformer with the weights of ``folder`` (full or LoRA)."""
 
     def __init__(self, model, folder: Path):
-        import copy
-
         from flowrl.checkpoint import load_weights
         from flowrl.policy_copies import swapped_transformer
+        from flowrl.sharding import frozen_copy
 
         self.model = model
-        self.frozen = copy.deepcopy(model.trainable).requires_grad_(False).eval()
+        self.frozen = frozen_copy(model)
         with swapped_transformer(model, self.frozen):  # load_weights fills model.trainable: here, the copy
             try:
                 load_weights(model, folder)

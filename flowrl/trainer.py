@@ -14,6 +14,7 @@ own small piece, wired here:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl import build
-from flowrl.checkpoint import save_weights
+from flowrl.checkpoint import save_weights, write_export
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import HeldOutEval, resolve_guidance
 from flowrl.metrics import plot_reward_curve
@@ -34,6 +35,8 @@ from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
 from flowrl.scoring import FailedRewardStreak
+from flowrl.sharded_checkpoint import SHARDED_DIR, load_shards, merge_sharded, shards_of, split_sharded
+from flowrl.sharding import Sharding, check_shard_settings, compute_dtype, full_state
 from flowrl.signals import stop_on_first_interrupt
 from flowrl.updater import Updater
 
@@ -60,6 +63,7 @@ class Trainer:
         self.world, self.rank = self.group.world, self.group.rank
         if c.prompts.per_step % self.world:
             raise ConfigError(f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})")
+        check_shard_settings(c, self.world)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
@@ -74,7 +78,12 @@ class Trainer:
         self.objective = build.build_loss(c)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
-        self.objective.setup(self.model)
+        self.objective.setup(self.model)  # its frozen copies before sharding: sharded with the transformer
+        self.sharding = None
+        if c.model.shard == "fsdp":
+            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts)
+            self.sharding.shard(compute_dtype(self.model))
+            self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
         self.plan = build.build_plan(c.rollout)
         self.objective.check_plan(self.plan)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
@@ -86,7 +95,8 @@ class Trainer:
                                     guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
                                     reduction=self.objective.reduction, teacher=getattr(self.objective, "teacher_model", None),
                                     async_reward={"auto": "auto", "true": True, "false": False}[c.train.async_reward])
-        self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group)
+        self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
+                               sharded=self.sharding is not None)
         self.failed_rewards = FailedRewardStreak(c.train.max_failed_iterations, self.reward)  # all-NaN streak stops
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
@@ -143,9 +153,14 @@ class Trainer:
         return self.updater.ema_weights()
 
     # ---- one iteration -----------------------------------------------------------------------
+    def sampling(self):
+        """The context rollouts and evals sample in (sharded: the transformer gathered, :class:`Sharding`)."""
+        return self.sharding.sampling() if self.sharding is not None else contextlib.nullcontext()
+
     def rollout(self, iteration: int) -> tuple[Forest, dict[str, float]]:
         """The scored forest of ``iteration`` for this process and its timings (:class:`RolloutRunner`)."""
-        return self.runner.run(iteration)
+        with self.sampling():
+            return self.runner.run(iteration)
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """The optimizer steps of ``iteration`` on ``forest`` and their diagnostics (:class:`Updater`)."""
@@ -207,18 +222,29 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
-        """``checkpoints/step-N`` of the current step (main process); never of non-finite weights."""
+        """``checkpoints/step-N`` of the current step (main process); never of non-finite weights. Sharded,
+        every process writes its shards into it too (:mod:`flowrl.sharded_checkpoint`)."""
         self.group.wait()
         if not self.updater.weights_finite():
             raise FloatingPointError(f"the weights at step {self.step} are not finite: no checkpoint was written, the "
                                      "previous one is intact")
+        state = {"step": self.step, **self.updater.state_dict(), "config": self.cfg.to_dict(),
+                 "torch_rng": torch.get_rng_state(), "prompts": self.prompts.state_dict(),
+                 "objective": self.objective.state_dict(), "plan": self.plan.state_dict(),
+                 "policy_guidance": self.guidance, "train_seconds": self.train_seconds}
+        if self.sharding is not None:
+            state, extra = split_sharded(state)
+            lora = None
+            if self.model.has_lora:  # small: consolidated in every checkpoint (pipe.load_lora_weights reads it)
+                with self.ema_weights():
+                    lora = full_state(self.model)
+            path = self.folder.save_sharded(self.step, shards_of(self.model.trainable, self.optimizer, extra),
+                                            lambda folder: lora is not None and save_weights(self.model, folder, lora),
+                                            state)
+            self.group.wait()
+            return path
         path = None
         if self.group.is_main:
-            state = {"step": self.step, **self.updater.state_dict(), "config": self.cfg.to_dict(),
-                     "torch_rng": torch.get_rng_state(), "prompts": self.prompts.state_dict(),
-                     "objective": self.objective.state_dict(), "plan": self.plan.state_dict(),
-                     "policy_guidance": self.guidance, "train_seconds": self.train_seconds}
-
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
                     save_weights(self.model, folder)
@@ -229,8 +255,30 @@ class Trainer:
         self.group.wait()
         return path
 
+    def export(self) -> Path | None:
+        """``export/``: the trained weights consolidated (the EMA's where kept), as a LoRA in the diffusers
+        format or a full ``transformer/`` folder that ``from_pretrained`` reads on one GPU; written atomically
+        by the main process (every process gathers). The path, on the main process."""
+        with self.ema_weights():
+            whole = full_state(self.model)
+        path = None
+        if self.group.is_main:
+            path = write_export(self.run_dir / "export", lambda folder: save_weights(self.model, folder, whole))
+        self.group.wait()
+        return path
+
     def _read(self, path: Path) -> dict:
-        return self.folder.read_intact(path, self.model, self.updater.weights_finite)
+        return self.folder.read_intact(path, self.model, self.updater.weights_finite,
+                                       sharded=self._read_shards if self.sharding is not None else None)
+
+    def _read_shards(self, path: Path, state: dict) -> dict:
+        """``state`` (a sharded checkpoint's, read) with the shards of ``path`` loaded: the weights and the
+        optimizer into the sharded model, the trainer state's sharded tensors put back at their places."""
+        template = {"step": 0, **self.updater.state_dict(), "objective": self.objective.state_dict(),
+                    "plan": self.plan.state_dict()}
+        _, extra = split_sharded(template)
+        extra = load_shards(path / SHARDED_DIR, self.model.trainable, self.optimizer, extra)
+        return merge_sharded(state, extra)
 
     def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
         """Continue from checkpoint ``path`` (``state``: already read; else read here, and a damaged or refused
@@ -293,7 +341,7 @@ class Trainer:
                 self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
 
         def evaluate(tag: str | None = None) -> None:
-            with self.ema_weights():
+            with self.ema_weights(), self.sampling():
                 emit({"step": self.step, **self.evaluate(self.step, tag)})
 
         if self.step == 0 and cfg.eval.at_start:
@@ -317,6 +365,8 @@ class Trainer:
                     self.save_checkpoint()
             bar.close()
             self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
+            if self.sharding is not None and not stop.requested:
+                self.export()
             if not stop.requested:
                 evaluate("after")
             if stop.requested:

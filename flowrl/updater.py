@@ -22,6 +22,7 @@ from flowrl.objective import Batch, Objective
 from flowrl.process_group import ProcessGroup, fold
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed
+from flowrl.sharding import local, whole
 
 
 UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
@@ -35,13 +36,13 @@ class Updater:
     MAX_OVERFLOW_STREAK = 12  # loss-scale overflows in a row (the scale / 4096) before they count as failures
 
     def __init__(self, cfg: TrainConfig, model, objective: Objective, plan, params: list[torch.nn.Parameter],
-                 group: ProcessGroup):
+                 group: ProcessGroup, sharded: bool = False):
         self.cfg, self.model, self.objective, self.plan = cfg, model, objective, plan
-        self.params, self.group = params, group
+        self.params, self.group, self.sharded = params, group, sharded
         # averages the gradients over processes once per optimizer step, overlapping the backward that ends
         # the accumulation: the last micro-batch's, unless the objective may add an auxiliary term after it
-        # (then all of it is reduced after the backward)
-        self.reducer = group.gradient_reducer(params)
+        # (then all of it is reduced after the backward). Sharded (FSDP2), the backward reduce-scatters itself.
+        self.reducer = group.gradient_reducer(params, enabled=not sharded)
         self._overlap = type(objective).auxiliary is Objective.auxiliary
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
@@ -51,6 +52,7 @@ class Updater:
         self.overflows = 0  # steps skipped by the loss scaler (scale too high; not failures)
         self.overflow_streak = 0  # overflows since the last step taken
         self._loss_finite = True
+        self._batches: list[Batch] = []
 
     def _make_scaler(self) -> torch.amp.GradScaler:
         """Dynamic loss scaling (``optim.loss_scaling``; ``auto``: when the transformer computes in fp16,
@@ -83,7 +85,7 @@ class Updater:
 
     # ---- back-propagation ---------------------------------------------------------------------
     def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float],
-                  final: bool = False) -> int:
+                  final: bool = False, padding: int = 0) -> int:
         """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
         step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
         diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). ``final``: the
@@ -101,7 +103,29 @@ class Updater:
             for k, v in diag.items():
                 fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
             count += b.size
+        for _ in range(padding):  # sharded: as many forwards and backwards as the busiest process, at weight 0
+            loss, _ = self.objective.loss(self.model, forest, self._padding(forest), cond)
+            (loss * 0.0).backward()
         return count
+
+    def _padding_count(self, part: list[Batch]) -> int:
+        """The weight-0 micro-batches this process adds to ``part`` so that, sharded, every process runs as
+        many (each forward gathers collectively); 0 unsharded."""
+        return int(self.group.max(len(part))) - len(part) if self.sharded else 0
+
+    def _padding(self, forest: Forest) -> Batch:
+        """A micro-batch whose loss, times 0, keeps this process's forwards in step with the others' under
+        sharding: one of this iteration's own, else one over every unit the plan made trainable."""
+        if self._batches:
+            return self._batches[0]
+        weight, flat = forest.weight.clone(), forest.flat.clone()
+        forest.weight.fill_(1.0)
+        forest.flat.zero_()
+        try:
+            return self.objective.batches(forest, 0, self.cfg.train.seed)[0]
+        finally:
+            forest.weight.copy_(weight)
+            forest.flat.copy_(flat)
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """Inner epochs of optimizer steps over the objective's micro-batches of ``forest``; returns the
@@ -111,7 +135,7 @@ class Updater:
         extremes = objective.extremes
         self.model.trainable.train()
         cond = objective.encode(self.model, forest)
-        batches = objective.batches(forest, iteration, cfg.train.seed)
+        batches = self._batches = objective.batches(forest, iteration, cfg.train.seed)
         diag_sums: dict[str, float] = {}  # size-weighted sums (extremes: min/max) over this process's units
         aux_sums: dict[str, float] = {}  # the objective's auxiliary term, summed over optimizer steps
         first_sums: dict[str, float] = {}  # the first optimizer step's, before any weight changed
@@ -126,12 +150,13 @@ class Updater:
             for u in range(U):
                 part = order[u * len(order) // U:(u + 1) * len(order) // U]
                 n_global = self.group.sum(sum(b.size for b in part))
-                if n_global == 0:
+                if n_global == 0:  # on every process alike
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 self._loss_finite = True
                 step_sums: dict[str, float] = {}
-                seen = self._backward(forest, cond, part, n_global, step_sums, final=self._overlap)
+                seen = self._backward(forest, cond, part, n_global, step_sums, final=self._overlap,
+                                      padding=self._padding_count(part))
                 step_sums[UNITS] = float(seen)
                 if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
                     first_sums = {k: v for k, v in step_sums.items() if k in objective.first_step_keys or k == UNITS}
@@ -179,7 +204,7 @@ class Updater:
         reason still stops the run). A non-finite loss keeps the scale and counts."""
         self.reducer.finish()  # the mean over processes of every grad (a missing one counts 0)
         self.scaler.unscale_(self.optimizer)  # no-op without loss scaling
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
+        grad_norm = float(whole(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)))
         if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
             # grad_norm is the same on every process, so all of them are here and agree on the losses
             losses_finite = self.scaler.is_enabled() and self.group.sum(0.0 if self._loss_finite else 1.0) == 0
@@ -221,13 +246,13 @@ class Updater:
         before clipping), without changing any weight."""
         self.model.trainable.train()
         cond = self.objective.encode(self.model, forest)
-        batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
+        batches = self._batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
         self.optimizer.zero_grad(set_to_none=True)
         n_global = self.group.sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, batches, n_global, {}, final=True)
+            self._backward(forest, cond, batches, n_global, {}, final=True, padding=self._padding_count(batches))
             self.reducer.finish()
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+        flat = torch.cat([whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                           for p in self.params])
         if self.scaler.is_enabled():
             flat = flat / self.scaler.get_scale()
@@ -264,15 +289,20 @@ class Updater:
                     p.copy_(saved)
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
+        """Whether every trained weight is finite (on every process: sharded, each checks its shards)."""
+        mine = all(bool(torch.isfinite(local(p)).all()) for p in self.params)
+        return self.group.sum(0.0 if mine else 1.0) == 0 if self.sharded else mine
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "ema": self.ema,
+        """Its state to checkpoint; sharded, without the optimizer's (:mod:`flowrl.sharded_checkpoint` writes it)."""
+        optimizer = {} if self.sharded else {"optimizer": self.optimizer.state_dict()}
+        return {**optimizer, "scheduler": self.scheduler.state_dict(), "ema": self.ema,
                 "scaler": self.scaler.state_dict(), "overflow_streak": self.overflow_streak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -32,6 +32,7 @@ This module holds the public entry points, :func:`estimate` and :func:`run_estim
 - :mod:`~flowrl.estimate.phases`: the phases of one iteration, traced;
 - :mod:`~flowrl.estimate.counts`: the plan's forwards, decodes and training rows per iteration;
 - :mod:`~flowrl.estimate.static`: weights of reward models and explorer copies, tensor bytes, prompt counts;
+- :mod:`~flowrl.estimate.sharding`: what one process holds under FSDP2 (``model.shard: fsdp``) and its gathers;
 - :mod:`~flowrl.estimate.report`: the CLI arguments and the markdown summary.
 """
 from __future__ import annotations
@@ -51,16 +52,19 @@ from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_cl
 from flowrl.estimate.inputs import Shapes, preset_shapes, transformer_inputs, velocity
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
+from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
+from flowrl.estimate.sharding import block_lists, fsdp_transients, held_bytes, shard_mode
 from flowrl.estimate.static import REWARD_MODELS, explorer_bytes, prompt_count, reward_model_bytes, tensor_bytes
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
 __all__ = [
-    "ARCH_DIR", "ASSUMPTIONS", "GPUS", "GiB", "REWARD_MODELS", "UTILISATION", "GPUClass", "LiveBytes", "Shapes",
-    "Trace", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
-    "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
-    "format_estimate", "fused_attention", "gpu_class", "iteration_counts", "list_archs", "load_arch", "load_config",
-    "preset_shapes", "run_estimate", "text_encoder_params", "trace", "transformer_inputs", "velocity",
+    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GiB", "LiveBytes", "REWARD_MODELS", "Shapes", "Trace",
+    "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
+    "assume_gpu", "block_lists", "build_transformer", "build_vae", "default_lora_targets", "estimate",
+    "explorer_bytes", "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes",
+    "iteration_counts", "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
+    "text_encoder_params", "trace", "transformer_inputs", "velocity",
 ]
 
 GiB = 2 ** 30
@@ -77,12 +81,18 @@ ASSUMPTIONS = [
     "weight-only (bf16 activations): no speed-up; int8/nf4 explorers: none assumed",
     "reward model weights: approximate parameter counts (REWARD_MODELS), fp16 on the GPU",
     "one process per GPU; prompts.per_step is split evenly over the processes",
+    SHARDING_ASSUMPTION,
 ]
 
 
-def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = None, target: str = "cuda") -> dict:
+def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = None, target: str = "cuda",
+             shard: str | None = None) -> dict:
     """Predicted peak memory and s/iteration of one iteration of ``cfg`` (a :class:`~flowrl.config.TrainConfig`)
     on one ``gpu`` of ``processes`` (prompt groups split evenly), without allocating model memory.
+
+    ``shard``: ``ddp`` (every process a whole copy) or ``fsdp`` (FSDP2: the transformer's weights, LoRA,
+    gradients, AdamW state, EMA and copies split over the processes, plus its gathers; at least 2 processes);
+    default ``cfg.model.shard``. Memory is per process (per GPU).
 
     ``arch``: the model's architecture (default: :func:`arch_for_model` of ``cfg.model``; e.g.
     :func:`arch_from_pipeline` for an in-memory pipeline). ``target``: ``cuda`` (fused GPU attention, foreach
@@ -99,6 +109,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         raise ValueError(f"target must be 'cuda' or 'cpu'; got {target!r}")
     gpu_spec = gpu_class(gpu)
     m = cfg.model
+    shard = shard_mode(m.shard if shard is None else shard, processes)
+    shards = processes if shard == "fsdp" else 1  # each sharded tensor held 1/shards per process
     arch = arch or arch_for_model(m)
     ARCH_CACHE[arch["key"]] = arch
     family = arch["family"]
@@ -131,10 +143,11 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     trainable = [p for p in params if p.requires_grad]
     n_base = sum(p.numel() for n, p in module.named_parameters() if "lora_" not in n)
     n_trainable = sum(p.numel() for p in trainable)
-    trainable_bytes = tensor_bytes(trainable)
-    weight_bytes = tensor_bytes(params) + tensor_bytes(b for b in module.buffers())
-    full_copy = tensor_bytes(p for n, p in module.named_parameters() if "lora_" not in n) + \
-        tensor_bytes(module.buffers())
+    trainable_bytes = held_bytes(trainable, shards)
+    buffer_bytes = tensor_bytes(module.buffers())  # replicated under FSDP2 too
+    base_bytes = held_bytes((p for n, p in module.named_parameters() if "lora_" not in n), shards)
+    weight_bytes = held_bytes(params, shards) + buffer_bytes
+    full_copy = base_bytes + buffer_bytes
     encoders = text_encoder_params(arch)
     vae = build_vae(arch, dtype)
     vae_params = sum(p.numel() for p in vae.parameters())
@@ -165,7 +178,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     # ---- static memory ----
     reward_bytes, reward_notes = reward_model_bytes(cfg)
     grads = trainable_bytes
-    optim_bytes = 2 * sum(p.numel() for p in trainable) if cfg.optim.use_8bit else 2 * trainable_bytes
+    optim_bytes = 2 * held_bytes(trainable, shards, itemsize=1) if cfg.optim.use_8bit else 2 * trainable_bytes
     ema = trainable_bytes if cfg.train.ema > 0 else 0
     old = (trainable_bytes if lora is not None else full_copy) if not policy else 0
     wants_reference = getattr(objective, "kl_ref", 0) > 0
@@ -173,7 +186,9 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     explorer = explorer_bytes(module, plan.backend, plan.min_params, plan.skip) if hasattr(plan, "backend") else 0
     encoder_bytes = sum(encoders.values()) * dbytes
     vae_bytes = tensor_bytes(vae.parameters())
-    static = (weight_bytes + encoder_bytes + vae_bytes + optim_bytes + ema + old + reference + explorer + reward_bytes)
+    offloaded = encoder_bytes + vae_bytes if m.offload_encoders else 0  # on the CPU between uses
+    resident = encoder_bytes + vae_bytes - offloaded
+    static = (weight_bytes + resident + optim_bytes + ema + old + reference + explorer + reward_bytes)
 
     # per prompt: the cached conditioning on the device (prompt_embeds [L, D] and pooled / mask)
     text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or 0
@@ -189,18 +204,21 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         cache_end = min(cache_end, cfg.model.prompt_cache_mb * 2 ** 20 + cache_now)
     forest_bytes = int(counts["forwards"] + counts["leaves"]) * math.prod(shapes.latent) * 4  # fp32 node latents
 
+    fsdp = fsdp_transients(module, dbytes, m.shard_rollouts == "whole") if shards > 1 else \
+        dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
+    optim_transient = t_optim.peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
     phases = {
-        "rollout": t_rollout.peak,
-        "decode": t_decode.peak,
-        "update": grads + updates[bool(m.gradient_checkpointing)].peak,
-        "optimizer_step": grads + t_optim.peak,
+        "rollout": t_rollout.peak + fsdp["rollout"],
+        "decode": t_decode.peak + (vae_bytes if offloaded else 0),  # an offloaded VAE comes back to decode
+        "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
+        "optimizer_step": grads + optim_transient,
     }
     host = forest_bytes if target == "cpu" else 0
     peak_phase = max(phases, key=phases.get)
     peak = static + cache_now + host + phases[peak_phase]
 
     def peak_with(checkpointing: bool) -> float:
-        other = dict(phases, update=grads + updates[checkpointing].peak)
+        other = dict(phases, update=grads + updates[checkpointing].peak + fsdp["update"])
         return (static + cache_now + host + max(other.values())) / GiB
 
     # ---- FLOPs and time ----
@@ -226,11 +244,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     split = {k: [flops[k] / speed[k] / (peak_flops * u) for u in (UTILISATION[1], UTILISATION[0])] for k in flops}
 
     memory = {
-        "transformer_weights": (tensor_bytes(p for n, p in module.named_parameters() if "lora_" not in n)) / GiB,
-        "transformer_buffers": tensor_bytes(module.buffers()) / GiB,
+        "sharded_over": shards,
+        "transformer_weights": base_bytes / GiB,
+        "transformer_buffers": buffer_bytes / GiB,
         "lora": (trainable_bytes if lora is not None else 0) / GiB,
-        "text_encoders": encoder_bytes / GiB,
-        "vae": vae_bytes / GiB,
+        "text_encoders": (0 if offloaded else encoder_bytes) / GiB,
+        "vae": (0 if offloaded else vae_bytes) / GiB,
+        "offloaded_to_cpu": offloaded / GiB,
         "reward_models": reward_bytes / GiB,
         "gradients": grads / GiB,
         "optimizer_state": optim_bytes / GiB,
@@ -244,7 +264,10 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "activations_update": updates[bool(m.gradient_checkpointing)].peak / GiB,
         "activations_update_without_checkpointing": updates[False].peak / GiB,
         "activations_update_with_checkpointing": updates[True].peak / GiB,
-        "optimizer_step_transient": t_optim.peak / GiB,
+        "optimizer_step_transient": optim_transient / GiB,
+        "fsdp_gather": fsdp["gather"] / GiB,
+        "fsdp_gather_rollout": fsdp["rollout"] / GiB,
+        "fsdp_reduce_scatter": fsdp["reduce_scatter"] / GiB,
         "static": static / GiB,
         "dynamic": (host + phases[peak_phase]) / GiB,
         "peak": peak / GiB,
@@ -260,6 +283,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     }
     return {
         "model": arch["name"], "family": family, "gpu": gpu_spec.name, "processes": processes, "target": target,
+        "shard": shard, "shard_rollouts": m.shard_rollouts if shards > 1 else None,
+        "offload_encoders": bool(m.offload_encoders),
         "architecture": {"transformer_params": n_base, "trainable_params": n_trainable, "lora_layers": lora_layers,
                          "lora_targets": list(lora[2]) if lora else None, "full_finetune": lora is None,
                          "text_encoder_params": encoders, "vae_params": vae_params, "dtype": m.dtype},
@@ -278,11 +303,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     }
 
 
-def run_estimate(config: str | None, overrides: list[str], gpu: str = "H100", processes: int = 1) -> int:
-    """``flowrl bench CONFIG --estimate``: print the table and the JSON of :func:`estimate`."""
+def run_estimate(config: str | None, overrides: list[str], gpu: str = "H100", processes: int = 1,
+                 shard: str | None = None) -> int:
+    """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp]``: print the table and the JSON of
+    :func:`estimate` (``shard`` None: the config's ``model.shard``)."""
     cfg = load_config(config, overrides, gpu)
     with assume_gpu(gpu):
-        result = estimate(cfg, gpu=gpu, processes=processes)
+        result = estimate(cfg, gpu=gpu, processes=processes, shard=shard)
     print(format_estimate(result))
     print(json.dumps(result, indent=2, default=float))
     return 0

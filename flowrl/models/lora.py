@@ -50,9 +50,10 @@ class LoraAdapter:
 
     has_lora: bool = False
 
-    def save_lora(self, directory: str | os.PathLike) -> None:
+    def save_lora(self, directory: str | os.PathLike, layers: dict | None = None) -> None:
         """Write the LoRA of :attr:`trainable` in the diffusers format (``pytorch_lora_weights.safetensors``
-        with the peft config as metadata), readable by ``pipe.load_lora_weights(directory)``."""
+        with the peft config as metadata), readable by ``pipe.load_lora_weights(directory)``. ``layers``: its
+        peft state dict already gathered (a sharded LoRA's own tensors cannot be written), else read here."""
         from peft.utils import get_peft_model_state_dict
 
         module = self.trainable
@@ -61,7 +62,7 @@ class LoraAdapter:
                                "for full fine-tuning save the transformer with save_pretrained")
         type(self.pipe).save_lora_weights(
             str(directory),
-            transformer_lora_layers=get_peft_model_state_dict(module, adapter_name="default"),
+            transformer_lora_layers=layers if layers is not None else get_peft_model_state_dict(module, adapter_name="default"),
             transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
         )
 
