@@ -54,8 +54,9 @@ class ModelSection:
     prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
     kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
     # complex_human_instruction or negative_prompt (passed through; an unknown one fails at load)
-    shard: str = "ddp"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients
-    # and optimizer state sharded over the processes; docs/gpu.md)
+    shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
+    # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
+    # (configs/accelerate/fsdp.yaml), else ddp
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
     offload_encoders: bool = False  # text encoders (and VAE) on the CPU between uses (moved to the device to encode)

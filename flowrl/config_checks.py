@@ -24,7 +24,7 @@ def check_config(cfg: Any) -> None:
 
         choose("model.family", cfg.model.family, tuple(MODEL_FAMILIES))
     choose("model.dtype", cfg.model.dtype, tuple(DTYPES))
-    choose("model.shard", cfg.model.shard, ("ddp", "fsdp"))
+    choose("model.shard", cfg.model.shard, ("auto", "ddp", "fsdp"))
     choose("model.shard_rollouts", cfg.model.shard_rollouts, ("per_block", "whole"))
     choose("reward_normalize", cfg.reward_normalize, REWARD_NORMALIZE)
     choose("optim.schedule", cfg.optim.schedule, ("constant", "linear", "cosine"))

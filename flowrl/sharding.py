@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Iterator
 
 import torch
@@ -65,20 +66,47 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def compute_dtype(model) -> torch.dtype:
-    """The dtype ``model``'s transformer computes in: its autocast dtype (fp32 master weights), else its dtype."""
-    autocast = getattr(model, "autocast", None)
-    return autocast if isinstance(autocast, torch.dtype) else model.dtype
+    """The dtype ``model``'s transformer computes in: its autocast dtype (fp32 master weights, or accelerate's
+    ``mixed_precision``), else its dtype."""
+    from flowrl.models.dtypes import autocast_dtype
+
+    return autocast_dtype(model) or model.dtype
 
 
-def check_shard_settings(cfg, world: int) -> None:
-    """Refuse sharding settings that cannot run, naming the key (at load, before the model is built)."""
+def resolve_shard(value: str) -> str:
+    """``model.shard``: ``auto`` is ``fsdp`` when accelerate launched the run with its FSDP plugin
+    (``distributed_type: FSDP``, e.g. configs/accelerate/fsdp.yaml; it must be FSDP2), else ``ddp``."""
+    if value != "auto":
+        return value
+    from accelerate.utils import parse_flag_from_env
+
+    if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return "ddp"
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise ConfigError(f"accelerate's FSDP plugin is on with fsdp_version: {version}; flowrl shards with FSDP2: set "
+                          "fsdp_version: 2 in the launch file's fsdp_config (configs/accelerate/fsdp.yaml)")
+    return "fsdp"
+
+
+def offload_requested() -> bool:
+    """Whether the launch file asks for parameters offloaded to the CPU (accelerate's ``fsdp_offload_params``)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("FSDP_OFFLOAD_PARAMS")
+
+
+def check_shard_settings(cfg, world: int, shard: str) -> None:
+    """Refuse sharding settings that cannot run, naming the key (at load, before the model is built); ``shard``:
+    ``model.shard`` resolved (:func:`resolve_shard`)."""
     m = cfg.model
-    if m.shard != "fsdp":
+    if shard != "fsdp":
         return
     if world < 2:
-        raise ConfigError("model.shard=fsdp shards the model over the processes, but this run has 1 process: launch "
-                          "several (accelerate launch --config_file configs/accelerate/fsdp.yaml … or torchrun "
-                          "--nproc_per_node N …), or use model.shard=ddp on one")
+        how = "model.shard=fsdp" if m.shard == "fsdp" else "accelerate's FSDP plugin (model.shard=auto)"
+        raise ConfigError(f"{how} shards the model over the processes, but this run has 1 process: launch several "
+                          "(accelerate launch --config_file configs/accelerate/fsdp.yaml … or torchrun "
+                          "--nproc_per_node N …), or set model.shard=ddp for one")
     if m.dtype == "float16":
         raise ConfigError("model.shard=fsdp with model.dtype=float16 is not supported (fp16 needs loss scaling of "
                           "sharded gradients); use model.dtype=bfloat16")
@@ -94,10 +122,10 @@ class Sharding:
     """The FSDP2 state of one run: the mesh, the sharded modules (the transformer and its frozen copies) and
     the context rollouts and evals sample in (:meth:`sampling`)."""
 
-    def __init__(self, model, world: int, device: torch.device, rollouts: str = "whole"):
+    def __init__(self, model, world: int, device: torch.device, rollouts: str = "whole", offload: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.model, self.rollouts = model, rollouts
+        self.model, self.rollouts, self.offload = model, rollouts, offload and device.type == "cuda"
         self.mesh = init_device_mesh(device.type, (world,))
         self.modules: list[nn.Module] = []
 
@@ -120,6 +148,10 @@ class Sharding:
         kwargs = {"mesh": self.mesh, "reshard_after_forward": True}
         if policy is not None:
             kwargs["mp_policy"] = policy
+        if self.offload:  # shards, gradients and AdamW state in CPU memory, copied in for each use
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kwargs["offload_policy"] = CPUOffloadPolicy()
         for module in [self.model.trainable, *self.model.__dict__.get(COPIES, [])]:
             blocks = block_lists(module)
             if not blocks:

@@ -36,7 +36,7 @@ from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
 from flowrl.scoring import FailedRewardStreak
 from flowrl.sharded_checkpoint import SHARDED_DIR, load_shards, merge_sharded, shards_of, split_sharded
-from flowrl.sharding import Sharding, check_shard_settings, compute_dtype, full_state
+from flowrl.sharding import Sharding, check_shard_settings, compute_dtype, full_state, offload_requested, resolve_shard
 from flowrl.signals import stop_on_first_interrupt
 from flowrl.updater import Updater
 
@@ -63,7 +63,8 @@ class Trainer:
         self.world, self.rank = self.group.world, self.group.rank
         if c.prompts.per_step % self.world:
             raise ConfigError(f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})")
-        check_shard_settings(c, self.world)
+        shard = resolve_shard(c.model.shard)
+        check_shard_settings(c, self.world, shard)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
@@ -80,8 +81,9 @@ class Trainer:
         self.params = self._setup_trainable()
         self.objective.setup(self.model)  # its frozen copies before sharding: sharded with the transformer
         self.sharding = None
-        if c.model.shard == "fsdp":
-            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts)
+        if shard == "fsdp":
+            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
+                                     offload=offload_requested())
             self.sharding.shard(compute_dtype(self.model))
             self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
         self.plan = build.build_plan(c.rollout)

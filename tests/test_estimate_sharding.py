@@ -186,9 +186,10 @@ def test_fsdp_halves_the_sharded_parts_and_adds_the_gathers(overrides):
     whole_weights = d["transformer_weights"] + d["lora"]
     assert f["fsdp_gather"] < whole_weights
     assert f["static"] < d["static"]
-    if f["peak_phase"] == d["peak_phase"] == "update":
-        assert f["dynamic"] - d["dynamic"] == pytest.approx(
-            f["fsdp_gather"] + f["fsdp_reduce_scatter"] + f["gradients"] - d["gradients"], rel=1e-6)
+    # the update's activations lose the whole-model gradients the traced backward accumulates into (FSDP2
+    # reduce-scatters them block by block instead: fsdp_reduce_scatter)
+    assert f["activations_update"] == pytest.approx(d["activations_update"] - d["gradients"], rel=1e-9)
+    assert f["activations_rollout"] == d["activations_rollout"]
 
 
 def test_whole_rollouts_gather_the_whole_transformer_and_offloading_moves_encoders_to_the_cpu():

@@ -82,7 +82,7 @@ def test_training_moves_the_weights_far_beyond_the_tolerance(runs, tmp_path):
     """The tolerance above is meaningful: the sharded LoRA moved well past it from its start."""
     (one,), _ = runs[("ddp", "lora", 1)]
     lora_b = [k for k in one["weights"] if "lora_B" in k]
-    assert max(float(one["weights"][k].abs().max()) for k in lora_b) > 1e-3  # lora_B starts at 0
+    assert max(float(one["weights"][k].abs().max()) for k in lora_b) > 10 * 2e-5  # lora_B starts at 0
 
 
 @pytest.mark.slow
@@ -202,3 +202,24 @@ def test_split_and_merge_of_sharded_tensors_round_trip():
     back = merge_sharded(plain, found)
     assert back["ema"][0] is a and back["objective"]["old"][0] is b and back["step"] == 4
     assert issubclass(DTensor, torch.Tensor) and hasattr(DTensor, "full_tensor")
+
+
+@pytest.mark.slow
+def test_the_fsdp_launch_file_shards_through_accelerate(tmp_path):
+    """``accelerate launch --config_file configs/accelerate/fsdp.yaml`` (here --cpu, 2 processes): model.shard=auto
+    becomes fsdp, so the checkpoint is sharded and the run exports consolidated weights."""
+    from flowrl.config import CONFIG_DIR
+
+    args = ["rollout.group_size=2", "rollout.steps=2", "prompts.per_step=2", "eval.num_prompts=2", "eval.steps=2",
+            "eval.images_per_prompt=1", "eval.grid_prompts=0", "train.max_steps=1", "train.num_threads=1",
+            "train.progress=false", f"train.output_dir={tmp_path}", "train.name=run"]
+    text = (CONFIG_DIR / "accelerate" / "fsdp.yaml").read_text()
+    assert "\nuse_cpu: false\n" in text
+    launch_file = tmp_path / "fsdp_cpu.yaml"  # the file itself, on CPUs (accelerate's --cpu flag drops the FSDP plugin)
+    launch_file.write_text(text.replace("\nuse_cpu: false\n", "\nuse_cpu: true\n"))
+    proc = subprocess.run(["accelerate", "launch", "--config_file", str(launch_file),
+                           "--num_processes", "2", "-m", "flowrl.cli", "train", *args],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert (tmp_path / "run" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
+    assert (tmp_path / "run" / "export" / "transformer" / "config.json").is_file()  # the main job fine-tunes fully

@@ -207,10 +207,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     fsdp = fsdp_transients(module, dbytes, m.shard_rollouts == "whole") if shards > 1 else \
         dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
     optim_transient = t_optim.peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
+    # the update trace counts the pre-allocated gradients as backward accumulates into them (its ``end``: all of
+    # them); FSDP2 never holds them whole (a block's are reduce-scattered: fsdp["update"]), so they come off
+    activations = {k: u.peak - (u.end if shards > 1 else 0) for k, u in updates.items()}
     phases = {
         "rollout": t_rollout.peak + fsdp["rollout"],
         "decode": t_decode.peak + (vae_bytes if offloaded else 0),  # an offloaded VAE comes back to decode
-        "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
+        "update": grads + activations[bool(m.gradient_checkpointing)] + fsdp["update"],
         "optimizer_step": grads + optim_transient,
     }
     host = forest_bytes if target == "cpu" else 0
@@ -218,7 +221,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     peak = static + cache_now + host + phases[peak_phase]
 
     def peak_with(checkpointing: bool) -> float:
-        other = dict(phases, update=grads + updates[checkpointing].peak + fsdp["update"])
+        other = dict(phases, update=grads + activations[checkpointing] + fsdp["update"])
         return (static + cache_now + host + max(other.values())) / GiB
 
     # ---- FLOPs and time ----
@@ -261,9 +264,9 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "prompt_cache": cache_now / GiB,
         "activations_rollout": t_rollout.peak / GiB,
         "activations_decode": t_decode.peak / GiB,
-        "activations_update": updates[bool(m.gradient_checkpointing)].peak / GiB,
-        "activations_update_without_checkpointing": updates[False].peak / GiB,
-        "activations_update_with_checkpointing": updates[True].peak / GiB,
+        "activations_update": activations[bool(m.gradient_checkpointing)] / GiB,
+        "activations_update_without_checkpointing": activations[False] / GiB,
+        "activations_update_with_checkpointing": activations[True] / GiB,
         "optimizer_step_transient": optim_transient / GiB,
         "fsdp_gather": fsdp["gather"] / GiB,
         "fsdp_gather_rollout": fsdp["rollout"] / GiB,

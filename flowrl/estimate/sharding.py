@@ -18,7 +18,8 @@ ASSUMPTION = (
     "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models and an explorer copy are not; "
     "a forward gathers the root and two consecutive blocks (current + prefetched) in model.dtype (shard_rollouts=whole: "
     "the whole transformer during the rollout), a backward holds one block's unsharded gradients twice "
-    "(autograd's and the reduce-scatter's input); the optimizer step's transient is split like its state"
+    "(autograd's and the reduce-scatter's input) instead of the whole model's that the DDP update trace counts; the "
+    "optimizer step's transient is split like its state"
 )
 
 
