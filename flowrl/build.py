@@ -61,6 +61,8 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         raise ConfigError(f"{chosen}: {e}") from e
     if section.full_finetune:
         master_weights_fp32(model)
+    if section.offload_encoders:
+        model.offload_encoders()
     limit = section.prompt_cache_mb
     model.prompt_cache.max_bytes = None if limit is None else int(limit * 2 ** 20)
     return model

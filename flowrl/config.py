@@ -59,7 +59,7 @@ class ModelSection:
     # (configs/accelerate/fsdp.yaml), else ddp
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
-    offload_encoders: bool = False  # text encoders (and VAE) on the CPU between uses (moved to the device to encode)
+    offload_encoders: bool = False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
 
 
 @dataclass

@@ -38,9 +38,14 @@ def launch(out: Path, shard: str, tune: str, processes: int, *extra: str) -> lis
 def runs(tmp_path_factory):
     """The shapes job, full fine-tuning and LoRA: one process, two unsharded (DDP) and two sharded."""
     root = tmp_path_factory.mktemp("sharding")
-    return {(shard, tune, n): (launch(root / f"{shard}-{tune}-{n}", shard, tune, n), root / f"{shard}-{tune}-{n}")
-            for shard, tune, n in [("ddp", "full", 1), ("ddp", "full", 2), ("fsdp", "full", 2),
-                                   ("ddp", "lora", 1), ("fsdp", "lora", 2)]}
+    variants = {"per_block": ("model.shard_rollouts=per_block", "model.gradient_checkpointing=true"),
+                "bf16": ("model.dtype=bfloat16",)}
+    out = {}
+    for shard, tune, n, *variant in [("ddp", "full", 1), ("ddp", "full", 2), ("fsdp", "full", 2), ("ddp", "lora", 1),
+                                     ("fsdp", "lora", 2), ("fsdp", "full", 2, "per_block"), ("fsdp", "lora", 2, "bf16")]:
+        folder = root / "-".join([shard, tune, str(n), *variant])
+        out[(shard, tune, n, *variant)] = (launch(folder, shard, tune, n, *variants[variant[0]] if variant else ()), folder)
+    return out
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -75,6 +80,28 @@ def test_sharded_training_equals_one_process_and_ddp(runs, tune):
         assert a.get("grad_norm") == b.get("grad_norm")
         if "grad_norm" in single:
             assert a["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_block_by_block_sampling_and_gradient_checkpointing_compose_with_sharding(runs):
+    """``model.shard_rollouts=per_block`` (each forward gathers block by block, collectively) with gradient
+    checkpointing trains to the weights of the default (whole transformer gathered once per rollout)."""
+    whole_run, _ = runs[("fsdp", "full", 2)]
+    blockwise, _ = runs[("fsdp", "full", 2, "per_block")]
+    assert max_diff(blockwise[0]["weights"], blockwise[1]["weights"]) == 0.0
+    assert max_diff(blockwise[0]["weights"], whole_run[0]["weights"]) < 2e-6
+    assert [r.get("reward_mean") for r in blockwise[0]["records"]] == [r.get("reward_mean") for r in whole_run[0]["records"]]
+
+
+@pytest.mark.slow
+def test_bf16_sharding_keeps_fp32_master_shards_and_equal_ranks(runs):
+    """``model.dtype=bfloat16``: gathered and computed in bf16 (MixedPrecisionPolicy), gradients reduced in fp32
+    into fp32 LoRA shards; both ranks end equal, and the run trained."""
+    bf16, _ = runs[("fsdp", "lora", 2, "bf16")]
+    assert max_diff(bf16[0]["weights"], bf16[1]["weights"]) == 0.0
+    assert {v.dtype for v in bf16[0]["weights"].values()} == {torch.float32}
+    assert all(bool(torch.isfinite(v).all()) for v in bf16[0]["weights"].values())
+    assert max(float(v.abs().max()) for k, v in bf16[0]["weights"].items() if "lora_B" in k) > 1e-4
 
 
 @pytest.mark.slow
@@ -223,3 +250,26 @@ def test_the_fsdp_launch_file_shards_through_accelerate(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
     assert (tmp_path / "run" / "export" / "transformer" / "config.json").is_file()  # the main job fine-tunes fully
+
+
+def test_offloaded_text_encoders_visit_the_device_once_per_batch_of_new_prompts(monkeypatch):
+    """``model.offload_encoders``: the encoders wait in CPU memory and come to the device only to encode
+    prompts not yet cached, all of a batch in one visit; the embeddings are the same as without offloading."""
+    from tests.conftest import make_model
+
+    model = make_model("sd3")
+    reference = model.encode(["a red circle", "a dog"]).cond
+    model.clear_cache()
+    model.offload_encoders()
+    moves: list[str] = []
+    for encoder in model.text_encoders:
+        original = encoder.to
+        monkeypatch.setattr(encoder, "to", lambda *a, _o=original, **k: (moves.append(str(a[0])), _o(*a, **k))[1])
+    assert len(model.text_encoders) >= 2
+    cond = model.encode(["a red circle", "a dog"]).cond
+    for key in reference:
+        torch.testing.assert_close(cond[key], reference[key], rtol=0, atol=0)
+    n = len(model.text_encoders)
+    assert moves == [str(model.device)] * n + ["cpu"] * n  # in once, out once, for both prompts
+    model.encode(["a dog", "a red circle"])
+    assert len(moves) == 2 * n  # cached: the encoders stayed where they were

@@ -53,7 +53,7 @@ from flowrl.estimate.inputs import Shapes, preset_shapes, transformer_inputs, ve
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
-from flowrl.estimate.sharding import block_lists, fsdp_transients, held_bytes, shard_mode
+from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode, sharded_update_traces
 from flowrl.estimate.static import REWARD_MODELS, explorer_bytes, prompt_count, reward_model_bytes, tensor_bytes
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
@@ -61,10 +61,10 @@ from flowrl.models.dtypes import DTYPES
 __all__ = [
     "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GiB", "LiveBytes", "REWARD_MODELS", "Shapes", "Trace",
     "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
-    "assume_gpu", "block_lists", "build_transformer", "build_vae", "default_lora_targets", "estimate",
-    "explorer_bytes", "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes",
-    "iteration_counts", "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
-    "text_encoder_params", "trace", "transformer_inputs", "velocity",
+    "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
+    "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes", "iteration_counts",
+    "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
+    "sharded_update_traces", "text_encoder_params", "trace", "transformer_inputs", "velocity",
 ]
 
 GiB = 2 ** 30
@@ -92,7 +92,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
 
     ``shard``: ``ddp`` (every process a whole copy) or ``fsdp`` (FSDP2: the transformer's weights, LoRA,
     gradients, AdamW state, EMA and copies split over the processes, plus its gathers; at least 2 processes);
-    default ``cfg.model.shard``. Memory is per process (per GPU).
+    default ``cfg.model.shard`` (``auto`` resolved as a run here would). Memory is per process (per GPU).
 
     ``arch``: the model's architecture (default: :func:`arch_for_model` of ``cfg.model``; e.g.
     :func:`arch_from_pipeline` for an in-memory pipeline). ``target``: ``cuda`` (fused GPU attention, foreach
@@ -109,7 +109,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         raise ValueError(f"target must be 'cuda' or 'cpu'; got {target!r}")
     gpu_spec = gpu_class(gpu)
     m = cfg.model
-    shard = shard_mode(m.shard if shard is None else shard, processes)
+    shard = shard_mode(cfg, shard, processes)
     shards = processes if shard == "fsdp" else 1  # each sharded tensor held 1/shards per process
     arch = arch or arch_for_model(m)
     ARCH_CACHE[arch["key"]] = arch
@@ -170,10 +170,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     # ---- traced phases (cached: presets sharing a model, shapes and batch layout share them) ----
     before = () if policy else ("old",) + (("reference",) if getattr(objective, "kl_ref", 0) > 0 else ())
     after = ("reference",) if policy and getattr(objective, "kl_ref", 0) > 0 else ()
-    traces = phase_traces(arch["key"], m.dtype, lora, shapes, rollout_states, cfg_on, update_states, train_cfg,
-                           before, after, bool(counts["explore_forwards"]), bool(cfg.optim.use_8bit), target)
+    trace_args = (arch["key"], m.dtype, lora, shapes, rollout_states, cfg_on, update_states, train_cfg, before, after,
+                  bool(counts["explore_forwards"]), bool(cfg.optim.use_8bit), target)
+    traces = phase_traces(*trace_args)
     t_rollout, t_explore, t_decode, t_optim = (traces[k] for k in ("rollout", "explore", "decode", "optimizer"))
-    updates = {False: traces["update"], True: traces["update_checkpointed"]}
+    # FSDP2: a block's gradients are reduce-scattered and freed as backward leaves it (fsdp["update"] below)
+    blockwise = sharded_update_traces(*trace_args) if shards > 1 else traces
+    updates = {False: blockwise["update"], True: blockwise["update_checkpointed"]}
 
     # ---- static memory ----
     reward_bytes, reward_notes = reward_model_bytes(cfg)
@@ -207,13 +210,10 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     fsdp = fsdp_transients(module, dbytes, m.shard_rollouts == "whole") if shards > 1 else \
         dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
     optim_transient = t_optim.peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
-    # the update trace counts the pre-allocated gradients as backward accumulates into them (its ``end``: all of
-    # them); FSDP2 never holds them whole (a block's are reduce-scattered: fsdp["update"]), so they come off
-    activations = {k: u.peak - (u.end if shards > 1 else 0) for k, u in updates.items()}
     phases = {
         "rollout": t_rollout.peak + fsdp["rollout"],
         "decode": t_decode.peak + (vae_bytes if offloaded else 0),  # an offloaded VAE comes back to decode
-        "update": grads + activations[bool(m.gradient_checkpointing)] + fsdp["update"],
+        "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
         "optimizer_step": grads + optim_transient,
     }
     host = forest_bytes if target == "cpu" else 0
@@ -221,7 +221,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     peak = static + cache_now + host + phases[peak_phase]
 
     def peak_with(checkpointing: bool) -> float:
-        other = dict(phases, update=grads + activations[checkpointing] + fsdp["update"])
+        other = dict(phases, update=grads + updates[checkpointing].peak + fsdp["update"])
         return (static + cache_now + host + max(other.values())) / GiB
 
     # ---- FLOPs and time ----
@@ -264,9 +264,9 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "prompt_cache": cache_now / GiB,
         "activations_rollout": t_rollout.peak / GiB,
         "activations_decode": t_decode.peak / GiB,
-        "activations_update": activations[bool(m.gradient_checkpointing)] / GiB,
-        "activations_update_without_checkpointing": activations[False] / GiB,
-        "activations_update_with_checkpointing": activations[True] / GiB,
+        "activations_update": updates[bool(m.gradient_checkpointing)].peak / GiB,
+        "activations_update_without_checkpointing": updates[False].peak / GiB,
+        "activations_update_with_checkpointing": updates[True].peak / GiB,
         "optimizer_step_transient": optim_transient / GiB,
         "fsdp_gather": fsdp["gather"] / GiB,
         "fsdp_gather_rollout": fsdp["rollout"] / GiB,

@@ -1,42 +1,45 @@
-"""FSDP2 in the estimate (``model.shard: fsdp``; docs/estimate.md): what one of N processes holds when each
-block of the transformer's block lists and then the transformer itself (the root: embeddings, norms,
-``proj_out``) are wrapped by ``fully_shard`` — ⌈rows/N⌉ rows of every parameter (dim-0 shards, padded to that
-size), of its gradient and of its AdamW state; buffers whole — and the full-size tensors FSDP2 builds for a
-moment: the parameters it all-gathers around a forward and the gradients it reduce-scatters after a block's
-backward."""
+"""FSDP2 in the estimate (``model.shard: fsdp``; docs/estimate.md): what one of N processes holds when
+:class:`flowrl.sharding.Sharding` wraps each block of the transformer's block lists and then the transformer
+itself (the root: embeddings, norms, ``proj_out``) with ``fully_shard`` — ⌈rows/N⌉ rows of every parameter
+(dim-0 shards, padded to that size), of its gradient and of its AdamW state; buffers whole — and the full-size
+tensors FSDP2 builds for a moment: the parameters it all-gathers around a forward and the gradients it
+reduce-scatters after a block's backward."""
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
 from flowrl.choices import choose
 from flowrl.errors import ConfigError
+from flowrl.estimate.archs import model_with_lora
+from flowrl.estimate.phases import phase_traces
+from flowrl.estimate.trace import Trace
+from flowrl.sharding import block_lists, check_shard_settings, resolve_shard
 
 SHARD_MODES = ("ddp", "fsdp")
 ASSUMPTION = (
     "model.shard=ddp: every process holds the whole model; fsdp (FSDP2): the transformer's weights, LoRA, "
     "gradients, AdamW state, EMA and the old-policy / reference copies are split over the processes (⌈rows/N⌉ "
-    "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models and an explorer copy are not; "
-    "a forward gathers the root and two consecutive blocks (current + prefetched) in model.dtype (shard_rollouts=whole: "
-    "the whole transformer during the rollout), a backward holds one block's unsharded gradients twice "
-    "(autograd's and the reduce-scatter's input) instead of the whole model's that the DDP update trace counts; the "
-    "optimizer step's transient is split like its state"
+    "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models and the prompt cache are not; a "
+    "forward gathers the root and two consecutive blocks (current + prefetched) in model.dtype (shard_rollouts="
+    "whole: the whole transformer during the rollout); backward holds one block's unsharded gradients and their "
+    "fp32 reduce-scatter input, not the whole model's (traced with each gradient dropped once accumulated); the "
+    "optimizer step's transient is split like its state; all-gather / reduce-scatter time is not counted"
 )
 
 
-def shard_mode(shard: str, processes: int) -> str:
-    """``shard`` (``ddp`` | ``fsdp``) checked against ``processes``: FSDP2 over one process shards nothing."""
-    choose("model.shard", shard, SHARD_MODES)
-    if shard == "fsdp" and processes < 2:
-        raise ConfigError(f"model.shard=fsdp needs at least 2 processes to shard over (got {processes}); "
-                          "pass --gpus N (N ≥ 2) or use model.shard=ddp on one GPU")
-    return shard
-
-
-def block_lists(module: nn.Module) -> list[nn.ModuleList]:
-    """The transformer's block lists that ``fully_shard`` wraps one block at a time: every ``nn.ModuleList``
-    child whose name ends in ``blocks`` (``transformer_blocks``; FLUX's ``single_transformer_blocks`` too)."""
-    return [child for name, child in module.named_children()
-            if isinstance(child, nn.ModuleList) and name.endswith("blocks")]
+def shard_mode(cfg, shard: str | None, processes: int) -> str:
+    """The sharding an estimate of ``cfg`` over ``processes`` assumes: ``shard`` (``ddp`` | ``fsdp``), else
+    ``cfg.model.shard`` (``auto``: as the run would resolve it here, :func:`flowrl.sharding.resolve_shard`);
+    ``fsdp`` refused where the run refuses it (one process, fp16, 8-bit AdamW, an explorer)."""
+    mode = resolve_shard(cfg.model.shard if shard is None else shard)
+    choose("model.shard", mode, SHARD_MODES)
+    if mode == "fsdp" and processes < 2:
+        raise ConfigError(f"model.shard=fsdp needs at least 2 processes to shard over (got {processes}): pass "
+                          "--gpus N (N ≥ 2), or model.shard=ddp for one GPU")
+    check_shard_settings(cfg, processes, mode)
+    return mode
 
 
 def held_bytes(tensors, shards: int = 1, itemsize: int | None = None) -> int:
@@ -54,19 +57,19 @@ def held_bytes(tensors, shards: int = 1, itemsize: int | None = None) -> int:
 
 
 def fsdp_transients(module: nn.Module, dtype_bytes: int, whole_rollouts: bool) -> dict[str, int]:
-    """The full-size tensors FSDP2 builds for a moment on ``module`` (the transformer, LoRA attached), in bytes
-    at ``dtype_bytes`` per element (the compute dtype, model.dtype):
+    """The full-size tensors FSDP2 builds for a moment on ``module`` (the transformer, LoRA attached), in bytes;
+    gathered in the compute dtype (``dtype_bytes`` per element, model.dtype), gradients reduced in fp32:
 
-    - ``gather``: a forward's all-gathered parameters: the root's (held through the forward) and the largest
-      two consecutive blocks' (the current block and the prefetched next one: 2× the largest block when the
-      blocks are alike);
+    - ``gather``: a forward's all-gathered parameters: the root's (gathered through the forward and through the
+      backward) and the largest two consecutive blocks' (the current block and the prefetched next one: 2× the
+      largest block when the blocks are alike);
     - ``rollout``: ``gather``, or every parameter with ``whole_rollouts`` (the transformer gathered once
       around each rollout);
-    - ``reduce_scatter``: the largest block's trainable parameters twice (their unsharded gradients and the
-      reduce-scatter's input copy) at the end of that block's backward;
+    - ``reduce_scatter``: the largest block's trainable parameters' unsharded gradients (compute dtype) and the
+      fp32 reduce-scatter input they are copied into, at the end of that block's backward;
     - ``update``: ``gather`` + ``reduce_scatter``.
     """
-    blocks = [block for blocks in block_lists(module) for block in blocks]
+    blocks = block_lists(module)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     root = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
     sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
@@ -74,7 +77,27 @@ def fsdp_transients(module: nn.Module, dtype_bytes: int, whole_rollouts: bool) -
     largest_trainable = max((sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks),
                             default=0)
     gather = (root + current_and_next) * dtype_bytes
-    reduce_scatter = 2 * largest_trainable * dtype_bytes
+    reduce_scatter = largest_trainable * (dtype_bytes + 4)
     everything = sum(p.numel() for p in module.parameters()) * dtype_bytes
     return {"gather": gather, "rollout": everything if whole_rollouts else gather,
             "reduce_scatter": reduce_scatter, "update": gather + reduce_scatter}
+
+
+def _drop_gradient(param: nn.Parameter) -> None:
+    param.grad = None
+
+
+@functools.lru_cache(maxsize=16)
+def sharded_update_traces(arch_key: str, dtype_name: str, lora: tuple | None, *rest) -> dict[str, Trace]:
+    """The ``update`` / ``update_checkpointed`` traces of :func:`phase_traces` (same arguments) with every gradient
+    dropped as soon as backward has accumulated it: FSDP2 never holds the whole model's gradients (a block's
+    are reduce-scattered and freed as backward leaves it: :func:`fsdp_transients`; the sharded ones are static),
+    where the DDP trace keeps every trainable parameter's gradient alive through backward."""
+    module, _ = model_with_lora(arch_key, dtype_name, lora)
+    handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in module.parameters() if p.requires_grad]
+    try:
+        traces = phase_traces.__wrapped__(arch_key, dtype_name, lora, *rest)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {k: traces[k] for k in ("update", "update_checkpointed")}

@@ -52,8 +52,9 @@ and overrides, where the family differs from the defaults:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -235,10 +236,37 @@ class FlowModel(LoraAdapter):
             with torch.no_grad():
                 return {k: v.detach().to(self.device) for k, v in self._encode_one(p).items()}
 
-        entries = [cache.get(p, lambda p=p: encoded(p)) for p in prompts]
+        with self.encoders_ready(any(p not in cache for p in prompts)):
+            entries = [cache.get(p, lambda p=p: encoded(p)) for p in prompts]
         batch = {k: torch.cat([e[k] for e in entries]) for k in entries[0]}
         cache.trim()
         return batch
+
+    @property
+    def text_encoders(self) -> list[nn.Module]:
+        """The pipeline's text encoders (its ``text_encoder*`` components that are modules)."""
+        return [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and isinstance(m, nn.Module)]
+
+    def offload_encoders(self) -> None:
+        """Keep the text encoders in CPU memory between uses (``model.offload_encoders``): :meth:`encode` moves
+        them to :attr:`device` for the prompts it has not cached, all in one visit, and back after."""
+        self.__dict__["_offload_encoders"] = True
+        for module in self.text_encoders:
+            module.to("cpu")
+
+    @contextlib.contextmanager
+    def encoders_ready(self, needed: bool = True) -> Iterator[None]:
+        """The text encoders on :attr:`device` inside (when ``needed`` and offloaded; else as they are)."""
+        if not (needed and self.__dict__.get("_offload_encoders")):
+            yield
+            return
+        for module in self.text_encoders:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in self.text_encoders:
+                module.to("cpu")
 
     def clear_cache(self) -> None:
         """Forget cached prompt embeddings (needed only if the text encoders change)."""
