@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from flowrl.sharding import whole
 from flowrl.precision import (DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok, check_backend, quantize_linear,
                               rest_dtype)
 
@@ -43,14 +44,14 @@ def merged_weight(layer: nn.Module) -> torch.Tensor:
     """The effective weight of a Linear or of a peft LoRA wrapper around one: W0 + Σ active adapters'
     B·A·scale (nothing added when merged or disabled), detached, in fp32."""
     base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-    weight = base.weight.detach().float()
+    weight = whole(base.weight.detach()).float()  # sharded (FSDP2): gathered, every process calling
     if base is layer or getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return weight
     for name in layer.active_adapters:
         if name in layer.lora_A:
             if layer.use_dora.get(name, False):
                 raise NotImplementedError("explorer copies of DoRA adapters are not supported")
-            weight = weight + layer.get_delta_weight(name).detach().float()
+            weight = weight + whole(layer.get_delta_weight(name).detach()).float()
     return weight
 
 
@@ -88,17 +89,18 @@ class Explorer:
             for name in self._requantize:
                 layer = live.get_submodule(name)
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+                bias = None if base.bias is None else whole(base.bias.detach())
                 self.transformer.set_submodule(name, quantize_linear(
-                    self.backend, merged_weight(layer), base.bias, model.device, self.dtype, self.impl))
+                    self.backend, merged_weight(layer), bias, model.device, self.dtype, self.impl))
             for name in self._recopy:
                 layer = live.get_submodule(name)
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
                 target = self.transformer.get_submodule(name)
                 target.weight.copy_(merged_weight(layer))
                 if base.bias is not None:
-                    target.bias.copy_(base.bias.detach())
+                    target.bias.copy_(whole(base.bias.detach()))
             for name in self._params:
-                self.transformer.get_parameter(name).copy_(live.get_parameter(name).detach())
+                self.transformer.get_parameter(name).copy_(whole(live.get_parameter(name).detach()))
         rebuilt = len(self._requantize) + len(self._recopy) + len(self._params)
         self.refreshed += rebuilt
         return rebuilt

@@ -113,9 +113,6 @@ def check_shard_settings(cfg, world: int, shard: str) -> None:
     if cfg.optim.use_8bit:
         raise ConfigError("model.shard=fsdp with optim.use_8bit=true is not supported (bitsandbytes' AdamW8bit does "
                           "not take sharded parameters); sharding already divides AdamW's state by the processes")
-    if cfg.rollout.plan == "explore":
-        raise ConfigError("rollout.plan=explore with model.shard=fsdp is not supported yet (the explorer's "
-                          "low-precision copy reads the whole weights); use model.shard=ddp")
 
 
 class Sharding:

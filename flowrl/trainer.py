@@ -79,19 +79,19 @@ class Trainer:
         self.objective = build.build_loss(c)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
-        self.objective.setup(self.model)  # its frozen copies before sharding: sharded with the transformer
-        self.sharding = None
-        if shard == "fsdp":
-            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
-                                     offload=offload_requested())
-            self.sharding.shard(compute_dtype(self.model))
-            self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
+        self.objective.setup(self.model)
         self.plan = build.build_plan(c.rollout)
         self.objective.check_plan(self.plan)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.credit = build.build_credit(c)
         self.objective.check_credit(self.credit)
         self.plan.setup(self.model, self.reward)
+        self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
+        if shard == "fsdp":
+            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
+                                     offload=offload_requested())
+            self.sharding.shard(compute_dtype(self.model))
+            self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
         self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
                                     guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,

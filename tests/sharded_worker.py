@@ -20,9 +20,13 @@ from flowrl.trainer import Trainer  # noqa: E402
 
 
 def shapes_config(out: Path, shard: str, tune: str, *extra: str) -> TrainConfig:
-    """The main job, small enough for CPU processes: 2 prompts × 4 leaves of 4 ODE steps, a 2-step eval."""
-    return TrainConfig.from_yaml(str(DEFAULT_CONFIG), [
-        "rollout.group_size=4", "rollout.steps=4", "rollout.max_batch=8", "prompts.per_step=2",
+    """The main job, small enough for CPU processes: 2 prompts × 4 leaves of 4 ODE steps, a 2-step eval. An
+    ``extra`` item ``config=PATH`` starts from another shapes preset instead (then give its rollout sizes)."""
+    configs = [e[len("config="):] for e in extra if e.startswith("config=")]
+    sizes = [] if configs else ["rollout.group_size=4", "rollout.steps=4"]
+    extra = tuple(e for e in extra if not e.startswith("config="))
+    return TrainConfig.from_yaml(configs[0] if configs else str(DEFAULT_CONFIG), [
+        *sizes, "rollout.max_batch=8", "prompts.per_step=2",
         "eval.steps=2", "eval.num_prompts=2", "eval.images_per_prompt=1", "eval.grid_prompts=0", "eval.at_start=false",
         "train.max_steps=3", "train.checkpoint_every=1", "train.num_threads=1", "train.progress=false",
         f"train.output_dir={out}", "train.name=run", f"model.shard={shard}",

@@ -22,6 +22,9 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TIME_KEYS = ("time/",)
+# Sol-RL's plan on the main job: an int8 explorer copy previews a pool, the chosen ones regenerated in full precision
+EXPLORE = ("config=configs/shapes/solrl_nft.yaml", "rollout.inner={plan: ode, group_size: 2, steps: 4}", "rollout.pool=4",
+           "rollout.preview_steps=2", "train.max_steps=2")
 
 
 def launch(out: Path, shard: str, tune: str, processes: int, *extra: str) -> list[dict]:
@@ -39,10 +42,11 @@ def runs(tmp_path_factory):
     """The shapes job, full fine-tuning and LoRA: one process, two unsharded (DDP) and two sharded."""
     root = tmp_path_factory.mktemp("sharding")
     variants = {"per_block": ("model.shard_rollouts=per_block", "model.gradient_checkpointing=true"),
-                "bf16": ("model.dtype=bfloat16",)}
+                "bf16": ("model.dtype=bfloat16",), "explore": EXPLORE}
     out = {}
     for shard, tune, n, *variant in [("ddp", "full", 1), ("ddp", "full", 2), ("fsdp", "full", 2), ("ddp", "lora", 1),
-                                     ("fsdp", "lora", 2), ("fsdp", "full", 2, "per_block"), ("fsdp", "lora", 2, "bf16")]:
+                                     ("fsdp", "lora", 2), ("fsdp", "full", 2, "per_block"), ("fsdp", "lora", 2, "bf16"),
+                                     ("ddp", "full", 2, "explore"), ("fsdp", "full", 2, "explore")]:
         folder = root / "-".join([shard, tune, str(n), *variant])
         out[(shard, tune, n, *variant)] = (launch(folder, shard, tune, n, *variants[variant[0]] if variant else ()), folder)
     return out
@@ -91,6 +95,22 @@ def test_block_by_block_sampling_and_gradient_checkpointing_compose_with_shardin
     assert max_diff(blockwise[0]["weights"], blockwise[1]["weights"]) == 0.0
     assert max_diff(blockwise[0]["weights"], whole_run[0]["weights"]) < 2e-6
     assert [r.get("reward_mean") for r in blockwise[0]["records"]] == [r.get("reward_mean") for r in whole_run[0]["records"]]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_follows_its_weights_in_the_explorers_low_precision_copy(runs):
+    """Sol-RL's explorer (an int8 copy of the policy, whole on each process) is re-merged from the gathered shards
+    after the update and previews what the unsharded run's explorer previews: the same pools, the same seeds kept.
+    (Compared with 2 unsharded processes: int8 previews quantize each batch's activations together, so a pool
+    split over another number of processes previews slightly other images.)"""
+    (ddp, _), _ = runs[("ddp", "full", 2, "explore")]
+    sharded, _ = runs[("fsdp", "full", 2, "explore")]
+    assert max_diff(sharded[0]["weights"], sharded[1]["weights"]) == 0.0
+    assert len(sharded[0]["records"]) == 3  # 2 iterations, the second previewed by the re-synced explorer
+    for key in ("reward_mean", "explore/pool_reward_mean", "explore/kept_preview_mean", "explore/kept_regenerated_mean"):
+        assert [r.get(key) for r in sharded[0]["records"]] == [r.get(key) for r in ddp["records"]], key
+    assert sharded[0]["records"][1]["time/explore_sync"] > 0
+    assert max_diff(sharded[0]["weights"], ddp["weights"]) < 2e-6
 
 
 @pytest.mark.slow

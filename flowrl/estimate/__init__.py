@@ -82,6 +82,8 @@ ASSUMPTIONS = [
     "reward model weights: approximate parameter counts (REWARD_MODELS), fp16 on the GPU",
     "one process per GPU; prompts.per_step is split evenly over the processes",
     SHARDING_ASSUMPTION,
+    "model.offload_encoders: the text encoders in CPU memory, back on the device for an encode phase of their "
+    "weights (the encoding's own activations are not counted)",
 ]
 
 
@@ -189,9 +191,9 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     explorer = explorer_bytes(module, plan.backend, plan.min_params, plan.skip) if hasattr(plan, "backend") else 0
     encoder_bytes = sum(encoders.values()) * dbytes
     vae_bytes = tensor_bytes(vae.parameters())
-    offloaded = encoder_bytes + vae_bytes if m.offload_encoders else 0  # on the CPU between uses
-    resident = encoder_bytes + vae_bytes - offloaded
-    static = (weight_bytes + resident + optim_bytes + ema + old + reference + explorer + reward_bytes)
+    offloaded = encoder_bytes if m.offload_encoders else 0  # text encoders in CPU memory between uses
+    static = (weight_bytes + encoder_bytes - offloaded + vae_bytes + optim_bytes + ema + old + reference + explorer
+              + reward_bytes)
 
     # per prompt: the cached conditioning on the device (prompt_embeds [L, D] and pooled / mask)
     text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or 0
@@ -212,7 +214,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     optim_transient = t_optim.peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
     phases = {
         "rollout": t_rollout.peak + fsdp["rollout"],
-        "decode": t_decode.peak + (vae_bytes if offloaded else 0),  # an offloaded VAE comes back to decode
+        "decode": t_decode.peak,
+        "encode": offloaded,  # offloaded text encoders back on the device for the new prompts (activations small)
         "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
         "optimizer_step": grads + optim_transient,
     }
@@ -252,7 +255,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "transformer_buffers": buffer_bytes / GiB,
         "lora": (trainable_bytes if lora is not None else 0) / GiB,
         "text_encoders": (0 if offloaded else encoder_bytes) / GiB,
-        "vae": (0 if offloaded else vae_bytes) / GiB,
+        "vae": vae_bytes / GiB,
         "offloaded_to_cpu": offloaded / GiB,
         "reward_models": reward_bytes / GiB,
         "gradients": grads / GiB,

@@ -20,8 +20,8 @@ def add_estimate_arguments(parser) -> None:
 _LABELS = {
     "fsdp_gather_rollout": "FSDP gather in the rollout (the whole transformer)",
     "fsdp_gather": "FSDP gather (root + 2 consecutive blocks, in every forward and backward)",
-    "fsdp_reduce_scatter": "FSDP reduce-scatter (one block's gradients ×2, in backward)",
-    "offloaded_to_cpu": "text encoders + VAE on the CPU (not in the peak)",
+    "fsdp_reduce_scatter": "FSDP reduce-scatter (a block's gradients + their fp32 copy, in backward)",
+    "offloaded_to_cpu": "text encoders in CPU memory (on the GPU only to encode new prompts: the encode phase)",
 }
 
 
