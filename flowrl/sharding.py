@@ -115,6 +115,17 @@ def check_shard_settings(cfg, world: int, shard: str) -> None:
                           "not take sharded parameters); sharding already divides AdamW's state by the processes")
 
 
+def check_sharded_objective(objective) -> None:
+    """Refuse an objective whose extra loss term (:meth:`~flowrl.objective.Objective.auxiliary`) runs forwards
+    that differ between processes (each forward of a sharded transformer gathers collectively)."""
+    from flowrl.components import name_of
+    from flowrl.objective import Objective
+
+    if type(objective).auxiliary is not Objective.auxiliary:
+        raise ConfigError(f"loss.objective={name_of(objective)} adds an auxiliary loss term whose forwards differ "
+                          "between processes; it cannot run with model.shard=fsdp (use model.shard=ddp)")
+
+
 class Sharding:
     """The FSDP2 state of one run: the mesh, the sharded modules (the transformer and its frozen copies) and
     the context rollouts and evals sample in (:meth:`sampling`)."""

@@ -36,7 +36,7 @@ from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
 from flowrl.scoring import FailedRewardStreak
 from flowrl.sharded_checkpoint import SHARDED_DIR, load_shards, merge_sharded, shards_of, split_sharded
-from flowrl.sharding import Sharding, check_shard_settings, compute_dtype, full_state, offload_requested, resolve_shard
+from flowrl.sharding import Sharding, check_shard_settings, check_sharded_objective, compute_dtype, full_state, offload_requested, resolve_shard
 from flowrl.signals import stop_on_first_interrupt
 from flowrl.updater import Updater
 
@@ -77,6 +77,8 @@ class Trainer:
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         self.objective = build.build_loss(c)
+        if shard == "fsdp":
+            check_sharded_objective(self.objective)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
         self.objective.setup(self.model)

@@ -257,6 +257,8 @@ BASH_NOT_RUN = {
     ("docs/gpu.md", "pip install -e '.[rewards,quant,tensorboard,test]'"): "installs the GPU environment",
     ("docs/gpu.md", "for c in configs/sd35/*.yaml"): "one iteration of every GPU preset, on a GPU",
     ("docs/gpu.md", "accelerate launch --config_file configs/accelerate/ddp.yaml"): "several processes on GPUs",
+    ("docs/gpu.md", "# SD3.5-M LoRA, sharded over 8 GPUs"): "sharded launches on GPUs / gloo: tests/test_sharding.py",
+    ("docs/gpu.md", "--num_machines M --machine_rank r"): "several machines",
     ("README.md", "pip install -e . && flowrl train"): "installs the package, trains the full job, runs the suite",
     ("README.md", "accelerate launch --config_file"): "several processes on GPUs / gloo: tests/test_distributed.py",
     ("docs/rewards.md", "python -m rewards.serve imagereward"): "a reward server in another environment, on a GPU",

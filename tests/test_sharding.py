@@ -220,6 +220,7 @@ class FakeAccelerator:
 
 def test_bad_shard_settings_fail_at_load_naming_the_setting(tmp_path):
     from tests.sharded_worker import shapes_config
+    from flowrl.config import CONFIG_DIR, TrainConfig
     from flowrl.trainer import Trainer
 
     with pytest.raises(ConfigError, match=r"model\.shard=fsdp .*1 process"):
@@ -230,6 +231,9 @@ def test_bad_shard_settings_fail_at_load_naming_the_setting(tmp_path):
         Trainer(shapes_config(tmp_path, "fsdp", "full", "model.dtype=float16"), accelerator=FakeAccelerator(2))
     with pytest.raises(ConfigError, match=r"model\.shard.*zero3.*fsdp"):
         shapes_config(tmp_path, "zero3", "full")
+    with pytest.raises(ConfigError, match=r"loss\.objective=layer_tuning adds an auxiliary loss term.*model\.shard=ddp"):
+        Trainer(TrainConfig.from_yaml(str(CONFIG_DIR / "shapes" / "dynamic_treerpo.yaml"),
+                                      ["model.shard=fsdp", f"train.output_dir={tmp_path}"]), accelerator=FakeAccelerator(2))
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
@@ -293,3 +297,36 @@ def test_offloaded_text_encoders_visit_the_device_once_per_batch_of_new_prompts(
     assert moves == [str(model.device)] * n + ["cpu"] * n  # in once, out once, for both prompts
     model.encode(["a dog", "a red circle"])
     assert len(moves) == 2 * n  # cached: the encoders stayed where they were
+
+
+def test_sharded_updates_pad_micro_batches_to_the_busiest_process_without_changing_the_gradient(tmp_path, monkeypatch):
+    """Sharded, each forward gathers collectively, so every process runs the busiest one's number of micro-batches:
+    the extra ones at weight 0 (the gradient is unchanged), from a unit of this process even when the credit left it
+    none (every weight 0)."""
+    from tests.conftest import make_model
+    from tests.test_trainer import tiny_config
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tmp_path, "pad"), model=make_model("sd3"))
+    forest, _ = trainer.rollout(0)
+    trainer.credit.assign(forest, gather=trainer.group.gather)
+    calls = []
+    loss = trainer.objective.loss
+    monkeypatch.setattr(trainer.objective, "loss", lambda *a: (calls.append(a[2]), loss(*a))[1])
+    plain = trainer.updater.gradient(forest, 0)
+    own = len(calls)
+    assert own >= 1 and plain.abs().max() > 0
+    trainer.updater.sharded = True
+    monkeypatch.setattr(trainer.group, "max", lambda v: float(v) + 2)  # another process has 2 more
+    calls.clear()
+    padded = trainer.updater.gradient(forest, 0)
+    assert len(calls) == own + 2
+    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+    # this process has nothing to train, the others do: it still runs their count, on its own units at weight 0
+    forest.weight.zero_()
+    monkeypatch.setattr(trainer.group, "sum", lambda v: float(v) + 5.0)
+    calls.clear()
+    nothing = trainer.updater.gradient(forest, 0)
+    assert len(calls) == 2 and calls[0].index.numel() > 0
+    assert float(nothing.abs().max()) == 0.0
+    assert float(forest.weight.abs().max()) == 0.0  # the credit's weights left as they were

@@ -21,18 +21,20 @@ SHARD_MODES = ("ddp", "fsdp")
 ASSUMPTION = (
     "model.shard=ddp: every process holds the whole model; fsdp (FSDP2): the transformer's weights, LoRA, "
     "gradients, AdamW state, EMA and the old-policy / reference copies are split over the processes (⌈rows/N⌉ "
-    "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models and the prompt cache are not; a "
-    "forward gathers the root and two consecutive blocks (current + prefetched) in model.dtype (shard_rollouts="
-    "whole: the whole transformer during the rollout); backward holds one block's unsharded gradients and their "
-    "fp32 reduce-scatter input, not the whole model's (traced with each gradient dropped once accumulated); the "
-    "optimizer step's transient is split like its state; all-gather / reduce-scatter time is not counted"
+    "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models, an explorer copy and the "
+    "prompt cache are not; a forward gathers the root and two consecutive blocks (current + prefetched) in "
+    "model.dtype (shard_rollouts=whole: the whole transformer during the rollout); backward holds one block's "
+    "unsharded gradients and their fp32 reduce-scatter input, not the whole model's (traced with each gradient "
+    "dropped once accumulated); the optimizer step's transient is split like its state; all-gather / "
+    "reduce-scatter time is not counted"
 )
 
 
 def shard_mode(cfg, shard: str | None, processes: int) -> str:
     """The sharding an estimate of ``cfg`` over ``processes`` assumes: ``shard`` (``ddp`` | ``fsdp``), else
     ``cfg.model.shard`` (``auto``: as the run would resolve it here, :func:`flowrl.sharding.resolve_shard`);
-    ``fsdp`` refused where the run refuses it (one process, fp16, 8-bit AdamW, an explorer)."""
+    ``fsdp`` refused where a run refuses it (:func:`flowrl.sharding.check_shard_settings`; one process here
+    names ``--gpus``)."""
     mode = resolve_shard(cfg.model.shard if shard is None else shard)
     choose("model.shard", mode, SHARD_MODES)
     if mode == "fsdp" and processes < 2:

@@ -1,26 +1,24 @@
 """The `FlowModel` contract: what every rollout plan, credit rule and the trainer may ask of a model.
 
-An adapter wraps one diffusers pipeline family (SD3/SD3.5/shapes in `sd3.py`, FLUX.1 in `flux.py`)
-and hides its packing, text encoders and timestep conventions behind six calls:
+An adapter wraps one diffusers pipeline family (SD3/SD3.5/shapes in `sd3.py`, FLUX.1 in `flux.py`) and hides its
+packing, text encoders and timestep conventions behind six calls:
 
 - ``encode(prompts)`` → :class:`Conditioning` (cached per prompt string; the unconditional branch
   is included when the model's guidance > 1).
 - ``velocity(x, sigma, cond, guidance)`` → v, with classifier-free guidance composed inside, both
   branches in ONE forward (``[uncond; cond]`` concatenated along the batch).
 - ``schedule(steps)`` → sigmas ``[steps + 1]`` from 1 to 0, with the model's shift.
-- ``noise(seeds)`` → x_T ``[B, C, H, W]`` fp32, each row built from its own seed on a CPU generator
-  (bit-exact on any device).
-- ``decode(x0)`` → images ``[B, 3, H, W]`` in [0, 1], fp32.
-- ``trainable``: the module whose parameters training updates (the transformer).
+- ``noise(seeds)`` → x_T ``[B, C, H, W]`` fp32, each row from its own seed on a CPU generator (bit-exact anywhere).
+- ``decode(x0)`` → images ``[B, 3, H, W]`` in [0, 1], fp32; ``trainable``: the module training updates (the transformer).
 
-Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's
-latent space (before the VAE's scaling is undone); adapters cast to the model dtype internally.
+Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's latent space (before
+the VAE's scaling is undone); adapters cast to the model dtype internally.
 
-Shared behaviour implemented here: the per-prompt embedding cache behind ``encode``, ``noise``,
-``schedule`` (the pipeline's scheduler, static or dynamic shift), ``decode`` (undo the VAE's
-scaling and shift, decode, map [-1, 1] → [0, 1]), ``trainable`` / ``latent_shape`` /
-``image_seq_len`` from ``pipe.transformer``'s config, LoRA attach / save / load in the diffusers
-format and the ``reference()`` context (LoRA disabled), from :class:`~flowrl.models.lora.LoraAdapter`.
+Shared behaviour implemented here: the per-prompt embedding cache behind ``encode``, ``noise``, ``schedule`` (the
+pipeline's scheduler, static or dynamic shift), ``decode`` (undo the VAE's scaling and shift, decode, map [-1, 1] →
+[0, 1]), ``trainable`` / ``latent_shape`` / ``image_seq_len`` from ``pipe.transformer``'s config; LoRA attach / save /
+load in the diffusers format and the ``reference()`` context (LoRA disabled) from :class:`~flowrl.models.lora.LoraAdapter`;
+text encoders offloaded between uses from :class:`~flowrl.models.offload.EncoderOffload`.
 
 Writing an adapter (e.g. for ``SanaPipeline``)
 ----------------------------------------------
@@ -52,15 +50,15 @@ and overrides, where the family differs from the defaults:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context, cast_module
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
+from flowrl.models.offload import EncoderOffload
 from flowrl.models.prompt_cache import PromptCache
 
 
@@ -132,7 +130,7 @@ class Conditioning:
         return Conditioning(cond, uncond)
 
 
-class FlowModel(LoraAdapter):
+class FlowModel(LoraAdapter, EncoderOffload):
     """Base class of model adapters. Subclasses implement ``_encode_one`` and ``velocity`` (and
     override the family hooks where they differ); the module docstring lists what an adapter provides.
 
@@ -236,37 +234,11 @@ class FlowModel(LoraAdapter):
             with torch.no_grad():
                 return {k: v.detach().to(self.device) for k, v in self._encode_one(p).items()}
 
-        with self.encoders_ready(any(p not in cache for p in prompts)):
+        with self.encoders_ready(any(p not in cache for p in prompts)):  # offloaded: one visit for the new prompts
             entries = [cache.get(p, lambda p=p: encoded(p)) for p in prompts]
         batch = {k: torch.cat([e[k] for e in entries]) for k in entries[0]}
         cache.trim()
         return batch
-
-    @property
-    def text_encoders(self) -> list[nn.Module]:
-        """The pipeline's text encoders (its ``text_encoder*`` components that are modules)."""
-        return [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and isinstance(m, nn.Module)]
-
-    def offload_encoders(self) -> None:
-        """Keep the text encoders in CPU memory between uses (``model.offload_encoders``): :meth:`encode` moves
-        them to :attr:`device` for the prompts it has not cached, all in one visit, and back after."""
-        self.__dict__["_offload_encoders"] = True
-        for module in self.text_encoders:
-            module.to("cpu")
-
-    @contextlib.contextmanager
-    def encoders_ready(self, needed: bool = True) -> Iterator[None]:
-        """The text encoders on :attr:`device` inside (when ``needed`` and offloaded; else as they are)."""
-        if not (needed and self.__dict__.get("_offload_encoders")):
-            yield
-            return
-        for module in self.text_encoders:
-            module.to(self.device)
-        try:
-            yield
-        finally:
-            for module in self.text_encoders:
-                module.to("cpu")
 
     def clear_cache(self) -> None:
         """Forget cached prompt embeddings (needed only if the text encoders change)."""
