@@ -30,7 +30,7 @@ EXPLORE = ("config=configs/shapes/solrl_nft.yaml", "rollout.inner={plan: ode, gr
 def launch(out: Path, shard: str, tune: str, processes: int, *extra: str) -> list[dict]:
     """Run tests/sharded_worker.py in ``processes`` processes; the per-rank results."""
     out.mkdir(parents=True, exist_ok=True)
-    prefix = LAUNCH if processes == 2 else [sys.executable]
+    prefix = [*LAUNCH[:-1], str(processes)] if processes > 1 else [sys.executable]
     proc = subprocess.run(prefix + [str(WORKER), str(out), shard, tune, *extra], env=ENV, timeout=600,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -197,6 +197,25 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics(runs, tmp_pa
     whole = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [r["step"] for r in whole]
     assert comparable(resumed) == comparable(whole)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path):
+    """DCP re-shards: a checkpoint of 2 processes resumed by 4 continues as the 2-process run does."""
+    small = ("prompts.per_step=4", "eval.num_prompts=4")
+    launch(tmp_path / "moved", "fsdp", "full", 2, *small, "train.max_steps=1")
+    launch(tmp_path / "moved", "fsdp", "full", 4, *small, "train.max_steps=2", "train.resume=latest")
+    launch(tmp_path / "straight", "fsdp", "full", 2, *small, "train.max_steps=2")
+
+    def steps(folder: Path) -> dict[int, dict]:
+        records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: comparable([r])[0] for r in records if "reward_mean" in r}
+
+    moved, straight = steps(tmp_path / "moved"), steps(tmp_path / "straight")
+    assert sorted(moved) == sorted(straight) == [1, 2]
+    for step in (1, 2):
+        for key, value in straight[step].items():
+            assert moved[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
 
 
 @pytest.mark.slow
