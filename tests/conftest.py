@@ -50,6 +50,16 @@ def with_lora(model, rank: int = 2):
     return model
 
 
+def perturb_lora(module, seed: int = 0, scale: float = 0.2, part: str = "lora_") -> None:
+    """Set every LoRA tensor of ``module`` whose name holds ``part`` (``lora_``: A and B; ``lora_B``: B only)
+    to seeded normal values × ``scale``, so the adapter changes the model's output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if part in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
 LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
 
 

@@ -10,6 +10,7 @@ from flowrl.models.base import calculate_shift
 from flowrl.models.flux import FluxFlowModel
 from flowrl.models.sd3 import SD3FlowModel
 from flowrl.models.testing import TINY_VOCAB, tiny_flux_pipeline, tiny_sd3_pipeline
+from tests.conftest import perturb_lora
 
 PROMPTS = ["a red circle", "two blue dog on the left", "a photo of a big yellow house"]
 FLUX_SIZE = dict(height=16, width=16)  # FLUX pipelines default to 1024 px
@@ -48,14 +49,6 @@ def inputs(model, n=3, sigma=0.7):
     return model.noise(range(100, 100 + n)), torch.full((n,), sigma), prompts
 
 
-def perturb_lora(module, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-
-
 # ---- picking and loading ----------------------------------------------------------------------
 def test_wrap_picks_adapter_by_class_and_names_supported_ones():
     assert isinstance(make("sd3")[1], SD3FlowModel)
@@ -64,7 +57,7 @@ def test_wrap_picks_adapter_by_class_and_names_supported_ones():
         wrap(object())
     with pytest.raises(ValueError, match="'pixart'.*flux.*sana.*sd3"):
         load_model("pixart", "nowhere")
-    assert set(MODEL_FAMILIES) == {"shapes", "sd3", "flux", "sana"}
+    assert set(MODEL_FAMILIES) == {"shapes", "sd3", "flux", "sana", "qwen_image"}
 
 
 @pytest.mark.parametrize("kind", ["sd3", "sd3_t5", "flux"])

@@ -8,6 +8,7 @@ import torch
 from flowrl.models import LoraSpec, load_model, wrap
 from flowrl.models.sana import SanaFlowModel
 from flowrl.models.testing import TINY_VOCAB, tiny_sana_pipeline
+from tests.conftest import perturb_lora
 
 PROMPTS = ["a red circle", "two blue dog on the left", "a photo of a big yellow house"]
 SEQ = dict(max_sequence_length=8)
@@ -16,14 +17,6 @@ SEQ = dict(max_sequence_length=8)
 def make(scheduler: str = "dpm", **kw):
     pipe = tiny_sana_pipeline(scheduler=scheduler)
     return pipe, wrap(pipe, **SEQ, **kw)
-
-
-def perturb_lora(module, scale=0.05, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
 def test_wrap_picks_the_sana_adapter_and_sizes_follow_the_pipeline():
@@ -111,7 +104,7 @@ def test_save_load_round_trip_gives_identical_velocities(tmp_path):
 def test_lora_saved_by_the_adapter_loads_into_a_fresh_pipeline(tmp_path):
     _, model = make(guidance=1.0)
     model.add_lora(LoraSpec(rank=2, init="default"))
-    perturb_lora(model.trainable, 0.2)
+    perturb_lora(model.trainable, scale=0.2, part="lora_B")
     model.save_lora(tmp_path)
     fresh_pipe = tiny_sana_pipeline()
     fresh_pipe.load_lora_weights(str(tmp_path))

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.packing import Packed2x2
 
 FLUX_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -37,7 +37,7 @@ FLUX_LORA_TARGETS = [
 ]
 
 
-class FluxFlowModel(FlowModel):
+class FluxFlowModel(Packed2x2, FlowModel):
     """Adapter over a ``FluxPipeline``.
 
     Args:
@@ -94,26 +94,7 @@ class FluxFlowModel(FlowModel):
         pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
         return cls(pipe, dtype=dtype, **kw)
 
-    # ---- hooks of FlowModel's schedule / latent_shape, then the contract ------------------
-    @property
-    def latent_channels(self) -> int:
-        """C of the unpacked latent: the transformer sees 2×2 patches packed into ``in_channels`` = 4C."""
-        return self.pipe.transformer.config.in_channels // 4
-
-    @property
-    def image_seq_len(self) -> int:
-        """Number of image tokens: (H/2)·(W/2) of the latent (2×2 packing; the transformer's own
-        ``patch_size`` is 1)."""
-        _, h, w = self.latent_shape
-        return (h // 2) * (w // 2)
-
-    def _schedule_sigmas(self, steps: int) -> np.ndarray | None:
-        """``FluxPipeline``'s ``linspace(1, 1/steps, steps)``, shifted by the scheduler with ``mu`` from
-        :attr:`image_seq_len` (:meth:`FlowModel.schedule`); None when the scheduler uses flow sigmas."""
-        if self.pipe.scheduler.config.get("use_flow_sigmas", False):
-            return None
-        return np.linspace(1.0, 1 / steps, steps)
-
+    # ---- hooks: latent_channels, image_seq_len, _schedule_sigmas, pack / unpack from Packed2x2 -------
     def uses_cfg(self, guidance: float | None = None) -> bool:
         """True CFG is on when ``true_cfg`` ≠ 1; ``guidance`` (the embedding value) never adds a branch."""
         return self.true_cfg != 1.0
@@ -127,15 +108,6 @@ class FluxFlowModel(FlowModel):
             max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": prompt_embeds, "pooled": pooled}
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C, H, W] → tokens [B, (H/2)(W/2), 4C] (the pipeline's ``_pack_latents``)."""
-        b, c, h, w = x.shape
-        return self.pipe._pack_latents(x, b, c, h, w)
-
-    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens [B, (H/2)(W/2), 4C] → [B, C, H, W] (the pipeline's ``_unpack_latents``)."""
-        return self.pipe._unpack_latents(tokens, self.height, self.width, self.vae_scale_factor)
 
     def velocity(
         self,
