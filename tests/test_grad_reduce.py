@@ -62,7 +62,8 @@ def worker(rank: int, port: int, queue) -> None:
                     model[1](inputs(rank, step, 9)[:, :3]).sum().backward()
             launched_in_backward = reducer.launched
             reducer.finish()
-            out.append(([p.grad.clone() for p in model.parameters()], len(calls), launched_in_backward))
+            # numpy arrays travel by value (a tensor would travel as a shared-memory handle that dies with this process)
+            out.append(([p.grad.numpy().copy() for p in model.parameters()], len(calls), launched_in_backward))
         queue.put((rank, out, len(reducer.buckets)))
     finally:
         dist.destroy_process_group()
@@ -86,8 +87,8 @@ def test_two_processes_reduce_mean_once_per_step():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = mp.spawn(worker, args=(free_port(), queue), nprocs=WORLD, join=False)
-    results = dict((r, (out, nb)) for r, out, nb in (queue.get(timeout=60) for _ in range(WORLD)))
-    procs.join(timeout=60)
+    results = dict((r, (out, nb)) for r, out, nb in (queue.get(timeout=300) for _ in range(WORLD)))
+    procs.join(timeout=300)
     n_buckets = results[0][1]
     assert n_buckets == 4  # weight and bias of each Linear, each in its own bucket
     for step in range(2):
@@ -95,7 +96,7 @@ def test_two_processes_reduce_mean_once_per_step():
         for rank in range(WORLD):
             got, ncalls, launched = results[rank][0][step]
             for g, e in zip(got, expected):
-                torch.testing.assert_close(g, e, rtol=0, atol=0)
+                torch.testing.assert_close(torch.from_numpy(g), e, rtol=0, atol=0)
             assert ncalls == n_buckets * (step + 1)  # one all-reduce per bucket per optimizer step
         # buckets run in reverse parameter order: rank 0's final backward reaches only the second Linear,
         # buckets 0-1, launched in it; rank 1's only the first Linear, whose buckets 2-3 wait behind 0-1
