@@ -56,6 +56,7 @@ MODEL_FAMILIES = Registry("model.family", {
     "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
     "qwen_image": ModelFamily("QwenImagePipeline", "flowrl.models.qwen_image:QwenImageFlowModel"),
     "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
+    "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
 }, base=FlowModel, check=_check_family)
 """Family name → how to load and wrap it (a :class:`~flowrl.registry.Registry`). SD3 and SD3.5 are "sd3"; "shapes"
 is the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family`
