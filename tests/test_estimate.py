@@ -1,6 +1,7 @@
 """The estimate (flowrl/estimate/, docs/estimate.md): the GPU presets' real architectures built on the meta
 device with their LoRA, their shapes, an estimate for every GPU preset, and the estimator against what one
-training iteration of the tiny pipelines really allocates on this CPU (glibc's heap, sampled around every op)."""
+training iteration of the tiny pipelines really allocates on this CPU (glibc's heap, sampled around every op);
+the tracer (allocations only), the autocast emulation and the bf16 static parts against what torch allocates."""
 from __future__ import annotations
 
 import ctypes
@@ -153,10 +154,12 @@ def test_estimate_gives_memory_and_time_for_every_gpu_preset(path):
     r = estimate_of(path)
     mem, t, fl = r["memory_gib"], r["time"], r["flops"]
     cfg = preset(path)
-    # the parts add up: weights in the preset's dtype, LoRA trainable, peak = static + prompt cache + largest phase
+    # the parts add up: weights in the preset's dtype (bf16), the trainable LoRA, its gradients, AdamW state and EMA
+    # in fp32 (as training keeps them), peak = static + prompt cache + largest phase
     arch = r["architecture"]
+    assert cfg.model.dtype == "bfloat16" and not cfg.model.full_finetune
     assert mem["transformer_weights"] == pytest.approx(arch["transformer_params"] * 2 / 2**30, rel=1e-6)  # bf16
-    assert mem["gradients"] == pytest.approx(arch["trainable_params"] * 2 / 2**30, rel=1e-6)
+    assert mem["lora"] == mem["gradients"] == pytest.approx(arch["trainable_params"] * 4 / 2**30, rel=1e-6)  # fp32
     assert mem["optimizer_state"] == pytest.approx(2 * mem["gradients"], rel=1e-6)
     assert mem["peak"] == pytest.approx(mem["static"] + mem["prompt_cache"] + mem["dynamic"], rel=1e-6)
     assert mem["static"] > mem["transformer_weights"] + mem["text_encoders"]
@@ -380,3 +383,183 @@ def test_live_bytes_counts_saved_activations_and_frees_them():
     assert out.end == 256 * 256 * 4  # only w.grad survives
     # 3 forward matmuls, 3 weight-gradient matmuls, 2 input-gradient ones (the first input needs none)
     assert out.flops == (3 + 3 + 2) * 2 * 32 * 256 * 256
+
+
+# ---- the tracer counts allocations only: no storage that existed before the trace ---------------------------------
+def test_live_bytes_counts_no_view_or_in_place_result_of_a_storage_from_before():
+    weight, grad = torch.randn(256, 256), torch.zeros(256, 256)
+    kept: list[torch.Tensor] = []
+
+    def before() -> None:  # views of a weight (as a frozen Linear's backward saves weight.t()), in-place results
+        kept.extend([weight.t(), weight[:16], weight.view(-1), weight.add_(0), grad.add_(weight)])
+
+    assert E.trace(before, "cpu").peak == 0
+    kept.clear()
+
+    def during() -> None:  # a storage made in the trace counts once, whatever views and in-place ops use it
+        a = torch.ones(1000)
+        kept.extend([a.view(10, 100), a[5:], a.mul_(2), a.t()])
+
+    out = E.trace(during, "cpu")
+    assert out.peak == out.end == 1000 * 4
+    kept.clear()
+
+
+class MLP(nn.Sequential):
+    """Weights much larger than its activations: what it allocates in an update is mostly gradients."""
+
+    def __init__(self, layers: int = 8, width: int = 1024):
+        super().__init__(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def test_traced_update_of_a_real_cpu_model_is_what_its_heap_allocates():
+    """Backward accumulating into gradients that exist (every micro-batch after an optimizer step's first) allocates
+    only the activations and one layer's new gradient at a time: the trace of the real model and of its meta copy
+    (what the estimate traces) within 10 % of the heap's rise; a trace counting ``.grad`` += as an allocation would
+    add every gradient (here 5× the activations)."""
+    in_use = _heap_reader()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 to read the heap")
+    torch.manual_seed(0)
+    real = MLP()
+    meta = MLP().to("meta")
+    gradients = 0
+    for p in [*real.parameters(), *meta.parameters()]:
+        p.grad = torch.zeros_like(p)
+        gradients += p.numel() * p.element_size() if p.device.type == "cpu" else 0
+
+    def step(model: nn.Module):
+        def run() -> None:
+            x = torch.randn(64, 1024, device=next(model.parameters()).device)
+            model(x).square().mean().backward()
+        return run
+
+    step(real)()  # warm-up
+    gc.collect()
+    heap = HeapPeak(in_use)
+    with heap:
+        step(real)()
+    traced, traced_meta = E.trace(step(real), "cpu"), E.trace(step(meta), "cpu")
+    print(f"heap {heap.peak / 2**20:.2f} MiB, traced {traced.peak / 2**20:.2f} MiB "
+          f"(meta {traced_meta.peak / 2**20:.2f}), gradients {gradients / 2**20:.0f} MiB")
+    assert heap.peak < gradients / 4  # the gradients are not allocated again: the comparison can tell
+    assert traced.peak == pytest.approx(heap.peak, rel=0.10)
+    assert traced_meta.peak == traced.peak and traced.end == traced_meta.end == 0
+
+
+# ---- torch's autocast, emulated on meta tensors (full fine-tuning's fp32 master weights) -------------------------
+def test_meta_autocast_allocates_what_torch_autocast_allocates_on_a_cpu():
+    """The same fp32 model on the CPU under ``torch.autocast("cpu", bf16)`` and on meta under :class:`MetaAutocast`
+    (CPU op lists), both traced: the no-grad forward holds the cached bf16 copy of every trainable weight until its
+    region ends, the update also what backward saves; the tiny SD3 transformer's update with and without
+    gradient checkpointing (recomputed blocks re-enter autocast)."""
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    torch.manual_seed(0)
+    autocast = E.MetaAutocast(torch.bfloat16, "cpu")
+    real, meta = MLP(width=512), MLP(width=512).to("meta")
+    weights = sum(p.numel() for p in real.parameters())
+
+    def mlp(model, region, grad: bool):
+        def run() -> None:
+            x = torch.randn(16, 512, device=next(model.parameters()).device)
+            with torch.set_grad_enabled(grad):
+                with region():
+                    y = model(x)
+                if grad:
+                    y.float().square().mean().backward()
+        return run
+
+    cpu = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
+    for grad in (False, True):
+        a, b = E.trace(mlp(real, cpu, grad), "cpu"), E.trace(mlp(meta, autocast, grad), "cpu")
+        assert b.peak == pytest.approx(a.peak, rel=0.01) and b.end == a.end
+        assert a.peak > weights * 2  # the bf16 copies of the weights are there: the comparison can tell
+        for p in [*real.parameters(), *meta.parameters()]:
+            p.grad = None
+
+    pipe = tiny_sd3_pipeline(sample_size=32)
+    arch = E.arch_from_pipeline(pipe)
+    shapes = E.preset_shapes(arch, 64, 64, 16)
+    real = pipe.transformer.float().train().requires_grad_(True)
+    meta = E.build_transformer(arch, torch.float32).train().requires_grad_(True)
+
+    def update(model, region):
+        def run() -> None:
+            device = next(model.parameters()).device
+            x = {k: torch.ones(v.shape, dtype=v.dtype, device=device)
+                 for k, v in E.transformer_inputs(arch, shapes, 4, torch.float32).items()}
+            with region():
+                out = model(**x, return_dict=False)[0]
+            out.float().square().mean().backward()
+        return run
+
+    for checkpointing in (False, True):
+        if checkpointing:
+            real.enable_gradient_checkpointing()
+            meta.enable_gradient_checkpointing(autocast.checkpoint)
+        a, b = E.trace(update(real, cpu), "cpu"), E.trace(update(meta, autocast), "cpu")
+        print(f"tiny SD3 update, checkpointing {checkpointing}: torch.autocast {a.peak / 2**20:.3f} MiB, "
+              f"MetaAutocast {b.peak / 2**20:.3f} MiB")
+        assert b.peak == pytest.approx(a.peak, rel=0.03) and b.flops == a.flops
+
+
+# ---- static parts in the dtypes training holds (model.dtype bf16) --------------------------------------------------
+BF16_CASES = {  # id → overrides: fp32 master weights, their frozen KL-reference copy, EMA; fp32 LoRA and its old copy
+    "full-clipped-reference": ["model.full_finetune=true", "loss.kl_ref=0.04"],
+    "lora-nft-old-adapter": ["loss.objective=nft", "rollout.plan=ode"],
+}
+
+
+def _bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_bf16_static_parts_are_what_training_holds(case, tmp_path):
+    """A bf16 tiny SD3 trained one iteration by the Trainer (``master_weights_fp32`` / ``keep_adapter_fp32``, AdamW):
+    every static part of the estimate equals the bytes of the tensors it stands for."""
+    from flowrl.models import wrap
+    from flowrl.models.testing import tiny_sd3_pipeline
+    from flowrl.trainer import Trainer
+
+    cfg = TrainConfig.from_yaml(None, [
+        "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
+        "rollout.group_size=4", "rollout.steps=2", "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}",
+        "train.progress=false", "train.async_reward=false", "train.ema=0.9", "model.family=sd3",
+        "model.path=in-memory", "model.dtype=bfloat16", "model.height=32", "model.width=32", "model.guidance=1",
+        "model.max_sequence_length=16"] + BF16_CASES[case])
+    pipe = tiny_sd3_pipeline()
+    model = wrap(pipe, device="cpu", dtype=torch.bfloat16, height=32, width=32, max_sequence_length=16, guidance=1.0)
+    trainer = Trainer(cfg, model=model)
+    transformer = trainer.model.trainable
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    gradients: dict[int, int] = {}
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda p: gradients.__setitem__(id(p), _bytes([p.grad])))
+    trainer.train_step(0)
+    named = dict(transformer.named_parameters())
+    copies = {name: getattr(trainer.objective, name, None) for name in ("_old", "_reference")}
+    frozen = {name: [*c.frozen.parameters(), *c.frozen.buffers()] if c is not None and c.frozen is not None else []
+              for name, c in copies.items()}
+    held = {
+        "transformer_weights": _bytes(p for n, p in named.items() if "lora_" not in n),
+        "transformer_buffers": _bytes(transformer.buffers()),
+        "lora": _bytes(p for n, p in named.items() if "lora_" in n and ".default." in n),
+        "gradients": sum(gradients.values()),
+        "optimizer_state": _bytes(v for s in trainer.optimizer.state.values() for v in s.values()
+                                  if torch.is_tensor(v) and v.numel() > 1),
+        "ema": _bytes(trainer.updater.ema),
+        "old_policy": (_bytes(p for n, p in named.items() if "lora_" in n and ".default." not in n)
+                       + _bytes(frozen["_old"])),
+        "reference": _bytes(frozen["_reference"]),
+    }
+    assert len(gradients) == len(trainable) and all(p.dtype == torch.float32 for p in trainable)
+    mem = E.estimate(cfg, arch=E.arch_from_pipeline(pipe), target="cpu")["memory_gib"]
+    for part, size in held.items():
+        print(f"{case} {part}: estimated {mem[part] * 2**30:.0f} B, held {size} B")
+        assert mem[part] * 2**30 == pytest.approx(size, rel=1e-9), part
+    full = cfg.model.full_finetune
+    assert (held["reference"] > 0, held["lora"] > 0, held["old_policy"] > 0) == (full, not full, not full)
+    # fp32 trainable weights: 4 bytes per element, twice that for AdamW, whatever model.dtype
+    assert held["optimizer_state"] == 2 * held["gradients"] == 2 * held["ema"] > 0

@@ -24,6 +24,9 @@ PROMPTS = ["a red circle", "a blue square"]
 CASES = {  # id → config overrides (besides BASE): LoRA (no reference copy; rank 3: lora_A's 3 rows split 2 + 1, so
     "lora": ["model.lora.rank=3"],  # FSDP2 pads the second rank's shards) and full fine-tuning (a reference copy)
     "full": ["model.full_finetune=true"],
+    # bf16: fp32 master weights (their shards, gradients, AdamW state and the reference copy fp32), gathered in bf16
+    "full-bf16": ["model.full_finetune=true", "model.dtype=bfloat16"],
+    "lora-bf16": ["model.lora.rank=3", "model.dtype=bfloat16"],  # fp32 LoRA on a bf16 base
 }
 BASE = [f"prompts.train={'|'.join(PROMPTS)}", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
         "rollout.group_size=4", "rollout.steps=4", "rewards=[{name: brightness}]", "model.family=sd3",
@@ -63,18 +66,20 @@ def measure(case: str, world: int) -> dict[str, int]:
     step: ``weights`` (parameters, LoRA included), ``buffers``, ``gradients``, ``optimizer_state`` (exp_avg,
     exp_avg_sq) and ``reference`` (the copy's parameters and buffers)."""
     from conftest import make_model
+    from flowrl.models.dtypes import DTYPES, master_weights_fp32
     from flowrl.models.lora import LoraSpec
-    from flowrl.sharding import COPIES, Sharding, frozen_copy
+    from flowrl.sharding import COPIES, Sharding, compute_dtype, frozen_copy
 
     cfg = tiny_config(*CASES[case]).model
-    model = make_model("sd3", device="cpu", dtype=torch.float32, height=cfg.height, width=cfg.width)
-    if cfg.full_finetune:
+    model = make_model("sd3", device="cpu", dtype=DTYPES[cfg.dtype], height=cfg.height, width=cfg.width)
+    if cfg.full_finetune:  # as the trainer sets it up: master weights, then the objective's frozen copy
+        master_weights_fp32(model)
         model.trainable.requires_grad_(True)
         frozen_copy(model)
     else:
         model.add_lora(LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.targets,
                                 init=cfg.lora.init))
-    Sharding(model, world, torch.device("cpu"), cfg.shard_rollouts).shard(torch.float32)
+    Sharding(model, world, torch.device("cpu"), cfg.shard_rollouts).shard(compute_dtype(model))
     transformer = model.trainable
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
@@ -116,7 +121,7 @@ def test_fsdp_estimate_matches_what_two_cpu_processes_hold(tmp_path):
             "weights": mem["transformer_weights"] + mem["lora"], "buffers": mem["transformer_buffers"],
             "gradients": mem["gradients"], "optimizer_state": mem["optimizer_state"], "reference": mem["reference"],
         }.items()}
-        assert (predicted["reference"] > 0) == (case == "full")
+        assert (predicted["reference"] > 0) == cfg.model.full_finetune
         for part, estimate in predicted.items():
             held = [r[case][part] for r in ranks]
             print(f"{case} {part}: estimated {estimate} B per process, held {held} B")
@@ -131,7 +136,7 @@ def test_fsdp_estimate_matches_what_two_cpu_processes_hold(tmp_path):
                 assert held == pytest.approx([estimate, estimate], rel=1e-9)
         # the measurement is not trivially equal to the unsharded model: sharding really halved it
         assert ranks[0][case]["gradients"] < 0.6 * whole["gradients"] * E.GiB
-        if case == "lora":  # odd rows were padded: two shards hold more than the whole, the unpadded state less
+        if case.startswith("lora"):  # odd rows were padded: two shards hold more than the whole, the state less
             assert 2 * predicted["gradients"] > whole["gradients"] * E.GiB
             assert ranks[1][case]["optimizer_state"] < ranks[0][case]["optimizer_state"]
 
@@ -180,7 +185,7 @@ def test_fsdp_halves_the_sharded_parts_and_adds_the_gathers(overrides):
     assert 0 <= d["activations_update"] - f["activations_update"] <= d["gradients"] + 1e-12
 
 
-def test_sharded_update_trace_drops_each_gradient_once_accumulated():
+def test_update_traces_hold_no_gradient_and_sharded_ones_drop_each_once_accumulated():
     arch = tiny_arch()
     E.ARCH_CACHE[arch["key"]] = arch
     shapes = E.preset_shapes(arch, 16, 16, 16)
@@ -188,13 +193,15 @@ def test_sharded_update_trace_drops_each_gradient_once_accumulated():
     # explorer, AdamW, CPU kernels): the arguments estimate() passes to both
     args = (arch["key"], "float32", None, shapes, 2, False, 2, False, (), (), False, False, "cpu")
     module, _ = E.model_with_lora(arch["key"], "float32", None)
-    gradients = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     ddp, fsdp = E.phases.phase_traces(*args), E.sharded_update_traces(*args)
     for name in ("update", "update_checkpointed"):
-        assert ddp[name].end == gradients  # the DDP trace ends holding every gradient
-        assert fsdp[name].end == 0  # each dropped as backward accumulated it
-        assert fsdp[name].peak <= ddp[name].peak and fsdp[name].flops == ddp[name].flops  # the same work
-    assert E.phases.phase_traces.__wrapped__(*args)["update"].end == gradients  # the hooks are gone after
+        # DDP: backward accumulates into the gradients that exist from the first micro-batch on (the estimate's
+        # `gradients`, added to the phase): no allocation, so the trace ends holding nothing, as the sharded one
+        # (each gradient dropped once accumulated)
+        assert ddp[name].end == fsdp[name].end == 0
+        assert 0 < fsdp[name].peak <= ddp[name].peak and fsdp[name].flops == ddp[name].flops  # the same work
+    assert all(not p._post_accumulate_grad_hooks for p in module.parameters())  # the hooks are gone after
+    assert all(p.grad is None for p in module.parameters())
 
 
 def test_whole_rollouts_gather_the_whole_transformer_and_offloading_moves_encoders_to_the_cpu():

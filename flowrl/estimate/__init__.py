@@ -29,6 +29,7 @@ This module holds the public entry points, :func:`estimate` and :func:`run_estim
 - :mod:`~flowrl.estimate.archs`: the published architectures built on the meta device with the preset's LoRA;
 - :mod:`~flowrl.estimate.inputs`: a preset's shapes and the transformer's inputs and velocity call;
 - :mod:`~flowrl.estimate.trace`: the live-bytes and FLOP tracer;
+- :mod:`~flowrl.estimate.autocast`: torch's autocast on meta tensors (full fine-tuning's fp32 master weights);
 - :mod:`~flowrl.estimate.phases`: the phases of one iteration, traced;
 - :mod:`~flowrl.estimate.counts`: the plan's forwards, decodes and training rows per iteration;
 - :mod:`~flowrl.estimate.static`: weights of reward models and explorer copies, tensor bytes, prompt counts;
@@ -47,6 +48,7 @@ from flowrl.errors import ConfigError
 from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, add_lora, arch_for_model, arch_from_folder,
                                    arch_from_pipeline, build_transformer, build_vae, default_lora_targets,
                                    list_archs, load_arch, model_with_lora, text_encoder_params)
+from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_class, load_config
 from flowrl.estimate.inputs import Shapes, preset_shapes, transformer_inputs, velocity
@@ -59,7 +61,8 @@ from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
 __all__ = [
-    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GiB", "LiveBytes", "REWARD_MODELS", "Shapes", "Trace",
+    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GiB", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
+    "Trace",
     "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
     "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
     "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes", "iteration_counts",
@@ -72,6 +75,10 @@ GiB = 2 ** 30
 ASSUMPTIONS = [
     "activations: the live bytes of the diffusers transformer's own forward/backward traced on the meta device at "
     "the preset's shapes, attention as a fused kernel (memory-efficient/flash: no L×L matrix kept)",
+    "dtypes as training holds them: the transformer in model.dtype with fp32 LoRA (and fp32 gradients, AdamW state, "
+    "EMA, old-policy adapter); full fine-tuning: fp32 master weights (and fp32 frozen copies) computing under "
+    "autocast in model.dtype, its casts and weight cache applied to the traced meta tensors; no autocast for LoRA "
+    "(a launch with accelerate's mixed_precision would add it)",
     "memory is what torch.cuda.max_memory_allocated reports; the CUDA context (~0.5 GiB) and the caching "
     "allocator's fragmentation (typically 5–15 %) come on top (reserved > allocated)",
     f"time: FLOPs counted by torch's FlopCounterMode on the same ops (matmuls, convolutions, attention) at "
@@ -137,7 +144,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     cfg_on = (float(m.true_cfg or 1.0) != 1.0) if family == "flux" else guidance != 1.0
     cfg_rows = 2 if cfg_on else 1
 
-    # ---- the model on the meta device ----
+    # ---- the model on the meta device, its parameters in the dtypes training holds: the base in model.dtype and
+    # fp32 LoRA, or full fine-tuning's fp32 master weights (so gradients, AdamW state, EMA and copies are fp32) ----
     lora = None if m.full_finetune else (int(m.lora.rank), float(m.lora.alpha),
                                          tuple(m.lora.targets or default_lora_targets(family)), m.lora.init)
     module, lora_layers = model_with_lora(arch["key"], m.dtype, lora)
@@ -174,11 +182,11 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     after = ("reference",) if policy and getattr(objective, "kl_ref", 0) > 0 else ()
     trace_args = (arch["key"], m.dtype, lora, shapes, rollout_states, cfg_on, update_states, train_cfg, before, after,
                   bool(counts["explore_forwards"]), bool(cfg.optim.use_8bit), target)
-    traces = phase_traces(*trace_args)
+    # FSDP2: the weights gathered in model.dtype, a block's gradients reduce-scattered and freed as backward leaves
+    # it (fsdp["update"] below)
+    traces = phase_traces(*trace_args, shards > 1)
     t_rollout, t_explore, t_decode, t_optim = (traces[k] for k in ("rollout", "explore", "decode", "optimizer"))
-    # FSDP2: a block's gradients are reduce-scattered and freed as backward leaves it (fsdp["update"] below)
-    blockwise = sharded_update_traces(*trace_args) if shards > 1 else traces
-    updates = {False: blockwise["update"], True: blockwise["update_checkpointed"]}
+    updates = {False: traces["update"], True: traces["update_checkpointed"]}
 
     # ---- static memory ----
     reward_bytes, reward_notes = reward_model_bytes(cfg)
@@ -293,7 +301,9 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "offload_encoders": bool(m.offload_encoders),
         "architecture": {"transformer_params": n_base, "trainable_params": n_trainable, "lora_layers": lora_layers,
                          "lora_targets": list(lora[2]) if lora else None, "full_finetune": lora is None,
-                         "text_encoder_params": encoders, "vae_params": vae_params, "dtype": m.dtype},
+                         "text_encoder_params": encoders, "vae_params": vae_params, "dtype": m.dtype,
+                         "trainable_dtype": str(trainable[0].dtype).replace("torch.", "") if trainable else None,
+                         "autocast": m.dtype if lora is None and dtype != torch.float32 else None},
         "shapes": {"height": shapes.height, "width": shapes.width, "latent": list(shapes.latent),
                    "image_tokens": shapes.image_tokens, "text_tokens": shapes.text_tokens, "cfg": cfg_on,
                    "guidance": guidance, "rollout_rows": rollout_states * cfg_rows,

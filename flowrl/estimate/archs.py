@@ -18,7 +18,7 @@ from torch import nn
 
 from flowrl.errors import ConfigError
 from flowrl.models import model_family
-from flowrl.models.dtypes import DTYPES
+from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
 
 ARCH_DIR = Path(__file__).resolve().parents[1] / "models" / "archs"
@@ -132,11 +132,12 @@ def _diffusers_class(name: str):
 
 
 def build_transformer(arch: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """The architecture's diffusers transformer on the meta device (no memory), in ``dtype``, eval mode."""
+    """The architecture's diffusers transformer on the meta device (no memory), in ``dtype`` (cast as a run casts
+    it: :func:`flowrl.models.dtypes.cast_module`), eval mode."""
     cls = _diffusers_class(arch["transformer"]["class"])
     with torch.device("meta"):
         module = cls.from_config(_public(arch["transformer"]["config"]))
-    return module.to(dtype).eval().requires_grad_(False)
+    return cast_module(module, dtype).eval().requires_grad_(False)
 
 
 def build_vae(arch: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -144,7 +145,7 @@ def build_vae(arch: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     cls = _diffusers_class(arch["vae"]["class"])
     with torch.device("meta"):
         module = cls.from_config(_public(arch["vae"]["config"]))
-    return module.to(dtype).eval().requires_grad_(False)
+    return cast_module(module, dtype).eval().requires_grad_(False)
 
 
 ARCH_CACHE: dict[str, dict] = {}
@@ -190,12 +191,8 @@ def add_lora(module: nn.Module, rank: int, alpha: float, targets: list[str], ini
                                           init_lora_weights=init if init != "default" else True))
     except ValueError as e:
         raise ConfigError(f"model.lora.targets={list(targets)}: {e}") from e
-    # peft moves new LoRA layers to their base layer's device and dtype, but leaves them alone on meta: do it here
-    # (a bf16 transformer gets bf16 LoRA weights, as a real one does)
-    base_dtype = next(p.dtype for n, p in module.named_parameters() if "lora_" not in n and p.is_floating_point())
-    for name, param in module.named_parameters():
-        if "lora_" in name and param.dtype != base_dtype:
-            param.data = param.data.to(base_dtype)
+    # fp32 LoRA on any base dtype, as training keeps it (peft's cast_adapter_dtype: flowrl.models.lora)
+    keep_adapter_fp32(module, "default")
     return sum(isinstance(m, LoraLayer) for m in module.modules())
 
 
@@ -205,15 +202,25 @@ def default_lora_targets(family: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def model_with_lora(arch_key: str, dtype_name: str, lora: tuple | None) -> tuple[nn.Module, int]:
+def model_with_lora(arch_key: str, dtype_name: str, lora: tuple | None,
+                    gathered: bool = False) -> tuple[nn.Module, int]:
     """(meta transformer with the LoRA ``lora`` = (rank, alpha, targets, init) attached or None for full
-    fine-tuning, number of LoRA layers); cached: building FLUX with LoRA takes a few seconds."""
+    fine-tuning, number of LoRA layers); cached: building FLUX with LoRA takes a few seconds.
+
+    Its parameters' dtypes are those training holds with ``model.dtype`` = ``dtype_name``: LoRA fp32 on a base in
+    ``dtype_name`` (:func:`flowrl.models.dtypes.keep_adapter_fp32`); full fine-tuning fp32 master weights, every
+    parameter and buffer (:func:`flowrl.models.dtypes.master_weights_fp32`; no-op for fp32). ``gathered``: every
+    parameter in ``dtype_name`` instead, as FSDP2 all-gathers them to compute (``MixedPrecisionPolicy``)."""
     arch = ARCH_CACHE[arch_key]
-    module = build_transformer(arch, DTYPES[dtype_name])
+    dtype = DTYPES[dtype_name]
+    module = build_transformer(arch, torch.float32 if lora is None else dtype)
     layers = 0
     if lora is None:
         module.requires_grad_(True)
     else:
         rank, alpha, targets, init = lora
         layers = add_lora(module, rank, alpha, list(targets), init)
+    if gathered:  # the parameters (fp32 master weights, fp32 LoRA) gathered in dtype; buffers are not FSDP's
+        for param in module.parameters():
+            param.data = param.data.to(dtype)
     return module, layers

@@ -2,22 +2,29 @@
 one training micro-batch with and without gradient checkpointing, and one AdamW step (:func:`phase_traces`)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 
 from flowrl.estimate.archs import ARCH_CACHE, build_vae, model_with_lora
+from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.inputs import Shapes, velocity
 from flowrl.estimate.trace import Trace, trace
 from flowrl.models.dtypes import DTYPES
 
 
+def _drop_gradient(param: nn.Parameter) -> None:
+    param.grad = None
+
+
 @functools.lru_cache(maxsize=64)
 def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int, cfg_on: bool,
                  update_states: int, train_cfg: bool, before: tuple, after: tuple, explore: bool, use_8bit: bool,
-                 target: str) -> dict[str, Trace]:
-    """The traced phases of one iteration (:func:`trace` each, on the meta model of :func:`model_with_lora`):
+                 target: str, sharded: bool = False) -> dict[str, Trace]:
+    """The traced phases of one iteration (:func:`trace` each, on the meta model of :func:`model_with_lora`, its
+    parameters in the dtypes training holds; ``sharded``: as FSDP2 gathers them, in ``dtype_name``):
 
     - ``rollout``: one no-grad velocity of ``rollout_states`` states (×2 rows with ``cfg_on``);
     - ``explore``: the same with the LoRA merged (an explorer copy's cost; = ``rollout`` without LoRA);
@@ -26,17 +33,31 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
       ``train_cfg``), without / with gradient checkpointing: the no-grad copy forwards ``before`` (old policy,
       reference), the forward with gradients, the copy forwards ``after`` (the KL reference of a policy
       objective, while the activations are held), a loss over them, backward into pre-allocated gradients;
-    - ``optimizer``: one AdamW step (after clipping) over the trainable parameters.
+    - ``optimizer``: one AdamW step (after clipping) over the trainable parameters as training holds them (fp32).
+
+    Full fine-tuning of a bf16/fp16 model runs the transformer under autocast in ``dtype_name`` (fp32 master
+    weights: :func:`flowrl.models.dtypes.master_weights_fp32`), emulated on meta tensors by :class:`MetaAutocast`:
+    the trainable weights' low-precision casts are cached through each forward, as torch caches them; the frozen
+    copies' are not. Hidden states then enter in fp32 (the model's dtype), or in ``dtype_name`` when ``sharded``
+    (FSDP2 casts the forward inputs to the gathered dtype). ``sharded``: each gradient is dropped as soon as
+    backward has accumulated it (FSDP2 reduce-scatters a block's gradients and frees them as backward leaves it:
+    :func:`~flowrl.estimate.sharding.fsdp_transients`; the sharded ones are static).
     """
     arch = ARCH_CACHE[arch_key]
     dtype = DTYPES[dtype_name]
-    module, _ = model_with_lora(arch_key, dtype_name, lora)
+    module, _ = model_with_lora(arch_key, dtype_name, lora, sharded)
     vae = build_vae(arch, dtype)
     trainable = [p for p in module.parameters() if p.requires_grad]
+    held = [p for p in model_with_lora(arch_key, dtype_name, lora)[0].parameters() if p.requires_grad]
+    autocast = MetaAutocast(dtype, target) if lora is None and dtype != torch.float32 else None
+    inputs = torch.float32 if autocast is not None and not sharded else dtype
+
+    def region(cache: bool = True):
+        return autocast(cache) if autocast is not None else contextlib.nullcontext()
 
     def rollout_forward() -> None:
-        with torch.no_grad():
-            velocity(module, arch, shapes, rollout_states, cfg_on, dtype)
+        with torch.no_grad(), region():
+            velocity(module, arch, shapes, rollout_states, cfg_on, inputs)
 
     def decode() -> None:
         with torch.no_grad():
@@ -51,8 +72,8 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
         if off:
             module.disable_adapters()
         try:
-            with torch.no_grad():
-                return velocity(module, arch, shapes, update_states, train_cfg, dtype)
+            with torch.no_grad(), region(cache=False):  # a frozen copy's weights: not cached (no grad)
+                return velocity(module, arch, shapes, update_states, train_cfg, inputs)
         finally:
             if off:
                 module.enable_adapters()
@@ -62,13 +83,14 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
         # states and transition mean; a forward-process objective's x0, ε, x_t and target y
         latents = [torch.empty(update_states, *shapes.latent, dtype=torch.float32, device="meta")
                    for _ in range(3 if not before else 4)]
-        held = [copy_forward(which) for which in before]
-        v = velocity(module, arch, shapes, update_states, train_cfg, dtype)
-        held += [copy_forward(which) for which in after]
+        copies = [copy_forward(which) for which in before]
+        with region():
+            v = velocity(module, arch, shapes, update_states, train_cfg, inputs)
+        copies += [copy_forward(which) for which in after]
         loss = (v - torch.empty_like(v)).pow(2).mean()  # the objective's few latent-sized fp32 terms
-        for h in held:
+        for h in copies:
             loss = loss + (v.detach() - h).pow(2).mean()
-        del v, held
+        del v, copies
         loss.backward()
         del latents
 
@@ -83,21 +105,24 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
             module.enable_adapters()
     out["decode"] = trace(decode, target)
     module.train()
-    for p in trainable:  # gradients exist from the first micro-batch on: the estimate counts them as static
+    for p in trainable:  # gradients exist from the first micro-batch on: the estimate adds them to the phase
         p.grad = torch.zeros_like(p)
+    handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in trainable] if sharded else []
     try:
         for name, checkpointing in (("update", False), ("update_checkpointed", True)):
             if checkpointing:
-                module.enable_gradient_checkpointing()
+                module.enable_gradient_checkpointing(autocast.checkpoint if autocast is not None else None)
             else:
                 module.disable_gradient_checkpointing()
             out[name] = trace(update_step, target)
-        module.disable_gradient_checkpointing()
-        out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(trainable, target)
     finally:
+        for handle in handles:
+            handle.remove()
+        module.disable_gradient_checkpointing()
         for p in trainable:
             p.grad = None
         module.eval()
+    out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(held, target)
     return out
 
 
@@ -106,6 +131,8 @@ def _trace_optimizer(params: list[nn.Parameter], target: str) -> Trace:
     foreach as CUDA runs it, the per-tensor loop as a CPU runs it)."""
     if not params:
         return Trace(0, 0, 0)
+    for p in params:
+        p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, foreach=target == "cuda")
     opt.step()
 
@@ -113,7 +140,10 @@ def _trace_optimizer(params: list[nn.Parameter], target: str) -> Trace:
         torch.nn.utils.clip_grad_norm_(params, 1.0)  # per-tensor norms: small either way
         opt.step()
 
-    out = trace(step, target)
-    opt.state.clear()
-    return out
+    try:
+        return trace(step, target)
+    finally:
+        opt.state.clear()
+        for p in params:
+            p.grad = None
 

@@ -44,6 +44,15 @@ def _seconds(x: float) -> str:
     return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
+def _precision(arch: dict) -> str:
+    """The dtypes training holds: ``model.dtype``, fp32 LoRA on it, or fp32 master weights under autocast."""
+    if arch.get("autocast"):
+        return f"fp32 master weights, computed in {arch['autocast']} (autocast)"
+    if arch.get("trainable_dtype") and arch["trainable_dtype"] != arch["dtype"]:
+        return f"{arch['dtype']}, trainable {arch['trainable_dtype']}"
+    return arch["dtype"]
+
+
 def format_estimate(result: dict) -> str:
     """A short human-readable summary of :func:`estimate`'s result (markdown)."""
     mem, arch, sh, t, fl = (result[k] for k in ("memory_gib", "architecture", "shapes", "time", "flops"))
@@ -57,7 +66,7 @@ def format_estimate(result: dict) -> str:
         f"## estimate: {result['model']} on {result['processes']} × {result['gpu']} ({shard})",
         *per_gpu,
         f"transformer {_count(arch['transformer_params'])} parameters, trainable {_count(arch['trainable_params'])}"
-        + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)") + f", {arch['dtype']}",
+        + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)") + f", {_precision(arch)}",
         f"{sh['height']}×{sh['width']} px → latent {sh['latent']}, {sh['image_tokens']} image + {sh['text_tokens']} text "
         f"tokens; rollout forward {sh['rollout_rows']} rows, update micro-batch {sh['update_rows']} rows"
         + (" (CFG doubles rows)" if sh["cfg"] else ""),

@@ -6,13 +6,10 @@ tensors FSDP2 builds for a moment: the parameters it all-gathers around a forwar
 reduce-scatters after a block's backward."""
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from flowrl.choices import choose
 from flowrl.errors import ConfigError
-from flowrl.estimate.archs import model_with_lora
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.trace import Trace
 from flowrl.sharding import block_lists, check_shard_settings, resolve_shard
@@ -22,7 +19,8 @@ ASSUMPTION = (
     "model.shard=ddp: every process holds the whole model; fsdp (FSDP2): the transformer's weights, LoRA, "
     "gradients, AdamW state, EMA and the old-policy / reference copies are split over the processes (⌈rows/N⌉ "
     "of each tensor's dim 0, padded), buffers, text encoders, VAE, reward models, an explorer copy and the "
-    "prompt cache are not; a forward gathers the root and two consecutive blocks (current + prefetched) in "
+    "prompt cache are not; the shards of trainable weights are fp32 as unsharded (LoRA; full fine-tuning's master "
+    "weights and their frozen copies), a forward gathers the root and two consecutive blocks (current + prefetched) in "
     "model.dtype (shard_rollouts=whole: the whole transformer during the rollout); backward holds one block's "
     "unsharded gradients and their fp32 reduce-scatter input, not the whole model's (traced with each gradient "
     "dropped once accumulated); the optimizer step's transient is split like its state; all-gather / "
@@ -85,21 +83,10 @@ def fsdp_transients(module: nn.Module, dtype_bytes: int, whole_rollouts: bool) -
             "reduce_scatter": reduce_scatter, "update": gather + reduce_scatter}
 
 
-def _drop_gradient(param: nn.Parameter) -> None:
-    param.grad = None
-
-
-@functools.lru_cache(maxsize=16)
-def sharded_update_traces(arch_key: str, dtype_name: str, lora: tuple | None, *rest) -> dict[str, Trace]:
-    """The ``update`` / ``update_checkpointed`` traces of :func:`phase_traces` (same arguments) with every gradient
-    dropped as soon as backward has accumulated it: FSDP2 never holds the whole model's gradients (a block's
-    are reduce-scattered and freed as backward leaves it: :func:`fsdp_transients`; the sharded ones are static),
-    where the DDP trace keeps every trainable parameter's gradient alive through backward."""
-    module, _ = model_with_lora(arch_key, dtype_name, lora)
-    handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in module.parameters() if p.requires_grad]
-    try:
-        traces = phase_traces.__wrapped__(arch_key, dtype_name, lora, *rest)
-    finally:
-        for handle in handles:
-            handle.remove()
+def sharded_update_traces(*args) -> dict[str, Trace]:
+    """The ``update`` / ``update_checkpointed`` traces of :func:`phase_traces` (same arguments) as FSDP2 runs them
+    (``sharded``): the parameters gathered in ``model.dtype`` and every gradient dropped as soon as backward has
+    accumulated it (FSDP2 never holds the whole model's gradients: a block's are reduce-scattered and freed as
+    backward leaves it, :func:`fsdp_transients`; the sharded ones are static)."""
+    traces = phase_traces(*args, True)
     return {k: traces[k] for k in ("update", "update_checkpointed")}

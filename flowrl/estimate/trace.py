@@ -35,8 +35,11 @@ class LiveBytes(TorchDispatchMode):
 
     Each op's output storages are counted once; a storage is released when the last tensor created on it
     dies (tensors keep their Python object as long as C++ holds them, and autograd's saved tensors are held
-    through :class:`_Saved` while this tracer's hooks are active). Storages that existed before (weights,
-    pre-allocated gradients) are not counted. Works on any device, the meta device included.
+    through :class:`_Saved` while this tracer's hooks are active). An output on a storage that existed before
+    the trace is no allocation and is not counted: a view of a weight (``weight.t()``), an in-place op on a
+    weight or a pre-allocated gradient (backward accumulating into ``.grad``). aten's outputs are either new
+    storages or alias one of the op's inputs, so such an output shares an input's storage that this tracer
+    never counted. Works on any device, the meta device included.
     """
 
     def __init__(self):
@@ -54,11 +57,15 @@ class LiveBytes(TorchDispatchMode):
             del self._refs[key]
             self.now -= self._size.pop(key)
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, before: set[int]) -> None:
+        """Count ``t``'s storage if new; ``before``: the storages of the op's inputs this tracer does not count
+        (they existed before the trace): an output on one of them is a view or an in-place result, not counted."""
         if id(t) in self._seen:
             return
         storage = t.untyped_storage()
         key = storage._cdata
+        if key in before:
+            return
         if key not in self._refs:
             self._refs[key] = 0
             self._size[key] = storage.nbytes()
@@ -74,10 +81,21 @@ class LiveBytes(TorchDispatchMode):
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outputs:
+            before = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            before -= self._refs.keys()
+            for t in outputs:
+                self._track(t, before)
         return out
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage (its C++ object: shared by every view of it); None without one."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # e.g. a sparse tensor
+        return None
 
 
 @dataclass
