@@ -97,11 +97,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     """ODE-sample ``--num`` images of every ``--prompt``; each batch is written as soon as it is drawn (a failure
     loses only what was not drawn yet), under names made from the prompt and never outside ``--out``."""
     import torch
-    from PIL import Image
 
-    from flowrl.evaluation import resolve_guidance, save_grid
+    from flowrl.evaluation import resolve_guidance, save_grid, save_sample
     from flowrl.filenames import FileNamer
     from flowrl.rollout.sampling import ode_sample
+    from flowrl.scoring import model_modality
 
     cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
     prompts = [p for p in args.prompt for _ in range(args.num)]
@@ -111,17 +111,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = FileNamer(out)  # every name made (and checked inside --out) before any model time is spent
-    paths = [names.path(f"{i:03d}", prompt, ".png") for i, prompt in enumerate(prompts)]
-    grid_path = names.path("", "grid", ".png")
+    video = model_modality(model) == "video"  # a video family: animated GIFs
+    suffix = ".gif" if video else ".png"
+    paths = [names.path(f"{i:03d}", prompt, suffix) for i, prompt in enumerate(prompts)]
+    grid_path = names.path("", "grid", suffix)
     batch = max(1, cfg.eval.batch_size)
     images = []
     for start in range(0, len(prompts), batch):
         drawn = ode_sample(model, prompts[start:start + batch], seeds[start:start + batch], steps, guidance, batch)
         for path, img in zip(paths[start:start + batch], drawn):
-            Image.fromarray((img.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")).save(path)
+            save_sample(img, path)
         images.append(drawn)
     save_grid(torch.cat(images), grid_path, scale=args.scale)
-    print(f"wrote {len(prompts)} images and {grid_path.name} to {out} (guidance {guidance:g})")
+    print(f"wrote {len(prompts)} {'videos' if video else 'images'} and {grid_path.name} to {out} (guidance {guidance:g})")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation with ODE sampling, and PNG sample grids."""
+"""Held-out evaluation with ODE sampling, and sample grids: PNGs of images, animated GIFs of videos."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,7 +48,8 @@ def eval_seeds(seed: int, n: int, seed_set: int = 0) -> list[int]:
 
 class Evaluated(NamedTuple):
     """One process's eval: ``metrics`` key → value; ``weights`` key → the number of items behind a mean (a
-    key without one is a count, added over processes); ``images`` [K, 3, H, W] for the grid."""
+    key without one is a count, added over processes); ``images`` [K, 3, H, W] (videos [K, F, 3, H, W]) for
+    the grid."""
 
     metrics: dict[str, float]
     weights: dict[str, float]
@@ -70,15 +71,16 @@ def term_weights(summary: dict[str, float], n_images: int) -> dict[str, float]:
 
 
 def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str) -> tuple[dict, dict]:
-    """(metrics, weights) of images [N, 3, H, W] of ``prompts``: the mean of each reward term
-    (``<prefix>/<name>_mean``, weight N) and the numeric summary of terms that offer ``evaluate``."""
+    """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
+    reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged) and the
+    numeric summary of terms that offer ``evaluate`` (images only: not asked of an image term given videos)."""
     metrics: dict[str, float] = {}
     weights: dict[str, float] = {}
     for name, scores in reward.components(images, prompts, {}).items():
         metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
         weights[f"{prefix}/{name}_mean"] = float(len(prompts))
     for term in reward.rewards:
-        if hasattr(term, "evaluate"):
+        if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
             summary = {k: float(v) for k, v in term.evaluate(images, prompts).items() if isinstance(v, (int, float))}
             metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
             weights.update({f"{prefix}/{term.name}/{k}": w for k, w in term_weights(summary, len(prompts)).items()})
@@ -92,7 +94,7 @@ def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, gu
     """Mean of each reward term (``<prefix>/<name>_mean``) and per-task breakdowns of rewards that offer
     ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
     the standard error shrinks by √k), with the weight of each mean, and the first ``keep_images`` images
-    [K, 3, H, W] of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
+    [K, 3, H, W] (videos [K, F, 3, H, W]) of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
     seeds (default 0, 1, …). ``progress``: a bar counting the images drawn."""
     prompts = list(prompts)
     indices = list(range(len(prompts)) if indices is None else indices)
@@ -114,58 +116,90 @@ def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, gu
     return Evaluated(metrics, weights, images[:min(keep_images, len(prompts))])
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: int = 1) -> None:
-    """Write images [N, 3, H, W] in [0, 1] as one PNG grid (``scale``× nearest upsampling)."""
+def _pil(image: torch.Tensor):
+    """A PIL RGB image of one image [3, H, W] in [0, 1] (rounded to 8 bits)."""
     from PIL import Image
 
-    n, _, h, w = images.shape
+    return Image.fromarray((image.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
+
+
+def save_frames(frames: list, path: Path, video: bool, fps: float = 8.0) -> Path:
+    """Write PIL images: one PNG at ``path`` (``video`` False), else an animated GIF of every frame, looping, at
+    ``fps``, next to it with the suffix ``.gif``. Returns the path written."""
+    path = path.with_suffix(".gif") if video else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if video:
+        frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    else:
+        frames[0].save(path)
+    return path
+
+
+def save_sample(sample: torch.Tensor, path: Path, fps: float = 8.0) -> Path:
+    """One image [3, H, W] in [0, 1] as a PNG at ``path``, or one video [F, 3, H, W] as an animated GIF (``path``
+    with the suffix ``.gif``). Returns the path written."""
+    video = sample.ndim == 4
+    return save_frames([_pil(frame) for frame in (sample if video else [sample])], path, video, fps)
+
+
+def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: int = 1) -> Path:
+    """Write images [N, 3, H, W] in [0, 1] as one PNG grid (``scale``× nearest upsampling); videos
+    [N, F, 3, H, W] as an animated GIF (suffix ``.gif``) whose frame t is the grid of every video's frame t.
+    Returns the path written."""
+    from PIL import Image
+
+    video = images.ndim == 5
+    n, h, w = images.shape[0], images.shape[-2], images.shape[-1]
     nrow = nrow or max(1, int(round(n ** 0.5)))
     ncol = (n + nrow - 1) // nrow
     pad = 2
-    grid = torch.ones(3, ncol * (h + pad) + pad, nrow * (w + pad) + pad) * 0.5
-    for i in range(n):
-        r, c = divmod(i, nrow)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = images[i].clamp(0, 1)
-    array = (grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-    img = Image.fromarray(array)
-    if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    out = []
+    for frame in (images.unbind(1) if video else [images]):
+        grid = torch.ones(3, ncol * (h + pad) + pad, nrow * (w + pad) + pad) * 0.5
+        for i in range(n):
+            r, c = divmod(i, nrow)
+            grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = frame[i].clamp(0, 1)
+        img = _pil(grid)
+        out.append(img.resize((img.width * scale, img.height * scale), Image.NEAREST) if scale > 1 else img)
+    return save_frames(out, path, video)
 
 
 def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, path: Path, ncol: int = 4,
-                       scale: int = 4) -> None:
+                       scale: int = 4) -> Path | None:
     """A PNG a person can read: each image [N, 3, H, W] in [0, 1] (``scale``× nearest upsampling) over its
     prompt and its score from ``reward``'s first term — a green ✓ / red ✗ pass mark when that term is
-    pass/fail (scores in {0, 1}, e.g. the shapes checker in ``strict`` mode), else the score."""
+    pass/fail (scores in {0, 1}, e.g. the shapes checker in ``strict`` mode), else the score. Videos
+    [N, F, 3, H, W]: an animated GIF (suffix ``.gif``) whose frame t is that grid of every video's frame t, with
+    the same labels (each video's score). Returns the path written (None for no images)."""
     from PIL import Image, ImageDraw, ImageFont
 
     if images.shape[0] == 0:
-        return
+        return None
     prompts = list(prompts)[: images.shape[0]]
     first = next(iter(reward.components(images, prompts, {}).values())).float()
     binary = bool(((first == 0) | (first == 1)).all())
     font = ImageFont.load_default()
-    n, _, h, w = images.shape
+    video = images.ndim == 5
+    n, h, w = images.shape[0], images.shape[-2], images.shape[-1]
     cell_w, text_h, pad = max(w * scale, 128), 38, 6
     rows = (n + ncol - 1) // ncol
-    canvas = Image.new("RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255))
-    draw = ImageDraw.Draw(canvas)
-    for i in range(n):
-        r, c = divmod(i, ncol)
-        x0, y0 = pad + c * (cell_w + pad), pad + r * (h * scale + text_h + pad)
-        array = (images[i].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        canvas.paste(Image.fromarray(array).resize((w * scale, h * scale), Image.NEAREST), (x0, y0))
-        score = float(first[i])
-        if binary:
-            mark, colour = ("PASS", (0, 140, 0)) if score == 1 else ("FAIL", (200, 0, 0))
-        else:
-            mark, colour = f"{score:.3f}", (0, 0, 0)
-        draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
-        draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompts[i], cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
+    out = []
+    for frame in (images.unbind(1) if video else [images]):
+        canvas = Image.new("RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255))
+        draw = ImageDraw.Draw(canvas)
+        for i in range(n):
+            r, c = divmod(i, ncol)
+            x0, y0 = pad + c * (cell_w + pad), pad + r * (h * scale + text_h + pad)
+            canvas.paste(_pil(frame[i]).resize((w * scale, h * scale), Image.NEAREST), (x0, y0))
+            score = float(first[i])
+            if binary:
+                mark, colour = ("PASS", (0, 140, 0)) if score == 1 else ("FAIL", (200, 0, 0))
+            else:
+                mark, colour = f"{score:.3f}", (0, 0, 0)
+            draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
+            draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompts[i], cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
+        out.append(canvas)
+    return save_frames(out, path, video)
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -205,8 +239,8 @@ class HeldOutEval:
                               default_pass=bool(self.e.default_guidance) and not periodic)
 
     def run(self, periodic: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        """(metrics over every process, this process's grid images [K, 3, H, W] per prefix) of one eval;
-        every process must call it (a process without prompts takes part in the reduction only)."""
+        """(metrics over every process, this process's grid images [K, 3, H, W] (videos [K, F, 3, H, W]) per
+        prefix) of one eval; every process must call it (a process without prompts takes part in the reduction only)."""
         if not self.any:
             return {}, {}
         e = self.e
@@ -229,7 +263,7 @@ class HeldOutEval:
 
     def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
         """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``); the
-        main process writes each pass's labelled grid to ``samples/``."""
+        main process writes each pass's labelled grid to ``samples/`` (a PNG; for videos an animated GIF)."""
         out, grids = self.run(periodic=tag is None)
         if self.group.is_main and self.samples is not None:
             for prefix, images in grids.items():

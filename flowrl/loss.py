@@ -189,7 +189,7 @@ class LayerTuningLoss(PolicyLoss):
         root_seed = forest.seed[best].tolist()
         eps = torch.stack([seeded_normal(derive_seed(seed, "layer_tuning", s), model.latent_shape)
                            for seed, s in zip(root_seed, sigma.tolist())]).to(device)
-        sig = sigma.to(device).view(-1, 1, 1, 1)
+        sig = sigma.to(device).view(-1, *[1] * (x0.ndim - 1))  # image or video latents
         x = (1.0 - sig) * x0 + sig * eps
 
         def squared_error(a: int, b: int) -> torch.Tensor:  # [b − a] rows of mean ‖v − (ε − x0)‖²

@@ -32,12 +32,36 @@ import torch
 from rewards.base import Reward
 
 
+def model_modality(model) -> str:
+    """``"video"`` for a family that decodes to videos [B, F, 3, H, W] (it offers ``decode_video``), else ``"image"``."""
+    return "video" if callable(getattr(model, "decode_video", None)) else "image"
+
+
 def decode(model, latents: torch.Tensor, max_batch: int) -> torch.Tensor:
-    """Images [S, 3, H, W] in [0, 1] on the CPU for clean latents [S, C, h, w], ``max_batch`` at a time."""
+    """Images [S, 3, H, W] (a video family: videos [S, F, 3, H, W]) in [0, 1] on the CPU for clean latents
+    [S, *latent_shape], ``max_batch`` at a time."""
     if latents.shape[0] == 0:
-        return torch.zeros(0, 3, model.height, model.width)
+        frames = (model.num_frames,) if model_modality(model) == "video" else ()
+        return torch.zeros(0, *frames, 3, model.height, model.width)
     return torch.cat([model.decode(latents[i:i + max_batch].to(model.device)).cpu()
                       for i in range(0, latents.shape[0], max_batch)])
+
+
+def check_modality(model, rewards: Sequence[tuple[str, Reward]]) -> None:
+    """At load, before the first rollout: a ConfigError naming the config key and the reward when a video reward
+    (``modality="video"``) is asked of a model that samples images. ``rewards``: (config key, reward or
+    MultiReward) pairs, e.g. ``[("rewards", train_reward), ("eval.rewards", eval_reward)]``."""
+    from flowrl.errors import ConfigError
+
+    if model_modality(model) == "video":
+        return  # image rewards score its frames (Reward.__call__), video rewards its videos
+    for key, reward in rewards:
+        for term in getattr(reward, "rewards", [reward]):
+            if term.modality == "video":
+                raise ConfigError(f"{key}: reward {term.name!r} ({type(term).__name__}) scores videos [B, F, 3, H, W] "
+                                  f"only (modality 'video'), but model family {getattr(model, 'family', '?')!r} "
+                                  "samples images [B, 3, H, W]; accepted with an image model: image rewards "
+                                  "(modality 'image'). Remove it, or train a video family (e.g. model.family=wan)")
 
 
 def request_scores(scorer: "BackgroundScorer", model, forest, max_batch: int

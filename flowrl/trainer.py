@@ -34,7 +34,7 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
-from flowrl.scoring import FailedRewardStreak
+from flowrl.scoring import FailedRewardStreak, check_modality
 from flowrl.sharded_checkpoint import SHARDED_DIR, load_shards, merge_sharded, shards_of, split_sharded
 from flowrl.sharding import Sharding, check_shard_settings, check_sharded_objective, compute_dtype, full_state, offload_requested, resolve_shard
 from flowrl.signals import stop_on_first_interrupt
@@ -76,6 +76,7 @@ class Trainer:
         for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
+        check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
         self.objective = build.build_loss(c)
         if shard == "fsdp":
             check_sharded_objective(self.objective)

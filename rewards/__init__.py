@@ -4,3 +4,5 @@ from rewards.registry import REGISTRY, build_reward, register
 from rewards.multi import MultiReward, RewardSpec
 
 __all__ = ["Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec"]
+
+register("temporal_consistency", "rewards.temporal:TemporalConsistency")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards.base import Reward
+from rewards.base import Reward, check_frame_stride
 from rewards.registry import build_reward
 from rewards.timeout import RewardTimeout, call_with_timeout
 
@@ -21,7 +21,9 @@ class RewardSpec:
 
     ``label`` renames the built reward (its metric key), e.g. to use one reward twice with
     different kwargs. ``timeout`` (seconds) bounds one call: past it the call's scores are NaN (failed
-    rewards) with a warning (:mod:`rewards.timeout`).
+    rewards) with a warning (:mod:`rewards.timeout`). ``kwargs.frame_stride`` (any reward; default 1) is taken
+    by the combiner, not the reward's constructor: on videos the term scores every ``frame_stride``-th frame
+    (:attr:`rewards.Reward.frame_stride`).
     """
 
     name: str
@@ -53,6 +55,7 @@ class MultiReward(Reward):
     """
 
     name = "multi"
+    modality = "any"  # videos go to each term whole; each reduces them as its own modality says
 
     def __init__(self, terms: Sequence[RewardSpec | dict | Reward | str], weights: Sequence[float] | None = None,
                  normalize: str = "none"):
@@ -80,7 +83,11 @@ class MultiReward(Reward):
                 spec = term if isinstance(term, RewardSpec) else RewardSpec(**term)
                 if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
                     raise ValueError(f"reward {spec.name!r}: timeout={spec.timeout!r} must be > 0 seconds")
-                reward, weight = build_reward(spec.name, **dict(spec.kwargs or {})), float(spec.weight)
+                kwargs = dict(spec.kwargs or {})
+                stride = check_frame_stride(spec.label or spec.name, kwargs.pop("frame_stride", 1))
+                reward, weight = build_reward(spec.name, **kwargs), float(spec.weight)
+                if stride != 1:
+                    reward.frame_stride = stride
                 timeout = None if spec.timeout is None else float(spec.timeout)
                 if spec.label:
                     reward.name = spec.label
