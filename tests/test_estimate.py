@@ -18,18 +18,25 @@ from flowrl import estimate as E
 from flowrl.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_PRESETS = sorted(str(p.relative_to(ROOT)) for d in ("sd35", "flux", "sana") for p in (ROOT / "configs" / d).glob("*.yaml"))
+GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "flux2", "wan")
+GPU_PRESETS = sorted(str(p.relative_to(ROOT)) for d in GPU_DIRS for p in (ROOT / "configs" / d).glob("*.yaml"))
 PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
     "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
     "sd35_large": (7.9e9, 8.2e9),  # "8.1 billion parameters"
     "flux1_dev": (11.8e9, 12.0e9),  # "12 billion parameter rectified flow transformer"; diffusers' module: 11.9 B
     "sana_1600m": (1.55e9, 1.65e9),  # "Sana-1.6B"
+    "qwen_image": (19.5e9, 20.5e9),  # "a 20B MMDiT"; diffusers' module: 20.43 B
+    "flux2_dev": (31.5e9, 32.5e9),  # "a 32 billion parameter rectified flow transformer"; diffusers' module: 32.2 B
+    "wan21_t2v_1_3b": (1.3e9, 1.45e9),  # "T2V-1.3B"; diffusers' module: 1.42 B
 }
 TEXT_ENCODERS = {  # published sizes: T5 v1.1 XXL encoder 4.76 B, CLIP ViT-L/14 text 123 M, OpenCLIP bigG text 695 M,
     "T5EncoderModel": (4.7e9, 4.8e9),  # Gemma-2 2B 2.6 B
     "CLIPTextModel": (120e6, 126e6),
     "CLIPTextModelWithProjection": (120e6, 700e6),
     "Gemma2Model": (2.55e9, 2.65e9),
+    "Qwen2_5_VLForConditionalGeneration": (8.2e9, 8.4e9),  # Qwen2.5-VL-7B: 8.29 B with its vision tower
+    "Mistral3ForConditionalGeneration": (23.5e9, 24.5e9),  # Mistral-Small-3.1-24B
+    "UMT5EncoderModel": (5.6e9, 5.8e9),  # UMT5-XXL encoder: T5-XXL's with a 256 k vocabulary
 }
 
 
@@ -56,9 +63,12 @@ def test_stored_architecture_builds_on_meta_with_the_published_size(name):
         lo, hi = TEXT_ENCODERS[cls]
         assert lo <= count <= hi, (spec_name, count)
     vae = E.build_vae(arch)
-    assert vae.config.latent_channels == arch["vae"]["latent_channels"]
-    blocks = vae.config.get("block_out_channels") or vae.config.get("decoder_block_out_channels")
+    assert (vae.config.get("latent_channels") or vae.config.get("z_dim")) == arch["vae"]["latent_channels"]
+    blocks = (vae.config.get("block_out_channels") or vae.config.get("decoder_block_out_channels")
+              or vae.config.get("dim_mult"))  # the Wan-style video VAEs: one downsampling per dim_mult step
     assert 2 ** (len(blocks) - 1) == arch["vae"]["scale_factor"]
+    if "temporal_factor" in arch["vae"]:
+        assert 2 ** sum(vae.config.temperal_downsample) == arch["vae"]["temporal_factor"]
 
 
 def _lora_expected(module: nn.Module, targets: list[str], rank: int) -> tuple[int, int]:
@@ -100,19 +110,30 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     cfg = preset(path)
     arch = E.arch_for_model(cfg.model)
     m = cfg.model
-    shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length)
-    f = arch["vae"]["scale_factor"]
-    assert shapes.latent[1:] == (m.height // f, m.width // f)
-    patch = 2 if arch["family"] == "flux" else arch["transformer"]["config"]["patch_size"]
-    assert shapes.image_tokens == (m.height // f // patch) * (m.width // f // patch)
+    family = arch["family"]
+    frames = m.kwargs.get("num_frames") if family in E.VIDEO_FAMILIES else None
+    shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length, frames)
+    f = arch["vae"]["scale_factor"] * (2 if family == "flux2" else 1)  # FLUX.2: the 2×2-patchified VAE latent
+    assert shapes.latent[-2:] == (m.height // f, m.width // f)
+    patch = 1 if family == "flux2" else 2 if family in ("flux", "qwen_image") else arch["transformer"]["config"]["patch_size"]
+    if family in E.VIDEO_FAMILIES:  # [C, F, h, w]: F = (frames − 1)/t + 1, tokens F·(h/2)·(w/2)
+        latent_frames = (frames - 1) // arch["vae"]["temporal_factor"] + 1
+        assert shapes.latent[1] == latent_frames
+        patch = patch[-1]
+        assert shapes.image_tokens == latent_frames * (m.height // f // patch) * (m.width // f // patch)
+    else:
+        assert len(shapes.latent) == 3
+        assert shapes.image_tokens == (m.height // f // patch) * (m.width // f // patch)
     assert shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if arch["family"] == "sd3" else 0)
     # the transformer takes rollout.max_batch rows (×2 with CFG) at these shapes and returns the velocity's shape
     module = E.build_transformer(arch)
     rows = cfg.rollout.max_batch * 2
     with torch.no_grad(), E.fused_attention("cuda"):
         out = module(**E.transformer_inputs(arch, shapes, rows, torch.bfloat16), return_dict=False)[0]
-    if arch["family"] == "flux":
+    if family in ("flux", "qwen_image"):  # 2×2-packed tokens
         assert tuple(out.shape) == (rows, shapes.image_tokens, 4 * shapes.latent[0])
+    elif family == "flux2":  # a token per latent cell
+        assert tuple(out.shape) == (rows, shapes.image_tokens, shapes.latent[0])
     else:
         assert tuple(out.shape) == (rows, *shapes.latent)
     assert out.device.type == "meta"
@@ -145,6 +166,7 @@ def estimate_of(path: str, gpu: str = "H100", overrides: tuple = ()) -> dict:
 SLOW_ESTIMATES = {
     "configs/flux/branchgrpo_hps.yaml", "configs/flux/dance_grpo_hps.yaml", "configs/flux/mix_grpo.yaml",  # 720 px FLUX
     "configs/flux/solrl_pickscore.yaml", "configs/sd35/nft_geneval.yaml", "configs/sd35/solrl_hps.yaml",
+    "configs/qwen_image/nft_geneval.yaml",  # Qwen-Image: flow_grpo_pickscore covers the model
 }
 
 
@@ -158,7 +180,9 @@ def test_estimate_gives_memory_and_time_for_every_gpu_preset(path):
     # in fp32 (as training keeps them), peak = static + prompt cache + largest phase
     arch = r["architecture"]
     assert cfg.model.dtype == "bfloat16" and not cfg.model.full_finetune
-    assert mem["transformer_weights"] == pytest.approx(arch["transformer_params"] * 2 / 2**30, rel=1e-6)  # bf16
+    # bf16, but for the few small modules diffusers keeps in fp32 (Wan: time embedder, scale-shift tables, norms)
+    bf16 = arch["transformer_params"] * 2 / 2**30
+    assert bf16 * (1 - 1e-6) <= mem["transformer_weights"] <= bf16 * 1.01
     assert mem["lora"] == mem["gradients"] == pytest.approx(arch["trainable_params"] * 4 / 2**30, rel=1e-6)  # fp32
     assert mem["optimizer_state"] == pytest.approx(2 * mem["gradients"], rel=1e-6)
     assert mem["peak"] == pytest.approx(mem["static"] + mem["prompt_cache"] + mem["dynamic"], rel=1e-6)
@@ -213,6 +237,25 @@ def test_the_prompt_cache_grows_with_the_run_unless_bounded():
     bounded = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("model.prompt_cache_mb=512",))["memory_gib"]
     assert 0.5 < bounded["prompt_cache_end_of_run"] <= 0.5 + bounded["prompt_cache"] + 1e-9
     assert bounded["peak_end_of_run"] < long["memory_gib"]["peak_end_of_run"] - 50
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_ESTIMATES else p
+                                  for p in GPU_PRESETS if Path(p).parts[1] in ("qwen_image", "flux2", "wan")])
+def test_bench_estimate_prints_every_new_family_preset(path, capsys):
+    """``flowrl bench CONFIG --estimate`` on the Qwen-Image, FLUX.2 and Wan presets: the table names the model and
+    the shapes (a video: latent [C, F, h, w] and F·(h/2)·(w/2) tokens), the JSON the same estimate."""
+    assert E.run_estimate(str(ROOT / path), [], gpu="H100") == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("\n{") + 1:])
+    arch, sh = E.arch_for_model(preset(path).model), result["shapes"]
+    assert result["model"] == arch["name"] and result["family"] == arch["family"] and arch["name"] in out
+    assert f"latent {sh['latent']}" in out and "s/iteration" in out
+    assert result["memory_gib"]["peak"] > result["memory_gib"]["transformer_weights"] > 0
+    assert len(sh["latent"]) == (4 if arch["family"] in E.VIDEO_FAMILIES else 3)
+    if arch["family"] in E.VIDEO_FAMILIES:
+        c, frames, h, w = sh["latent"]
+        assert sh["image_tokens"] == frames * (h // 2) * (w // 2)
+        assert frames == (preset(path).model.kwargs["num_frames"] - 1) // 4 + 1
 
 
 def test_bench_estimate_prints_a_table_and_json(capsys):

@@ -83,6 +83,7 @@ def test_chat_template_and_words_are_single_tokens():
 def test_encode_caches_pads_to_a_fixed_length_and_ignores_batch_companions(caplog, monkeypatch):
     pipe, model = make(guidance=3.0)
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog
+    caplog.set_level(logging.WARNING, logger="transformers")  # as a fresh process has it (the CLI quiets it to ERROR)
     shapes = []  # of every text-encoder call
     pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                                 with_kwargs=True)

@@ -61,7 +61,7 @@ from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
 __all__ = [
-    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GiB", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
+    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT", "VIDEO_FAMILIES", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
     "Trace",
     "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
     "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
@@ -71,6 +71,18 @@ __all__ = [
 ]
 
 GiB = 2 ** 30
+
+# per-family tables: the adapters' defaults (flowrl/models/<family>.py)
+SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512}
+"""``max_sequence_length`` when neither the config nor the architecture sets it."""
+GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0}
+"""``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
+GUIDANCE_DISTILLED = ("flux", "flux2")
+"""Families whose ``guidance`` is an embedding, not a CFG branch."""
+MASKED_TEXT = ("sana", "qwen_image")
+"""Families caching an int64 text attention mask with each prompt."""
+VIDEO_FAMILIES = ("wan",)
+"""Families whose latent is a video [C, F, h, w] (``model.kwargs.num_frames``)."""
 
 ASSUMPTIONS = [
     "activations: the live bytes of the diffusers transformer's own forward/backward traced on the meta device at "
@@ -132,16 +144,19 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     default_px = arch["text"].get("default_image_size") or int(t_config.get("sample_size", 64)) * int(arch["vae"]["scale_factor"])
     height = int(m.height or defaults.get("height") or default_px)
     width = int(m.width or defaults.get("width") or default_px)
-    seq_default = {"sd3": 16, "flux": 16, "sana": 300}[family]  # the adapters' defaults
-    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or seq_default)
-    shapes = preset_shapes(arch, height, width, max_seq)
+    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[family])
+    frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if family in VIDEO_FAMILIES else None
+    shapes = preset_shapes(arch, height, width, max_seq, frames)
     with assume_gpu(gpu):  # an explorer backend is checked against the named GPU, not this machine
         plan = build.build_plan(cfg.rollout)
     objective = build.build_loss(cfg)
-    guidance_default = defaults.get("guidance_scale", {"sd3": 1.0, "flux": 3.5, "sana": 4.5}[family])
+    guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[family])
     rollout_guidance = objective.rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
-    cfg_on = (float(m.true_cfg or 1.0) != 1.0) if family == "flux" else guidance != 1.0
+    if family in GUIDANCE_DISTILLED:  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none
+        cfg_on = family == "flux" and float(m.true_cfg or 1.0) != 1.0
+    else:
+        cfg_on = guidance != 1.0
     cfg_rows = 2 if cfg_on else 1
 
     # ---- the model on the meta device, its parameters in the dtypes training holds: the base in model.dtype and
@@ -204,9 +219,10 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
               + reward_bytes)
 
     # per prompt: the cached conditioning on the device (prompt_embeds [L, D] and pooled / mask)
-    text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or 0
+    text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or t_config.get("text_dim") or 0
     pooled = t_config.get("pooled_projection_dim") or 0
-    per_prompt = shapes.text_tokens * text_dim * dbytes + pooled * dbytes + (shapes.text_tokens * 8 if family == "sana" else 0)
+    mask = shapes.text_tokens * 8 if family in MASKED_TEXT else 0  # int64 attention mask
+    per_prompt = shapes.text_tokens * text_dim * dbytes + pooled * dbytes + mask
     cache_now = (P + 1) * per_prompt
     distinct = min(cfg.train.max_steps * P, prompt_count(cfg.prompts.train) or cfg.train.max_steps * P)
     eval_prompts = prompt_count(cfg.prompts.eval) if cfg.prompts.eval else 0

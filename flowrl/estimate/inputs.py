@@ -14,23 +14,30 @@ from flowrl.errors import ConfigError
 
 @dataclass(frozen=True)
 class Shapes:
-    """Sizes of one preset: image ``height``×``width`` px, latent ``latent`` (C, h, w), ``image_tokens`` and
-    ``text_tokens`` the transformer sees per row."""
+    """Sizes of one preset: image ``height``×``width`` px, latent ``latent`` (C, h, w; a video: C, F, h, w),
+    ``image_tokens`` and ``text_tokens`` the transformer sees per row."""
 
     height: int
     width: int
-    latent: tuple[int, int, int]
+    latent: tuple[int, ...]
     image_tokens: int
     text_tokens: int
 
 
-def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int) -> Shapes:
+PACKED_2X2 = ("flux", "qwen_image")
+"""Families whose adapter packs 2×2 latent patches into tokens of 4C channels (``in_channels``)."""
+
+
+def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int, frames: int | None = None) -> Shapes:
     """The latent and token counts of ``arch`` at ``height``×``width`` px with ``max_sequence_length`` text
-    tokens (SD3: plus the CLIP tokens); raises :class:`ConfigError` for a size the model cannot take."""
+    tokens (SD3: plus the CLIP tokens) and, for a video family, ``frames`` frames (latent [C, F, h, w] with
+    F = (frames − 1)/t + 1, image tokens F·(h/2)·(w/2)); raises :class:`ConfigError` for a size the model
+    cannot take."""
     family, config = arch["family"], arch["transformer"]["config"]
     f = int(arch["vae"]["scale_factor"])
-    patch = int(config.get("patch_size", 1) or 1)
-    multiple = f * (2 if family == "flux" else patch)
+    patch = config.get("patch_size", 1) or 1
+    patch = int(max(patch[1:]) if isinstance(patch, (list, tuple)) else patch)
+    multiple = f * (2 if family in PACKED_2X2 or family == "flux2" else patch)
     if family == "sana":
         multiple = math.lcm(32, multiple)
     if height % multiple or width % multiple:
@@ -39,17 +46,22 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int)
     if limit and max_sequence_length > limit:
         raise ConfigError(f"model.max_sequence_length={max_sequence_length} exceeds {arch['name']}'s limit {limit}")
     h, w = height // f, width // f
-    if family == "flux":
-        channels = int(config["in_channels"]) // 4
-        image_tokens = (h // 2) * (w // 2)
-    else:
-        channels = int(config["in_channels"])
-        image_tokens = (h // patch) * (w // patch)
     text = max_sequence_length + (int(arch["text"].get("clip_tokens", 0)) if family == "sd3" else 0)
-    return Shapes(height, width, (channels, h, w), image_tokens, text)
+    if family in PACKED_2X2:
+        return Shapes(height, width, (int(config["in_channels"]) // 4, h, w), (h // 2) * (w // 2), text)
+    if family == "flux2":  # the VAE latent patchified 2×2 is the model's latent: [4z, H/2f, W/2f], a token per cell
+        return Shapes(height, width, (int(config["in_channels"]), h // 2, w // 2), (h // 2) * (w // 2), text)
+    if family == "wan":
+        t = int(arch["vae"].get("temporal_factor", 4))
+        if frames is None or frames < 1 or (frames - 1) % t:
+            raise ConfigError(f"model.kwargs.num_frames={frames}: must be {t}·k + 1 for {arch['name']}")
+        latent_frames = (frames - 1) // t + 1
+        return Shapes(height, width, (int(config["in_channels"]), latent_frames, h, w),
+                      latent_frames * (h // patch) * (w // patch), text)
+    return Shapes(height, width, (int(config["in_channels"]), h, w), (h // patch) * (w // patch), text)
 
 
-def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
     """Keyword arguments of one transformer call over ``rows`` rows as the adapters build them (meta tensors):
 
     - sd3: ``hidden_states`` [B, C, h, w], ``timestep`` [B] fp32, ``encoder_hidden_states`` [B, L, joint_dim],
@@ -58,18 +70,24 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
       ``pooled_projections`` [B, pooled_dim], ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [L, 3],
       ``img_ids`` [(h/2)(w/2), 3];
     - sana: ``hidden_states`` [B, C, h, w], ``encoder_hidden_states`` [B, L, caption_channels],
-      ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32.
+      ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32;
+    - qwen_image: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` [B] fp32,
+      ``encoder_hidden_states`` [B, L, joint_dim], ``encoder_hidden_states_mask`` [B, L] int64, ``img_shapes``;
+    - flux2: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` and ``guidance`` [B] fp32,
+      ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids`` [1, h·w, 4];
+    - wan: ``hidden_states`` [B, C, F, h, w], ``timestep`` [B] fp32, ``encoder_hidden_states`` [B, L, text_dim].
     """
     config = arch["transformer"]["config"]
-    c, h, w = shapes.latent
+    family = arch["family"]
+    c, h, w = shapes.latent[0], shapes.latent[-2], shapes.latent[-1]
     L = shapes.text_tokens
     meta = {"device": "meta"}
     timestep = torch.empty(rows, dtype=torch.float32, **meta)
-    if arch["family"] == "sd3":
+    if family == "sd3":
         return {"hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta), "timestep": timestep,
                 "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
                 "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta)}
-    if arch["family"] == "flux":
+    if family == "flux":
         tokens = shapes.image_tokens
         out = {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
                "timestep": timestep,
@@ -79,28 +97,52 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
         if config.get("guidance_embeds"):
             out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
         return out
-    if arch["family"] == "sana":
+    if family == "sana":
         return {"hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
                 "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
                 "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta), "timestep": timestep}
-    raise ConfigError(f"no estimate for model family {arch['family']!r}; supported: sd3, shapes, flux, sana")
+    if family == "qwen_image":
+        return {"hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+                "timestep": timestep,
+                "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+                "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+                "img_shapes": [[(1, h // 2, w // 2)]] * rows}
+    if family == "flux2":
+        tokens = shapes.image_tokens
+        out = {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+               "timestep": timestep,
+               "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+               "txt_ids": torch.zeros(1, L, 4, dtype=torch.long, **meta),
+               "img_ids": torch.zeros(1, tokens, 4, dtype=torch.long, **meta)}
+        if config.get("guidance_embeds"):
+            out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
+        return out
+    if family == "wan":
+        return {"hidden_states": torch.empty(rows, *shapes.latent, dtype=dtype, **meta), "timestep": timestep,
+                "encoder_hidden_states": torch.empty(rows, L, config["text_dim"], dtype=dtype, **meta)}
+    raise ConfigError(f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan")
 
 
 def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bool, dtype: torch.dtype) -> torch.Tensor:
-    """v [states, C, h, w] fp32 of one adapter ``velocity`` call: latents fp32 → model dtype, CFG rows
-    ``[uncond; cond]`` in one forward, output back to fp32, guidance combined in fp32."""
+    """v [states, *latent] fp32 of one adapter ``velocity`` call: latents fp32 → model dtype, CFG rows
+    ``[uncond; cond]`` in one forward, output back to fp32, guidance combined in fp32 (FLUX / Qwen-Image: 2×2
+    packing; FLUX.2: a token per latent cell; Wan: the 5-D video latent as is)."""
     rows = states * (2 if cfg else 1)
+    family = arch["family"]
     x = torch.empty(states, *shapes.latent, dtype=torch.float32, device="meta")
     inputs = transformer_inputs(arch, shapes, rows, dtype)
     hidden = x.to(dtype)
-    if arch["family"] == "flux":
-        c, h, w = shapes.latent
+    c, h, w = shapes.latent[0], shapes.latent[-2], shapes.latent[-1]
+    if family in PACKED_2X2:
         hidden = hidden.view(states, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(states, -1, 4 * c)
+    elif family == "flux2":
+        hidden = hidden.reshape(states, c, h * w).transpose(1, 2)
     inputs["hidden_states"] = torch.cat([hidden, hidden]) if cfg else hidden
     out = module(**inputs, return_dict=False)[0]
-    if arch["family"] == "flux":
-        c, h, w = shapes.latent
+    if family in PACKED_2X2:
         out = out.view(rows, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(rows, c, h, w)
+    elif family == "flux2":
+        out = out.transpose(1, 2).reshape(rows, c, h, w)
     elif out.shape[1] == 2 * shapes.latent[0]:  # learned sigma: the velocity half
         out = out.chunk(2, dim=1)[0]
     v = out.float()
@@ -108,3 +150,16 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
         v_u, v_c = v.chunk(2)
         v = v_u + 4.5 * (v_c - v_u)
     return v
+
+
+def decode_latents(vae: nn.Module, arch: dict, latents: torch.Tensor) -> torch.Tensor:
+    """The adapter's VAE decode of ``latents`` [B, *latent] (model dtype): Qwen-Image one frame of its video VAE
+    (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
+    video ``[B, C, F, h, w]``; the others as is. Returns the decoded pixels (model dtype)."""
+    family = arch["family"]
+    if family == "qwen_image":
+        return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
+    if family == "flux2":
+        b, c, h, w = latents.shape
+        latents = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, 2 * h, 2 * w)
+    return vae.decode(latents, return_dict=False)[0]

@@ -10,7 +10,7 @@ from torch import nn
 
 from flowrl.estimate.archs import ARCH_CACHE, build_vae, model_with_lora
 from flowrl.estimate.autocast import MetaAutocast
-from flowrl.estimate.inputs import Shapes, velocity
+from flowrl.estimate.inputs import Shapes, decode_latents, velocity
 from flowrl.estimate.trace import Trace, trace
 from flowrl.models.dtypes import DTYPES
 
@@ -62,7 +62,7 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
     def decode() -> None:
         with torch.no_grad():
             latents = torch.empty(rollout_states, *shapes.latent, dtype=torch.float32, device="meta").to(dtype)
-            image = vae.decode(latents, return_dict=False)[0]
+            image = decode_latents(vae, arch, latents)
             (image.float() / 2 + 0.5).clamp(0, 1)
 
     def copy_forward(which: str) -> torch.Tensor:
