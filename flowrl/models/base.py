@@ -24,9 +24,10 @@ Writing an adapter (e.g. for ``SanaPipeline``)
 ----------------------------------------------
 A subclass must implement:
 
-- ``__init__(pipe, ...)``: call :meth:`FlowModel._init_pipeline` (device, dtype, frozen text encoders
-  and VAE, sets ``vae_scale_factor`` from the pipeline) and :meth:`FlowModel._init_size`, then set
-  ``guidance`` and ``negative_prompt``; class attributes ``family`` and ``default_lora_targets``.
+- ``__init__(pipe, ...)``: call ``_init_pipeline`` (device, dtype, frozen text encoders and VAE, sets
+  ``vae_scale_factor`` from the pipeline), ``_init_text`` (guidance, max_sequence_length, negative prompt) and
+  ``_init_size`` (:mod:`flowrl.models.setup`); class attributes ``family``, ``pipeline_class`` (the diffusers
+  class ``from_pretrained`` loads; ``load_model`` calls it) and ``default_lora_targets``.
 - ``_encode_one(prompt)``: the pipeline's own ``encode_prompt`` for one prompt, as a dict of tensors
   with a leading batch dimension of 1 (e.g. ``prompt_embeds`` and ``pooled``, or SANA's
   ``prompt_embeds`` and ``prompt_attention_mask``).
@@ -35,7 +36,6 @@ A subclass must implement:
   The helpers :meth:`FlowModel._check_inputs` (shapes, σ as an fp32 [B] vector),
   :meth:`FlowModel._cfg_text` (text rows ``[uncond; cond]``) and :meth:`FlowModel._cfg_combine`
   (``v_u + g·(v_c − v_u)``) keep the CFG layout the same across families.
-- ``from_pretrained(path, dtype=..., pipeline_kwargs=..., **kw)`` (used by ``load_model``).
 
 and overrides, where the family differs from the defaults:
 
@@ -56,26 +56,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context, cast_module
+from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
+from flowrl.models.setup import AdapterSetup, align_cpu_tensors  # noqa: F401 (align_cpu_tensors: API)
 from flowrl.models.offload import EncoderOffload
 from flowrl.models.prompt_cache import PromptCache
-
-
-def align_cpu_tensors(*modules: nn.Module | None) -> None:
-    """Copy CPU parameters and buffers that are not 64-byte aligned into fresh (aligned) memory.
-
-    CPU GEMM kernels round differently depending on the alignment of their operands (measured here:
-    a weight offset by 4 bytes changes results by 1 ulp). safetensors loading (mmap) leaves weights at
-    arbitrary file offsets, so without this a loaded pipeline differs in the last bit from the
-    in-memory one that was saved. Fresh CPU allocations are 64-byte aligned.
-    """
-    for module in modules:
-        if module is None:
-            continue
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % 64:
-                tensor.data = tensor.data.clone()
 
 
 def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
@@ -130,7 +115,7 @@ class Conditioning:
         return Conditioning(cond, uncond)
 
 
-class FlowModel(LoraAdapter, EncoderOffload):
+class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     """Base class of model adapters. Subclasses implement ``_encode_one`` and ``velocity`` (and
     override the family hooks where they differ); the module docstring lists what an adapter provides.
 
@@ -158,36 +143,6 @@ class FlowModel(LoraAdapter, EncoderOffload):
     }
     """Fallbacks of :func:`calculate_shift`'s parameters for a dynamic-shifting scheduler whose config
     lacks them (the values the family's pipeline ``__call__`` uses)."""
-
-    # ---- shared set-up of adapters ---------------------------------------------------------
-    def _init_pipeline(self, pipe, device, dtype, frozen: Sequence[str], gradient_checkpointing: bool) -> None:
-        """Move ``pipe`` to ``device``, cast the transformer to ``dtype`` (None → keep), freeze and
-        eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing.
-        Sets ``pipe``, ``device``, ``dtype`` and ``vae_scale_factor`` (the pipeline's)."""
-        transformer = pipe.transformer
-        self.pipe = pipe
-        self.vae_scale_factor = pipe.vae_scale_factor
-        self.device = torch.device(device) if device is not None else transformer.device
-        self.dtype = dtype if dtype is not None else transformer.dtype
-        pipe.to(self.device)
-        if transformer.dtype != self.dtype:
-            cast_module(transformer, self.dtype)  # keeps _keep_in_fp32_modules; no diffusers `.to()` warning
-        modules = [getattr(pipe, name, None) for name in frozen]
-        align_cpu_tensors(transformer, *modules)
-        for module in modules:
-            if module is not None:
-                module.requires_grad_(False).eval()
-        transformer.eval()  # no dropout in these transformers; eval keeps the forward deterministic
-        if gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        self.__dict__.pop("_prompt_cache", None)  # a fresh cache (its budget: build_model sets model.prompt_cache_mb)
-
-    def _init_size(self, height: int | None, width: int | None, default_px: int, multiple: int, what: str) -> None:
-        """Set ``height``/``width`` (None → ``default_px``); both must be multiples of ``multiple``."""
-        self.height = int(height or default_px)
-        self.width = int(width or default_px)
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"height and width must be multiples of {what} = {multiple}; got {self.height}×{self.width}")
 
     # ---- contract -------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], guidance: float | None = None) -> Conditioning:

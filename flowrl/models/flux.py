@@ -23,7 +23,6 @@ Conventions, as ``FluxPipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -55,6 +54,7 @@ class FluxFlowModel(Packed2x2, FlowModel):
     """
 
     family = "flux"
+    pipeline_class = "FluxPipeline"
     default_lora_targets = FLUX_LORA_TARGETS
 
     def __init__(
@@ -72,27 +72,12 @@ class FluxFlowModel(Packed2x2, FlowModel):
         gradient_checkpointing: bool = False,
     ):
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "vae"), gradient_checkpointing)
-        self.guidance = float(guidance)
+        self._init_text(guidance, max_sequence_length, negative_prompt)
         self.true_cfg = float(true_cfg)
-        self.negative_prompt = negative_prompt
-        self.max_sequence_length = int(max_sequence_length)
         if self.max_sequence_length > 512:
             raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
         self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
                         "2 × vae_scale_factor")
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, pipeline_kwargs: dict | None = None, **kw
-    ) -> "FluxFlowModel":
-        """Load a ``FluxPipeline`` (hub id or local folder) in ``dtype`` and wrap it.
-
-        ``pipeline_kwargs`` go to ``from_pretrained``; the remaining keywords to the adapter.
-        """
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
-        return cls(pipe, dtype=dtype, **kw)
 
     # ---- hooks: latent_channels, image_seq_len, _schedule_sigmas, pack / unpack from Packed2x2 -------
     def uses_cfg(self, guidance: float | None = None) -> bool:

@@ -29,7 +29,6 @@ Conventions, as ``Flux2Pipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
-from os import PathLike
 
 import numpy as np
 import torch
@@ -69,6 +68,7 @@ class Flux2FlowModel(FlowModel):
     """
 
     family = "flux2"
+    pipeline_class = "Flux2Pipeline"
     default_lora_targets = FLUX2_LORA_TARGETS
 
     def __init__(self, pipe, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -84,19 +84,9 @@ class Flux2FlowModel(FlowModel):
             raise ValueError(f"max_sequence_length must be ≥ 1; got {max_sequence_length}")
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
         self.vae_scale_factor = 2 * pipe.vae_scale_factor  # pixels per cell of the patchified latent
-        self.guidance = float(guidance)
-        self.max_sequence_length = int(max_sequence_length)
+        self._init_text(guidance, max_sequence_length)
         self._init_size(height, width, pipe.default_sample_size * pipe.vae_scale_factor, self.vae_scale_factor,
                         "2 × the pipeline's vae_scale_factor")
-
-    @classmethod
-    def from_pretrained(cls, path: str | PathLike, *, dtype: torch.dtype = torch.float32,
-                        pipeline_kwargs: dict | None = None, **kw) -> "Flux2FlowModel":
-        """Load a ``Flux2Pipeline`` (hub id or local folder) in ``dtype`` and wrap it; ``pipeline_kwargs`` go to
-        ``from_pretrained``, the remaining keywords to the adapter."""
-        from diffusers import Flux2Pipeline
-
-        return cls(Flux2Pipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {})), dtype=dtype, **kw)
 
     # ---- latents: tokens, schedule, decode ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ Conventions, as ``QwenImagePipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
-from os import PathLike
 
 import torch
 
@@ -59,6 +58,7 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
     """
 
     family = "qwen_image"
+    pipeline_class = "QwenImagePipeline"
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
 
     def __init__(self, pipe, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -71,22 +71,9 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
         if not 1 <= int(max_sequence_length) <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024] for Qwen-Image; got {max_sequence_length}")
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self.guidance = float(guidance)
-        self.negative_prompt = negative_prompt
-        self.max_sequence_length = int(max_sequence_length)
+        self._init_text(guidance, max_sequence_length, negative_prompt)
         self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
                         "2 × vae_scale_factor")
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | PathLike, *, dtype: torch.dtype = torch.float32, pipeline_kwargs: dict | None = None, **kw
-    ) -> "QwenImageFlowModel":
-        """Load a ``QwenImagePipeline`` (hub id or local folder) in ``dtype`` and wrap it; ``pipeline_kwargs``
-        go to ``from_pretrained``, the remaining keywords to the adapter."""
-        from diffusers import QwenImagePipeline
-
-        pipe = QwenImagePipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
-        return cls(pipe, dtype=dtype, **kw)
 
     # ---- decode (schedule, packing: Packed2x2 and FlowModel) ------------------------------------
     def _vae_scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,6 @@ Conventions, as ``SanaPipeline.__call__`` applies them:
 from __future__ import annotations
 
 import math
-import os
 from typing import Sequence
 
 import torch
@@ -51,6 +50,7 @@ class SanaFlowModel(FlowModel):
     """
 
     family = "sana"
+    pipeline_class = "SanaPipeline"
     default_lora_targets = SANA_LORA_TARGETS
 
     def __init__(
@@ -68,25 +68,12 @@ class SanaFlowModel(FlowModel):
         gradient_checkpointing: bool = False,
     ):
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self.guidance = float(guidance)
-        self.negative_prompt = negative_prompt
-        self.max_sequence_length = int(max_sequence_length)
+        self._init_text(guidance, max_sequence_length, negative_prompt)
         self.complex_human_instruction = list(complex_human_instruction) if complex_human_instruction else None
         config = pipe.transformer.config
         multiple = math.lcm(32, self.vae_scale_factor * config.patch_size)  # SanaPipeline.check_inputs: ×32
         self._init_size(height, width, config.sample_size * self.vae_scale_factor, multiple,
                         "lcm(32, vae_scale_factor × patch_size)")
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, pipeline_kwargs: dict | None = None, **kw
-    ) -> "SanaFlowModel":
-        """Load a ``SanaPipeline`` (hub id or local folder) in ``dtype`` and wrap it; ``pipeline_kwargs``
-        go to ``from_pretrained``, the remaining keywords to the adapter."""
-        from diffusers import SanaPipeline
-
-        pipe = SanaPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
-        return cls(pipe, dtype=dtype, **kw)
 
     # ---- schedule (decode, trainable, latent_shape: FlowModel's defaults) ---------------------
     def schedule(self, steps: int) -> torch.Tensor:

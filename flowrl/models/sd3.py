@@ -44,6 +44,7 @@ class SD3FlowModel(FlowModel):
     """
 
     family = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
     default_lora_targets = SD3_LORA_TARGETS
     shift_defaults = {**FlowModel.shift_defaults, "max_shift": 1.16}  # StableDiffusion3Pipeline's fallback
 
@@ -62,9 +63,7 @@ class SD3FlowModel(FlowModel):
     ):
         self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
                             gradient_checkpointing)
-        self.guidance = float(guidance)
-        self.negative_prompt = negative_prompt
-        self.max_sequence_length = int(max_sequence_length)
+        self._init_text(guidance, max_sequence_length, negative_prompt)
         config = pipe.transformer.config
         self._init_size(height, width, config.sample_size * self.vae_scale_factor,
                         self.vae_scale_factor * config.patch_size, "vae_scale_factor × patch_size")
@@ -79,7 +78,7 @@ class SD3FlowModel(FlowModel):
         ``text_encoder_3=None, tokenizer_3=None``. ``pipeline_kwargs`` go to ``from_pretrained``; the
         remaining keywords to the adapter.
         """
-        from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+        from diffusers import DiffusionPipeline
 
         pipeline_kwargs = dict(pipeline_kwargs or {})
         index = DiffusionPipeline.load_config(str(path))
@@ -87,8 +86,7 @@ class SD3FlowModel(FlowModel):
             entry = index.get(name)
             if name not in pipeline_kwargs and (entry is None or entry == [None, None]):
                 pipeline_kwargs[name] = None
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=dtype, **pipeline_kwargs)
-        return cls(pipe, dtype=dtype, **kw)
+        return super().from_pretrained(path, dtype=dtype, pipeline_kwargs=pipeline_kwargs, **kw)
 
     # ---- contract (schedule, decode, trainable, latent_shape: FlowModel's defaults) -------
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:

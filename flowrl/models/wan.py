@@ -31,7 +31,6 @@ refused: training would need both as the trainable module.
 """
 from __future__ import annotations
 
-from os import PathLike
 
 import torch
 
@@ -60,6 +59,7 @@ class WanFlowModel(FlowModel):
     """
 
     family = "wan"
+    pipeline_class = "WanPipeline"
     default_lora_targets = WAN_LORA_TARGETS
     _vae_scale_shift = QwenImageFlowModel._vae_scale_shift  # (1 / latents_std, latents_mean) [1, C, 1, 1, 1]
 
@@ -83,18 +83,10 @@ class WanFlowModel(FlowModel):
         self.vae_scale_factor = pipe.vae_scale_factor_spatial
         self.vae_scale_factor_temporal = temporal
         self.num_frames = frames
-        self.guidance = float(guidance)
-        self.negative_prompt = negative_prompt
-        self.max_sequence_length = int(max_sequence_length)
+        self._init_text(guidance, max_sequence_length, negative_prompt)
         _, patch_h, patch_w = self.patch_size
         self._init_size(height or 480, width or 832, 0, self.vae_scale_factor * max(patch_h, patch_w),
                         "the VAE's spatial factor × the transformer's patch size")
-
-    @classmethod
-    def from_pretrained(cls, path: str | PathLike, *, dtype=torch.float32, pipeline_kwargs=None, **kw):
-        """``WanPipeline.from_pretrained(path, dtype=dtype, **pipeline_kwargs)`` (hub id or folder), wrapped."""
-        from diffusers import WanPipeline
-        return cls(WanPipeline.from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {})), dtype=dtype, **kw)
 
     # ---- video latents ---------------------------------------------------------------------------------
     @property

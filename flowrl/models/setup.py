@@ -1,0 +1,81 @@
+"""The set-up every adapter shares (a mixin of :class:`~flowrl.models.base.FlowModel`): loading its diffusers pipeline
+by class name (:meth:`AdapterSetup.from_pretrained`), placing and freezing it (:meth:`AdapterSetup._init_pipeline`),
+the prompt settings (:meth:`AdapterSetup._init_text`) and the image size (:meth:`AdapterSetup._init_size`). An
+adapter's ``__init__`` is its family's keywords and defaults around these calls."""
+from __future__ import annotations
+
+import os
+from typing import ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from flowrl.models.dtypes import cast_module
+
+
+def align_cpu_tensors(*modules: nn.Module | None) -> None:
+    """Copy CPU parameters and buffers that are not 64-byte aligned into fresh (aligned) memory.
+
+    CPU GEMM kernels round differently depending on the alignment of their operands (measured here:
+    a weight offset by 4 bytes changes results by 1 ulp). safetensors loading (mmap) leaves weights at
+    arbitrary file offsets, so without this a loaded pipeline differs in the last bit from the
+    in-memory one that was saved. Fresh CPU allocations are 64-byte aligned.
+    """
+    for module in modules:
+        if module is None:
+            continue
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % 64:
+                tensor.data = tensor.data.clone()
+
+
+class AdapterSetup:
+    """``pipeline_class``: the diffusers pipeline class (its name in ``diffusers``) :meth:`from_pretrained` loads."""
+
+    pipeline_class: ClassVar[str] = ""
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                        pipeline_kwargs: dict | None = None, **kw):
+        """Load the family's pipeline (``pipeline_class``; a hub id or a local folder) in ``dtype`` and wrap it;
+        ``pipeline_kwargs`` go to the pipeline's ``from_pretrained``, the other keywords to the adapter."""
+        import diffusers
+
+        pipe = getattr(diffusers, cls.pipeline_class).from_pretrained(str(path), dtype=dtype, **(pipeline_kwargs or {}))
+        return cls(pipe, dtype=dtype, **kw)
+
+    def _init_pipeline(self, pipe, device, dtype, frozen: Sequence[str], gradient_checkpointing: bool) -> None:
+        """Move ``pipe`` to ``device``, cast the transformer to ``dtype`` (None → keep), freeze and
+        eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing.
+        Sets ``pipe``, ``device``, ``dtype`` and ``vae_scale_factor`` (the pipeline's)."""
+        transformer = pipe.transformer
+        self.pipe = pipe
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.device = torch.device(device) if device is not None else transformer.device
+        self.dtype = dtype if dtype is not None else transformer.dtype
+        pipe.to(self.device)
+        if transformer.dtype != self.dtype:
+            cast_module(transformer, self.dtype)  # keeps _keep_in_fp32_modules; no diffusers `.to()` warning
+        modules = [getattr(pipe, name, None) for name in frozen]
+        align_cpu_tensors(transformer, *modules)
+        for module in modules:
+            if module is not None:
+                module.requires_grad_(False).eval()
+        transformer.eval()  # no dropout in these transformers; eval keeps the forward deterministic
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.__dict__.pop("_prompt_cache", None)  # a fresh cache (its budget: build_model sets model.prompt_cache_mb)
+
+    def _init_text(self, guidance: float, max_sequence_length: int, negative_prompt: str = "") -> None:
+        """Set ``guidance`` (the default CFG scale, or a family's guidance value), ``max_sequence_length`` and
+        ``negative_prompt`` (CFG's unconditional prompt)."""
+        self.guidance = float(guidance)
+        self.max_sequence_length = int(max_sequence_length)
+        self.negative_prompt = negative_prompt
+
+    def _init_size(self, height: int | None, width: int | None, default_px: int, multiple: int, what: str) -> None:
+        """Set ``height``/``width`` (None → ``default_px``); both must be multiples of ``multiple``."""
+        self.height = int(height or default_px)
+        self.width = int(width or default_px)
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"height and width must be multiples of {what} = {multiple}; got {self.height}×{self.width}")
