@@ -318,6 +318,15 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
             raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
         return sigma_vector(sigma, batch, self.device)
 
+    def _cfg_of(self, cond: Conditioning, guidance: float | None) -> tuple[float, bool]:
+        """(g, cfg) of one :meth:`velocity` call: its guidance (None → :attr:`guidance`) and whether it runs the
+        rows ``[uncond; cond]`` (:meth:`uses_cfg`); raises when it does and ``cond`` has no unconditional rows."""
+        g = self.guidance if guidance is None else float(guidance)
+        cfg = self.uses_cfg(g)
+        if cfg and cond.uncond is None:
+            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
+        return g, cfg
+
     @staticmethod
     def _cfg_text(cond: Conditioning, cfg: bool) -> dict[str, torch.Tensor]:
         """Text tensors of one transformer call: ``cond.cond``, or with CFG ``[uncond; cond]`` per key

@@ -23,11 +23,17 @@ Conventions, as ``FluxPipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.packing import Packed2x2
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 FLUX_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -55,29 +61,19 @@ class FluxFlowModel(Packed2x2, FlowModel):
 
     family = "flux"
     pipeline_class = "FluxPipeline"
+    frozen = ("text_encoder", "text_encoder_2", "vae")
     default_lora_targets = FLUX_LORA_TARGETS
 
-    def __init__(
-        self,
-        pipe,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        guidance: float = 3.5,
-        true_cfg: float = 1.0,
-        height: int | None = None,
-        width: int | None = None,
-        max_sequence_length: int = 16,
-        negative_prompt: str = "",
-        gradient_checkpointing: bool = False,
-    ):
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "vae"), gradient_checkpointing)
-        self._init_text(guidance, max_sequence_length, negative_prompt)
-        self.true_cfg = float(true_cfg)
-        if self.max_sequence_length > 512:
+    def __init__(self, pipe, *, guidance: float = 3.5, true_cfg: float = 1.0, max_sequence_length: int = 16,
+                 **options: Unpack[AdapterOptions]):
+        if int(max_sequence_length) > 512:
             raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
-        self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
-                        "2 × vae_scale_factor")
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
+        self.true_cfg = float(true_cfg)
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """``default_sample_size`` latent cells (1024 px for FLUX.1); whole 2×2 patches."""
+        return self.pipe.default_sample_size * self.vae_scale_factor, 2 * self.vae_scale_factor, "2 × vae_scale_factor"
 
     # ---- hooks: latent_channels, image_seq_len, _schedule_sigmas, pack / unpack from Packed2x2 -------
     def uses_cfg(self, guidance: float | None = None) -> bool:

@@ -29,6 +29,7 @@ Conventions, as ``Flux2Pipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ import torch
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.dtypes import dropped_log_messages
 from flowrl.models.sd3 import SD3_LORA_TARGETS
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 FLUX2_SINGLE_BLOCKS = 48
 """Single-stream blocks of FLUX.2-dev (the smaller FLUX.2 transformers have fewer): see FLUX2_LORA_TARGETS."""
@@ -71,10 +77,8 @@ class Flux2FlowModel(FlowModel):
     pipeline_class = "Flux2Pipeline"
     default_lora_targets = FLUX2_LORA_TARGETS
 
-    def __init__(self, pipe, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 guidance: float = 4.0, height: int | None = None, width: int | None = None,
-                 max_sequence_length: int = 512, text_encoder_out_layers=(10, 20, 30),
-                 gradient_checkpointing: bool = False):
+    def __init__(self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512,
+                 text_encoder_out_layers=(10, 20, 30), **options: Unpack[AdapterOptions]):
         layers = pipe.text_encoder.config.get_text_config().num_hidden_layers
         self.text_encoder_out_layers = tuple(int(k) for k in text_encoder_out_layers)
         if not all(-layers - 1 <= k <= layers for k in self.text_encoder_out_layers):
@@ -82,11 +86,18 @@ class Flux2FlowModel(FlowModel):
                              f"got {self.text_encoder_out_layers}")
         if int(max_sequence_length) < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {max_sequence_length}")
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self.vae_scale_factor = 2 * pipe.vae_scale_factor  # pixels per cell of the patchified latent
-        self._init_text(guidance, max_sequence_length)
-        self._init_size(height, width, pipe.default_sample_size * pipe.vae_scale_factor, self.vae_scale_factor,
-                        "2 × the pipeline's vae_scale_factor")
+        if options.get("negative_prompt"):
+            raise ValueError("negative_prompt does nothing for FLUX.2: Flux2Pipeline has no classifier-free guidance")
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
+
+    def _latent_scale(self, pipe) -> int:
+        """Pixels per cell of the patchified latent: 2 × the pipeline's ``vae_scale_factor``."""
+        return 2 * pipe.vae_scale_factor
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """``default_sample_size`` VAE latent cells; whole 2×2 patches."""
+        return self.pipe.default_sample_size * self.pipe.vae_scale_factor, self.vae_scale_factor, \
+            "2 × the pipeline's vae_scale_factor"
 
     # ---- latents: tokens, schedule, decode ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> torch.Tensor:

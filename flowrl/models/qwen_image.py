@@ -27,12 +27,18 @@ Conventions, as ``QwenImagePipeline.__call__`` applies them:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.packing import Packed2x2
 from flowrl.models.sd3 import SD3_LORA_TARGETS
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 QWEN_IMAGE_LORA_TARGETS = [
     *SD3_LORA_TARGETS,  # joint attention: to_q/k/v, to_out.0 (image) and add_q/k/v_proj, to_add_out (text)
@@ -59,21 +65,22 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
 
     family = "qwen_image"
     pipeline_class = "QwenImagePipeline"
+    default_negative_prompt = " "  # Qwen-Image's examples
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
 
-    def __init__(self, pipe, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 guidance: float = 4.0, height: int | None = None, width: int | None = None,
-                 max_sequence_length: int = 512, negative_prompt: str = " ", gradient_checkpointing: bool = False):
+    def __init__(self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512,
+                 **options: Unpack[AdapterOptions]):
         config = pipe.transformer.config
         if config.get("guidance_embeds", False) or config.get("zero_cond_t", False):
             raise ValueError("QwenImageFlowModel supports text-to-image Qwen-Image transformers only "
                              "(guidance_embeds and zero_cond_t off)")
         if not 1 <= int(max_sequence_length) <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024] for Qwen-Image; got {max_sequence_length}")
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self._init_text(guidance, max_sequence_length, negative_prompt)
-        self._init_size(height, width, pipe.default_sample_size * self.vae_scale_factor, self.vae_scale_factor * 2,
-                        "2 × vae_scale_factor")
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """``default_sample_size`` latent cells (1024 px); whole 2×2 patches."""
+        return self.pipe.default_sample_size * self.vae_scale_factor, 2 * self.vae_scale_factor, "2 × vae_scale_factor"
 
     # ---- decode (schedule, packing: Packed2x2 and FlowModel) ------------------------------------
     def _vae_scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,11 +114,8 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
         guidance g (None → ``self.guidance``): g ≠ 1 runs ``[uncond; cond]`` in one transformer call and
         returns Qwen-Image's norm-rescaled true CFG (module docstring); g = 1 the conditional velocity.
         """
-        g = self.guidance if guidance is None else float(guidance)
+        g, cfg = self._cfg_of(cond, guidance)
         timestep = self._check_inputs(x, sigma, cond)  # the transformer takes σ (it multiplies by 1000)
-        cfg = self.uses_cfg(g)
-        if cfg and cond.uncond is None:
-            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)
         hidden = self.pack(x.to(device=self.device, dtype=self.dtype)).repeat(rows, 1, 1)

@@ -23,11 +23,16 @@ Conventions, as ``SanaPipeline.__call__`` applies them:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 SANA_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention projections
 _NEGATIVE = "negative"  # cache key prefix of the negative prompt (encoded without the instruction)
@@ -53,27 +58,16 @@ class SanaFlowModel(FlowModel):
     pipeline_class = "SanaPipeline"
     default_lora_targets = SANA_LORA_TARGETS
 
-    def __init__(
-        self,
-        pipe,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        guidance: float = 4.5,
-        height: int | None = None,
-        width: int | None = None,
-        max_sequence_length: int = 300,
-        negative_prompt: str = "",
-        complex_human_instruction: Sequence[str] | None = None,
-        gradient_checkpointing: bool = False,
-    ):
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self._init_text(guidance, max_sequence_length, negative_prompt)
+    def __init__(self, pipe, *, guidance: float = 4.5, max_sequence_length: int = 300,
+                 complex_human_instruction: Sequence[str] | None = None, **options: Unpack[AdapterOptions]):
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
         self.complex_human_instruction = list(complex_human_instruction) if complex_human_instruction else None
-        config = pipe.transformer.config
-        multiple = math.lcm(32, self.vae_scale_factor * config.patch_size)  # SanaPipeline.check_inputs: ×32
-        self._init_size(height, width, config.sample_size * self.vae_scale_factor, multiple,
-                        "lcm(32, vae_scale_factor × patch_size)")
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """``sample_size`` latent cells; multiples of lcm(32, vae_scale_factor × patch_size) (SanaPipeline.check_inputs)."""
+        config = self.pipe.transformer.config
+        return (config.sample_size * self.vae_scale_factor, math.lcm(32, self.vae_scale_factor * config.patch_size),
+                "lcm(32, vae_scale_factor × patch_size)")
 
     # ---- schedule (decode, trainable, latent_shape: FlowModel's defaults) ---------------------
     def schedule(self, steps: int) -> torch.Tensor:
@@ -118,17 +112,11 @@ class SanaFlowModel(FlowModel):
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Conditioning, guidance: float | None = None
     ) -> torch.Tensor:
-        """v ≈ ε − x0 [B, C, H, W] fp32 for latents ``x`` [B, C, H, W] at ``sigma`` [B] or scalar.
-
-        guidance g (None → ``self.guidance``): g ≠ 1 runs ``[uncond; cond]`` in one transformer call
-        and returns ``v_u + g·(v_c − v_u)``; g = 1 runs the conditional rows only.
-        """
-        g = self.guidance if guidance is None else float(guidance)
+        """:meth:`FlowModel.velocity` [B, C, H, W] fp32: SANA's transformer takes σ·1000·``timestep_scale`` and the
+        text mask; with guidance g ≠ 1 the rows ``[uncond; cond]`` run in one call (``v_u + g·(v_c − v_u)``)."""
+        g, cfg = self._cfg_of(cond, guidance)
         config = self.pipe.transformer.config
         timestep = self._check_inputs(x, sigma, cond) * self.pipe.scheduler.config.num_train_timesteps * config.timestep_scale
-        cfg = self.uses_cfg(g)
-        if cfg and cond.uncond is None:
-            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)
         hidden = x.to(device=self.device, dtype=self.dtype).repeat(rows, 1, 1, 1)

@@ -16,10 +16,16 @@ Conventions, as ``StableDiffusion3Pipeline.__call__`` applies them:
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 SD3_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",
@@ -45,28 +51,13 @@ class SD3FlowModel(FlowModel):
 
     family = "sd3"
     pipeline_class = "StableDiffusion3Pipeline"
+    frozen = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
     default_lora_targets = SD3_LORA_TARGETS
     shift_defaults = {**FlowModel.shift_defaults, "max_shift": 1.16}  # StableDiffusion3Pipeline's fallback
 
-    def __init__(
-        self,
-        pipe,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        guidance: float = 1.0,
-        height: int | None = None,
-        width: int | None = None,
-        max_sequence_length: int = 16,
-        negative_prompt: str = "",
-        gradient_checkpointing: bool = False,
-    ):
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
-                            gradient_checkpointing)
-        self._init_text(guidance, max_sequence_length, negative_prompt)
-        config = pipe.transformer.config
-        self._init_size(height, width, config.sample_size * self.vae_scale_factor,
-                        self.vae_scale_factor * config.patch_size, "vae_scale_factor × patch_size")
+    def __init__(self, pipe, *, guidance: float = 1.0, max_sequence_length: int = 16,
+                 **options: Unpack[AdapterOptions]):
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
 
     @classmethod
     def from_pretrained(
@@ -104,17 +95,11 @@ class SD3FlowModel(FlowModel):
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Conditioning, guidance: float | None = None
     ) -> torch.Tensor:
-        """v ≈ ε − x0 [B, C, H, W] fp32 for latents ``x`` [B, C, H, W] at ``sigma`` [B] or scalar.
-
-        guidance g (None → ``self.guidance``): g ≠ 1 runs ``[uncond; cond]`` in one transformer call
-        and returns ``v_u + g·(v_c − v_u)``; g = 1 runs the conditional rows only.
-        """
-        g = self.guidance if guidance is None else float(guidance)
+        """:meth:`FlowModel.velocity` [B, C, H, W] fp32: SD3's transformer takes σ·1000; with guidance g ≠ 1 the rows
+        ``[uncond; cond]`` run in one call and give ``v_u + g·(v_c − v_u)``."""
+        g, cfg = self._cfg_of(cond, guidance)
         sigma = self._check_inputs(x, sigma, cond)
         timestep = sigma * self.pipe.scheduler.config.num_train_timesteps
-        cfg = self.uses_cfg(g)
-        if cfg and cond.uncond is None:
-            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
         text = self._cfg_text(cond, cfg)
 
         hidden = x.to(device=self.device, dtype=self.dtype)

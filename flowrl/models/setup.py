@@ -5,7 +5,7 @@ adapter's ``__init__`` is its family's keywords and defaults around these calls.
 from __future__ import annotations
 
 import os
-from typing import ClassVar, Sequence
+from typing import ClassVar, Sequence, TypedDict
 
 import torch
 from torch import nn
@@ -29,10 +29,46 @@ def align_cpu_tensors(*modules: nn.Module | None) -> None:
                 tensor.data = tensor.data.clone()
 
 
+class AdapterOptions(TypedDict, total=False):
+    """The keywords every adapter takes beside its family's own (its ``__init__``'s ``**options``)."""
+
+    device: str | torch.device | None  # where the pipeline runs; None → where its transformer already is
+    dtype: torch.dtype | None  # compute dtype of the transformer (cast when different); None → its current dtype
+    height: int | None  # image size in pixels; None → the family's default (:meth:`AdapterSetup._size_rule`)
+    width: int | None
+    negative_prompt: str  # the unconditional prompt of CFG (default: the family's ``default_negative_prompt``)
+    gradient_checkpointing: bool  # enable the transformer's gradient checkpointing
+
+
 class AdapterSetup:
-    """``pipeline_class``: the diffusers pipeline class (its name in ``diffusers``) :meth:`from_pretrained` loads."""
+    """Class attributes an adapter sets: ``pipeline_class`` (the diffusers pipeline class :meth:`from_pretrained`
+    loads, by its name in ``diffusers``), ``frozen`` (its components trained never: text encoders, VAE) and
+    ``default_negative_prompt``; it overrides :meth:`_size_rule` where its size rule differs and
+    :meth:`_latent_scale` where a latent cell is not ``pipe.vae_scale_factor`` pixels."""
 
     pipeline_class: ClassVar[str] = ""
+    frozen: ClassVar[tuple[str, ...]] = ("text_encoder", "vae")
+    default_negative_prompt: ClassVar[str] = ""
+
+    def _init_adapter(self, pipe, guidance: float, max_sequence_length: int, *, device=None, dtype=None,
+                      height: int | None = None, width: int | None = None, negative_prompt: str | None = None,
+                      gradient_checkpointing: bool = False) -> None:
+        """The set-up every adapter's ``__init__`` runs: the pipeline placed and frozen, the prompt settings, the size."""
+        self._init_pipeline(pipe, device, dtype, self.frozen, gradient_checkpointing)
+        self._init_text(guidance, max_sequence_length,
+                        self.default_negative_prompt if negative_prompt is None else negative_prompt)
+        self._init_size(height, width, *self._size_rule())
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """(default pixels, the multiple height and width must be, its name): the transformer's ``sample_size``
+        latent cells, whole patches."""
+        config = self.pipe.transformer.config
+        return (config.sample_size * self.vae_scale_factor, self.vae_scale_factor * config.patch_size,
+                "vae_scale_factor × patch_size")
+
+    def _latent_scale(self, pipe) -> int:
+        """Pixels per latent cell (``vae_scale_factor``): the pipeline's."""
+        return pipe.vae_scale_factor
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -47,10 +83,10 @@ class AdapterSetup:
     def _init_pipeline(self, pipe, device, dtype, frozen: Sequence[str], gradient_checkpointing: bool) -> None:
         """Move ``pipe`` to ``device``, cast the transformer to ``dtype`` (None → keep), freeze and
         eval the ``frozen`` components, align CPU weights (bit-exact replays), optional checkpointing.
-        Sets ``pipe``, ``device``, ``dtype`` and ``vae_scale_factor`` (the pipeline's)."""
+        Sets ``pipe``, ``device``, ``dtype`` and ``vae_scale_factor`` (:meth:`_latent_scale`)."""
         transformer = pipe.transformer
         self.pipe = pipe
-        self.vae_scale_factor = pipe.vae_scale_factor
+        self.vae_scale_factor = self._latent_scale(pipe)
         self.device = torch.device(device) if device is not None else transformer.device
         self.dtype = dtype if dtype is not None else transformer.dtype
         pipe.to(self.device)

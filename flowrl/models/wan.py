@@ -31,11 +31,17 @@ refused: training would need both as the trainable module.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.qwen_image import QwenImageFlowModel
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from flowrl.models.setup import AdapterOptions
 
 WAN_LORA_TARGETS = [
     "to_q", "to_k", "to_v", "to_out.0",  # self-attention (attn1) and text cross-attention (attn2) of every block
@@ -63,9 +69,8 @@ class WanFlowModel(FlowModel):
     default_lora_targets = WAN_LORA_TARGETS
     _vae_scale_shift = QwenImageFlowModel._vae_scale_shift  # (1 / latents_std, latents_mean) [1, C, 1, 1, 1]
 
-    def __init__(self, pipe, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 guidance: float = 5.0, height: int | None = None, width: int | None = None, num_frames: int = 81,
-                 max_sequence_length: int = 512, negative_prompt: str = "", gradient_checkpointing: bool = False):
+    def __init__(self, pipe, *, guidance: float = 5.0, num_frames: int = 81, max_sequence_length: int = 512,
+                 **options: Unpack[AdapterOptions]):
         if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
             raise ValueError("WanFlowModel supports one-transformer Wan pipelines only (no transformer_2 / "
                              "boundary_ratio: Wan 2.2's two-stage models)")
@@ -77,16 +82,19 @@ class WanFlowModel(FlowModel):
                              f"frame after the first; got {num_frames!r}")
         if int(max_sequence_length) < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {max_sequence_length}")
-        if not hasattr(pipe, "vae_scale_factor"):  # FlowModel._init_pipeline reads it; Wan names it per axis
-            pipe.vae_scale_factor = pipe.vae_scale_factor_spatial
-        self._init_pipeline(pipe, device, dtype, ("text_encoder", "vae"), gradient_checkpointing)
-        self.vae_scale_factor = pipe.vae_scale_factor_spatial
         self.vae_scale_factor_temporal = temporal
         self.num_frames = frames
-        self._init_text(guidance, max_sequence_length, negative_prompt)
+        options = {**options, "height": options.get("height") or 480, "width": options.get("width") or 832}
+        self._init_adapter(pipe, guidance, max_sequence_length, **options)
+
+    def _latent_scale(self, pipe) -> int:
+        """Pixels per latent cell: the VAE's spatial factor (Wan names its factors per axis)."""
+        return pipe.vae_scale_factor_spatial
+
+    def _size_rule(self) -> tuple[int, int, str]:
+        """480 × 832 by default (set in ``__init__``); whole spatial patches."""
         _, patch_h, patch_w = self.patch_size
-        self._init_size(height or 480, width or 832, 0, self.vae_scale_factor * max(patch_h, patch_w),
-                        "the VAE's spatial factor × the transformer's patch size")
+        return 0, self.vae_scale_factor * max(patch_h, patch_w), "the VAE's spatial factor × the transformer's patch size"
 
     # ---- video latents ---------------------------------------------------------------------------------
     @property
@@ -145,11 +153,8 @@ class WanFlowModel(FlowModel):
         """Velocity v ≈ ε − x0 (fp32, [B, C, F, h, w]) of latents ``x`` [B, C, F, h, w] at ``sigma`` ([B] or a
         scalar). guidance g (None → ``self.guidance``): g ≠ 1 runs ``[uncond; cond]`` in one transformer call and
         returns ``v_u + g·(v_c − v_u)``; g = 1 the conditional velocity."""
-        g = self.guidance if guidance is None else float(guidance)
+        g, cfg = self._cfg_of(cond, guidance)
         timestep = self._check_inputs(x, sigma, cond) * self.pipe.scheduler.config.num_train_timesteps
-        cfg = self.uses_cfg(g)
-        if cfg and cond.uncond is None:
-            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)["prompt_embeds"].to(device=self.device, dtype=self.dtype)
         timestep = timestep.repeat(rows)
