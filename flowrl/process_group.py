@@ -73,7 +73,13 @@ class ProcessGroup:
 
     def max(self, value: float) -> float:
         """The largest ``value`` over processes."""
-        return self.reduce_sums({"value": float(value)}, {"value": max})["value"]
+        if self.world == 1:
+            return float(value)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], device=self.accelerator.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one small collective (the updater asks every optimizer step)
+        return float(t.item())
 
     def gradient_reducer(self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0,
                          enabled: bool = True) -> "GradientReducer":

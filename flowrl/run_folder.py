@@ -259,8 +259,8 @@ class RunFolder:
                 path = self.save(step, write, state)
             except Exception as e:  # noqa: BLE001
                 error = e
-        if self.group.is_main:
-            remove(staging) if staging.exists() else None
+        if self.group.is_main and staging.exists():  # shards a failed write left behind
+            remove(staging)
         if self.group.sum(error is not None) > 0:
             raise error or OSError(f"another process could not write its shards of checkpoint step-{step}; the "
                                    "previous checkpoints are intact")

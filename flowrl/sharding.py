@@ -135,7 +135,6 @@ class Sharding:
 
         self.model, self.rollouts, self.offload = model, rollouts, offload and device.type == "cuda"
         self.mesh = init_device_mesh(device.type, (world,))
-        self.modules: list[nn.Module] = []
 
     def mixed_precision(self, compute: torch.dtype):
         """Gather and compute in ``compute``, reduce gradients in fp32 (None in fp32: nothing to cast)."""
@@ -168,7 +167,6 @@ class Sharding:
             for block in blocks:
                 fully_shard(block, **kwargs)
             fully_shard(module, **kwargs)
-            self.modules.append(module)
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -190,10 +188,6 @@ class Sharding:
             for m in fsdp_modules:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
-
-    def local_bytes(self) -> int:
-        """Bytes of this process's parameter shards of the trained transformer."""
-        return sum(local(p).numel() * p.element_size() for p in self.model.trainable.parameters())
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

@@ -243,9 +243,12 @@ class Trainer:
             if self.model.has_lora:  # small: consolidated in every checkpoint (pipe.load_lora_weights reads it)
                 with self.ema_weights():
                     lora = full_state(self.model)
+            def write_lora(folder: Path) -> None:
+                if lora is not None:
+                    save_weights(self.model, folder, lora)
+
             path = self.folder.save_sharded(self.step, shards_of(self.model.trainable, self.optimizer, extra),
-                                            lambda folder: lora is not None and save_weights(self.model, folder, lora),
-                                            state)
+                                            write_lora, state)
             self.group.wait()
             return path
         path = None
