@@ -7,9 +7,11 @@ from typing import NamedTuple, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.image_prompts import prompt_texts
 from flowrl.models.base import FlowModel
 from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed
+from flowrl.scoring import components_of
 
 
 # ---- guidance ---------------------------------------------------------------------------------
@@ -76,12 +78,12 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
     numeric summary of terms that offer ``evaluate`` (images only: not asked of an image term given videos)."""
     metrics: dict[str, float] = {}
     weights: dict[str, float] = {}
-    for name, scores in reward.components(images, prompts, {}).items():
+    for name, scores in components_of(reward, images, prompts, {}).items():
         metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
         weights[f"{prefix}/{name}_mean"] = float(len(prompts))
     for term in reward.rewards:
         if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
-            summary = {k: float(v) for k, v in term.evaluate(images, prompts).items() if isinstance(v, (int, float))}
+            summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items() if isinstance(v, (int, float))}
             metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
             weights.update({f"{prefix}/{term.name}/{k}": w for k, w in term_weights(summary, len(prompts)).items()})
     return metrics, weights
@@ -176,7 +178,7 @@ def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, pat
     if images.shape[0] == 0:
         return None
     prompts = list(prompts)[: images.shape[0]]
-    first = next(iter(reward.components(images, prompts, {}).values())).float()
+    first = next(iter(components_of(reward, images, prompts, {}).values())).float()
     binary = bool(((first == 0) | (first == 1)).all())
     font = ImageFont.load_default()
     video = images.ndim == 5

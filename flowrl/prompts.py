@@ -27,8 +27,9 @@ def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
 def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, str]]:
     """``(where, prompt)`` pairs of :func:`read_prompts` (``where``: ``"line 51"`` of a file or ``"prompt 3"``
     of an inline list). ``spec`` is inline when it holds ``|`` or a space and does not look like a path
-    (``.txt``, ``/``); a single word is a file name, so ``prompts.train=nope`` is an error, not one prompt."""
-    looks_like_path = spec.endswith(".txt") or "/" in spec or "\\" in spec
+    (``.txt``, ``/``) or starts with an image prompt (``[image: …]``, :mod:`flowrl.image_prompts`); a single word is
+    a file name, so ``prompts.train=nope`` is an error, not one prompt."""
+    looks_like_path = not spec.lstrip().startswith("[image:") and (spec.endswith(".txt") or "/" in spec or "\\" in spec)
     if not looks_like_path and ("|" in spec or " " in spec.strip()):
         pairs = [(f"prompt {i + 1}", p.strip()) for i, p in enumerate(spec.split("|")) if p.strip()]
     else:
@@ -52,10 +53,13 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
 
 def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
     """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~rewards.Reward.check_prompt`); else a
-    ConfigError naming the key, the line and the prompt."""
+    ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
+    instruction text (:mod:`flowrl.image_prompts`: what rewards receive)."""
+    from flowrl.image_prompts import split_image_prompt
+
     for where, prompt in read_prompt_lines(spec, key):
         try:
-            check(prompt)
+            check(split_image_prompt(prompt)[0])
         except ValueError as e:
             raise ConfigError(f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)} cannot be scored: "
                               f"{shown_message(str(e))}") from None

@@ -26,10 +26,11 @@ from flowrl import build
 from flowrl.checkpoint import save_weights, write_export
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import HeldOutEval, resolve_guidance
+from flowrl.image_prompts import check_run_prompts
 from flowrl.metrics import plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.process_group import ProcessGroup
-from flowrl.prompts import build_prompt_source, check_prompts, read_prompts
+from flowrl.prompts import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
@@ -70,9 +71,7 @@ class Trainer:
         self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
                        else build.build_rewards(c.rewards, c.reward_normalize))
         self.eval_reward = build.build_rewards(c.eval.rewards) if c.eval.rewards else self.reward
-        check_prompts(c.prompts.train, "prompts.train", self.reward.check_prompt)
-        if c.prompts.eval:
-            check_prompts(c.prompts.eval, "prompts.eval", self.eval_reward.check_prompt)
+        check_run_prompts(c, self.reward, self.eval_reward)  # each line scorable; source images where needed
         for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)

@@ -6,3 +6,4 @@ from rewards.multi import MultiReward, RewardSpec
 __all__ = ["Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec"]
 
 register("temporal_consistency", "rewards.temporal:TemporalConsistency")
+register("source_fidelity", "rewards.source_fidelity:SourceFidelity")

@@ -1,6 +1,7 @@
-"""The three newer families (Qwen-Image, FLUX.2, Wan text-to-video) end to end through ``flowrl train`` with a YAML,
+"""The newer families (Qwen-Image, Qwen-Image-Edit, FLUX.2, Wan text-to-video) end to end through ``flowrl train`` with a YAML,
 as a user runs them: each tiny pipeline saved to a folder and loaded by path (``model.path``), prompts from files,
-a cheap reward (Wan: brightness averaged over every 2nd frame, plus temporal consistency).
+a cheap reward (Wan: brightness averaged over every 2nd frame, plus temporal consistency; Qwen-Image-Edit: prompts
+``[image: PATH] INSTRUCTION`` on source PNGs, brightness plus fidelity to the source).
 
 Per family: (1) a policy objective (Flow-GRPO chains: the first replay reproduces the rollout, ratio exactly 1) and
 DiffusionNFT (ODE plan) each run 2 iterations, exit 0 and write their metrics; (2) the policy run's checkpoint LoRA
@@ -23,6 +24,9 @@ FAMILIES = {
     # family: (pipeline class, tiny builder "module:function", model keys, training rewards)
     "qwen_image": ("QwenImagePipeline", "flowrl.models.testing_qwen:tiny_qwen_image_pipeline",
                    dict(height=32, width=32, max_sequence_length=12), [{"name": "brightness"}]),
+    "qwen_image_edit": ("QwenImageEditPipeline", "flowrl.models.testing_qwen:tiny_qwen_image_edit_pipeline",
+                        dict(height=32, width=32, max_sequence_length=16),
+                        [{"name": "brightness"}, {"name": "source_fidelity", "kwargs": {"size": 8}}]),
     "flux2": ("Flux2Pipeline", "flowrl.models.testing_flux2:tiny_flux2_pipeline",
               dict(height=16, width=16, max_sequence_length=40), [{"name": "brightness"}]),
     "wan": ("WanPipeline", "flowrl.models.testing_wan:tiny_wan_pipeline",
@@ -51,11 +55,31 @@ def saved(tmp_path_factory):
     return get
 
 
+def family_prompts(tmp_path: Path, family: str, texts: list[str]) -> list[str]:
+    """``texts`` as ``family`` takes them: an editing family's each on its own source image (a PNG written into
+    ``tmp_path``, the same for the same text), others as they are."""
+    from PIL import Image
+
+    from flowrl.image_prompts import image_prompt
+    from flowrl.models import model_family
+
+    if not model_family(family).adapter_class().takes_source_image:
+        return list(texts)
+    out = []
+    for text in texts:
+        path = tmp_path / f"source-{text.replace(' ', '_')}.png"
+        if not path.exists():
+            g = torch.Generator().manual_seed(len(text))
+            Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()).save(path)
+        out.append(image_prompt(text, path))
+    return out
+
+
 def write_config(tmp_path: Path, folder: Path, family: str, objective: str) -> Path:
     """A complete YAML for a 2-iteration run of ``family`` (the pipeline in ``folder``) with ``objective``
     ("policy": Flow-GRPO chains at guidance 2; "nft": DiffusionNFT on ODE rollouts, CFG-free)."""
-    (tmp_path / "train.txt").write_text("\n".join(TRAIN_PROMPTS) + "\n")
-    (tmp_path / "eval.txt").write_text("\n".join(EVAL_PROMPTS) + "\n")
+    (tmp_path / "train.txt").write_text("\n".join(family_prompts(tmp_path, family, TRAIN_PROMPTS)) + "\n")
+    (tmp_path / "eval.txt").write_text("\n".join(family_prompts(tmp_path, family, EVAL_PROMPTS)) + "\n")
     sizes, rewards = FAMILIES[family][2], FAMILIES[family][3]
     policy = objective == "policy"
     cfg = {
@@ -131,7 +155,7 @@ def test_policy_run_and_its_lora_in_diffusers(tmp_path, saved, family):
     pipe.load_lora_weights(str(ckpt))
     theirs = wrap(pipe, **keys, **cfg.model.kwargs)
 
-    prompts = EVAL_PROMPTS + TRAIN_PROMPTS[:1]
+    prompts = family_prompts(tmp_path, family, EVAL_PROMPTS + TRAIN_PROMPTS[:1])
     x, s = ours.noise([5, 6, 7]), torch.tensor([0.9, 0.6, 0.3])
     with torch.no_grad():
         v_ours = ours.velocity(x, s, ours.encode(prompts))
@@ -155,6 +179,8 @@ def test_nft_run(tmp_path, saved, family):
         assert r["trained_leaves"] == 4.0 and r["grad_norm"] > 0, r
     if family == "wan":
         assert "reward/temporal_consistency" in steps[0] and "reward/brightness" in steps[0]
+    if family == "qwen_image_edit":
+        assert 0 < steps[0]["reward/source_fidelity"] < 1 and "reward/brightness" in steps[0]
     check_finite(records)
     ckpt = tmp_path / "runs" / f"{family}-nft" / "checkpoints" / "step-2"
     assert (ckpt / "pytorch_lora_weights.safetensors").is_file()

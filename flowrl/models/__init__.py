@@ -55,6 +55,7 @@ MODEL_FAMILIES = Registry("model.family", {
     "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
     "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
     "qwen_image": ModelFamily("QwenImagePipeline", "flowrl.models.qwen_image:QwenImageFlowModel"),
+    "qwen_image_edit": ModelFamily("QwenImageEditPipeline", "flowrl.models.qwen_image_edit:QwenImageEditFlowModel"),
     "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
     "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
 }, base=FlowModel, check=_check_family)

@@ -134,6 +134,8 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     width: int
     guidance: float = 1.0
     negative_prompt: str = ""
+    takes_source_image: bool = False
+    """An editing family: every prompt carries the image it edits (:mod:`flowrl.image_prompts`)."""
     default_lora_targets: list[str] = []
     autocast: torch.dtype | str | None = AUTOCAST_FOLLOWS_ACCELERATE
     """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``
@@ -161,8 +163,13 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
         cond = self._cached_batch(prompts)
         uncond = None
         if self.uses_cfg(guidance):
-            uncond = self._cached_batch([self.negative_prompt] * len(prompts))
+            uncond = self._cached_batch(self._negative_prompts(prompts))
         return Conditioning(cond, uncond)
+
+    def _negative_prompts(self, prompts: list[str]) -> list[str]:
+        """The unconditional prompt of each of ``prompts`` for CFG: the negative prompt (an editing family: on the
+        same source image)."""
+        return [self.negative_prompt] * len(prompts)
 
     def uses_cfg(self, guidance: float | None = None) -> bool:
         """Whether :meth:`velocity` runs classifier-free guidance (needs ``Conditioning.uncond``)."""

@@ -106,6 +106,12 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
         mask = (torch.arange(length, device=embeds.device) < n).long()[None]
         return {"prompt_embeds": padded, "prompt_embeds_mask": mask}
 
+    def _image_tokens(self, hidden: torch.Tensor, text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+        """(image tokens, ``img_shapes``) of a transformer call on packed latents ``hidden`` [R, N, 4C]: the latents
+        alone, each row one image of (1, h/2, w/2) patches (an editing family appends its source image's tokens)."""
+        _, h, w = self.latent_shape
+        return hidden, [[(1, h // 2, w // 2)]] * hidden.shape[0]
+
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Conditioning, guidance: float | None = None
     ) -> torch.Tensor:
@@ -119,17 +125,18 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)
         hidden = self.pack(x.to(device=self.device, dtype=self.dtype)).repeat(rows, 1, 1)
-        _, h, w = self.latent_shape
+        tokens = hidden.shape[1]
+        hidden, img_shapes = self._image_tokens(hidden, text)
         with self.autocast_context():
             out = self.forward_module(
                 hidden_states=hidden,
                 timestep=timestep.repeat(rows),
                 encoder_hidden_states=text["prompt_embeds"].to(device=self.device, dtype=self.dtype),
                 encoder_hidden_states_mask=text["prompt_embeds_mask"].to(self.device),
-                img_shapes=[[(1, h // 2, w // 2)]] * hidden.shape[0],
+                img_shapes=img_shapes,
                 return_dict=False,
             )[0]
-        out = out.float()
+        out = out[:, :tokens].float()  # the generated image's tokens (an editing family appends its source's)
         if cfg:
             v_cond = out.chunk(2)[1]
             out = self._cfg_combine(out, g)

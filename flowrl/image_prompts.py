@@ -1,0 +1,153 @@
+"""Prompts that carry a source image: the instruction prompts of image editing (``model.family: qwen_image_edit``).
+
+An image prompt is one string, ``"[image: PATH] INSTRUCTION"`` — e.g. ``[image: photos/dog.png] make the dog
+blue`` — so it travels wherever a prompt goes unchanged: prompt files (one per line; inline lists too), the
+prompt source and its checkpointed state, per-prompt seeds, grid labels, and the embedding cache, which is keyed
+by the whole string and so by both the instruction and the image. ``PATH``, like a prompt file's path, is tried
+from the working directory, then from the repository root.
+
+Who reads the image:
+
+- the edit adapter encodes the instruction with the image (its ``_encode_one``; :func:`load_source_image`);
+- rewards receive the instruction text as ``prompts`` and the source images, resized to the samples' size, as
+  ``meta["source_images"]`` [B, 3, H, W] in [0, 1] (:func:`reward_inputs`, called by
+  :func:`flowrl.scoring.components_of`, the one place flowrl calls a reward), so a text reward scores the
+  instruction and an edit reward (e.g. ``source_fidelity``) compares with the source.
+
+At load (:func:`check_prompt_images`): a model that edits refuses a prompt without its image, a text-to-image model
+refuses one with an image, a reward that needs the source refuses text prompts, and a missing or unreadable image
+fails — each naming the key, the line and what is accepted.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from flowrl.errors import REPO_ROOT, ConfigError, shown
+
+IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
+FORM = "'[image: PATH] INSTRUCTION' (e.g. '[image: photos/dog.png] make the dog blue')"
+
+
+def split_image_prompt(prompt: str) -> tuple[str, str | None]:
+    """(instruction text, image path or None) of ``prompt``; a plain text prompt gives (prompt, None). The text is
+    what follows ``]`` and one space, as written (:func:`image_prompt` inverts this exactly)."""
+    match = IMAGE_PROMPT.match(prompt)
+    if match is None:
+        return prompt, None
+    return match["text"], match["path"]
+
+
+def image_prompt(text: str, path: str | Path) -> str:
+    """The image prompt of instruction ``text`` on the image at ``path``."""
+    return f"[image: {path}] {text}"
+
+
+def prompt_texts(prompts: Sequence[str]) -> list[str]:
+    """The instruction text of each prompt (plain prompts unchanged)."""
+    return [split_image_prompt(p)[0] for p in prompts]
+
+
+def resolve_image_path(path: str) -> Path:
+    """``path`` as found from the working directory, else the repository root (FileNotFoundError naming both)."""
+    found = Path(path)
+    if not found.is_file() and (REPO_ROOT / path).is_file():
+        found = REPO_ROOT / path
+    if not found.is_file():
+        raise FileNotFoundError(f"no such image {shown(path)} (relative paths are tried from the working directory "
+                                f"and from {REPO_ROOT})")
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _read_image(path: str):
+    from PIL import Image
+
+    with Image.open(resolve_image_path(path)) as image:
+        return image.convert("RGB")
+
+
+def source_pil(path: str, height: int, width: int):
+    """The image at ``path`` as RGB, resized (Lanczos, as diffusers' ``VaeImageProcessor.resize``) to
+    ``width`` × ``height`` pixels."""
+    from PIL import Image
+
+    image = _read_image(str(path))
+    return image if image.size == (width, height) else image.resize((width, height), Image.LANCZOS)
+
+
+@functools.lru_cache(maxsize=256)
+def load_source_image(path: str, height: int, width: int) -> torch.Tensor:
+    """The image at ``path`` resized to ``height`` × ``width``: fp32 [3, H, W] in [0, 1] (cached; do not modify)."""
+    import numpy as np
+
+    array = np.asarray(source_pil(path, height, width), dtype=np.float32) / 255.0
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def reward_inputs(prompts: Sequence[str], meta: dict[str, Any], images: torch.Tensor
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """What a reward receives for ``prompts``: their instruction texts, and ``meta`` with ``"source_images"``
+    [B, 3, H, W] (each prompt's image at the size of ``images`` [B, 3, H, W] / videos [B, F, 3, H, W]) when the
+    prompts carry images. Plain prompts: returned as they are."""
+    split = [split_image_prompt(p) for p in prompts]
+    if all(path is None for _, path in split) or "source_images" in meta:
+        return [text for text, _ in split], meta
+    if any(path is None for _, path in split):
+        raise ValueError("a batch mixes prompts with and without a source image; an edit run's prompts all carry one")
+    h, w = images.shape[-2:]
+    sources = torch.stack([load_source_image(path, int(h), int(w)) for _, path in split])
+    return [text for text, _ in split], {**meta, "source_images": sources}
+
+
+def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
+    """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`flowrl.prompts.read_prompt_lines`)
+    fits the model and rewards. ``edits``: the model edits a source image (every prompt must carry one that
+    opens), else it generates from text (none may). ``rewards``: reward terms; one with ``needs_source_image``
+    needs image prompts. A ConfigError names the key, the line, the prompt and what is accepted."""
+    from flowrl.prompts import read_prompt_lines
+
+    needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
+    for where, prompt in read_prompt_lines(spec, key):
+        text, path = split_image_prompt(prompt)
+        at = f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}"
+        if edits and path is None:
+            raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
+        if not edits and path is not None:
+            raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
+                              "accepted: text prompts (an image-editing family takes image prompts: "
+                              "model.family=qwen_image_edit)")
+        if path is None and needing:
+            raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
+                              f"this prompt has none; accepted: {FORM}")
+        if path is not None:
+            if not path:
+                raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
+            if not text.strip():
+                raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
+            try:
+                _read_image(path)
+            except FileNotFoundError as e:
+                raise ConfigError(f"{at}: {e}") from None
+            except OSError as e:
+                raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
+
+
+
+def check_run_prompts(cfg, reward, eval_reward) -> None:
+    """At load, before the model: every line of ``prompts.train`` / ``prompts.eval`` can be scored by its rewards
+    (:func:`flowrl.prompts.check_prompts`) and carries a source image exactly when ``model.family`` edits
+    (its adapter's ``takes_source_image``) or a reward needs one (:func:`check_prompt_images`)."""
+    from flowrl.models import model_family
+    from flowrl.prompts import check_prompts
+
+    family = cfg.model.family
+    edits = bool(getattr(model_family(family).adapter_class(), "takes_source_image", False))
+    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward), ("prompts.eval", cfg.prompts.eval, eval_reward)):
+        if spec:
+            check_prompts(spec, key, judge.check_prompt)
+            check_prompt_images(spec, key, edits=edits, family=family, rewards=getattr(judge, "rewards", [judge]))
