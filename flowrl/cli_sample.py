@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from flowrl.config import DEFAULT_CONFIG, TrainConfig
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, shown
 
 SEED_MAX = 2 ** 62  # seeds go to torch.Generator.manual_seed (and seed + i must stay below 2**64)
 
@@ -100,10 +100,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     from flowrl.evaluation import resolve_guidance, save_grid, save_sample
     from flowrl.filenames import FileNamer
+    from flowrl.image_prompts import check_prompt_fits, prompt_label
     from flowrl.rollout.sampling import ode_sample
     from flowrl.scoring import model_modality
 
     cfg, model, trained_at = _model_from_run(args.checkpoint, args.config, args.overrides)
+    for prompt in args.prompt:  # an editing model's prompts carry their image; a text model's do not
+        check_prompt_fits(prompt, f"--prompt {shown(prompt, 80)}", edits=model.takes_source_image,
+                          family=getattr(model, "family", cfg.model.family))
     prompts = [p for p in args.prompt for _ in range(args.num)]
     seeds = [args.seed + i for i in range(len(prompts))]
     guidance = resolve_guidance(model.guidance, args.guidance, cfg.eval.guidance, trained_at)
@@ -113,7 +117,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     names = FileNamer(out)  # every name made (and checked inside --out) before any model time is spent
     video = model_modality(model) == "video"  # a video family: animated GIFs
     suffix = ".gif" if video else ".png"
-    paths = [names.path(f"{i:03d}", prompt, suffix) for i, prompt in enumerate(prompts)]
+    paths = [names.path(f"{i:03d}", prompt_label(prompt), suffix) for i, prompt in enumerate(prompts)]
     grid_path = names.path("", "grid", suffix)
     batch = max(1, cfg.eval.batch_size)
     images = []

@@ -7,7 +7,7 @@ from typing import NamedTuple, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.image_prompts import prompt_texts
+from flowrl.image_prompts import prompt_label, prompt_texts
 from flowrl.models.base import FlowModel
 from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed
@@ -199,7 +199,7 @@ def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, pat
             else:
                 mark, colour = f"{score:.3f}", (0, 0, 0)
             draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
-            draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompts[i], cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
+            draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompt_label(prompts[i]), cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
         out.append(canvas)
     return save_frames(out, path, video)
 

@@ -52,6 +52,12 @@ def prompt_texts(prompts: Sequence[str]) -> list[str]:
     return [split_image_prompt(p)[0] for p in prompts]
 
 
+def prompt_label(prompt: str) -> str:
+    """How a grid labels ``prompt``: an image prompt as its instruction and its image's file name."""
+    text, path = split_image_prompt(prompt)
+    return text if path is None else f"{text.strip()} [{Path(path).name}]"
+
+
 def resolve_image_path(path: str) -> Path:
     """``path`` as found from the working directory, else the repository root (FileNotFoundError naming both)."""
     found = Path(path)
@@ -106,47 +112,54 @@ def reward_inputs(prompts: Sequence[str], meta: dict[str, Any], images: torch.Te
 
 def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
     """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`flowrl.prompts.read_prompt_lines`)
-    fits the model and rewards. ``edits``: the model edits a source image (every prompt must carry one that
-    opens), else it generates from text (none may). ``rewards``: reward terms; one with ``needs_source_image``
-    needs image prompts. A ConfigError names the key, the line, the prompt and what is accepted."""
+    fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
+    ``needs_source_image`` needs image prompts."""
     from flowrl.prompts import read_prompt_lines
 
     needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
     for where, prompt in read_prompt_lines(spec, key):
-        text, path = split_image_prompt(prompt)
-        at = f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}"
-        if edits and path is None:
-            raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
-        if not edits and path is not None:
-            raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
-                              "accepted: text prompts (an image-editing family takes image prompts: "
-                              "model.family=qwen_image_edit)")
-        if path is None and needing:
-            raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
-                              f"this prompt has none; accepted: {FORM}")
-        if path is not None:
-            if not path:
-                raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
-            if not text.strip():
-                raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
-            try:
-                _read_image(path)
-            except FileNotFoundError as e:
-                raise ConfigError(f"{at}: {e}") from None
-            except OSError as e:
-                raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
+        check_prompt_fits(prompt, f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}", edits=edits,
+                          family=family, needing=needing)
 
 
+def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = ()) -> None:
+    """``prompt`` fits: ``edits`` (the model edits a source image) → it carries one that opens, else it carries
+    none; ``needing`` (names of rewards that compare with the source) → it carries one. Else a ConfigError that
+    starts with ``at`` (where the prompt came from) and says what is accepted."""
+    text, path = split_image_prompt(prompt)
+    if edits and path is None:
+        raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
+    if not edits and path is not None:
+        raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
+                          "accepted: text prompts (an image-editing family takes image prompts: "
+                          "model.family=qwen_image_edit)")
+    if path is None and needing:
+        raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
+                          f"this prompt has none; accepted: {FORM}")
+    if path is not None:
+        if not path:
+            raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
+        if not text.strip():
+            raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
+        try:
+            _read_image(path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{at}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
 
-def check_run_prompts(cfg, reward, eval_reward) -> None:
-    """At load, before the model: every line of ``prompts.train`` / ``prompts.eval`` can be scored by its rewards
-    (:func:`flowrl.prompts.check_prompts`) and carries a source image exactly when ``model.family`` edits
-    (its adapter's ``takes_source_image``) or a reward needs one (:func:`check_prompt_images`)."""
+
+def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
+    """At load, before the model loads: every line of ``prompts.train`` / ``prompts.eval`` can be scored by its
+    rewards (:func:`flowrl.prompts.check_prompts`) and carries a source image exactly when the model edits (the
+    adapter's ``takes_source_image``: ``model``'s when given, else ``model.family``'s) or a reward needs one
+    (:func:`check_prompt_images`)."""
     from flowrl.models import model_family
     from flowrl.prompts import check_prompts
 
-    family = cfg.model.family
-    edits = bool(getattr(model_family(family).adapter_class(), "takes_source_image", False))
+    adapter = type(model) if model is not None else model_family(cfg.model.family).adapter_class()
+    family = getattr(adapter, "family", cfg.model.family) if model is not None else cfg.model.family
+    edits = bool(getattr(adapter, "takes_source_image", False))
     for key, spec, judge in (("prompts.train", cfg.prompts.train, reward), ("prompts.eval", cfg.prompts.eval, eval_reward)):
         if spec:
             check_prompts(spec, key, judge.check_prompt)

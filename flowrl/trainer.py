@@ -71,7 +71,7 @@ class Trainer:
         self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
                        else build.build_rewards(c.rewards, c.reward_normalize))
         self.eval_reward = build.build_rewards(c.eval.rewards) if c.eval.rewards else self.reward
-        check_run_prompts(c, self.reward, self.eval_reward)  # each line scorable; source images where needed
+        check_run_prompts(c, self.reward, self.eval_reward, model)  # each line scorable; source images where needed
         for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)

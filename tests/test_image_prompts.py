@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from flowrl.errors import ConfigError
-from flowrl.image_prompts import (check_prompt_images, image_prompt, load_source_image, prompt_texts, reward_inputs,
-                                  split_image_prompt)
+from flowrl.image_prompts import (check_prompt_images, image_prompt, load_source_image, prompt_label, prompt_texts,
+                                  reward_inputs, split_image_prompt)
 from flowrl.scoring import components_of
 from rewards import MultiReward, Reward, build_reward
 
@@ -41,6 +41,7 @@ def test_an_image_prompt_is_one_string_that_splits_back_exactly():
     assert split_image_prompt("a red circle") == ("a red circle", None)
     assert split_image_prompt("[imagine] a red circle") == ("[imagine] a red circle", None)
     assert prompt_texts([prompt, "a red circle"]) == ["make the dog blue", "a red circle"]
+    assert prompt_label(prompt) == "make the dog blue [dog 1.png]" and prompt_label("a cat") == "a cat"
 
 
 def test_rewards_receive_the_instruction_and_the_source_resized_to_the_samples(tmp_path):

@@ -180,3 +180,24 @@ def test_an_edit_prompt_without_its_image_fails_at_load_before_the_model(tmp_pat
     (tmp_path / "edits.txt").write_text("\n".join(prompts_of(sources)) + "\n")
     with pytest.raises(ConfigError, match=r"line 1: .* carries a source image, but model.family='sd3' generates"):
         Trainer(cfg)
+
+
+def test_flowrl_sample_takes_edit_prompts_and_refuses_one_without_its_image(tmp_path, sources, monkeypatch):
+    import argparse
+
+    from flowrl import cli_sample
+    from flowrl.config import TrainConfig
+
+    cfg = TrainConfig.from_yaml(None, ["model.family=qwen_image_edit", "eval.steps=2"])
+    monkeypatch.setattr(cli_sample, "_model_from_run", lambda *a: (cfg, make(guidance=2.0)[1], None))
+
+    def sample(*prompts):
+        args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=list(prompts),
+                                  num=1, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
+        return cli_sample.cmd_sample(args)
+
+    assert sample(image_prompt("make it red", sources[0])) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000-make_it_red_source0.png.png", "grid.png"]
+    with pytest.raises(ConfigError, match=r"^--prompt 'make it blue' has no source image, but "
+                                          r"model.family='qwen_image_edit' edits an image"):
+        sample("make it blue")
