@@ -163,5 +163,5 @@ def cmd_eval(args: argparse.Namespace) -> int:
             (Path(args.out) / "eval.json").write_text(json.dumps(metrics, indent=2))
             if grids.get("eval") is not None and grids["eval"].numel():
                 save_grid(grids["eval"], Path(args.out) / "grid.png", scale=4)
-    group.wait()
+    group.close()
     return 0

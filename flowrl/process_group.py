@@ -106,6 +106,13 @@ class ProcessGroup:
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
 
+    def close(self) -> None:
+        """At the end of a command: wait for every process, then destroy the process group (a process that exits
+        with gloo's threads still up can abort the interpreter: "terminate called without an active exception")."""
+        if self.world > 1:
+            self.wait()
+            self.accelerator.state.destroy_process_group()
+
 
 def fold(sums: dict[str, float], key: str, value: float, extremes: dict[str, Callable]) -> None:
     """Accumulate one diagnostic into ``sums``: keys in ``extremes`` combine by their function (min/max),

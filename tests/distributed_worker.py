@@ -56,6 +56,7 @@ def main_eval(out: str) -> None:
     for name, prompts in PROMPT_LISTS.items():
         metrics = held_out_eval(prompts, group).run()[0]
         (Path(out) / f"{name}.rank{group.rank}.json").write_text(json.dumps({"world": group.world, **metrics}))
+    group.close()
 
 
 if __name__ == "__main__":

@@ -302,6 +302,23 @@ class HeapPeak(TorchDispatchMode):
         return out
 
 
+def _tiny_wan_pipeline():
+    """The tiny Wan pipeline (Euler sampler) with a wider transformer (2 blocks × 4 heads × 64, ffn 1024): the tiny
+    one is 3× its VAE's width (24 vs 8 channels) where Wan2.1-1.3B's is 16× (1536 vs 96), so at any size its VAE
+    decode, not the update, would be the iteration's peak, unlike the real preset's."""
+    from diffusers import WanTransformer3DModel
+
+    from flowrl.models.testing_wan import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(scheduler="euler")
+    torch.manual_seed(0)
+    pipe.register_modules(transformer=WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=4, text_dim=32,
+        freq_dim=32, ffn_dim=1024, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32).eval())
+    return pipe
+
+
 TINY = {  # pipeline builder, adapter keywords, config overrides: sizes where the transformer dominates
     "sd3": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sd3_pipeline(sample_size=32),
             dict(guidance=4.5, height=64, width=64, max_sequence_length=16),
@@ -312,21 +329,42 @@ TINY = {  # pipeline builder, adapter keywords, config overrides: sizes where th
     "sana": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sana_pipeline(scheduler="euler"),
              dict(guidance=4.5, height=128, width=128, max_sequence_length=8),
              ["model.guidance=4.5", "model.height=128", "model.width=128", "model.max_sequence_length=8"]),
+    "qwen_image": (lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_pipeline(
+                       num_layers=4),
+                   dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
+                   ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"]),
+    "flux2": (lambda: __import__("flowrl.models.testing_flux2", fromlist=["x"]).tiny_flux2_pipeline(),
+              dict(height=64, width=64, max_sequence_length=40),
+              ["model.height=64", "model.width=64", "model.max_sequence_length=40"]),
+    "wan": (_tiny_wan_pipeline,
+            dict(guidance=4.5, height=32, width=48, num_frames=9, max_sequence_length=12),
+            ["model.guidance=4.5", "model.height=32", "model.width=48", "model.max_sequence_length=12",
+             "model.kwargs={num_frames: 9}"]),
 }
+NFT_DECODE_PEAK = ["loss.objective=nft", "rollout.max_batch=2", "loss.draws=1", "rollout.plan=ode",
+                   "rollout.group_size=4", "rollout.steps=4", "model.guidance=1"]
+"""DiffusionNFT, CFG-free, 2 states a micro-batch: the VAE decode of 2 latents is the iteration's peak."""
 CASES = {  # id → (pipeline, extra overrides)
     "sd3-lora-cfg-kl": ("sd3", []),
     "sd3-checkpointing": ("sd3", ["model.gradient_checkpointing=true"]),
     "sd3-nft-full": ("sd3", ["loss.objective=nft", "rollout.max_batch=8", "rollout.plan=ode", "rollout.group_size=4",
                              "rollout.steps=4", "model.guidance=1", "model.full_finetune=true"]),
-    "sd3-nft-decode-peak": ("sd3", ["loss.objective=nft", "rollout.max_batch=2", "loss.draws=1", "rollout.plan=ode",
-                                    "rollout.group_size=4", "rollout.steps=4", "model.guidance=1"]),
+    "sd3-nft-decode-peak": ("sd3", NFT_DECODE_PEAK),
     "flux-lora": ("flux", []),
     "flux-checkpointing": ("flux", ["model.gradient_checkpointing=true", "loss.kl_ref=0"]),
     "sana-lora-cfg": ("sana", []),
+    "qwen_image-lora-cfg": ("qwen_image", []),
+    "qwen_image-nft-decode-peak": ("qwen_image", NFT_DECODE_PEAK),
+    "flux2-lora": ("flux2", []),
+    "flux2-checkpointing": ("flux2", ["model.gradient_checkpointing=true"]),
+    "wan-lora-cfg": ("wan", []),
+    "wan-checkpointing": ("wan", ["model.gradient_checkpointing=true", "loss.kl_ref=0"]),
+    "wan-nft-decode-peak": ("wan", NFT_DECODE_PEAK),
 }
 MEASURED_ERRORS: dict[str, float] = {}
 # Variants of a family an unmarked case measures (gradient checkpointing, NFT's decode peak; 4–6 s each): -m slow.
-SLOW_CASES = {"sd3-checkpointing", "flux-checkpointing", "sd3-nft-decode-peak"}
+SLOW_CASES = {"sd3-checkpointing", "flux-checkpointing", "sd3-nft-decode-peak", "qwen_image-nft-decode-peak",
+              "flux2-checkpointing", "wan-checkpointing", "wan-nft-decode-peak"}
 
 
 def _static_tensor_bytes(trainer) -> int:

@@ -56,7 +56,8 @@ from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode, sharded_update_traces
-from flowrl.estimate.static import REWARD_MODELS, explorer_bytes, prompt_count, reward_model_bytes, tensor_bytes
+from flowrl.estimate.static import (REWARD_MODELS, explorer_bytes, host_decode_bytes, prompt_count, reward_model_bytes,
+                                    tensor_bytes)
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
@@ -236,9 +237,14 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     fsdp = fsdp_transients(module, dbytes, m.shard_rollouts == "whole") if shards > 1 else \
         dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
     optim_transient = t_optim.peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
+    decode_peak = t_decode.peak
+    if target == "cpu":  # the decoded pixels of a whole decode call stay in host memory: a CPU's device memory
+        states = math.ceil(max(counts["scored"], counts["pool"]) / max(1, min(int(cfg.rollout.chunks), P)))
+        pixels = 3 * height * width * (frames or 1) * 4  # fp32 images (videos: every frame)
+        decode_peak = host_decode_bytes(t_decode.peak, states, rollout_states, pixels, math.prod(shapes.latent) * 4)
     phases = {
         "rollout": t_rollout.peak + fsdp["rollout"],
-        "decode": t_decode.peak,
+        "decode": decode_peak,
         "encode": offloaded,  # offloaded text encoders back on the device for the new prompts (activations small)
         "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
         "optimizer_step": grads + optim_transient,
@@ -290,7 +296,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
         "explorer": explorer / GiB,
         "prompt_cache": cache_now / GiB,
         "activations_rollout": t_rollout.peak / GiB,
-        "activations_decode": t_decode.peak / GiB,
+        "activations_decode": decode_peak / GiB,
         "activations_update": updates[bool(m.gradient_checkpointing)].peak / GiB,
         "activations_update_without_checkpointing": updates[False].peak / GiB,
         "activations_update_with_checkpointing": updates[True].peak / GiB,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -98,26 +99,46 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     return arch
 
 
+PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "SanaPipeline": "sana",
+                     "QwenImagePipeline": "qwen_image", "Flux2Pipeline": "flux2", "WanPipeline": "wan"}
+"""The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
+TEXT_LIMITS = {"qwen_image": 1024}
+"""``max_sequence_length`` a family's pipeline allows (others: 512)."""
+VIDEO_DEFAULTS = ("height", "width", "num_frames", "guidance_scale", "max_sequence_length")
+"""A video pipeline's call defaults the estimate takes when the config sets none (the adapter's own)."""
+
+
 def arch_from_pipeline(pipe, family: str | None = None) -> dict:
     """The architecture of a live diffusers pipeline (e.g. the tiny test pipelines): the configs of its
-    transformer and VAE, its text encoders' parameter counts, the CLIP tokens of SD3."""
+    transformer and VAE, its text encoders' parameter counts, the CLIP tokens of SD3, the VAE's spatial factor
+    (Wan: ``vae_scale_factor_spatial``, and its ``temporal_factor``) and latent channels (``latent_channels`` or
+    the video VAEs' ``z_dim``), the default image size (``default_sample_size`` latent cells of the VAE) or, for
+    Wan, its ``__call__`` defaults (480×832, 81 frames)."""
     name = type(pipe).__name__
-    family = family or {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "SanaPipeline": "sana"}.get(name)
+    family = family or PIPELINE_FAMILIES.get(name)
     if family is None:
-        raise ConfigError(f"no estimate for a {name}; supported: StableDiffusion3Pipeline, FluxPipeline, SanaPipeline")
+        raise ConfigError(f"no estimate for a {name}; supported: {', '.join(PIPELINE_FAMILIES)}")
     encoders = [{"name": n, "class": type(m).__name__, "params": sum(p.numel() for p in m.parameters()),
                  "dtype": str(next(m.parameters()).dtype).replace("torch.", "")}
                 for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if (m := getattr(pipe, n, None)) is not None]
     clip_tokens = int(pipe.tokenizer.model_max_length) if family == "sd3" else 0
+    vae_config = pipe.vae.config
+    scale = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
+    vae = {"class": type(pipe.vae).__name__, "config": dict(vae_config), "scale_factor": int(scale),
+           "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim")}
+    if family == "wan":
+        vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
     arch = {
         "name": f"{name} (in memory)", "family": family, "hub_ids": [],
         "transformer": {"class": type(pipe.transformer).__name__, "config": dict(pipe.transformer.config)},
-        "vae": {"class": type(pipe.vae).__name__, "config": dict(pipe.vae.config), "scale_factor": pipe.vae_scale_factor,
-                "latent_channels": pipe.vae.config.latent_channels},
+        "vae": vae,
         "text_encoders": encoders,
-        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": 512,
-                 "default_image_size": getattr(pipe, "default_sample_size", 0) * pipe.vae_scale_factor},
+        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512),
+                 "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale)},
     }
+    if family == "wan":
+        call = inspect.signature(type(pipe).__call__).parameters
+        arch["defaults"] = {k: call[k].default for k in VIDEO_DEFAULTS if k in call and call[k].default is not None}
     # the key names what the meta model is built from (cached builds and traces): the configs, not the object
     digest = hashlib.sha1(json.dumps([arch["transformer"], arch["vae"]], sort_keys=True, default=str).encode())
     arch["key"] = f"pipeline-{digest.hexdigest()[:16]}"

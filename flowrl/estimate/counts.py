@@ -25,7 +25,8 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
     """Per process and iteration, averaged over 16 iterations spread over the run (random and progressive
     windows, depth pruning): ``forwards`` (full-precision states), ``explore_forwards``, ``decodes`` (leaves,
     probed states, explore previews), ``leaves``, ``trained_units`` (edges or leaves) and ``train_rows``
-    (velocity rows the objective's forward with gradients runs, before CFG doubling)."""
+    (velocity rows the objective's forward with gradients runs, before CFG doubling); of the decodes, ``scored``
+    (leaves and probed states, decoded together after the rollout) and ``pool`` (explore previews)."""
     iterations = sorted({round(i * (max(max_steps, 1) - 1) / 15) for i in range(16)})
     sums: dict[str, float] = {}
     for it in iterations:
@@ -37,7 +38,8 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
         pool = num_prompts * plan.pool_size if "explore_forwards" in counts else 0
         row = {"forwards": counts["forwards"], "explore_forwards": counts.get("explore_forwards", 0),
                "decodes": counts["leaves"] + counts.get("probes", 0) + pool, "leaves": counts["leaves"],
-               "trained_units": units, "train_rows": rows}
+               "trained_units": units, "train_rows": rows, "scored": counts["leaves"] + counts.get("probes", 0),
+               "pool": pool}
         for k, v in row.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(iterations) for k, v in sums.items()}

@@ -1,5 +1,6 @@
 """Sizes of the static memory: reward models' weights, an explorer copy in its quantized format, tensor
-bytes, and the prompts a prompt file holds (for the prompt cache's growth)."""
+bytes, and the prompts a prompt file holds (for the prompt cache's growth); and what a CPU run's decode holds
+in host memory, which is its device memory."""
 from __future__ import annotations
 
 import fnmatch
@@ -59,6 +60,16 @@ def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = Non
             total += p.numel() * rest
     total += sum(b.numel() * rest for b in module.buffers() if b.is_floating_point())
     return total
+
+
+def host_decode_bytes(decode_peak: int, states: int, chunk: int, image_bytes: int, latent_bytes: int) -> int:
+    """Peak bytes of one decode call (:func:`flowrl.scoring.decode`: ``states`` latents, ``chunk`` at a time, each
+    chunk's fp32 pixels moved to the host, then concatenated) where the device *is* the host (a CPU run): the
+    gathered fp32 latents, plus the larger of the last chunk's decode (``decode_peak``, its own pixels included)
+    with the earlier chunks' pixels alive and the concatenation of every state's pixels beside its parts. (On a
+    GPU the chunks leave the device as they are decoded: ``decode_peak`` alone.)"""
+    earlier = max(states - chunk, 0)
+    return states * latent_bytes + max(decode_peak + earlier * image_bytes, 2 * states * image_bytes)
 
 
 def tensor_bytes(tensors) -> int:
