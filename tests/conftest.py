@@ -60,6 +60,19 @@ def perturb_lora(module, seed: int = 0, scale: float = 0.2, part: str = "lora_")
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def assert_lora_reloads(make, folder, x, s, prompts, v) -> torch.Tensor:
+    """The LoRA saved in ``folder`` by a model whose velocity at ``x``, ``s`` [B], ``prompts`` is ``v``
+    [B, *latent]: ``pipe.load_lora_weights`` into a fresh pipeline from ``make()`` (→ ``(pipe, model)``) gives
+    ``v`` again, and the fresh base differs from it. Returns the base velocity."""
+    fresh_pipe, fresh = make()
+    with torch.no_grad():
+        v_base = fresh.velocity(x, s, fresh.encode(prompts))
+        fresh_pipe.load_lora_weights(str(folder))
+        torch.testing.assert_close(fresh.velocity(x, s, fresh.encode(prompts)), v, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(v, v_base)
+    return v_base
+
+
 LEARN_PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
 
 

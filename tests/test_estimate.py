@@ -18,7 +18,7 @@ from flowrl import estimate as E
 from flowrl.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "flux2", "wan")
+GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan")
 GPU_PRESETS = sorted(str(p.relative_to(ROOT)) for d in GPU_DIRS for p in (ROOT / "configs" / d).glob("*.yaml"))
 PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
     "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
@@ -26,6 +26,7 @@ PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a
     "flux1_dev": (11.8e9, 12.0e9),  # "12 billion parameter rectified flow transformer"; diffusers' module: 11.9 B
     "sana_1600m": (1.55e9, 1.65e9),  # "Sana-1.6B"
     "qwen_image": (19.5e9, 20.5e9),  # "a 20B MMDiT"; diffusers' module: 20.43 B
+    "qwen_image_edit": (19.5e9, 20.5e9),  # Qwen-Image fine-tuned for editing: the same transformer
     "flux2_dev": (31.5e9, 32.5e9),  # "a 32 billion parameter rectified flow transformer"; diffusers' module: 32.2 B
     "wan21_t2v_1_3b": (1.3e9, 1.45e9),  # "T2V-1.3B"; diffusers' module: 1.42 B
 }
@@ -110,7 +111,8 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     cfg = preset(path)
     arch = E.arch_for_model(cfg.model)
     m = cfg.model
-    family = arch["family"]
+    edit = arch["family"] in E.EDIT_FAMILIES  # the base family's shapes, the source's tokens added
+    family = E.EDIT_FAMILIES.get(arch["family"], arch["family"])
     frames = m.kwargs.get("num_frames") if family in E.VIDEO_FAMILIES else None
     shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length, frames)
     f = arch["vae"]["scale_factor"] * (2 if family == "flux2" else 1)  # FLUX.2: the 2×2-patchified VAE latent
@@ -124,14 +126,16 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     else:
         assert len(shapes.latent) == 3
         assert shapes.image_tokens == (m.height // f // patch) * (m.width // f // patch)
-    assert shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if arch["family"] == "sd3" else 0)
+    vision = E.vision_tokens(arch["text"]["vision"], m.height, m.width) if edit else 0
+    assert shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if family == "sd3" else 0) + vision
+    assert shapes.source_tokens == (shapes.image_tokens if edit else 0)
     # the transformer takes rollout.max_batch rows (×2 with CFG) at these shapes and returns the velocity's shape
     module = E.build_transformer(arch)
     rows = cfg.rollout.max_batch * 2
     with torch.no_grad(), E.fused_attention("cuda"):
         out = module(**E.transformer_inputs(arch, shapes, rows, torch.bfloat16), return_dict=False)[0]
-    if family in ("flux", "qwen_image"):  # 2×2-packed tokens
-        assert tuple(out.shape) == (rows, shapes.image_tokens, 4 * shapes.latent[0])
+    if family in ("flux", "qwen_image"):  # 2×2-packed tokens (an edit model's output: the source's tokens too)
+        assert tuple(out.shape) == (rows, shapes.image_tokens + shapes.source_tokens, 4 * shapes.latent[0])
     elif family == "flux2":  # a token per latent cell
         assert tuple(out.shape) == (rows, shapes.image_tokens, shapes.latent[0])
     else:
@@ -240,7 +244,8 @@ def test_the_prompt_cache_grows_with_the_run_unless_bounded():
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_ESTIMATES else p
-                                  for p in GPU_PRESETS if Path(p).parts[1] in ("qwen_image", "flux2", "wan")])
+                                  for p in GPU_PRESETS if Path(p).parts[1] in ("qwen_image", "qwen_image_edit", "flux2",
+                                                                              "wan")])
 def test_bench_estimate_prints_every_new_family_preset(path, capsys):
     """``flowrl bench CONFIG --estimate`` on the Qwen-Image, FLUX.2 and Wan presets: the table names the model and
     the shapes (a video: latent [C, F, h, w] and F·(h/2)·(w/2) tokens), the JSON the same estimate."""
@@ -250,6 +255,8 @@ def test_bench_estimate_prints_every_new_family_preset(path, capsys):
     arch, sh = E.arch_for_model(preset(path).model), result["shapes"]
     assert result["model"] == arch["name"] and result["family"] == arch["family"] and arch["name"] in out
     assert f"latent {sh['latent']}" in out and "s/iteration" in out
+    if arch["family"] in E.EDIT_FAMILIES:  # the source's latent tokens beside the generated ones
+        assert sh["source_tokens"] == sh["image_tokens"] > 0 and f"+ {sh['source_tokens']} source image" in out
     assert result["memory_gib"]["peak"] > result["memory_gib"]["transformer_weights"] > 0
     assert len(sh["latent"]) == (4 if arch["family"] in E.VIDEO_FAMILIES else 3)
     if arch["family"] in E.VIDEO_FAMILIES:
@@ -336,6 +343,10 @@ TINY = {  # pipeline builder, adapter keywords, config overrides: sizes where th
     "flux2": (lambda: __import__("flowrl.models.testing_flux2", fromlist=["x"]).tiny_flux2_pipeline(),
               dict(height=64, width=64, max_sequence_length=40),
               ["model.height=64", "model.width=64", "model.max_sequence_length=40"]),
+    "qwen_image_edit": (lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_edit_pipeline(
+                            num_layers=4),
+                        dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
+                        ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"]),
     "wan": (_tiny_wan_pipeline,
             dict(guidance=4.5, height=32, width=48, num_frames=9, max_sequence_length=12),
             ["model.guidance=4.5", "model.height=32", "model.width=48", "model.max_sequence_length=12",
@@ -355,6 +366,7 @@ CASES = {  # id → (pipeline, extra overrides)
     "sana-lora-cfg": ("sana", []),
     "qwen_image-lora-cfg": ("qwen_image", []),
     "qwen_image-nft-decode-peak": ("qwen_image", NFT_DECODE_PEAK),
+    "qwen_image_edit-lora-cfg": ("qwen_image_edit", []),  # twice the image tokens, the source's vision tokens in the text
     "flux2-lora": ("flux2", []),
     "flux2-checkpointing": ("flux2", ["model.gradient_checkpointing=true"]),
     "wan-lora-cfg": ("wan", []),
@@ -414,6 +426,11 @@ def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
     build, adapter_kw, overrides = TINY[family]
     if "rollout.plan=ode" not in extra:
         overrides = overrides + ["rollout.group_size=4", "rollout.steps=4"]
+    if family in E.EDIT_FAMILIES:  # each prompt on its own source image
+        from tests.test_families_e2e import family_prompts
+
+        (tmp_path / "edits.txt").write_text("\n".join(family_prompts(tmp_path, family, ["a red circle", "a blue square"])))
+        overrides = overrides + [f"prompts.train={tmp_path / 'edits.txt'}"]
     cfg = TrainConfig.from_yaml(None, [
         "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
         "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}", "train.progress=false",
@@ -644,3 +661,33 @@ def test_bf16_static_parts_are_what_training_holds(case, tmp_path):
     assert (held["reference"] > 0, held["lora"] > 0, held["old_policy"] > 0) == (full, not full, not full)
     # fp32 trainable weights: 4 bytes per element, twice that for AdamW, whatever model.dtype
     assert held["optimizer_state"] == 2 * held["gradients"] == 2 * held["ema"] > 0
+
+
+def test_the_edit_architecture_extends_qwen_image_and_counts_the_tokens_the_adapter_makes(tmp_path):
+    """qwen_image_edit.json states only what differs from qwen_image.json; at sizes below, at and above the tiny
+    processor's pixel bound the estimate's text tokens (instruction + the source's vision tokens) and source tokens
+    are the adapter's own encoded lengths."""
+    from flowrl.models import wrap
+    from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
+    from tests.test_families_e2e import family_prompts
+
+    base, edit = E.load_arch("qwen_image"), E.load_arch("qwen_image_edit")
+    assert all(edit[k] == base[k] for k in ("transformer", "vae", "text_encoders"))
+    assert edit["family"] == "qwen_image_edit" and edit["hub_ids"] == ["Qwen/Qwen-Image-Edit"]
+    assert edit["text"]["max_sequence_length_limit"] == 1024 and edit["text"]["vision"]["patch_size"] == 14
+    pipe = tiny_qwen_image_edit_pipeline()
+    arch = E.arch_from_pipeline(pipe)
+    assert arch["family"] == "qwen_image_edit" and arch["text"]["vision"]["max_pixels"] == 32 * 32
+    pipe.save_pretrained(tmp_path / "pipe")  # a local folder reads the same (its video VAE's factor, the processor)
+    folder = E.arch_from_folder(tmp_path / "pipe", "qwen_image_edit")
+    assert folder["text"]["vision"] == arch["text"]["vision"]
+    assert folder["vae"]["scale_factor"] == arch["vae"]["scale_factor"] == pipe.vae_scale_factor
+    prompt = family_prompts(tmp_path, "qwen_image_edit", ["make it red"])[0]
+    counts = set()
+    for size in (16, 32, 48):
+        text = wrap(pipe, height=size, width=size, max_sequence_length=16).encode([prompt]).cond
+        shapes = E.preset_shapes(arch, size, size, 16)
+        assert text["prompt_embeds"].shape[1] == shapes.text_tokens
+        assert text["image_latents"].shape[1] == shapes.source_tokens == shapes.image_tokens
+        counts.add(shapes.text_tokens)
+    assert len(counts) == 2  # 48² px sources are resized to the processor's bound: as many tokens as 32²

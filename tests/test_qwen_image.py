@@ -11,7 +11,7 @@ from flowrl.models.packing import pack_2x2, unpack_2x2
 from flowrl.models.qwen_image import QwenImageFlowModel
 from flowrl.models.testing import TINY_VOCAB
 from flowrl.models.testing_qwen import TEMPLATE, tiny_qwen_image_pipeline
-from tests.conftest import perturb_lora
+from tests.conftest import assert_lora_reloads, perturb_lora
 
 PROMPTS = ["a red circle", "two blue dog on the left", "a photo of a big yellow house"]  # 8, 11, 12 text tokens
 SIZE = dict(height=32, width=32, max_sequence_length=12)
@@ -180,13 +180,7 @@ def test_lora_targets_cover_attention_and_mlps_and_load_into_a_fresh_pipeline(tm
     with torch.no_grad():
         v = model.velocity(x, s, cond)
     model.save_lora(tmp_path)
-
-    fresh_pipe, fresh = make(guidance=2.0)
-    with torch.no_grad():
-        v_base = fresh.velocity(x, s, fresh.encode(prompts))
-        fresh_pipe.load_lora_weights(str(tmp_path))
-        torch.testing.assert_close(fresh.velocity(x, s, fresh.encode(prompts)), v, rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(v, v_base)
+    v_base = assert_lora_reloads(lambda: make(guidance=2.0), tmp_path, x, s, prompts, v)
     _, created = make(guidance=2.0)
     created.load_lora(tmp_path)  # resume path: the adapter created from the file
     with torch.no_grad():

@@ -13,7 +13,7 @@ from flowrl.image_prompts import image_prompt
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
-from tests.conftest import perturb_lora
+from tests.conftest import assert_lora_reloads, perturb_lora
 
 SIZE = dict(height=32, width=32, max_sequence_length=16)
 IMAGE_TOKENS = 256  # a 32×32 source: 16×16 vision patches (the tiny processor: patch 2, merge 1)
@@ -112,12 +112,7 @@ def test_lora_loads_into_a_fresh_pipeline(tmp_path, sources):
     with torch.no_grad():
         v = model.velocity(x, s, model.encode(prompts))
     model.save_lora(tmp_path)
-    fresh_pipe, fresh = make(guidance=2.0)
-    with torch.no_grad():
-        v_base = fresh.velocity(x, s, fresh.encode(prompts))
-        fresh_pipe.load_lora_weights(str(tmp_path))
-        torch.testing.assert_close(fresh.velocity(x, s, fresh.encode(prompts)), v, rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(v, v_base)
+    assert_lora_reloads(lambda: make(guidance=2.0), tmp_path, x, s, prompts, v)
 
 
 def test_bf16_runs_on_cpu_close_to_fp32(sources):

@@ -51,7 +51,7 @@ from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, add_lora, arch_for_mode
 from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_class, load_config
-from flowrl.estimate.inputs import Shapes, preset_shapes, transformer_inputs, velocity
+from flowrl.estimate.inputs import EDIT_FAMILIES, Shapes, preset_shapes, transformer_inputs, velocity, vision_tokens
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
@@ -62,25 +62,27 @@ from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
 __all__ = [
-    "ARCH_DIR", "ASSUMPTIONS", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT", "VIDEO_FAMILIES", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
+    "ARCH_DIR", "ASSUMPTIONS", "EDIT_FAMILIES", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT", "VIDEO_FAMILIES", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
     "Trace",
     "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
     "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
     "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes", "iteration_counts",
     "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
-    "sharded_update_traces", "text_encoder_params", "trace", "transformer_inputs", "velocity",
+    "sharded_update_traces", "text_encoder_params", "trace", "transformer_inputs", "velocity", "vision_tokens",
 ]
 
 GiB = 2 ** 30
 
 # per-family tables: the adapters' defaults (flowrl/models/<family>.py)
-SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512}
+SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "qwen_image_edit": 512, "flux2": 512,
+               "wan": 512}
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
-GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0}
+GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "qwen_image_edit": 4.0, "flux2": 4.0,
+                    "wan": 5.0}
 """``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
 GUIDANCE_DISTILLED = ("flux", "flux2")
 """Families whose ``guidance`` is an embedding, not a CFG branch."""
-MASKED_TEXT = ("sana", "qwen_image")
+MASKED_TEXT = ("sana", "qwen_image", "qwen_image_edit")
 """Families caching an int64 text attention mask with each prompt."""
 VIDEO_FAMILIES = ("wan",)
 """Families whose latent is a video [C, F, h, w] (``model.kwargs.num_frames``)."""
@@ -219,11 +221,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     static = (weight_bytes + encoder_bytes - offloaded + vae_bytes + optim_bytes + ema + old + reference + explorer
               + reward_bytes)
 
-    # per prompt: the cached conditioning on the device (prompt_embeds [L, D] and pooled / mask)
+    # per prompt: the cached conditioning on the device (prompt_embeds [L, D] and pooled / mask; an edit model's
+    # packed source latent [source_tokens, in_channels])
     text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or t_config.get("text_dim") or 0
     pooled = t_config.get("pooled_projection_dim") or 0
     mask = shapes.text_tokens * 8 if family in MASKED_TEXT else 0  # int64 attention mask
-    per_prompt = shapes.text_tokens * text_dim * dbytes + pooled * dbytes + mask
+    source = shapes.source_tokens * int(t_config.get("in_channels", 0))
+    per_prompt = (shapes.text_tokens * text_dim + pooled + source) * dbytes + mask
     cache_now = (P + 1) * per_prompt
     distinct = min(cfg.train.max_steps * P, prompt_count(cfg.prompts.train) or cfg.train.max_steps * P)
     eval_prompts = prompt_count(cfg.prompts.eval) if cfg.prompts.eval else 0
@@ -327,7 +331,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
                          "trainable_dtype": str(trainable[0].dtype).replace("torch.", "") if trainable else None,
                          "autocast": m.dtype if lora is None and dtype != torch.float32 else None},
         "shapes": {"height": shapes.height, "width": shapes.width, "latent": list(shapes.latent),
-                   "image_tokens": shapes.image_tokens, "text_tokens": shapes.text_tokens, "cfg": cfg_on,
+                   "image_tokens": shapes.image_tokens, "source_tokens": shapes.source_tokens,
+                   "text_tokens": shapes.text_tokens, "cfg": cfg_on,
                    "guidance": guidance, "rollout_rows": rollout_states * cfg_rows,
                    "update_rows": train_rows_per_trace, "max_batch": max_batch,
                    "gradient_checkpointing": bool(m.gradient_checkpointing)},

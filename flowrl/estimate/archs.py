@@ -18,6 +18,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from flowrl.errors import ConfigError
+from flowrl.estimate.inputs import EDIT_FAMILIES
 from flowrl.models import model_family
 from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
@@ -31,11 +32,16 @@ def list_archs() -> list[str]:
 
 
 def load_arch(name: str) -> dict:
-    """The stored architecture ``name`` (a file stem of flowrl/models/archs, e.g. ``flux1_dev``)."""
+    """The stored architecture ``name`` (a file stem of flowrl/models/archs, e.g. ``flux1_dev``). A file with
+    ``"extends": BASE`` is BASE's architecture with the file's keys over it (its ``text`` merged key by key):
+    a model sharing another's transformer, VAE and encoders (Qwen-Image-Edit) states only what differs."""
     path = ARCH_DIR / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"no stored architecture {name!r}; stored: {list_archs()}")
     arch = json.loads(path.read_text())
+    if "extends" in arch:
+        base = load_arch(arch.pop("extends"))
+        arch = {**base, **arch, "text": {**base["text"], **arch.get("text", {})}}
     arch["key"] = name
     return arch
 
@@ -87,12 +93,21 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         clip_tokens = int(json.loads(tok.read_text()).get("model_max_length", 77)) if tok.is_file() else 77
     vae_config = vae["config"]
     blocks = vae_config.get("block_out_channels") or vae_config.get("decoder_block_out_channels") or [0]
+    downsample = vae_config.get("temperal_downsample")  # the video VAEs (Qwen-Image, Wan): one ×2 per stage
+    vae.update(scale_factor=2 ** (len(downsample) if downsample is not None else len(blocks) - 1),
+               latent_channels=vae_config.get("latent_channels") or vae_config.get("z_dim"))
+    if downsample is not None and family == "wan":
+        vae["temporal_factor"] = 2 ** sum(bool(d) for d in downsample)
     arch = {
         "name": folder.name, "key": str(folder), "family": family, "hub_ids": [],
-        "transformer": transformer, "text_encoders": encoders,
-        "vae": {**vae, "scale_factor": 2 ** (len(blocks) - 1), "latent_channels": vae_config.get("latent_channels")},
-        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": 512},
+        "transformer": transformer, "text_encoders": encoders, "vae": vae,
+        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512)},
     }
+    for path in (folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json"):
+        if family in EDIT_FAMILIES and path.is_file():  # the edit models' image processor (hub or newer layout)
+            config = json.loads(path.read_text())
+            arch["text"]["vision"] = vision_settings(config.get("image_processor", config))
+            break
     if shapes:
         arch["defaults"] = generation_defaults(folder)
         arch["name"] = f"shapes model ({folder.name})"
@@ -100,10 +115,21 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
 
 
 PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "SanaPipeline": "sana",
-                     "QwenImagePipeline": "qwen_image", "Flux2Pipeline": "flux2", "WanPipeline": "wan"}
+                     "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image_edit",
+                     "Flux2Pipeline": "flux2", "WanPipeline": "wan"}
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024}
+TEXT_LIMITS = {"qwen_image": 1024, "qwen_image_edit": 1024}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
+def vision_settings(processor: dict) -> dict:
+    """An edit model's source-image tokens from its image processor's config (Qwen2-VL: ``patch_size``,
+    ``merge_size``, and the pixel bounds of its resize as ``min_pixels``/``max_pixels`` or, in newer configs,
+    ``size.shortest_edge``/``size.longest_edge``)."""
+    size = processor.get("size") or {}
+    return {"patch_size": int(processor["patch_size"]), "merge_size": int(processor["merge_size"]),
+            "min_pixels": int(processor.get("min_pixels") or size["shortest_edge"]),
+            "max_pixels": int(processor.get("max_pixels") or size["longest_edge"])}
+
+
 VIDEO_DEFAULTS = ("height", "width", "num_frames", "guidance_scale", "max_sequence_length")
 """A video pipeline's call defaults the estimate takes when the config sets none (the adapter's own)."""
 
@@ -128,13 +154,16 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
            "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim")}
     if family == "wan":
         vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
+    text = {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512),
+            "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale)}
+    if family in EDIT_FAMILIES:
+        text["vision"] = vision_settings(pipe.processor.image_processor.to_dict())
     arch = {
         "name": f"{name} (in memory)", "family": family, "hub_ids": [],
         "transformer": {"class": type(pipe.transformer).__name__, "config": dict(pipe.transformer.config)},
         "vae": vae,
         "text_encoders": encoders,
-        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512),
-                 "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale)},
+        "text": text,
     }
     if family == "wan":
         call = inspect.signature(type(pipe).__call__).parameters

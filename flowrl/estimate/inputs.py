@@ -3,6 +3,7 @@
 ``velocity`` call (CFG rows, flux packing) on them."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,25 +16,47 @@ from flowrl.errors import ConfigError
 @dataclass(frozen=True)
 class Shapes:
     """Sizes of one preset: image ``height``×``width`` px, latent ``latent`` (C, h, w; a video: C, F, h, w),
-    ``image_tokens`` and ``text_tokens`` the transformer sees per row."""
+    ``image_tokens`` (generated) and ``text_tokens`` the transformer sees per row; an edit model's
+    ``source_tokens`` (the source image's latent tokens, after the generated ones)."""
 
     height: int
     width: int
     latent: tuple[int, ...]
     image_tokens: int
     text_tokens: int
+    source_tokens: int = 0
 
 
 PACKED_2X2 = ("flux", "qwen_image")
 """Families whose adapter packs 2×2 latent patches into tokens of 4C channels (``in_channels``)."""
+EDIT_FAMILIES = {"qwen_image_edit": "qwen_image"}
+"""Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
+the generated ones (as many again), its vision tokens join the text."""
+VISION_DEFAULT = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
+"""Qwen2-VL's image processor (Qwen-Image-Edit's): 14 px patches merged 2×2, 4 to 16384 vision tokens."""
+
+
+def vision_tokens(vision: dict, height: int, width: int) -> int:
+    """Vision tokens of a ``height``×``width`` source through a Qwen2-VL image processor (``vision``: its
+    :data:`VISION_DEFAULT` settings): resized to multiples of patch·merge px within the pixel bounds, then a
+    token per merged patch."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    factor = vision["patch_size"] * vision["merge_size"]
+    h, w = smart_resize(height, width, factor=factor, min_pixels=vision["min_pixels"], max_pixels=vision["max_pixels"])
+    return (h // factor) * (w // factor)
 
 
 def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int, frames: int | None = None) -> Shapes:
     """The latent and token counts of ``arch`` at ``height``×``width`` px with ``max_sequence_length`` text
     tokens (SD3: plus the CLIP tokens) and, for a video family, ``frames`` frames (latent [C, F, h, w] with
     F = (frames − 1)/t + 1, image tokens F·(h/2)·(w/2)); raises :class:`ConfigError` for a size the model
-    cannot take."""
+    cannot take. An edit family: its base family's shapes, the source's latent tokens and vision tokens added."""
     family, config = arch["family"], arch["transformer"]["config"]
+    if family in EDIT_FAMILIES:
+        base = preset_shapes({**arch, "family": EDIT_FAMILIES[family]}, height, width, max_sequence_length)
+        vision = vision_tokens(arch["text"].get("vision", VISION_DEFAULT), height, width)
+        return dataclasses.replace(base, text_tokens=base.text_tokens + vision, source_tokens=base.image_tokens)
     f = int(arch["vae"]["scale_factor"])
     patch = config.get("patch_size", 1) or 1
     patch = int(max(patch[1:]) if isinstance(patch, (list, tuple)) else patch)
@@ -73,12 +96,13 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
       ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32;
     - qwen_image: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` [B] fp32,
       ``encoder_hidden_states`` [B, L, joint_dim], ``encoder_hidden_states_mask`` [B, L] int64, ``img_shapes``;
+      qwen_image_edit: the same with the source's tokens appended ([B, 2(h/2)(w/2), 4C], two ``img_shapes``);
     - flux2: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` and ``guidance`` [B] fp32,
       ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids`` [1, h·w, 4];
     - wan: ``hidden_states`` [B, C, F, h, w], ``timestep`` [B] fp32, ``encoder_hidden_states`` [B, L, text_dim].
     """
     config = arch["transformer"]["config"]
-    family = arch["family"]
+    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
     c, h, w = shapes.latent[0], shapes.latent[-2], shapes.latent[-1]
     L = shapes.text_tokens
     meta = {"device": "meta"}
@@ -102,11 +126,12 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
                 "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
                 "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta), "timestep": timestep}
     if family == "qwen_image":
-        return {"hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+        tokens = shapes.image_tokens + shapes.source_tokens
+        return {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
                 "timestep": timestep,
                 "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
                 "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
-                "img_shapes": [[(1, h // 2, w // 2)]] * rows}
+                "img_shapes": [[(1, h // 2, w // 2)] * (2 if shapes.source_tokens else 1)] * rows}
     if family == "flux2":
         tokens = shapes.image_tokens
         out = {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
@@ -126,9 +151,10 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
 def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bool, dtype: torch.dtype) -> torch.Tensor:
     """v [states, *latent] fp32 of one adapter ``velocity`` call: latents fp32 → model dtype, CFG rows
     ``[uncond; cond]`` in one forward, output back to fp32, guidance combined in fp32 (FLUX / Qwen-Image: 2×2
-    packing; FLUX.2: a token per latent cell; Wan: the 5-D video latent as is)."""
+    packing; FLUX.2: a token per latent cell; Wan: the 5-D video latent as is; an edit model: the source's cached
+    tokens appended, the output cut back to the generated tokens)."""
     rows = states * (2 if cfg else 1)
-    family = arch["family"]
+    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
     x = torch.empty(states, *shapes.latent, dtype=torch.float32, device="meta")
     inputs = transformer_inputs(arch, shapes, rows, dtype)
     hidden = x.to(dtype)
@@ -137,8 +163,13 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
         hidden = hidden.view(states, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(states, -1, 4 * c)
     elif family == "flux2":
         hidden = hidden.reshape(states, c, h * w).transpose(1, 2)
+    if shapes.source_tokens:
+        source = torch.empty(states, shapes.source_tokens, hidden.shape[-1], dtype=dtype, device="meta")
+        hidden = torch.cat([hidden, source], dim=1)
     inputs["hidden_states"] = torch.cat([hidden, hidden]) if cfg else hidden
     out = module(**inputs, return_dict=False)[0]
+    if shapes.source_tokens:
+        out = out[:, :shapes.image_tokens]
     if family in PACKED_2X2:
         out = out.view(rows, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(rows, c, h, w)
     elif family == "flux2":
@@ -156,7 +187,7 @@ def decode_latents(vae: nn.Module, arch: dict, latents: torch.Tensor) -> torch.T
     """The adapter's VAE decode of ``latents`` [B, *latent] (model dtype): Qwen-Image one frame of its video VAE
     (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
     video ``[B, C, F, h, w]``; the others as is. Returns the decoded pixels (model dtype)."""
-    family = arch["family"]
+    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
     if family == "qwen_image":
         return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
     if family == "flux2":

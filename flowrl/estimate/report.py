@@ -67,7 +67,8 @@ def format_estimate(result: dict) -> str:
         *per_gpu,
         f"transformer {_count(arch['transformer_params'])} parameters, trainable {_count(arch['trainable_params'])}"
         + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)") + f", {_precision(arch)}",
-        f"{sh['height']}×{sh['width']} px → latent {sh['latent']}, {sh['image_tokens']} image + {sh['text_tokens']} text "
+        f"{sh['height']}×{sh['width']} px → latent {sh['latent']}, {sh['image_tokens']} image "
+        + (f"+ {sh['source_tokens']} source image " if sh.get("source_tokens") else "") + f"+ {sh['text_tokens']} text "
         f"tokens; rollout forward {sh['rollout_rows']} rows, update micro-batch {sh['update_rows']} rows"
         + (" (CFG doubles rows)" if sh["cfg"] else ""),
         "",
