@@ -100,7 +100,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     from flowrl.evaluation import resolve_guidance, save_grid, save_sample
     from flowrl.filenames import FileNamer
-    from flowrl.image_prompts import check_prompt_fits, prompt_label
+    from flowrl.image_prompts import prompt_label
+    from flowrl.prompt_checks import check_prompt_fits
     from flowrl.rollout.sampling import ode_sample
     from flowrl.scoring import model_modality
 

@@ -14,7 +14,7 @@ Who reads the image:
   :func:`flowrl.scoring.components_of`, the one place flowrl calls a reward), so a text reward scores the
   instruction and an edit reward (e.g. ``source_fidelity``) compares with the source.
 
-At load (:func:`check_prompt_images`): a model that edits refuses a prompt without its image, a text-to-image model
+At load (:mod:`flowrl.prompt_checks`): a model that edits refuses a prompt without its image, a text-to-image model
 refuses one with an image, a reward that needs the source refuses text prompts, and a missing or unreadable image
 fails — each naming the key, the line and what is accepted.
 """
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl.errors import REPO_ROOT, ConfigError, shown
+from flowrl.errors import REPO_ROOT, shown
 
 IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
 FORM = "'[image: PATH] INSTRUCTION' (e.g. '[image: photos/dog.png] make the dog blue')"
@@ -70,7 +70,8 @@ def resolve_image_path(path: str) -> Path:
 
 
 @functools.lru_cache(maxsize=256)
-def _read_image(path: str):
+def read_image(path: str):
+    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image, read once per path (cached)."""
     from PIL import Image
 
     with Image.open(resolve_image_path(path)) as image:
@@ -82,7 +83,7 @@ def source_pil(path: str, height: int, width: int):
     ``width`` × ``height`` pixels."""
     from PIL import Image
 
-    image = _read_image(str(path))
+    image = read_image(str(path))
     return image if image.size == (width, height) else image.resize((width, height), Image.LANCZOS)
 
 
@@ -108,59 +109,3 @@ def reward_inputs(prompts: Sequence[str], meta: dict[str, Any], images: torch.Te
     h, w = images.shape[-2:]
     sources = torch.stack([load_source_image(path, int(h), int(w)) for _, path in split])
     return [text for text, _ in split], {**meta, "source_images": sources}
-
-
-def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
-    """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`flowrl.prompts.read_prompt_lines`)
-    fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
-    ``needs_source_image`` needs image prompts."""
-    from flowrl.prompts import read_prompt_lines
-
-    needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
-    for where, prompt in read_prompt_lines(spec, key):
-        check_prompt_fits(prompt, f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}", edits=edits,
-                          family=family, needing=needing)
-
-
-def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = ()) -> None:
-    """``prompt`` fits: ``edits`` (the model edits a source image) → it carries one that opens, else it carries
-    none; ``needing`` (names of rewards that compare with the source) → it carries one. Else a ConfigError that
-    starts with ``at`` (where the prompt came from) and says what is accepted."""
-    text, path = split_image_prompt(prompt)
-    if edits and path is None:
-        raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
-    if not edits and path is not None:
-        raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
-                          "accepted: text prompts (an image-editing family takes image prompts: "
-                          "model.family=qwen_image_edit)")
-    if path is None and needing:
-        raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
-                          f"this prompt has none; accepted: {FORM}")
-    if path is not None:
-        if not path:
-            raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
-        if not text.strip():
-            raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
-        try:
-            _read_image(path)
-        except FileNotFoundError as e:
-            raise ConfigError(f"{at}: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
-
-
-def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
-    """At load, before the model loads: every line of ``prompts.train`` / ``prompts.eval`` can be scored by its
-    rewards (:func:`flowrl.prompts.check_prompts`) and carries a source image exactly when the model edits (the
-    adapter's ``takes_source_image``: ``model``'s when given, else ``model.family``'s) or a reward needs one
-    (:func:`check_prompt_images`)."""
-    from flowrl.models import model_family
-    from flowrl.prompts import check_prompts
-
-    adapter = type(model) if model is not None else model_family(cfg.model.family).adapter_class()
-    family = getattr(adapter, "family", cfg.model.family) if model is not None else cfg.model.family
-    edits = bool(getattr(adapter, "takes_source_image", False))
-    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward), ("prompts.eval", cfg.prompts.eval, eval_reward)):
-        if spec:
-            check_prompts(spec, key, judge.check_prompt)
-            check_prompt_images(spec, key, edits=edits, family=family, rewards=getattr(judge, "rewards", [judge]))

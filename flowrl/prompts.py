@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.errors import REPO_ROOT, ConfigError, shown, shown_message
+from flowrl.errors import REPO_ROOT, ConfigError, shown
 from flowrl.rollout.seeding import derive_seed
 
 
@@ -49,20 +49,6 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
     if not pairs:
         raise ValueError(f"{key}={shown(spec)} holds no prompts")
     return pairs
-
-
-def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
-    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~rewards.Reward.check_prompt`); else a
-    ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
-    instruction text (:mod:`flowrl.image_prompts`: what rewards receive)."""
-    from flowrl.image_prompts import split_image_prompt
-
-    for where, prompt in read_prompt_lines(spec, key):
-        try:
-            check(split_image_prompt(prompt)[0])
-        except ValueError as e:
-            raise ConfigError(f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)} cannot be scored: "
-                              f"{shown_message(str(e))}") from None
 
 
 class PromptSource:

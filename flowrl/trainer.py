@@ -26,7 +26,7 @@ from flowrl import build
 from flowrl.checkpoint import save_weights, write_export
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import HeldOutEval, resolve_guidance
-from flowrl.image_prompts import check_run_prompts
+from flowrl.prompt_checks import check_run_prompts
 from flowrl.metrics import plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.process_group import ProcessGroup

@@ -9,8 +9,9 @@ import torch
 from PIL import Image
 
 from flowrl.errors import ConfigError
-from flowrl.image_prompts import (check_prompt_images, image_prompt, load_source_image, prompt_label, prompt_texts,
-                                  reward_inputs, split_image_prompt)
+from flowrl.image_prompts import (image_prompt, load_source_image, prompt_label, prompt_texts, reward_inputs,
+                                  split_image_prompt)
+from flowrl.prompt_checks import check_prompt_images
 from flowrl.scoring import components_of
 from rewards import MultiReward, Reward, build_reward
 

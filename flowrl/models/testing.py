@@ -176,17 +176,9 @@ def tiny_sd3_pipeline(
     ).eval()
     vae = _tiny_vae(4, quant_convs=True, scaling_factor=1.5305, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
-    return StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
-    )
+    return StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                                    tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                    text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
 
 
 def tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[str] | None = None):
@@ -226,15 +218,8 @@ def tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    return FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
 
 
 def gemma_vocab_and_merges(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
