@@ -83,7 +83,8 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
         weights[f"{prefix}/{name}_mean"] = float(len(prompts))
     for term in reward.rewards:
         if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
-            summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items() if isinstance(v, (int, float))}
+            summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items()
+                       if isinstance(v, (int, float))}
             metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
             weights.update({f"{prefix}/{term.name}/{k}": w for k, w in term_weights(summary, len(prompts)).items()})
     return metrics, weights
@@ -199,7 +200,8 @@ def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, pat
             else:
                 mark, colour = f"{score:.3f}", (0, 0, 0)
             draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
-            draw.text((x0, y0 + h * scale + 13), "\n".join(_wrap(prompt_label(prompts[i]), cell_w // 6)[:2]), fill=(0, 0, 0), font=font)
+            label = "\n".join(_wrap(prompt_label(prompts[i]), cell_w // 6)[:2])
+            draw.text((x0, y0 + h * scale + 13), label, fill=(0, 0, 0), font=font)
         out.append(canvas)
     return save_frames(out, path, video)
 

@@ -70,9 +70,10 @@ def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
         adapter = type(model) if model is not None else model_family(cfg.model.family).adapter_class()
     except (ValueError, ImportError, AttributeError, TypeError) as e:  # a bad out-of-tree name: its message names it
         raise ConfigError(str(e)) from e
-    family = getattr(adapter, "family", cfg.model.family) if model is not None else cfg.model.family
+    family = getattr(model, "family", cfg.model.family)
     edits = bool(getattr(adapter, "takes_source_image", False))
-    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward), ("prompts.eval", cfg.prompts.eval, eval_reward)):
+    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward),
+                             ("prompts.eval", cfg.prompts.eval, eval_reward)):
         if spec:
             check_prompts(spec, key, judge.check_prompt)
             check_prompt_images(spec, key, edits=edits, family=family, rewards=getattr(judge, "rewards", [judge]))

@@ -78,7 +78,8 @@ def request_scores(scorer: "BackgroundScorer", model, forest, max_batch: int
 def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
                   ) -> dict[str, torch.Tensor]:
     """A reward's per-term scores: ``MultiReward.components`` or ``{reward.name: reward(...)}``. Prompts that carry a
-    source image reach it as their instruction text with ``meta["source_images"]`` (:func:`flowrl.image_prompts.reward_inputs`)."""
+    source image reach it as their instruction text with ``meta["source_images"]``
+    (:func:`flowrl.image_prompts.reward_inputs`)."""
     from flowrl.image_prompts import reward_inputs
     from rewards.multi import MultiReward
 

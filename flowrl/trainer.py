@@ -26,10 +26,10 @@ from flowrl import build
 from flowrl.checkpoint import save_weights, write_export
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.evaluation import HeldOutEval, resolve_guidance
-from flowrl.prompt_checks import check_run_prompts
 from flowrl.metrics import plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.process_group import ProcessGroup
+from flowrl.prompt_checks import check_run_prompts
 from flowrl.prompts import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner

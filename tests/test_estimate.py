@@ -112,7 +112,7 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     arch = E.arch_for_model(cfg.model)
     m = cfg.model
     edit = arch["family"] in E.EDIT_FAMILIES  # the base family's shapes, the source's tokens added
-    family = E.EDIT_FAMILIES.get(arch["family"], arch["family"])
+    family = E.base_family(arch["family"])
     frames = m.kwargs.get("num_frames") if family in E.VIDEO_FAMILIES else None
     shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length, frames)
     f = arch["vae"]["scale_factor"] * (2 if family == "flux2" else 1)  # FLUX.2: the 2×2-patchified VAE latent
@@ -429,7 +429,8 @@ def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
     if family in E.EDIT_FAMILIES:  # each prompt on its own source image
         from tests.test_families_e2e import family_prompts
 
-        (tmp_path / "edits.txt").write_text("\n".join(family_prompts(tmp_path, family, ["a red circle", "a blue square"])))
+        edits = family_prompts(tmp_path, family, ["a red circle", "a blue square"])
+        (tmp_path / "edits.txt").write_text("\n".join(edits))
         overrides = overrides + [f"prompts.train={tmp_path / 'edits.txt'}"]
     cfg = TrainConfig.from_yaml(None, [
         "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",

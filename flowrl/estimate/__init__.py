@@ -51,7 +51,8 @@ from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, add_lora, arch_for_mode
 from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_class, load_config
-from flowrl.estimate.inputs import EDIT_FAMILIES, Shapes, preset_shapes, transformer_inputs, velocity, vision_tokens
+from flowrl.estimate.inputs import (EDIT_FAMILIES, Shapes, base_family, preset_shapes, transformer_inputs, velocity,
+                                    vision_tokens)
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
@@ -62,10 +63,10 @@ from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
 __all__ = [
-    "ARCH_DIR", "ASSUMPTIONS", "EDIT_FAMILIES", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT", "VIDEO_FAMILIES", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes",
-    "Trace",
+    "ARCH_DIR", "ASSUMPTIONS", "EDIT_FAMILIES", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT",
+    "VIDEO_FAMILIES", "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes", "Trace",
     "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
-    "assume_gpu", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
+    "assume_gpu", "base_family", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
     "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes", "iteration_counts",
     "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
     "sharded_update_traces", "text_encoder_params", "trace", "transformer_inputs", "velocity", "vision_tokens",
@@ -73,16 +74,14 @@ __all__ = [
 
 GiB = 2 ** 30
 
-# per-family tables: the adapters' defaults (flowrl/models/<family>.py)
-SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "qwen_image_edit": 512, "flux2": 512,
-               "wan": 512}
+# per-family tables: the adapters' defaults (flowrl/models/<family>.py); an edit family reads its base family's
+SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512}
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
-GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "qwen_image_edit": 4.0, "flux2": 4.0,
-                    "wan": 5.0}
+GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0}
 """``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
 GUIDANCE_DISTILLED = ("flux", "flux2")
 """Families whose ``guidance`` is an embedding, not a CFG branch."""
-MASKED_TEXT = ("sana", "qwen_image", "qwen_image_edit")
+MASKED_TEXT = ("sana", "qwen_image")
 """Families caching an int64 text attention mask with each prompt."""
 VIDEO_FAMILIES = ("wan",)
 """Families whose latent is a video [C, F, h, w] (``model.kwargs.num_frames``)."""
@@ -147,13 +146,13 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     default_px = arch["text"].get("default_image_size") or int(t_config.get("sample_size", 64)) * int(arch["vae"]["scale_factor"])
     height = int(m.height or defaults.get("height") or default_px)
     width = int(m.width or defaults.get("width") or default_px)
-    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[family])
+    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[base_family(family)])
     frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if family in VIDEO_FAMILIES else None
     shapes = preset_shapes(arch, height, width, max_seq, frames)
     with assume_gpu(gpu):  # an explorer backend is checked against the named GPU, not this machine
         plan = build.build_plan(cfg.rollout)
     objective = build.build_loss(cfg)
-    guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[family])
+    guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[base_family(family)])
     rollout_guidance = objective.rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
     if family in GUIDANCE_DISTILLED:  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none
@@ -225,7 +224,7 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     # packed source latent [source_tokens, in_channels])
     text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or t_config.get("text_dim") or 0
     pooled = t_config.get("pooled_projection_dim") or 0
-    mask = shapes.text_tokens * 8 if family in MASKED_TEXT else 0  # int64 attention mask
+    mask = shapes.text_tokens * 8 if base_family(family) in MASKED_TEXT else 0  # int64 attention mask
     source = shapes.source_tokens * int(t_config.get("in_channels", 0))
     per_prompt = (shapes.text_tokens * text_dim + pooled + source) * dbytes + mask
     cache_now = (P + 1) * per_prompt

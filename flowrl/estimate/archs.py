@@ -18,7 +18,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from flowrl.errors import ConfigError
-from flowrl.estimate.inputs import EDIT_FAMILIES
+from flowrl.estimate.inputs import EDIT_FAMILIES, base_family
 from flowrl.models import model_family
 from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
@@ -101,13 +101,14 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     arch = {
         "name": folder.name, "key": str(folder), "family": family, "hub_ids": [],
         "transformer": transformer, "text_encoders": encoders, "vae": vae,
-        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512)},
+        "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family)},
     }
-    for path in (folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json"):
-        if family in EDIT_FAMILIES and path.is_file():  # the edit models' image processor (hub or newer layout)
-            config = json.loads(path.read_text())
+    if family in EDIT_FAMILIES:  # the edit models' image processor (the hub's layout, or the newer one)
+        found = [p for p in (folder / "processor" / "preprocessor_config.json",
+                             folder / "processor" / "processor_config.json") if p.is_file()]
+        if found:
+            config = json.loads(found[0].read_text())
             arch["text"]["vision"] = vision_settings(config.get("image_processor", config))
-            break
     if shapes:
         arch["defaults"] = generation_defaults(folder)
         arch["name"] = f"shapes model ({folder.name})"
@@ -118,8 +119,15 @@ PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", 
                      "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image_edit",
                      "Flux2Pipeline": "flux2", "WanPipeline": "wan"}
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024, "qwen_image_edit": 1024}
+TEXT_LIMITS = {"qwen_image": 1024}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
+
+
+def text_limit(family: str) -> int:
+    """``max_sequence_length`` the pipeline of ``family`` (or of its base family, :data:`TEXT_LIMITS`) allows."""
+    return TEXT_LIMITS.get(base_family(family), 512)
+
+
 def vision_settings(processor: dict) -> dict:
     """An edit model's source-image tokens from its image processor's config (Qwen2-VL: ``patch_size``,
     ``merge_size``, and the pixel bounds of its resize as ``min_pixels``/``max_pixels`` or, in newer configs,
@@ -154,7 +162,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
            "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim")}
     if family == "wan":
         vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
-    text = {"clip_tokens": clip_tokens, "max_sequence_length_limit": TEXT_LIMITS.get(family, 512),
+    text = {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family),
             "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale)}
     if family in EDIT_FAMILIES:
         text["vision"] = vision_settings(pipe.processor.image_processor.to_dict())

@@ -32,6 +32,11 @@ PACKED_2X2 = ("flux", "qwen_image")
 EDIT_FAMILIES = {"qwen_image_edit": "qwen_image"}
 """Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
 the generated ones (as many again), its vision tokens join the text."""
+def base_family(family: str) -> str:
+    """The family whose transformer, inputs and decode ``family`` has (an edit family's text-to-image base)."""
+    return EDIT_FAMILIES.get(family, family)
+
+
 VISION_DEFAULT = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
 """Qwen2-VL's image processor (Qwen-Image-Edit's): 14 px patches merged 2×2, 4 to 16384 vision tokens."""
 
@@ -54,7 +59,7 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
     cannot take. An edit family: its base family's shapes, the source's latent tokens and vision tokens added."""
     family, config = arch["family"], arch["transformer"]["config"]
     if family in EDIT_FAMILIES:
-        base = preset_shapes({**arch, "family": EDIT_FAMILIES[family]}, height, width, max_sequence_length)
+        base = preset_shapes({**arch, "family": base_family(family)}, height, width, max_sequence_length)
         vision = vision_tokens(arch["text"].get("vision", VISION_DEFAULT), height, width)
         return dataclasses.replace(base, text_tokens=base.text_tokens + vision, source_tokens=base.image_tokens)
     f = int(arch["vae"]["scale_factor"])
@@ -102,7 +107,7 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
     - wan: ``hidden_states`` [B, C, F, h, w], ``timestep`` [B] fp32, ``encoder_hidden_states`` [B, L, text_dim].
     """
     config = arch["transformer"]["config"]
-    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
+    family = base_family(arch["family"])
     c, h, w = shapes.latent[0], shapes.latent[-2], shapes.latent[-1]
     L = shapes.text_tokens
     meta = {"device": "meta"}
@@ -154,7 +159,7 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
     packing; FLUX.2: a token per latent cell; Wan: the 5-D video latent as is; an edit model: the source's cached
     tokens appended, the output cut back to the generated tokens)."""
     rows = states * (2 if cfg else 1)
-    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
+    family = base_family(arch["family"])
     x = torch.empty(states, *shapes.latent, dtype=torch.float32, device="meta")
     inputs = transformer_inputs(arch, shapes, rows, dtype)
     hidden = x.to(dtype)
@@ -187,7 +192,7 @@ def decode_latents(vae: nn.Module, arch: dict, latents: torch.Tensor) -> torch.T
     """The adapter's VAE decode of ``latents`` [B, *latent] (model dtype): Qwen-Image one frame of its video VAE
     (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
     video ``[B, C, F, h, w]``; the others as is. Returns the decoded pixels (model dtype)."""
-    family = EDIT_FAMILIES.get(arch["family"], arch["family"])
+    family = base_family(arch["family"])
     if family == "qwen_image":
         return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
     if family == "flux2":
