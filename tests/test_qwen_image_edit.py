@@ -80,6 +80,22 @@ def test_conditioning_is_cached_per_instruction_and_image_and_carries_the_source
     torch.testing.assert_close(cond["image_latents"][1:2], pipe._pack_latents(pipe._encode_vae_image(pixels, None), 1, 4, 8, 8))
 
 
+
+def test_a_prompt_longer_than_max_sequence_length_is_refused_naming_its_text_tokens(sources):
+    """The padded length is max_sequence_length plus the source's vision tokens; an instruction whose text takes
+    more is refused, naming the setting and its text tokens (the padding shared with Qwen-Image's adapter)."""
+    _, model = make()
+    prompt = prompts_of(sources)[1]
+    text_tokens = int(model.encode([prompt]).cond["prompt_embeds_mask"].sum()) - IMAGE_TOKENS
+    assert 2 < text_tokens <= SIZE["max_sequence_length"]
+    short = wrap(tiny_qwen_image_edit_pipeline(), **{**SIZE, "max_sequence_length": text_tokens - 1})
+    with pytest.raises(ValueError, match=rf"model.max_sequence_length={text_tokens - 1}: the prompt .* takes "
+                                         rf"{text_tokens} tokens besides its image's; raise it"):
+        short.encode([prompt])
+    exact = wrap(tiny_qwen_image_edit_pipeline(), **{**SIZE, "max_sequence_length": text_tokens}).encode([prompt])
+    assert exact.cond["prompt_embeds_mask"].shape == (1, text_tokens + IMAGE_TOKENS)
+    assert bool(exact.cond["prompt_embeds_mask"].all())  # no padding left at the exact length
+
 def test_euler_ode_and_decode_reproduce_the_pipeline(sources, monkeypatch):
     """The source tokens after the latent's, both shapes in img_shapes, the output cut to the latent's tokens, true
     CFG with the negative prompt on the same image: ODE sampling and decoding equal QwenImageEditPipeline's (its

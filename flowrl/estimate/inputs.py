@@ -32,6 +32,8 @@ PACKED_2X2 = ("flux", "qwen_image")
 EDIT_FAMILIES = {"qwen_image_edit": "qwen_image"}
 """Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
 the generated ones (as many again), its vision tokens join the text."""
+
+
 def base_family(family: str) -> str:
     """The family whose transformer, inputs and decode ``family`` has (an edit family's text-to-image base)."""
     return EDIT_FAMILIES.get(family, family)

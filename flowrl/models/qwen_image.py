@@ -100,7 +100,13 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
         """``prompt_embeds`` [1, L, D] zero-padded to L = ``max_sequence_length`` and ``prompt_embeds_mask``
         [1, L] (1 for the tokens ``encode_prompt`` returned, 0 for the padding)."""
         embeds, _ = self.pipe.encode_prompt([prompt], device=self.device, max_sequence_length=self.max_sequence_length)
-        n, length = embeds.shape[1], self.max_sequence_length
+        return self._padded(embeds, self.max_sequence_length)
+
+    @staticmethod
+    def _padded(embeds: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        """``prompt_embeds`` [1, n, D] zero-padded to [1, ``length``, D] and its ``prompt_embeds_mask`` [1, length]
+        (1 for the n tokens, 0 for the padding): every prompt the same length, so rows never depend on their batch."""
+        n = embeds.shape[1]
         padded = embeds.new_zeros(1, length, embeds.shape[2])
         padded[:, :n] = embeds
         mask = (torch.arange(length, device=embeds.device) < n).long()[None]

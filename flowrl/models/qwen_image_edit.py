@@ -48,35 +48,32 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
 
     def _negative_prompts(self, prompts: list[str]) -> list[str]:
         """The negative prompt on each prompt's own source image (the pipeline encodes both with the image)."""
-        return [image_prompt(self.negative_prompt, self._source_path(p)) for p in prompts]
+        return [image_prompt(self.negative_prompt, self._split(p)[1]) for p in prompts]
 
     @staticmethod
-    def _source_path(prompt: str) -> str:
-        path = split_image_prompt(prompt)[1]
+    def _split(prompt: str) -> tuple[str, str]:
+        """(instruction, source image path) of ``prompt``; a prompt without an image is refused."""
+        text, path = split_image_prompt(prompt)
         if path is None:
             raise ValueError(f"model family 'qwen_image_edit' edits an image, and the prompt {prompt!r} carries "
                              f"none; accepted: {FORM}")
-        return path
+        return text, path
 
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
         """``prompt_embeds`` [1, L, D] zero-padded to L = ``max_sequence_length`` + the source's vision tokens,
         ``prompt_embeds_mask`` [1, L], and the packed source latent ``image_latents`` [1, (h/2)(w/2), 4C]."""
-        path, pipe = self._source_path(prompt), self.pipe
-        text = split_image_prompt(prompt)[0]
+        (text, path), pipe = self._split(prompt), self.pipe
         source = source_pil(path, self.height, self.width)
         embeds, _ = pipe.encode_prompt([text], image=source, device=self.device)
         grid = pipe.processor.image_processor(images=[source], return_tensors="pt")["image_grid_thw"]
         length = self.max_sequence_length + int(grid.prod()) // pipe.processor.image_processor.merge_size ** 2
-        n = embeds.shape[1]
-        if n > length:
+        if embeds.shape[1] > length:
+            text_tokens = embeds.shape[1] - length + self.max_sequence_length
             raise ValueError(f"model.max_sequence_length={self.max_sequence_length}: the prompt {prompt!r} takes "
-                             f"{n - length + self.max_sequence_length} tokens besides its image's; raise it")
-        padded = embeds.new_zeros(1, length, embeds.shape[2])
-        padded[:, :n] = embeds
-        mask = (torch.arange(length, device=embeds.device) < n).long()[None]
+                             f"{text_tokens} tokens besides its image's; raise it")
         pixels = pipe.image_processor.preprocess(source, self.height, self.width).unsqueeze(2)
         latents = pipe._encode_vae_image(pixels.to(self.device, pipe.vae.dtype), generator=None)  # [1, C, 1, h, w]
-        return {"prompt_embeds": padded, "prompt_embeds_mask": mask, "image_latents": self.pack(latents[:, :, 0])}
+        return {**self._padded(embeds, length), "image_latents": self.pack(latents[:, :, 0])}
 
     def _image_tokens(self, hidden: torch.Tensor, text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
         """The latents' tokens then the source's (``image_latents`` of each row), ``img_shapes`` with both."""
