@@ -24,6 +24,9 @@ REGISTRY = Registry("reward", {
     "imagereward": "rewards.imagereward:ImageRewardScore",
     "aesthetic": "rewards.aesthetic:Aesthetic",
     "remote": "rewards.remote:RemoteReward",
+    "ocr": "rewards.ocr:OcrReward",
+    "geneval": "rewards.geneval:GenEvalReward",
+    "vlm_judge": "rewards.vlm_judge:VlmJudge",
 }, base=Reward)
 """Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.registry.Registry`)."""
 

@@ -14,6 +14,12 @@ requested object (shape s, colour c): "some object has colour c", "some object h
   side beyond on the relation axis (image y grows downwards; "above" = smaller y).
 
 Extra copies of a requested shape+colour break only ``counting`` (exact count).
+
+``strict`` is GenEval's verdict from :mod:`rewards.geneval_rules` (the rules the neural GenEval reward uses):
+:func:`geneval_task` writes a prompt's spec as a GenEval task whose classes are "colour shape" (this detector
+sees colour itself), with the requirements above as include and exclude clauses, and :func:`geneval_objects`
+the detections (confidence = area, so "most confident" = largest). Only the relation differs from GenEval's:
+:func:`shapes_relation` (the centroid margin above; GenEval's box-offset rule is made for photographs).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 
 from flowrl.shapes import world
+from rewards import geneval_rules as rules
 from rewards.base import Reward
 from rewards.shapes_detector import (  # noqa: F401 (the detector's names, importable from here too)
     CHUNK_PIXELS, DARK, FULL_COVERAGE, MAX_ASPECT, MAX_CHROMA_DIST, MAX_SIDE_FRAC, MIN_AREA_FRAC, MIN_SIDE_FRAC,
@@ -38,9 +45,10 @@ MODES: tuple[str, ...] = ("strict", "partial", "precise", "geneval")
 
 # ------------------------------------------------------------------------------------------- scoring
 
-def _relation_holds(a: Detection, b: Detection, relation: str, side: int) -> bool:
+def _relation_holds(a: tuple[float, float], b: tuple[float, float], relation: str, side: int) -> bool:
+    """Whether centre ``a`` stands in ``relation`` to centre ``b`` by the margin, in an image of ``side`` px."""
     margin = RELATION_MARGIN_FRAC * side
-    (ax, ay), (bx, by) = a.centroid, b.centroid
+    (ax, ay), (bx, by) = a, b
     if relation == "left of":
         return bx - ax >= margin
     if relation == "right of":
@@ -72,7 +80,7 @@ def requirements(spec: world.Spec, dets: Sequence[Detection], side: int) -> dict
         req["bound"] = both and not leak
     if spec.task == "position":
         a, b = (matching(o) for o in spec.objects)
-        req["relation"] = both and _relation_holds(a[0], b[0], spec.relation, side)
+        req["relation"] = both and _relation_holds(a[0].centroid, b[0].centroid, spec.relation, side)
     return req
 
 
@@ -97,6 +105,54 @@ def geneval_subscores(spec: world.Spec, dets: Sequence[Detection], side: int) ->
     presence = sum(min(found(shape), n) for shape, n in wanted.items()) / len(objects)
     color = sum(found(o.shape, o.color) > 0 for o in objects) / len(objects)
     return {"presence": presence, "color": color}
+
+
+# ---- the same requirements as GenEval's rules (rewards.geneval_rules): strict ----------------------------
+TAG_OF_TASK: dict[str, str] = {"single": "colors", "two_objects": "two_object", "counting": "counting",
+                               "color_attr": "color_attr", "position": "position"}
+"""The GenEval tag of each shapes task (``single`` asks for one object in a colour: GenEval's ``colors``)."""
+
+
+def _class(o: world.ObjectSpec | tuple[str, str]) -> str:
+    shape, color = (o.shape, o.color) if isinstance(o, world.ObjectSpec) else o
+    return f"{color} {shape}"
+
+
+def geneval_task(spec: world.Spec, prompt: str = "") -> rules.Task:
+    """``spec`` as a GenEval task over "colour shape" classes: each object at least once (``count`` times for
+    counting, and fewer than ``count`` + 1: exact), for ``color_attr`` no shape in the other object's colour
+    (exclude clauses), for ``position`` object 0 in the relation to object 1 (GenEval puts the target first)."""
+    C = rules.Clause
+    objects = spec.objects
+    if spec.task == "counting":
+        (o,) = objects
+        return rules.Task("counting", prompt, (C(_class(o), o.count),), (C(_class(o), o.count + 1),))
+    if spec.task == "position":
+        a, b = objects
+        return rules.Task("position", prompt, (C(_class(b), 1), C(_class(a), 1, position=(spec.relation, 0))))
+    include = tuple(C(_class(o), 1) for o in objects)
+    exclude = ()
+    if spec.task == "color_attr":
+        a, b = objects
+        exclude = (C(_class((a.shape, b.color)), 1), C(_class((b.shape, a.color)), 1))
+    return rules.Task(TAG_OF_TASK[spec.task], prompt, include, exclude)
+
+
+def geneval_objects(dets: Sequence[Detection]) -> rules.Objects:
+    """Detections as GenEval's objects: class "colour shape", confidence = area (largest first), the centroid as
+    the centre."""
+    out: rules.Objects = {}
+    for d in sorted(dets, key=lambda d: -d.area):
+        out.setdefault(_class((d.shape, d.color)), []).append(
+            rules.Found(box=tuple(float(v) for v in d.bbox), score=float(d.area), center=d.centroid))
+    return out
+
+
+def shapes_relation(side: int) -> rules.Relation:
+    """The relations of one object to another in an image of ``side`` px: the centroid margin rule."""
+    def relation(a: rules.Found, b: rules.Found) -> set:
+        return {r for r in world.RELATIONS if _relation_holds(rules.center(a), rules.center(b), r, side)}
+    return relation
 
 
 def precision(spec: world.Spec, dets: Sequence[Detection]) -> float:
@@ -182,9 +238,10 @@ class ShapesReward(Reward):
         detections = detect_batch(arr)
         side = min(arr.shape[1], arr.shape[2])
         strict, partial, precise, geneval, colors = (np.zeros(len(specs), dtype=np.float32) for _ in range(5))
+        relation = shapes_relation(side)
         for i, (spec, dets) in enumerate(zip(specs, detections)):
             req = requirements(spec, dets, side)
-            strict[i] = float(all(req.values()))
+            strict[i] = float(rules.judge(geneval_task(spec), geneval_objects(dets), relation).strict)
             partial[i] = sum(req.values()) / len(req)
             share = precision(spec, dets)
             precise[i] = partial[i] * share
