@@ -1,0 +1,116 @@
+"""The GenEval reward and metric, in-process: GenEval's detector and colour classifier
+(:mod:`rewards.geneval_detector`) and GenEval's rules (:mod:`rewards.geneval_rules`, shared with the shapes
+world's reward).
+
+Per image it computes GenEval's strict verdict (the benchmark), Flow-GRPO's exact verdict and partial score (the
+reward its GenEval server trains with) and the prompt's task; the training score is one of them (``score``).
+Each prompt's task comes from GenEval's metadata files (``metadata``: ``dataset/geneval/*_metadata.jsonl`` from
+``flowrl data fetch geneval``) or, for a prompt in none, from GenEval's templates (:mod:`rewards.geneval_prompts`);
+a prompt that is neither fails at load, naming its file and line.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from rewards import geneval_rules as rules
+from rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
+from rewards.base import Reward
+from rewards.geneval_detector import DEFAULT_DETECTOR, ClipColors, Mask2FormerDetector
+from rewards.geneval_prompts import TaskBook
+
+SCORES: tuple[str, ...] = ("partial", "strict", "exact")
+
+
+class GenEvalReward(Reward):
+    """GenEval, in-process.
+
+    kwargs:
+      score: the training score: ``partial`` (default; Flow-GRPO's reward server), ``strict`` (GenEval's verdict,
+        0/1) or ``exact`` (Flow-GRPO's verdict: every count exact, 0/1).
+      metadata: GenEval metadata JSONL file(s) giving each prompt's task (default: none, GenEval's templates).
+      detector: a transformers Mask2Former COCO instance-segmentation checkpoint, hub id or local folder (default
+        ``facebook/mask2former-swin-small-coco-instance``, the architecture GenEval uses).
+      clip_model / clip_pretrained: the colour classifier, an open_clip architecture and its weights (default
+        ``ViT-L-14`` / ``openai``, GenEval's; a local checkpoint file works too).
+      confidence, counting_threshold, max_objects, max_overlap, position_threshold: GenEval's options (0.3, 0.9,
+        16, 1.0, 0.1).
+      device, dtype, batch_size: as every model reward (docs/rewards.md).
+
+    Adds to ``meta``: ``geneval/strict``, ``geneval/exact``, ``geneval/partial`` (float32 [B]) and
+    ``geneval/tag`` (list). :meth:`evaluate` summarises a batch as GenEval does (per-task accuracy, overall).
+    """
+
+    name = "geneval"
+
+    def __init__(self, score: str = "partial", metadata: str | Sequence[str] | None = None,
+                 detector: str = DEFAULT_DETECTOR, clip_model: str = "ViT-L-14", clip_pretrained: str | None = "openai",
+                 confidence: float = 0.3, counting_threshold: float = 0.9, max_objects: int = 16,
+                 max_overlap: float = 1.0, position_threshold: float = 0.1, device: str = "auto", dtype: str = "auto",
+                 batch_size: int = 8):
+        if score not in SCORES:
+            raise ValueError(f"geneval: score={score!r} is not accepted; accepted: {', '.join(SCORES)}")
+        for key, value, low, high in (("confidence", confidence, 0, 1), ("counting_threshold", counting_threshold, 0, 1),
+                                      ("max_overlap", max_overlap, 0, 1), ("position_threshold", position_threshold, 0, 1)):
+            if not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"geneval: {key}={value!r} must be a number in [{low}, {high}]")
+        if isinstance(max_objects, bool) or not isinstance(max_objects, int) or max_objects < 1:
+            raise ValueError(f"geneval: max_objects={max_objects!r} must be an integer >= 1")
+        self.score_kind = score
+        self.tasks = TaskBook([metadata] if isinstance(metadata, str) else list(metadata or []))
+        self.thresholds = rules.Thresholds(float(confidence), float(counting_threshold), max_objects, float(max_overlap))
+        self.position_threshold = float(position_threshold)
+        dev = resolve_device(device, self.name)
+        dt = resolve_dtype(dtype, dev, self.name)
+        check_batch_size(batch_size, self.name)
+        self.detector = Mask2FormerDetector(detector, dev, dt, batch_size, owner=self.name)
+        from rewards.clip_score import load_open_clip
+
+        net, preprocess, tokenizer = load_open_clip(clip_model, clip_pretrained, self.name, device=dev)
+        self.colors = ClipColors(net, preprocess, tokenizer, dev, dt, batch_size=max(batch_size, 1))
+
+    def check_prompt(self, prompt: str) -> None:
+        """A prompt with a GenEval task (ValueError otherwise)."""
+        self.tasks(prompt)
+
+    def relation(self, a: rules.Found, b: rules.Found) -> set:
+        return rules.relative_position(a, b, self.position_threshold)
+
+    def verdicts(self, images: Any, prompts: Sequence[str]) -> list[rules.Verdict]:
+        """One :class:`~rewards.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3])."""
+        arr = images if isinstance(images, np.ndarray) else to_uint8(torch.as_tensor(images))
+        tasks = [self.tasks(p) for p in prompts]
+        out = []
+        for image, task, raw in zip(arr, tasks, self.detector(arr)):
+            objects = rules.keep(raw, task.tag, self.thresholds)
+            for cls in task.color_classes & set(objects):
+                colours = self.colors(image, objects[cls], cls)
+                objects[cls] = [rules.Found(f.box, f.score, c, f.center) for f, c in zip(objects[cls], colours)]
+            out.append(rules.judge(task, objects, self.relation))
+        return out
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
+        """float32 [B] scores (``score``: partial, strict or exact) for images [B, 3, H, W] in [0, 1]."""
+        found = self.verdicts(images, prompts)
+        columns = {k: torch.tensor([float(getattr(v, k)) for v in found], dtype=torch.float32) for k in SCORES}
+        meta.update({f"geneval/{k}": v.numpy() for k, v in columns.items()})
+        meta["geneval/tag"] = [v.tag for v in found]
+        return columns[self.score_kind]
+
+    def evaluate(self, images: Any, prompts: Sequence[str]) -> dict[str, float]:
+        """GenEval's summary of a batch: ``accuracy`` (strict, over images), ``overall`` (the mean of the task
+        accuracies present), ``partial``, ``accuracy/<tag>`` and ``n/<tag>`` per task present, ``n``."""
+        found = self.verdicts(images, prompts)
+        scores = rules.task_scores(found)
+        out: dict[str, float] = {"n": len(found)}
+        if found:
+            out["accuracy"] = scores["images"]
+            out["overall"] = scores["overall"]
+            out["partial"] = float(np.mean([v.partial for v in found]))
+        for tag in rules.TAGS:
+            if tag in scores:
+                out[f"accuracy/{tag}"] = scores[tag]
+                out[f"n/{tag}"] = scores[f"n/{tag}"]
+        return out
