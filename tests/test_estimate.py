@@ -171,6 +171,9 @@ SLOW_ESTIMATES = {
     "configs/flux/branchgrpo_hps.yaml", "configs/flux/dance_grpo_hps.yaml", "configs/flux/mix_grpo.yaml",  # 720 px FLUX
     "configs/flux/solrl_pickscore.yaml", "configs/sd35/nft_geneval.yaml", "configs/sd35/solrl_hps.yaml",
     "configs/qwen_image/nft_geneval.yaml",  # Qwen-Image: flow_grpo_pickscore covers the model
+    # the task presets: SD3.5-M Flow-GRPO (flow_grpo_pickscore) and NFT (nft_geneval) with another reward
+    "configs/sd35/flow_grpo_geneval.yaml", "configs/sd35/flow_grpo_ocr.yaml", "configs/sd35/nft_ocr.yaml",
+    "configs/sd35/flow_grpo_vlm_judge.yaml",
 }
 
 
