@@ -79,8 +79,12 @@ def read_metadata(paths: Iterable[str | Path]) -> dict[str, Task]:
     """Prompt → task from GenEval metadata JSONL files (one record per line; later files win on a repeated
     prompt); a ValueError naming the file and line of a record that is not a GenEval task."""
     out: dict[str, Task] = {}
+    from flowrl.errors import REPO_ROOT
+
     for path in paths:
         path = Path(path).expanduser()
+        if not path.is_file() and (REPO_ROOT / path).is_file():  # as prompt files: the working directory, then the repo
+            path = REPO_ROOT / path
         if not path.is_file():
             raise FileNotFoundError(f"GenEval metadata file {str(path)!r} does not exist (flowrl data fetch geneval "
                                     "writes dataset/geneval/{train,test}_metadata.jsonl)")

@@ -123,6 +123,7 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
     overrides = ["model.lora.targets=null", "model.lora.rank=2", "model.full_finetune=false", "model.dtype=float32",
                  "model.device=cpu", "model.gradient_checkpointing=false", "prompts.per_step=2",
                  "prompts.train=a red circle|two blue squares", "prompts.eval=null", "rewards=[{name: brightness}]",
+                 "eval.rewards=null",
                  "reward_normalize=none", "train.num_threads=1", "train.progress=false", "train.async_reward=false",
                  f"train.output_dir={tmp_path}"]
     try:
