@@ -70,6 +70,7 @@ class GenEvalReward(Reward):
 
         net, preprocess, tokenizer = load_open_clip(clip_model, clip_pretrained, self.name, device=dev)
         self.colors = ClipColors(net, preprocess, tokenizer, dev, dt, batch_size=max(batch_size, 1))
+        self._last: tuple | None = None  # (images, prompts, verdicts) of the last call
 
     def check_prompt(self, prompt: str) -> None:
         """A prompt with a GenEval task (ValueError otherwise)."""
@@ -79,7 +80,16 @@ class GenEvalReward(Reward):
         return rules.relative_position(a, b, self.position_threshold)
 
     def verdicts(self, images: Any, prompts: Sequence[str]) -> list[rules.Verdict]:
-        """One :class:`~rewards.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3])."""
+        """One :class:`~rewards.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3]). The
+        last call's are kept: an eval that scores a batch and then asks for its summary (:meth:`evaluate`, with the
+        same images object) runs the detector once."""
+        if self._last is not None and self._last[0] is images and self._last[1] == tuple(prompts):
+            return self._last[2]
+        found = self._judge(images, prompts)
+        self._last = (images, tuple(prompts), found)
+        return found
+
+    def _judge(self, images: Any, prompts: Sequence[str]) -> list[rules.Verdict]:
         arr = images if isinstance(images, np.ndarray) else to_uint8(torch.as_tensor(images))
         tasks = [self.tasks(p) for p in prompts]
         out = []

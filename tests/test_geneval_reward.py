@@ -219,3 +219,18 @@ def test_benchmark_refuses_prompts_it_cannot_score(tmp_path, tiny, capsys):
     assert "prompt 2" in err and "not a GenEval prompt" in err
     assert main(["eval", "--benchmark", "geneval", "--config", str(config), "--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_an_eval_runs_the_detector_once_per_batch(reward, monkeypatch):
+    """score then evaluate on the same images object (what the held-out eval does) detect once; new images again."""
+    calls = []
+    detect = reward.detector.__call__
+    monkeypatch.setattr(type(reward.detector), "__call__", lambda self, arr: calls.append(len(arr)) or detect(arr))
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    prompts = ["a photo of a dog", "a photo of two cats"]
+    meta = {}
+    reward(images, prompts, meta)
+    summary = reward.evaluate(images, list(prompts))
+    assert calls == [2] and summary["accuracy"] == pytest.approx(float(np.mean(meta["geneval/strict"])))
+    reward.evaluate(images.clone(), prompts)
+    assert calls == [2, 2]
