@@ -21,6 +21,10 @@ malformed replies are not retried. A batch that still fails raises :class:`Remot
 ``meta["<name>/failed_batches"]``, ``meta["<name>/failed_samples"]`` for this call, the totals in
 ``self.failed_batches`` / ``self.failed_samples``, and a logged warning with the reason.
 Worst case per batch ≈ ``(retries + 1) × timeout + Σ backoff`` seconds.
+
+The transport is public for other HTTP rewards (:mod:`rewards.vlm_judge_served`): :func:`post_json` makes one
+POST and raises :class:`TransientError` or :class:`RemoteRewardError`; :func:`post_json_retrying` adds the
+retries and backoff above.
 """
 from __future__ import annotations
 
@@ -51,10 +55,65 @@ class RemoteRewardError(RuntimeError):
     """A remote reward batch failed (after retries where the failure was transient)."""
 
 
-class _Transient(Exception):
-    """A failure worth retrying (connection, timeout, 5xx, 429)."""
+class TransientError(Exception):
+    """A failure worth retrying (connection refused or dropped, timeout, 5xx, 429); :func:`post_json` raises it."""
 
 
+# ---- the transport ---------------------------------------------------------------------------------------
+def post_json(url: str, payload: bytes, timeout: float, headers: dict[str, str] | None = None) -> bytes:
+    """One ``POST url`` of the JSON ``payload``; the reply body. :class:`TransientError` for a failure worth
+    retrying (connection refused or dropped, timeout, 5xx, 429), :class:`RemoteRewardError` for any other (4xx,
+    a malformed HTTP reply), each with a message naming the HTTP status and the server's words."""
+    req = urllib.request.Request(url, data=payload, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        try:
+            detail = e.read()[:300].decode("utf-8", "replace")
+        except Exception:
+            detail = ""
+        msg = f"HTTP {e.code} {e.reason}: {detail}".strip()
+        if e.code >= 500 or e.code == 429:
+            raise TransientError(msg) from e
+        raise RemoteRewardError(msg) from e
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, ConnectionRefusedError):
+            raise TransientError("connection refused (is the reward server running?)") from e
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            raise TransientError(f"timed out after {timeout:g} s") from e
+        raise TransientError(f"cannot reach the server ({reason})") from e
+    except (socket.timeout, TimeoutError) as e:
+        raise TransientError(f"timed out after {timeout:g} s waiting for the reply") from e
+    except (ConnectionError, http.client.RemoteDisconnected) as e:
+        raise TransientError(f"connection failed ({type(e).__name__}: {e})") from e
+    except http.client.HTTPException as e:
+        raise RemoteRewardError(f"malformed HTTP reply ({type(e).__name__}: {e})") from e
+    except OSError as e:
+        raise TransientError(f"connection failed ({type(e).__name__}: {e})") from e
+
+
+def post_json_retrying(url: str, payload: bytes, timeout: float, headers: dict[str, str] | None, retries: int,
+                       backoff: float, max_backoff: float, what: str, logger: logging.Logger = log) -> bytes:
+    """:func:`post_json` with a :class:`TransientError` retried ``retries`` times after ``backoff × 2^attempt``
+    seconds (at most ``max_backoff``), each retry logged to ``logger`` as ``"<what>: <error>; retry …"``.
+    RemoteRewardError: a non-transient failure at once, or ``"<error> (after N attempts)"``."""
+    attempts = retries + 1
+    for attempt in range(attempts):
+        try:
+            return post_json(url, payload, timeout, headers)
+        except TransientError as e:
+            if attempt + 1 >= attempts:
+                raise RemoteRewardError(f"{e} (after {attempts} attempt{'s' if attempts > 1 else ''})") from e
+            delay = min(max_backoff, backoff * 2 ** attempt)
+            logger.warning("%s: %s; retry %d/%d in %.2g s", what, e, attempt + 1, retries, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# ---- images and meta on the wire -------------------------------------------------------------------------
 def encode_png(images: torch.Tensor) -> list[str]:
     """[B, 3, H, W] float in [0, 1] → base64 strings of 8-bit RGB PNGs."""
     from PIL import Image
@@ -202,56 +261,13 @@ class RemoteReward(Reward):
         """The server answers ``GET /health`` (RemoteRewardError naming the URL otherwise)."""
         self.health()
 
-    # -- one HTTP request ------------------------------------------------------------------------
-    def _post(self, payload: bytes) -> bytes:
-        req = urllib.request.Request(self.url, data=payload, method="POST",
-                                     headers={"Content-Type": "application/json", **self.headers})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            try:
-                detail = e.read()[:300].decode("utf-8", "replace")
-            except Exception:
-                detail = ""
-            msg = f"HTTP {e.code} {e.reason}: {detail}".strip()
-            if e.code >= 500 or e.code == 429:
-                raise _Transient(msg) from e
-            raise RemoteRewardError(msg) from e
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, ConnectionRefusedError):
-                raise _Transient("connection refused (is the reward server running?)") from e
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                raise _Transient(f"timed out after {self.timeout:g} s") from e
-            raise _Transient(f"cannot reach the server ({reason})") from e
-        except (socket.timeout, TimeoutError) as e:
-            raise _Transient(f"timed out after {self.timeout:g} s waiting for the reply") from e
-        except (ConnectionError, http.client.RemoteDisconnected) as e:
-            raise _Transient(f"connection failed ({type(e).__name__}: {e})") from e
-        except http.client.HTTPException as e:
-            raise RemoteRewardError(f"malformed HTTP reply ({type(e).__name__}: {e})") from e
-        except OSError as e:
-            raise _Transient(f"connection failed ({type(e).__name__}: {e})") from e
-
     def _request(self, payload: bytes, n: int) -> tuple[list[float], dict]:
-        attempts = self.retries + 1
-        for attempt in range(attempts):
-            try:
-                body = self._post(payload)
-            except _Transient as e:
-                if attempt + 1 >= attempts:
-                    raise RemoteRewardError(f"{e} (after {attempts} attempt{'s' if attempts > 1 else ''})") from e
-                delay = min(self.max_backoff, self.backoff * 2 ** attempt)
-                log.warning("remote reward %s at %s: %s; retry %d/%d in %.2g s", self.name, self.url, e,
-                            attempt + 1, self.retries, delay)
-                time.sleep(delay)
-                continue
-            try:
-                return parse_scores(body, n)
-            except ValueError as e:
-                raise RemoteRewardError(f"malformed reply: {e}") from e
-        raise AssertionError("unreachable")
+        body = post_json_retrying(self.url, payload, self.timeout, self.headers, self.retries, self.backoff,
+                                  self.max_backoff, f"remote reward {self.name} at {self.url}")
+        try:
+            return parse_scores(body, n)
+        except ValueError as e:
+            raise RemoteRewardError(f"malformed reply: {e}") from e
 
     # -- the Reward interface --------------------------------------------------------------------
     def score(self, images, prompts, meta):
