@@ -107,7 +107,8 @@ def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], 
     """Draw ``images_per_prompt`` images of this process's prompts (every ``group.world``-th), score each with
     ``reward`` and return the summary reduced over processes (:func:`summarise`); with ``out`` write the images,
     ``results.jsonl`` (``results-<rank>.jsonl`` under several processes) and, on the main process, ``summary.json``."""
-    from flowrl.evaluation import prompt_seeds, save_sample
+    from flowrl.evaluation import prompt_seeds
+    from flowrl.grids import save_sample
     from flowrl.rollout.sampling import ode_sample
 
     mine = list(range(group.rank, len(prompts), group.world))
@@ -212,12 +213,12 @@ def cmd_benchmark(args) -> int:
     from accelerate import Accelerator
 
     from flowrl import build
-    from flowrl.cli_sample import _load_model, _run_config
     from flowrl.evaluation import resolve_guidance
     from flowrl.process_group import ProcessGroup
+    from flowrl.run_model import load_model, run_config
 
     bench = get_benchmark(args.benchmark)
-    cfg, ckpt = _run_config(args.checkpoint, args.config, args.overrides)
+    cfg, ckpt = run_config(args.checkpoint, args.config, args.overrides)
     path = args.prompts or bench.prompts
     try:
         prompts, records = read_benchmark_prompts(path)
@@ -233,7 +234,7 @@ def cmd_benchmark(args) -> int:
         except ValueError as e:
             raise ConfigError(f"--prompts {path!r}, prompt {i + 1}: {e}") from None
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
-    model, trained_at = _load_model(cfg, ckpt, group.accelerator.device)
+    model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
     model.trainable.eval()
     guidance = resolve_guidance(model.guidance, cfg.eval.guidance, trained_at)
     n = args.images_per_prompt or bench.images_per_prompt

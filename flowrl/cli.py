@@ -18,6 +18,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
 
 from flowrl.cli_sample import check_flags, cmd_eval, cmd_export, cmd_sample
 from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
+from flowrl.guard import stop_summary
+from flowrl.summary import eval_summary
 
 OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
                   "every key with its value in the config that runs is listed below")
@@ -69,42 +71,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         records = trainer.train()
     except KeyboardInterrupt:
         return 130
+    stop = trainer.guard.stop
     if trainer.accelerator.is_main_process:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         if len(evals) >= 2:
             print("\n" + "\n".join(eval_summary(evals[0], evals[-1])))
+        if stop is not None:
+            print(f"\n{stop_summary(stop)}; exit status {GUARD_STOPPED}")
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
-    return 0
+    return GUARD_STOPPED if stop is not None else 0
 
 
-def eval_summary(first: dict[str, float], last: dict[str, float]) -> list[str]:
-    """Lines comparing two eval records: each metric before → after with its change; per-task prompt
-    counts (``…/n``, ``…/n/<task>``) once in the heading, not as metrics."""
-    keys = sorted(k for k in last if k.startswith(("eval/", "eval_default/")) and k in first and not k.endswith("/guidance"))
-    is_count = lambda k: k.endswith("/n") or "/n/" in k  # noqa: E731
-    counts = [last[k] for k in keys if k.endswith("/n")]
-    at = "; ".join(f"{p} at guidance {last[p + '/guidance']:g}" for p in ("eval", "eval_default") if f"{p}/guidance" in last)
-    details = [f"{int(counts[0])} held-out images"] if counts else []
-    details += [at] if at else []
-    heading = f"eval before → after ({', '.join(details)}):" if details else "eval before → after:"
-    return [heading] + [f"  {k}: {first[k]:.4f} → {last[k]:.4f}  ({last[k] - first[k]:+.4f})"
-                        for k in keys if not is_count(k)] + against_the_guided_base(first, last)
-
-
-def against_the_guided_base(first: dict[str, float], last: dict[str, float]) -> list[str]:
-    """The line that matters for a CFG-free policy: the aligned model at its own guidance against the base
-    model (the ``before`` eval) at its default guidance, when the two guidances differ."""
-    g, g_base = last.get("eval/guidance"), first.get("eval_default/guidance")
-    if g is None or g_base is None or g == g_base:
-        return []
-    out = []
-    for key in sorted(k for k in last if k.startswith("eval/") and k.endswith("_mean")):
-        base_key = "eval_default/" + key[len("eval/"):]
-        if base_key in first:
-            forwards = "one forward per step" if g == 1 else "two forwards per step"
-            out.append(f"the aligned model at guidance {g:g} ({forwards}): {key[5:]} {last[key]:.4f}; the base model at "
-                       f"guidance {g_base:g}: {first[base_key]:.4f}  ({last[key] - first[base_key]:+.4f})")
-    return out
+GUARD_STOPPED = 4  # the exit status of a run stopped by its eval guard (eval.guard; docs/reliability.md)
 
 
 # ---- sample and eval (a run's model, the trainer's held-out eval): flowrl/cli_sample.py -----
@@ -208,7 +186,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate PNGs with a trained run (or a config's base model)",
-                       description="Generate images with ODE sampling from a run folder's newest checkpoint.")
+                       description="Generate images with ODE sampling from a run folder's newest checkpoint; grid.png "
+                                   "shows each with its prompt (and with --reward, its score).")
     p.add_argument("--checkpoint", help="run folder (runs/<name>) or a checkpoints/step-N folder")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
@@ -219,6 +198,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
     p.add_argument("--out", default="samples", help="output folder (default ./samples)")
     p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")
+    p.add_argument("--reward", metavar="NAME", help="score each image with this reward (a registry name, "
+                   "package.module:Class or path/to/file.py:Class): its mark on grid.png (PASS/FAIL for a 0/1 reward, "
+                   "else the score) and every score in scores.json")
+    p.add_argument("--reward-kwargs", metavar="JSON", help='keyword arguments of --reward, a JSON object, e.g. '
+                   '\'{"mode": "strict"}\'')
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_sample)
 
@@ -236,7 +220,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        epilog=epilog, formatter_class=fmt)
     p.add_argument("--checkpoint", help="run folder or checkpoint folder (default: the base model)")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
-    p.add_argument("--out", help="folder for eval.json and grid.png")
+    p.add_argument("--out", help="folder for eval.json and grid.png (--benchmark: the images in GenEval's layout, "
+                                 "results.jsonl, summary.json)")
+    p.add_argument("--benchmark", choices=("geneval", "ocr"), default=None,
+                   help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
+                        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); docs/rewards/geneval.md, docs/rewards/ocr.md")
+    p.add_argument("--prompts", default=None, help="--benchmark: its prompt file (default dataset/geneval/"
+                                                   "test_metadata.jsonl or dataset/ocr/test.txt)")
+    p.add_argument("--images-per-prompt", type=int, default=None,
+                   help="--benchmark: images per prompt (default: the benchmark's, 4 for geneval, 1 for ocr)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_eval)
 
@@ -305,7 +297,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a failure is one message on stderr (``--debug``: the traceback too) and an exit
-    status: 2 a bad config or input, 3 a run stopped for non-finite values, 1 anything else."""
+    status: 2 a bad config or input, 3 a run stopped for non-finite values, 1 anything else; ``flowrl train``
+    also exits with 4 when its eval guard stopped the run (:data:`GUARD_STOPPED`) and 130 when interrupted."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     args = parse_args([a for a in argv if a != "--debug"])

@@ -96,6 +96,19 @@ class PromptsSection:
 
 
 @dataclass
+class GuardSection:
+    """``eval.guard``: a guard against reward hacking. At every eval after the first, the held-out mean of one eval
+    reward (``eval/<name>_mean``, the main pass) is compared with its value at the start (the eval before training);
+    when it falls by more than ``max_drop`` the run saves a checkpoint and stops (``flowrl train`` exits with
+    status 4). One mapping rather than flat ``eval.guard_*`` keys: its settings mean something only together,
+    ``reward: null`` turns the whole guard off, and ``flowrl train --help`` lists them as one block."""
+
+    reward: Optional[str] = None  # an eval reward term (its label, else its name as written); null = no guard
+    max_drop: float = 0.05  # the largest fall below the start value allowed (>= 0; in the reward's units)
+    relative: bool = False  # true: max_drop is a fraction of |start value| (0.1 = a 10% fall)
+
+
+@dataclass
 class EvalSection:
     every: int = 0  # iterations between evals (0 = only at start and end)
     every_minutes: float = 0.0  # also evaluate each time this much training time has passed (evals excluded; 0 = off)
@@ -109,6 +122,7 @@ class EvalSection:
     grid_prompts: int = 16
     batch_size: int = 64
     seed: int = 1234
+    guard: GuardSection = field(default_factory=GuardSection)  # stop when an eval reward falls (needs eval.every)
 
 
 @dataclass
@@ -224,9 +238,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config_checks`)."""
-        from flowrl.config_checks import check_config, positive
+        from flowrl.config_checks import check_config, check_guard, positive
 
         check_config(self)
+        check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
         if self.train.max_failed_iterations < 1:
             raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
                               "(iterations in a row with every reward failed before the run stops)")

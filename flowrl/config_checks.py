@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from flowrl import components
-from flowrl.choices import choose
+from flowrl.choices import choose, did_you_mean
 from flowrl.errors import ConfigError, shown
 from flowrl.models.dtypes import DTYPES
 from flowrl.prompts import check_adaptive_settings
@@ -99,6 +99,34 @@ def check_config(cfg: Any) -> None:
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     positive("eval.images_per_prompt", cfg.eval.images_per_prompt)
     positive("eval.batch_size", cfg.eval.batch_size)
+
+
+def guard_names(cfg: Any) -> list[str]:
+    """The names ``eval.guard.reward`` accepts: each eval reward term's label, else its name as written (the terms
+    of ``eval.rewards``, else of ``rewards`` when the eval scores with the training rewards)."""
+    return [t.label or t.name for t in (cfg.eval.rewards or cfg.rewards)]
+
+
+def check_guard(cfg: Any) -> None:
+    """``eval.guard``: a margin >= 0; with a reward, one of the eval rewards, periodic evals to check it at
+    (``eval.every`` or ``eval.every_minutes``) and held-out prompts to evaluate."""
+    guard = cfg.eval.guard
+    positive("eval.guard.max_drop", guard.max_drop, allow_zero=True)
+    if guard.reward is None:
+        return
+    names = guard_names(cfg)
+    if guard.reward not in names:
+        whose = "eval.rewards" if cfg.eval.rewards else "rewards (eval.rewards is null: the eval scores with them)"
+        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} is not one of the eval rewards"
+                          f"{did_you_mean(guard.reward, names)}; accepted: {names} (the terms of {whose}: a term's "
+                          "label, else its name as written)")
+    if not cfg.eval.every and not cfg.eval.every_minutes:
+        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} is checked at the periodic evals, and eval.every=0 "
+                          "with eval.every_minutes=0 runs none; accepted: eval.every >= 1 (iterations between evals) "
+                          "or eval.every_minutes > 0")
+    if not cfg.prompts.eval:
+        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} needs held-out prompts to evaluate, and prompts.eval "
+                          "is null; accepted: a prompt file or inline 'a|b|c'")
 
 
 def positive(key: str, value: float, allow_zero: bool = False) -> None:

@@ -1,13 +1,16 @@
-"""Held-out evaluation with ODE sampling, and sample grids: PNGs of images, animated GIFs of videos."""
+"""Held-out evaluation with ODE sampling: guidance, seeds, the reward means of an eval and the run's held-out
+evals (:class:`HeldOutEval`); their labelled grids are drawn by :mod:`flowrl.grids`, the guard against reward
+hacking that watches them is :mod:`flowrl.guard`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.image_prompts import prompt_label, prompt_texts
+from flowrl.grids import grid_scores, labelled_grid, save_frames
+from flowrl.image_prompts import prompt_texts
 from flowrl.models.base import FlowModel
 from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed
@@ -72,15 +75,28 @@ def term_weights(summary: dict[str, float], n_images: int) -> dict[str, float]:
     return out
 
 
-def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str) -> tuple[dict, dict]:
+def train_key(prefix: str, name: str) -> str:
+    """The metric key of training reward term ``name``'s held-out mean in eval pass ``prefix``: ``eval/train/<name>/mean``
+    (beside the eval rewards' ``eval/<name>_mean``, so a training and an eval term of one name stay apart)."""
+    return f"{prefix}/train/{name}/mean"
+
+
+def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str, train_reward=None
+                 ) -> tuple[dict, dict]:
     """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
-    reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged) and the
-    numeric summary of terms that offer ``evaluate`` (images only: not asked of an image term given videos)."""
+    reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged), the
+    numeric summary of terms that offer ``evaluate`` (images only: not asked of an image term given videos) and,
+    with ``train_reward`` (the training reward, when the eval scores with others), the mean of each of its terms
+    (:func:`train_key`): the training reward held out, beside the guard rewards."""
     metrics: dict[str, float] = {}
     weights: dict[str, float] = {}
-    for name, scores in components_of(reward, images, prompts, {}).items():
-        metrics[f"{prefix}/{name}_mean"] = float(scores.mean())
-        weights[f"{prefix}/{name}_mean"] = float(len(prompts))
+    scored = [(lambda name: f"{prefix}/{name}_mean", reward)]
+    if train_reward is not None:
+        scored.append((lambda name: train_key(prefix, name), train_reward))
+    for key, judge in scored:
+        for name, scores in components_of(judge, images, prompts, {}).items():
+            metrics[key(name)] = float(scores.mean())
+            weights[key(name)] = float(len(prompts))
     for term in reward.rewards:
         if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
             summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items()
@@ -93,9 +109,9 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
 @torch.no_grad()
 def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, guidance: float | None, seed: int,
              max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval",
-             progress: bool = False, indices: Sequence[int] | None = None) -> Evaluated:
-    """Mean of each reward term (``<prefix>/<name>_mean``) and per-task breakdowns of rewards that offer
-    ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
+             progress: bool = False, indices: Sequence[int] | None = None, train_reward=None) -> Evaluated:
+    """Mean of each reward term (``<prefix>/<name>_mean``; ``train_reward``'s too, :func:`score_images`) and per-task
+    breakdowns of rewards that offer ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
     the standard error shrinks by √k), with the weight of each mean, and the first ``keep_images`` images
     [K, 3, H, W] (videos [K, F, 3, H, W]) of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
     seeds (default 0, 1, …). ``progress``: a bar counting the images drawn."""
@@ -115,107 +131,8 @@ def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, gu
             bar.update(len(chunks[-1]))
     bar.close()
     images = torch.cat(chunks)
-    metrics, weights = score_images(images, prompts * images_per_prompt, reward, prefix)
+    metrics, weights = score_images(images, prompts * images_per_prompt, reward, prefix, train_reward)
     return Evaluated(metrics, weights, images[:min(keep_images, len(prompts))])
-
-
-def _pil(image: torch.Tensor):
-    """A PIL RGB image of one image [3, H, W] in [0, 1] (rounded to 8 bits)."""
-    from PIL import Image
-
-    return Image.fromarray((image.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
-
-
-def save_frames(frames: list, path: Path, video: bool, fps: float = 8.0) -> Path:
-    """Write PIL images: one PNG at ``path`` (``video`` False), else an animated GIF of every frame, looping, at
-    ``fps``, next to it with the suffix ``.gif``. Returns the path written."""
-    path = path.with_suffix(".gif") if video else path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if video:
-        frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
-    else:
-        frames[0].save(path)
-    return path
-
-
-def save_sample(sample: torch.Tensor, path: Path, fps: float = 8.0) -> Path:
-    """One image [3, H, W] in [0, 1] as a PNG at ``path``, or one video [F, 3, H, W] as an animated GIF (``path``
-    with the suffix ``.gif``). Returns the path written."""
-    video = sample.ndim == 4
-    return save_frames([_pil(frame) for frame in (sample if video else [sample])], path, video, fps)
-
-
-def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: int = 1) -> Path:
-    """Write images [N, 3, H, W] in [0, 1] as one PNG grid (``scale``× nearest upsampling); videos
-    [N, F, 3, H, W] as an animated GIF (suffix ``.gif``) whose frame t is the grid of every video's frame t.
-    Returns the path written."""
-    from PIL import Image
-
-    video = images.ndim == 5
-    n, h, w = images.shape[0], images.shape[-2], images.shape[-1]
-    nrow = nrow or max(1, int(round(n ** 0.5)))
-    ncol = (n + nrow - 1) // nrow
-    pad = 2
-    out = []
-    for frame in (images.unbind(1) if video else [images]):
-        grid = torch.ones(3, ncol * (h + pad) + pad, nrow * (w + pad) + pad) * 0.5
-        for i in range(n):
-            r, c = divmod(i, nrow)
-            grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = frame[i].clamp(0, 1)
-        img = _pil(grid)
-        out.append(img.resize((img.width * scale, img.height * scale), Image.NEAREST) if scale > 1 else img)
-    return save_frames(out, path, video)
-
-
-def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, path: Path, ncol: int = 4,
-                       scale: int = 4) -> Path | None:
-    """A PNG a person can read: each image [N, 3, H, W] in [0, 1] (``scale``× nearest upsampling) over its
-    prompt and its score from ``reward``'s first term — a green ✓ / red ✗ pass mark when that term is
-    pass/fail (scores in {0, 1}, e.g. the shapes checker in ``strict`` mode), else the score. Videos
-    [N, F, 3, H, W]: an animated GIF (suffix ``.gif``) whose frame t is that grid of every video's frame t, with
-    the same labels (each video's score). Returns the path written (None for no images)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    if images.shape[0] == 0:
-        return None
-    prompts = list(prompts)[: images.shape[0]]
-    first = next(iter(components_of(reward, images, prompts, {}).values())).float()
-    binary = bool(((first == 0) | (first == 1)).all())
-    font = ImageFont.load_default()
-    video = images.ndim == 5
-    n, h, w = images.shape[0], images.shape[-2], images.shape[-1]
-    cell_w, text_h, pad = max(w * scale, 128), 38, 6
-    rows = (n + ncol - 1) // ncol
-    out = []
-    for frame in (images.unbind(1) if video else [images]):
-        canvas = Image.new("RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255))
-        draw = ImageDraw.Draw(canvas)
-        for i in range(n):
-            r, c = divmod(i, ncol)
-            x0, y0 = pad + c * (cell_w + pad), pad + r * (h * scale + text_h + pad)
-            canvas.paste(_pil(frame[i]).resize((w * scale, h * scale), Image.NEAREST), (x0, y0))
-            score = float(first[i])
-            if binary:
-                mark, colour = ("PASS", (0, 140, 0)) if score == 1 else ("FAIL", (200, 0, 0))
-            else:
-                mark, colour = f"{score:.3f}", (0, 0, 0)
-            draw.text((x0, y0 + h * scale + 1), mark, fill=colour, font=font)
-            label = "\n".join(_wrap(prompt_label(prompts[i]), cell_w // 6)[:2])
-            draw.text((x0, y0 + h * scale + 13), label, fill=(0, 0, 0), font=font)
-        out.append(canvas)
-    return save_frames(out, path, video)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    """Greedy word wrap to lines of at most ``width`` characters."""
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return lines + ([line] if line else [])
 
 
 class HeldOutEval:
@@ -224,11 +141,16 @@ class HeldOutEval:
     images): at ``eval.guidance``, else the guidance the policy samples with (``eval/…``) and, outside the
     periodic evals, at the model's default guidance when it differs (``eval_default/…``). Metrics are
     reduced over processes in one :meth:`~flowrl.process_group.ProcessGroup.reduce_means` (count-weighted
-    means, counts added), equal to one process's over all the prompts; labelled grids in ``samples/``."""
+    means, counts added), equal to one process's over all the prompts; labelled grids in ``samples/``.
+    ``train_reward``: the training reward, scored on the same images when the eval's rewards are others
+    (``eval/train/<name>/mean``); ``on_grid(tag, image, step)``: called with each grid written (its first frame
+    for videos), e.g. to send it to a tracker."""
 
     def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path | None,
-                 policy_guidance: float | None, progress: bool = False):
+                 policy_guidance: float | None, progress: bool = False, train_reward=None,
+                 on_grid: Callable[[str, Any, int], None] | None = None):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
+        self.train_reward, self.on_grid = train_reward, on_grid
         self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
         prompts = list(prompts)
         self.indices = list(range(group.rank, len(prompts), group.world))  # this process's, in the whole list
@@ -257,7 +179,7 @@ class HeldOutEval:
                 found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance, seed=e.seed,
                                  max_batch=e.batch_size, keep_images=e.grid_prompts,
                                  images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
-                                 indices=self.indices)
+                                 indices=self.indices, train_reward=self.train_reward)
                 metrics.update(found.metrics)
                 weights.update(found.weights)
                 grids[prefix] = found.images
@@ -267,11 +189,15 @@ class HeldOutEval:
 
     def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
         """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``); the
-        main process writes each pass's labelled grid to ``samples/`` (a PNG; for videos an animated GIF)."""
+        main process writes each pass's labelled grid to ``samples/`` (a PNG; for videos an animated GIF) and hands
+        it to ``on_grid`` as ``samples/<prefix>`` (``samples/eval``, ``samples/eval_default``) at ``step``."""
         out, grids = self.run(periodic=tag is None)
         if self.group.is_main and self.samples is not None:
             for prefix, images in grids.items():
                 if images.numel():
                     name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
-                    save_labelled_grid(images, self.prompts, self.reward, self.samples / f"{name}.png")
+                    frames = labelled_grid(images, self.prompts, grid_scores(images, self.prompts, self.reward))
+                    save_frames(frames, self.samples / f"{name}.png", images.ndim == 5)
+                    if self.on_grid is not None:
+                        self.on_grid(f"samples/{prefix}", frames[0], step)
         return out

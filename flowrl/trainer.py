@@ -10,12 +10,16 @@ own small piece, wired here:
 - :class:`~flowrl.updater.Updater`: the objective's micro-batches → optimizer steps (the objective owns
   its batches and its loss, :mod:`flowrl.objective`; the updater only zero-grads, back-propagates, steps);
 - :class:`~flowrl.evaluation.HeldOutEval` and :class:`~flowrl.run_folder.RunFolder`: evals, checkpoints,
-  resume and the protection of the run folder.
+  resume and the protection of the run folder; :class:`~flowrl.guard.EvalGuard` (``eval.guard``): the stop
+  when an eval reward falls from its start value (reward hacking);
+- :class:`~flowrl.trainer_checkpoints.TrainerCheckpoints` (mixed in): what a checkpoint holds, saving, the
+  export and the resume.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +27,27 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl import build
-from flowrl.checkpoint import save_weights, write_export
 from flowrl.config import ConfigError, TrainConfig
+from flowrl.config_checks import guard_names
 from flowrl.evaluation import HeldOutEval, resolve_guidance
-from flowrl.metrics import plot_reward_curve
+from flowrl.guard import EvalGuard
+from flowrl.metrics import log_grid_image, plot_reward_curve
 from flowrl.models.base import FlowModel
 from flowrl.process_group import ProcessGroup
-from flowrl.prompt_checks import check_run_prompts
+from flowrl.prompt_checks import check_prompts, check_run_prompts
 from flowrl.prompts import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
 from flowrl.run_folder import RunFolder
 from flowrl.scoring import FailedRewardStreak, check_modality
-from flowrl.sharded_checkpoint import SHARDED_DIR, load_shards, merge_sharded, shards_of, split_sharded
-from flowrl.sharding import Sharding, check_shard_settings, check_sharded_objective, compute_dtype, full_state, offload_requested, resolve_shard
+from flowrl.sharding import Sharding, check_shard_settings, check_sharded_objective, compute_dtype, offload_requested, resolve_shard
 from flowrl.signals import stop_on_first_interrupt
+from flowrl.trainer_checkpoints import TrainerCheckpoints
 from flowrl.updater import Updater
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
 
     ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
@@ -105,7 +110,10 @@ class Trainer:
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
-                                    run_dir / "samples", self.guidance, progress=c.train.progress)
+                                    run_dir / "samples", self.guidance, progress=c.train.progress,
+                                    train_reward=self._held_out_training_reward(), on_grid=self._log_grid)
+        self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
+        self.resumed_from: Path | None = None
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
 
@@ -224,81 +232,6 @@ class Trainer:
         self.credit.assign(forest, gather=self.group.gather)
         return self.updater.gradient(forest, iteration), int(self.group.sum(forest.leaves().numel()))
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path | None:
-        """``checkpoints/step-N`` of the current step (main process); never of non-finite weights. Sharded,
-        every process writes its shards into it too (:mod:`flowrl.sharded_checkpoint`)."""
-        self.group.wait()
-        if not self.updater.weights_finite():
-            raise FloatingPointError(f"the weights at step {self.step} are not finite: no checkpoint was written, the "
-                                     "previous one is intact")
-        state = {"step": self.step, **self.updater.state_dict(), "config": self.cfg.to_dict(),
-                 "torch_rng": torch.get_rng_state(), "prompts": self.prompts.state_dict(),
-                 "objective": self.objective.state_dict(), "plan": self.plan.state_dict(),
-                 "policy_guidance": self.guidance, "train_seconds": self.train_seconds}
-        if self.sharding is not None:
-            state, extra = split_sharded(state)
-            lora = None
-            if self.model.has_lora:  # small: consolidated in every checkpoint (pipe.load_lora_weights reads it)
-                with self.ema_weights():
-                    lora = full_state(self.model)
-            def write_lora(folder: Path) -> None:
-                if lora is not None:
-                    save_weights(self.model, folder, lora)
-
-            path = self.folder.save_sharded(self.step, shards_of(self.model.trainable, self.optimizer, extra),
-                                            write_lora, state)
-            self.group.wait()
-            return path
-        path = None
-        if self.group.is_main:
-            def write_weights(folder: Path) -> None:
-                with self.ema_weights():
-                    save_weights(self.model, folder)
-                if self.updater.ema is not None:  # live (non-EMA) weights too, so resume continues exactly
-                    save_weights(self.model, folder / "live")
-
-            path = self.folder.save(self.step, write_weights, state)
-        self.group.wait()
-        return path
-
-    def export(self) -> Path | None:
-        """``export/``: the trained weights consolidated (the EMA's where kept), as a LoRA in the diffusers
-        format or a full ``transformer/`` folder that ``from_pretrained`` reads on one GPU; written atomically
-        by the main process (every process gathers). The path, on the main process."""
-        with self.ema_weights():
-            whole = full_state(self.model)
-        path = None
-        if self.group.is_main:
-            path = write_export(self.run_dir / "export", lambda folder: save_weights(self.model, folder, whole))
-        self.group.wait()
-        return path
-
-    def _read(self, path: Path) -> dict:
-        return self.folder.read_intact(path, self.model, self.updater.weights_finite,
-                                       sharded=self._read_shards if self.sharding is not None else None)
-
-    def _read_shards(self, path: Path, state: dict) -> dict:
-        """``state`` (a sharded checkpoint's, read) with the shards of ``path`` loaded: the weights and the
-        optimizer into the sharded model, the trainer state's sharded tensors put back at their places."""
-        template = {"step": 0, **self.updater.state_dict(), "objective": self.objective.state_dict(),
-                    "plan": self.plan.state_dict()}
-        _, extra = split_sharded(template)
-        extra = load_shards(path / SHARDED_DIR, self.model.trainable, self.optimizer, extra)
-        return merge_sharded(state, extra)
-
-    def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
-        """Continue from checkpoint ``path`` (``state``: already read; else read here, and a damaged or refused
-        checkpoint raises)."""
-        state = self._read(path) if state is None else state
-        self.updater.load_state_dict(state)
-        self.step = int(state["step"])
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.prompts.load_state_dict(state.get("prompts"), where=str(path))
-        self.objective.load_state_dict(state.get("objective"))
-        self.plan.load_state_dict(state.get("plan"))
-        self.plan.after_update(self.model)  # the weights changed: a plan's copy of the policy follows them
-
     # ---- the loop -----------------------------------------------------------------------------
     def out_of_time(self) -> bool:
         """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
@@ -312,16 +245,16 @@ class Trainer:
         by_time = bool(minutes) and int(self.train_seconds // (60 * minutes)) > int(seconds_before // (60 * minutes))
         return by_steps or by_time
 
-    def train(self) -> list[dict[str, float]]:
-        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set);
-        returns the metric records of this call."""
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until
+        the eval guard trips: ``guard.stop`` then holds the trip); returns the metric records of this call."""
         try:
             with self.folder.claim(lambda: self.step):
                 return self._train()
         finally:
             self.runner.close()  # the scorer's thread
 
-    def _train(self) -> list[dict[str, float]]:
+    def _train(self) -> list[dict[str, Any]]:
         cfg, main, t = self.cfg, self.group.is_main, self.cfg.train
         found = self.folder.find_resume(t.resume, self._read) if t.resume else None
         if found is not None:
@@ -332,59 +265,104 @@ class Trainer:
                 print(f"the run already finished at step {self.step} (train.max_steps={t.max_steps}); raise "
                       "train.max_steps to go on")
             return []
+        if found is not None:
+            line, refuses = self.guard.after_resume(self.resumed_from)  # a stop that still stands refuses
+            if main and line:
+                print(line, flush=True)
+            if refuses:
+                return []
         if main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if t.log_with != "none":
             self.accelerator.init_trackers(t.name, config=cfg.to_flat_dict())
-        records: list[dict[str, float]] = []
-
-        def emit(record: dict[str, float]) -> None:
-            if len(record) == 1:  # an eval without eval prompts: nothing to record
-                return
-            records.append(record)
-            if log is not None:
-                log.write(record)
-            if t.log_with != "none":
-                self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
-
-        def evaluate(tag: str | None = None) -> None:
-            with self.ema_weights(), self.sampling():
-                emit({"step": self.step, **self.evaluate(self.step, tag)})
-
+        self._log, self._records = log, []
         if self.step == 0 and cfg.eval.at_start:
-            evaluate("before")
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=not (main and t.progress), desc="flowrl train")
-        with stop_on_first_interrupt() as stop:
-            while self.step < t.max_steps and not stop.requested and not self.out_of_time():
-                t0, seconds_before = time.perf_counter(), self.train_seconds
-                record = self.train_step(self.step)
-                self.train_seconds += self.group.mean(time.perf_counter() - t0)  # the same on every rank
-                self.step += 1
-                record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
-                emit(record)
-                self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
-                bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record))
-                last = self.step == t.max_steps or self.out_of_time()
-                if self.eval_due(seconds_before) and not last:
-                    evaluate()
-                if t.checkpoint_every and self.step % t.checkpoint_every == 0 and not last:
-                    self.save_checkpoint()
-            bar.close()
-            self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
-            if self.sharding is not None and not stop.requested:
-                self.export()
-            if not stop.requested:
-                evaluate("after")
-            if stop.requested:
-                if main:
-                    print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
-                raise KeyboardInterrupt
+            self._evaluate("before")
+        self._loop()
         if main and log is not None:
             plot_reward_curve(log.read(), self.run_dir / "reward_curve.png")
         if t.log_with != "none":
             self.accelerator.end_training()
-        return records
+        return self._records
+
+    def _loop(self) -> None:
+        """The iterations, then the last checkpoint and the closing eval; Ctrl-C or SIGTERM finishes the iteration,
+        saves and raises KeyboardInterrupt; a trip of the eval guard saves and stops without the closing eval."""
+        t = self.cfg.train
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not (self.group.is_main and t.progress),
+                   desc="flowrl train")
+        with stop_on_first_interrupt() as stop:
+            while (self.step < t.max_steps and not stop.requested and not self.out_of_time()
+                   and self.guard.stop is None):
+                self._iteration(bar)
+            bar.close()
+            self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
+            if self.sharding is not None and not stop.requested:
+                self.export()
+            if not stop.requested and self.guard.stop is None:
+                self._evaluate("after")
+                if self.guard.stop is not None:
+                    self.save_checkpoint()  # again, holding the trip: a resume sees it
+            if stop.requested:
+                if self.group.is_main:
+                    print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
+                raise KeyboardInterrupt
+        if self.guard.stop is not None and self.group.is_main:
+            print(f"\n{self.guard.message()}\nstopped by the eval guard: saved a checkpoint at step {self.step}", flush=True)
+
+    def _iteration(self, bar) -> None:
+        """One iteration with its metrics, then a periodic eval and checkpoint when due."""
+        t = self.cfg.train
+        t0, seconds_before = time.perf_counter(), self.train_seconds
+        record = self.train_step(self.step)
+        self.train_seconds += self.group.mean(time.perf_counter() - t0)  # the same on every rank
+        self.step += 1
+        record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
+        self._emit(record)
+        self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record))
+        last = self.step == t.max_steps or self.out_of_time()
+        if self.eval_due(seconds_before) and not last:
+            self._evaluate()
+        if t.checkpoint_every and self.step % t.checkpoint_every == 0 and not last and self.guard.stop is None:
+            self.save_checkpoint()
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        """Record one iteration or eval: the records of this call, ``metrics.jsonl`` and the tracker."""
+        if len(record) == 1:  # an eval without eval prompts: nothing to record
+            return
+        self._records.append(record)
+        if self._log is not None:
+            self._log.write(record)
+        if self.cfg.train.log_with != "none":
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+
+    def _evaluate(self, tag: str | None = None) -> None:
+        """One held-out eval (``tag``: before/after; None: periodic) with the eval guard's verdict, recorded."""
+        with self.ema_weights(), self.sampling():
+            record: dict[str, Any] = {"step": self.step, **self.evaluate(self.step, tag)}
+        record.update(self.guard.observe(self.step, record))
+        self._emit(record)
+
+    def _log_grid(self, tag: str, image: Any, step: int) -> None:
+        """An eval's labelled grid to the tracker of ``train.log_with`` at the eval's step (:func:`log_grid_image`)."""
+        log_grid_image(self.accelerator, self.cfg.train.log_with, tag, image, step)
+
+    def _held_out_training_reward(self):
+        """The training reward, to score the evals' images with as well when the eval's rewards are others (the
+        training reward held out beside the guard rewards); None when they are the same, or when it cannot score
+        every held-out prompt (warned)."""
+        c = self.cfg
+        if self.eval_reward is self.reward or not c.prompts.eval:
+            return None
+        try:
+            check_prompts(c.prompts.eval, "prompts.eval", self.reward.check_prompt)
+        except ConfigError as e:
+            warnings.warn(f"the evals report eval.rewards only: the training reward cannot score every held-out "
+                          f"prompt ({e})", RuntimeWarning, stacklevel=3)
+            return None
+        return self.reward
 
 
 def _as_multi(reward: Any, normalize: str = "none"):

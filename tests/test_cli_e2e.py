@@ -112,7 +112,7 @@ def test_tensorboard_logging_writes_events(tmp_path):
 
 
 def test_eval_summary_shows_changes_and_counts_once():
-    from flowrl.cli import eval_summary
+    from flowrl.summary import eval_summary
 
     first = {"step": 0, "eval/shapes/accuracy": 0.5, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
     last = {"step": 150, "eval/shapes/accuracy": 0.625, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
@@ -123,7 +123,7 @@ def test_eval_summary_shows_changes_and_counts_once():
 
 
 def test_eval_summary_sets_a_cfg_free_policy_against_the_guided_base():
-    from flowrl.cli import eval_summary
+    from flowrl.summary import eval_summary
 
     first = {"step": 0, "eval/shapes_mean": 0.385, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.569,
              "eval_default/guidance": 3.0}

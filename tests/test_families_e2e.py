@@ -7,8 +7,8 @@ Per family: (1) a policy objective (Flow-GRPO chains: the first replay reproduce
 DiffusionNFT (ODE plan) each run 2 iterations, exit 0 and write their metrics; (2) the policy run's checkpoint LoRA
 loads into the plain diffusers pipeline (``<Pipeline>.from_pretrained(folder)`` + ``load_lora_weights``) and, wrapped
 by :func:`flowrl.models.wrap`, gives the velocities and the ODE sample of the run's model as flowrl's own loader
-builds it (``flowrl sample``'s ``_model_from_run``); (3) 1 iteration + ``train.resume=latest`` to 2 logs every
-non-``time/`` metric equal to a straight 2-iteration run. CPU only, one thread."""
+builds it (``flowrl sample``'s :func:`flowrl.run_model.model_from_run`); (3) 1 iteration + ``train.resume=latest``
+to 2 logs every non-``time/`` metric equal to a straight 2-iteration run. CPU only, one thread."""
 from __future__ import annotations
 
 import json
@@ -127,7 +127,7 @@ def test_policy_run_and_its_lora_in_diffusers(tmp_path, saved, family):
     ``load_lora_weights`` gives the run's velocities and ODE sample (flowrl's loader), and differs from the base."""
     import diffusers
 
-    from flowrl.cli_sample import _model_from_run
+    from flowrl.run_model import model_from_run
     from flowrl.models import wrap
     from flowrl.rollout.sampling import ode_sample
 
@@ -145,7 +145,7 @@ def test_policy_run_and_its_lora_in_diffusers(tmp_path, saved, family):
     assert (ckpt / "pytorch_lora_weights.safetensors").is_file()
 
     # flowrl's own loader (flowrl sample / flowrl eval): the run's config, the newest checkpoint
-    cfg, ours, _ = _model_from_run(str(run), None, [])
+    cfg, ours, _ = model_from_run(str(run), None, [])
     assert cfg.model.family == family and ours.has_lora
     # the plain diffusers pipeline from the same folder, the LoRA through diffusers' own loader
     pipeline_class = getattr(diffusers, FAMILIES[family][0])

@@ -200,7 +200,7 @@ def test_flowrl_sample_takes_edit_prompts_and_refuses_one_without_its_image(tmp_
     from flowrl.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["model.family=qwen_image_edit", "eval.steps=2"])
-    monkeypatch.setattr(cli_sample, "_model_from_run", lambda *a: (cfg, make(guidance=2.0)[1], None))
+    monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, make(guidance=2.0)[1], None))
 
     def sample(*prompts):
         args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=list(prompts),

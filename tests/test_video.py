@@ -186,7 +186,7 @@ def test_flowrl_sample_writes_animated_gifs_for_a_video_model(tmp_path, monkeypa
     from flowrl.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "eval.steps=2"])
-    monkeypatch.setattr(cli_sample, "_model_from_run", lambda *a: (cfg, wan_model(), None))
+    monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, wan_model(), None))
     args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=["a red circle"],
                               num=2, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
     assert cli_sample.cmd_sample(args) == 0
@@ -196,4 +196,4 @@ def test_flowrl_sample_writes_animated_gifs_for_a_video_model(tmp_path, monkeypa
         with Image.open(tmp_path / "out" / name) as gif:
             assert gif.n_frames == SIZE["num_frames"]
             size = gif.size
-    assert size == (48 + 4, 2 * (32 + 2) + 2)  # grid.gif: the two videos one above the other (round(√2) = 1 column)
+    assert size == (2 * (128 + 6) + 6, 32 + 38 + 2 * 6)  # grid.gif: the two videos in one row, each in a labelled 128 px cell
