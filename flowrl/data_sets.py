@@ -200,6 +200,34 @@ def convert_drawbench(files: dict[str, list[Path]]) -> dict[str, list[str]]:
     return {"test.txt": [p for p in map(clean_prompt, read_parquet_column(files["test"], "prompts")) if p is not None]}
 
 
+OCR_REVISION = "ac4c86e8cae021841f1fde853d340e0db67690dd"  # yifan123/flow_grpo, 2025-07-18
+OCR_TEST = 1_018  # lines of dataset/ocr/test.txt at OCR_REVISION (its train.txt: at least 10,000, count unrecorded)
+OCR_TEST_SHA256 = "a2ca41aa30b79a9582751a6317d98e11acb4de6a2cc74e68da23bae5f5b522e9"  # test.txt as written
+
+
+def convert_ocr(files: dict[str, list[Path]]) -> dict[str, list[str]]:
+    """Flow-GRPO's text-rendering prompts: each file's lines in order, cleaned (:func:`clean_prompt`: blank lines
+    and lines read as comments dropped), repeats kept. Every prompt must quote its target text (the ``ocr``
+    reward reads it); a line that does not is a DataError naming the file and line."""
+    from rewards.ocr import prompt_target
+
+    out: dict[str, list[str]] = {}
+    for split in ("train", "test"):
+        path, prompts = files[split][0], []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                prompt = clean_prompt(line)
+                if prompt is None:
+                    continue
+                try:
+                    prompt_target(prompt)
+                except ValueError as e:
+                    raise DataError(f"{path}, line {number}: {prompt[:80]!r}: {e}") from None
+                prompts.append(prompt)
+        out[f"{split}.txt"] = prompts
+    return out
+
+
 PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
     PromptSet(
         name="pickscore",
@@ -232,6 +260,15 @@ PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
         remotes={"test": Remote("hub", "Jialuo21/DrawBench", "data/test-*.parquet")},
         outputs=(Output("test.txt", 200),),
         convert=convert_drawbench, needs=("pyarrow",)),
+    PromptSet(
+        name="ocr",
+        description="Flow-GRPO's text-rendering prompts (the OCR recipes of Flow-GRPO and DiffusionNFT), each "
+                    "quoting the text to render; its own split: 1,018 test prompts, its train file",
+        remotes={"train": Remote("github", "yifan123/flow_grpo", "dataset/ocr/train.txt", OCR_REVISION),
+                 "test": Remote("github", "yifan123/flow_grpo", "dataset/ocr/test.txt", OCR_REVISION)},
+        outputs=(Output("train.txt", None, min_count=10_000),
+                 Output("test.txt", OCR_TEST, sha256=OCR_TEST_SHA256)),
+        convert=convert_ocr),
 )}
 
 

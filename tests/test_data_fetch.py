@@ -300,7 +300,7 @@ def test_unknown_name_is_refused_with_the_accepted_names(tmp_path, capsys):
     assert run(["fetch", "hpdv", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown prompt set 'hpdv' (did you mean 'hpdv2'?)" in err
-    assert "['drawbench', 'geneval', 'hpdv2', 'pickscore']" in err
+    assert "['drawbench', 'geneval', 'hpdv2', 'ocr', 'pickscore']" in err
 
 
 def test_every_preset_prompt_path_under_dataset_is_a_known_set():
@@ -325,3 +325,82 @@ def test_list_shows_files_counts_and_presets(tmp_path, hpd_mirror, capsys):
     assert f"{tmp_path}/hpdv2/test.txt: 400 lines; present, 400 lines" in text
     assert f"{tmp_path}/pickscore/test.txt: 2,048 lines; missing" in text
     assert "configs/flux/dance_grpo_hps.yaml" in text
+
+
+# ---- ocr: Flow-GRPO's text-rendering prompts ------------------------------------------------------------------
+from flowrl import data_sets  # noqa: E402 (the set's constants; flowrl.data re-exports the sets)
+
+OCR_REPO = "yifan123/flow_grpo"
+
+
+def write_ocr(root: Path, test: list[str], train: list[str]) -> Path:
+    """Flow-GRPO's dataset/ocr/{test,train}.txt under ``root/yifan123/flow_grpo`` (as written: no line cleaning)."""
+    folder = root / OCR_REPO / "dataset" / "ocr"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "test.txt").write_text("\n".join(test))  # no newline at the end, as the real test.txt
+    (folder / "train.txt").write_text("\n".join(train) + "\n")
+    return folder
+
+
+def small_ocr(monkeypatch, test_count: int = 3, sha256: str | None = None) -> data.PromptSet:
+    """The ocr set with a small test count (and checksum) and train floor, for tiny fake files."""
+    spec = data.PROMPT_SETS["ocr"]
+    small = dataclasses.replace(spec, outputs=(dataclasses.replace(spec.outputs[0], min_count=2),
+                                               dataclasses.replace(spec.outputs[1], count=test_count, sha256=sha256)))
+    monkeypatch.setitem(data.PROMPT_SETS, "ocr", small)
+    return small
+
+
+OCR_TEST = ['A shop sign reading "Open Late"', 'A  poster with   "Sale Today"  in red', 'A cake saying "Happy 40th"']
+OCR_TRAIN = ['A mug printed with "Best Dad"', "", 'A billboard: "Drive Safe"', 'A mug printed with "Best Dad"']
+
+
+def test_ocr_from_a_mirror_keeps_every_quoted_prompt_in_order(tmp_path, monkeypatch):
+    root = tmp_path / "mirror"
+    write_ocr(root, OCR_TEST, OCR_TRAIN)
+    small_ocr(monkeypatch)
+    out = tmp_path / "dataset"
+    assert run(["fetch", "ocr", "--source", str(root), "--out", str(out)]) == 0
+    assert (out / "ocr" / "test.txt").read_text().splitlines() == [
+        'A shop sign reading "Open Late"', 'A poster with "Sale Today" in red', 'A cake saying "Happy 40th"']
+    train = (out / "ocr" / "train.txt").read_text().splitlines()
+    assert train == ['A mug printed with "Best Dad"', 'A billboard: "Drive Safe"', 'A mug printed with "Best Dad"']
+    manifest = json.loads((out / "ocr" / "manifest.json").read_text())
+    assert {s["revision"] for s in manifest["sources"]} == {data_sets.OCR_REVISION}
+    assert [s["path"] for s in manifest["sources"]] == ["dataset/ocr/train.txt", "dataset/ocr/test.txt"]
+
+
+def test_ocr_line_without_a_quoted_target_fails_naming_file_and_line(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "mirror"
+    folder = write_ocr(root, OCR_TEST, [OCR_TRAIN[0], "", "A mug printed with Best Dad", 'An empty "" sign'])
+    small_ocr(monkeypatch)
+    out = tmp_path / "dataset"
+    assert run(["fetch", "ocr", "--source", str(root), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder / 'train.txt'}, line 3: 'A mug printed with Best Dad'" in err
+    assert "no pair of double quotes; accepted: a prompt with the target text between double quotes" in err
+    assert not (out / "ocr").exists()
+
+
+def test_ocr_comes_from_the_pinned_flow_grpo_commit_and_its_test_split_is_checked(tmp_path, monkeypatch, capsys):
+    import urllib.request
+
+    root = tmp_path / "github"
+    write_ocr(root, OCR_TEST, OCR_TRAIN)
+    urls = []
+
+    def urlopen(url, timeout=None):  # raw.githubusercontent.com/<owner>/<repo>/<rev>/<path> from the fake folder
+        urls.append(url)
+        owner, repo, _rev, path = url.removeprefix("https://raw.githubusercontent.com/").split("/", 3)
+        return io.BytesIO((root / owner / repo / path).read_bytes())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(data, "_cache_dir", lambda: tmp_path / "hf" / "flowrl-data")
+    spec = data.PROMPT_SETS["ocr"]
+    assert spec.outputs[1].count == 1_018 and spec.outputs[1].sha256 == data_sets.OCR_TEST_SHA256  # the real split
+    small_ocr(monkeypatch, sha256=spec.outputs[1].sha256)  # 3 fake lines cannot match the real file's checksum
+    assert run(["fetch", "ocr", "--out", str(tmp_path / "dataset")]) == 2
+    assert urls == [f"https://raw.githubusercontent.com/{OCR_REPO}/{data_sets.OCR_REVISION}/dataset/ocr/{f}.txt"
+                    for f in ("train", "test")]
+    assert f"expected {data_sets.OCR_TEST_SHA256} for prompt set 'ocr'" in capsys.readouterr().err
+    assert sorted(data.used_by(spec)) == ["configs/sd35/flow_grpo_ocr.yaml", "configs/sd35/nft_ocr.yaml"]
