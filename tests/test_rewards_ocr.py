@@ -194,3 +194,34 @@ def test_flowrl_train_refuses_a_prompt_file_without_quoted_targets(tiny_sd3, tmp
     err = capsys.readouterr().err
     assert "bad.txt" in err and "line 2: 'a sign that says nothing' cannot be scored" in err
     assert "no pair of double quotes" in err and not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+# ---- flowrl eval --benchmark ocr ---------------------------------------------------------------------------
+@needs_engine
+def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_path, capsys, monkeypatch):
+    """The OCR benchmark on the tiny pipeline, its sampler swapped for one that writes each prompt's target (and
+    one wrong letter for the second prompt): every image read, the mean and the exact share as the engine read them."""
+    from flowrl.cli import main
+    from flowrl.rollout import sampling
+
+    targets = {'a sign that says "OPEN"': "OPEN", 'a card with "Helloworld" on it': "Hellowarld"}
+
+    def drawn(model, prompts, seeds, steps, guidance, max_batch):
+        return torch.stack([strip(targets[p]) for p in prompts])
+
+    monkeypatch.setattr(sampling, "ode_sample", drawn)
+    prompts = tmp_path / "test.txt"
+    prompts.write_text("\n".join(targets) + "\n")
+    out = tmp_path / "bench"
+    overrides = preset_overrides(tiny_sd3, tmp_path, str(prompts), "bench")
+    capsys.readouterr()
+    assert main(["eval", "--benchmark", "ocr", "--config", "configs/sd35/flow_grpo_ocr.yaml", "--prompts", str(prompts),
+                 "--out", str(out), *overrides]) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == list(targets) and rows[0]["score"] == 1.0
+    assert rows[1]["score"] == pytest.approx(1 - 1 / 10) and rows[1]["recognised"] == "Hellowarld"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mean"] == pytest.approx((1 + 0.9) / 2) and summary["images"] == 0.5
+    assert "OCR benchmark: 2 images of 2 prompts" in printed and f"{summary['mean']:.4f}" in printed
+    assert "% read exactly: 50.00% (1 / 2)" in printed
