@@ -4,7 +4,8 @@
 
 Parts (``PARTS``: name → function): ``ocr`` scores 512×512 images of rendered text (DejaVu Sans, one or two
 lines, 18 phrases) with the ``ocr`` reward at each ``--threads`` count (RapidOCR's onnxruntime intra-op
-threads). Each setting builds its reward (not timed), scores the batch once to warm up, then ``--repeats``
+threads); ``geneval`` times the GenEval reward's detector (full-size Mask2Former Swin-S, random weights) per
+image and its CLIP ViT-L/14 colour classifier per object, at each ``--threads`` count (torch threads). Each setting builds its reward (not timed), scores the batch once to warm up, then ``--repeats``
 times; the row gives the median time per image. To add a reward, write ``bench_<name>(args) -> list[Row]``
 and add it to ``PARTS``; ``--parts`` picks which run.
 """
@@ -92,7 +93,61 @@ def bench_ocr(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"ocr": bench_ocr}
+def save_mask2former_swin_small(folder: Path, shortest_edge: int) -> Path:
+    """GenEval's detector architecture at full size with random weights (Mask2Former, Swin-S backbone: embed 96,
+    depths 2-2-18-2, window 7; 100 queries, 6 encoder and 10 decoder layers; the 80 COCO classes), saved with an image
+    processor resizing the shorter side to ``shortest_edge`` (no hub: the time depends only on the shapes)."""
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+
+    from rewards.geneval_prompts import COCO_CLASSES
+
+    backbone = SwinConfig(embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], window_size=7,
+                          out_features=["stage1", "stage2", "stage3", "stage4"])
+    labels = dict(enumerate(COCO_CLASSES))
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, id2label=labels,
+                               label2id={v: k for k, v in labels.items()}, use_pretrained_backbone=False)
+    Mask2FormerForUniversalSegmentation(config).save_pretrained(folder)
+    Mask2FormerImageProcessor(size={"shortest_edge": shortest_edge, "longest_edge": 1333}, size_divisor=32
+                              ).save_pretrained(folder)
+    return folder
+
+
+def bench_geneval(args: argparse.Namespace) -> list[Row]:
+    """The ``geneval`` reward's two models at full size (random weights) on ``args.images`` 512×512 images: the
+    detector alone at the transformers checkpoint's resize (shorter side 384) and at mmdetection's (800), then the
+    CLIP ViT-L/14 colour classification per object crop, at each thread count."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from rewards import build_reward
+    from rewards import geneval_rules as rules
+
+    images = torch.rand(args.images, 3, 512, 512, generator=torch.Generator().manual_seed(0))
+    arr = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for edge in (384, 800):
+            folder = save_mask2former_swin_small(Path(tmp) / f"m2f-{edge}", edge)
+            reward = build_reward("geneval", detector=str(folder), clip_model="ViT-L-14", clip_pretrained=None,
+                                  device="cpu", dtype="fp32", batch_size=4)
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                rows.append(Row("geneval", f"detector, shorter side {edge}, threads={threads}", len(images),
+                                seconds_per_image(lambda: reward.detector(arr), len(images), args.repeats),
+                                "Mask2Former Swin-S, 80 classes, 100 queries"))
+        crops = [rules.Found((64.0 + i, 64.0, 320.0, 320.0 + i), 0.9, mask=np.ones((512, 512), bool)) for i in range(8)]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            rows.append(Row("geneval", f"colour of one object, threads={threads}", len(crops),
+                            seconds_per_image(lambda: reward.colors(arr[0], crops, "car"), len(crops), args.repeats),
+                            "CLIP ViT-L/14 on the masked crop; a GenEval image has 0-2 colour clauses"))
+    torch.set_num_threads(1)
+    return rows
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"ocr": bench_ocr, "geneval": bench_geneval}
 
 
 def table(rows: list[Row]) -> str:

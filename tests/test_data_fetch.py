@@ -237,20 +237,27 @@ def write_geneval(root: Path, n_test: int = 553, n_train: int = 1_010) -> None:
         (root / repo / path).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_geneval_over_https_keeps_metadata_aligned(tmp_path, monkeypatch):
+def fake_github(root: Path, tmp_path: Path, monkeypatch) -> list[str]:
+    """Downloads from raw.githubusercontent.com/<owner>/<repo>/<rev>/<path> served from the folder ``root`` (and the
+    download cache under ``tmp_path``); returns the list the requested URLs are appended to."""
     import urllib.request
 
-    root = tmp_path / "github"
-    write_geneval(root)
-    urls = []
+    urls: list[str] = []
 
-    def urlopen(url, timeout=None):  # raw.githubusercontent.com/<owner>/<repo>/<rev>/<path> from the fake folder
+    def urlopen(url, timeout=None):
         urls.append(url)
         owner, repo, _rev, path = url.removeprefix("https://raw.githubusercontent.com/").split("/", 3)
         return io.BytesIO((root / owner / repo / path).read_bytes())
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     monkeypatch.setattr(data, "_cache_dir", lambda: tmp_path / "hf" / "flowrl-data")
+    return urls
+
+
+def test_geneval_over_https_keeps_metadata_aligned(tmp_path, monkeypatch):
+    root = tmp_path / "github"
+    write_geneval(root)
+    urls = fake_github(root, tmp_path, monkeypatch)
     out = tmp_path / "dataset"
     data.fetch("geneval", out, log=lambda _: None)
     assert urls == ["https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/geneval/train_metadata.jsonl",
@@ -383,19 +390,9 @@ def test_ocr_line_without_a_quoted_target_fails_naming_file_and_line(tmp_path, m
 
 
 def test_ocr_comes_from_the_pinned_flow_grpo_commit_and_its_test_split_is_checked(tmp_path, monkeypatch, capsys):
-    import urllib.request
-
     root = tmp_path / "github"
     write_ocr(root, OCR_TEST, OCR_TRAIN)
-    urls = []
-
-    def urlopen(url, timeout=None):  # raw.githubusercontent.com/<owner>/<repo>/<rev>/<path> from the fake folder
-        urls.append(url)
-        owner, repo, _rev, path = url.removeprefix("https://raw.githubusercontent.com/").split("/", 3)
-        return io.BytesIO((root / owner / repo / path).read_bytes())
-
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    monkeypatch.setattr(data, "_cache_dir", lambda: tmp_path / "hf" / "flowrl-data")
+    urls = fake_github(root, tmp_path, monkeypatch)
     spec = data.PROMPT_SETS["ocr"]
     assert spec.outputs[1].count == 1_018 and spec.outputs[1].sha256 == data_sets.OCR_TEST_SHA256  # the real split
     small_ocr(monkeypatch, sha256=spec.outputs[1].sha256)  # 3 fake lines cannot match the real file's checksum

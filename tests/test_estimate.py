@@ -695,3 +695,18 @@ def test_the_edit_architecture_extends_qwen_image_and_counts_the_tokens_the_adap
         assert text["image_latents"].shape[1] == shapes.source_tokens == shapes.image_tokens
         counts.add(shapes.text_tokens)
     assert len(counts) == 2  # 48² px sources are resized to the processor's bound: as many tokens as 32²
+
+
+def test_reward_weights_counted_for_in_process_task_rewards_only():
+    """The estimate holds the GenEval reward's detector and colour model, an in-process judge, and no weights for a
+    served judge or the CPU OCR engine."""
+    from flowrl.estimate.static import REWARD_MODELS, reward_model_bytes
+
+    def counted(rewards: str) -> int:
+        return reward_model_bytes(TrainConfig.from_yaml(None, [f"rewards={rewards}", "eval.rewards=null"]))[0]
+
+    assert counted("[{name: geneval}]") == int(REWARD_MODELS["geneval"][0] * 2)
+    assert counted("[{name: geneval, kwargs: {dtype: fp32}}]") == int(REWARD_MODELS["geneval"][0] * 4)
+    assert counted("[{name: vlm_judge}]") == 0 == counted("[{name: vlm_judge, kwargs: {backend: openai}}]")
+    assert counted("[{name: vlm_judge, kwargs: {backend: transformers}}]") == int(REWARD_MODELS["vlm_judge"][0] * 2)
+    assert counted("[{name: ocr}]") == 0

@@ -18,9 +18,14 @@ REWARD_MODELS: dict[str, tuple[float, str]] = {
     "clip_score": (428e6, "CLIP ViT-L/14"),
     "aesthetic": (428e6, "CLIP ViT-L/14 + MLP head"),
     "imagereward": (447e6, "BLIP ViT-L + BERT-base with cross-attention (≈ 1.8 GB fp32 checkpoint)"),
+    "geneval": (497e6, "Mask2Former Swin-S (69 M) + CLIP ViT-L/14 colour classifier (428 M)"),
+    "vlm_judge": (8.29e9, "Qwen2.5-VL-7B-Instruct judge in-process (backend: transformers)"),
 }
 """Approximate parameters of the built-in model rewards (loaded on the GPU in fp16 unless their ``dtype``
-says otherwise); rewards not listed (``remote``, ``shapes``, image statistics) hold no GPU weights."""
+says otherwise); rewards not listed (``remote``, ``shapes``, ``ocr`` on its CPU engine, image statistics) hold no
+GPU weights, nor does a reward whose kwargs send it elsewhere (:data:`SERVED`)."""
+SERVED: dict[str, tuple[str, str]] = {"vlm_judge": ("backend", "openai")}
+"""Rewards that hold no weights here when a kwarg has (or defaults to) a value: a judge served over HTTP."""
 
 
 _QUANT_BYTES = {  # bytes per weight element of a quantized Linear (scales included)
@@ -84,6 +89,9 @@ def reward_model_bytes(cfg) -> tuple[int, list[str]]:
     seen = set()
     for term in list(cfg.rewards) + list(cfg.eval.rewards or []):
         name = str(term.name)
+        key, served = SERVED.get(name, (None, None))
+        if key is not None and term.kwargs.get(key, served) == served:
+            continue
         if name in REWARD_MODELS and name not in seen:
             seen.add(name)
             params, what = REWARD_MODELS[name]
