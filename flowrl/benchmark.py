@@ -1,7 +1,7 @@
 """``flowrl eval --benchmark NAME``: the field's benchmarks by their own protocols, on a run's weights or a base model.
 
 - ``geneval`` (GenEval, Ghosh et al. 2023): its 553 prompts (``dataset/geneval/test_metadata.jsonl`` from ``flowrl
-  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`rewards.geneval`, strict); printed as
+  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.geneval`, strict); printed as
   GenEval's ``summary_scores.py`` prints it: correct images and prompts, the six task rows, the overall score (the
   mean of the task scores). With ``--out`` the images are written in GenEval's folder layout
   (``<out>/<00000>/metadata.jsonl``, ``samples/0000.png`` …), so GenEval's own ``evaluate_images.py`` can score them
@@ -57,16 +57,14 @@ def get_benchmark(name: str) -> Benchmark:
 def read_benchmark_prompts(path: str) -> tuple[list[str], list[dict] | None]:
     """(prompts, GenEval metadata records or None) of a prompt file: a ``.jsonl`` of records with a ``prompt`` (a
     GenEval metadata file) or a text file of prompts (:func:`flowrl.prompts.read_prompts`)."""
-    from flowrl.errors import REPO_ROOT
+    from flowrl.paths import find_file, where_tried
     from flowrl.prompts import read_prompts
 
-    file = Path(path)
-    if not file.is_file() and (REPO_ROOT / path).is_file():
-        file = REPO_ROOT / path
     if not str(path).endswith(".jsonl"):
         return read_prompts(str(path), "--prompts"), None
-    if not file.is_file():
-        raise ConfigError(f"--prompts {str(path)!r} does not exist")
+    file = find_file(path)
+    if file is None:
+        raise ConfigError(f"--prompts {str(path)!r} does not exist (looked in {where_tried(path)})")
     records = []
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
@@ -162,7 +160,7 @@ def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
     """The benchmark's summary over every process (each a count-weighted mean, reduced in one call): for GenEval
     the share of correct images and of prompts with a correct image, each task's accuracy and the overall score
     (mean of the task accuracies); for OCR the mean score and the share read exactly."""
-    from rewards.geneval_rules import TAGS
+    from flowrl_rewards.geneval_rules import TAGS
 
     values: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -197,7 +195,7 @@ def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
 
 def summary_lines(bench: Benchmark, summary: dict[str, float], n_prompts: int) -> str:
     """The printed summary: GenEval's layout for ``geneval``; the mean score and exact share for ``ocr``."""
-    from rewards.geneval_rules import summary_text
+    from flowrl_rewards.geneval_rules import summary_text
 
     if bench.name == "geneval":
         return summary_text({**summary, "n": summary["n/images"]}, n_prompts)

@@ -87,8 +87,8 @@ def build_plan(section: Any) -> RolloutPlan:
 
 
 def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
-    """A :class:`rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``)."""
-    from rewards import MultiReward, RewardSpec
+    """A :class:`flowrl_rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``)."""
+    from flowrl_rewards import MultiReward, RewardSpec
 
     try:
         return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label,

@@ -17,7 +17,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 from flowrl.cli_sample import check_flags, cmd_eval, cmd_export, cmd_sample
-from flowrl.config import DEFAULT_CONFIG, ConfigError, TrainConfig
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.paths import DEFAULT_CONFIG, find_file, shipped_name
 from flowrl.guard import stop_summary
 from flowrl.summary import eval_summary
 
@@ -32,7 +33,7 @@ def _defaults_epilog(argv: list[str] | None = None) -> str:
     words = [w for w in (argv or [])[1:] if not w.startswith("-")]
     config = next((w for w in words if "=" not in w and _is_file(w)), None)
     overrides = [w for w in words if "=" in w]
-    shown_config = config or DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])
+    shown_config = config or shipped_name(DEFAULT_CONFIG)
     other = ("\n\nanother plan, credit rule or objective has its own keys: name its config to list them, e.g. "
              "`flowrl train configs/shapes/grpo.yaml --help`.")
     try:
@@ -54,8 +55,9 @@ def _split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | N
 
 
 def _is_file(word: str) -> bool:
+    """Whether ``word`` names a file (:func:`flowrl.paths.find_file`: a shipped ``configs/…`` preset too)."""
     try:
-        return Path(word).exists()
+        return find_file(word) is not None
     except OSError:  # e.g. a name too long to be a path
         return False
 
@@ -179,7 +181,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train with a YAML config (default: the embedded shapes preset)",
                        description="Train: rollout plan → rewards → credit → objective, to train.max_steps. "
-                                   f"Without CONFIG runs {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])}.",
+                                   f"Without CONFIG runs {shipped_name(DEFAULT_CONFIG)}.",
                        epilog=epilog, formatter_class=fmt)
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)

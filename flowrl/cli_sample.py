@@ -66,7 +66,7 @@ def _sample_reward(args: argparse.Namespace, prompts: list[str]):
     import json
 
     from flowrl.errors import shown_message
-    from rewards import MultiReward
+    from flowrl_rewards import MultiReward
 
     name, raw = getattr(args, "reward", None), getattr(args, "reward_kwargs", None)
     if name is None:

@@ -22,10 +22,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl import components
-from flowrl.errors import REPO_ROOT, ConfigError, shown, shown_message
-
-CONFIG_DIR = REPO_ROOT / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"  # the main job (`flowrl train` with no config)
+from flowrl.errors import ConfigError, shown, shown_message
+from flowrl.paths import find_file, where_tried
 
 
 @dataclass
@@ -190,9 +188,10 @@ class TrainConfig:
         """Schema ← YAML file (optional) ← ``key=value`` overrides; returns a validated TrainConfig."""
         loaded = None
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
+            found = find_file(path)
+            if found is None:
+                raise ConfigError(f"config file {str(path)!r} does not exist (looked in {where_tried(path)})")
+            path = found
             loaded = _load_yaml(path)
         for item in overrides or []:
             if "=" not in item:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 from flowrl.choices import choose
-from flowrl.errors import REPO_ROOT
+from flowrl.paths import REPO_ROOT
 from flowrl.data_sets import (  # noqa: F401 (re-exported: the prompt sets are part of this module's API)
     SOURCE_ENV,
     DEFAULT_OUT,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from flowrl.errors import REPO_ROOT
+from flowrl.paths import CONFIG_DIR, shipped_name
 
 
 SOURCE_ENV = "FLOWRL_DATA_SOURCE"
@@ -209,7 +209,7 @@ def convert_ocr(files: dict[str, list[Path]]) -> dict[str, list[str]]:
     """Flow-GRPO's text-rendering prompts: each file's lines in order, cleaned (:func:`clean_prompt`: blank lines
     and lines read as comments dropped), repeats kept. Every prompt must quote its target text (the ``ocr``
     reward reads it); a line that does not is a DataError naming the file and line."""
-    from rewards.ocr import prompt_target
+    from flowrl_rewards.ocr import prompt_target
 
     out: dict[str, list[str]] = {}
     for split in ("train", "test"):
@@ -281,8 +281,9 @@ def get_set(name: str) -> PromptSet:
     raise DataError(f"unknown prompt set {name!r}{hint}; accepted: {sorted(PROMPT_SETS)}")
 
 
-def used_by(spec: PromptSet, configs: Path = REPO_ROOT / "configs") -> list[str]:
-    """The shipped presets that name one of ``spec``'s files (``dataset/<name>/<file>``)."""
+def used_by(spec: PromptSet, configs: Path = CONFIG_DIR) -> list[str]:
+    """The shipped presets that name one of ``spec``'s files (``dataset/<name>/<file>``), as users name them
+    (``configs/…``)."""
     wanted = [f"dataset/{spec.name}/{o.file}" for o in spec.outputs]
-    return sorted(str(p.relative_to(configs.parent)) for p in configs.rglob("*.yaml")
+    return sorted(shipped_name(p) for p in configs.rglob("*.yaml")
                   if any(w in p.read_text(encoding="utf-8") for w in wanted))

@@ -1,9 +1,5 @@
-"""Errors shown to users, how values appear in their messages, and where the repository lies."""
+"""Errors shown to users and how values appear in their messages."""
 from __future__ import annotations
-
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]  # relative config and prompt paths are also tried from here
 
 
 class ConfigError(ValueError):

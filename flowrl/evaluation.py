@@ -196,7 +196,8 @@ class HeldOutEval:
             for prefix, images in grids.items():
                 if images.numel():
                     name = f"{tag or f'step-{step:06d}'}{'' if prefix == 'eval' else '_' + prefix.split('_', 1)[1]}"
-                    frames = labelled_grid(images, self.prompts, grid_scores(images, self.prompts, self.reward))
+                    shown = self.prompts[: images.shape[0]]  # the grid holds the first eval.grid_prompts images
+                    frames = labelled_grid(images, shown, grid_scores(images, shown, self.reward))
                     save_frames(frames, self.samples / f"{name}.png", images.ndim == 5)
                     if self.on_grid is not None:
                         self.on_grid(f"samples/{prefix}", frames[0], step)

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl.errors import REPO_ROOT, shown
+from flowrl.errors import shown
+from flowrl.paths import find_file, where_tried
 
 IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
 FORM = "'[image: PATH] INSTRUCTION' (e.g. '[image: photos/dog.png] make the dog blue')"
@@ -59,13 +60,10 @@ def prompt_label(prompt: str) -> str:
 
 
 def resolve_image_path(path: str) -> Path:
-    """``path`` as found from the working directory, else the repository root (FileNotFoundError naming both)."""
-    found = Path(path)
-    if not found.is_file() and (REPO_ROOT / path).is_file():
-        found = REPO_ROOT / path
-    if not found.is_file():
-        raise FileNotFoundError(f"no such image {shown(path)} (relative paths are tried from the working directory "
-                                f"and from {REPO_ROOT})")
+    """``path`` as :func:`flowrl.paths.find_file` finds it (FileNotFoundError naming where it looked)."""
+    found = find_file(path)
+    if found is None:
+        raise FileNotFoundError(f"no such image {shown(path)} (looked in {where_tried(path)})")
     return found
 
 

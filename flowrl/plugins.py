@@ -96,7 +96,7 @@ def load_from_module(module_path: str, cls_name: str, label: str, noun: str = "c
 
 
 def public_name(cls: type) -> str:
-    """``rewards.Reward``, ``flowrl.RolloutPlan``: the top-level package and the class name."""
+    """``flowrl_rewards.Reward``, ``flowrl.RolloutPlan``: the top-level package and the class name."""
     return f"{cls.__module__.split('.')[0]}.{cls.__name__}"
 
 

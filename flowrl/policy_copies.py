@@ -11,7 +11,6 @@ Both run through the model's own ``velocity`` inside a context (``with copy.acti
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from typing import Iterator
 

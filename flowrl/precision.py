@@ -92,12 +92,12 @@ def unavailable_reason(backend: str, device: torch.device | str | None = None) -
     if backend == "int8":
         if cuda:
             return None if _installed("bitsandbytes") or _installed("torchao") else \
-                "int8 on CUDA needs bitsandbytes (pip install 'flowrl[quant]') or torchao"
+                "int8 on CUDA needs bitsandbytes (pip install 'flowrl-align[quant]') or torchao"
         return None if _torch_dynamic_int8() else "this torch build has no quantized CPU engine for torch.ao dynamic int8"
     if backend == "nf4":
         if device.type not in ("cpu", "cuda"):
             return f"bitsandbytes nf4 does not run on {device.type}"
-        return None if _installed("bitsandbytes") else "nf4 needs bitsandbytes: pip install 'flowrl[quant]'"
+        return None if _installed("bitsandbytes") else "nf4 needs bitsandbytes: pip install 'flowrl-align[quant]'"
     if backend == "fp8":
         if not cuda:
             return "fp8 (torchao float8) needs a CUDA GPU with compute capability >= 8.9 (Ada, Hopper or newer)"

@@ -11,7 +11,7 @@ from flowrl.prompts import read_prompt_lines
 
 
 def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
-    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~rewards.Reward.check_prompt`); else a
+    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~flowrl_rewards.Reward.check_prompt`); else a
     ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
     instruction text (:mod:`flowrl.image_prompts`: what rewards receive)."""
     for where, prompt in read_prompt_lines(spec, key):

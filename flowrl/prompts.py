@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from flowrl.errors import REPO_ROOT, ConfigError, shown
+from flowrl.errors import ConfigError, shown
+from flowrl.paths import find_file, where_tried
 from flowrl.rollout.seeding import derive_seed
 
 
@@ -33,13 +34,10 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
     if not looks_like_path and ("|" in spec or " " in spec.strip()):
         pairs = [(f"prompt {i + 1}", p.strip()) for i, p in enumerate(spec.split("|")) if p.strip()]
     else:
-        path = Path(spec)
-        if not path.is_file() and (REPO_ROOT / spec).is_file():
-            path = REPO_ROOT / spec
-        if not path.is_file():
-            raise FileNotFoundError(f"{key}={shown(spec)}: no such prompt file (relative paths are tried from the "
-                                    f"working directory and from {REPO_ROOT}); inline prompts are written "
-                                    "'a red circle|two blue squares'")
+        path = find_file(spec)
+        if path is None:
+            raise FileNotFoundError(f"{key}={shown(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
+                                    "prompts are written 'a red circle|two blue squares'")
         try:
             lines = path.read_text().splitlines()
         except UnicodeDecodeError as e:

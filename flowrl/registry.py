@@ -1,5 +1,5 @@
 """One registry class for every kind of named thing: rollout plans, credit rules, objectives
-(:data:`flowrl.components.KINDS`), rewards (:data:`rewards.REGISTRY`), SDE kernels
+(:data:`flowrl.components.KINDS`), rewards (:data:`flowrl_rewards.REGISTRY`), SDE kernels
 (:data:`flowrl.sde.KERNEL_FUNCTIONS`) and model families (:data:`flowrl.models.MODEL_FAMILIES`).
 
 A :class:`Registry` maps names to objects or to lazy ``"module:attr"`` strings (imported when resolved, so

@@ -3,7 +3,8 @@ model it builds with the checkpoint's weights and the guidance its policy was tr
 ``flowrl sample``, ``flowrl eval`` (``--benchmark`` too) and ``flowrl export`` load."""
 from __future__ import annotations
 
-from flowrl.config import DEFAULT_CONFIG, TrainConfig
+from flowrl.config import TrainConfig
+from flowrl.paths import DEFAULT_CONFIG
 
 
 def run_config(run: str | None, config: str | None, overrides: list[str]):

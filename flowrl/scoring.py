@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 def model_modality(model) -> str:
@@ -81,7 +81,7 @@ def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], 
     source image reach it as their instruction text with ``meta["source_images"]``
     (:func:`flowrl.image_prompts.reward_inputs`)."""
     from flowrl.image_prompts import reward_inputs
-    from rewards.multi import MultiReward
+    from flowrl_rewards.multi import MultiReward
 
     prompts, meta = reward_inputs(prompts, meta, images)
 
@@ -94,13 +94,13 @@ class BackgroundScorer:
     """Runs ``components_of(reward, ...)`` on one worker thread.
 
     Args:
-      reward: a :class:`~rewards.MultiReward` or any :class:`~rewards.Reward`.
+      reward: a :class:`~flowrl_rewards.MultiReward` or any :class:`~flowrl_rewards.Reward`.
       enabled: True (thread), False (synchronous) or ``"auto"`` (thread iff CUDA is available).
     """
 
     def __init__(self, reward: Reward, enabled: bool | str = True):
         if not isinstance(reward, Reward):
-            raise TypeError(f"BackgroundScorer needs a rewards.Reward, got {type(reward).__name__}")
+            raise TypeError(f"BackgroundScorer needs a flowrl_rewards.Reward, got {type(reward).__name__}")
         if enabled == "auto":
             enabled = torch.cuda.is_available()
         if not isinstance(enabled, bool):
@@ -145,7 +145,7 @@ class RewardsFailed(FloatingPointError):
 class FailedRewardStreak:
     """Counts iterations in a row whose every leaf's reward failed (``reward_failed`` == ``leaves``); the
     ``limit``-th (``train.max_failed_iterations``) raises :class:`RewardsFailed` naming the rewards that failed
-    and why (:attr:`rewards.MultiReward.failures` of the last call), instead of training on nothing."""
+    and why (:attr:`flowrl_rewards.MultiReward.failures` of the last call), instead of training on nothing."""
 
     def __init__(self, limit: int, reward: Reward):
         self.limit, self.reward, self.count = int(limit), reward, 0

@@ -51,7 +51,7 @@ class Trainer(TrainerCheckpoints):
     """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
 
     ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
-    ``config.model``. ``reward``: a reward name, a :class:`rewards.Reward`, a MultiReward, or None
+    ``config.model``. ``reward``: a reward name, a :class:`flowrl_rewards.Reward`, a MultiReward, or None
     for ``config.rewards``.
     """
 
@@ -366,11 +366,11 @@ class Trainer(TrainerCheckpoints):
 
 
 def _as_multi(reward: Any, normalize: str = "none"):
-    """A :class:`rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
-    from rewards import MultiReward, Reward
+    """A :class:`flowrl_rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
+    from flowrl_rewards import MultiReward, Reward
 
     if isinstance(reward, MultiReward):
         return reward
     if isinstance(reward, (str, Reward)):
         return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
-    raise TypeError(f"reward must be a name, a rewards.Reward or a MultiReward, got {type(reward).__name__}")
+    raise TypeError(f"reward must be a name, a flowrl_rewards.Reward or a MultiReward, got {type(reward).__name__}")

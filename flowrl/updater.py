@@ -71,7 +71,7 @@ class Updater:
             try:
                 import bitsandbytes as bnb
             except ImportError as e:
-                raise ConfigError("optim.use_8bit=true needs bitsandbytes: pip install 'flowrl[quant]'") from e
+                raise ConfigError("optim.use_8bit=true needs bitsandbytes: pip install 'flowrl-align[quant]'") from e
             return bnb.optim.AdamW8bit(self.params, **kwargs)
         return torch.optim.AdamW(self.params, **kwargs)
 

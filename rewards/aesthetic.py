@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from rewards._common import (batches, check_batch_size, hub_or_local_file, load_state_dict, resolve_device,
+from flowrl_rewards._common import (batches, check_batch_size, hub_or_local_file, load_state_dict, resolve_device,
                              resolve_dtype, to_pil)
-from rewards.base import Reward
-from rewards.pickscore import load_clip_model, load_image_processor, pooled
+from flowrl_rewards.base import Reward
+from flowrl_rewards.pickscore import load_clip_model, load_image_processor, pooled
 
 DEFAULT_WEIGHTS = "trl-lib/ddpo-aesthetic-predictor:aesthetic-model.pth"
 

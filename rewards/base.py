@@ -12,7 +12,7 @@ Videos ``[B, F, 3, H, W]`` (a video family's decode) reach every reward through 
 declares what it scores in :attr:`Reward.modality`. An ``"image"`` reward (the default; every plugin written
 for images) scores frames 0, s, 2s, … (s = :attr:`Reward.frame_stride`) and returns each video's mean over
 them; a ``"video"`` reward receives the video (those frames) whole; an ``"any"`` reward (the combiner,
-:class:`rewards.MultiReward`) receives what it is given. An image given to a video reward is refused, naming it.
+:class:`flowrl_rewards.MultiReward`) receives what it is given. An image given to a video reward is refused, naming it.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Reward:
     samples it could not score may say why here; a run stopped because every reward failed names it),
     ``modality`` (``"image"``, ``"video"`` or ``"any"``: the module docstring) and ``frame_stride`` (every k-th
     frame of a video is scored; set from the ``frame_stride`` kwarg of any reward term by
-    :class:`rewards.MultiReward`).
+    :class:`flowrl_rewards.MultiReward`).
     """
 
     name: str = "reward"

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
-from rewards.base import Reward
+from flowrl_rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
+from flowrl_rewards.base import Reward
 
 
 class OpenClipCosine(Reward):
-    """Shared core of :class:`ClipScore` and :class:`rewards.hpsv2.HPSv2`: an open_clip model, its
+    """Shared core of :class:`ClipScore` and :class:`flowrl_rewards.hpsv2.HPSv2`: an open_clip model, its
     tokenizer and validation transform; score = ``scale × cosine`` (optionally clipped at 0)."""
 
     name = "open_clip_cosine"
@@ -67,7 +67,7 @@ def load_open_clip(model: str, pretrained: str | None, owner: str, cache_dir: st
     try:
         import open_clip
     except ImportError as e:
-        raise ImportError(f"{owner} needs open_clip_torch: pip install 'flowrl[rewards]' "
+        raise ImportError(f"{owner} needs open_clip_torch: pip install 'flowrl-align[rewards]' "
                           "(or pip install open_clip_torch)") from e
     # A tag trained with QuickGELU (e.g. "openai") on a plain config ("ViT-L-14") only warns in open_clip
     # and then runs the wrong activation: switch QuickGELU on as the tag requires.

@@ -1,11 +1,11 @@
 """The GenEval reward and metric, in-process: GenEval's detector and colour classifier
-(:mod:`rewards.geneval_detector`) and GenEval's rules (:mod:`rewards.geneval_rules`, shared with the shapes
+(:mod:`flowrl_rewards.geneval_detector`) and GenEval's rules (:mod:`flowrl_rewards.geneval_rules`, shared with the shapes
 world's reward).
 
 Per image it computes GenEval's strict verdict (the benchmark), Flow-GRPO's exact verdict and partial score (the
 reward its GenEval server trains with) and the prompt's task; the training score is one of them (``score``).
 Each prompt's task comes from GenEval's metadata files (``metadata``: ``dataset/geneval/*_metadata.jsonl`` from
-``flowrl data fetch geneval``) or, for a prompt in none, from GenEval's templates (:mod:`rewards.geneval_prompts`);
+``flowrl data fetch geneval``) or, for a prompt in none, from GenEval's templates (:mod:`flowrl_rewards.geneval_prompts`);
 a prompt that is neither fails at load, naming its file and line.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from rewards import geneval_rules as rules
-from rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
-from rewards.base import Reward
-from rewards.geneval_detector import DEFAULT_DETECTOR, ClipColors, Mask2FormerDetector
-from rewards.geneval_prompts import TaskBook
+from flowrl_rewards import geneval_rules as rules
+from flowrl_rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
+from flowrl_rewards.base import Reward
+from flowrl_rewards.geneval_detector import DEFAULT_DETECTOR, ClipColors, Mask2FormerDetector
+from flowrl_rewards.geneval_prompts import TaskBook
 
 SCORES: tuple[str, ...] = ("partial", "strict", "exact")
 
@@ -66,7 +66,7 @@ class GenEvalReward(Reward):
         dt = resolve_dtype(dtype, dev, self.name)
         check_batch_size(batch_size, self.name)
         self.detector = Mask2FormerDetector(detector, dev, dt, batch_size, owner=self.name)
-        from rewards.clip_score import load_open_clip
+        from flowrl_rewards.clip_score import load_open_clip
 
         net, preprocess, tokenizer = load_open_clip(clip_model, clip_pretrained, self.name, device=dev)
         self.colors = ClipColors(net, preprocess, tokenizer, dev, dt, batch_size=max(batch_size, 1))
@@ -80,7 +80,7 @@ class GenEvalReward(Reward):
         return rules.relative_position(a, b, self.position_threshold)
 
     def verdicts(self, images: Any, prompts: Sequence[str]) -> list[rules.Verdict]:
-        """One :class:`~rewards.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3]). The
+        """One :class:`~flowrl_rewards.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3]). The
         last call's are kept: an eval that scores a batch and then asks for its summary (:meth:`evaluate`, with the
         same images object) runs the detector once."""
         if self._last is not None and self._last[0] is images and self._last[1] == tuple(prompts):

@@ -9,7 +9,7 @@ mmdetection's Mask2Former head makes them: every (query, class) pair scored by t
 over the classes and "no object", the latter dropped), the ``max_per_image`` (100) best pairs kept, each pair's
 mask the query's sigmoid mask > 0.5 at the image's size, its score × the mask's mean sigmoid inside the mask, its
 box the mask's extent (x1, y1 end-exclusive). GenEval then keeps, per class, scores above its thresholds
-(:func:`rewards.geneval_rules.keep`).
+(:func:`flowrl_rewards.geneval_rules.keep`).
 
 **Colours.** GenEval classifies each detected object of a colour clause with CLIP ViT-L/14 (OpenAI weights)
 zero-shot over its ten colours: the object's mask pasted on a grey (#999) canvas, cropped to its box, the
@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from rewards.geneval_prompts import COCO_CLASSES
-from rewards.geneval_rules import COLORS, Found
+from flowrl_rewards.geneval_prompts import COCO_CLASSES
+from flowrl_rewards.geneval_rules import COLORS, Found
 
 DEFAULT_DETECTOR = "facebook/mask2former-swin-small-coco-instance"
 COCO_ALIASES: dict[str, str] = {
@@ -75,7 +75,7 @@ class Mask2FormerDetector:
             from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
         except ImportError as e:  # scipy, which transformers' Mask2Former needs
             raise ImportError(f"{owner}: the Mask2Former detector needs transformers and scipy: "
-                              f"pip install 'flowrl[geneval]' ({e})") from e
+                              f"pip install 'flowrl-align[geneval]' ({e})") from e
         try:
             self.model = Mask2FormerForUniversalSegmentation.from_pretrained(path).eval().requires_grad_(False)
             self.processor = AutoImageProcessor.from_pretrained(path)
@@ -143,7 +143,7 @@ class Mask2FormerDetector:
 
 class ClipColors:
     """GenEval's colour of each detected object (module docstring): ``__call__(image, found, cls)`` → a colour of
-    :data:`~rewards.geneval_rules.COLORS` per detection, for one image uint8 [H, W, 3]."""
+    :data:`~flowrl_rewards.geneval_rules.COLORS` per detection, for one image uint8 [H, W, 3]."""
 
     TEMPLATES: tuple[str, ...] = ("a photo of a {c} {o}", "a photo of a {c}-colored {o}", "a photo of a {c} object")
 

@@ -1,4 +1,4 @@
-"""GenEval prompts → :class:`~rewards.geneval_rules.Task`: from GenEval's metadata files (each line a record with
+"""GenEval prompts → :class:`~flowrl_rewards.geneval_rules.Task`: from GenEval's metadata files (each line a record with
 the prompt), or, for a prompt no file names, from GenEval's own prompt templates (``prompts/create_prompts.py`` of
 djghosh13/geneval: "a photo of a bench", "… of a cat and a dog", "… of three pizzas", "… of a purple potted
 plant", "… of a cat left of a dog", "… of a red car and a blue bench") over its 80 COCO class names.
@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from rewards.geneval_rules import COLORS, RELATIONS, Clause, Task
+from flowrl_rewards.geneval_rules import COLORS, RELATIONS, Clause, Task
 
 COCO_CLASSES: tuple[str, ...] = (
     "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
@@ -79,15 +79,13 @@ def read_metadata(paths: Iterable[str | Path]) -> dict[str, Task]:
     """Prompt → task from GenEval metadata JSONL files (one record per line; later files win on a repeated
     prompt); a ValueError naming the file and line of a record that is not a GenEval task."""
     out: dict[str, Task] = {}
-    from flowrl.errors import REPO_ROOT
+    from flowrl.paths import find_file, where_tried
 
-    for path in paths:
-        path = Path(path).expanduser()
-        if not path.is_file() and (REPO_ROOT / path).is_file():  # as prompt files: the working directory, then the repo
-            path = REPO_ROOT / path
-        if not path.is_file():
-            raise FileNotFoundError(f"GenEval metadata file {str(path)!r} does not exist (flowrl data fetch geneval "
-                                    "writes dataset/geneval/{train,test}_metadata.jsonl)")
+    for spec in paths:
+        path = find_file(spec)  # as prompt files are found
+        if path is None:
+            raise FileNotFoundError(f"GenEval metadata file {str(spec)!r} does not exist (looked in {where_tried(spec)};"
+                                    " flowrl data fetch geneval writes dataset/geneval/{train,test}_metadata.jsonl)")
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():

@@ -1,5 +1,5 @@
-"""GenEval's scoring rules, written once, for any detector: the neural one of :mod:`rewards.geneval` and the
-shapes world's colour segmentation (:mod:`rewards.shapes`). Two detectors, one scorer.
+"""GenEval's scoring rules, written once, for any detector: the neural one of :mod:`flowrl_rewards.geneval` and the
+shapes world's colour segmentation (:mod:`flowrl_rewards.shapes`). Two detectors, one scorer.
 
 The rules are those of GenEval's evaluation script (Ghosh et al. 2023, ``evaluation/evaluate_images.py`` of
 djghosh13/geneval) and of Flow-GRPO's GenEval reward server (yifan123/reward-server, ``gen_eval.py``), read and

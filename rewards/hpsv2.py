@@ -7,8 +7,8 @@ OpenAI mean/std) on 8-bit images.
 """
 from __future__ import annotations
 
-from rewards._common import check_batch_size, hub_or_local_file, resolve_device, resolve_dtype
-from rewards.clip_score import OpenClipCosine, load_open_clip
+from flowrl_rewards._common import check_batch_size, hub_or_local_file, resolve_device, resolve_dtype
+from flowrl_rewards.clip_score import OpenClipCosine, load_open_clip
 
 #: Checkpoints of the official ``xswu/HPSv2`` hub repo, by version.
 HPS_CHECKPOINTS = {"v2.0": "xswu/HPSv2:HPS_v2_compressed.pt", "v2.1": "xswu/HPSv2:HPS_v2.1_compressed.pt"}

@@ -6,8 +6,8 @@ import io
 
 import torch
 
-from rewards._common import to_pil
-from rewards.base import Reward
+from flowrl_rewards._common import to_pil
+from flowrl_rewards.base import Reward
 
 
 class _JpegSize(Reward):

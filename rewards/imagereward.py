@@ -8,18 +8,18 @@ package's own transform (bicubic resize to 224, centre crop, OpenAI mean/std) on
 
 ``image-reward`` 1.5 pins ``timm==0.6.13`` and imports functions that transformers 5 removed, so it
 cannot share an environment with open_clip_torch ≥ 3 or transformers ≥ 5. Run it in its own
-environment and reach it with ``python -m rewards.serve imagereward`` + the ``remote`` reward.
+environment and reach it with ``python -m flowrl_rewards.serve imagereward`` + the ``remote`` reward.
 """
 from __future__ import annotations
 
 import torch
 
-from rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
-from rewards.base import Reward
+from flowrl_rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
+from flowrl_rewards.base import Reward
 
-EXTRA_HINT = ("pip install 'flowrl[imagereward]' (the image-reward package; it needs timm==0.6.13 and "
+EXTRA_HINT = ("pip install 'flowrl-align[imagereward]' (the image-reward package; it needs timm==0.6.13 and "
               "transformers<5, so use a separate environment and serve it with "
-              "`python -m rewards.serve imagereward`, then use the 'remote' reward)")
+              "`python -m flowrl_rewards.serve imagereward`, then use the 'remote' reward)")
 
 
 def import_image_reward():

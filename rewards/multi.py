@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards.base import Reward, check_frame_stride
-from rewards.registry import build_reward
-from rewards.timeout import RewardTimeout, call_with_timeout
+from flowrl_rewards.base import Reward, check_frame_stride
+from flowrl_rewards.registry import build_reward
+from flowrl_rewards.timeout import RewardTimeout, call_with_timeout
 
 NORMALIZE = ("none", "batch", "group")
 
@@ -21,9 +21,9 @@ class RewardSpec:
 
     ``label`` renames the built reward (its metric key), e.g. to use one reward twice with
     different kwargs. ``timeout`` (seconds) bounds one call: past it the call's scores are NaN (failed
-    rewards) with a warning (:mod:`rewards.timeout`). ``kwargs.frame_stride`` (any reward; default 1) is taken
+    rewards) with a warning (:mod:`flowrl_rewards.timeout`). ``kwargs.frame_stride`` (any reward; default 1) is taken
     by the combiner, not the reward's constructor: on videos the term scores every ``frame_stride``-th frame
-    (:attr:`rewards.Reward.frame_stride`).
+    (:attr:`flowrl_rewards.Reward.frame_stride`).
     """
 
     name: str

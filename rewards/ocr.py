@@ -12,7 +12,7 @@ here anew. For a prompt such as ``a sign that says "Grand Opening"``:
   1 − min(Levenshtein(recognised, target), len(target)) / len(target), in [0, 1].
 
 Engines (kwarg ``engine``): ``rapidocr`` (default; RapidOCR on onnxruntime with the PP-OCRv4 detector and
-recogniser, CPU; ``pip install 'flowrl[ocr]'``) and ``paddleocr`` (PaddleOCR 2.x, the reference's engine,
+recogniser, CPU; ``pip install 'flowrl-align[ocr]'``) and ``paddleocr`` (PaddleOCR 2.x, the reference's engine,
 English models; ``pip install 'paddleocr<3' paddlepaddle``). Both are set up as the reference runs
 PaddleOCR 2.x: no angle classifier, detection on the image with its longer side limited to 960 px, DB
 box threshold 0.6, unclip ratio 1.5, no dilation, boxes below confidence 0.5 dropped (PaddleOCR's
@@ -28,11 +28,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from rewards._common import to_uint8
-from rewards.base import Reward
+from flowrl_rewards._common import to_uint8
+from flowrl_rewards.base import Reward
 
 ENGINES = ("rapidocr", "paddleocr")
-INSTALL = {"rapidocr": "pip install 'flowrl[ocr]'  (rapidocr-onnxruntime)",
+INSTALL = {"rapidocr": "pip install 'flowrl-align[ocr]'  (rapidocr-onnxruntime)",
            "paddleocr": "pip install 'paddleocr<3' paddlepaddle  (PaddleOCR's 2.x API; Flow-GRPO uses 2.9.1)"}
 PROMPT_FORM = 'a prompt with the target text between double quotes, e.g. a sign that says "OPEN"'
 MAX_TEXT_SHOWN = 200  # characters of recognised text kept per image in meta["ocr/text"]

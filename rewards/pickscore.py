@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
-from rewards.base import Reward
+from flowrl_rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
+from flowrl_rewards.base import Reward
 
 
 def load_image_processor(path: str, owner: str) -> Any:

@@ -1,6 +1,6 @@
 """Find a reward by name, ``module:Class`` or ``path/to/file.py:Class``.
 
-Built-ins are registered lazily as ``"module:Class"`` strings so importing :mod:`rewards` does not
+Built-ins are registered lazily as ``"module:Class"`` strings so importing :mod:`flowrl_rewards` does not
 import heavy optional dependencies (open_clip, transformers models) until a reward is built.
 """
 from __future__ import annotations
@@ -9,24 +9,24 @@ import inspect
 from typing import Any
 
 from flowrl.registry import Registry
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 REGISTRY = Registry("reward", {
-    "jpeg_compressibility": "rewards.image_stats:JpegCompressibility",
-    "jpeg_incompressibility": "rewards.image_stats:JpegIncompressibility",
-    "brightness": "rewards.image_stats:Brightness",
-    "saturation": "rewards.image_stats:Saturation",
-    "redness": "rewards.image_stats:Redness",
-    "shapes": "rewards.shapes:ShapesReward",
-    "clip_score": "rewards.clip_score:ClipScore",
-    "pickscore": "rewards.pickscore:PickScore",
-    "hpsv2": "rewards.hpsv2:HPSv2",
-    "imagereward": "rewards.imagereward:ImageRewardScore",
-    "aesthetic": "rewards.aesthetic:Aesthetic",
-    "remote": "rewards.remote:RemoteReward",
-    "ocr": "rewards.ocr:OcrReward",
-    "geneval": "rewards.geneval:GenEvalReward",
-    "vlm_judge": "rewards.vlm_judge:VlmJudge",
+    "jpeg_compressibility": "flowrl_rewards.image_stats:JpegCompressibility",
+    "jpeg_incompressibility": "flowrl_rewards.image_stats:JpegIncompressibility",
+    "brightness": "flowrl_rewards.image_stats:Brightness",
+    "saturation": "flowrl_rewards.image_stats:Saturation",
+    "redness": "flowrl_rewards.image_stats:Redness",
+    "shapes": "flowrl_rewards.shapes:ShapesReward",
+    "clip_score": "flowrl_rewards.clip_score:ClipScore",
+    "pickscore": "flowrl_rewards.pickscore:PickScore",
+    "hpsv2": "flowrl_rewards.hpsv2:HPSv2",
+    "imagereward": "flowrl_rewards.imagereward:ImageRewardScore",
+    "aesthetic": "flowrl_rewards.aesthetic:Aesthetic",
+    "remote": "flowrl_rewards.remote:RemoteReward",
+    "ocr": "flowrl_rewards.ocr:OcrReward",
+    "geneval": "flowrl_rewards.geneval:GenEvalReward",
+    "vlm_judge": "flowrl_rewards.vlm_judge:VlmJudge",
 }, base=Reward)
 """Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.registry.Registry`)."""
 

@@ -1,6 +1,6 @@
 """A reward computed by another process or machine over HTTP + JSON (never pickle).
 
-Wire format (what :mod:`rewards.serve` speaks)::
+Wire format (what :mod:`flowrl_rewards.serve` speaks)::
 
     POST <url>   Content-Type: application/json
     {"images": ["<base64 PNG>", ...], "prompts": ["...", ...], "meta": {...}}
@@ -22,7 +22,7 @@ malformed replies are not retried. A batch that still fails raises :class:`Remot
 ``self.failed_batches`` / ``self.failed_samples``, and a logged warning with the reason.
 Worst case per batch ≈ ``(retries + 1) × timeout + Σ backoff`` seconds.
 
-The transport is public for other HTTP rewards (:mod:`rewards.vlm_judge_served`): :func:`post_json` makes one
+The transport is public for other HTTP rewards (:mod:`flowrl_rewards.vlm_judge_served`): :func:`post_json` makes one
 POST and raises :class:`TransientError` or :class:`RemoteRewardError`; :func:`post_json_retrying` adds the
 retries and backoff above.
 """
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from rewards._common import batches, to_uint8
-from rewards.base import Reward
+from flowrl_rewards._common import batches, to_uint8
+from flowrl_rewards.base import Reward
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """Serve any registered reward over HTTP for the ``remote`` reward (stdlib ``http.server``).
 
-    python -m rewards.serve NAME [--host 127.0.0.1] [--port 8000] [--kwargs '{"device": "cuda"}']
+    python -m flowrl_rewards.serve NAME [--host 127.0.0.1] [--port 8000] [--kwargs '{"device": "cuda"}']
 
 NAME is a registry name, ``package.module:Class`` or ``path/to/file.py:Class``. ``--port 0`` picks a
 free port. Once listening, one line is printed to stdout: ``serving NAME on http://HOST:PORT/score``.
-Endpoints: ``POST /score`` (or ``/``) with the JSON described in :mod:`rewards.remote`;
+Endpoints: ``POST /score`` (or ``/``) with the JSON described in :mod:`flowrl_rewards.remote`;
 ``GET /health`` → ``{"status": "ok", "reward": NAME}``. Requests are handled in threads, scoring
 is serialised by a lock (one model, one batch at a time). Bad requests get 400, reward failures
 500, both with ``{"error": message}``. The server binds 127.0.0.1 by default; it has no
@@ -21,7 +21,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ MAX_BODY = 1 << 30  # 1 GiB
 
 
 def _handler(reward: Reward, lock: threading.Lock, max_body: int):
-    from rewards.remote import decode_png, to_json
+    from flowrl_rewards.remote import decode_png, to_json
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -115,7 +115,7 @@ def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rewards.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flowrl_rewards.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", help="registry name, package.module:Class or path/to/file.py:Class")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 = any free port")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kwargs {args.kwargs!r} is not valid JSON ({e})")
     if not isinstance(kwargs, dict):
         parser.error(f"--kwargs must be a JSON object, got {args.kwargs!r}")
-    from rewards.registry import build_reward
+    from flowrl_rewards.registry import build_reward
 
     reward = build_reward(args.name, **kwargs)
     server = make_server(reward, args.host, args.port)

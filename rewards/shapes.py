@@ -1,5 +1,5 @@
 """The exact reward of the shapes world: GenEval-style scoring of the detections of
-:mod:`rewards.shapes_detector` (a colour-segmentation detector; its docstring says how it reads images).
+:mod:`flowrl_rewards.shapes_detector` (a colour-segmentation detector; its docstring says how it reads images).
 
 Requirements per task (``partial`` = fraction satisfied, ``strict`` = all satisfied). For each
 requested object (shape s, colour c): "some object has colour c", "some object has shape s", and
@@ -15,7 +15,7 @@ requested object (shape s, colour c): "some object has colour c", "some object h
 
 Extra copies of a requested shape+colour break only ``counting`` (exact count).
 
-``strict`` is GenEval's verdict from :mod:`rewards.geneval_rules` (the rules the neural GenEval reward uses):
+``strict`` is GenEval's verdict from :mod:`flowrl_rewards.geneval_rules` (the rules the neural GenEval reward uses):
 :func:`geneval_task` writes a prompt's spec as a GenEval task whose classes are "colour shape" (this detector
 sees colour itself), with the requirements above as include and exclude clauses, and :func:`geneval_objects`
 the detections (confidence = area, so "most confident" = largest). Only the relation differs from GenEval's:
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from flowrl.shapes import world
-from rewards import geneval_rules as rules
-from rewards.base import Reward
-from rewards.shapes_detector import (  # noqa: F401 (the detector's names, importable from here too)
+from flowrl_rewards import geneval_rules as rules
+from flowrl_rewards.base import Reward
+from flowrl_rewards.shapes_detector import (  # noqa: F401 (the detector's names, importable from here too)
     CHUNK_PIXELS, DARK, FULL_COVERAGE, MAX_ASPECT, MAX_CHROMA_DIST, MAX_SIDE_FRAC, MIN_AREA_FRAC, MIN_SIDE_FRAC,
     SOFT_DARK, SQUARE_QUAD, TRIANGLE_SKEW, Detection, classify_colors, detect, detect_batch, grow_labels,
     label_components,
@@ -107,7 +107,7 @@ def geneval_subscores(spec: world.Spec, dets: Sequence[Detection], side: int) ->
     return {"presence": presence, "color": color}
 
 
-# ---- the same requirements as GenEval's rules (rewards.geneval_rules): strict ----------------------------
+# ---- the same requirements as GenEval's rules (flowrl_rewards.geneval_rules): strict ----------------------------
 TAG_OF_TASK: dict[str, str] = {"single": "colors", "two_objects": "two_object", "counting": "counting",
                                "color_attr": "color_attr", "position": "position"}
 """The GenEval tag of each shapes task (``single`` asks for one object in a colour: GenEval's ``colors``)."""

@@ -1,5 +1,5 @@
 """The detector of the shapes world's reward: colour segmentation, connected components and shape from
-moments (:mod:`rewards.shapes` scores its detections against a prompt).
+moments (:mod:`flowrl_rewards.shapes` scores its detections against a prompt).
 
 Detector (:func:`detect`, :func:`detect_batch`), for images of any size and for images it was not
 written against (anti-aliased edges, blur, 7-px objects, shading):

@@ -1,10 +1,9 @@
 """Fidelity of an edit to its source image: how much of the source survives (higher = closer to the source)."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 class SourceFidelity(Reward):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 class TemporalConsistency(Reward):

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 class RewardTimeout(TimeoutError):

@@ -11,7 +11,7 @@ Two ways to score an answer (``score``):
 
 Two backends (``backend``): ``openai``, any OpenAI-compatible chat-completions server (vLLM, sglang), one
 request per image, ``concurrency`` in flight, with remote.py's retries and timeouts
-(:mod:`rewards.vlm_judge_served`); ``transformers``, the judge in this process (:mod:`rewards.vlm_judge_local`).
+(:mod:`flowrl_rewards.vlm_judge_served`); ``transformers``, the judge in this process (:mod:`flowrl_rewards.vlm_judge_local`).
 Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards.base import Reward
-from rewards.remote import ON_ERROR, RemoteRewardError, encode_png
-from rewards.vlm_judge_served import ServedJudge, api_key_of, first_token_candidates
+from flowrl_rewards.base import Reward
+from flowrl_rewards.remote import ON_ERROR, RemoteRewardError, encode_png
+from flowrl_rewards.vlm_judge_served import ServedJudge, api_key_of, first_token_candidates
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class VlmJudge(Reward):
             self.served = ServedJudge(url, model, api_key_of(api_key, api_key_env), float(timeout), retries,
                                       float(backoff), float(max_backoff), concurrency)
         else:
-            from rewards.vlm_judge_local import LocalJudge
+            from flowrl_rewards.vlm_judge_local import LocalJudge
 
             self.local = LocalJudge(model, processor or model, device, dtype, batch_size)
 

@@ -1,4 +1,4 @@
-"""The in-process backend of :mod:`rewards.vlm_judge`: a transformers image-text-to-text judge (Qwen2-VL /
+"""The in-process backend of :mod:`flowrl_rewards.vlm_judge`: a transformers image-text-to-text judge (Qwen2-VL /
 Qwen2.5-VL family, ``AutoModelForImageTextToText`` + ``AutoProcessor``, a hub id or a local folder).
 
 Every image and its question go through the processor's chat template (a user turn holding the image and the
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil
+from flowrl_rewards._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil
 
 OWNER = "vlm_judge"
 YES_WORDS = ("Yes", " Yes", "yes", " yes", "YES", " YES")
@@ -38,7 +38,7 @@ def load_processor(path: str) -> Any:
     """``AutoProcessor`` of ``path`` with a chat template, left padding and the PIL image processor."""
     from transformers import AutoProcessor
 
-    from rewards.pickscore import load_image_processor
+    from flowrl_rewards.pickscore import load_image_processor
 
     try:
         processor = AutoProcessor.from_pretrained(path)

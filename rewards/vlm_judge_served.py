@@ -1,5 +1,5 @@
-"""The served backend of :mod:`rewards.vlm_judge`: a judge behind an OpenAI-compatible chat-completions server
-(vLLM, sglang), one request per image, ``concurrency`` requests in flight, through :mod:`rewards.remote`'s
+"""The served backend of :mod:`flowrl_rewards.vlm_judge`: a judge behind an OpenAI-compatible chat-completions server
+(vLLM, sglang), one request per image, ``concurrency`` requests in flight, through :mod:`flowrl_rewards.remote`'s
 transport (its retries, backoff and timeouts).
 
 - the server: ``url`` with or without ``/v1`` (:func:`api_base`), an optional bearer key (:func:`api_key_of`),
@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rewards.remote import RemoteRewardError, post_json_retrying
+from flowrl_rewards.remote import RemoteRewardError, post_json_retrying
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ServedJudge:
     """A judge behind ``POST {base}/chat/completions``; one image per request, ``concurrency`` requests at once.
 
     Transient failures (refused or dropped connections, timeouts, 5xx, 429) are retried ``retries`` times with
-    backoff through :func:`rewards.remote.post_json_retrying` (remote.py's transport); a request that still fails
+    backoff through :func:`flowrl_rewards.remote.post_json_retrying` (remote.py's transport); a request that still fails
     raises :class:`RemoteRewardError` naming the URL, the HTTP status and the server's message.
     """
 

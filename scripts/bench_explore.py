@@ -82,13 +82,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from flowrl import load_shapes_model
-    from flowrl.config import CONFIG_DIR
+    from flowrl.paths import CONFIG_DIR
     from flowrl.explorer import make_explorer
     from flowrl.precision import available_backends
     from flowrl.prompts import read_prompts
     from flowrl.rollout.seeding import derive_seed
     from flowrl.scoring import decode
-    from rewards import build_reward
+    from flowrl_rewards import build_reward
 
     model = load_shapes_model()
     eval_prompts = read_prompts(str(CONFIG_DIR / "shapes" / "prompts" / "eval.txt"))

@@ -58,7 +58,7 @@ from flowrl.shapes import prompt_sets, world  # noqa: E402
 from flowrl.shapes.caption_noise import KINDS, CaptionNoise  # noqa: E402
 from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, MAX_SEQUENCE_LENGTH,  # noqa: E402
                                     build_shapes_pipeline, write_generation_defaults)
-from rewards.shapes import ShapesReward  # noqa: E402
+from flowrl_rewards.shapes import ShapesReward  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- helpers

@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.config import DEFAULT_CONFIG, TrainConfig  # noqa: E402
+from flowrl.config import TrainConfig  # noqa: E402
+from flowrl.paths import DEFAULT_CONFIG  # noqa: E402
 from flowrl.sharding import local, whole  # noqa: E402
 from flowrl.trainer import Trainer  # noqa: E402
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
 
 from flowrl.cli import main
 

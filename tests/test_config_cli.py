@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flowrl.cli import main
-from flowrl.config import CONFIG_DIR, ConfigError, TrainConfig
+from flowrl.config import ConfigError, TrainConfig
+from flowrl.paths import CONFIG_DIR
 
 PRESETS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "accelerate" not in p.parts)
 

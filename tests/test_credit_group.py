@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rewards import MultiReward, Reward
+from flowrl_rewards import MultiReward, Reward
 
 from flowrl.credit.group import GroupAdvantage
 from flowrl.rollout.forest import Forest

@@ -314,7 +314,7 @@ def test_every_preset_prompt_path_under_dataset_is_a_known_set():
     """Each ``dataset/<name>/<file>`` a shipped preset names is produced by ``flowrl data fetch <name>``."""
     produced = {f"dataset/{s.name}/{o.file}" for s in data.PROMPT_SETS.values() for o in s.outputs}
     named = set()
-    for config in (data.REPO_ROOT / "configs").rglob("*.yaml"):
+    for config in CONFIG_DIR.rglob("*.yaml"):
         for line in config.read_text().splitlines():
             key, _, value = line.strip().partition(":")
             if key in ("train", "eval") and value.strip().startswith("dataset/"):
@@ -336,6 +336,7 @@ def test_list_shows_files_counts_and_presets(tmp_path, hpd_mirror, capsys):
 
 # ---- ocr: Flow-GRPO's text-rendering prompts ------------------------------------------------------------------
 from flowrl import data_sets  # noqa: E402 (the set's constants; flowrl.data re-exports the sets)
+from flowrl.paths import CONFIG_DIR
 
 OCR_REPO = "yifan123/flow_grpo"
 

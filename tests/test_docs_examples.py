@@ -42,6 +42,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.paths import CONFIG_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -104,7 +106,7 @@ SUBSTITUTIONS = [
 def offline_stand_in(name: str, score):
     """A reward registered as ``name`` for the docs' blocks: built with the real class's keywords (checked
     against its signature, so a wrong keyword in the docs fails), scoring with ``score(images)``."""
-    from rewards.registry import resolve_reward_class
+    from flowrl_rewards.registry import resolve_reward_class
 
     real = resolve_reward_class(name)  # imports the module only; its models load in __init__, not called here
 
@@ -128,9 +130,9 @@ _IMAGES = ("import torch\nimages = torch.rand(4, 3, 16, 16)\n"
            "prompts = ['a red circle'] * 2 + ['two blue squares'] * 2\nmeta = {}\n")
 PRELUDES = {
     ("docs/rewards.md", "scores = reward(images, prompts, meta)"):
-        _IMAGES + "from rewards import build_reward\nreward = build_reward('brightness')\n",
+        _IMAGES + "from flowrl_rewards import build_reward\nreward = build_reward('brightness')\n",
     ("docs/rewards.md", "BackgroundScorer(multi_reward"):
-        _IMAGES + "from rewards import MultiReward\nmulti_reward = MultiReward(['brightness', 'redness'])\n",
+        _IMAGES + "from flowrl_rewards import MultiReward\nmulti_reward = MultiReward(['brightness', 'redness'])\n",
     ("docs/rewards.md", "m.components(images, prompts, meta)"): _IMAGES,
 }
 
@@ -196,9 +198,9 @@ def sandbox(tmp_path, monkeypatch):
     """A temporary working directory with ``configs`` linked in; global registries and torch threads restored."""
     from flowrl import components, sde
     from flowrl.models import MODEL_FAMILIES
-    from rewards import REGISTRY
+    from flowrl_rewards import REGISTRY
 
-    (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    (tmp_path / "configs").symlink_to(CONFIG_DIR, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     registries = [k.registry for k in components.KINDS] + [MODEL_FAMILIES, REGISTRY, sde.KERNEL_FUNCTIONS]
     saved, kernels = [dict(r) for r in registries], sde.KERNELS
@@ -261,8 +263,8 @@ BASH_NOT_RUN = {
     ("docs/gpu.md", "--num_machines M --machine_rank r"): "several machines",
     ("README.md", "pip install -e . && flowrl train"): "installs the package, trains the full job, runs the suite",
     ("README.md", "accelerate launch --config_file"): "several processes on GPUs / gloo: tests/test_distributed.py",
-    ("docs/rewards.md", "python -m rewards.serve imagereward"): "a reward server in another environment, on a GPU",
-    ("docs/rewards.md", "python -m rewards.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
+    ("docs/rewards.md", "python -m flowrl_rewards.serve imagereward"): "a reward server in another environment, on a GPU",
+    ("docs/rewards.md", "python -m flowrl_rewards.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
 }
 """Bash blocks with other commands than ``flowrl``, and why they are not run: every bash block is either

@@ -16,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl import estimate as E
 from flowrl.config import ConfigError, TrainConfig
+from flowrl.paths import CONFIG_DIR, PACKAGE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan")
-GPU_PRESETS = sorted(str(p.relative_to(ROOT)) for d in GPU_DIRS for p in (ROOT / "configs" / d).glob("*.yaml"))
+GPU_PRESETS = sorted(str(p.relative_to(PACKAGE_DIR)) for d in GPU_DIRS for p in (CONFIG_DIR / d).glob("*.yaml"))
 PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
     "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
     "sd35_large": (7.9e9, 8.2e9),  # "8.1 billion parameters"
@@ -42,7 +43,7 @@ TEXT_ENCODERS = {  # published sizes: T5 v1.1 XXL encoder 4.76 B, CLIP ViT-L/14 
 
 
 def preset(path: str) -> TrainConfig:
-    return E.load_config(str(ROOT / path), [], "H100")
+    return E.load_config(str(PACKAGE_DIR / path), [], "H100")
 
 
 def arch_of(path: str) -> dict:
@@ -158,7 +159,7 @@ _ESTIMATES: dict[tuple, dict] = {}
 def estimate_of(path: str, gpu: str = "H100", overrides: tuple = ()) -> dict:
     key = (path, gpu, overrides)
     if key not in _ESTIMATES:
-        cfg = E.load_config(str(ROOT / path), list(overrides), gpu)
+        cfg = E.load_config(str(PACKAGE_DIR / path), list(overrides), gpu)
         with E.assume_gpu(gpu):
             _ESTIMATES[key] = E.estimate(cfg, gpu=gpu)
     return _ESTIMATES[key]
@@ -230,7 +231,7 @@ def test_time_scales_with_the_gpu_and_fp8_needs_ada_or_hopper():
     assert ratio == pytest.approx(E.GPUS["H100"].bf16_tflops / E.GPUS["A100"].bf16_tflops)
     assert a100["memory_gib"]["peak"] == pytest.approx(h100["memory_gib"]["peak"])
     with pytest.raises(ConfigError, match="capability"):
-        E.load_config(str(ROOT / "configs/sana/solrl.yaml"), [], "A100")  # fp8 explorer on an A100
+        E.load_config(str(PACKAGE_DIR / "configs/sana/solrl.yaml"), [], "A100")  # fp8 explorer on an A100
     with pytest.raises(ConfigError, match="unknown GPU class"):
         E.gpu_class("V100")
 
@@ -252,7 +253,7 @@ def test_the_prompt_cache_grows_with_the_run_unless_bounded():
 def test_bench_estimate_prints_every_new_family_preset(path, capsys):
     """``flowrl bench CONFIG --estimate`` on the Qwen-Image, FLUX.2 and Wan presets: the table names the model and
     the shapes (a video: latent [C, F, h, w] and F·(h/2)·(w/2) tokens), the JSON the same estimate."""
-    assert E.run_estimate(str(ROOT / path), [], gpu="H100") == 0
+    assert E.run_estimate(str(PACKAGE_DIR / path), [], gpu="H100") == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("\n{") + 1:])
     arch, sh = E.arch_for_model(preset(path).model), result["shapes"]

@@ -17,9 +17,10 @@ import torch
 
 from flowrl import estimate as E
 from flowrl.config import ConfigError, TrainConfig
+from flowrl.paths import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES_NFT = str(ROOT / "configs" / "shapes" / "nft.yaml")
+SHAPES_NFT = str(CONFIG_DIR / "shapes" / "nft.yaml")
 PROMPTS = ["a red circle", "a blue square"]
 CASES = {  # id → config overrides (besides BASE): LoRA (no reference copy; rank 3: lora_A's 3 rows split 2 + 1, so
     "lora": ["model.lora.rank=3"],  # FSDP2 pads the second rank's shards) and full fine-tuning (a reference copy)

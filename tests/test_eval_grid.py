@@ -7,7 +7,7 @@ from PIL import Image
 
 from flowrl.grids import save_labelled_grid
 from flowrl.shapes import prompt_sets, world
-from rewards import MultiReward
+from flowrl_rewards import MultiReward
 
 
 def _marks(path, n: int, ncol: int = 4) -> list[str]:
@@ -115,3 +115,15 @@ def test_eval_grids_go_to_wandb_as_images(tmp_path, monkeypatch):
     with Image.open(tmp_path / "run" / "samples" / "before.png") as grid:
         assert isinstance(before, fake.Image) and before.image.size == grid.size
     assert any("reward_mean" in values for _, values in logged) and logged[-1][0] == "finished"
+
+
+def test_the_eval_grid_shows_its_first_images_when_the_eval_has_more_prompts(tmp_path):
+    """eval.grid_prompts below eval.num_prompts (the main job: 16 of 240): the grid labels and scores its 16 images
+    with their own prompts, and the run goes on (it stopped here once: 16 images scored against 240 prompts)."""
+    from flowrl.cli import main
+
+    assert main(["train", *TRACKED, "eval.num_prompts=6", "eval.grid_prompts=4", "train.max_steps=1",
+                 f"train.output_dir={tmp_path}"]) == 0
+    assert len(_marks(tmp_path / "run" / "samples" / "after.png", 4)) == 4
+    with Image.open(tmp_path / "run" / "samples" / "after.png") as grid:  # one row of 4 labelled 128 px cells
+        assert grid.size == (4 * (128 + 6) + 6, 128 + 38 + 2 * 6)

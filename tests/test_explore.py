@@ -9,7 +9,6 @@ import torch
 
 from flowrl.config import TrainConfig
 from flowrl.errors import ConfigError
-from flowrl.models.base import LoraSpec
 from flowrl.explorer import make_explorer
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
@@ -210,7 +209,7 @@ def test_explorer_follows_the_weights_after_each_optimizer_step(tmp_path):
 def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     """`same` backend, preview with all inner steps, near-zero SDE noise: regenerated rewards reproduce the
     preview ranking, so the diagnostics read ρ = τ = 1, a positive separation and a full hit rate."""
-    from rewards import MultiReward
+    from flowrl_rewards import MultiReward
 
     reward = MultiReward(["brightness"])
     p = plan(inner={"plan": "chains", "group_size": 4, "steps": 4, "eta": 1e-4, "window": {"mode": "fixed", "start": 0, "size": 1}},
@@ -261,7 +260,7 @@ def test_inner_plan_keys_are_checked_against_its_own_fields():
 
 def test_preset_loads_with_its_inner_chains():
     from flowrl import build
-    from flowrl.config import CONFIG_DIR
+    from flowrl.paths import CONFIG_DIR
 
     cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "solrl.yaml")
     p = build.build_plan(cfg.rollout)
@@ -276,7 +275,7 @@ def test_preset_loads_with_its_inner_chains():
 def test_explore_raises_a_dense_reward_on_the_shapes_model(tmp_path):
     """Seeded: 8 iterations of the shapes Sol-RL preset (int8 explorer, pool 4·G) on four prompts raise the
     mean `redness` of ODE samples on fixed seeds by well over the spread between two seed sets."""
-    from flowrl.config import CONFIG_DIR
+    from flowrl.paths import CONFIG_DIR
     from flowrl.evaluation import eval_seeds
     from flowrl.rollout.sampling import ode_sample
 

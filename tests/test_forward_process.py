@@ -240,7 +240,7 @@ def test_explore_feeds_the_ode_plan(sd3_model):
     from flowrl.rollout.explore import Explore
 
     plan = Explore(inner={"plan": "ode", "group_size": 2, "steps": 3}, pool=6, preview_steps=2, backend="same")
-    from rewards import MultiReward
+    from flowrl_rewards import MultiReward
 
     plan.setup(sd3_model, MultiReward([{"name": "redness"}]))
     forest = plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=1))

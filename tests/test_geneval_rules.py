@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from flowrl.shapes import world
-from rewards import geneval_rules as rules
-from rewards.geneval_prompts import COCO_CLASSES, TaskBook, parse_prompt
-from rewards.shapes import ShapesReward, geneval_objects, geneval_task, requirements, shapes_relation, to_uint8_hwc
-from rewards.shapes_detector import detect_batch
+from flowrl_rewards import geneval_rules as rules
+from flowrl_rewards.geneval_prompts import COCO_CLASSES, TaskBook, parse_prompt
+from flowrl_rewards.shapes import ShapesReward, geneval_objects, geneval_task, requirements, shapes_relation, to_uint8_hwc
+from flowrl_rewards.shapes_detector import detect_batch
 
 F = rules.Found
 

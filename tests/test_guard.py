@@ -17,7 +17,7 @@ from flowrl.summary import eval_summary
 
 PLUGIN = '''
 import torch
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 class Counting(Reward):

@@ -13,7 +13,7 @@ from flowrl.image_prompts import (image_prompt, load_source_image, prompt_label,
                                   split_image_prompt)
 from flowrl.prompt_checks import check_prompt_images
 from flowrl.scoring import components_of
-from rewards import MultiReward, Reward, build_reward
+from flowrl_rewards import MultiReward, Reward, build_reward
 
 
 def write_image(path, colour, size=(16, 16)):
@@ -108,7 +108,7 @@ def test_prompts_that_do_not_fit_the_model_fail_at_load_naming_key_line_and_form
                             rewards=[build_reward("source_fidelity")])
     missing = tmp_path / "missing.txt"
     missing.write_text(f"[image: {dog}] ok\n[image: {tmp_path}/nope.png] make it blue\n")
-    with pytest.raises(ConfigError, match=r"line 2: .*no such image '.*nope.png' \(relative paths are tried"):
+    with pytest.raises(ConfigError, match=r"line 2: .*no such image '.*nope.png' \(looked in the working directory"):
         check_prompt_images(str(missing), "prompts.train", edits=True, family="qwen_image_edit")
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(ConfigError, match=r"prompt 1: .*cannot open the image '.*broken.png'"):

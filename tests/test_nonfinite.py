@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.config import TrainConfig
-from rewards.image_stats import Redness
+from flowrl_rewards.image_stats import Redness
 from tests.conftest import make_model
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import rewards
+import flowrl_rewards
 from flowrl import components, models, sde
 from flowrl.choices import Checked, check_choices, choice, choices_of
 from flowrl.config import TrainConfig
@@ -32,8 +32,8 @@ KINDS = {
     "loss.objective": (components.LOSS.registry, "clipped", None, "clipd", "clipped",
                        "from dataclasses import dataclass\nfrom flowrl.loss import PolicyLoss\n\n"
                        "@dataclass\nclass Plugged(PolicyLoss):\n    extra: int = 1\n"),
-    "reward": (rewards.REGISTRY, "brightness", None, "brightnes", "brightness",
-               "from rewards import Reward\n\nclass Plugged(Reward):\n"
+    "reward": (flowrl_rewards.REGISTRY, "brightness", None, "brightnes", "brightness",
+               "from flowrl_rewards import Reward\n\nclass Plugged(Reward):\n"
                "    def score(self, images, prompts, meta):\n        return images.mean(dim=(1, 2, 3))\n"),
     "rollout.kernel": (sde.KERNEL_FUNCTIONS, "dance", None, "dnce", "dance",
                        "def Plugged(x, v, s, s_next, e):\n    return x + v * (s_next - s), 0 * s\n"),
@@ -78,7 +78,7 @@ def test_a_typo_names_the_kind_the_nearest_name_and_the_accepted_ones(kind):
 
 def test_the_public_wrappers_keep_their_errors():
     with pytest.raises(KeyError, match="did you mean 'brightness'"):
-        rewards.build_reward("brightnes")
+        flowrl_rewards.build_reward("brightnes")
     with pytest.raises(ConfigError, match=r"rollout.plan='chanis' is not registered \(did you mean 'chains'\?\)"):
         components.resolve(components.PLAN, "chanis")
     with pytest.raises(ValueError, match=r"rollout.kernel='dnce' .*did you mean 'dance'"):
@@ -90,18 +90,18 @@ def test_the_public_wrappers_keep_their_errors():
 
 
 def test_register_checks_the_name_and_the_target():
-    from rewards import Reward
+    from flowrl_rewards import Reward
 
     registry = Registry("thing", base=Reward)
     with pytest.raises(ValueError, match="thing name 'a:b' must be a non-empty string without ':'"):
         registry.register("a:b", "m:C")
     with pytest.raises(ValueError, match="'package.module:Class'"):
         registry.register("bad", "no_colon")
-    with pytest.raises(TypeError, match="not a subclass of rewards.Reward"):
+    with pytest.raises(TypeError, match="not a subclass of flowrl_rewards.Reward"):
         registry.register("bad", object)
-    registry.register("lazy", "rewards.image_stats:Brightness")
-    assert registry["lazy"] == "rewards.image_stats:Brightness" and registry.resolve("lazy").__name__ == "Brightness"
-    assert registry.names() == ["lazy"] and dict(registry) == {"lazy": "rewards.image_stats:Brightness"}
+    registry.register("lazy", "flowrl_rewards.image_stats:Brightness")
+    assert registry["lazy"] == "flowrl_rewards.image_stats:Brightness" and registry.resolve("lazy").__name__ == "Brightness"
+    assert registry.names() == ["lazy"] and dict(registry) == {"lazy": "flowrl_rewards.image_stats:Brightness"}
     assert registry.pop("lazy") and "lazy" not in registry and len(registry) == 0
 
 

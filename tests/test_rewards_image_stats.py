@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rewards import build_reward
+from flowrl_rewards import build_reward
 
 
 def _imgs(seed=0, b=3, h=24, w=20):

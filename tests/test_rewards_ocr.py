@@ -15,11 +15,11 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.prompt_checks import check_prompts
-from rewards import build_reward
-from rewards.ocr import edit_distance, quoted_target, text_score
+from flowrl_rewards import build_reward
+from flowrl_rewards.ocr import edit_distance, quoted_target, text_score
 
 needs_engine = pytest.mark.skipif(importlib.util.find_spec("rapidocr_onnxruntime") is None,
-                                  reason="needs rapidocr-onnxruntime (pip install 'flowrl[ocr]')")
+                                  reason="needs rapidocr-onnxruntime (pip install 'flowrl-align[ocr]')")
 SIGN = 'a neon sign that says "Helloworld"'  # a 10-letter target
 
 
@@ -134,7 +134,7 @@ def test_unknown_engine_and_bad_settings_name_the_key_and_the_accepted_values():
 
 def test_a_missing_engine_fails_when_built_naming_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"engine='rapidocr' is not installed .*pip install 'flowrl\[ocr\]'"):
+    with pytest.raises(ImportError, match=r"engine='rapidocr' is not installed .*pip install 'flowrl-align\[ocr\]'"):
         build_reward("ocr")
     monkeypatch.setitem(sys.modules, "paddleocr", None)
     with pytest.raises(ImportError, match=r"engine='paddleocr' is not installed .*pip install 'paddleocr<3' "

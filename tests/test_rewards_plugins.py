@@ -7,13 +7,13 @@ import time
 import pytest
 import torch
 
-from rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
+from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
 from flowrl.scoring import BackgroundScorer
-from rewards.registry import resolve_reward_class
+from flowrl_rewards.registry import resolve_reward_class
 
 PLUGIN = textwrap.dedent('''
     import torch
-    from rewards import Reward
+    from flowrl_rewards import Reward
 
     class MyReward(Reward):
         """Mean of one channel times a factor."""
@@ -63,7 +63,7 @@ def test_plugin_errors_are_clear(plugin_dir):
         build_reward("needs_missing_dep:R")
     with pytest.raises(AttributeError, match="has no class 'Missing'"):
         build_reward("flowrl_test_plugin_mod:Missing")
-    with pytest.raises(TypeError, match="not a subclass of rewards.Reward"):
+    with pytest.raises(TypeError, match="not a subclass of flowrl_rewards.Reward"):
         build_reward("flowrl_test_plugin_mod:NotAReward")
     path = plugin_dir / "flowrl_test_plugin_mod.py"
     with pytest.raises(AttributeError, match=r"no class 'Missing'.*\['MyReward'"):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewards import Reward, build_reward
-from rewards.remote import RemoteReward, RemoteRewardError
-from rewards.serve import make_server
+from flowrl_rewards import Reward, build_reward
+from flowrl_rewards.remote import RemoteReward, RemoteRewardError
+from flowrl_rewards.serve import make_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(timeout=0.5, retries=2, backoff=0.01, max_backoff=0.05)
@@ -262,7 +262,7 @@ def test_bad_remote_kwargs():
 
 def test_serve_cli_end_to_end():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "rewards.serve", "jpeg_incompressibility", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl_rewards.serve", "jpeg_incompressibility", "--port", "0",
                              "--kwargs", '{"quality": 50}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=str(ROOT))
     try:
@@ -281,7 +281,7 @@ def test_serve_cli_end_to_end():
 
 
 def test_serve_cli_rejects_bad_kwargs(capsys):
-    from rewards.serve import main
+    from flowrl_rewards.serve import main
 
     for bad, msg in (("{oops", "not valid JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(SystemExit) as info:

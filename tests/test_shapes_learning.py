@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.config import CONFIG_DIR, TrainConfig
+from flowrl.config import TrainConfig
+from flowrl.paths import CONFIG_DIR
 from flowrl.evaluation import eval_seeds
 from flowrl.rollout.sampling import ode_sample
 from flowrl.trainer import Trainer

@@ -9,14 +9,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowrl.shapes import world
+from flowrl.paths import CONFIG_DIR
 from flowrl.shapes import prompt_sets as sets
+from flowrl.shapes import world
 from flowrl.shapes.prompt_sets import prompt_sets
-from flowrl.shapes.world import (CANVAS, COLORS, SHAPES, TASKS, ObjectSpec, Spec, parse, render, sample_spec,
-                                 to_prompt, vocabulary)
+from flowrl.shapes.world import (
+    CANVAS,
+    COLORS,
+    SHAPES,
+    TASKS,
+    ObjectSpec,
+    Spec,
+    parse,
+    render,
+    sample_spec,
+    to_prompt,
+    vocabulary,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT_DIR = ROOT / "configs" / "shapes" / "prompts"
+PROMPT_DIR = CONFIG_DIR / "shapes" / "prompts"
 
 
 # ------------------------------------------------------------------------------------------ grammar

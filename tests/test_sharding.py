@@ -239,7 +239,8 @@ class FakeAccelerator:
 
 def test_bad_shard_settings_fail_at_load_naming_the_setting(tmp_path):
     from tests.sharded_worker import shapes_config
-    from flowrl.config import CONFIG_DIR, TrainConfig
+    from flowrl.config import TrainConfig
+    from flowrl.paths import CONFIG_DIR
     from flowrl.trainer import Trainer
 
     with pytest.raises(ConfigError, match=r"model\.shard=fsdp .*1 process"):
@@ -278,7 +279,7 @@ def test_split_and_merge_of_sharded_tensors_round_trip():
 def test_the_fsdp_launch_file_shards_through_accelerate(tmp_path):
     """``accelerate launch --config_file configs/accelerate/fsdp.yaml`` (here --cpu, 2 processes): model.shard=auto
     becomes fsdp, so the checkpoint is sharded and the run exports consolidated weights."""
-    from flowrl.config import CONFIG_DIR
+    from flowrl.paths import CONFIG_DIR
 
     args = ["rollout.group_size=2", "rollout.steps=2", "prompts.per_step=2", "eval.num_prompts=2", "eval.steps=2",
             "eval.images_per_prompt=1", "eval.grid_prompts=0", "train.max_steps=1", "train.num_threads=1",

@@ -17,7 +17,7 @@ PLUGIN = '''
 import time
 
 import torch
-from rewards.base import Reward
+from flowrl_rewards.base import Reward
 
 
 class NanReward(Reward):
@@ -122,7 +122,7 @@ def test_a_hanging_reward_times_out_into_reward_failed(tiny_folder, tmp_path, pl
 
 
 def test_a_timed_out_call_is_abandoned_and_the_next_gets_a_fresh_worker(plugin):
-    from rewards import MultiReward
+    from flowrl_rewards import MultiReward
 
     reward = MultiReward([{"name": f"{plugin}:Hang", "timeout": 0.2, "kwargs": {"always": False}}])
     images, prompts = torch.rand(3, 3, 8, 8), ["a", "b", "c"]

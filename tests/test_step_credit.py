@@ -4,14 +4,20 @@ on chains and on hand-built branching forests; forward counts, the pure-ODE refe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, train_redness, with_lora
 
 from flowrl.config import ConfigError, TrainConfig
-from flowrl.credit.turning_point import TurningPoint, balance_signs, step_rewards, turning_points
+from flowrl.credit.turning_point import (
+    TurningPoint,
+    balance_signs,
+    step_rewards,
+    turning_points,
+)
 from flowrl.credit.value_anchor import ValueAnchor, discounted_values, temporal_weights
+from flowrl.paths import CONFIG_DIR
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import Chains, SDEWindow
@@ -21,10 +27,8 @@ from flowrl.rollout.sampling import ode_sample
 from flowrl.rollout.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
-from conftest import make_model, train_redness, with_lora
-
 PROMPTS = ["a red circle", "two blue squares"]
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = CONFIG_DIR
 
 
 def z(values: list[float], eps: float = 1e-4) -> torch.Tensor:
@@ -297,7 +301,7 @@ def test_replay_ratio_is_one_on_the_trained_edges(probe, rule):
 
 
 def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
-    from rewards import MultiReward
+    from flowrl_rewards import MultiReward
 
     win = SDEWindow(mode="fixed", start=0, size=2)
     forest = Probed(group_size=2, steps=4, window=win, probe="x0_projection").rollout(sd3_model, PROMPTS[:1], RolloutContext())

@@ -332,7 +332,7 @@ def test_snr_reward_only_measures_nothing_when_the_reward_gives_no_advantage(tmp
     anchor's is. With a varying reward the flag measures a gradient."""
     import flowrl.build as build
     from flowrl.grad_snr import gradient_snr
-    from rewards import REGISTRY, Reward, register
+    from flowrl_rewards import REGISTRY, Reward, register
 
     class PerPrompt(Reward):
         def score(self, images, prompts, meta):

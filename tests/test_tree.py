@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import math
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, train_redness, with_lora
 
 from flowrl import sde
 from flowrl.config import ConfigError, TrainConfig
 from flowrl.credit.tree import TreeAdvantage
+from flowrl.paths import CONFIG_DIR
 from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import SDEWindow
@@ -27,10 +28,8 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
-from conftest import make_model, train_redness, with_lora
-
 PROMPTS = ["a red circle", "two blue squares"]
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = CONFIG_DIR
 EPS = 1e-4  # the credit rule's default eps: A = (r − mean)/(std + eps)
 
 

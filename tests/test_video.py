@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.errors import ConfigError
-from rewards import MultiReward, Reward, build_reward
+from flowrl_rewards import MultiReward, Reward, build_reward
 from tests.conftest import make_model
 
 SIZE = dict(height=32, width=48, num_frames=5, max_sequence_length=12)  # 5 frames ↔ 2 latent frames

@@ -173,7 +173,6 @@ class TreeAdvantage(CreditRule):
     def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
         """Write ``advantage`` (A of each edge's child) and ``weight`` (1 unless depth-pruned by the plan,
         width-pruned or skipped) on every node; return statistics for the metrics log."""
-        N = forest.num_nodes
         depth, tree = forest.depth(), forest.root_of()
         fusion = fuse(forest, self.fusion_beta if self.fusion == "path_softmax" else 0.0)
         adv, zero, stats = self.depth_advantages(fusion.value, depth, tree, gather)

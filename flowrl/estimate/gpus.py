@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import flowrl.precision as precision
-from flowrl.config import DEFAULT_CONFIG, TrainConfig
+from flowrl.config import TrainConfig
+from flowrl.paths import DEFAULT_CONFIG
 from flowrl.choices import choose
 from flowrl.errors import ConfigError
 

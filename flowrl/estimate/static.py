@@ -4,12 +4,11 @@ in host memory, which is its device memory."""
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
 
 from torch import nn
 
 from flowrl.choices import choose
-from flowrl.errors import REPO_ROOT
+from flowrl.paths import find_file
 from flowrl.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
 
 REWARD_MODELS: dict[str, tuple[float, str]] = {
@@ -105,9 +104,9 @@ def prompt_count(spec: str | None) -> int:
     """Prompts in a prompts file (or inline ``a|b|c``); 0 when the file is not here."""
     if not spec:
         return 0
-    for path in (Path(spec), REPO_ROOT / spec):
-        if path.is_file():
-            return sum(1 for line in path.read_text().splitlines() if line.strip())
+    path = find_file(spec)
+    if path is not None:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
     if "|" in spec or not spec.endswith(".txt"):
         return len([p for p in spec.split("|") if p.strip()])
     return 0

@@ -203,7 +203,7 @@ class Explore(RolloutPlan):
 
         self.inner_plan.setup(model, reward)
         if isinstance(reward, str):
-            from rewards import MultiReward
+            from flowrl_rewards import MultiReward
 
             reward = MultiReward([reward])
         self._reward = reward

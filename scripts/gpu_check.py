@@ -1,0 +1,701 @@
+#!/usr/bin/env python
+"""The GPU check (issue 46): one command, ≤ --minutes on one H100/H200, one Markdown file of tables and one JSON.
+
+Parts (each gets a share of --minutes, stops cleanly when its time is out, and the files are rewritten after
+every row, so a kill leaves what was measured):
+
+- ``presets``: SD3.5-Medium Flow-GRPO LoRA, SD3.5-Medium DiffusionNFT LoRA and FLUX.1-dev DiffusionNFT LoRA at their
+  real size, resolution and steps, random weights built on the GPU from the stored architectures
+  (flowrl/models/random_init.py), a cheap reward (jpeg_compressibility), inline prompts: ``flowrl bench``'s
+  timings (:func:`flowrl.bench.bench_iteration`: s/iteration split into rollout, reward and update, peak
+  ``torch.cuda.max_memory_allocated``) after one warm-up, against ``flowrl bench --estimate`` at the same settings
+  (:func:`flowrl.estimate.estimate`: its peak memory → the ratio; its FLOPs per iteration → model TFLOP/s and the
+  fraction of the card's measured bf16 peak, --peak-tflops);
+- ``shapes``: the main job (configs/shapes/nft.yaml) and guidance distillation alone (``loss.reward_term=0``) at
+  1,024 images per update (16 prompts × 64), as many updates as fit, seeds 0 and 1, held-out strict accuracy at
+  guidance 1 (and 3) before and after;
+- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.grad_snr.gradient_snr`) of the main job at 1,024 images per batch;
+- ``compile``: the SD3.5-Medium NFT preset again with its transformer blocks under ``torch.compile``.
+
+``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
+:func:`flowrl.models.random_init.tiny_arch`) and tiny settings in well under a minute (tests/test_gpu_check.py).
+On the GPU machine run it through scripts/gpu_check.sh, which first installs the carried wheels (diffusers,
+omegaconf) and the repository itself; docs/gpu.md has the exact command.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTED = time.monotonic()  # --minutes counts from here, the imports included
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the checkout's flowrl when it is not installed (scripts/gpu_check.sh installs it)
+    sys.path.insert(0, str(ROOT))
+
+PARTS = ("presets", "shapes", "snr", "compile")
+PROMPTS = "a photo of a cat|a red car and a blue house"
+"""Inline training prompts of the presets (words of the synthetic tokenizers' vocabulary; sequences are padded to
+the preset's lengths anyway)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: str
+    arch: str
+    prompts: int  # prompts per iteration
+    images: int  # images per prompt (rollout.group_size)
+    weight: float  # share of the time budget
+
+
+PRESETS = (
+    Preset("sd35m_flow_grpo_lora", "configs/sd35/flow_grpo_pickscore.yaml", "sd35_medium", 2, 8, 1.2),
+    Preset("sd35m_nft_lora", "configs/sd35/nft_geneval.yaml", "sd35_medium", 2, 8, 0.6),
+    # DiffusionNFT rather than the Flow-GRPO-style FLUX presets (dance_grpo_hps, 720 px, every one of 16 steps
+    # replayed in the update): ≈ 0.44 against ≈ 2.4 PFLOP per image, so a warm-up and timed iterations fit
+    Preset("flux1dev_nft_lora", "configs/flux/nft_pickscore.yaml", "flux1_dev", 2, 4, 1.4),
+)
+COMPILE_PRESET = PRESETS[1]
+PART_WEIGHTS = {"shapes": 3.0, "snr": 0.7, "compile": 0.8}
+"""Shares of the budget besides the presets' (a part's time = what is left × its weight / the weights still to run)."""
+SHAPES_RUNS = (("main", []), ("distill", ["loss.reward_term=0"]))
+SHAPES_CONFIG = "configs/shapes/nft.yaml"
+MEASURED_PEAK_TFLOPS = 790.0
+"""bf16 dense matmul measured on the lent H100 and H200 (8192³ products: 798 and 788 TFLOP/s)."""
+GiB = 2 ** 30
+
+
+class OutOfTime(Exception):
+    """A part's share of --minutes ran out."""
+
+
+# ---- arguments ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.split("\n\n")[0],
+                                epilog="docs/gpu.md, \"The GPU check\": the exact run on the lent GPU machine.")
+    p.add_argument("--out", default=None, help="folder for gpu_check.md and gpu_check.json (default: $OUT when set, "
+                                                 "else runs/gpu_check)")
+    p.add_argument("--minutes", type=float, default=9.0, help="time budget of the whole check (default 9); each part "
+                                                                "gets a share and stops cleanly when it is spent")
+    p.add_argument("--tiny", action="store_true", help="every part on the CPU with tiny pipelines and tiny settings "
+                                                       "(under a minute): the rehearsal the tests run")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="comma-separated parts to run, in this order (default: all): presets (SD3.5-M Flow-GRPO and NFT, "
+                        "FLUX.1-dev NFT, LoRA, real size), shapes (main job and distillation at 1,024 images per update), "
+                        "snr (--reward-only at 1,024 images per batch), compile (torch.compile on the SD3.5-M NFT preset)")
+    p.add_argument("--peak-tflops", type=float, default=MEASURED_PEAK_TFLOPS,
+                   help=f"the card's bf16 peak the model FLOP/s are set against (default {MEASURED_PEAK_TFLOPS:g}, "
+                        "measured on the lent H100/H200)")
+    p.add_argument("--gpu", default=None, help="GPU class of the estimate (H100, H200, ...; default: from the device "
+                                               "name, H100 when it names neither)")
+    p.add_argument("--iterations", type=int, default=None, help="timed iterations per preset at most (default 3; "
+                                                                 "fewer when the estimate says they would not fit)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them (default 1)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the shapes runs (default 0 1)")
+    p.add_argument("--shapes-prompts", type=int, default=None, help="prompts per update of the shapes runs (default 16)")
+    p.add_argument("--shapes-images", type=int, default=None, help="images per prompt of the shapes runs (default 64)")
+    p.add_argument("--shapes-max-batch", type=int, default=None, help="rows per forward of the shapes runs "
+                                                                       "(rollout.max_batch, eval.batch_size; default 512)")
+    p.add_argument("--snr-batches", type=int, default=None, help="gradient draws of the snr part at most (default 8; "
+                                                                  "at least 3, fewer when time is short)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend of the compile part (default "
+                                                            "inductor; eager with --tiny)")
+    p.add_argument("--commit", default=None, help="the commit the copy was made from (the GPU machine's copy has no "
+                                                  ".git; default: git rev-parse HEAD when there is one)")
+    p.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        p.error(f"--parts: unknown {unknown or 'empty'}; accepted: {','.join(PARTS)}")
+    args.parts = parts
+    fill_defaults(args)
+    return args
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """The sizes each mode uses unless given: the real check's, or --tiny's."""
+    tiny = args.tiny
+    defaults = {"iterations": 1 if tiny else 3, "shapes_prompts": 2 if tiny else 16, "shapes_images": 4 if tiny else 64,
+                "shapes_max_batch": 8 if tiny else 512, "snr_batches": 3 if tiny else 8,
+                "compile_backend": "eager" if tiny else "inductor"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = os.environ.get("OUT") or str(ROOT / "runs" / "gpu_check")
+    args.work = Path(args.work) if args.work else None  # made in main, once nothing is missing
+
+
+# ---- what is missing -----------------------------------------------------------------------------
+def missing_requirements(tiny: bool) -> list[str]:
+    """What this machine lacks for the check: Python modules, and a CUDA GPU unless --tiny."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "diffusers", "transformers", "peft", "accelerate", "omegaconf")
+               if importlib.util.find_spec(m) is None]
+    if not missing:
+        try:  # flowrl and its rewards package, by whatever name flowrl imports it (the check never names it)
+            from flowrl.build import build_rewards
+            from flowrl.config import RewardTerm
+
+            build_rewards([RewardTerm(name="jpeg_compressibility")])
+        except Exception as e:  # noqa: BLE001 - any failure here is something missing
+            missing.append(f"an importable flowrl with its rewards ({one_line(e)}: pip install --no-deps "
+                           "--no-build-isolation -e . first, as scripts/gpu_check.sh does)")
+    if not tiny and "torch" not in missing:
+        import torch
+
+        if not torch.cuda.is_available():
+            missing.append(f"a CUDA GPU (torch {torch.__version__}, built for CUDA {torch.version.cuda}, sees none)")
+    return missing
+
+
+# ---- time -----------------------------------------------------------------------------------------
+class Budget:
+    """--minutes shared out: a part's time is what is left × its weight / the weights of the parts still to run."""
+
+    def __init__(self, seconds: float, weights: dict[str, float], start: float | None = None):
+        self.start = time.monotonic() if start is None else start
+        self.seconds, self.pending = seconds, dict(weights)
+        self.given: dict[str, float] = {}  # the seconds each key was allotted
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def allot(self, key: str) -> float:
+        weight = self.pending.pop(key, 0.0)
+        total = weight + sum(self.pending.values())
+        self.given[key] = max(0.0, self.left() * weight / total) if total else max(0.0, self.left())
+        return self.given[key]
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise :class:`OutOfTime` in this (main) thread once ``seconds`` have passed."""
+    if seconds <= 1:
+        raise OutOfTime(f"{what}: no time left")
+
+    def fire(signum, frame):
+        raise OutOfTime(f"{what}: stopped after {seconds:.0f} s, its share of --minutes")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def release_memory() -> None:
+    """Drop what the last row left (models, trainers) and the allocator's cached blocks."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+# ---- the report -----------------------------------------------------------------------------------
+COLUMNS = {
+    "presets": [("preset", "name"), ("model", "model"), ("prompts × images", "batch"), ("px / steps", "size"),
+                ("s/iter", "seconds_per_iteration"), ("rollout s", "rollout_seconds"), ("reward s", "reward_seconds"),
+                ("update s", "update_seconds"), ("estimate s/iter", "estimate_seconds"),
+                ("model TFLOP/iter", "model_tflop_per_iteration"), ("TFLOP/s", "model_tflops_per_second"),
+                ("of peak", "fraction_of_peak"), ("peak GiB", "peak_memory_gib"),
+                ("estimate GiB", "estimate_peak_gib"), ("measured / estimate", "peak_ratio"), ("build s", "build_seconds")],
+    "shapes": [("run", "name"), ("seed", "seed"), ("images/update", "images_per_update"), ("updates", "updates"),
+               ("images", "images"), ("s/update", "seconds_per_update"), ("strict g1 before", "strict_g1_before"),
+               ("strict g1 after", "strict_g1_after"), ("Δ g1", "strict_g1_change"), ("strict g3 before", "strict_g3_before"),
+               ("strict g3 after", "strict_g3_after"), ("reward first → last", "reward_first_last")],
+    "snr": [("measure", "name"), ("batches", "batches"), ("images/batch", "samples_per_batch"),
+            ("signal / error", "signal_over_error"), ("mean pairwise cosine", "mean_pairwise_cosine"),
+            ("SNR per batch", "snr_per_batch"), ("images for SNR 1", "samples_for_snr_1"), ("s/batch", "seconds_per_batch")],
+    "compile": [("preset", "name"), ("backend", "backend"), ("s/iter", "seconds_per_iteration"),
+                ("rollout s", "rollout_seconds"), ("update s", "update_seconds"), ("without compile s/iter", "eager_seconds"),
+                ("speed-up", "speedup"), ("setup + warm-up s", "warmup_seconds"), ("peak GiB", "peak_memory_gib")],
+}
+TITLES = {"presets": "Real presets, real size, random weights",
+          "shapes": "Shapes: the main job and distillation alone, many images per update",
+          "snr": "The reward's gradient signal (flowrl snr --reward-only)", "compile": "torch.compile (regional: the transformer blocks)"}
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, (list, tuple)):
+        return "–".join(fmt(v) for v in value)
+    return str(value)
+
+
+class Report:
+    """The JSON (docs/gpu.md: its structure) and the Markdown of every part, rewritten after every row."""
+
+    def __init__(self, out: str | Path, meta: dict, parts: list[str]):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.data = {"schema": 1, "meta": meta,
+                     "parts": {p: {"status": "pending", "seconds": 0.0, "allotted_seconds": 0.0, "rows": []} for p in parts}}
+
+    def add(self, part: str, row: dict) -> None:
+        self.data["parts"][part]["rows"].append(row)
+        self.write()
+
+    def rows(self, part: str) -> list[dict]:
+        return self.data["parts"].get(part, {}).get("rows", [])
+
+    def close_part(self, part: str, seconds: float, allotted: float, error: str | None = None) -> None:
+        entry = self.data["parts"][part]
+        statuses = {r.get("status") for r in entry["rows"]}
+        entry["status"] = ("failed" if error else "ok" if statuses == {"ok"} else
+                           "empty" if not statuses else "partial")
+        entry.update(seconds=round(seconds, 1), allotted_seconds=round(allotted, 1))
+        if error:
+            entry["error"] = error
+        self.write()
+
+    def write(self) -> None:
+        self.data["meta"]["written"] = now()
+        for name, text in (("gpu_check.json", json.dumps(self.data, indent=2, default=str, allow_nan=True)),
+                           ("gpu_check.md", self.markdown())):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text + "\n")
+            tmp.replace(self.out / name)
+
+    def markdown(self) -> str:
+        m = self.data["meta"]
+        lines = [f"# GPU check{' (--tiny, CPU)' if m['tiny'] else ''}", "",
+                 f"device: {m['device']}; torch {m['torch']} (CUDA {m['cuda']}); commit {m['commit']}; "
+                 f"started {m['started']}; budget {m['minutes']:g} min; bf16 peak taken as {m['peak_tflops']:g} TFLOP/s", ""]
+        if m["tiny"]:
+            lines += ["--tiny: the architectures shrunk, on the CPU; peak GiB is the process's peak RSS, not comparable "
+                      "with the estimate.", ""]
+        for part, entry in self.data["parts"].items():
+            lines += [f"## {TITLES[part]}", "",
+                      f"status: {entry['status']}; {entry['seconds']:.0f} s of {entry['allotted_seconds']:.0f} s allotted"
+                      + (f"; {entry['error']}" if entry.get("error") else ""), ""]
+            lines += table(entry["rows"], COLUMNS[part]) + [""]
+        return "\n".join(lines)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> list[str]:
+    out = ["| " + " | ".join(h for h, _ in columns) + " | status |", "|" + "---|" * (len(columns) + 1)]
+    for row in rows:
+        status = row.get("status", "ok") + (f": {row['error']}" if row.get("error") else "")
+        out.append("| " + " | ".join(fmt(row.get(key)) for _, key in columns) + f" | {status} |")
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def commit_of(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no .git here: pass --commit)"
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import diffusers
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
+    memory = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
+    return {"device": device, "device_memory_gib": memory, "gpu_class": gpu_class_of(args, device), "tiny": args.tiny,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit_of(args.commit),
+            "started": now(), "minutes": args.minutes, "peak_tflops": args.peak_tflops, "parts": args.parts,
+            "argv": sys.argv[1:]}
+
+
+def gpu_class_of(args: argparse.Namespace, device: str) -> str:
+    if args.gpu:
+        return args.gpu
+    return "H200" if "H200" in device else "H100"
+
+
+# ---- part 1: the real presets -----------------------------------------------------------------------
+def preset_path(relative: str) -> str:
+    """The file of the preset ``configs/<...>.yaml`` in this checkout (``flowrl/configs/`` or ``configs/``), else the
+    name as given, for flowrl to find."""
+    inner = Path(relative).relative_to("configs")
+    for base in (ROOT / "flowrl" / "configs", ROOT / "configs"):
+        if (base / inner).is_file():
+            return str(base / inner)
+    return relative
+
+
+def preset_overrides(preset: Preset, args: argparse.Namespace, name: str) -> list[str]:
+    """The preset at its resolution and steps with a cheap reward, inline prompts and ``prompts`` × ``images``;
+    --tiny: 64 px, 2 steps, 8 T5 tokens, 1 prompt × 2 images on the CPU."""
+    out = ["rewards=[{name: jpeg_compressibility}]", f"prompts.train={PROMPTS}", f"prompts.eval={PROMPTS}",
+           f"prompts.per_step={preset.prompts}", f"rollout.group_size={preset.images}", "train.log_with=none",
+           "train.progress=false", "train.overwrite=true", f"train.output_dir={args.work / 'runs'}",
+           f"train.name={name}", f"model.device={'cpu' if args.tiny else 'cuda'}"]
+    if args.tiny:
+        out += ["prompts.per_step=1", "rollout.group_size=2", "rollout.max_batch=2", "rollout.steps=2",
+                "model.height=64", "model.width=64", "model.max_sequence_length=8", "train.num_threads=1"]
+    return out
+
+
+def preset_estimate(cfg, arch: dict, args: argparse.Namespace, gpu: str) -> dict:
+    """``flowrl bench --estimate`` of ``cfg`` (the figures the rows compare with)."""
+    from flowrl.estimate import assume_gpu, estimate
+
+    with assume_gpu(gpu):
+        e = estimate(copy.deepcopy(cfg), gpu=gpu, arch=arch, target="cpu" if args.tiny else "cuda")
+    return {"peak_gib": e["memory_gib"]["peak"], "peak_phase": e["memory_gib"]["peak_phase"],
+            "static_gib": e["memory_gib"]["static"], "flops_per_iteration": e["flops"]["total"],
+            "flops_split": {k: e["flops"][k] for k in ("rollout", "decode", "update", "explore")},
+            "seconds_per_iteration": e["time"]["seconds_per_iteration"], "gpu": e["gpu"], "counts": e["counts"],
+            "shapes": e["shapes"]}
+
+
+def timed_iterations(seconds_left: float, per_iteration: float, args: argparse.Namespace) -> int:
+    """As many timed iterations (1 … --iterations) as fit after the warm-up at ``per_iteration`` seconds each."""
+    fit = int(seconds_left / max(per_iteration, 1e-9)) - args.warmup
+    return max(1, min(args.iterations, fit))
+
+
+def measured(bench: dict, est: dict, args: argparse.Namespace) -> dict:
+    """A preset row's measured columns from :func:`flowrl.bench.bench_iteration` and the estimate."""
+    seconds = bench["seconds_per_iteration"]
+    flops = est["flops_per_iteration"]
+    on_gpu = "peak_memory_mb" in bench
+    peak = (bench["peak_memory_mb"] if on_gpu else bench["peak_rss_mb"]) / 1024
+    return {"seconds_per_iteration": seconds, "rollout_seconds": bench["time/rollout"],
+            "reward_seconds": bench["time/reward"], "update_seconds": bench["time/update"],
+            "forward_seconds": bench["forward_seconds"], "backward_seconds": bench["backward_seconds"],
+            "overhead_seconds": bench["overhead_seconds"], "rollout_forwards": bench.get("rollout_forwards"),
+            "model_tflop_per_iteration": flops / 1e12, "model_tflops_per_second": flops / seconds / 1e12,
+            "fraction_of_peak": flops / seconds / (args.peak_tflops * 1e12), "peak_memory_gib": peak,
+            "peak_memory_source": "torch.cuda.max_memory_allocated" if on_gpu else "process peak RSS (CPU: not comparable)",
+            "estimate_peak_gib": est["peak_gib"], "peak_ratio": peak / est["peak_gib"],
+            "estimate_seconds": est["seconds_per_iteration"],
+            "within_estimated_time": est["seconds_per_iteration"][0] <= seconds <= est["seconds_per_iteration"][1]}
+
+
+ITERATION_GUESS = 1.5
+"""An iteration is planned at this many times the estimate's slowest (30 % of the bf16 peak): small batches."""
+
+
+def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: str, row: dict, name: str | None = None,
+               prepare=None) -> dict:
+    """Estimate, build on the device and bench one preset into ``row`` (what it holds when time runs out is kept);
+    ``prepare(model)`` runs on the built model first."""
+    import torch
+
+    from flowrl.bench import bench_iteration
+    from flowrl.estimate import load_arch, load_config
+    from flowrl.models.random_init import random_model, tiny_arch
+
+    t0 = time.monotonic()
+    name = name or preset.name
+    cfg = load_config(preset_path(preset.config), preset_overrides(preset, args, name), gpu)
+    arch = tiny_arch(preset.arch) if args.tiny else load_arch(preset.arch)
+    est = preset_estimate(cfg, arch, args, gpu)
+    m = cfg.model
+    row.update({"name": name, "config": preset.config, "model": arch["name"], "status": "ok",
+           "batch": f"{cfg.prompts.per_step} × {cfg.rollout.group_size}", "size": f"{m.height} / {cfg.rollout.steps}",
+           "settings": {"height": m.height, "width": m.width, "steps": cfg.rollout.steps, "max_batch": cfg.rollout.max_batch,
+                        "max_sequence_length": m.max_sequence_length, "dtype": m.dtype, "lora_rank": m.lora.rank,
+                        "gradient_checkpointing": m.gradient_checkpointing, "objective": cfg.loss.objective},
+           "estimate": est, "estimate_seconds_taken": time.monotonic() - t0})
+    t1 = time.monotonic()
+    model = random_model(m, "cpu" if args.tiny else "cuda", arch)
+    row["build_seconds"] = time.monotonic() - t1
+    if prepare is not None:
+        prepare(model)
+    per_iteration = ITERATION_GUESS * est["seconds_per_iteration"][1]
+    iterations = timed_iterations(seconds - (time.monotonic() - t0), per_iteration, args)
+    t2 = time.monotonic()
+    bench = bench_iteration(cfg, iterations=iterations, warmup=args.warmup, model=model)
+    del model
+    row.update(measured(bench, est, args), iterations=iterations, warmup=args.warmup, bench=bench,
+               warmup_seconds=time.monotonic() - t2 - iterations * bench["seconds_per_iteration"])
+    release_memory()
+    if torch.cuda.is_available() and not args.tiny:
+        row["allocated_after_release_gib"] = torch.cuda.memory_allocated() / GiB  # > 0: something kept the model
+    return row
+
+
+def guarded(report: Report, budget: Budget, part: str, name: str, seconds: float, run, slack: float = 1.25) -> dict:
+    """``run(row)``'s row under a deadline of ``seconds`` (× ``slack`` while the budget has it); when it runs out of
+    time or fails, what ``run`` had put in ``row`` so far, with the status and the error."""
+    t0 = time.monotonic()
+    limit = max(seconds, min(slack * seconds, budget.left() - 5))
+    print(f"[gpu_check] {part}: {name} ({seconds:.0f} s, stopped at {limit:.0f} s)", flush=True)
+    partial: dict = {"name": name}
+    try:
+        with deadline(limit, f"{part}/{name}"):
+            row = run(partial)
+    except OutOfTime as e:
+        row = {**partial, "status": "out_of_time", "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - one row fails, the check goes on (an OOM is a result too)
+        row = {**partial, "status": "failed", "error": one_line(e)}
+    if row.get("status") != "ok":
+        release_memory()  # the exception's frames held the model
+    row["row_seconds"] = time.monotonic() - t0
+    report.add(part, row)
+    print(f"[gpu_check]   → {row['status']}" + (f": {row['error']}" if row.get("error") else ""), flush=True)
+    return row
+
+
+def run_presets(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    gpu = report.data["meta"]["gpu_class"]
+    for preset in PRESETS:
+        seconds = budget.allot(preset.name)
+        guarded(report, budget, "presets", preset.name, seconds,
+                lambda row: preset_row(preset, args, seconds, gpu, row), slack=1.5)
+
+
+# ---- part 2: the shapes main job at 1,024 images per update ----------------------------------------
+def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: float) -> list[str]:
+    """configs/shapes/nft.yaml at --shapes-prompts × --shapes-images per update for ``minutes`` of training (evals
+    excluded; --tiny: one update, 4 held-out prompts, 2 steps)."""
+    batch = args.shapes_max_batch
+    out = [f"prompts.per_step={args.shapes_prompts}", f"rollout.group_size={args.shapes_images}",
+           f"rollout.max_batch={batch}", f"eval.batch_size={batch}", f"train.seed={seed}", "train.log_with=none",
+           "train.progress=false", "train.overwrite=true", "train.checkpoint_every=0",
+           f"train.output_dir={args.work / 'runs'}", f"train.name={name}"]
+    if args.tiny:
+        return out + ["train.max_steps=1", "model.device=cpu", "train.num_threads=1", "eval.num_prompts=4",
+                      "eval.steps=2", "eval.images_per_prompt=1", "rollout.steps=2"]
+    return out + ["train.max_steps=1000000", f"train.max_minutes={max(minutes, 0.05):.3f}", "model.device=cuda"]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records a run wrote to its metrics.jsonl (what is left when its time ran out mid-run)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def shapes_summary(records: list[dict], name: str, seed: int, images_per_update: int, reward: str) -> dict:
+    """A shapes row: updates, images, s/update, held-out strict at guidance 1 (``eval/…``) and the model's default
+    3 (``eval_default/…``) before and after, and the training reward's first and last iteration."""
+    nan = float("nan")
+    evals = [r for r in records if f"eval/{reward}_mean" in r]
+    steps = [r for r in records if "reward_mean" in r]
+    first, last = (evals[0], evals[-1]) if len(evals) >= 2 else (evals[0] if evals else {}, {})
+    seconds = steps[-1].get("time/train_total", nan) if steps else nan
+    row = {"name": name, "seed": seed, "images_per_update": images_per_update, "updates": len(steps),
+           "images": len(steps) * images_per_update, "train_seconds": seconds,
+           "seconds_per_update": seconds / len(steps) if steps else nan,
+           "reward_first": steps[0]["reward_mean"] if steps else nan, "reward_last": steps[-1]["reward_mean"] if steps else nan}
+    for tag, prefix in (("g1", "eval"), ("g3", "eval_default")):
+        key = f"{prefix}/{reward}_mean"
+        row[f"strict_{tag}_before"], row[f"strict_{tag}_after"] = first.get(key, nan), last.get(key, nan)
+        row[f"strict_{tag}_change"] = row[f"strict_{tag}_after"] - row[f"strict_{tag}_before"]
+    row["reward_first_last"] = f"{fmt(row['reward_first'])} → {fmt(row['reward_last'])}"
+    row["eval_images"] = first.get(f"eval/{reward}/n")
+    return row
+
+
+def shapes_row(args: argparse.Namespace, variant: str, extra: list[str], seed: int, minutes: float) -> dict:
+    from flowrl.config import TrainConfig
+    from flowrl.trainer import Trainer
+
+    name = f"shapes_{variant}_seed{seed}"
+    cfg = TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, name, seed, minutes) + extra)
+    reward = cfg.eval.rewards[0].label or cfg.eval.rewards[0].name
+    status, error = "ok", None
+    t0 = time.monotonic()
+    try:
+        Trainer(cfg).train()
+    except OutOfTime as e:  # keep what the run wrote before its time ran out
+        status, error = "out_of_time", str(e)
+    records = read_metrics(Path(cfg.train.output_dir) / name / "metrics.jsonl")
+    row = shapes_summary(records, variant, seed, cfg.prompts.per_step * cfg.rollout.group_size, reward)
+    row.update(status=status, error=error, overrides=extra, wall_seconds=time.monotonic() - t0)
+    return row
+
+
+def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    """Main job and distillation alone, seed by seed (each pair first, so a short budget still has both)."""
+    seconds = budget.allot("shapes")
+    end = time.monotonic() + seconds
+    runs = [(variant, extra, seed) for seed in args.seeds for variant, extra in SHAPES_RUNS]
+    overhead = None  # set-up, evals and the last checkpoint of a run: measured on the first
+    for i, (variant, extra, seed) in enumerate(runs):
+        share = (end - time.monotonic()) / (len(runs) - i)
+        if share < 5 and not args.tiny:
+            report.add("shapes", {"name": variant, "seed": seed, "status": "skipped", "error": "no time left"})
+            continue
+        guess = overhead if overhead is not None else 0.3 * share
+        minutes = max(share - guess, 0.0) / 60
+        row = guarded(report, budget, "shapes", f"{variant} seed {seed}", share,
+                      lambda row: shapes_row(args, variant, extra, seed, minutes))
+        if row.get("status") == "ok" and math.isfinite(row.get("train_seconds", float("nan"))):
+            overhead = 1.1 * max(row["wall_seconds"] - row["train_seconds"], 0.0)
+
+
+# ---- part 3: the reward's share of the gradient at 1,024 images per batch ---------------------------
+def snr_row(args: argparse.Namespace, batches: int) -> dict:
+    """``flowrl snr configs/shapes/nft.yaml --reward-only`` at the shapes runs' images per batch."""
+    from flowrl.config import TrainConfig
+    from flowrl.grad_snr import gradient_snr
+
+    t0 = time.monotonic()
+    cfg = TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, "snr", 0, 0.0))
+    result = gradient_snr(cfg, batches=batches, progress=False, reward_only=True)
+    error = result["signal_error"]
+    detected = bool(result["signal_detected"])
+    needed = result["samples_for_snr_1"] if detected else result["samples_for_snr_1_at_least"]
+    return {"name": "--reward-only, shipped weights", "status": "ok", "batches": int(result["batches"]),
+            "samples_per_batch": int(result["samples_per_batch"]),
+            "signal_over_error": result["signal"] / error if error > 0 else float("nan"),
+            "mean_pairwise_cosine": result["mean_pairwise_cosine"], "snr_per_batch": result["snr_per_batch"],
+            "detected": detected, "samples_for_snr_1": f"{'≈' if detected else '≥'} {fmt(float(needed))}",
+            "seconds_per_batch": (time.monotonic() - t0) / batches, "result": result}
+
+
+def run_snr(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    seconds = budget.allot("snr")
+    per_update = [r["seconds_per_update"] for r in report.rows("shapes")
+                  if isinstance(r.get("seconds_per_update"), float) and math.isfinite(r["seconds_per_update"])]
+    guess = 1.5 * (sum(per_update) / len(per_update)) if per_update else 3.0  # a rollout and a backward per draw
+    batches = max(3, min(args.snr_batches, int(0.8 * seconds / guess)))
+    guarded(report, budget, "snr", f"reward only, {batches} batches", seconds, lambda row: snr_row(args, batches))
+
+
+# ---- part 4 (optional): torch.compile of the transformer blocks --------------------------------------
+def compile_blocks(model, backend: str) -> int:
+    """``torch.compile`` each repeated transformer block in place (regional compilation: diffusers'
+    ``_repeated_blocks``, SD3's ``JointTransformerBlock``); returns how many."""
+    transformer = model.pipe.transformer
+    names = set(getattr(transformer, "_repeated_blocks", None) or ()) | {"JointTransformerBlock"}
+    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise RuntimeError(f"no repeated block ({sorted(names)}) in {type(transformer).__name__} to compile")
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
+
+
+def run_compile(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    import torch
+
+    seconds = budget.allot("compile")
+    gpu = report.data["meta"]["gpu_class"]
+    preset = COMPILE_PRESET
+    eager = next((r for r in report.rows("presets") if r.get("name") == preset.name and r.get("status") == "ok"), None)
+
+    def run(row: dict) -> dict:
+        row["backend"] = args.compile_backend
+        preset_row(preset, args, seconds, gpu, row, name=f"{preset.name}_compiled",
+                   prepare=lambda model: compile_blocks(model, args.compile_backend))
+        row["eager_seconds"] = eager["seconds_per_iteration"] if eager else None  # None: presets not run or failed
+        row["speedup"] = row["eager_seconds"] / row["seconds_per_iteration"] if eager else None
+        return row
+
+    try:
+        guarded(report, budget, "compile", preset.name, seconds, run)
+    finally:
+        torch._dynamo.reset()
+
+
+# ---- main ---------------------------------------------------------------------------------------
+RUNNERS = {"presets": run_presets, "shapes": run_shapes, "snr": run_snr, "compile": run_compile}
+
+
+def quiet_libraries() -> None:
+    import warnings
+
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*should be kept in float32.*")
+
+
+def budget_weights(parts: list[str]) -> dict[str, float]:
+    weights = {p.name: p.weight for p in PRESETS} if "presets" in parts else {}
+    weights.update({k: v for k, v in PART_WEIGHTS.items() if k in parts})
+    return weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as flowrl's CLI: no OpenMP spinning on shared cores
+    missing = missing_requirements(args.tiny)
+    if missing:
+        print(f"gpu_check: cannot run here: missing {'; '.join(missing)}. Run it on the GPU machine through "
+              "scripts/gpu_check.sh (docs/gpu.md), or with --tiny on a CPU.", file=sys.stderr)
+        return 2
+    quiet_libraries()
+    import flowrl.bench  # noqa: F401 - the libraries imported once, then frozen: their objects stay out of every
+    import flowrl.estimate  # noqa: F401   later gc.collect (the estimate collects once per traced phase)
+    import flowrl.trainer  # noqa: F401
+
+    gc.freeze()
+    args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    budget = Budget(args.minutes * 60, budget_weights(args.parts), start=STARTED)
+    report = Report(args.out, environment(args), args.parts)
+    print(f"[gpu_check] {report.data['meta']['device']}, {args.minutes:g} min, parts {','.join(args.parts)}; "
+          f"writing {report.out}/gpu_check.{{md,json}}", flush=True)
+    for part in args.parts:
+        t0 = time.monotonic()
+        error = None
+        try:
+            RUNNERS[part](report, budget, args)
+        except Exception as e:  # noqa: BLE001 - a part that breaks leaves the others their time
+            error = one_line(e)
+        keys = [p.name for p in PRESETS] if part == "presets" else [part]
+        report.close_part(part, time.monotonic() - t0, sum(budget.given.get(k, 0.0) for k in keys), error)
+    report.data["meta"]["seconds"] = round(budget.elapsed(), 1)
+    report.write()
+    print(report.markdown(), flush=True)
+    statuses = {entry["status"] for entry in report.data["parts"].values()}
+    return 0 if statuses <= {"ok"} else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""scripts/gpu_check.py, the GPU check of issue 46 (docs/gpu.md, "The GPU check"): its ``--tiny`` rehearsal runs
+every part on the CPU and writes the Markdown tables and the JSON that docs/gpu.md describes ("gpu_check.json"),
+with every row measured; a row whose time runs out is recorded as such; without a GPU and without ``--tiny`` it
+stops with one line naming what is missing; ``--help`` documents every flag."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+EXPECTED_ROWS = {"presets": 3, "shapes": 4, "snr": 1, "compile": 1}  # 3 presets; main + distill × seeds 0, 1
+
+
+@functools.lru_cache(maxsize=None)
+def load_script():
+    """scripts/gpu_check.py as a module (registered first: its dataclass looks its module up)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def documented_json() -> dict:
+    """The JSON skeleton of docs/gpu.md (the fenced block after ``<!-- gpu_check.json -->``)."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    found = re.search(r"<!-- gpu_check\.json -->\s*```json\n(.*?)```", text, re.S)
+    assert found, "docs/gpu.md lost its gpu_check.json skeleton"
+    return json.loads(found.group(1))
+
+
+def check_like(actual, documented, path: str, nullable: bool = False) -> None:
+    """``actual`` has every key of ``documented`` with a value of its type; numbers finite; a list of rows
+    (documented by one example row) non-empty, every row like the example. ``nullable``: None is accepted."""
+    if nullable and actual is None:
+        return
+    if isinstance(documented, dict):
+        assert isinstance(actual, dict), f"{path}: {actual!r} is not an object"
+        for key, value in documented.items():
+            assert key in actual, f"{path}.{key} missing"
+            check_like(actual[key], value, f"{path}.{key}", nullable)
+    elif isinstance(documented, list) and documented and isinstance(documented[0], dict):
+        assert isinstance(actual, list) and actual, f"{path}: no rows"
+        for i, row in enumerate(actual):
+            check_like(row, documented[0], f"{path}[{i}]", nullable)
+    elif isinstance(documented, bool):
+        assert isinstance(actual, bool), f"{path} = {actual!r}, not a boolean"
+    elif isinstance(documented, (int, float)):
+        assert isinstance(actual, (int, float)) and not isinstance(actual, bool), f"{path} = {actual!r}"
+        assert math.isfinite(actual), f"{path} = {actual!r}"
+    elif isinstance(documented, list):
+        assert isinstance(actual, list), f"{path} = {actual!r}"
+        for i, item in enumerate(actual[:len(documented)]):
+            check_like(item, documented[i] if i < len(documented) else documented[-1], f"{path}[{i}]", nullable)
+    else:
+        assert isinstance(actual, str), f"{path} = {actual!r}, not a string"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """One ``--tiny`` run as a user starts it, its folder given by $OUT as on the GPU machine."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "OUT": str(out)}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--work", str(out / "work"), "--commit", "test"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "wall": time.monotonic() - t0, "json": json.loads((out / "gpu_check.json").read_text()),
+            "md": (out / "gpu_check.md").read_text(), "stdout": proc.stdout}
+
+
+def test_tiny_json_is_what_the_docs_describe(tiny):
+    data, documented = tiny["json"], documented_json()
+    check_like(data["meta"], documented["meta"], "meta", nullable=True)
+    assert data["schema"] == documented["schema"]
+    assert list(data["parts"]) == list(documented["parts"]) == ["presets", "shapes", "snr", "compile"]
+    for part, entry in data["parts"].items():
+        check_like(entry, documented["parts"][part], f"parts.{part}")
+        assert entry["status"] == "ok", (part, entry)
+        assert len(entry["rows"]) == EXPECTED_ROWS[part], (part, [r.get("name") for r in entry["rows"]])
+        assert all(r["status"] == "ok" for r in entry["rows"]), entry["rows"]
+    meta = data["meta"]
+    assert meta["tiny"] is True and meta["commit"] == "test" and meta["device_memory_gib"] is None
+    assert meta["seconds"] < 60, f"--tiny took {meta['seconds']} s (the rehearsal is meant to take under a minute)"
+
+
+def test_tiny_rows_are_measured_and_consistent(tiny):
+    parts = tiny["json"]["parts"]
+    presets = parts["presets"]["rows"]
+    assert [r["name"] for r in presets] == ["sd35m_flow_grpo_lora", "sd35m_nft_lora", "flux1dev_nft_lora"]
+    assert [r["model"] for r in presets] == ["SD3.5-Medium (tiny)", "SD3.5-Medium (tiny)", "FLUX.1-dev (tiny)"]
+    for r in presets:
+        assert r["seconds_per_iteration"] > 0 and r["estimate"]["flops_per_iteration"] > 0
+        assert r["rollout_seconds"] + r["update_seconds"] <= r["seconds_per_iteration"] * 1.05
+        assert r["model_tflops_per_second"] == pytest.approx(r["model_tflop_per_iteration"] / r["seconds_per_iteration"])
+        assert r["fraction_of_peak"] == pytest.approx(r["model_tflops_per_second"] / 790.0)
+        assert r["peak_ratio"] == pytest.approx(r["peak_memory_gib"] / r["estimate_peak_gib"])
+        assert r["bench"]["rollout_forwards"] > 0 and r["iterations"] == 1
+    assert presets[0]["settings"]["objective"] == "clipped" and presets[1]["settings"]["objective"] == "nft"
+    shapes = parts["shapes"]["rows"]
+    assert [(r["name"], r["seed"]) for r in shapes] == [("main", 0), ("distill", 0), ("main", 1), ("distill", 1)]
+    for r in shapes:
+        assert r["updates"] == 1 and r["images"] == r["images_per_update"] == 8
+        assert all(0 <= r[k] <= 1 for k in ("strict_g1_before", "strict_g1_after", "strict_g3_before", "strict_g3_after"))
+    assert shapes[1]["overrides"] == ["loss.reward_term=0"] and shapes[0]["overrides"] == []
+    snr = parts["snr"]["rows"][0]
+    assert snr["batches"] == 3 and snr["samples_per_batch"] == 8 and -1 <= snr["mean_pairwise_cosine"] <= 1
+    compiled = parts["compile"]["rows"][0]
+    assert compiled["backend"] == "eager" and compiled["eager_seconds"] == presets[1]["seconds_per_iteration"]
+    assert compiled["speedup"] == pytest.approx(compiled["eager_seconds"] / compiled["seconds_per_iteration"])
+
+
+def test_tiny_markdown_has_every_part_and_row(tiny):
+    md, script = tiny["md"], load_script()
+    sections = re.split(r"^## ", md, flags=re.M)[1:]
+    assert [s.splitlines()[0] for s in sections] == [script.TITLES[p] for p in script.PARTS]
+    for section, part in zip(sections, script.PARTS):
+        header = "| " + script.COLUMNS[part][0][0] + " |"
+        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(header)]
+        assert len(rows) == EXPECTED_ROWS[part], section
+        assert all(line.endswith("| ok |") for line in rows), rows
+        assert not any(cell.strip() in ("nan", "inf", "—") for line in rows for cell in line.split("|")), rows
+    assert tiny["md"] in tiny["stdout"]  # printed at the end too
+
+
+def test_a_row_out_of_time_is_recorded_with_the_files(tmp_path):
+    script = load_script()
+    meta = {"device": "cpu", "torch": "x", "cuda": None, "commit": "c", "started": "s", "minutes": 1.0,
+            "peak_tflops": 790.0, "tiny": True}
+    report = script.Report(tmp_path, meta, ["snr"])
+    budget = script.Budget(100.0, {"snr": 1.0})
+    t0 = time.monotonic()
+    def sleeper(row: dict) -> dict:
+        row["measured_before"] = 1.0  # what a row had measured when its time ran out is kept
+        time.sleep(30)
+        return row
+
+    row = script.guarded(report, budget, "snr", "sleeper", 1.2, sleeper)
+    assert 1.2 <= time.monotonic() - t0 < 5
+    assert row["status"] == "out_of_time" and "sleeper" in row["error"] and row["measured_before"] == 1.0
+    report.close_part("snr", 2.0, 1.2)
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["parts"]["snr"]["status"] == "partial" and data["parts"]["snr"]["rows"][0]["status"] == "out_of_time"
+    assert "| out_of_time: snr/sleeper: stopped after" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_budget_shares_what_is_left_by_weight():
+    script = load_script()
+    budget = script.Budget(90.0, {"a": 1.0, "b": 2.0})
+    assert budget.allot("a") == pytest.approx(30.0, abs=0.5)
+    assert budget.allot("b") == pytest.approx(90.0, abs=0.5)  # the last part gets all that is left
+    assert budget.given == pytest.approx({"a": 30.0, "b": 90.0}, abs=0.5)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_without_gpu_or_tiny_it_names_what_is_missing(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a CUDA GPU" in lines[0] and "--tiny" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_help_documents_every_flag():
+    script = load_script()
+    parser = script.build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        for option in action.option_strings:
+            assert option in text
+    assert {"--out", "--minutes", "--tiny", "--parts", "--peak-tflops", "--commit"} <= {
+        o for a in parser._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize("name, sequence, tokens, pooled, transformer", [
+    ("sd35_medium", 256, 77 + 256, 2048, 2_243_171_520),  # configs/sd35/*: 77 CLIP + 256 T5 tokens
+    ("flux1_dev", 512, 512, 768, 11_901_408_320)])  # configs/flux/nft_pickscore.yaml: 512 T5 tokens
+def test_real_size_random_pipeline_wires_as_the_gpu_run_does(name, sequence, tokens, pooled, transformer):
+    """The real-size pipeline the GPU check builds on ``cuda``, built on the meta device (no memory): the stored
+    architecture's parameters (the estimate's counts, docs/estimate.md), a T5-XXL among the text encoders, all in
+    bf16, and the adapter's prompt encoding and velocity at the presets' lengths."""
+    import torch
+
+    from flowrl import wrap
+    from flowrl.estimate.archs import load_arch
+    from flowrl.models.random_init import random_pipeline
+
+    pipe = random_pipeline(load_arch(name), "meta", torch.bfloat16)
+    modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    params = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
+    assert params["transformer"] == transformer
+    assert max(v for n, v in params.items() if n.startswith("text_encoder")) == 4_762_310_656  # T5-XXL's encoder
+    assert {p.dtype for m in modules.values() for p in m.parameters()} == {torch.bfloat16}
+    model = wrap(pipe, device="meta", dtype=torch.bfloat16, height=512, width=512, max_sequence_length=sequence)
+    cond = model.encode(["a photo of a cat", "a dog"])
+    assert tuple(cond.cond["prompt_embeds"].shape) == (2, tokens, 4096) and tuple(cond.cond["pooled"].shape) == (2, pooled)
+    sigma = torch.full((2,), 0.5, device="meta")
+    velocity = model.velocity(torch.zeros(2, *model.latent_shape, device="meta"), sigma, cond)
+    assert tuple(velocity.shape) == (2, 16, 64, 64)
