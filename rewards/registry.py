@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from flowrl.registry import Registry
+from flowrl.config.registry import Registry
 from flowrl_rewards.base import Reward
 
 REGISTRY = Registry("reward", {
@@ -28,7 +28,7 @@ REGISTRY = Registry("reward", {
     "geneval": "flowrl_rewards.geneval:GenEvalReward",
     "vlm_judge": "flowrl_rewards.vlm_judge:VlmJudge",
 }, base=Reward)
-"""Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.registry.Registry`)."""
+"""Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.config.registry.Registry`)."""
 
 
 def register(name: str, target: str | type) -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     results = {}
     for name, extra in SETTINGS.items():
         overrides = COMMON + [f"train.num_threads={args.threads}", f"model.path={folder}", "rewards=[{name: brightness}]", f"train.output_dir={folder.parent}"] + extra
-        cmd = [sys.executable, "-m", "flowrl.cli", "bench", "--iterations", str(args.iterations), *overrides]
+        cmd = [sys.executable, "-m", "flowrl", "bench", "--iterations", str(args.iterations), *overrides]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(out.stderr[-3000:])

@@ -1,6 +1,6 @@
 """Explorer benchmark on the shipped shapes model (Sol-RL, docs/explore.md): throughput and rank fidelity.
 
-For every explorer backend this machine can run (flowrl/precision.py) and the full-precision model:
+For every explorer backend this machine can run (flowrl/rollout/precision.py) and the full-precision model:
 images/s of the ODE (latents only, no decode) at the preview step count and at the full step count,
 and how well the explorer's preview ranks the seeds the way full precision does. The reference is the
 full-precision model (the model's dtype, fp32 here) at the full step count; for each backend the
@@ -83,11 +83,11 @@ def main() -> None:
 
     from flowrl import load_shapes_model
     from flowrl.paths import CONFIG_DIR
-    from flowrl.explorer import make_explorer
-    from flowrl.precision import available_backends
-    from flowrl.prompts import read_prompts
+    from flowrl.prompts.source import read_prompts
+    from flowrl.rollout.explorer import make_explorer
+    from flowrl.rollout.precision import available_backends
     from flowrl.rollout.seeding import derive_seed
-    from flowrl.scoring import decode
+    from flowrl.training.scoring import decode
     from flowrl_rewards import build_reward
 
     model = load_shapes_model()

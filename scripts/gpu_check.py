@@ -7,14 +7,14 @@ every row, so a kill leaves what was measured):
 - ``presets``: SD3.5-Medium Flow-GRPO LoRA, SD3.5-Medium DiffusionNFT LoRA and FLUX.1-dev DiffusionNFT LoRA at their
   real size, resolution and steps, random weights built on the GPU from the stored architectures
   (flowrl/models/random_init.py), a cheap reward (jpeg_compressibility), inline prompts: ``flowrl bench``'s
-  timings (:func:`flowrl.bench.bench_iteration`: s/iteration split into rollout, reward and update, peak
+  timings (:func:`flowrl.commands.bench.bench_iteration`: s/iteration split into rollout, reward and update, peak
   ``torch.cuda.max_memory_allocated``) after one warm-up, against ``flowrl bench --estimate`` at the same settings
   (:func:`flowrl.estimate.estimate`: its peak memory → the ratio; its FLOPs per iteration → model TFLOP/s and the
   fraction of the card's measured bf16 peak, --peak-tflops);
 - ``shapes``: the main job (configs/shapes/nft.yaml) and guidance distillation alone (``loss.reward_term=0``) at
   1,024 images per update (16 prompts × 64), as many updates as fit, seeds 0 and 1, held-out strict accuracy at
   guidance 1 (and 3) before and after;
-- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.grad_snr.gradient_snr`) of the main job at 1,024 images per batch;
+- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per batch;
 - ``compile``: the SD3.5-Medium NFT preset again with its transformer blocks under ``torch.compile``.
 
 ``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
@@ -155,8 +155,8 @@ def missing_requirements(tiny: bool) -> list[str]:
                if importlib.util.find_spec(m) is None]
     if not missing:
         try:  # flowrl and its rewards package, by whatever name flowrl imports it (the check never names it)
-            from flowrl.build import build_rewards
-            from flowrl.config import RewardTerm
+            from flowrl.config.build import build_rewards
+            from flowrl.config.schema import RewardTerm
 
             build_rewards([RewardTerm(name="jpeg_compressibility")])
         except Exception as e:  # noqa: BLE001 - any failure here is something missing
@@ -404,7 +404,7 @@ def timed_iterations(seconds_left: float, per_iteration: float, args: argparse.N
 
 
 def measured(bench: dict, est: dict, args: argparse.Namespace) -> dict:
-    """A preset row's measured columns from :func:`flowrl.bench.bench_iteration` and the estimate."""
+    """A preset row's measured columns from :func:`flowrl.commands.bench.bench_iteration` and the estimate."""
     seconds = bench["seconds_per_iteration"]
     flops = est["flops_per_iteration"]
     on_gpu = "peak_memory_mb" in bench
@@ -431,7 +431,7 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
     ``prepare(model)`` runs on the built model first."""
     import torch
 
-    from flowrl.bench import bench_iteration
+    from flowrl.commands.bench import bench_iteration
     from flowrl.estimate import load_arch, load_config
     from flowrl.models.random_init import random_model, tiny_arch
 
@@ -539,8 +539,8 @@ def shapes_summary(records: list[dict], name: str, seed: int, images_per_update:
 
 
 def shapes_row(args: argparse.Namespace, variant: str, extra: list[str], seed: int, minutes: float) -> dict:
-    from flowrl.config import TrainConfig
-    from flowrl.trainer import Trainer
+    from flowrl.config.schema import TrainConfig
+    from flowrl.training.trainer import Trainer
 
     name = f"shapes_{variant}_seed{seed}"
     cfg = TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, name, seed, minutes) + extra)
@@ -579,8 +579,8 @@ def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None
 # ---- part 3: the reward's share of the gradient at 1,024 images per batch ---------------------------
 def snr_row(args: argparse.Namespace, batches: int) -> dict:
     """``flowrl snr configs/shapes/nft.yaml --reward-only`` at the shapes runs' images per batch."""
-    from flowrl.config import TrainConfig
-    from flowrl.grad_snr import gradient_snr
+    from flowrl.commands.snr import gradient_snr
+    from flowrl.config.schema import TrainConfig
 
     t0 = time.monotonic()
     cfg = TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, "snr", 0, 0.0))
@@ -671,9 +671,9 @@ def main(argv: list[str] | None = None) -> int:
               "scripts/gpu_check.sh (docs/gpu.md), or with --tiny on a CPU.", file=sys.stderr)
         return 2
     quiet_libraries()
-    import flowrl.bench  # noqa: F401 - the libraries imported once, then frozen: their objects stay out of every
+    import flowrl.commands.bench  # noqa: F401 - the libraries imported once, then frozen: their objects stay out of every
     import flowrl.estimate  # noqa: F401   later gc.collect (the estimate collects once per traced phase)
-    import flowrl.trainer  # noqa: F401
+    import flowrl.training.trainer  # noqa: F401
 
     gc.freeze()
     args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))

@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import asdict
 import json
 import math
 import os
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 # On a shared CPU, OpenMP threads that spin at barriers while another process holds a core make a
 # 2-thread step ~6x slower than 1 thread (measured: 12 s vs 1.9 s); passive waiting avoids that.
-if "OMP_WAIT_POLICY" not in os.environ:  # short spin, then sleep (flowrl/cli.py)
+if "OMP_WAIT_POLICY" not in os.environ:  # short spin, then sleep (flowrl/commands/main.py)
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numpy as np  # noqa: E402
@@ -56,10 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flowrl.shapes import prompt_sets, world  # noqa: E402
 from flowrl.shapes.caption_noise import KINDS, CaptionNoise  # noqa: E402
-from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, MAX_SEQUENCE_LENGTH,  # noqa: E402
-                                    build_shapes_pipeline, write_generation_defaults)
+from flowrl.shapes.pipeline import (  # noqa: E402
+    CLIP_MAX_LENGTH,
+    MAX_SEQUENCE_LENGTH,
+    build_shapes_pipeline,
+    write_generation_defaults,
+)
 from flowrl_rewards.shapes import ShapesReward  # noqa: E402
-
 
 # ----------------------------------------------------------------------------------------- helpers
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-if "OMP_WAIT_POLICY" not in os.environ:  # before torch loads OpenMP (see docs/benchmarks.md, flowrl/cli.py)
+if "OMP_WAIT_POLICY" not in os.environ:  # before torch loads OpenMP (see docs/benchmarks.md, flowrl/commands/main.py)
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import pytest  # noqa: E402
@@ -80,10 +80,10 @@ def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6):
     """Seeded training of the tiny SD3 pipeline on ``redness`` with ``overrides`` (the method's plan, credit
     and sizes). Returns (before, after, train records): the mean reward of fixed-seed ODE samples of
     LEARN_PROMPTS for two eval seed sets, before and after training."""
-    from flowrl.config import TrainConfig
-    from flowrl.evaluation import eval_seeds
+    from flowrl.config.schema import TrainConfig
     from flowrl.rollout.sampling import ode_sample
-    from flowrl.trainer import Trainer
+    from flowrl.training.evaluation import eval_seeds
+    from flowrl.training.trainer import Trainer
 
     cfg = TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", f"rollout.steps={steps}",

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.test_trainer import tiny_config  # noqa: E402
+from flowrl.training.trainer import Trainer  # noqa: E402
 from tests.conftest import make_model  # noqa: E402
-from flowrl.trainer import Trainer  # noqa: E402
+from tests.test_trainer import tiny_config  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -48,7 +48,7 @@ def main_eval(out: str) -> None:
 
     from accelerate import Accelerator
 
-    from flowrl.process_group import ProcessGroup
+    from flowrl.distributed.process_group import ProcessGroup
     from tests.test_eval_reduce import PROMPT_LISTS, held_out_eval
 
     torch.set_num_threads(1)

@@ -14,10 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.config import TrainConfig  # noqa: E402
+from flowrl.config.schema import TrainConfig  # noqa: E402
+from flowrl.distributed.sharding import local, whole  # noqa: E402
 from flowrl.paths import DEFAULT_CONFIG  # noqa: E402
-from flowrl.sharding import local, whole  # noqa: E402
-from flowrl.trainer import Trainer  # noqa: E402
+from flowrl.training.trainer import Trainer  # noqa: E402
 
 
 def shapes_config(out: Path, shard: str, tune: str, *extra: str) -> TrainConfig:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl import sde
 from flowrl.credit.group import GroupAdvantage
 from flowrl.models.base import LoraSpec
-from flowrl.replay import replay, replay_batches
+from flowrl.objectives.replay import replay, replay_batches
+from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.seeding import derive_seed, seeded_normal

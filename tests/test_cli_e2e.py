@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import json
 
-
-from flowrl.cli import main
+from flowrl.commands.main import main
 
 
 def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys):
@@ -62,7 +61,7 @@ def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
                 "train.progress=false", "train.num_threads=1"]
 
     signums = ["SIGINT", "SIGTERM"]
-    procs = {s: subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args(s), "train.max_steps=1000"],
+    procs = {s: subprocess.Popen([sys.executable, "-m", "flowrl", "train", *args(s), "train.max_steps=1000"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in signums}
     steps, resumed = {}, {}
     try:
@@ -80,7 +79,7 @@ def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
             saved = sorted((tmp_path / signum / "checkpoints").iterdir())
             last = steps[signum][-1]
             assert [p.name for p in saved] == [f"step-{last}"] and 1 <= last < 1000, signum
-            resumed[signum] = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", *args(signum),
+            resumed[signum] = subprocess.Popen([sys.executable, "-m", "flowrl", "train", *args(signum),
                                                 f"train.max_steps={last + 1}", "train.resume=latest"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for signum, proc in resumed.items():
@@ -110,7 +109,7 @@ def test_tensorboard_logging_writes_events(tmp_path):
 
 
 def test_eval_summary_shows_changes_and_counts_once():
-    from flowrl.summary import eval_summary
+    from flowrl.commands.summary import eval_summary
 
     first = {"step": 0, "eval/shapes/accuracy": 0.5, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
     last = {"step": 150, "eval/shapes/accuracy": 0.625, "eval/shapes/n": 240.0, "eval/shapes/n/single": 48.0}
@@ -121,7 +120,7 @@ def test_eval_summary_shows_changes_and_counts_once():
 
 
 def test_eval_summary_sets_a_cfg_free_policy_against_the_guided_base():
-    from flowrl.summary import eval_summary
+    from flowrl.commands.summary import eval_summary
 
     first = {"step": 0, "eval/shapes_mean": 0.385, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.569,
              "eval_default/guidance": 3.0}

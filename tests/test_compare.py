@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from flowrl.compare import budget_overrides, parse_budget, read_run
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.commands.compare import budget_overrides, parse_budget, read_run
+from flowrl.config.schema import ConfigError, TrainConfig
 
 
 def test_budgets_turn_into_the_same_work_for_every_config():
@@ -56,7 +56,7 @@ def pipeline_folder(tmp_path_factory):
 
 
 def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     common = [f"model.path={pipeline_folder}", "model.family=sd3", "model.lora.rank=2", "rollout.steps=2",
               "rollout.group_size=2", "rollout.window.mode=all", "prompts.train=a red circle|a blue square",
@@ -98,7 +98,7 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
 
 
 def test_mean_curve_of_seeds_with_different_eval_counts_keeps_the_finals():
-    from flowrl.compare import mean_curve
+    from flowrl.commands.compare import mean_curve
 
     same = mean_curve([[(0, 0.0), (1, 0.2)], [(0, 0.2), (1, 0.4)]])
     assert same == [pytest.approx((0, 0.1)), pytest.approx((1, 0.3))]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import main
+from flowrl.commands.main import main
 
 N = 480  # held-out images per eval
 
@@ -45,7 +45,7 @@ def eval_se(p: float) -> float:
 
 
 def test_the_noise_of_a_config_is_its_eval_error_and_its_seed_spread():
-    from flowrl.compare import noise, verdict
+    from flowrl.commands.compare import noise, verdict
 
     finals = [0.40, 0.41, 0.42]
     st = noise(finals, [N] * 3, binary=True)

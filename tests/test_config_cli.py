@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from flowrl.cli import main
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.commands.main import main
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import CONFIG_DIR
 
 PRESETS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "accelerate" not in p.parts)
@@ -15,7 +15,7 @@ PRESETS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "accelerate" not in p.
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_every_preset_loads_and_builds_its_plan(path):
-    from flowrl import build
+    from flowrl.config import build
 
     try:
         cfg = TrainConfig.from_yaml(path)
@@ -31,7 +31,7 @@ def test_every_preset_loads_and_builds_its_plan(path):
 
 
 def test_overrides_may_follow_options_and_unknown_options_still_fail():
-    from flowrl.cli import parse_args
+    from flowrl.commands.main import parse_args
 
     args = parse_args(["snr", "configs/shapes/vgpo.yaml", "--batches", "4", "train.seed=3", "optim.lr=1e-4"])
     assert args.batches == 4 and args.config == "configs/shapes/vgpo.yaml"
@@ -88,7 +88,7 @@ def test_cli_typo_exits_2_with_the_nearest_key(capsys):
 @pytest.mark.parametrize("command", ["train", "sample", "eval", "bench"])
 def test_help_explains_options(command, capsys):
     if command == "train":  # the module entry point, in a fresh interpreter (about 2 s of imports)
-        out = subprocess.run([sys.executable, "-m", "flowrl.cli", command, "--help"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "flowrl", command, "--help"], capture_output=True, text=True,
                              check=True).stdout
     else:  # the same parser in this process
         with pytest.raises(SystemExit) as done:
@@ -116,8 +116,8 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
     iteration trains, and a policy objective's first inner step replays every edge with ratio exactly 1."""
     import math
 
-    from flowrl import build
-    from flowrl.trainer import Trainer
+    from flowrl.config import build
+    from flowrl.training.trainer import Trainer
     from tests.conftest import make_model
 
     overrides = ["model.lora.targets=null", "model.lora.rank=2", "model.full_finetune=false", "model.dtype=float32",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 
 
 @pytest.mark.parametrize("override, words", [

@@ -12,17 +12,21 @@ from pathlib import Path
 
 import pytest
 
-import flowrl.data as data
-from flowrl.prompts import read_prompts
+import flowrl.prompts.fetch as data
+from flowrl.paths import CONFIG_DIR
+from flowrl.prompts import sets as data_sets
+from flowrl.prompts.source import read_prompts
 
 HPD = "ymhao/HPDv2"
 HPD_REV = data.PROMPT_SETS["hpdv2"].remotes["test"].revision
 
 
 def run(argv: list[str]) -> int:
-    """``flowrl data ...`` through a parser wired as cli.py wires it (add_data_parser)."""
+    """``flowrl data ...`` through a parser wired as ``flowrl`` wires it (the data command's add_parser)."""
+    from flowrl.commands import data as data_command
+
     parser = argparse.ArgumentParser(prog="flowrl")
-    data.add_data_parser(parser.add_subparsers(dest="command", required=True))
+    data_command.add_parser(parser.add_subparsers(dest="command", required=True), "")
     args = parser.parse_args(["data", *argv])
     return args.func(args)
 
@@ -273,9 +277,8 @@ def test_geneval_over_https_keeps_metadata_aligned(tmp_path, monkeypatch):
 
 def test_drawbench_glob_and_pickscore_split_from_parquet(tmp_path, monkeypatch):
     pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
     import huggingface_hub
+    import pyarrow.parquet as pq
 
     root = tmp_path / "hub"
     (root / "Jialuo21/DrawBench/data").mkdir(parents=True)
@@ -335,9 +338,6 @@ def test_list_shows_files_counts_and_presets(tmp_path, hpd_mirror, capsys):
 
 
 # ---- ocr: Flow-GRPO's text-rendering prompts ------------------------------------------------------------------
-from flowrl import data_sets  # noqa: E402 (the set's constants; flowrl.data re-exports the sets)
-from flowrl.paths import CONFIG_DIR
-
 OCR_REPO = "yifan123/flow_grpo"
 
 

@@ -196,8 +196,9 @@ def test_tables_match_the_docs():
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
     """A temporary working directory with ``configs`` linked in; global registries and torch threads restored."""
-    from flowrl import components, sde
+    from flowrl.config import components
     from flowrl.models import MODEL_FAMILIES
+    from flowrl.rollout import sde
     from flowrl_rewards import REGISTRY
 
     (tmp_path / "configs").symlink_to(CONFIG_DIR, target_is_directory=True)
@@ -289,7 +290,9 @@ def recorded_commands(block: Block, cwd: Path) -> list[list[str]]:
 
 def check_command(argv: list[str]) -> None:
     """Parse ``argv`` as ``flowrl`` does and load every configuration it names, as the command would."""
-    from flowrl.cli import _load_config, _split_config_arg, parse_args
+    from flowrl.commands.common import load_config as _load_config
+    from flowrl.commands.common import split_config_arg as _split_config_arg
+    from flowrl.commands.main import parse_args
 
     argv = [a for a in argv if a not in ("--help", "-h", "--debug")]
     args = parse_args(argv)

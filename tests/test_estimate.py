@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl import estimate as E
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import CONFIG_DIR, PACKAGE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,7 +421,7 @@ def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
     from flowrl.models import wrap
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     in_use = _heap_reader()
     if in_use is None:
@@ -624,7 +624,7 @@ def test_bf16_static_parts_are_what_training_holds(case, tmp_path):
     every static part of the estimate equals the bytes of the tensors it stands for."""
     from flowrl.models import wrap
     from flowrl.models.testing import tiny_sd3_pipeline
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = TrainConfig.from_yaml(None, [
         "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl import estimate as E
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,21 +55,22 @@ def one_row_each(tensors) -> int:
 def local_bytes(tensors) -> int:
     """Bytes this process allocates for ``tensors`` (DTensors: their local shard), each storage counted once:
     a padded shard's whole storage, a reduce-scatter output shared by a group's gradients once."""
-    from flowrl.sharding import local
+    from flowrl.distributed.sharding import local
 
     storages = {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
 def measure(case: str, world: int) -> dict[str, int]:
-    """One process's bytes after :class:`flowrl.sharding.Sharding` shards the tiny SD3 transformer (config
+    """One process's bytes after :class:`flowrl.distributed.sharding.Sharding` shards the tiny SD3 transformer (config
     ``case``; full fine-tuning: with a frozen KL-reference copy, as the clipped objective makes it) and one AdamW
     step: ``weights`` (parameters, LoRA included), ``buffers``, ``gradients``, ``optimizer_state`` (exp_avg,
     exp_avg_sq) and ``reference`` (the copy's parameters and buffers)."""
     from conftest import make_model
+
+    from flowrl.distributed.sharding import COPIES, Sharding, compute_dtype, frozen_copy
     from flowrl.models.dtypes import DTYPES, master_weights_fp32
     from flowrl.models.lora import LoraSpec
-    from flowrl.sharding import COPIES, Sharding, compute_dtype, frozen_copy
 
     cfg = tiny_config(*CASES[case]).model
     model = make_model("sd3", device="cpu", dtype=DTYPES[cfg.dtype], height=cfg.height, width=cfg.width)
@@ -230,7 +231,7 @@ def test_fsdp_is_refused_where_a_run_refuses_it_and_auto_resolves_as_a_run_would
         E.estimate(tiny_config("model.shard=fsdp"), arch=arch)  # the config's model.shard, one process
     with pytest.raises(ConfigError, match=r"model\.shard=fsdp needs at least 2 processes"):
         E.estimate(tiny_config(), arch=arch, processes=1, shard="fsdp")
-    with pytest.raises(ConfigError, match=r"optim\.use_8bit"):  # flowrl.sharding.check_shard_settings' rule
+    with pytest.raises(ConfigError, match=r"optim\.use_8bit"):  # flowrl.distributed.sharding.check_shard_settings' rule
         E.estimate(tiny_config("optim.use_8bit=true"), arch=arch, processes=2, shard="fsdp")
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert E.estimate(tiny_config("model.shard=auto"), arch=arch, processes=2)["shard"] == "ddp"
@@ -240,7 +241,7 @@ def test_fsdp_is_refused_where_a_run_refuses_it_and_auto_resolves_as_a_run_would
 
 
 def test_bench_estimate_gpus_and_shard_flags(capsys):
-    from flowrl.cli import main, parse_args
+    from flowrl.commands.main import main, parse_args
 
     args = parse_args(["bench", SHAPES_NFT, "--estimate", "--gpus", "8", "--shard", "fsdp"])
     assert (args.processes, args.shard) == (8, "fsdp")

@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from flowrl.grids import save_labelled_grid
 from flowrl.shapes import prompt_sets, world
+from flowrl.training.grids import save_labelled_grid
 from flowrl_rewards import MultiReward
 
 
@@ -65,7 +65,7 @@ TRACKED = ["configs/shapes/grpo.yaml", "prompts.per_step=2", "rollout.group_size
 def test_eval_grids_go_to_tensorboard_at_the_step_of_each_eval_and_pass(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     # eval at guidance 1 beside the model's default 3: before and after have both passes, the periodic one the first
     assert main(["train", *TRACKED, "train.max_steps=2", "eval.every=1", "eval.guidance=1",
@@ -89,7 +89,7 @@ def test_eval_grids_go_to_wandb_as_images(tmp_path, monkeypatch):
     import accelerate.tracking
     from accelerate.utils import LoggerType
 
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     logged = []
 
@@ -120,7 +120,7 @@ def test_eval_grids_go_to_wandb_as_images(tmp_path, monkeypatch):
 def test_the_eval_grid_shows_its_first_images_when_the_eval_has_more_prompts(tmp_path):
     """eval.grid_prompts below eval.num_prompts (the main job: 16 of 240): the grid labels and scores its 16 images
     with their own prompts, and the run goes on (it stopped here once: 16 images scored against 240 prompts)."""
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     assert main(["train", *TRACKED, "eval.num_prompts=6", "eval.grid_prompts=4", "train.max_steps=1",
                  f"train.output_dir={tmp_path}"]) == 0

@@ -35,8 +35,8 @@ SPAWN_TIMEOUT = 240  # seconds; the eval itself takes a few (a hang of mismatche
 @functools.lru_cache(maxsize=1)
 def _shapes():
     """(config, shapes model, eval reward) of ``SETTINGS``, loaded once per process."""
-    from flowrl import build
-    from flowrl.config import TrainConfig
+    from flowrl.config import build
+    from flowrl.config.schema import TrainConfig
 
     cfg = TrainConfig.from_yaml(str(CONFIG), SETTINGS)
     return cfg, build.build_model(cfg.model), build.build_rewards(cfg.eval.rewards or cfg.rewards)
@@ -44,14 +44,14 @@ def _shapes():
 
 def held_out_eval(prompts: list[str], group):
     """The trainer's held-out eval of the base shapes model on ``prompts`` (policy guidance unset)."""
-    from flowrl.evaluation import HeldOutEval
+    from flowrl.training.evaluation import HeldOutEval
 
     cfg, model, reward = _shapes()
     return HeldOutEval(cfg.eval, model, prompts, reward, group, None, None)
 
 
 def one_process():
-    from flowrl.process_group import ProcessGroup
+    from flowrl.distributed.process_group import ProcessGroup
 
     return ProcessGroup(SimpleNamespace(num_processes=1, process_index=0, is_main_process=True))
 
@@ -116,7 +116,7 @@ def test_a_task_or_every_prompt_missing_on_a_rank_neither_hangs_nor_skews(two_pr
 
 
 def test_flowrl_eval_gives_the_held_out_eval_numbers(tmp_path, two_processes, one_process_metrics, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     prompts = PROMPT_LISTS["missing_task"]
     assert main(["eval", "--config", str(CONFIG), *SETTINGS, f"prompts.eval={'|'.join(prompts)}",
@@ -131,7 +131,7 @@ def test_flowrl_eval_gives_the_held_out_eval_numbers(tmp_path, two_processes, on
 
 
 def test_guidance_precedence():
-    from flowrl.evaluation import HeldOutEval, eval_guidances, resolve_guidance
+    from flowrl.training.evaluation import HeldOutEval, eval_guidances, resolve_guidance
 
     assert resolve_guidance(3.0) == 3.0  # nothing set: the model's default
     assert resolve_guidance(3.0, None, 1.5) == 1.5  # e.g. no --guidance, eval.guidance=1.5

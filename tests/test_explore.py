@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from flowrl.config import TrainConfig
+from flowrl.config.schema import TrainConfig
 from flowrl.errors import ConfigError
-from flowrl.explorer import make_explorer
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.explore import Explore, kendall, select_seeds, spearman
+from flowrl.rollout.explorer import make_explorer
 from flowrl.rollout.seeding import derive_seed
-from flowrl.trainer import Trainer
+from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
@@ -217,7 +217,7 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     p.setup(sd3_model, reward)
     forest = p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, max_batch=16))
     nodes, x0 = forest.score_requests()
-    from flowrl.scoring import components_of, decode
+    from flowrl.training.scoring import components_of, decode
 
     forest.record_scores(nodes, components_of(reward, decode(sd3_model, x0, 16), [forest.prompts[int(g)] for g in forest.group[nodes]], {}))
     forest.combine_scores(reward.combine)
@@ -259,7 +259,7 @@ def test_inner_plan_keys_are_checked_against_its_own_fields():
 
 
 def test_preset_loads_with_its_inner_chains():
-    from flowrl import build
+    from flowrl.config import build
     from flowrl.paths import CONFIG_DIR
 
     cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "solrl.yaml")
@@ -276,8 +276,8 @@ def test_explore_raises_a_dense_reward_on_the_shapes_model(tmp_path):
     """Seeded: 8 iterations of the shapes Sol-RL preset (int8 explorer, pool 4·G) on four prompts raise the
     mean `redness` of ODE samples on fixed seeds by well over the spread between two seed sets."""
     from flowrl.paths import CONFIG_DIR
-    from flowrl.evaluation import eval_seeds
     from flowrl.rollout.sampling import ode_sample
+    from flowrl.training.evaluation import eval_seeds
 
     prompts = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
     cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "solrl.yaml", [

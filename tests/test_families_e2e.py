@@ -7,7 +7,7 @@ Per family: (1) a policy objective (Flow-GRPO chains: the first replay reproduce
 DiffusionNFT (ODE plan) each run 2 iterations, exit 0 and write their metrics; (2) the policy run's checkpoint LoRA
 loads into the plain diffusers pipeline (``<Pipeline>.from_pretrained(folder)`` + ``load_lora_weights``) and, wrapped
 by :func:`flowrl.models.wrap`, gives the velocities and the ODE sample of the run's model as flowrl's own loader
-builds it (``flowrl sample``'s :func:`flowrl.run_model.model_from_run`); (3) 1 iteration + ``train.resume=latest``
+builds it (``flowrl sample``'s :func:`flowrl.run.model.model_from_run`); (3) 1 iteration + ``train.resume=latest``
 to 2 logs every non-``time/`` metric equal to a straight 2-iteration run. CPU only, one thread."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from flowrl.cli import main
+from flowrl.commands.main import main
 
 FAMILIES = {
     # family: (pipeline class, tiny builder "module:function", model keys, training rewards)
@@ -60,8 +60,8 @@ def family_prompts(tmp_path: Path, family: str, texts: list[str]) -> list[str]:
     ``tmp_path``, the same for the same text), others as they are."""
     from PIL import Image
 
-    from flowrl.image_prompts import image_prompt
     from flowrl.models import model_family
+    from flowrl.prompts.images import image_prompt
 
     if not model_family(family).adapter_class().takes_source_image:
         return list(texts)
@@ -127,9 +127,9 @@ def test_policy_run_and_its_lora_in_diffusers(tmp_path, saved, family):
     ``load_lora_weights`` gives the run's velocities and ODE sample (flowrl's loader), and differs from the base."""
     import diffusers
 
-    from flowrl.run_model import model_from_run
     from flowrl.models import wrap
     from flowrl.rollout.sampling import ode_sample
+    from flowrl.run.model import model_from_run
 
     folder = saved(family)
     records = train(write_config(tmp_path, folder, family, "policy"))

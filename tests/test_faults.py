@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import main
+from flowrl.commands.main import main
 
 # ---- the bad-config table -----------------------------------------------------------------------------
 # (overrides of the default job, or a YAML text as {"yaml": ...}; words the message must hold). Each fails
@@ -258,7 +258,7 @@ def test_torn_metrics_line_and_stale_temporary_folders_do_not_stop_a_resume(tiny
 def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(tiny_folder, tmp_path, capsys, monkeypatch):
     import torch
 
-    import flowrl.checkpoint as checkpoint
+    import flowrl.run.checkpoint as checkpoint
 
     real_save, calls = torch.save, []
 
@@ -310,7 +310,7 @@ def _records(path: Path) -> list[dict]:
 
 def test_kill_9_at_random_points_resumes_to_the_uninterrupted_metrics(tiny_folder, tmp_path, request):
     steps = 20
-    command = [sys.executable, "-m", "flowrl.cli", "train"]
+    command = [sys.executable, "-m", "flowrl", "train"]
     # the uninterrupted reference runs in its own folder beside the killed one (one thread each: on two cores
     # it costs no extra wall time); its metrics are compared once both are done
     with open(tmp_path / "reference.err", "w") as reference_err:

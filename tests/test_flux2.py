@@ -231,7 +231,7 @@ def test_bf16_lora_trains_checkpoints_and_resumes(tmp_path, monkeypatch):
 def test_one_trainer_iteration_per_objective_kind(tmp_path, objective):
     """One iteration of the policy objective (2 prompts × 2 chains × 2 SDE steps replayed with ratio exactly 1, the
     guidance embedding at 2 in the rollouts) and of DiffusionNFT (CFG-free: guidance 1; 4 leaves): the LoRA moves."""
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_forward_process import tiny
     from tests.test_trainer import tiny_config
 

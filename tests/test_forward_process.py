@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from flowrl.config import ConfigError, TrainConfig
-from flowrl.awm import AWMLoss
-from flowrl.forward_process import NFTLoss
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.objectives.awm import AWMLoss
+from flowrl.objectives.nft import NFTLoss
 from tests.conftest import make_model, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",
@@ -86,7 +86,7 @@ def test_old_policy_decay_schedule():
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_old_policy_is_an_ema_of_the_policy_lora_as_a_second_adapter(lora):
-    from flowrl.policy_copies import OLD_ADAPTER
+    from flowrl.objectives.copies import OLD_ADAPTER
 
     model = with_lora(make_model("sd3")) if lora else make_model("sd3")
     if not lora:
@@ -128,13 +128,13 @@ def test_old_policy_is_an_ema_of_the_policy_lora_as_a_second_adapter(lora):
 # ---- the contract through the trainer ------------------------------------------------------------
 @pytest.mark.parametrize("objective", ["nft", "awm"])
 def test_forward_process_objective_trains_without_replay(tmp_path, monkeypatch, objective):
-    import flowrl.loss
-    from flowrl.trainer import Trainer
+    import flowrl.objectives.policy
+    from flowrl.training.trainer import Trainer
 
     def no_replay(*a, **k):
         raise AssertionError("a forward-process objective must not replay edges")
 
-    monkeypatch.setattr(flowrl.loss, "replay", no_replay)
+    monkeypatch.setattr(flowrl.objectives.policy, "replay", no_replay)
     trainer = Trainer(tiny(tmp_path, objective, f"loss.objective={objective}", "train.max_steps=2", "optim.lr=1e-2"),
                       model=make_model("sd3"))
     before = [p.detach().clone() for p in trainer.params]
@@ -146,7 +146,7 @@ def test_forward_process_objective_trains_without_replay(tmp_path, monkeypatch, 
 
 
 def test_forward_process_objective_trains_from_yaml_alone_through_the_cli(tmp_path):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     yaml = tmp_path / "nft.yaml"
     yaml.write_text("\n".join([
@@ -165,7 +165,7 @@ def test_forward_process_objective_trains_from_yaml_alone_through_the_cli(tmp_pa
     assert [r["eval/guidance"] for r in evals] == [1.0, 1.0]  # CFG-free: the policy samples at 1
     assert [r["eval_default/guidance"] for r in evals] == [3.0, 3.0]  # and the model's default
     assert evals[0]["eval/shapes/n"] == 2  # two images of the one eval prompt
-    from flowrl.checkpoint import find_checkpoint, read_state
+    from flowrl.run.checkpoint import find_checkpoint, read_state
 
     ckpt, _ = find_checkpoint(tmp_path / "y")
     assert read_state(ckpt)["policy_guidance"] == 1.0
@@ -173,7 +173,7 @@ def test_forward_process_objective_trains_from_yaml_alone_through_the_cli(tmp_pa
 
 
 def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     def run(mode):
         model = make_model("sd3", guidance=4.5)
@@ -197,7 +197,7 @@ def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
 
 
 def test_policy_objective_still_replays_with_ratio_one(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = tiny(tmp_path, "pol", "rollout.plan=chains", "rollout.window.mode=all", "loss.kl_ref=0.04", "train.max_steps=1")
     records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
@@ -205,7 +205,7 @@ def test_policy_objective_still_replays_with_ratio_one(tmp_path):
 
 
 def test_resume_restores_the_old_policy(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     common = ["loss.objective=nft", "optim.lr=1e-2", "train.checkpoint_every=1"]
     straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
@@ -283,8 +283,8 @@ def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
     pipeline is no flow model to begin with: forward-process objectives need a real one.) The objective's
     own learning: without the main job's guided teacher, whose anchor pulls towards the starting model
     (tests/test_teacher.py tests that pull)."""
+    from flowrl.training.trainer import Trainer
     from tests.test_shapes_learning import PROMPTS, train_and_check_gain
-    from flowrl.trainer import Trainer
 
     torch.set_num_threads(2)
     cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", [
@@ -296,8 +296,8 @@ def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
 
 
 def test_snr_measures_a_forward_process_objective(tmp_path, monkeypatch):
-    import flowrl.build as build
-    from flowrl.grad_snr import gradient_snr
+    import flowrl.config.build as build
+    from flowrl.commands.snr import gradient_snr
 
     monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
     out = gradient_snr(tiny(tmp_path, "snr", "loss.objective=nft"), batches=3, progress=False)
@@ -305,7 +305,7 @@ def test_snr_measures_a_forward_process_objective(tmp_path, monkeypatch):
 
 
 def test_a_tree_feeds_a_forward_process_objective(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     chains_only = ("rollout.group_size", "rollout.plan")
     cfg = TrainConfig.from_yaml(None, [*(o for o in TINY if not o.startswith(chains_only)), "rollout.plan=tree",

@@ -18,7 +18,12 @@ LABELS = ["person", "dog", "cat", "car", "bench", "pizza", "mouse", "zebra"]  # 
 
 def save_tiny_detector(folder, labels=LABELS, seed=0):
     """A tiny Mask2Former (Swin backbone) with its image processor, saved with save_pretrained."""
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
 
     backbone = SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
                           out_features=["stage1", "stage2", "stage3", "stage4"])
@@ -174,7 +179,7 @@ def bench_config(tmp_path, tiny, folder):
 
 
 def test_benchmark_geneval_end_to_end(tmp_path, tiny, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
     from flowrl.models.testing import tiny_sd3_pipeline
 
     folder = tmp_path / "tiny-sd3"
@@ -209,7 +214,7 @@ def test_benchmark_geneval_end_to_end(tmp_path, tiny, capsys):
 
 
 def test_benchmark_refuses_prompts_it_cannot_score(tmp_path, tiny, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     config = bench_config(tmp_path, tiny, tmp_path / "no-model-needed")
     bad = tmp_path / "prompts.txt"

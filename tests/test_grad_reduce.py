@@ -1,4 +1,4 @@
-"""GradientReducer (flowrl/process_group.py): two gloo processes average a tiny Linear's gradients once per
+"""GradientReducer (flowrl/distributed/process_group.py): two gloo processes average a tiny Linear's gradients once per
 optimizer step, overlapping the backward that ends an accumulation, and equal the mean of the ranks' grads."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flowrl.process_group import GradientReducer
+from flowrl.distributed.process_group import GradientReducer
 
 WORLD, MICRO = 2, 3
 

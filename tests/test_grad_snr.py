@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.config import TrainConfig
-from flowrl.grad_snr import adam_normalised, gradient_snr, split_signal_noise
-from flowrl.trainer import Trainer
+from flowrl.commands.snr import adam_normalised, gradient_snr, split_signal_noise
+from flowrl.config.schema import TrainConfig
+from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 from tests.test_trainer import tiny_config
 
@@ -96,7 +96,7 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
 
 
 def test_gradient_snr_runs_independent_iterations(tmp_path, monkeypatch):
-    import flowrl.build as build
+    import flowrl.config.build as build
 
     model = make_model("sd3")
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
@@ -109,14 +109,14 @@ def test_gradient_snr_runs_independent_iterations(tmp_path, monkeypatch):
 
 
 def test_cli_rejects_one_batch_with_a_clear_error(tmp_path, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     assert main(["snr", "--batches", "2", f"train.output_dir={tmp_path}"]) == 2
     assert "--batches=2 must be >= 3" in capsys.readouterr().err
 
 
 def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monkeypatch):
-    import flowrl.build as build
+    import flowrl.config.build as build
 
     monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
     cfg = tiny_config(tmp_path, "snr3", "loss.kl_ref=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null")
@@ -135,7 +135,7 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
 @pytest.mark.parametrize("preset", ["grpo", "branchgrpo", "tp_grpo", "solrl", "nft"])
 def test_snr_runs_on_every_kind_of_plan(tmp_path, monkeypatch, preset):
     """Chains, tree, probed and explore presets: samples are counted on the forests, not from chain keys."""
-    import flowrl.build as build
+    import flowrl.config.build as build
 
     model = make_model("sd3")
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.cli import main
-from flowrl.config import ConfigError, GuardSection, TrainConfig
-from flowrl.guard import EvalGuard
-from flowrl.summary import eval_summary
+from flowrl.commands.main import main
+from flowrl.commands.summary import eval_summary
+from flowrl.config.schema import ConfigError, GuardSection, TrainConfig
+from flowrl.training.guard import EvalGuard
 
 PLUGIN = '''
 import torch
@@ -175,7 +175,7 @@ def test_the_summary_sets_the_training_reward_beside_every_eval_reward():
 
 
 def test_the_reward_curve_puts_the_eval_rewards_on_their_own_panel_with_the_guard():
-    from flowrl.metrics import reward_curve_figure
+    from flowrl.training.metrics import reward_curve_figure
 
     rows = [{"step": s, "reward_mean": 0.1 * s} for s in range(1, 6)]
     evals = [{**FIRST, "guard/threshold": 0.45, "guard/tripped": 0.0},

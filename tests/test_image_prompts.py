@@ -9,10 +9,16 @@ import torch
 from PIL import Image
 
 from flowrl.errors import ConfigError
-from flowrl.image_prompts import (image_prompt, load_source_image, prompt_label, prompt_texts, reward_inputs,
-                                  split_image_prompt)
-from flowrl.prompt_checks import check_prompt_images
-from flowrl.scoring import components_of
+from flowrl.prompts.checks import check_prompt_images
+from flowrl.prompts.images import (
+    image_prompt,
+    load_source_image,
+    prompt_label,
+    prompt_texts,
+    reward_inputs,
+    split_image_prompt,
+)
+from flowrl.training.scoring import components_of
 from flowrl_rewards import MultiReward, Reward, build_reward
 
 

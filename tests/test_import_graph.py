@@ -109,7 +109,7 @@ def test_the_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
 
 
 def test_the_checker_sees_a_cycle_through_a_type_only_import(tmp_path):
-    """flowrl.config called flowrl.config_checks inside a method while config_checks imported TrainConfig
+    """flowrl.config.schema called flowrl.config.checks inside a method while config_checks imported TrainConfig
     under ``if TYPE_CHECKING:`` for its annotations: a cycle all the same."""
     graph = _graph_of(tmp_path, {
         "config.py": "class TrainConfig:\n    def validate(self):\n        from pkg.checks import check\n"
@@ -125,7 +125,7 @@ def test_the_checker_sees_a_cycle_through_a_type_only_import(tmp_path):
 def test_no_import_cycle_in_flowrl_and_rewards():
     graph = import_graph()
     # the rewards folder's modules are seen by their import name: flowrl's imports of them are edges
-    assert "flowrl_rewards" in graph["flowrl.build"] and "flowrl.shapes.world" in graph["flowrl_rewards.shapes"]
+    assert "flowrl_rewards" in graph["flowrl.config.build"] and "flowrl.shapes.world" in graph["flowrl_rewards.shapes"]
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
 

@@ -1,4 +1,4 @@
-"""Independent tests of flowrl/loss.py against docs/algorithms.md, "The clipped objective" (and the adaptive clip
+"""Independent tests of flowrl/objectives/policy.py against docs/algorithms.md, "The clipped objective" (and the adaptive clip
 of docs/trees.md, "Dynamic-TreeRPO's loss").
 
 Reference: L = mean_e w_e·max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e w_e·KL_e with
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.loss import PolicyLoss
+from flowrl.objectives.policy import PolicyLoss
 
 
 def ref_loss(logp, logp_old, adv, kl=None, w=None, clip_low=1e-4, clip_high=1e-4, adv_clip=5.0, beta=0.04):
@@ -197,7 +197,8 @@ def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
     """The LayerTuning term (value and LoRA gradient) does not depend on ``layer_batch``; a prompt group
     whose leaves all score the same has weight 0 and adds nothing."""
     from conftest import make_model, with_lora
-    from flowrl.loss import LayerTuningLoss
+
+    from flowrl.objectives.policy import LayerTuningLoss
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.tree import Tree
 
@@ -231,7 +232,8 @@ def test_layer_tuning_regresses_the_conditional_velocity_at_any_guidance():
     does not enter it (regressing the CFG-composed velocity onto an unguided target collapsed the shapes
     model at guidance 3)."""
     from conftest import make_model, with_lora
-    from flowrl.loss import LayerTuningLoss
+
+    from flowrl.objectives.policy import LayerTuningLoss
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.tree import Tree
 

@@ -1,4 +1,4 @@
-"""Dynamic loss scaling when the transformer computes in fp16 (``optim.loss_scaling``, flowrl/updater.py).
+"""Dynamic loss scaling when the transformer computes in fp16 (``optim.loss_scaling``, flowrl/training/updater.py).
 
 A log-prob is a mean over latent elements, so the gradient reaching each activation is ~1/N of the loss's:
 in fp16 it falls below the smallest normal number and is truncated. The updater scales the loss (torch's
@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from flowrl.trainer import Trainer
+from flowrl.training.trainer import Trainer
 from tests.test_low_precision import low_config, low_model, metrics, trained
 
 

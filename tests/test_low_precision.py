@@ -26,7 +26,7 @@ import torch
 if __name__ == "__main__":  # the worker of test_accelerate_launch_bf16_two_processes: repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.trainer import Trainer  # noqa: E402
+from flowrl.training.trainer import Trainer  # noqa: E402
 from tests.test_trainer import tiny_config  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,7 +111,7 @@ def test_lora_trains_checkpoints_and_resumes_in_low_precision(tmp_path, family, 
 
 def test_log_probs_and_gradients_are_fp32_in_bf16(tmp_path):
     """The replay's log-probs and the LoRA gradients are fp32 while the transformer computes in bf16."""
-    from flowrl.replay import replay, replay_batches
+    from flowrl.objectives.replay import replay, replay_batches
 
     trainer = Trainer(low_config(tmp_path, "grads", "sd3", "bfloat16"), model=low_model("sd3", torch.bfloat16))
     seen = []
@@ -161,7 +161,7 @@ def test_lora_loads_back_into_a_fresh_bf16_model_exactly(tmp_path, family):
 def test_nft_old_policy_adapter_is_fp32_in_bf16(tmp_path):
     """DiffusionNFT keeps its lagging old policy as a second LoRA adapter: fp32 as the policy's, so its EMA
     (θ_old ← d·θ_old + (1 − d)·θ) is not rounded to bf16; two iterations train with finite weights."""
-    from flowrl.config import TrainConfig
+    from flowrl.config.schema import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, [
         "model.family=sd3", "model.dtype=bfloat16", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2",
@@ -203,9 +203,8 @@ def _worker(out: str) -> None:
     """Train the tiny SD3 pipeline (fp32 weights, fp32 LoRA) 2 iterations under accelerate's bf16 mixed
     precision; write this rank's world, mixed precision, autocast dtype, a Linear's output dtypes, the
     records and the LoRA to ``OUT/rank<r>.pt``."""
-    from tests.conftest import make_model
-
     from flowrl.models.dtypes import autocast_dtype
+    from tests.conftest import make_model
 
     torch.set_num_threads(1)
     cfg = tiny_config(Path(out), "mp", "train.max_steps=2", "prompts.eval=null", "rollout.group_size=2",
@@ -284,8 +283,8 @@ def test_building_the_shapes_model_emits_no_warnings(caplog, capfd):
 def _build_save_load_shapes() -> list:
     import tempfile
 
-    from flowrl.build import build_model
-    from flowrl.config import ModelSection
+    from flowrl.config.build import build_model
+    from flowrl.config.schema import ModelSection
     from flowrl.models.base import LoraSpec
 
     with warnings.catch_warnings(record=True) as caught:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowrl.config import TrainConfig
+from flowrl.config.schema import TrainConfig
 from flowrl_rewards.image_stats import Redness
 from tests.conftest import make_model
 
@@ -34,7 +34,7 @@ def config(tmp_path, name, *extra):
 
 @pytest.mark.parametrize("objective", [["loss.objective=clipped", "loss.kl_ref=0"], ["rollout.plan=ode", "loss.objective=nft"]])
 def test_infinite_rewards_are_failed_rewards_not_poison(tmp_path, objective):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     trainer = Trainer(config(tmp_path, "inf", "train.max_steps=2", *objective), model=make_model("sd3"),
                       reward=InfiniteOnFirst())
@@ -46,7 +46,7 @@ def test_infinite_rewards_are_failed_rewards_not_poison(tmp_path, objective):
 
 
 def test_a_nonfinite_gradient_skips_the_step_and_a_streak_stops_the_run(tmp_path, monkeypatch):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     trainer = Trainer(config(tmp_path, "nan", "train.max_steps=5", "loss.kl_ref=0"), model=make_model("sd3"))
     real = trainer.objective.loss
@@ -73,7 +73,7 @@ def test_a_nonfinite_gradient_skips_the_step_and_a_streak_stops_the_run(tmp_path
 def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
     import json
 
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     common = ["loss.kl_ref=0", "train.checkpoint_every=1", "train.keep_last=3"]
     Trainer(config(tmp_path, "run", *common, "train.max_steps=2"), model=make_model("sd3")).train()
@@ -94,7 +94,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
 
 
 def test_nonfinite_weights_are_never_written(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     trainer = Trainer(config(tmp_path, "w", "loss.kl_ref=0", "train.max_steps=1"), model=make_model("sd3"))
     trainer.train()

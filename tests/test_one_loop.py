@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.credit.group import GroupAdvantage
 from flowrl.credit.tree import TreeAdvantage
-from flowrl.forward_process import NFTLoss
-from flowrl.loss import PolicyLoss
+from flowrl.objectives.nft import NFTLoss
+from flowrl.objectives.policy import PolicyLoss
 from flowrl.rollout.forest import Forest
 from tests.conftest import make_model
 
@@ -47,7 +47,7 @@ def chains(rewards: list[list[float]]) -> Forest:
 
 
 def _train_record(tmp_path, name, *extra) -> dict:
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = TrainConfig.from_yaml(None, [*TINY, f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
     records = Trainer(cfg, model=make_model("sd3")).train()
@@ -178,7 +178,7 @@ def _help(*args: str) -> str:
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "flowrl.cli", "train", *args, "--help"], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flowrl", "train", *args, "--help"], capture_output=True,
                           text=True, check=True).stdout
 
 
@@ -224,7 +224,7 @@ def test_chains_with_the_ode_kernel_is_refused_for_the_ode_plan(tmp_path):
 # ---- one owner per setting ----------------------------------------------------------------------------
 @pytest.mark.parametrize("objective", ["clipped", "nft", "awm"])
 def test_the_reference_kl_is_kl_ref_for_every_objective(tmp_path, objective):
-    from flowrl import build
+    from flowrl.config import build
 
     plan = "rollout.plan=chains" if objective == "clipped" else "rollout.plan=ode"
     cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", plan, f"loss.objective={objective}",
@@ -241,7 +241,7 @@ def test_the_old_keys_say_where_they_went(tmp_path):
 
 
 def test_one_micro_batch_key_sizes_the_forward_process_micro_batches(tmp_path):
-    from flowrl import build
+    from flowrl.config import build
 
     cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "rollout.plan=ode", "loss.objective=nft",
                                        "rollout.max_batch=6", "loss.draws=2"])
@@ -254,7 +254,7 @@ def test_one_micro_batch_key_sizes_the_forward_process_micro_batches(tmp_path):
 # ---- the model section's pass-through ---------------------------------------------------------------
 def test_model_kwargs_reach_the_adapter_from_yaml_alone(tmp_path):
     """SANA's complex_human_instruction has no key of its own: ``model.kwargs`` carries it to the adapter."""
-    from flowrl import build
+    from flowrl.config import build
     from flowrl.models.testing import tiny_sana_pipeline
 
     tiny_sana_pipeline().save_pretrained(tmp_path / "sana")
@@ -285,7 +285,7 @@ def test_a_key_that_nothing_reads_is_refused(tmp_path, overrides, key):
 
 
 def test_the_inner_plan_is_one_nested_mapping(tmp_path):
-    from flowrl import build
+    from flowrl.config import build
 
     cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=clipped", "rollout.plan=explore",
                                        "rollout.inner={plan: chains, group_size: 4, window: {mode: fixed, size: 2}}"])

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from flowrl.cli import main
-from flowrl.config import ConfigError, TrainConfig
-from flowrl.rollout.forest import Forest
-from flowrl.trainer import Trainer
-
 from conftest import make_model
 from test_trainer import tiny_config
+
+from flowrl.commands.main import main
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.rollout.forest import Forest
+from flowrl.training.trainer import Trainer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
@@ -192,7 +191,7 @@ def test_probe_x0_scores_states_reached_by_sde_steps_without_extra_forwards(sd3_
 def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
     from dataclasses import dataclass
 
-    from flowrl.loss import PolicyLoss
+    from flowrl.objectives.policy import PolicyLoss
 
     calls = []
 
@@ -212,7 +211,7 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
 
 def test_every_registered_component_is_a_public_name_of_flowrl():
     import flowrl
-    from flowrl import components
+    from flowrl.config import components
 
     for kind in components.KINDS:
         for name, target in kind.registry.items():

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from flowrl.cli import main
-from flowrl.plugins import import_file
+from flowrl.commands.main import main
+from flowrl.config.plugins import import_file
 
 ADAPTER = '''
 from flowrl.models.sd3 import SD3FlowModel
@@ -43,7 +43,7 @@ def half_noise(x, v, sigma, sigma_next, eta):
 PLAN = '''
 from dataclasses import dataclass
 
-from flowrl import components
+from flowrl.config import components
 from flowrl.rollout.base import RolloutPlan
 
 ROLLOUTS = []
@@ -149,7 +149,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl.objective import Batch, Objective
+from flowrl.objectives.base import Batch, Objective
 
 SEEN = []    # the keys of every instance built (the config check builds one, the trainer another)
 LOSSES = []  # every loss it returned: (value, whether it carries a gradient)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import CONFIG_DIR, DEFAULT_CONFIG, find_file, shipped_name
 
 ROOT = Path(__file__).resolve().parents[1]

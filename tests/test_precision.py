@@ -1,4 +1,4 @@
-"""Explorer copies (flowrl/explorer.py, flowrl/precision.py): closeness to full precision per backend this machine runs, the
+"""Explorer copies (flowrl/rollout/explorer.py, flowrl/rollout/precision.py): closeness to full precision per backend this machine runs, the
 documented error for the others, skip lists and layer sizes, and following the weights after updates."""
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.models.base import LoraSpec
-from flowrl.explorer import make_explorer
-from flowrl.precision import BACKENDS, DEFAULT_SKIP, available_backends, check_backend, quantize_linear, unavailable_reason
+from flowrl.rollout.explorer import make_explorer
+from flowrl.rollout.precision import (
+    BACKENDS,
+    DEFAULT_SKIP,
+    available_backends,
+    check_backend,
+    quantize_linear,
+    unavailable_reason,
+)
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares", "a green cat", "a small dog"]
@@ -68,7 +75,7 @@ def test_backends_here_are_close_to_full_precision_and_the_others_raise(backend)
 
 
 def test_gpu_backends_fail_at_config_load_naming_what_runs_here():
-    from flowrl.config import TrainConfig
+    from flowrl.config.schema import TrainConfig
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.models.prompt_cache import PromptCache, entry_bytes
 from tests.conftest import make_model
 
@@ -53,7 +53,7 @@ def test_a_bounded_adapter_returns_the_same_embeddings_and_stays_in_budget():
 
 
 def test_the_config_key_sets_the_budget_and_is_checked():
-    from flowrl.build import build_model
+    from flowrl.config.build import build_model
 
     cfg = TrainConfig.from_yaml(None, ["model.prompt_cache_mb=2"])
     assert build_model(cfg.model).prompt_cache.max_bytes == 2 * 2 ** 20
@@ -65,7 +65,7 @@ def test_the_config_key_sets_the_budget_and_is_checked():
 def test_a_tiny_budget_changes_no_metric(tmp_path):
     """Two iterations on the shapes model with room for one prompt's embeddings against the default budget:
     every non-timing metric is identical (a prompt encoded again gives the same embeddings)."""
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     def run(name: str, *extra: str) -> list[dict]:
         cfg = TrainConfig.from_yaml(None, [

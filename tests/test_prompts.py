@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-from flowrl.config import ConfigError, TrainConfig
-from flowrl.prompts import AdaptivePromptSource, PromptSource, build_prompt_source, shapes_task
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.prompts.source import AdaptivePromptSource, PromptSource, build_prompt_source, shapes_task
 from flowrl.rollout.forest import Forest
-from flowrl.trainer import Trainer
+from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 from tests.test_trainer import tiny_config
 

@@ -218,7 +218,7 @@ def test_bf16_runs_on_cpu_close_to_fp32():
 
 # ---- the trainer ----------------------------------------------------------------------------------
 def test_policy_objective_iteration_replays_with_ratio_one(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, "qwen", "model.family=qwen_image", "train.max_steps=1", "prompts.eval=null",
@@ -234,7 +234,7 @@ def test_policy_objective_iteration_replays_with_ratio_one(tmp_path):
 
 
 def test_nft_objective_iteration_trains_the_lora(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_forward_process import tiny
 
     cfg = tiny(tmp_path, "qwen_nft", "model.family=qwen_image", "loss.objective=nft", "train.max_steps=1",

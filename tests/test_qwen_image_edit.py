@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 from flowrl.errors import ConfigError
-from flowrl.image_prompts import image_prompt
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
+from flowrl.prompts.images import image_prompt
 from tests.conftest import assert_lora_reloads, perturb_lora
 
 SIZE = dict(height=32, width=32, max_sequence_length=16)
@@ -153,7 +153,7 @@ def edit_config(tmp_path, sources, name, *overrides, nft=False):
 
 
 def test_policy_iteration_replays_with_ratio_one_and_scores_against_the_source(tmp_path, sources):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = edit_config(tmp_path, sources, "edit", "train.max_steps=1", "rollout.group_size=2", "rollout.steps=3",
                       "rollout.window.size=2", "train.async_reward=false")
@@ -167,7 +167,7 @@ def test_policy_iteration_replays_with_ratio_one_and_scores_against_the_source(t
 
 
 def test_nft_iteration_trains_the_lora(tmp_path, sources):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = edit_config(tmp_path, sources, "edit_nft", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
                       nft=True)
@@ -178,7 +178,7 @@ def test_nft_iteration_trains_the_lora(tmp_path, sources):
 
 
 def test_an_edit_prompt_without_its_image_fails_at_load_before_the_model(tmp_path, sources):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     (tmp_path / "bad.txt").write_text(f"{prompts_of(sources)[0]}\nmake it blue\n")
@@ -196,8 +196,8 @@ def test_an_edit_prompt_without_its_image_fails_at_load_before_the_model(tmp_pat
 def test_flowrl_sample_takes_edit_prompts_and_refuses_one_without_its_image(tmp_path, sources, monkeypatch):
     import argparse
 
-    from flowrl import cli_sample
-    from flowrl.config import TrainConfig
+    from flowrl.commands import sample as cli_sample
+    from flowrl.config.schema import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["model.family=qwen_image_edit", "eval.steps=2"])
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, make(guidance=2.0)[1], None))
@@ -205,7 +205,7 @@ def test_flowrl_sample_takes_edit_prompts_and_refuses_one_without_its_image(tmp_
     def sample(*prompts):
         args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=list(prompts),
                                   num=1, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
-        return cli_sample.cmd_sample(args)
+        return cli_sample.run(args)
 
     assert sample(image_prompt("make it red", sources[0])) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000-make_it_red_source0.png.png", "grid.png"]

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 import flowrl_rewards
-from flowrl import components, models, sde
-from flowrl.choices import Checked, check_choices, choice, choices_of
-from flowrl.config import TrainConfig
+from flowrl import models
+from flowrl.config import components
+from flowrl.config.choices import Checked, check_choices, choice, choices_of
+from flowrl.config.registry import NotRegistered, Registry
+from flowrl.config.schema import TrainConfig
 from flowrl.credit.group import BASELINES, GroupAdvantage
 from flowrl.errors import ConfigError
-from flowrl.registry import NotRegistered, Registry
+from flowrl.rollout import sde
 from flowrl.rollout.chains import Chains, SDEWindow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ KINDS = {
                     "from dataclasses import dataclass\nfrom flowrl.credit.group import GroupAdvantage\n\n"
                     "@dataclass\nclass Plugged(GroupAdvantage):\n    extra: int = 1\n"),
     "loss.objective": (components.LOSS.registry, "clipped", None, "clipd", "clipped",
-                       "from dataclasses import dataclass\nfrom flowrl.loss import PolicyLoss\n\n"
+                       "from dataclasses import dataclass\nfrom flowrl.objectives.policy import PolicyLoss\n\n"
                        "@dataclass\nclass Plugged(PolicyLoss):\n    extra: int = 1\n"),
     "reward": (flowrl_rewards.REGISTRY, "brightness", None, "brightnes", "brightness",
                "from flowrl_rewards import Reward\n\nclass Plugged(Reward):\n"
@@ -147,10 +149,10 @@ def test_a_subclass_is_checked_whatever_its_own_post_init():
 
 
 # Hand-written raises of that form left, each with why: model.device is a pattern (cuda:N), not a list of choices.
-LEFT = {"flowrl/config_checks.py"}
+LEFT = {"flowrl/config/checks.py"}
 
 
 def test_no_hand_written_choice_raise_is_left():
     found = sorted(str(p.relative_to(ROOT)) for package in ("flowrl", "rewards") for p in (ROOT / package).rglob("*.py")
                    if "is not supported; accepted" in p.read_text())
-    assert sorted(set(found) - LEFT) == [], textwrap.fill(f"use flowrl.choices.choice()/choose() in {found}")
+    assert sorted(set(found) - LEFT) == [], textwrap.fill(f"use flowrl.config.choices.choice()/choose() in {found}")

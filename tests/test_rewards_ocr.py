@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.prompt_checks import check_prompts
+from flowrl.prompts.checks import check_prompts
 from flowrl_rewards import build_reward
 from flowrl_rewards.ocr import edit_distance, quoted_target, text_score
 
@@ -167,7 +167,7 @@ def preset_overrides(folder, tmp_path, train: str, name: str) -> list[str]:
 @needs_engine
 @pytest.mark.parametrize("preset, extra", [("flow_grpo_ocr", []), ("nft_ocr", ["loss.draws=2"])])  # 2 of 3 steps
 def test_one_iteration_of_each_ocr_preset_logs_the_ocr_reward(tiny_sd3, tmp_path, preset, extra):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     prompts = tmp_path / "ocr.txt"
     prompts.write_text('a red sign that says "OPEN"\na blue card with "hello" on it\n')
@@ -185,7 +185,7 @@ def test_one_iteration_of_each_ocr_preset_logs_the_ocr_reward(tiny_sd3, tmp_path
 
 @needs_engine
 def test_flowrl_train_refuses_a_prompt_file_without_quoted_targets(tiny_sd3, tmp_path, capsys):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     prompts = tmp_path / "bad.txt"
     prompts.write_text('a sign that says "OPEN"\na sign that says nothing\n')
@@ -201,7 +201,7 @@ def test_flowrl_train_refuses_a_prompt_file_without_quoted_targets(tiny_sd3, tmp
 def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_path, capsys, monkeypatch):
     """The OCR benchmark on the tiny pipeline, its sampler swapped for one that writes each prompt's target (and
     one wrong letter for the second prompt): every image read, the mean and the exact share as the engine read them."""
-    from flowrl.cli import main
+    from flowrl.commands.main import main
     from flowrl.rollout import sampling
 
     targets = {'a sign that says "OPEN"': "OPEN", 'a card with "Helloworld" on it': "Hellowarld"}

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
+from flowrl.training.scoring import BackgroundScorer
 from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
-from flowrl.scoring import BackgroundScorer
 from flowrl_rewards.registry import resolve_reward_class
 
 PLUGIN = textwrap.dedent('''

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.cli import main
+from flowrl.commands.main import main
 from tests.test_faults import snapshot, tiny_args, tiny_folder  # noqa: F401 (tiny_folder: a fixture)
 
-CLI = [sys.executable, "-m", "flowrl.cli", "train"]
+CLI = [sys.executable, "-m", "flowrl", "train"]
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -68,7 +68,7 @@ def test_a_second_process_is_refused_naming_the_holder_and_kill_9_releases_the_f
     records = _records(run / "metrics.jsonl")
     steps = [r["step"] for r in records if "reward_mean" in r]
     assert records[0]["step"] == 0 and steps == list(range(1, len(steps) + 1)), steps  # one run's records, in order
-    from flowrl.checkpoint import list_checkpoints, read_state
+    from flowrl.run.checkpoint import list_checkpoints, read_state
 
     saved = list_checkpoints(run / "checkpoints")
     assert saved and [s for s, _ in saved] == list(range(1, len(saved) + 1))
@@ -97,7 +97,7 @@ def test_names_that_are_not_one_folder_are_refused_writing_and_deleting_nothing(
         assert rc == 2, (name, err)
         assert f"train.name={name!r}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert _tree(tmp_path) == before, name
-    from flowrl.config_checks import check_run_name
+    from flowrl.config.checks import check_run_name
 
     for name in ("a\\b", "x\0y"):
         with pytest.raises(ValueError, match="one folder name"):

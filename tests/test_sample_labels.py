@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
-
-from flowrl.cli import main
 from test_eval_grid import _marks
+
+from flowrl.commands.main import main
 
 CELL, TEXT, PAD = 128, 38, 6  # a 32 px shapes image at --scale 4, the label band under it, the padding
 
@@ -70,7 +70,7 @@ def test_without_a_reward_the_grid_shows_the_prompts_and_a_score_reward_its_numb
     (["--reward-kwargs", '{"mode": "strict"}'], ["--reward-kwargs=", "needs --reward NAME"]),
 ])
 def test_a_reward_that_cannot_score_is_refused_before_the_model_loads(extra, words, tmp_path, capsys, monkeypatch):
-    from flowrl import cli_sample
+    from flowrl.commands import sample as cli_sample
 
     def no_model(*args):
         raise AssertionError("the model was loaded")
@@ -86,16 +86,17 @@ def test_a_reward_that_cannot_score_is_refused_before_the_model_loads(extra, wor
 def test_a_video_models_grid_is_a_labelled_gif_with_its_scores(tmp_path, monkeypatch):
     import argparse
 
-    from flowrl import cli_sample
-    from flowrl.config import TrainConfig
     from test_video import SIZE, wan_model
+
+    from flowrl.commands import sample as cli_sample
+    from flowrl.config.schema import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "eval.steps=2"])
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, wan_model(), None))
     args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=["a red circle"],
                               num=2, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1,
                               reward="brightness", reward_kwargs=None)
-    assert cli_sample.cmd_sample(args) == 0
+    assert cli_sample.run(args) == 0
     listed = json.loads((tmp_path / "out" / "scores.json").read_text())["images"]
     assert [i["file"] for i in listed] == ["000-a_red_circle.gif", "001-a_red_circle.gif"]
     with Image.open(tmp_path / "out" / "grid.gif") as gif:

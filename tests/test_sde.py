@@ -1,4 +1,4 @@
-"""Independent tests of flowrl/sde.py against docs/algorithms.md, "Conventions" and "Transition kernels".
+"""Independent tests of flowrl/rollout/sde.py against docs/algorithms.md, "Conventions" and "Transition kernels".
 
 Every expected value is computed here from the formulas in the spec, in float64 numpy, never by
 calling back into the implementation.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl import sde
+from flowrl.rollout import sde
 
 KERNELS = ("ode", "flow_grpo", "dance", "cps")
 DEFAULT_ETA = {"ode": 0.0, "flow_grpo": 0.7, "dance": 0.3, "cps": 0.8}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.config import TrainConfig
+from flowrl.config.schema import TrainConfig
 from flowrl.paths import CONFIG_DIR
-from flowrl.evaluation import eval_seeds
 from flowrl.rollout.sampling import ode_sample
-from flowrl.trainer import Trainer
+from flowrl.training.evaluation import eval_seeds
+from flowrl.training.trainer import Trainer
 
 PROMPTS = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
 IMAGES_PER_PROMPT = 16

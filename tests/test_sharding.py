@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.config import ConfigError
-from flowrl.sharded_checkpoint import merge_sharded, split_sharded
+from flowrl.config.schema import ConfigError
+from flowrl.run.sharded_checkpoint import merge_sharded, split_sharded
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
@@ -168,7 +168,7 @@ def test_the_export_loads_in_a_plain_diffusers_pipeline_and_samples_what_the_sha
 @pytest.mark.slow
 def test_export_command_consolidates_a_sharded_checkpoint_in_one_process(runs, tmp_path):
     sharded, folder = runs[("fsdp", "full", 2)]
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(folder / "run"), "--out", str(tmp_path / "x")],
+    proc = subprocess.run([sys.executable, "-m", "flowrl", "export", str(folder / "run"), "--out", str(tmp_path / "x")],
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from safetensors.torch import load_file
@@ -220,8 +220,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path):
 
 @pytest.mark.slow
 def test_resuming_a_sharded_checkpoint_without_sharding_fails_naming_the_setting(runs):
+    from flowrl.training.trainer import Trainer
     from tests.sharded_worker import shapes_config
-    from flowrl.trainer import Trainer
 
     _, folder = runs[("fsdp", "lora", 2)]
     cfg = shapes_config(folder, "ddp", "lora", "train.resume=latest", "train.max_steps=4")
@@ -238,10 +238,10 @@ class FakeAccelerator:
 
 
 def test_bad_shard_settings_fail_at_load_naming_the_setting(tmp_path):
-    from tests.sharded_worker import shapes_config
-    from flowrl.config import TrainConfig
+    from flowrl.config.schema import TrainConfig
     from flowrl.paths import CONFIG_DIR
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
+    from tests.sharded_worker import shapes_config
 
     with pytest.raises(ConfigError, match=r"model\.shard=fsdp .*1 process"):
         Trainer(shapes_config(tmp_path, "fsdp", "full"))
@@ -289,7 +289,7 @@ def test_the_fsdp_launch_file_shards_through_accelerate(tmp_path):
     launch_file = tmp_path / "fsdp_cpu.yaml"  # the file itself, on CPUs (accelerate's --cpu flag drops the FSDP plugin)
     launch_file.write_text(text.replace("\nuse_cpu: false\n", "\nuse_cpu: true\n"))
     proc = subprocess.run(["accelerate", "launch", "--config_file", str(launch_file),
-                           "--num_processes", "2", "-m", "flowrl.cli", "train", *args],
+                           "--num_processes", "2", "-m", "flowrl", "train", *args],
                           env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
@@ -323,9 +323,9 @@ def test_sharded_updates_pad_micro_batches_to_the_busiest_process_without_changi
     """Sharded, each forward gathers collectively, so every process runs the busiest one's number of micro-batches:
     the extra ones at weight 0 (the gradient is unchanged), from a unit of this process even when the credit left it
     none (every weight 0)."""
+    from flowrl.training.trainer import Trainer
     from tests.conftest import make_model
     from tests.test_trainer import tiny_config
-    from flowrl.trainer import Trainer
 
     trainer = Trainer(tiny_config(tmp_path, "pad"), model=make_model("sd3"))
     forest, _ = trainer.rollout(0)

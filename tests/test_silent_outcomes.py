@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from flowrl.cli import main
 from test_faults import tiny_args, tiny_folder  # noqa: F401 — the module-scoped tiny SD3 folder fixture
+
+from flowrl.commands.main import main
 
 PLUGIN = '''
 import time
@@ -139,8 +139,8 @@ def test_a_timed_out_call_is_abandoned_and_the_next_gets_a_fresh_worker(plugin):
 
 # ---- fewer prompts than one iteration draws -------------------------------------------------------------------
 def test_a_prompt_set_smaller_than_one_draw_warns_once_with_both_numbers():
-    from flowrl.config import PromptsSection
-    from flowrl.prompts import build_prompt_source
+    from flowrl.config.schema import PromptsSection
+    from flowrl.prompts.source import build_prompt_source
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

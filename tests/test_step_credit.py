@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_model, train_redness, with_lora
 
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.credit.turning_point import (
     TurningPoint,
     balance_signs,
@@ -17,8 +17,8 @@ from flowrl.credit.turning_point import (
     turning_points,
 )
 from flowrl.credit.value_anchor import ValueAnchor, discounted_values, temporal_weights
+from flowrl.objectives.replay import replay, replay_batches
 from flowrl.paths import CONFIG_DIR
-from flowrl.replay import replay, replay_batches
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.forest import Forest
@@ -410,7 +410,7 @@ def test_step_credit_composes_with_a_tree_plan(probe, rule):
     ("sd35/tp_grpo_pickscore.yaml", "probed", "turning_point"), ("sd35/vgpo_geneval.yaml", "probed", "value_anchor"),
 ])
 def test_presets_load(path, plan, rule):
-    from flowrl import build
+    from flowrl.config import build
 
     cfg = TrainConfig.from_yaml(CONFIGS / path)
     assert (cfg.rollout.plan, cfg.credit.rule) == (plan, rule)

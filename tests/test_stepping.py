@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flowrl import sde
+from flowrl.rollout import sde
 from flowrl.rollout.base import DPM2, RolloutContext, advance, euler_ode, velocity_in_chunks
 from flowrl.rollout.chains import Chains, ODEChains, SDEWindow
 from flowrl.rollout.forest import Forest

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from flowrl.config import ConfigError, TrainConfig
-from flowrl.forward_process import NFTLoss
-from flowrl.objective import Batch
-from flowrl.teacher import Schedule, TeacherSpec, leaf_weights
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.objectives.base import Batch
+from flowrl.objectives.nft import NFTLoss
+from flowrl.objectives.teacher import Schedule, TeacherSpec, leaf_weights
 from tests.conftest import make_model, with_lora
 from tests.test_forward_process import tiny
 
@@ -89,7 +89,7 @@ def _spy(model):
 
 @pytest.mark.parametrize("full", [True, False])
 def test_teacher_runs_at_its_guidance_and_is_never_updated(tmp_path, full):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     model = make_model("sd3")
     extra = ["model.full_finetune=true"] if full else []
@@ -122,9 +122,9 @@ def test_teacher_runs_at_its_guidance_and_is_never_updated(tmp_path, full):
 
 def test_teacher_samples_are_credited_in_their_group(sd3_model):
     from flowrl.credit.group import GroupAdvantage
+    from flowrl.objectives.teacher import Teacher
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.chains import ODEChains
-    from flowrl.teacher import Teacher
 
     model = with_lora(sd3_model)
     teacher = Teacher(model, TeacherSpec(guidance=3.0))
@@ -151,7 +151,7 @@ def test_teacher_samples_are_credited_in_their_group(sd3_model):
 
 
 def test_share_schedule_gives_the_teacher_fewer_chains_as_training_goes(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = tiny(tmp_path, "sched", "loss.teacher={guidance: 3.0, anchor: 0.0, share_schedule: 'linear:2'}",
                "loss.objective=nft", "rollout.teacher_share=2", "rollout.group_size=2", "train.max_steps=3")
@@ -162,7 +162,7 @@ def test_share_schedule_gives_the_teacher_fewer_chains_as_training_goes(tmp_path
 
 
 def test_raft_trains_the_top_k_of_each_group():
-    from flowrl.raft import RAFTLoss
+    from flowrl.objectives.best_of_n import RAFTLoss
     from flowrl.rollout.forest import Forest
 
     forest = Forest(prompts=["a", "b"])
@@ -190,7 +190,7 @@ def test_sampler_timesteps_are_distinct_levels_of_the_rollout_schedule(tmp_path)
 
 # ---- presets, resume, bad settings ----------------------------------------------------------------
 def test_resume_with_a_teacher_is_exact(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     common = [TEACHER, "loss.objective=nft", "rollout.teacher_share=1", "optim.lr=1e-2", "train.checkpoint_every=1",
               "model.full_finetune=true"]
@@ -230,8 +230,8 @@ def test_a_teacher_path_that_is_not_a_model_is_refused(tmp_path):
 
 
 def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):
-    from flowrl.checkpoint import find_checkpoint
-    from flowrl.trainer import Trainer
+    from flowrl.run.checkpoint import find_checkpoint
+    from flowrl.training.trainer import Trainer
 
     full = ["model.full_finetune=true", "optim.lr=5e-2"]
     first = Trainer(tiny(tmp_path, "first", "loss.objective=nft", "train.max_steps=1", *full), model=make_model("sd3"))
@@ -251,7 +251,7 @@ def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):
 
 @pytest.mark.parametrize("preset, extra", [("nft", []), ("raft", ["rollout.teacher_share=4"])])
 def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
-    from flowrl.cli import main
+    from flowrl.commands.main import main
 
     args = ["train", f"configs/shapes/{preset}.yaml", *extra, "train.max_steps=1", "prompts.per_step=2", "rollout.group_size=4",
             "rollout.steps=2", "eval.num_prompts=2", "eval.steps=2", f"train.output_dir={tmp_path}", "train.name=p",
@@ -264,7 +264,7 @@ def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
 
 @pytest.mark.parametrize("warmup, decay", [(True, 0.1), (False, 0.9)])
 def test_eval_ema_warms_up_as_diffusion_nft_does(tmp_path, warmup, decay):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     trainer = Trainer(tiny(tmp_path, f"ema{warmup}", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
                            "train.ema=0.9", f"train.ema_warmup={str(warmup).lower()}", "prompts.eval=null"),
@@ -278,13 +278,13 @@ def test_eval_ema_warms_up_as_diffusion_nft_does(tmp_path, warmup, decay):
 
 
 def test_the_progress_bar_shows_the_objectives_own_keys(tmp_path, capsys):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     Trainer(tiny(tmp_path, "bar", "loss.objective=nft", TEACHER, "train.max_steps=1", "train.progress=true"),
             model=make_model("sd3")).train()
     bar = capsys.readouterr().err.splitlines()[-1]
     assert "fm=" in bar and "anchor=" in bar and "clip=" not in bar and "kl=" not in bar
-    from flowrl.loss import PolicyLoss
+    from flowrl.objectives.policy import PolicyLoss
 
     assert PolicyLoss().progress({"approx_kl": 0.002, "clipfrac_high": 0.25, "clipfrac_low": 0.5}) == {
         "kl": "2.0e-03", "clip": "0.75"}
@@ -295,7 +295,7 @@ def test_the_main_job_distils_its_guided_teacher_on_the_shapes_model(tmp_path):
     """The main job (``nft.yaml``: NFT + the guided teacher's anchor) on the shipped model: in 8 iterations
     the policy's velocity at guidance 1 moves towards the frozen model's at guidance 3, at fixed points
     (x_t from fixed noise, t = 0.9 / 0.7 / 0.5), far beyond what the same run without the anchor moves."""
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_shapes_learning import PROMPTS
 
     def distance(trainer):
@@ -330,8 +330,8 @@ def test_snr_reward_only_measures_nothing_when_the_reward_gives_no_advantage(tmp
     """``flowrl snr --reward-only``: with a reward equal within every prompt group (zero advantages) the
     anchor, kl_ref and the old copy contribute no gradient, so none is measured; without the flag the
     anchor's is. With a varying reward the flag measures a gradient."""
-    import flowrl.build as build
-    from flowrl.grad_snr import gradient_snr
+    import flowrl.config.build as build
+    from flowrl.commands.snr import gradient_snr
     from flowrl_rewards import REGISTRY, Reward, register
 
     class PerPrompt(Reward):
@@ -353,7 +353,7 @@ def test_snr_reward_only_measures_nothing_when_the_reward_gives_no_advantage(tmp
 
 
 def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     Trainer(tiny(tmp_path, "evalbar", "loss.objective=nft", "train.max_steps=1", "train.progress=true",
                  "prompts.eval=a red circle|two blue squares|a dog", "eval.images_per_prompt=2", "eval.steps=2"),

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.config import TrainConfig
-from flowrl.replay import replay, replay_batches
-from flowrl.trainer import Trainer
+from flowrl.config.schema import TrainConfig
+from flowrl.objectives.replay import replay, replay_batches
+from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 
 PROMPTS = "a red circle|two blue squares|a green cat|a small dog"
@@ -114,7 +114,7 @@ def test_resume_continues_the_same_run(tmp_path):
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
-    from flowrl import checkpoint
+    from flowrl.run import checkpoint
 
     cfg = tiny_config(tmp_path, "crash", "train.max_steps=1")
     trainer = Trainer(cfg, model=make_model("sd3"))

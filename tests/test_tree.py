@@ -17,11 +17,11 @@ import pytest
 import torch
 from conftest import make_model, train_redness, with_lora
 
-from flowrl import sde
-from flowrl.config import ConfigError, TrainConfig
+from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.credit.tree import TreeAdvantage
+from flowrl.objectives.replay import replay, replay_batches
 from flowrl.paths import CONFIG_DIR
-from flowrl.replay import replay, replay_batches
+from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest
@@ -576,7 +576,7 @@ TREE_PLANS = {
 def assert_replay_exact(model, forest, tag):
     """Every stochastic edge (pruned ones included) replays to its logp_old bit-exactly, and the loss sees
     ratio 1 (|Δ log p| = 0)."""
-    from flowrl.loss import PolicyLoss
+    from flowrl.objectives.policy import PolicyLoss
 
     cond = model.encode(forest.prompts, forest.guidance)
     edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
@@ -724,7 +724,7 @@ TREE_OVERRIDES = [
 
 
 def _trainer(tmp_path, name, *extra, reward="brightness"):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
 
     cfg = TrainConfig.from_yaml(None, [*TREE_OVERRIDES, f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
     cfg.rewards[0].name = reward
@@ -791,8 +791,8 @@ PRESETS = {
 
 @pytest.mark.parametrize("path", list(PRESETS))
 def test_presets_load_with_the_intended_plan_credit_and_loss(path):
-    from flowrl import build
-    from flowrl.loss import LayerTuningLoss, PolicyLoss
+    from flowrl.config import build
+    from flowrl.objectives.policy import LayerTuningLoss, PolicyLoss
 
     want = PRESETS[path]
     cfg = TrainConfig.from_yaml(CONFIGS / path)
@@ -871,9 +871,9 @@ def test_tree_presets_raise_redness_on_the_shapes_model(tmp_path, preset):
     gains 0.029, 0.033, 0.020 in the order above, against a threshold of 0.011).
     ``sde``-mode BranchGRPO needs more iterations than the other two here: at the preset's lr 1e-3 and
     splits 0, 2, 4 it gained about half the threshold in 12–24 iterations."""
-    from flowrl.evaluation import eval_seeds
     from flowrl.rollout.sampling import ode_sample
-    from flowrl.trainer import Trainer
+    from flowrl.training.evaluation import eval_seeds
+    from flowrl.training.trainer import Trainer
 
     prompts = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
     cfg = TrainConfig.from_yaml(CONFIGS / f"shapes/{preset}.yaml", [

@@ -86,7 +86,7 @@ def test_temporal_consistency_ranks_a_flickering_video_below_a_steady_one():
 
 
 def test_a_video_reward_with_an_image_model_fails_at_load_naming_it(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, "image", "rewards=[{name: brightness}, {name: temporal_consistency, label: steady}]")
@@ -103,7 +103,7 @@ def test_a_video_reward_with_an_image_model_fails_at_load_naming_it(tmp_path):
 def test_one_policy_iteration_on_wan_logs_both_terms_and_writes_animated_eval_grids(tmp_path):
     from PIL import Image
 
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, "wan", "model.family=wan", "train.max_steps=1", "rollout.group_size=2",
@@ -129,7 +129,7 @@ def test_one_policy_iteration_on_wan_logs_both_terms_and_writes_animated_eval_gr
 
 
 def test_one_nft_iteration_on_wan_moves_the_lora(tmp_path):
-    from flowrl.trainer import Trainer
+    from flowrl.training.trainer import Trainer
     from tests.test_forward_process import tiny
 
     cfg = tiny(tmp_path, "wan_nft", "model.family=wan", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
@@ -145,7 +145,7 @@ def test_one_nft_iteration_on_wan_moves_the_lora(tmp_path):
 def test_layer_tuning_noises_each_video_row_at_its_own_sigma(monkeypatch):
     """``LayerTuningLoss.auxiliary`` on 5-D latents: row i is (1 − σ_i)·x0 + σ_i·ε_i. 2 groups × 2 σ = 4 rows, as
     many as the latent channels: a [N, 1, 1, 1] σ broadcast silently over the channel axis instead."""
-    from flowrl.loss import LayerTuningLoss
+    from flowrl.objectives.policy import LayerTuningLoss
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.seeding import derive_seed, seeded_normal
     from flowrl.rollout.tree import Tree
@@ -170,7 +170,7 @@ def test_layer_tuning_noises_each_video_row_at_its_own_sigma(monkeypatch):
 
 
 def test_nothing_to_score_decodes_to_an_empty_batch_of_videos():
-    from flowrl.scoring import decode
+    from flowrl.training.scoring import decode
 
     model = wan_model()
     assert decode(model, torch.zeros(0, *model.latent_shape), 4).shape == (0, 5, 3, 32, 48)
@@ -182,14 +182,14 @@ def test_nothing_to_score_decodes_to_an_empty_batch_of_videos():
 def test_flowrl_sample_writes_animated_gifs_for_a_video_model(tmp_path, monkeypatch):
     from PIL import Image
 
-    from flowrl import cli_sample
-    from flowrl.config import TrainConfig
+    from flowrl.commands import sample as cli_sample
+    from flowrl.config.schema import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "eval.steps=2"])
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, wan_model(), None))
     args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=["a red circle"],
                               num=2, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
-    assert cli_sample.cmd_sample(args) == 0
+    assert cli_sample.run(args) == 0
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["000-a_red_circle.gif", "001-a_red_circle.gif", "grid.gif"], files
     for name in files:

@@ -25,8 +25,8 @@ def make(scheduler: str = "unipc", expand_timesteps: bool = False, **kw):
 
 # ---- family, sizes, frames, loading ---------------------------------------------------------------
 def test_family_is_registered_and_wrap_picks_the_adapter(tmp_path):
-    from flowrl.build import build_model
-    from flowrl.config import ModelSection
+    from flowrl.config.build import build_model
+    from flowrl.config.schema import ModelSection
     from flowrl.errors import ConfigError
 
     pipe, model = make(guidance=2.0)

@@ -6,7 +6,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from flowrl.choices import Checked
+from flowrl.config.choices import Checked
 from flowrl.rollout.forest import Forest
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -17,13 +17,13 @@ class CreditRule(Checked):
     trained; flat 1 = no reward spread to compare against; see :class:`~flowrl.rollout.forest.Forest`).
 
     :attr:`writes`: the units it writes advantages on, ``"edges"`` (the stochastic edges) and/or ``"leaves"``;
-    an objective whose :attr:`~flowrl.objective.Objective.trains_on` is not among them is refused at load.
+    an objective whose :attr:`~flowrl.objectives.base.Objective.trains_on` is not among them is refused at load.
 
     A credit rule reads the forest only: ``reward`` on leaves and ``value`` on probed states (both
     combined over reward terms by the MultiReward), ``reward_components[name]`` per term, ``group``,
     the structure and the log-probs. Subclasses are dataclasses whose fields are the keys of the
-    ``credit`` section (:mod:`flowrl.components`); a field declares its accepted values with
-    :func:`flowrl.choices.choice`, checked on construction.
+    ``credit`` section (:mod:`flowrl.config.components`); a field declares its accepted values with
+    :func:`flowrl.config.choices.choice`, checked on construction.
     """
 
     writes: ClassVar[tuple[str, ...]] = ("edges", "leaves")

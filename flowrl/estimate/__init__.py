@@ -43,22 +43,47 @@ import math
 
 import torch
 
-from flowrl import build
+from flowrl.config import build
 from flowrl.errors import ConfigError
-from flowrl.estimate.archs import (ARCH_CACHE, ARCH_DIR, add_lora, arch_for_model, arch_from_folder,
-                                   arch_from_pipeline, build_transformer, build_vae, default_lora_targets,
-                                   list_archs, load_arch, model_with_lora, text_encoder_params)
+from flowrl.estimate.archs import (
+    ARCH_CACHE,
+    ARCH_DIR,
+    add_lora,
+    arch_for_model,
+    arch_from_folder,
+    arch_from_pipeline,
+    build_transformer,
+    build_vae,
+    default_lora_targets,
+    list_archs,
+    load_arch,
+    model_with_lora,
+    text_encoder_params,
+)
 from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_class, load_config
-from flowrl.estimate.inputs import (EDIT_FAMILIES, Shapes, base_family, preset_shapes, transformer_inputs, velocity,
-                                    vision_tokens)
+from flowrl.estimate.inputs import (
+    EDIT_FAMILIES,
+    Shapes,
+    base_family,
+    preset_shapes,
+    transformer_inputs,
+    velocity,
+    vision_tokens,
+)
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode, sharded_update_traces
-from flowrl.estimate.static import (REWARD_MODELS, explorer_bytes, host_decode_bytes, prompt_count, reward_model_bytes,
-                                    tensor_bytes)
+from flowrl.estimate.static import (
+    REWARD_MODELS,
+    explorer_bytes,
+    host_decode_bytes,
+    prompt_count,
+    reward_model_bytes,
+    tensor_bytes,
+)
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 from flowrl.models.dtypes import DTYPES
 
@@ -110,7 +135,7 @@ ASSUMPTIONS = [
 
 def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = None, target: str = "cuda",
              shard: str | None = None) -> dict:
-    """Predicted peak memory and s/iteration of one iteration of ``cfg`` (a :class:`~flowrl.config.TrainConfig`)
+    """Predicted peak memory and s/iteration of one iteration of ``cfg`` (a :class:`~flowrl.config.schema.TrainConfig`)
     on one ``gpu`` of ``processes`` (prompt groups split evenly), without allocating model memory.
 
     ``shard``: ``ddp`` (every process a whole copy) or ``fsdp`` (FSDP2: the transformer's weights, LoRA,

@@ -47,7 +47,7 @@ def load_arch(name: str) -> dict:
 
 
 def arch_for_model(section) -> dict:
-    """The architecture of ``model`` (a :class:`~flowrl.config.ModelSection`): a stored one when ``model.path``
+    """The architecture of ``model`` (a :class:`~flowrl.config.schema.ModelSection`): a stored one when ``model.path``
     is one of its hub ids, a local pipeline folder's own configs, or the shipped shapes model."""
     path = section.path
     if section.family == "shapes" and path is None:

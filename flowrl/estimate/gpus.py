@@ -7,11 +7,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
-import flowrl.precision as precision
-from flowrl.config import TrainConfig
-from flowrl.paths import DEFAULT_CONFIG
-from flowrl.choices import choose
+import flowrl.rollout.precision as precision
+from flowrl.config.choices import choose
+from flowrl.config.schema import TrainConfig
 from flowrl.errors import ConfigError
+from flowrl.paths import DEFAULT_CONFIG
 
 
 @dataclass(frozen=True)

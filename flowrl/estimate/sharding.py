@@ -1,5 +1,5 @@
 """FSDP2 in the estimate (``model.shard: fsdp``; docs/estimate.md): what one of N processes holds when
-:class:`flowrl.sharding.Sharding` wraps each block of the transformer's block lists and then the transformer
+:class:`flowrl.distributed.sharding.Sharding` wraps each block of the transformer's block lists and then the transformer
 itself (the root: embeddings, norms, ``proj_out``) with ``fully_shard`` — ⌈rows/N⌉ rows of every parameter
 (dim-0 shards, padded to that size), of its gradient and of its AdamW state; buffers whole — and the full-size
 tensors FSDP2 builds for a moment: the parameters it all-gathers around a forward and the gradients it
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from flowrl.choices import choose
+from flowrl.config.choices import choose
+from flowrl.distributed.sharding import block_lists, check_shard_settings, resolve_shard
 from flowrl.errors import ConfigError
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.trace import Trace
-from flowrl.sharding import block_lists, check_shard_settings, resolve_shard
 
 SHARD_MODES = ("ddp", "fsdp")
 ASSUMPTION = (
@@ -30,8 +30,8 @@ ASSUMPTION = (
 
 def shard_mode(cfg, shard: str | None, processes: int) -> str:
     """The sharding an estimate of ``cfg`` over ``processes`` assumes: ``shard`` (``ddp`` | ``fsdp``), else
-    ``cfg.model.shard`` (``auto``: as the run would resolve it here, :func:`flowrl.sharding.resolve_shard`);
-    ``fsdp`` refused where a run refuses it (:func:`flowrl.sharding.check_shard_settings`; one process here
+    ``cfg.model.shard`` (``auto``: as the run would resolve it here, :func:`flowrl.distributed.sharding.resolve_shard`);
+    ``fsdp`` refused where a run refuses it (:func:`flowrl.distributed.sharding.check_shard_settings`; one process here
     names ``--gpus``)."""
     mode = resolve_shard(cfg.model.shard if shard is None else shard)
     choose("model.shard", mode, SHARD_MODES)

@@ -7,9 +7,9 @@ import fnmatch
 
 from torch import nn
 
-from flowrl.choices import choose
+from flowrl.config.choices import choose
 from flowrl.paths import find_file
-from flowrl.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
+from flowrl.rollout.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
 
 REWARD_MODELS: dict[str, tuple[float, str]] = {
     "pickscore": (986e6, "CLIP ViT-H/14 (632 M vision + 354 M text)"),
@@ -37,7 +37,7 @@ _QUANT_BYTES = {  # bytes per weight element of a quantized Linear (scales inclu
 
 def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = None, skip: list[str] | None = None) -> int:
     """Bytes of an explorer copy of ``module`` (a meta transformer, LoRA attached or not) in ``backend``
-    (:mod:`flowrl.precision`): LoRA merged; Linear layers the backend converts (large enough, not skipped,
+    (:mod:`flowrl.rollout.precision`): LoRA merged; Linear layers the backend converts (large enough, not skipped,
     dimensions it takes) in its format, the rest in the rest dtype (bf16 on GPUs)."""
     choose("rollout.backend", backend, BACKENDS)
     if backend == "same":
@@ -67,7 +67,7 @@ def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = Non
 
 
 def host_decode_bytes(decode_peak: int, states: int, chunk: int, image_bytes: int, latent_bytes: int) -> int:
-    """Peak bytes of one decode call (:func:`flowrl.scoring.decode`: ``states`` latents, ``chunk`` at a time, each
+    """Peak bytes of one decode call (:func:`flowrl.training.scoring.decode`: ``states`` latents, ``chunk`` at a time, each
     chunk's fp32 pixels moved to the host, then concatenated) where the device *is* the host (a CPU run): the
     gathered fp32 latents, plus the larger of the last chunk's decode (``decode_peak``, its own pixels included)
     with the earlier chunks' pixels alive and the concatenation of every state's pixels beside its parts. (On a

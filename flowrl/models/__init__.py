@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.config.registry import Registry
 from flowrl.models.base import Conditioning, FlowModel, LoraSpec
-from flowrl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class ModelFamily:
     needs_path: bool = True
 
     def adapter_class(self) -> type[FlowModel]:
-        from flowrl.plugins import load_target
+        from flowrl.config.plugins import load_target
 
         if isinstance(self.adapter, type):
             return self.adapter
@@ -59,7 +59,7 @@ MODEL_FAMILIES = Registry("model.family", {
     "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
     "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
 }, base=FlowModel, check=_check_family)
-"""Family name → how to load and wrap it (a :class:`~flowrl.registry.Registry`). SD3 and SD3.5 are "sd3"; "shapes"
+"""Family name → how to load and wrap it (a :class:`~flowrl.config.registry.Registry`). SD3 and SD3.5 are "sd3"; "shapes"
 is the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family`
 adds one."""
 
@@ -72,7 +72,7 @@ def register_model_family(name: str, family: ModelFamily) -> None:
 def model_family(name: str) -> ModelFamily:
     """The registered family ``name``, or for ``package.module:Class`` / ``path/file.py:Class`` an out-of-tree
     adapter (a :class:`FlowModel` subclass) loaded with its ``from_pretrained``; an unknown name raises
-    :class:`~flowrl.registry.NotRegistered` (a ValueError)."""
+    :class:`~flowrl.config.registry.NotRegistered` (a ValueError)."""
     family = MODEL_FAMILIES.resolve(name)  # a module:Class is imported and checked now: a bad name fails at load
     return family if isinstance(family, ModelFamily) else ModelFamily(None, family)
 

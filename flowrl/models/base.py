@@ -58,9 +58,9 @@ from torch import nn
 
 from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
-from flowrl.models.setup import AdapterSetup, align_cpu_tensors  # noqa: F401 (align_cpu_tensors: API)
 from flowrl.models.offload import EncoderOffload
 from flowrl.models.prompt_cache import PromptCache
+from flowrl.models.setup import AdapterSetup, align_cpu_tensors  # noqa: F401 (align_cpu_tensors: API)
 
 
 def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
@@ -135,7 +135,7 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     guidance: float = 1.0
     negative_prompt: str = ""
     takes_source_image: bool = False
-    """An editing family: every prompt carries the image it edits (:mod:`flowrl.image_prompts`)."""
+    """An editing family: every prompt carries the image it edits (:mod:`flowrl.prompts.images`)."""
     default_lora_targets: list[str] = []
     autocast: torch.dtype | str | None = AUTOCAST_FOLLOWS_ACCELERATE
     """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``

@@ -20,7 +20,7 @@ and the loop hold it:
   activation is about 1/N of the loss's (N = 262,144 for a 1024 px SD3.5 latent), below fp16's smallest
   normal number. When :func:`computes_in_fp16`, the updater scales the loss dynamically (``optim.loss_scaling``,
   torch's ``GradScaler``) and unscales before clipping; bf16 has fp32's range and needs none.
-- **velocities, kernels, log-probs are fp32**: every adapter returns ``v`` as fp32 and :mod:`flowrl.sde` casts
+- **velocities, kernels, log-probs are fp32**: every adapter returns ``v`` as fp32 and :mod:`flowrl.rollout.sde` casts
   its inputs to fp32 and runs outside the autocast region; elementwise ops are never autocast anyway. The
   replay runs the same call in the same dtype path, so the first inner step's ratio is exactly 1 (tested in
   tests/test_low_precision.py for SD3, FLUX and SANA in bf16 and fp16).

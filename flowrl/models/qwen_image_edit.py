@@ -1,6 +1,6 @@
 """`FlowModel` adapter for ``QwenImageEditPipeline`` (Qwen-Image-Edit): an instruction edits a source image.
 
-A prompt carries its source image: ``"[image: PATH] INSTRUCTION"`` (:mod:`flowrl.image_prompts`). Everything
+A prompt carries its source image: ``"[image: PATH] INSTRUCTION"`` (:mod:`flowrl.prompts.images`). Everything
 else is :class:`~flowrl.models.qwen_image.QwenImageFlowModel`'s (latents, packing, schedule, true CFG with the
 norm rescale, decode); what the edit pipeline adds, as ``QwenImageEditPipeline.__call__`` applies it:
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
 from flowrl.models.qwen_image import QwenImageFlowModel
+from flowrl.prompts.images import FORM, image_prompt, source_pil, split_image_prompt
 
 if TYPE_CHECKING:
     from typing import Unpack

@@ -11,7 +11,7 @@ the real model gives it. Every component is in ``dtype`` (as ``from_pretrained(d
 
 - :func:`random_pipeline`: the diffusers pipeline of an architecture (families ``sd3`` and ``flux``);
 - :func:`random_model`: the :class:`~flowrl.models.base.FlowModel` a run builds from its ``model`` section
-  (:func:`flowrl.build.build_model`, so LoRA, dtypes, sizes and the prompt cache are set exactly as a run sets
+  (:func:`flowrl.config.build.build_model`, so LoRA, dtypes, sizes and the prompt cache are set exactly as a run sets
   them), over a random pipeline of the section's stored architecture (``model.path``: its hub id);
 - :func:`tiny_arch`: a stored architecture shrunk to a few thousand parameters per component, the same
   classes and wiring, to exercise all of this on a CPU in seconds (``scripts/gpu_check.py --tiny``).
@@ -29,8 +29,8 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.models.dtypes import cast_module
-from flowrl.models.sd3 import SD3FlowModel
 from flowrl.models.flux import FluxFlowModel
+from flowrl.models.sd3 import SD3FlowModel
 
 PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
 """The families :func:`random_pipeline` builds, and their diffusers pipeline classes."""
@@ -189,9 +189,9 @@ ADAPTERS = {"sd3": RandomSD3FlowModel, "flux": RandomFluxFlowModel}
 
 def random_model(section, device: str | torch.device, arch: dict | None = None):
     """The :class:`~flowrl.models.base.FlowModel` of the ``model`` section ``section`` (its LoRA not yet attached,
-    as :func:`flowrl.build.build_model` returns it) over :func:`random_pipeline` of ``arch`` (default: the stored
+    as :func:`flowrl.config.build.build_model` returns it) over :func:`random_pipeline` of ``arch`` (default: the stored
     architecture of ``model.path``, :func:`flowrl.estimate.archs.arch_for_model`), built on ``device``."""
-    from flowrl import build
+    from flowrl.config import build
     from flowrl.estimate.archs import arch_for_model
 
     arch = arch or arch_for_model(section)

@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from flowrl import sde
-from flowrl.choices import Checked
+from flowrl.config.choices import Checked
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.rollout import sde
 from flowrl.rollout.forest import Forest
 
 
@@ -26,7 +26,7 @@ class RolloutContext:
     ``root_seeds``: set by a wrapping plan (Sol-RL's explore) to choose the x_T of the inner plan's roots:
     one list of seeds per prompt group of this rollout, :meth:`RolloutPlan.root_count` seeds each
     (None: the plan derives its own root seeds).
-    ``teacher``: the objective's guided teacher (:class:`flowrl.teacher.Teacher`; None without ``loss.teacher``),
+    ``teacher``: the objective's guided teacher (:class:`flowrl.objectives.teacher.Teacher`; None without ``loss.teacher``),
     for plans that let it draw a share of each group (the ODE plan's ``teacher_share``).
     """
 
@@ -65,7 +65,7 @@ class RolloutPlan(Checked):
     """A rollout plan turns prompts into a :class:`Forest` (``rollout.plan``; docs/extending.md).
 
     Subclasses are dataclasses whose fields are the keys of the ``rollout`` section
-    (:mod:`flowrl.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
+    (:mod:`flowrl.config.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
 
     1. :meth:`setup` once with the model and the reward, before the first rollout (an explore plan
        builds its low-precision copy of the policy here and keeps the reward to score its preview pool);
@@ -78,7 +78,7 @@ class RolloutPlan(Checked):
     tests and logs, with one signature for every plan.
     """
 
-    config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.choices)
+    config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.config.choices)
 
     def unread_keys(self) -> dict[str, str]:
         """Keys of this plan's section set away from their defaults that its other settings leave unread
@@ -160,7 +160,7 @@ def velocity_in_chunks(model: FlowModel, x: torch.Tensor, sigma: float, cond: Co
 
 @dataclass
 class DPM2:
-    """The DPM-Solver++(2M) multistep solver as a kernel of :func:`advance` (:func:`flowrl.sde.dpm2_step`).
+    """The DPM-Solver++(2M) multistep solver as a kernel of :func:`advance` (:func:`flowrl.rollout.sde.dpm2_step`).
 
     Carries the previous step's x̂0 [M, ...] (rows in the order of the nodes it advanced) and its σ from
     one call to the next: use one per solve, over the same nodes' descendants in order (fanout 1)."""
@@ -188,7 +188,7 @@ def advance(
     """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
     each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
 
-    ``kernel``: a transition kernel's name (:data:`flowrl.sde.KERNEL_FUNCTIONS`; ``"ode"`` is the Euler ODE
+    ``kernel``: a transition kernel's name (:data:`flowrl.rollout.sde.KERNEL_FUNCTIONS`; ``"ode"`` is the Euler ODE
     step) or a :class:`DPM2` solver (deterministic edges of kernel ``dpm2``, never replayed: batch id −1;
     ``eta``, ``noise_for`` unused).
 

@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import torch
 
-from flowrl import sde
-from flowrl.choices import Checked, choice
+from flowrl.config.choices import Checked, choice
 from flowrl.models.base import FlowModel
+from flowrl.rollout import sde
 from flowrl.rollout.base import DPM2, RolloutContext, RolloutPlan, advance
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.seeding import derive_seed, seeded_normal

@@ -4,7 +4,7 @@ Per prompt group, every iteration:
 
 1. **pool**: N seeds (``pool``, default 4·K), seed n of global group g = ``derive_seed(run seed,
    iteration, "explore", g, n)``; x_T = ``model.noise([seed])`` (bit-exact on any device);
-2. **preview**: an ODE of ``preview_steps`` Euler steps with the explorer (:mod:`flowrl.explorer`:
+2. **preview**: an ODE of ``preview_steps`` Euler steps with the explorer (:mod:`flowrl.rollout.explorer`:
    ``same`` precision with fewer steps, or a low-precision copy that follows the live weights);
 3. **score** the N previews with the run's reward (the MultiReward the trainer passes to ``setup``);
 4. **select** K seeds (K = the inner plan's :meth:`~flowrl.rollout.base.RolloutPlan.root_count`, e.g.
@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from flowrl.choices import choice, choose
+from flowrl.config.choices import choice, choose
 from flowrl.errors import ConfigError
-from flowrl.precision import BACKENDS
 from flowrl.rollout.base import RolloutContext, RolloutPlan, inner_unread
 from flowrl.rollout.forest import Forest
+from flowrl.rollout.precision import BACKENDS
 from flowrl.rollout.seeding import derive_seed
 
 SELECTIONS = ("extremes", "top_k", "spread")
@@ -128,9 +128,9 @@ def _nanmean(values: list[float]) -> float:
 
 def build_inner(spec: str | dict[str, Any], key: str = "rollout.inner") -> RolloutPlan:
     """The inner plan ``spec`` (a name, or ``{plan: name, key: value, ...}``) built by
-    :func:`flowrl.components.build_nested`; it must take given root seeds (the explorer chooses them) and not be
+    :func:`flowrl.config.components.build_nested`; it must take given root seeds (the explorer chooses them) and not be
     an explore plan itself."""
-    from flowrl import components
+    from flowrl.config import components
 
     plan = components.build_nested(components.PLAN, spec, key=key, refuse=Explore)
     if plan.root_count() is None:
@@ -145,10 +145,10 @@ class Explore(RolloutPlan):
 
     ``inner``: the inner plan, a name or ``{plan: name, its keys...}``; ``pool``: N candidates per prompt (None →
     4·K); ``select``: ``extremes`` | ``top_k`` | ``spread``; ``preview_steps``: Euler steps of the
-    explorer's ODE preview; ``backend``: the explorer (:data:`flowrl.precision.BACKENDS`), checked
+    explorer's ODE preview; ``backend``: the explorer (:data:`flowrl.rollout.precision.BACKENDS`), checked
     against this machine when the config loads and against the model's device at ``setup``;
     ``min_params`` / ``skip``: which Linear layers a quantizing backend converts (None → the
-    backend's default skip list, :data:`flowrl.precision.DEFAULT_SKIP`).
+    backend's default skip list, :data:`flowrl.rollout.precision.DEFAULT_SKIP`).
     """
 
     inner: str | dict = "chains"
@@ -161,7 +161,7 @@ class Explore(RolloutPlan):
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:
-        from flowrl.precision import check_backend
+        from flowrl.rollout.precision import check_backend
 
         if self.inner_plan is None:
             self.inner_plan = build_inner(self.inner)
@@ -198,8 +198,8 @@ class Explore(RolloutPlan):
 
     def setup(self, model, reward=None) -> None:
         """Set up the inner plan, keep the reward (it scores the preview pool) and build the explorer."""
-        from flowrl.explorer import make_explorer
-        from flowrl.precision import check_backend
+        from flowrl.rollout.explorer import make_explorer
+        from flowrl.rollout.precision import check_backend
 
         self.inner_plan.setup(model, reward)
         if isinstance(reward, str):
@@ -220,7 +220,7 @@ class Explore(RolloutPlan):
 
     @property
     def explorer(self):
-        """The :class:`~flowrl.explorer.Explorer`, synced with the live weights."""
+        """The :class:`~flowrl.rollout.explorer.Explorer`, synced with the live weights."""
         if self._explorer is None:
             raise RuntimeError("Explore.setup(model, reward) must run before the explorer is used")
         if self._stale:
@@ -240,7 +240,7 @@ class Explore(RolloutPlan):
     # ---- rollout ----------------------------------------------------------------------------
     def _score_pool(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor) -> torch.Tensor:
         """Combined reward [M] of the preview images [M, 3, H, W] (the run's MultiReward)."""
-        from flowrl.scoring import components_of
+        from flowrl.training.scoring import components_of
 
         parts = components_of(self._reward, images, prompts, {})
         if hasattr(self._reward, "combine"):
@@ -252,7 +252,7 @@ class Explore(RolloutPlan):
         """Preview N seeds per prompt with the explorer, keep K by reward, regenerate them with the inner
         plan; returns the inner plan's forest (regenerated samples only)."""
         from flowrl.rollout.sampling import ode_sample
-        from flowrl.scoring import decode
+        from flowrl.training.scoring import decode
 
         if self._reward is None:
             raise RuntimeError("Explore needs the run's reward to score its preview pool: call setup(model, reward) "

@@ -26,10 +26,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
 import torch
 
-from flowrl.choices import choice
+from flowrl.config.choices import choice
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext, RolloutPlan, euler_ode, inner_unread
@@ -48,7 +47,7 @@ class Probed(Chains):
     the same keys, defaults and checks as ``rollout.plan: chains``, which is why this class extends
     :class:`Chains`). ``inner`` names any other plan instead, in the one nested form: a name (a registered one
     such as ``tree``, ``package.module:Class`` or ``file.py:Class``) or ``{plan: name, its own keys...}``
-    (:func:`flowrl.components.build_nested`, as in an explore plan); the chain keys are then unused. In
+    (:func:`flowrl.config.components.build_nested`, as in an explore plan); the chain keys are then unused. In
     Python, ``inner_plan=`` takes a ready plan object. ``setup``,
     ``after_update`` and ``metrics`` are passed on to the inner plan.
 
@@ -81,7 +80,7 @@ class Probed(Chains):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.inner_plan is None and self.inner != "chains":
-            from flowrl import components
+            from flowrl.config import components
 
             self.inner_plan = components.build_nested(components.PLAN, self.inner, key="rollout.inner", refuse=Probed)
         if self.probe == "x0_projection" and self.inner_plan is None and self.post_solver != "none":

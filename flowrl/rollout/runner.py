@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from flowrl.process_group import ProcessGroup
+from flowrl.distributed.process_group import ProcessGroup
 from flowrl.rollout.base import RolloutContext, RolloutPlan
 from flowrl.rollout.forest import Forest
-from flowrl.scoring import BackgroundScorer, request_scores
+from flowrl.training.scoring import BackgroundScorer, request_scores
 
 
 class RolloutRunner:

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl import sde
-from flowrl.choices import choice
+from flowrl.config.choices import choice
 from flowrl.models.base import FlowModel
+from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest

@@ -1,0 +1,112 @@
+"""Build the loop's components from a :class:`~flowrl.config.schema.TrainConfig` (YAML and Python share these)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowrl.config import components
+from flowrl.config.schema import ConfigError, ModelSection, RewardTerm, TrainConfig
+from flowrl.credit.base import CreditRule
+from flowrl.errors import shown
+from flowrl.models.base import FlowModel, LoraSpec
+from flowrl.models.dtypes import DTYPES
+from flowrl.objectives.base import Objective
+from flowrl.rollout.base import RolloutPlan
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name!r} but CUDA is not available here; accepted: 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def build_model(section: ModelSection, device: torch.device | None = None) -> FlowModel:
+    """The adapter for ``model.family`` loaded from ``model.path`` (the shipped shapes model by default), in
+    ``model.dtype``. With ``model.full_finetune`` and a bf16/fp16 ``model.dtype`` the transformer is kept in fp32
+    (the weights the optimizer updates) and computes under autocast in ``model.dtype``
+    (:func:`flowrl.models.dtypes.master_weights_fp32`); with LoRA the base stays in ``model.dtype`` and the LoRA
+    is fp32."""
+    from flowrl import models
+    from flowrl.models.dtypes import master_weights_fp32
+
+    device = device or resolve_device(section.device)
+    kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
+    passed = ("guidance", "true_cfg", "height", "width", "max_sequence_length")  # model keys the adapter reads
+    for key in passed:
+        value = getattr(section, key)
+        if value is not None:
+            kwargs[key] = value
+    extra = dict(section.kwargs or {})
+    owned = sorted(set(extra) & (set(kwargs) | set(passed) | {"path"}))
+    if owned:
+        raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
+    kwargs.update(extra)
+    try:
+        if section.path is None and models.model_family(section.family).needs_path:
+            raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
+        model = models.load_model(section.family, section.path, **kwargs)
+    except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
+        if isinstance(e, ConfigError):
+            raise
+        unknown = [k for k in extra if isinstance(e, TypeError) and f"unexpected keyword argument '{k}'" in str(e)]
+        if unknown:
+            raise ConfigError(f"model.kwargs.{unknown[0]}={shown(extra[unknown[0]])} is not a keyword of the "
+                              f"model.family={section.family!r} adapter ({e})") from e
+        chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
+                           if getattr(section, k) is not None)
+        raise ConfigError(f"{chosen}: {e}") from e
+    if section.full_finetune:
+        master_weights_fp32(model)
+    if section.offload_encoders:
+        model.offload_encoders()
+    limit = section.prompt_cache_mb
+    model.prompt_cache.max_bytes = None if limit is None else int(limit * 2 ** 20)
+    return model
+
+
+def lora_spec(section: ModelSection) -> LoraSpec:
+    lora = section.lora
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.targets, dropout=lora.dropout, init=lora.init)
+
+
+def add_lora(model: FlowModel, section: ModelSection) -> None:
+    """Wrap ``model``'s trainable module in the LoRA ``model.lora`` describes; bad targets name the key."""
+    try:
+        model.add_lora(lora_spec(section))
+    except ValueError as e:
+        raise ConfigError(f"model.lora.targets={section.lora.targets}: {e}") from e
+
+
+def build_plan(section: Any) -> RolloutPlan:
+    """The rollout plan ``rollout.plan`` names, built from the section's values of its fields."""
+    return components.instantiate(components.PLAN, section)
+
+
+def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
+    """A :class:`flowrl_rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``)."""
+    from flowrl_rewards import MultiReward, RewardSpec
+
+    try:
+        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label,
+                                       timeout=t.timeout) for t in terms],
+                           normalize=normalize)
+    except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
+        names = ", ".join(shown(t.name, 60) for t in terms)
+        raise ConfigError(f"rewards ({names}): {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
+
+
+def build_credit(cfg: TrainConfig) -> CreditRule:
+    """The credit rule ``credit.rule`` names."""
+    return components.instantiate(components.CREDIT, cfg.credit)
+
+
+def build_loss(cfg: TrainConfig) -> Objective:
+    """The objective ``loss.objective`` names, with the run's one micro-batch size (``rollout.max_batch``: states
+    per rollout forward, which a policy objective's replay follows, and rows per training forward otherwise)."""
+    objective = components.instantiate(components.LOSS, cfg.loss)
+    objective.micro_batch = int(cfg.rollout.max_batch)
+    return objective

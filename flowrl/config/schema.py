@@ -1,0 +1,364 @@
+"""Typed configuration: one dataclass per section, YAML files plus ``key=value`` overrides.
+
+``TrainConfig.from_yaml(path, overrides)`` merges the YAML into the schema with OmegaConf; a key
+that does not exist fails at once naming the nearest valid key, a value of the wrong type names
+the key, the value and the expected type, and semantic checks (choices, ranges) run when the
+components are built (they name the key too).
+
+The ``rollout``, ``credit`` and ``loss`` sections belong to the components they select
+(``rollout.plan``, ``credit.rule``, ``loss.objective``; see :mod:`flowrl.config.components`): their keys are
+the chosen component's dataclass fields, so the schema is assembled per config by
+:meth:`TrainConfig.schema` before the YAML is merged into it.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from flowrl.config import components
+from flowrl.errors import ConfigError, shown, shown_message
+from flowrl.paths import find_file, where_tried
+
+
+@dataclass
+class LoraSection:
+    rank: int = 32
+    alpha: float = 64.0
+    targets: Optional[list[str]] = None  # None → the adapter's defaults
+    dropout: float = 0.0
+    init: str = "gaussian"
+
+
+@dataclass
+class ModelSection:
+    family: str = "shapes"  # shapes | sd3 | flux | sana
+    path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    guidance: Optional[float] = None  # CFG scale for rollouts (FLUX: the distilled guidance value); None → model default
+    true_cfg: Optional[float] = None  # FLUX only: real classifier-free guidance scale (1 = off)
+    height: Optional[int] = None
+    width: Optional[int] = None
+    max_sequence_length: Optional[int] = None
+    lora: LoraSection = field(default_factory=LoraSection)
+    full_finetune: bool = False
+    gradient_checkpointing: bool = False
+    prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
+    # complex_human_instruction or negative_prompt (passed through; an unknown one fails at load)
+    shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
+    # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
+    # (configs/accelerate/fsdp.yaml), else ddp
+    shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
+    # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
+    offload_encoders: bool = False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
+
+
+@dataclass
+class RewardTerm:
+    name: str = MISSING  # registry name, "package.module:Class" or "path/to/file.py:Class"
+    weight: float = 1.0
+    label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: Optional[float] = None  # seconds one call may take; past it that call's scores are NaN (reward_failed)
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine
+    grad_clip: float = 1.0
+    use_8bit: bool = False
+    loss_scaling: str = "auto"  # dynamic loss scaling: auto (on when the transformer computes in fp16) | true | false
+
+
+@dataclass
+class PromptsSection:
+    train: str = "configs/shapes/prompts/train.txt"  # a .txt file (one per line) or inline "a|b|c"
+    eval: Optional[str] = "configs/shapes/prompts/eval.txt"
+    per_step: int = 8  # prompt groups per iteration over all processes
+    sampling: str = "epoch"  # epoch (seeded permutations) | adaptive (∝ recent reward spread per difficulty key)
+    difficulty_key: str = "prompt"  # adaptive: pool statistics by prompt | shapes_task | module:function
+    adaptive_floor: float = 0.1  # adaptive: least draw weight of a key, relative to an average one
+    adaptive_decay: float = 0.7  # adaptive: weight of the old spread in each key's moving average
+
+
+@dataclass
+class GuardSection:
+    """``eval.guard``: a guard against reward hacking. At every eval after the first, the held-out mean of one eval
+    reward (``eval/<name>_mean``, the main pass) is compared with its value at the start (the eval before training);
+    when it falls by more than ``max_drop`` the run saves a checkpoint and stops (``flowrl train`` exits with
+    status 4). One mapping rather than flat ``eval.guard_*`` keys: its settings mean something only together,
+    ``reward: null`` turns the whole guard off, and ``flowrl train --help`` lists them as one block."""
+
+    reward: Optional[str] = None  # an eval reward term (its label, else its name as written); null = no guard
+    max_drop: float = 0.05  # the largest fall below the start value allowed (>= 0; in the reward's units)
+    relative: bool = False  # true: max_drop is a fraction of |start value| (0.1 = a 10% fall)
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # iterations between evals (0 = only at start and end)
+    every_minutes: float = 0.0  # also evaluate each time this much training time has passed (evals excluded; 0 = off)
+    at_start: bool = True
+    steps: int = 20
+    guidance: Optional[float] = None  # None → the guidance the policy samples with (the rollouts')
+    default_guidance: bool = True  # also evaluate at the model's default guidance when it differs (eval_default/*)
+    images_per_prompt: int = 2  # images per held-out prompt, each from its own seed set
+    rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
+    num_prompts: Optional[int] = None  # None → all eval prompts
+    grid_prompts: int = 16
+    batch_size: int = 64
+    seed: int = 1234
+    guard: GuardSection = field(default_factory=GuardSection)  # stop when an eval reward falls (needs eval.every)
+
+
+@dataclass
+class TrainSection:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    max_steps: int = 100
+    max_minutes: float = 0.0  # stop after this much training time (evals excluded); 0 = only max_steps
+    inner_epochs: int = 1
+    updates_per_epoch: int = 1  # optimizer steps per pass over an iteration's edges
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: Optional[str] = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # replace an earlier run of the same name (else starting under a taken name is refused)
+    ema: float = 0.0  # EMA decay of trainable weights for eval/saving (0 = off)
+    ema_warmup: bool = False  # decay min((1+s)/(10+s), ema) after optimizer step s (DiffusionNFT's eval EMA)
+    log_with: str = "none"  # none | tensorboard | wandb
+    progress: bool = True
+    num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
+    async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
+    max_failed_iterations: int = 3  # iterations in a row with every reward failed (all NaN) before the run stops
+
+
+RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
+CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
+LossSection = components.section_schema(components.LOSS, components.LOSS.default)
+MOVED_KEYS = {"loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
+                           "loss.beta is DiffusionNFT's step only)",
+              "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
+                                 "rows per training forward)",
+              "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
+              "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, "
+                                    "one mapping)",
+              "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
+                                        "prompt group before the weighted sum) with credit.scale: none"}
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. ``rollout``/``credit``/``loss`` hold the default components' sections here; a
+    config that selects others is loaded into :meth:`schema`'s subclass with their sections."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="shapes")])
+    reward_normalize: str = "none"  # none | batch | group: how MultiReward combines several rewards
+    credit: CreditSection = field(default_factory=CreditSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    prompts: PromptsSection = field(default_factory=PromptsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    # ---- loading ----------------------------------------------------------------------------
+    @classmethod
+    def schema(cls, plan: str | None = None, rule: str | None = None, objective: str | None = None) -> type:
+        """The TrainConfig subclass whose ``rollout``/``credit``/``loss`` sections are the schemas of
+        the named components (defaults: chains, group, clipped)."""
+        return _schema(plan or components.PLAN.default, rule or components.CREDIT.default,
+                       objective or components.LOSS.default)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
+        """Schema ← YAML file (optional) ← ``key=value`` overrides; returns a validated TrainConfig."""
+        loaded = None
+        if path is not None:
+            found = find_file(path)
+            if found is None:
+                raise ConfigError(f"config file {str(path)!r} does not exist (looked in {where_tried(path)})")
+            path = found
+            loaded = _load_yaml(path)
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        if loaded is not None:
+            _check_sections(loaded, path)
+        schema = cls.schema(**_selected_components(loaded, overrides or []))
+        base = OmegaConf.structured(schema)
+        try:
+            if loaded is not None:
+                _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
+                base = OmegaConf.merge(base, loaded)
+            if overrides:
+                _check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            raise ConfigError(_unknown_key_message(e, schema)) from None
+        except ValidationError as e:
+            raise ConfigError(f"config key {e.full_key!r}: {shown_message(str(e.msg).splitlines()[0])}") from None
+        except OmegaConfBaseException as e:
+            raise ConfigError(str(e)) from None
+        missing = OmegaConf.missing_keys(base)
+        if missing:
+            raise ConfigError(f"config keys {sorted(missing)} must be set")
+        cfg = OmegaConf.to_object(base)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``{"rollout.kernel": "flow_grpo", ...}`` with lists and None as strings (for trackers' hparams)."""
+        def flat(tree: Any, prefix: str) -> dict[str, Any]:
+            if isinstance(tree, dict):
+                return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+            return {prefix: tree if isinstance(tree, (int, float, str, bool)) else str(tree)}
+
+        return flat(self.to_dict(), "")
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def validate(self) -> None:
+        """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config.checks`)."""
+        from flowrl.config.checks import check_config, check_guard, positive
+
+        check_config(self)
+        check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
+        if self.train.max_failed_iterations < 1:
+            raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
+                              "(iterations in a row with every reward failed before the run stops)")
+        for key, terms in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards or [])):
+            for i, term in enumerate(terms):
+                if term.timeout is not None:
+                    positive(f"{key}[{i}].timeout", term.timeout)  # seconds
+
+
+def _load_yaml(path: Path) -> Any:
+    """The YAML tree of ``path``; a syntax error names the file, line and column."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: not valid YAML ({problem})") from None
+    except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
+        raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
+                          "model:, rollout:, loss:") from None
+
+
+def _check_sections(loaded: Any, path: Path) -> None:
+    """A config file is a mapping, and each section (``model``, ``rollout``, …) a mapping too."""
+    tree = OmegaConf.to_container(loaded)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a config is a mapping of sections (model:, rollout:, loss:, …), "
+                          f"got a {type(tree).__name__}")
+    mappings = {f.name for f in fields(TrainConfig) if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory())}
+    for key, value in tree.items():
+        if key in mappings and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} in {path} is a section of keys ({key}.…), got {shown(value)}")
+        if key in ("rewards",) and value is not None and not isinstance(value, list):
+            raise ConfigError(f"config key 'rewards' in {path} is a list of rewards, e.g. [{{name: shapes}}], "
+                              f"got {shown(value)}")
+
+
+def _selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:
+    """The component names a YAML tree and overrides select: ``{"plan": ..., "rule": ..., "objective": ...}``
+    (the last override wins; absent → the defaults)."""
+    chosen: dict[str, str] = {}
+    for kind in components.KINDS:
+        section = loaded.get(kind.section) if loaded is not None and hasattr(loaded, "get") else None
+        if section is not None and hasattr(section, "get") and section.get(kind.selector) is not None:
+            chosen[kind.selector] = str(section.get(kind.selector))
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key.strip() == kind.key:
+                chosen[kind.selector] = value.strip()
+    return chosen
+
+
+@lru_cache(maxsize=None)
+def _schema(plan: str, rule: str, objective: str) -> type:
+    sections = {kind.section: components.section_schema(kind, name)
+                for kind, name in zip(components.KINDS, (plan, rule, objective))}
+    if (plan, rule, objective) == tuple(k.default for k in components.KINDS):
+        return TrainConfig
+    return make_dataclass("TrainConfig", [(name, schema, field(default_factory=schema)) for name, schema in sections.items()],
+                          bases=(TrainConfig,))
+
+
+def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for suggestions)."""
+    import typing
+
+    out = []
+    hints = typing.get_type_hints(schema)
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default  # type: ignore[misc]
+        nested = [a for a in typing.get_args(hints.get(f.name)) if is_dataclass(a)]  # Optional[Section], default None
+        if is_dataclass(default) or nested:
+            out.extend(all_keys(type(default) if is_dataclass(default) else nested[0], key + "."))
+    return out
+
+
+def _unknown_key_message(e: OmegaConfBaseException, schema: type = TrainConfig) -> str:
+    bad = getattr(e, "full_key", None) or str(e)
+    keys = all_keys(schema)
+    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
+    if not close:  # compare the last component within the same section
+        section, _, leaf = bad.rpartition(".")
+        same = [k for k in keys if k.rpartition(".")[0] == section]
+        close = [k for k in same if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)]
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config/schema.py for every key)"
+
+
+_FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own
+              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built)
+              "model.kwargs")  # the adapter's own keywords (checked against it when the model loads)
+
+
+def _dotted(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of the leaves of a nested dict (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return [prefix]
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.extend(_dotted(v, key) if key not in _FREE_FORM else [key])
+    return out
+
+
+def _check_keys(keys: list[str], where: str, schema: type = TrainConfig) -> None:
+    """Every key must exist in the schema; else name the nearest full key."""
+    known = set(all_keys(schema))
+    for key in keys:
+        if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in _FREE_FORM):
+            continue
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key {key!r}{where} is gone; use {MOVED_KEYS[key]}")
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")

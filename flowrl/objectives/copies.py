@@ -1,0 +1,134 @@
+"""Copies of the policy an objective compares against: the frozen KL reference and a lagging old policy.
+
+Both run through the model's own ``velocity`` inside a context (``with copy.active(): model.velocity(...)``):
+
+- :class:`Reference`: the initial policy. LoRA: the base with the adapter disabled (no copy);
+  full fine-tuning: a frozen copy of the initial transformer swapped in.
+- :class:`OldPolicy`: an exponential moving average of the policy, θ_old ← d·θ_old + (1−d)·θ after each
+  optimizer step (d from a schedule). LoRA: a second peft adapter (``flowrl_old``) on the same base,
+  activated for the forward (no model copy); full fine-tuning: a frozen copy of the transformer.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator
+
+import torch
+
+from flowrl.distributed.sharding import frozen_copy
+from flowrl.models.dtypes import keep_adapter_fp32
+
+OLD_ADAPTER = "flowrl_old"
+
+
+@contextlib.contextmanager
+def swapped_transformer(model, module: torch.nn.Module) -> Iterator[None]:
+    """``model.velocity`` runs ``module`` instead of the trained transformer inside the context."""
+    pipe = model.pipe
+    live, pipe.transformer = pipe.transformer, module
+    forward = model.__dict__.get("_forward_module")
+    model.set_forward_module(None)
+    try:
+        yield
+    finally:
+        pipe.transformer = live
+        model.set_forward_module(forward)
+
+
+@contextlib.contextmanager
+def _kept_requires_grad(module: torch.nn.Module) -> Iterator[None]:
+    """peft's ``set_adapter`` marks the active adapter trainable and the others frozen: undo that."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+class Reference:
+    """The KL reference policy (the weights before training)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.frozen = None if model.has_lora else frozen_copy(model)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.frozen is None:
+            with self.model.reference():
+                yield
+        else:
+            with swapped_transformer(self.model, self.frozen):
+                yield
+
+
+class OldPolicy:
+    """A lagging copy of the policy, starting equal to it (see module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        module = model.trainable
+        if model.has_lora:
+            from peft import LoraConfig
+
+            if OLD_ADAPTER not in module.peft_config:  # a second objective on the same model reuses it
+                config = LoraConfig(**{k: v for k, v in module.peft_config["default"].to_dict().items()
+                                       if k in LoraConfig.__dataclass_fields__ and k not in ("peft_type", "task_type")})
+                with _kept_requires_grad(module), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # intended: two adapters
+                    module.add_adapter(config, adapter_name=OLD_ADAPTER)
+                    module.set_adapter("default")
+                keep_adapter_fp32(module, OLD_ADAPTER)  # as the policy's LoRA: an fp32 EMA on any base dtype
+            self.frozen = None
+            for old, _ in self.pairs:
+                old.requires_grad_(False)
+        else:
+            self.frozen = frozen_copy(model)
+        self.copy_from_policy()
+
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(old, live) parameter pairs, looked up each time (sharding replaces the parameter objects)."""
+        module = self.model.trainable
+        if self.frozen is not None:
+            return list(zip(self.frozen.parameters(), module.parameters()))
+        named = dict(module.named_parameters())
+        return [(named[n.replace(".default.", f".{OLD_ADAPTER}.")], p) for n, p in named.items()
+                if ".default." in n and "lora_" in n]
+
+    @torch.no_grad()
+    def copy_from_policy(self) -> None:
+        for old, live in self.pairs:
+            old.copy_(live.detach())
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        """θ_old ← decay·θ_old + (1 − decay)·θ."""
+        for old, live in self.pairs:
+            old.mul_(decay).add_(live.detach().to(old.dtype), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.frozen is not None:
+            with swapped_transformer(self.model, self.frozen):
+                yield
+            return
+        module = self.model.trainable
+        with _kept_requires_grad(module):
+            module.set_adapter(OLD_ADAPTER)
+            try:
+                yield
+            finally:
+                module.set_adapter("default")
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [old.detach().cpu().clone() for old, _ in self.pairs]
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.pairs):
+            raise ValueError(f"old-policy state holds {len(tensors)} tensors, the model {len(self.pairs)}")
+        for (old, _), t in zip(self.pairs, tensors):
+            old.copy_(t.to(old.device, old.dtype))

@@ -1,0 +1,206 @@
+"""Policy objectives: the clipped ratio over replayed edges (docs/algorithms.md, "The clipped objective") and
+LayerTuning (docs/trees.md, "Dynamic-TreeRPO's loss").
+
+For each trained edge e: r_e = exp(logp_θ(e) − logp_old(e)), A_e clipped to ±adv_clip,
+L = mean_e max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e KL_e.
+Edge weights w_e (default 1) multiply each edge's term. The mean is over the edges handed in;
+the trainer scales micro-batches so an update averages over all its trained edges.
+
+A policy objective trains the forest's stochastic edges (:class:`~flowrl.objectives.base.Objective` with
+``trains_on = "edges"``): its micro-batches are the rollout's forwards (:func:`~flowrl.objectives.replay.replay_batches`),
+and :meth:`PolicyLoss.loss` replays them (ratio exactly 1 at unchanged weights) and, with β > 0, runs the
+reference forward for the KL term. :meth:`PolicyLoss.__call__` is the math on plain tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.config.choices import choice
+from flowrl.objectives.base import Batch, Objective
+from flowrl.objectives.copies import Reference
+from flowrl.objectives.replay import replay, replay_batches
+from flowrl.rollout import sde
+
+__all__ = ["Objective", "PolicyLoss", "LayerTuningLoss"]
+
+
+@dataclass
+class PolicyLoss(Objective):
+    """Clipped ratio objective with optional KL to the reference policy.
+
+    ``clip_low``/``clip_high``: ε_low, ε_high (symmetric when equal). ``adv_clip``: |A| bound.
+    ``kl_ref``: weight of the KL to the reference policy (0 = no reference forward; the same key as the
+    forward-process objectives'). ``kl_form``: ``exact`` or ``flow_grpo``.
+    ``reduction``: log-probs as the ``mean`` (Flow-GRPO) or ``sum`` over latent elements.
+    ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (docs/trees.md, "Dynamic-TreeRPO's loss").
+    """
+
+    clip_low: float = 1e-4
+    clip_high: float = 1e-4
+    adv_clip: float = 5.0
+    kl_ref: float = 0.04
+    kl_form: str = choice("exact", sde.KL_FORMS)
+    reduction: str = choice("mean", sde.REDUCTIONS)
+    adaptive_kappa: float | None = None
+
+    trains_on = "edges"
+    extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
+    first_step_keys = ("abs_delta_logp",)  # weights not yet updated: every ratio must be exactly 1
+    progress_keys = {"kl": (("approx_kl",), ".1e"), "clip": (("clipfrac_high", "clipfrac_low"), ".2f")}
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_ref > 0
+
+    def setup(self, model) -> None:
+        self._reference = Reference(model) if self.needs_reference else None
+
+    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
+        """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
+        return [Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest))]
+
+    def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Replay the batch's edges under the current weights (and the reference for β > 0), then
+        :meth:`__call__` on the plain tensors."""
+        b = batch.index
+        reference = getattr(self, "_reference", None)
+        if self.needs_reference and reference is None:
+            raise RuntimeError("PolicyLoss with kl_ref > 0 needs setup(model) first (the KL reference)")
+        out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
+                     reference=reference.active if reference is not None else None)
+        device = out.logp.device
+        return self(out.logp, forest.logp_old[b].to(device), forest.advantage[b].to(device), out.kl,
+                    forest.weight[b].to(device))
+
+    def __post_init__(self) -> None:
+        if self.clip_low <= 0 or self.clip_high <= 0:
+            raise ValueError(f"loss.clip_low={self.clip_low} and loss.clip_high={self.clip_high} must be > 0")
+        if self.kl_ref < 0:
+            raise ValueError(f"loss.kl_ref={self.kl_ref} must be >= 0")
+        if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
+            raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
+
+    def clip_bounds(self, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ε_low, ε_high per edge [E] (constant unless ``adaptive_kappa`` is set)."""
+        low = torch.full_like(adv, self.clip_low)
+        high = torch.full_like(adv, self.clip_high)
+        if self.adaptive_kappa is not None:
+            k = self.adaptive_kappa
+            high = high * (1.0 + k * adv.clamp(min=0) / self.adv_clip)
+            low = low * (1.0 + k * (-adv).clamp(min=0) / self.adv_clip)
+        return low, high
+
+    def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
+                 kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss (scalar) and detached diagnostics for edges [E]: ``logp`` (with grad), ``logp_old``,
+        ``advantage``, optional ``kl`` [E] and ``weight`` [E]."""
+        adv = advantage.float().clamp(-self.adv_clip, self.adv_clip)
+        delta = logp.float() - logp_old.float()
+        ratio = torch.exp(delta)
+        low, high = self.clip_bounds(adv)
+        clipped = torch.minimum(torch.maximum(ratio, 1.0 - low), 1.0 + high)
+        per_edge = torch.maximum(-adv * ratio, -adv * clipped)
+        w = torch.ones_like(per_edge) if weight is None else weight.float()
+        policy = (w * per_edge).mean()
+        loss = policy
+        kl_mean = torch.zeros((), device=logp.device)
+        if kl is not None:
+            kl_mean = (w * kl.float()).mean()
+            loss = loss + self.kl_ref * kl_mean
+        with torch.no_grad():
+            d = delta.detach()
+            r = ratio.detach()
+            diag = {
+                "policy_loss": policy.detach(),
+                "kl": kl_mean.detach(),
+                "approx_kl": 0.5 * (d * d).mean(),
+                "clipfrac_high": (r > 1.0 + high).float().mean(),
+                "clipfrac_low": (r < 1.0 - low).float().mean(),
+                "ratio_mean": r.mean(),
+                "ratio_min": r.min(),
+                "ratio_max": r.max(),
+                "abs_delta_logp": d.abs().max(),
+            }
+        return loss, diag
+
+
+@dataclass
+class LayerTuningLoss(PolicyLoss):
+    """The clipped objective plus Dynamic-TreeRPO's LayerTuning-RL term (docs/trees.md,
+    "Dynamic-TreeRPO's loss"), once per optimizer step (:meth:`Objective.auxiliary`):
+
+    λ·(1/(P·S))·Σ_g Σ_σ w_g·mean‖v_θ(x_σ, σ) − (ε − x0*_g)‖², over the P prompt groups of the forest and
+    the S distinct σ at which its stochastic edges start (the tree layers), where x0*_g is the clean
+    latent of group g's best leaf, x_σ = (1−σ)·x0*_g + σ·ε with fresh ε, and
+    w_g = clamp((r*_g − mean_g)/(std_g + 1e-4), 0, 3)/3 (leaf rewards of the group, std ddof 0)
+    **(ours)**. Groups with w_g = 0 run no forward. v_θ is the conditional velocity (guidance 1, as
+    flow-matching training and DiffusionNFT regress it), whatever the rollout's guidance: regressing the
+    CFG-composed velocity v_u + g·(v_c − v_u) onto the data's flow target ε − x0 drags both branches
+    toward an unguided field and collapsed the shapes model at guidance 3 (held-out strict 0.569 → 0.004
+    in 21 iterations; docs/results.md). ε is drawn from ``derive_seed(seed of the group's root,
+    "layer_tuning", σ)``: no global RNG, the same draw for every process layout and on resume.
+
+    ``layer_lambda``: λ [0.1]. ``layer_batch``: rows per forward [64]; each chunk runs under activation
+    checkpointing, so the term's memory does not grow with P·S (its backward recomputes one chunk at a
+    time). Set ``adaptive_kappa`` (κ [1]) for Dynamic-TreeRPO's adaptive clip.
+    """
+
+    layer_lambda: float = 0.1
+    layer_batch: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_lambda < 0:
+            raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
+        if self.layer_batch < 1:
+            raise ValueError(f"loss.layer_batch={self.layer_batch} must be >= 1")
+
+    def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        from flowrl.rollout.seeding import derive_seed, seeded_normal
+
+        if self.layer_lambda == 0:
+            return None
+        leaves = forest.leaves()
+        edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
+        sigmas = torch.unique(forest.sigma[forest.parent[edges]]).tolist()
+        reward, group = forest.reward[leaves].double(), forest.group[leaves]
+        P = len(forest.prompts)
+        rows = []  # (group, best leaf, weight)
+        for g in range(P):
+            mine = (group == g) & torch.isfinite(reward)
+            if int(mine.sum()) < 2:
+                continue
+            r = reward[mine]
+            best = leaves[mine][int(torch.argmax(r))]
+            w = float(((r.max() - r.mean()) / (r.std(unbiased=False) + 1e-4)).clamp(0.0, 3.0)) / 3.0
+            if w > 0:
+                rows.append((g, int(best), w))
+        if not rows or not sigmas:
+            return None
+        device = model.device
+        groups = torch.tensor([g for g, _, _ in rows for _ in sigmas])
+        best = torch.tensor([b for _, b, _ in rows for _ in sigmas])
+        weight = torch.tensor([w for _, _, w in rows for _ in sigmas], device=device)
+        sigma = torch.tensor([s for _ in rows for s in sigmas], dtype=torch.float32)
+        x0 = forest.all_latents()[best].to(device)
+        root_seed = forest.seed[best].tolist()
+        eps = torch.stack([seeded_normal(derive_seed(seed, "layer_tuning", s), model.latent_shape)
+                           for seed, s in zip(root_seed, sigma.tolist())]).to(device)
+        sig = sigma.to(device).view(-1, *[1] * (x0.ndim - 1))  # image or video latents
+        x = (1.0 - sig) * x0 + sig * eps
+
+        def squared_error(a: int, b: int) -> torch.Tensor:  # [b − a] rows of mean ‖v − (ε − x0)‖²
+            v = model.velocity(x[a:b], sigma[a:b].to(device), cond.select(groups[a:b]), 1.0)
+            return ((v.float() - (eps[a:b] - x0[a:b])) ** 2).mean(dim=tuple(range(1, x.ndim)))
+
+        from torch.utils.checkpoint import checkpoint
+
+        per_row = torch.cat([checkpoint(squared_error, a, min(a + self.layer_batch, len(rows) * len(sigmas)),
+                                        use_reentrant=False)
+                             for a in range(0, len(rows) * len(sigmas), self.layer_batch)])
+        loss = self.layer_lambda * (weight * per_row).sum() / (P * len(sigmas))
+        return loss, {"layer_tuning_loss": loss.detach(), "layer_tuning_weight": weight.mean().detach(),
+                      "layer_tuning_mse": per_row.detach().mean()}

@@ -1,0 +1,83 @@
+"""Recompute trainable edges' log-probs with the current weights (the training forward).
+
+Replay equals rollout: the same ``model.velocity`` call on the same parent states, in the same
+batch layout (edges are replayed per rollout forward, ``forest.batch``), then the same kernel
+formula. With unchanged weights the ratio is exactly 1 on CPU fp32 (invariant 1, tested).
+Several edges may share a parent (trees): its velocity is computed once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.models.base import Conditioning, FlowModel
+from flowrl.rollout import sde
+from flowrl.rollout.forest import Forest
+
+
+def replay_batches(forest: Forest, edges: torch.Tensor) -> list[torch.Tensor]:
+    """Split trainable edge indices [E] into micro-batches, one per rollout forward, in rollout order."""
+    if edges.numel() == 0:
+        return []
+    batch_ids = forest.batch[edges]
+    return [edges[batch_ids == b] for b in torch.unique(batch_ids, sorted=True)]
+
+
+@dataclass
+class ReplayOut:
+    """Per edge [E]: new log-prob (with grad), its transition mean [E, ...] and std [E]."""
+
+    logp: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    kl: torch.Tensor | None = None
+
+
+def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Tensor, reduction: str | None = None,
+           kl_form: str | None = None, reference=None) -> ReplayOut:
+    """Log-probs of ``edges`` [E] (child node indices, one kernel) under the model's current weights,
+    reduced as the rollout reduced them (``forest.reduction``; ``reduction`` must agree if given).
+
+    ``cond``: one row per prompt group of the forest. With ``kl_form`` set, also the KL [E] to the
+    reference policy (``reference()`` context, default ``model.reference``), computed without gradient
+    for the reference branch.
+    """
+    if reduction is not None and reduction != forest.reduction:
+        raise ValueError(f"replay with reduction={reduction!r} of a forest whose log-probs were reduced by "
+                         f"{forest.reduction!r}: the ratio would not be 1 at unchanged weights")
+    reduction = forest.reduction
+    kernels = forest.kernel[edges].unique()
+    if kernels.numel() != 1:
+        raise ValueError("a replay batch must hold edges of one kernel")
+    kernel = forest.kernels[int(kernels[0])]
+    latents = forest.all_latents()
+    parents = forest.parent[edges]
+    unique_parents, position = torch.unique_consecutive(parents, return_inverse=True)
+    if unique_parents.numel() != torch.unique(parents).numel():
+        raise ValueError("edges sharing a parent must be adjacent in a replay batch")
+    device = model.device
+    x_parent = latents[unique_parents].to(device)
+    sigma_parent = forest.sigma[unique_parents].to(device)
+    group_cond = cond.select(forest.group[unique_parents])
+    # the rollout's transition std, as recorded: it does not depend on the weights, and a plan may have
+    # widened it (BranchGRPO's independent_scaled split noise evaluates its log-prob at s·std)
+    recorded_std = forest.std[edges].to(device)
+
+    def transition(v_parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = v_parent[position.to(device)]
+        x = x_parent[position.to(device)]
+        _, mean, _ = sde.step(kernel, x, v, forest.sigma[parents].to(device), forest.sigma[edges].to(device),
+                              forest.eta[edges].to(device))
+        return mean, recorded_std
+
+    v = model.velocity(x_parent, sigma_parent, group_cond, forest.guidance)
+    mean, std = transition(v)
+    logp = sde.log_prob(latents[edges].to(device), mean, std, reduction)
+    kl = None
+    if kl_form is not None:
+        with torch.no_grad(), (reference or model.reference)():
+            mean_ref, _ = transition(model.velocity(x_parent, sigma_parent, group_cond, forest.guidance))
+        dt = (forest.sigma[edges] - forest.sigma[parents]).to(device)
+        kl = sde.kl(mean, mean_ref, std, kl_form, dt)
+    return ReplayOut(logp, mean, std, kl)

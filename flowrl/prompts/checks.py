@@ -1,0 +1,79 @@
+"""Checks at load that a run's prompts fit it: every line scorable by its rewards, and a source image on each
+prompt exactly when the model edits one or a reward compares with one (:mod:`flowrl.prompts.images`). Each refusal
+is a ConfigError naming the key, the line, the prompt and what is accepted."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from flowrl.errors import ConfigError, shown, shown_message
+from flowrl.prompts.images import FORM, read_image, split_image_prompt
+from flowrl.prompts.source import read_prompt_lines
+
+
+def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
+    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~flowrl_rewards.Reward.check_prompt`); else a
+    ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
+    instruction text (:mod:`flowrl.prompts.images`: what rewards receive)."""
+    for where, prompt in read_prompt_lines(spec, key):
+        try:
+            check(split_image_prompt(prompt)[0])
+        except ValueError as e:
+            raise ConfigError(f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)} cannot be scored: "
+                              f"{shown_message(str(e))}") from None
+
+
+def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
+    """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`~flowrl.prompts.source.read_prompt_lines`)
+    fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
+    ``needs_source_image`` needs image prompts."""
+    needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
+    for where, prompt in read_prompt_lines(spec, key):
+        check_prompt_fits(prompt, f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}", edits=edits,
+                          family=family, needing=needing)
+
+
+def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = ()) -> None:
+    """``prompt`` fits: ``edits`` (the model edits a source image) → it carries one that opens, else it carries
+    none; ``needing`` (names of rewards that compare with the source) → it carries one. Else a ConfigError that
+    starts with ``at`` (where the prompt came from) and says what is accepted."""
+    text, path = split_image_prompt(prompt)
+    if edits and path is None:
+        raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
+    if not edits and path is not None:
+        raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
+                          "accepted: text prompts (an image-editing family takes image prompts: "
+                          "model.family=qwen_image_edit)")
+    if path is None and needing:
+        raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
+                          f"this prompt has none; accepted: {FORM}")
+    if path is not None:
+        if not path:
+            raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
+        if not text.strip():
+            raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
+        try:
+            read_image(path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{at}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
+
+
+def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
+    """At load, before the model loads: every line of ``prompts.train`` / ``prompts.eval`` can be scored by its
+    rewards (:func:`check_prompts`) and carries a source image exactly when the model edits (the
+    adapter's ``takes_source_image``: ``model``'s when given, else ``model.family``'s) or a reward needs one
+    (:func:`check_prompt_images`)."""
+    from flowrl.models import model_family
+
+    try:
+        adapter = type(model) if model is not None else model_family(cfg.model.family).adapter_class()
+    except (ValueError, ImportError, AttributeError, TypeError) as e:  # a bad out-of-tree name: its message names it
+        raise ConfigError(str(e)) from e
+    family = getattr(model, "family", cfg.model.family)
+    edits = bool(getattr(adapter, "takes_source_image", False))
+    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward),
+                             ("prompts.eval", cfg.prompts.eval, eval_reward)):
+        if spec:
+            check_prompts(spec, key, judge.check_prompt)
+            check_prompt_images(spec, key, edits=edits, family=family, rewards=getattr(judge, "rewards", [judge]))

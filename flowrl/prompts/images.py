@@ -1,0 +1,109 @@
+"""Prompts that carry a source image: the instruction prompts of image editing (``model.family: qwen_image_edit``).
+
+An image prompt is one string, ``"[image: PATH] INSTRUCTION"`` — e.g. ``[image: photos/dog.png] make the dog
+blue`` — so it travels wherever a prompt goes unchanged: prompt files (one per line; inline lists too), the
+prompt source and its checkpointed state, per-prompt seeds, grid labels, and the embedding cache, which is keyed
+by the whole string and so by both the instruction and the image. ``PATH``, like a prompt file's path, is tried
+from the working directory, then from the repository root.
+
+Who reads the image:
+
+- the edit adapter encodes the instruction with the image (its ``_encode_one``; :func:`load_source_image`);
+- rewards receive the instruction text as ``prompts`` and the source images, resized to the samples' size, as
+  ``meta["source_images"]`` [B, 3, H, W] in [0, 1] (:func:`reward_inputs`, called by
+  :func:`flowrl.training.scoring.components_of`, the one place flowrl calls a reward), so a text reward scores the
+  instruction and an edit reward (e.g. ``source_fidelity``) compares with the source.
+
+At load (:mod:`flowrl.prompts.checks`): a model that edits refuses a prompt without its image, a text-to-image model
+refuses one with an image, a reward that needs the source refuses text prompts, and a missing or unreadable image
+fails — each naming the key, the line and what is accepted.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from flowrl.errors import shown
+from flowrl.paths import find_file, where_tried
+
+IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
+FORM = "'[image: PATH] INSTRUCTION' (e.g. '[image: photos/dog.png] make the dog blue')"
+
+
+def split_image_prompt(prompt: str) -> tuple[str, str | None]:
+    """(instruction text, image path or None) of ``prompt``; a plain text prompt gives (prompt, None). The text is
+    what follows ``]`` and one space, as written (:func:`image_prompt` inverts this exactly)."""
+    match = IMAGE_PROMPT.match(prompt)
+    if match is None:
+        return prompt, None
+    return match["text"], match["path"]
+
+
+def image_prompt(text: str, path: str | Path) -> str:
+    """The image prompt of instruction ``text`` on the image at ``path``."""
+    return f"[image: {path}] {text}"
+
+
+def prompt_texts(prompts: Sequence[str]) -> list[str]:
+    """The instruction text of each prompt (plain prompts unchanged)."""
+    return [split_image_prompt(p)[0] for p in prompts]
+
+
+def prompt_label(prompt: str) -> str:
+    """How a grid labels ``prompt``: an image prompt as its instruction and its image's file name."""
+    text, path = split_image_prompt(prompt)
+    return text if path is None else f"{text.strip()} [{Path(path).name}]"
+
+
+def resolve_image_path(path: str) -> Path:
+    """``path`` as :func:`flowrl.paths.find_file` finds it (FileNotFoundError naming where it looked)."""
+    found = find_file(path)
+    if found is None:
+        raise FileNotFoundError(f"no such image {shown(path)} (looked in {where_tried(path)})")
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def read_image(path: str):
+    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image, read once per path (cached)."""
+    from PIL import Image
+
+    with Image.open(resolve_image_path(path)) as image:
+        return image.convert("RGB")
+
+
+def source_pil(path: str, height: int, width: int):
+    """The image at ``path`` as RGB, resized (Lanczos, as diffusers' ``VaeImageProcessor.resize``) to
+    ``width`` × ``height`` pixels."""
+    from PIL import Image
+
+    image = read_image(str(path))
+    return image if image.size == (width, height) else image.resize((width, height), Image.LANCZOS)
+
+
+@functools.lru_cache(maxsize=256)
+def load_source_image(path: str, height: int, width: int) -> torch.Tensor:
+    """The image at ``path`` resized to ``height`` × ``width``: fp32 [3, H, W] in [0, 1] (cached; do not modify)."""
+    import numpy as np
+
+    array = np.asarray(source_pil(path, height, width), dtype=np.float32) / 255.0
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def reward_inputs(prompts: Sequence[str], meta: dict[str, Any], images: torch.Tensor
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """What a reward receives for ``prompts``: their instruction texts, and ``meta`` with ``"source_images"``
+    [B, 3, H, W] (each prompt's image at the size of ``images`` [B, 3, H, W] / videos [B, F, 3, H, W]) when the
+    prompts carry images. Plain prompts: returned as they are."""
+    split = [split_image_prompt(p) for p in prompts]
+    if all(path is None for _, path in split) or "source_images" in meta:
+        return [text for text, _ in split], meta
+    if any(path is None for _, path in split):
+        raise ValueError("a batch mixes prompts with and without a source image; an edit run's prompts all carry one")
+    h, w = images.shape[-2:]
+    sources = torch.stack([load_source_image(path, int(h), int(w)) for _, path in split])
+    return [text for text, _ in split], {**meta, "source_images": sources}

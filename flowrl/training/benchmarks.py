@@ -1,0 +1,205 @@
+"""``flowrl eval --benchmark NAME``: the field's benchmarks by their own protocols, on a run's weights or a base model.
+
+- ``geneval`` (GenEval, Ghosh et al. 2023): its 553 prompts (``dataset/geneval/test_metadata.jsonl`` from ``flowrl
+  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.geneval`, strict); printed as
+  GenEval's ``summary_scores.py`` prints it: correct images and prompts, the six task rows, the overall score (the
+  mean of the task scores). With ``--out`` the images are written in GenEval's folder layout
+  (``<out>/<00000>/metadata.jsonl``, ``samples/0000.png`` …), so GenEval's own ``evaluate_images.py`` can score them
+  too, with ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
+- ``ocr`` (Flow-GRPO's OCR test set, ``dataset/ocr/test.txt`` from ``flowrl data fetch ocr``): one image per prompt,
+  scored by the ``ocr`` reward; the mean score and the share read exactly.
+
+The reward's settings (detector, colour model, OCR engine…) come from the config's term of the same name (in
+``eval.rewards``, else ``rewards``), so a config that trains with it benchmarks with it; its training ``score`` is
+replaced by the benchmark's. Images come from the config's eval settings (``eval.steps``, the guidance as
+``flowrl eval`` picks it, ``eval.seed``, ``eval.batch_size``); under ``accelerate launch`` each process draws every
+``world``-th prompt and the scores are reduced over processes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark: its default prompt file, images per prompt, reward (name and the kwargs that fix it to the
+    benchmark's score) and how its per-image results are summarised."""
+
+    name: str
+    prompts: str
+    images_per_prompt: int
+    reward: str
+    fixed: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
+    Benchmark("geneval", "dataset/geneval/test_metadata.jsonl", 4, "geneval", {"score": "strict"},
+              "flowrl data fetch geneval"),
+    Benchmark("ocr", "dataset/ocr/test.txt", 1, "ocr", {}, "flowrl data fetch ocr"),
+)}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ConfigError(f"--benchmark {name!r} is not a benchmark; accepted: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+def read_benchmark_prompts(path: str) -> tuple[list[str], list[dict] | None]:
+    """(prompts, GenEval metadata records or None) of a prompt file: a ``.jsonl`` of records with a ``prompt`` (a
+    GenEval metadata file) or a text file of prompts (:func:`flowrl.prompts.source.read_prompts`)."""
+    from flowrl.paths import find_file, where_tried
+    from flowrl.prompts.source import read_prompts
+
+    if not str(path).endswith(".jsonl"):
+        return read_prompts(str(path), "--prompts"), None
+    file = find_file(path)
+    if file is None:
+        raise ConfigError(f"--prompts {str(path)!r} does not exist (looked in {where_tried(path)})")
+    records = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--prompts {str(path)!r}, line {number}: not JSON ({e})") from None
+            if not isinstance(records[-1], dict) or not isinstance(records[-1].get("prompt"), str):
+                raise ConfigError(f"--prompts {str(path)!r}, line {number}: expected an object with a 'prompt' string")
+    return [r["prompt"] for r in records], records
+
+
+def benchmark_reward(cfg, bench: Benchmark, metadata: str | None):
+    """The benchmark's reward: the config's term named ``bench.reward`` (eval.rewards first), its kwargs with the
+    benchmark's fixed ones (and ``metadata`` for GenEval), else the reward's defaults."""
+    from flowrl.config.build import build_rewards
+    from flowrl.config.schema import RewardTerm
+
+    terms = list(cfg.eval.rewards or []) + list(cfg.rewards or [])
+    kwargs = next((dict(t.kwargs) for t in terms if t.name == bench.reward), {})
+    kwargs.update(bench.fixed)
+    if metadata is not None:
+        kwargs["metadata"] = metadata
+    return build_rewards([RewardTerm(name=bench.reward, kwargs=kwargs)]).rewards[0]
+
+
+def _prompt_folder(out: Path, index: int, prompt: str, record: dict | None) -> Path:
+    """GenEval's layout: ``out/<index:05d>/metadata.jsonl`` (the record) and ``samples/``."""
+    folder = out / f"{index:05d}"
+    (folder / "samples").mkdir(parents=True, exist_ok=True)
+    (folder / "metadata.jsonl").write_text(json.dumps(record if record is not None else {"prompt": prompt}) + "\n")
+    return folder
+
+
+def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], records: list[dict] | None,
+                  group, guidance: float | None, out: Path | None, images_per_prompt: int,
+                  progress: bool = True) -> dict[str, float]:
+    """Draw ``images_per_prompt`` images of this process's prompts (every ``group.world``-th), score each with
+    ``reward`` and return the summary reduced over processes (:func:`summarise`); with ``out`` write the images,
+    ``results.jsonl`` (``results-<rank>.jsonl`` under several processes) and, on the main process, ``summary.json``."""
+    from flowrl.rollout.sampling import ode_sample
+    from flowrl.training.evaluation import prompt_seeds
+    from flowrl.training.grids import save_sample
+
+    mine = list(range(group.rank, len(prompts), group.world))
+    per_batch = max(1, cfg.eval.batch_size // images_per_prompt)
+    bar = tqdm(total=len(mine) * images_per_prompt, unit="image", desc=f"{bench.name} benchmark",
+               disable=not (progress and group.is_main))
+    rows: list[dict[str, Any]] = []
+    results = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        results = open(out / ("results.jsonl" if group.world == 1 else f"results-{group.rank}.jsonl"), "w", encoding="utf-8")
+    try:
+        for start in range(0, len(mine), per_batch):
+            idx = mine[start:start + per_batch]
+            batch_prompts = [prompts[i] for i in idx for _ in range(images_per_prompt)]
+            seeds = [s for i in idx for s in (prompt_seeds(cfg.eval.seed, [i], k)[0] for k in range(images_per_prompt))]
+            images = ode_sample(model, batch_prompts, seeds, cfg.eval.steps, guidance, cfg.eval.batch_size)
+            new = score_rows(bench, reward, images, batch_prompts, [i for i in idx for _ in range(images_per_prompt)])
+            for j, row in enumerate(new):
+                if out is not None:
+                    folder = _prompt_folder(out, row["index"], row["prompt"], records[row["index"]] if records else None)
+                    path = save_sample(images[j], folder / "samples" / f"{j % images_per_prompt:04d}.png")
+                    row["filename"] = str(path.relative_to(out))
+                    results.write(json.dumps(row) + "\n")
+            rows += new
+            bar.update(len(batch_prompts))
+    finally:
+        bar.close()
+        if results is not None:
+            results.close()
+    summary = summarise(bench, rows, group)
+    if out is not None and group.is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def score_rows(bench: Benchmark, reward, images: torch.Tensor, prompts: list[str], indices: list[int]) -> list[dict]:
+    """One result per image [B, 3, H, W]: its prompt index and prompt, and the benchmark's per-image fields."""
+    if bench.name == "geneval":
+        verdicts = reward.verdicts(images, prompts)
+        return [{"index": i, "prompt": p, "tag": v.tag, "correct": v.strict, "exact": v.exact, "partial": v.partial,
+                 "reason": "\n".join(v.reasons)} for i, p, v in zip(indices, prompts, verdicts)]
+    meta: dict[str, Any] = {}
+    scores = reward(images, prompts, meta)
+    texts = meta.get(f"{reward.name}/text") or [None] * len(prompts)
+    return [{"index": i, "prompt": p, "score": float(s), "correct": float(s) == 1.0, "recognised": t}
+            for i, p, s, t in zip(indices, prompts, scores.tolist(), texts)]
+
+
+def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
+    """The benchmark's summary over every process (each a count-weighted mean, reduced in one call): for GenEval
+    the share of correct images and of prompts with a correct image, each task's accuracy and the overall score
+    (mean of the task accuracies); for OCR the mean score and the share read exactly."""
+    from flowrl_rewards.geneval_rules import TAGS
+
+    values: dict[str, float] = {}
+    weights: dict[str, float] = {}
+
+    def add(key: str, hits: Sequence[float]) -> None:
+        values[key] = sum(hits) / len(hits) if hits else 0.0
+        weights[key] = float(len(hits))
+
+    add("images", [float(r["correct"]) for r in rows])
+    by_prompt: dict[int, bool] = {}
+    for r in rows:
+        by_prompt[r["index"]] = by_prompt.get(r["index"], False) or bool(r["correct"])
+    add("prompts", [float(v) for v in by_prompt.values()])
+    if bench.name == "geneval":
+        add("partial", [r["partial"] for r in rows])
+        for tag in TAGS:
+            add(tag, [float(r["correct"]) for r in rows if r["tag"] == tag])
+    else:
+        add("mean", [r["score"] for r in rows])
+    counts = {f"n/{k}": w for k, w in weights.items()}
+    out = group.reduce_means(values, weights)
+    out.update({k: group.sum(v) for k, v in counts.items()})
+    if bench.name == "geneval":
+        present = [t for t in TAGS if out.get(f"n/{t}", 0) > 0]
+        out["overall"] = sum(out[t] for t in present) / len(present) if present else float("nan")
+        for t in TAGS:
+            if t not in present:
+                out.pop(t, None)
+                out.pop(f"n/{t}", None)
+    return out
+
+
+def summary_lines(bench: Benchmark, summary: dict[str, float], n_prompts: int) -> str:
+    """The printed summary: GenEval's layout for ``geneval``; the mean score and exact share for ``ocr``."""
+    from flowrl_rewards.geneval_rules import summary_text
+
+    if bench.name == "geneval":
+        return summary_text({**summary, "n": summary["n/images"]}, n_prompts)
+    n = int(summary["n/images"])
+    return "\n".join([f"OCR benchmark: {n} images of {n_prompts} prompts",
+                      f"mean score (1 − normalised edit distance): {summary['mean']:.4f}",
+                      f"% read exactly: {summary['images']:.2%} ({round(summary['images'] * n)} / {n})"])

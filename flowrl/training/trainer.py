@@ -1,0 +1,383 @@
+"""The one training loop: rollout plan → rewards → credit rule → objective → optimizer step.
+
+``Trainer(TrainConfig, model=None, reward=None).train()`` is what ``flowrl train`` runs. Each job has its
+own small piece, wired here:
+
+- :class:`~flowrl.distributed.process_group.ProcessGroup`: one and N processes (accelerate) on one code path; each
+  process rolls out its own whole prompt groups, global statistics are all-reduced, gradients averaged;
+- :class:`~flowrl.rollout.runner.RolloutRunner`: this process's prompt groups → the plan's forest, scored;
+- the credit rule (``credit.rule``) writes advantages onto the forest;
+- :class:`~flowrl.training.updater.Updater`: the objective's micro-batches → optimizer steps (the objective owns
+  its batches and its loss, :mod:`flowrl.objectives.base`; the updater only zero-grads, back-propagates, steps);
+- :class:`~flowrl.training.evaluation.HeldOutEval` and :class:`~flowrl.run.folder.RunFolder`: evals, checkpoints,
+  resume and the protection of the run folder; :class:`~flowrl.training.guard.EvalGuard` (``eval.guard``): the stop
+  when an eval reward falls from its start value (reward hacking);
+- :class:`~flowrl.training.trainer_checkpoints.TrainerCheckpoints` (mixed in): what a checkpoint holds, saving, the
+  export and the resume.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import build
+from flowrl.config.checks import guard_names
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.distributed.process_group import ProcessGroup
+from flowrl.distributed.sharding import (
+    Sharding,
+    check_shard_settings,
+    check_sharded_objective,
+    compute_dtype,
+    offload_requested,
+    resolve_shard,
+)
+from flowrl.models.base import FlowModel
+from flowrl.prompts.checks import check_prompts, check_run_prompts
+from flowrl.prompts.source import build_prompt_source, read_prompts
+from flowrl.rollout.forest import Forest
+from flowrl.rollout.runner import RolloutRunner
+from flowrl.rollout.seeding import derive_seed
+from flowrl.run.folder import RunFolder
+from flowrl.run.signals import stop_on_first_interrupt
+from flowrl.training.evaluation import HeldOutEval, resolve_guidance
+from flowrl.training.guard import EvalGuard
+from flowrl.training.metrics import log_grid_image, plot_reward_curve
+from flowrl.training.scoring import FailedRewardStreak, check_modality
+from flowrl.training.trainer_checkpoints import TrainerCheckpoints
+from flowrl.training.updater import Updater
+
+
+class Trainer(TrainerCheckpoints):
+    """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
+
+    ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
+    ``config.model``. ``reward``: a reward name, a :class:`flowrl_rewards.Reward`, a MultiReward, or None
+    for ``config.rewards``.
+    """
+
+    def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None):
+        from accelerate import Accelerator
+
+        self.cfg = c = config
+        if c.train.num_threads:
+            torch.set_num_threads(c.train.num_threads)
+        device = build.resolve_device(c.model.device)
+        run_dir = Path(c.train.output_dir) / c.train.name
+        self.accelerator = accelerator or Accelerator(cpu=device.type == "cpu", project_dir=str(run_dir),
+                                                      log_with=None if c.train.log_with == "none" else c.train.log_with)
+        self.group = ProcessGroup(self.accelerator)
+        self.world, self.rank = self.group.world, self.group.rank
+        if c.prompts.per_step % self.world:
+            raise ConfigError(f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})")
+        shard = resolve_shard(c.model.shard)
+        check_shard_settings(c, self.world, shard)
+        self.folder = RunFolder(c, self.group)
+        # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
+        self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
+                       else build.build_rewards(c.rewards, c.reward_normalize))
+        self.eval_reward = build.build_rewards(c.eval.rewards) if c.eval.rewards else self.reward
+        check_run_prompts(c, self.reward, self.eval_reward, model)  # each line scorable; source images where needed
+        for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
+            r.check_ready()  # e.g. a remote reward's server answers
+        self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
+        check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
+        self.objective = build.build_loss(c)
+        if shard == "fsdp":
+            check_sharded_objective(self.objective)
+        torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
+        self.params = self._setup_trainable()
+        self.objective.setup(self.model)
+        self.plan = build.build_plan(c.rollout)
+        self.objective.check_plan(self.plan)
+        self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
+        self.credit = build.build_credit(c)
+        self.objective.check_credit(self.credit)
+        self.plan.setup(self.model, self.reward)
+        self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
+        if shard == "fsdp":
+            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
+                                     offload=offload_requested())
+            self.sharding.shard(compute_dtype(self.model))
+            self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
+        self.prompts = build_prompt_source(c.prompts, c.train.seed)
+        self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
+                                    guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
+                                    reduction=self.objective.reduction, teacher=getattr(self.objective, "teacher_model", None),
+                                    async_reward={"auto": "auto", "true": True, "false": False}[c.train.async_reward])
+        self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
+                               sharded=self.sharding is not None)
+        self.failed_rewards = FailedRewardStreak(c.train.max_failed_iterations, self.reward)  # all-NaN streak stops
+        eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
+        self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
+        self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
+                                    run_dir / "samples", self.guidance, progress=c.train.progress,
+                                    train_reward=self._held_out_training_reward(), on_grid=self._log_grid)
+        self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
+        self.resumed_from: Path | None = None
+        self.step = 0
+        self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
+
+    def _setup_trainable(self) -> list[torch.nn.Parameter]:
+        module = self.model.trainable
+        if self.cfg.model.full_finetune:
+            from flowrl.models.dtypes import master_weights_fp32
+
+            master_weights_fp32(self.model)  # fp32 weights, forward under autocast in model.dtype (no-op in fp32)
+            module = self.model.trainable
+            module.requires_grad_(True)
+        else:
+            build.add_lora(self.model, self.cfg.model)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("no trainable parameters: check model.lora.targets")
+        return params
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder.path
+
+    @property
+    def objective(self):
+        """The objective (``loss.objective``); assigning one hands it to the updater and the rollouts too."""
+        return self._objective
+
+    @objective.setter
+    def objective(self, objective) -> None:
+        self._objective = objective
+        if hasattr(self, "updater"):
+            self.updater.objective = objective
+            self.runner.reduction = objective.reduction
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.updater.optimizer
+
+    @property
+    def scheduler(self):
+        return self.updater.scheduler
+
+    @property
+    def ema(self) -> list[torch.Tensor] | None:
+        return self.updater.ema
+
+    def ema_weights(self):
+        """Temporarily load the EMA weights into the model (no-op without ``train.ema``)."""
+        return self.updater.ema_weights()
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def sampling(self):
+        """The context rollouts and evals sample in (sharded: the transformer gathered, :class:`Sharding`)."""
+        return self.sharding.sampling() if self.sharding is not None else contextlib.nullcontext()
+
+    def rollout(self, iteration: int) -> tuple[Forest, dict[str, float]]:
+        """The scored forest of ``iteration`` for this process and its timings (:class:`RolloutRunner`)."""
+        with self.sampling():
+            return self.runner.run(iteration)
+
+    def update(self, forest: Forest, iteration: int) -> dict[str, float]:
+        """The optimizer steps of ``iteration`` on ``forest`` and their diagnostics (:class:`Updater`)."""
+        return self.updater.update(forest, iteration)
+
+    def train_step(self, iteration: int) -> dict[str, float]:
+        """One full iteration; returns its metrics (global over processes)."""
+        g = self.group
+        forest, times = self.rollout(iteration)
+        plan_stats = self.plan.metrics(forest)
+        credit_stats = self.credit.assign(forest, gather=g.gather)
+        t0 = time.perf_counter()
+        update_stats = self.update(forest, iteration)
+        times["time/update"] = time.perf_counter() - t0
+        leaves = forest.leaves()
+        rewards = g.gather(forest.reward[leaves])
+        ok = rewards[~torch.isnan(rewards)]
+        record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(ok.mean()) if ok.numel() else float("nan"),
+                                    "reward_std": float(ok.std(unbiased=False)) if ok.numel() else float("nan"),
+                                    "reward_failed": float(rewards.numel() - ok.numel())}
+        for name, values in forest.reward_components.items():
+            record[f"reward/{name}"] = float(g.gather(values[leaves]).nanmean())
+        record.update({k: g.mean(v) for k, v in {**plan_stats, **credit_stats}.items()})
+        record.update(update_stats)
+        record["rollout_forwards"] = g.sum(forest.counters["forwards"])
+        record["rollout_nfe"] = g.sum(forest.counters["nfe"])
+        record["leaves"] = g.sum(forest.leaves().numel())
+        if "teacher_forwards" in forest.counters:  # the teacher's share of the rollout forwards
+            record["rollout_teacher_forwards"] = g.sum(forest.counters["teacher_forwards"])
+            teacher_leaves = forest.leaves()[forest.from_teacher[forest.leaves()] > 0]
+            record["reward_teacher"] = float(g.gather(forest.reward[teacher_leaves]).nanmean())
+            student = forest.leaves()[forest.from_teacher[forest.leaves()] == 0]
+            record["reward_policy"] = float(g.gather(forest.reward[student]).nanmean())
+        stats = getattr(self.objective, "take_stats", None)
+        if stats is not None:
+            record.update({k: g.sum(v) if k == "teacher_forwards" else g.mean(v) for k, v in stats().items()})
+        record.update(self._observe_spread(forest))
+        record.update(times)
+        return record
+
+    def _observe_spread(self, forest: Forest) -> dict[str, float]:
+        """The share of prompt groups whose rewards did not spread (they train nothing), and the prompt
+        source's feedback: every group's spread, gathered over processes in global order."""
+        spread = self.group.gather(forest.group_reward_std())
+        flat = self.group.gather(forest.flat_groups(getattr(self.credit, "zero_std_tol", 1e-6)).float())
+        scored = ~torch.isnan(spread)
+        out = {"groups_without_spread": float(flat[scored].mean()) if bool(scored.any()) else float("nan")}
+        out.update(self.prompts.observe(spread))
+        return out
+
+    def policy_gradient(self, iteration: int) -> tuple[torch.Tensor, int]:
+        """The gradient of the objective over the whole of ``iteration``, flat [P] over the trainable
+        parameters (mean over processes, before clipping), and the samples (leaves, all processes) it
+        came from, without changing any weight: the gradient of its first update when
+        ``train.updates_per_epoch`` is 1. An adaptive prompt source is not fed (the draws stay independent)."""
+        forest, _ = self.rollout(iteration)
+        self.credit.assign(forest, gather=self.group.gather)
+        return self.updater.gradient(forest, iteration), int(self.group.sum(forest.leaves().numel()))
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def out_of_time(self) -> bool:
+        """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
+        return bool(self.cfg.train.max_minutes) and self.train_seconds >= 60.0 * self.cfg.train.max_minutes
+
+    def eval_due(self, seconds_before: float) -> bool:
+        """Whether the step just taken ends an eval period: every ``eval.every`` iterations, or (with
+        ``eval.every_minutes``) when the training time crossed a multiple of that many minutes during it."""
+        every, minutes = self.cfg.eval.every, self.cfg.eval.every_minutes
+        by_steps = bool(every) and self.step % every == 0
+        by_time = bool(minutes) and int(self.train_seconds // (60 * minutes)) > int(seconds_before // (60 * minutes))
+        return by_steps or by_time
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until
+        the eval guard trips: ``guard.stop`` then holds the trip); returns the metric records of this call."""
+        try:
+            with self.folder.claim(lambda: self.step):
+                return self._train()
+        finally:
+            self.runner.close()  # the scorer's thread
+
+    def _train(self) -> list[dict[str, Any]]:
+        cfg, main, t = self.cfg, self.group.is_main, self.cfg.train
+        found = self.folder.find_resume(t.resume, self._read) if t.resume else None
+        if found is not None:
+            self.load_checkpoint(*found)
+        log = self.folder.metrics(self.step if found is not None else None)
+        if found is not None and self.step >= t.max_steps and self.folder.finished(log, self.step, bool(self.eval_prompts)):
+            if main:
+                print(f"the run already finished at step {self.step} (train.max_steps={t.max_steps}); raise "
+                      "train.max_steps to go on")
+            return []
+        if found is not None:
+            line, refuses = self.guard.after_resume(self.resumed_from)  # a stop that still stands refuses
+            if main and line:
+                print(line, flush=True)
+            if refuses:
+                return []
+        if main:
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if t.log_with != "none":
+            self.accelerator.init_trackers(t.name, config=cfg.to_flat_dict())
+        self._log, self._records = log, []
+        if self.step == 0 and cfg.eval.at_start:
+            self._evaluate("before")
+        self._loop()
+        if main and log is not None:
+            plot_reward_curve(log.read(), self.run_dir / "reward_curve.png")
+        if t.log_with != "none":
+            self.accelerator.end_training()
+        return self._records
+
+    def _loop(self) -> None:
+        """The iterations, then the last checkpoint and the closing eval; Ctrl-C or SIGTERM finishes the iteration,
+        saves and raises KeyboardInterrupt; a trip of the eval guard saves and stops without the closing eval."""
+        t = self.cfg.train
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not (self.group.is_main and t.progress),
+                   desc="flowrl train")
+        with stop_on_first_interrupt() as stop:
+            while (self.step < t.max_steps and not stop.requested and not self.out_of_time()
+                   and self.guard.stop is None):
+                self._iteration(bar)
+            bar.close()
+            self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
+            if self.sharding is not None and not stop.requested:
+                self.export()
+            if not stop.requested and self.guard.stop is None:
+                self._evaluate("after")
+                if self.guard.stop is not None:
+                    self.save_checkpoint()  # again, holding the trip: a resume sees it
+            if stop.requested:
+                if self.group.is_main:
+                    print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
+                raise KeyboardInterrupt
+        if self.guard.stop is not None and self.group.is_main:
+            print(f"\n{self.guard.message()}\nstopped by the eval guard: saved a checkpoint at step {self.step}", flush=True)
+
+    def _iteration(self, bar) -> None:
+        """One iteration with its metrics, then a periodic eval and checkpoint when due."""
+        t = self.cfg.train
+        t0, seconds_before = time.perf_counter(), self.train_seconds
+        record = self.train_step(self.step)
+        self.train_seconds += self.group.mean(time.perf_counter() - t0)  # the same on every rank
+        self.step += 1
+        record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
+        self._emit(record)
+        self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record))
+        last = self.step == t.max_steps or self.out_of_time()
+        if self.eval_due(seconds_before) and not last:
+            self._evaluate()
+        if t.checkpoint_every and self.step % t.checkpoint_every == 0 and not last and self.guard.stop is None:
+            self.save_checkpoint()
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        """Record one iteration or eval: the records of this call, ``metrics.jsonl`` and the tracker."""
+        if len(record) == 1:  # an eval without eval prompts: nothing to record
+            return
+        self._records.append(record)
+        if self._log is not None:
+            self._log.write(record)
+        if self.cfg.train.log_with != "none":
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+
+    def _evaluate(self, tag: str | None = None) -> None:
+        """One held-out eval (``tag``: before/after; None: periodic) with the eval guard's verdict, recorded."""
+        with self.ema_weights(), self.sampling():
+            record: dict[str, Any] = {"step": self.step, **self.evaluate(self.step, tag)}
+        record.update(self.guard.observe(self.step, record))
+        self._emit(record)
+
+    def _log_grid(self, tag: str, image: Any, step: int) -> None:
+        """An eval's labelled grid to the tracker of ``train.log_with`` at the eval's step (:func:`log_grid_image`)."""
+        log_grid_image(self.accelerator, self.cfg.train.log_with, tag, image, step)
+
+    def _held_out_training_reward(self):
+        """The training reward, to score the evals' images with as well when the eval's rewards are others (the
+        training reward held out beside the guard rewards); None when they are the same, or when it cannot score
+        every held-out prompt (warned)."""
+        c = self.cfg
+        if self.eval_reward is self.reward or not c.prompts.eval:
+            return None
+        try:
+            check_prompts(c.prompts.eval, "prompts.eval", self.reward.check_prompt)
+        except ConfigError as e:
+            warnings.warn(f"the evals report eval.rewards only: the training reward cannot score every held-out "
+                          f"prompt ({e})", RuntimeWarning, stacklevel=3)
+            return None
+        return self.reward
+
+
+def _as_multi(reward: Any, normalize: str = "none"):
+    """A :class:`flowrl_rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
+    from flowrl_rewards import MultiReward, Reward
+
+    if isinstance(reward, MultiReward):
+        return reward
+    if isinstance(reward, (str, Reward)):
+        return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
+    raise TypeError(f"reward must be a name, a flowrl_rewards.Reward or a MultiReward, got {type(reward).__name__}")
