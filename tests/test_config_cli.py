@@ -1,6 +1,7 @@
 """Configuration schema and the command line: clear errors that name the key, help that lists keys."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -138,3 +139,30 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
     assert math.isfinite(record["grad_norm"]) and record["skipped_steps"] == 0
     if trainer.objective.trains_on == "edges":
         assert record["first_step_abs_delta_logp"] == 0.0, record
+
+
+@pytest.mark.parametrize("overrides, key, why", [
+    (["loss.objective=nft", "rollout.plan=ode", "loss.optimality_form=linear", "loss.adv_scale=7"], "loss.adv_scale",
+     "optimality_form='linear'"),
+    (["loss.objective=raft", "rollout.plan=ode", "loss.old_decay=0.5"], "loss.old_decay", "RAFTLoss keeps no old copy"),
+    (["loss.objective=clipped", "loss.kl_ref=0", "loss.kl_form=flow_grpo"], "loss.kl_form", "kl_ref is 0"),
+    (["rollout.plan=tree", "credit.rule=tree", "credit.fusion_beta=2"], "credit.fusion_beta", "fusion='mean'"),
+    (["rollout.plan=tree", "credit.rule=tree", "credit.width_b=2"], "credit.width_b", "width_prune='none'"),
+])
+def test_a_key_nothing_reads_is_refused_for_objectives_and_credit_rules_alike(overrides, key, why):
+    """One mechanism for every component kind (Checked.unread_fields → unread_keys, refused by the config check): a key
+    set away from its default that the component's other settings leave unread fails at load, naming it and why."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} is set but nothing reads it: .*{re.escape(why)}"):
+        TrainConfig.from_yaml(None, overrides)
+    TrainConfig.from_yaml(None, [o for o in overrides if not o.startswith(key + "=")])  # without it: accepted
+
+
+def test_an_out_of_tree_objective_declares_the_inherited_keys_it_never_reads(tmp_path):
+    """A subclass reuses its base's keys by inheritance; those it does not read it declares, and they are refused."""
+    plugin = tmp_path / "fixed_t.py"
+    plugin.write_text("from dataclasses import dataclass\n\nfrom flowrl.objectives.nft import NFTLoss\n\n\n"
+                      "@dataclass\nclass FixedT(NFTLoss):\n    def unread_fields(self):\n"
+                      "        return {**super().unread_fields(), 'draws': 'FixedT trains one point per leaf'}\n")
+    with pytest.raises(ConfigError, match=r"loss.draws is set but nothing reads it: FixedT trains one point per leaf"):
+        TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode", "loss.draws=4"])
+    assert TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode"]).loss.draws == 2

@@ -711,3 +711,24 @@ def test_reward_weights_counted_for_in_process_task_rewards_only():
     assert counted("[{name: vlm_judge}]") == 0 == counted("[{name: vlm_judge, kwargs: {backend: openai}}]")
     assert counted("[{name: vlm_judge, kwargs: {backend: transformers}}]") == int(REWARD_MODELS["vlm_judge"][0] * 2)
     assert counted("[{name: ocr}]") == 0
+
+
+def test_an_out_of_tree_plan_is_estimated_from_what_it_declares():
+    """The estimate reads a plan's expected_counts and an objective's train_rows only: an out-of-tree plan whose
+    trained edges share parents (replay_rows < trained_edges) and that previews a pool (explore_decodes) is counted
+    as it declares, with no test of its type or private methods."""
+    from flowrl.estimate.counts import iteration_counts
+    from flowrl.objectives.policy import PolicyLoss
+    from flowrl.rollout.base import RolloutPlan
+
+    class Forked(RolloutPlan):  # 3 forwards and 4 trained edges per prompt, from 2 parents, after a pool of 5
+        def expected_counts(self, num_prompts, ctx=None):
+            it = 0 if ctx is None else ctx.iteration
+            return {"forwards": 3 * num_prompts, "trained_edges": 4 * num_prompts, "leaves": 4 * num_prompts,
+                    "replay_rows": 2 * num_prompts, "explore_forwards": 7 * num_prompts,
+                    "explore_decodes": 5 * num_prompts, "probes": (it % 2) * num_prompts}
+
+    counts = iteration_counts(Forked(), PolicyLoss(), num_prompts=3, max_steps=16)
+    assert counts["train_rows"] == 6 and counts["trained_units"] == 12 and counts["forwards"] == 9
+    assert counts["pool"] == 15 and counts["explore_forwards"] == 21
+    assert counts["scored"] == 12 + 1.5 and counts["decodes"] == 12 + 1.5 + 15  # probes on every other iteration

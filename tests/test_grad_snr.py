@@ -144,3 +144,48 @@ def test_snr_runs_on_every_kind_of_plan(tmp_path, monkeypatch, preset):
                                                                   "model.lora.rank=2"])
     out = gradient_snr(cfg, batches=3, progress=False)
     assert out["batches"] == 3 and out["samples_per_batch"] > 0 and out["noise"] > 0
+
+
+SUBCLASS = '''
+from dataclasses import dataclass
+
+from flowrl.objectives.nft import NFTLoss
+
+
+@dataclass
+class SharpNFT(NFTLoss):
+    """An out-of-tree variant of NFT: its reward-free point is NFT's, declared by the base."""
+
+    extra_scale: float = 1.0
+'''
+
+
+def test_reward_only_takes_any_objective_that_declares_a_reward_free_point(tmp_path, monkeypatch):
+    """``flowrl snr --reward-only`` asks the objective (has_reward_free_point, its overrides, moving there): a subclass
+    of NFT loaded from a file is measured, its old copy put at the weights and its teacher and kl_ref switched off; an
+    objective that declares no such point is refused naming loss.objective."""
+    import flowrl.config.build as build
+    from flowrl.config.schema import ConfigError
+    from flowrl.objectives.nft import NFTLoss
+
+    plugin = tmp_path / "sharp.py"
+    plugin.write_text(SUBCLASS)
+    model = make_model("sd3")
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
+    moved = []
+    monkeypatch.setattr(NFTLoss, "move_to_reward_free_point", lambda self: moved.append(type(self).__name__)
+                        or self._old.copy_from_policy())
+    from tests.test_forward_process import tiny
+
+    cfg = tiny(tmp_path, "sub", f"loss.objective={plugin}:SharpNFT", "loss.kl_ref=0.5",
+               "loss.teacher={guidance: 3.0, anchor: 1.0}")
+    out = gradient_snr(cfg, batches=3, progress=False, reward_only=True)
+    assert moved == ["SharpNFT"] and out["batches"] == 3
+    assert cfg.loss.kl_ref == 0.0 and cfg.loss.teacher is None  # the objective's own reward-free overrides
+    with pytest.raises(ConfigError, match=r"loss.objective='clipped' has no such point: PolicyLoss declares none"):
+        gradient_snr(tiny_config(tmp_path, "clip", "loss.objective=clipped"), batches=3, progress=False, reward_only=True)
+    from tests.test_forward_process import tiny as nft_config
+
+    with pytest.raises(ConfigError, match=r"loss.center='teacher': centred on the teacher"):
+        gradient_snr(nft_config(tmp_path, "centre", "loss.objective=nft", "loss.center=teacher",
+                                "loss.teacher={guidance: 3.0, anchor: 1.0}"), batches=3, progress=False, reward_only=True)

@@ -360,3 +360,39 @@ def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
             model=make_model("sd3")).train()
     err = capsys.readouterr().err
     assert "eval at guidance 1:" in err and "/6 [" in err and "image/s" in err  # a bar over 3 prompts × 2 images
+
+
+@pytest.mark.parametrize("teacher", [True, False])
+def test_a_run_with_a_teacher_and_one_without_take_the_same_declared_path(tmp_path, monkeypatch, teacher):
+    """The loop asks the objective for its sampling teacher once (Objective.sampling_teacher: a Teacher or None), hands
+    that to every rollout context, and logs the teacher's share through one function; nothing else of the trainer
+    knows whether there is a teacher."""
+    from flowrl.objectives import base, teacher as teacher_module
+    from flowrl.rollout import runner as runner_module
+    from flowrl.rollout.base import RolloutContext
+    from flowrl.training import trainer as trainer_module
+    from flowrl.training.trainer import Trainer
+
+    asked, contexts, metrics = [], [], []
+    for cls in {type(o) for o in [NFTLoss()]} | {base.Objective}:
+        original = cls.sampling_teacher
+        monkeypatch.setattr(cls, "sampling_teacher", lambda self, f=original: asked.append(f(self)) or asked[-1])
+    real_init = RolloutContext.__init__
+
+    def record_context(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        contexts.append(self.teacher)
+
+    monkeypatch.setattr(runner_module.RolloutContext, "__init__", record_context)
+    original_metrics = teacher_module.teacher_share_metrics
+    monkeypatch.setattr(trainer_module, "teacher_share_metrics",
+                        lambda forest, group: metrics.append(original_metrics(forest, group)) or metrics[-1])
+    extra = [TEACHER, "rollout.teacher_share=2"] if teacher else []
+    trainer = Trainer(tiny(tmp_path, f"path{teacher}", "loss.objective=nft", "train.max_steps=2", "prompts.eval=null",
+                           *extra), model=make_model("sd3"))
+    records = trainer.train()
+    assert len(asked) == 1 and (asked[0] is not None) == teacher and asked[0] is trainer.objective.teacher_model
+    assert len(contexts) >= 2 and all(c is asked[0] for c in contexts)  # every rollout context carries that teacher
+    assert len(metrics) == 2 and all(bool(m) == teacher for m in metrics)
+    steps = [r for r in records if "reward_mean" in r]
+    assert all(("rollout_teacher_forwards" in r) == teacher for r in steps)

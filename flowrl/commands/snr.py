@@ -85,15 +85,15 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
     cfg.train.progress = False
     cfg.prompts.eval = None
     if reward_only:
-        check_reward_only(cfg)
-        cfg.loss.teacher, cfg.loss.kl_ref = None, 0.0
+        for key, value in reward_free_overrides(cfg).items():
+            setattr(cfg.loss, key, value)
     trainer = Trainer(cfg)
     if checkpoint:  # a run folder or a checkpoints/step-N folder
         from flowrl.run.checkpoint import find_checkpoint
 
         trainer.load_checkpoint(find_checkpoint(checkpoint)[0])
     if reward_only:
-        trainer.objective._old.copy_from_policy()
+        trainer.objective.move_to_reward_free_point()
     first = trainer.step
     draws = [trainer.policy_gradient(i) for i in tqdm(range(first, first + batches), desc="gradients", disable=not progress)]
     grads = torch.stack([g for g, _ in draws])
@@ -104,17 +104,20 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
     return out
 
 
-def check_reward_only(cfg: TrainConfig) -> None:
-    """``--reward-only`` needs an objective whose reward-free terms vanish at old = policy."""
+def reward_free_overrides(cfg: TrainConfig) -> dict:
+    """``--reward-only``: the ``loss`` keys that switch off ``cfg``'s objective's reward-independent terms, as the
+    objective declares them (:attr:`~flowrl.objectives.base.Objective.has_reward_free_point`, a subclass of NFT
+    included); a ConfigError naming ``loss.objective`` for one that declares no reward-free point."""
+    from flowrl.config import build
     from flowrl.errors import ConfigError
 
-    objective = cfg.loss.objective
-    if objective not in ("nft", "awm"):
-        raise ConfigError(f"--reward-only measures the reward's share of a forward-process objective with an old copy; "
-                          f"loss.objective={objective!r} is not one (accepted: nft, awm)")
-    if getattr(cfg.loss, "center", "old") != "old":
-        raise ConfigError(f"--reward-only needs loss.center='old' (got {cfg.loss.center!r}): centred on the teacher, "
-                          "the objective has no reward-free point to measure from")
+    objective = build.build_loss(cfg)
+    why = objective.no_reward_free_point()
+    if why is not None:
+        raise ConfigError(f"--reward-only measures the reward's share of an objective whose other terms can be put at "
+                          f"zero gradient; loss.objective={cfg.loss.objective!r} has no such point: {why}")
+    return objective.reward_free_overrides()
+
 
 # ---- the command ----------------------------------------------------------------------------------
 FLAGS: list[Flag] = [("--batches", 3, None, "independent iterations (the error of the signal drops one at a time)")]

@@ -92,10 +92,11 @@ def check_config(cfg: Any) -> None:
     objective = built[components.LOSS.section]
     objective.check_plan(built[components.PLAN.section])  # e.g. a policy objective on ODE rollouts
     objective.check_credit(built[components.CREDIT.section])  # e.g. step-level credit with a leaf objective
-    unread = built[components.PLAN.section].unread_keys()  # keys that do nothing with the plan's other settings
-    if unread:
-        key, why = next(iter(unread.items()))
-        raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
+    for component in built.values():  # every key read or refused: each component names its unread ones
+        unread = component.unread_keys()
+        if unread:
+            key, why = next(iter(unread.items()))
+            raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     positive("eval.images_per_prompt", cfg.eval.images_per_prompt)
     positive("eval.batch_size", cfg.eval.batch_size)

@@ -8,6 +8,10 @@ and subclasses :class:`Checked` (the bases of plans, credit rules and objectives
 every such field before the class's own ``__post_init__``: ``GroupAdvantage(baseline="x")`` raises the same
 :class:`ConfigError` as ``credit.baseline: x`` in a config. :func:`choose` is the check itself, for values
 that live outside a dataclass.
+
+Every key read or refused: a component declares the fields its other settings leave unread
+(:meth:`Checked.unread_fields`: field → why), and :meth:`Checked.unread_keys` names those set away from their
+defaults; the config check refuses them for every component kind alike (:func:`flowrl.config.checks.check_config`).
 """
 from __future__ import annotations
 
@@ -42,6 +46,13 @@ def choices_of(f: dataclasses.Field) -> tuple | None:
     return f.metadata.get("choices")
 
 
+def is_set(obj: Any, name: str) -> bool:
+    """Whether the dataclass ``obj``'s field ``name`` holds another value than its declared default."""
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return getattr(obj, name) != default
+
+
 def check_choices(obj: Any, prefix: str | None = None) -> None:
     """Check every field of the dataclass ``obj`` that declares choices; errors name ``prefix.field`` (default:
     the class's :attr:`Checked.config_key`, else its name)."""
@@ -57,6 +68,16 @@ class Checked:
     before the class's own ``__post_init__``, which a subclass writes as usual (no ``super()`` call needed)."""
 
     config_key: ClassVar[str] = ""  # where its fields sit in the config, e.g. "credit" or "rollout.window"
+
+    def unread_fields(self) -> dict[str, str]:
+        """Fields that this component's other settings (or its class: an inherited key it never reads) leave
+        unread: field name → why. Default: none."""
+        return {}
+
+    def unread_keys(self) -> dict[str, str]:
+        """The keys (``<config_key>.<field>``) of :meth:`unread_fields` set away from their defaults: key → why. The
+        config check refuses each, so every accepted key does something."""
+        return {f"{self.config_key}.{name}": why for name, why in self.unread_fields().items() if is_set(self, name)}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -18,6 +18,8 @@ class CreditRule(Checked):
 
     :attr:`writes`: the units it writes advantages on, ``"edges"`` (the stochastic edges) and/or ``"leaves"``;
     an objective whose :attr:`~flowrl.objectives.base.Objective.trains_on` is not among them is refused at load.
+    :attr:`zero_std_tol`: the spread at or below which a prompt group counts as flat (the loop logs the share of
+    such groups and feeds it to an adaptive prompt source).
 
     A credit rule reads the forest only: ``reward`` on leaves and ``value`` on probed states (both
     combined over reward terms by the MultiReward), ``reward_components[name]`` per term, ``group``,
@@ -28,6 +30,7 @@ class CreditRule(Checked):
 
     writes: ClassVar[tuple[str, ...]] = ("edges", "leaves")
     config_key = "credit"
+    zero_std_tol = 1e-6  # a prompt group whose rewards spread by no more than this is flat (a rule's key may set it)
 
     def assign(self, forest: Forest, gather: Gather | None = None) -> dict[str, float]:
         """Write ``forest.advantage`` and ``forest.weight``; return statistics for the metrics log.

@@ -95,6 +95,15 @@ class TreeAdvantage(CreditRule):
     eps: float = 1e-4
     zero_std_tol: float = 1e-6
 
+    def unread_fields(self) -> dict[str, str]:
+        """``fusion_beta`` without path-softmax fusion, ``width_b`` without extremes_b width pruning."""
+        out = {}
+        if self.fusion != "path_softmax":
+            out["fusion_beta"] = f"credit.fusion={self.fusion!r}: only path_softmax weighs paths by β"
+        if self.width_prune != "extremes_b":
+            out["width_b"] = f"credit.width_prune={self.width_prune!r}: only extremes_b keeps b best and worst leaves"
+        return out
+
     def __post_init__(self) -> None:
         if self.width_b < 1:
             raise ValueError(f"credit.width_b={self.width_b} must be >= 1")

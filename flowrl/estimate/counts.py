@@ -1,24 +1,11 @@
 """The plan's work per iteration: forwards, explorer previews, decodes, leaves and training rows per
-process, averaged over iterations spread over the run (the plan's ``expected_counts``)."""
+process, averaged over iterations spread over the run. Read from what the plan declares
+(:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`) and the objective declares
+(:attr:`~flowrl.objectives.base.Objective.trains_on`, :meth:`~flowrl.objectives.base.Objective.train_rows`), so an
+out-of-tree plan or objective is estimated from its own declarations."""
 from __future__ import annotations
 
 from flowrl.rollout.base import RolloutContext
-from flowrl.rollout.tree import Tree
-
-
-def _replay_rows(plan, num_prompts: int, ctx) -> int:
-    """States a policy objective replays (one velocity row per distinct parent of a trained edge)."""
-    inner = getattr(plan, "inner_plan", None)
-    if inner is not None and type(plan).__name__ == "Explore":
-        return _replay_rows(inner, num_prompts, ctx)
-    if isinstance(plan, Tree):
-        layout = plan.layout(ctx.iteration, ctx.seed)
-        n = layout.nodes_per_step(plan.steps, plan.branch)
-        return num_prompts * sum(n[i] for i in range(plan.steps)
-                                 if plan._trainable_step(i, layout) and (i + 1) not in layout.pruned)
-    if inner is not None:
-        return _replay_rows(inner, num_prompts, ctx)
-    return int(plan.expected_counts(num_prompts, ctx)["trained_edges"])
 
 
 def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: int = 0) -> dict[str, float]:
@@ -30,16 +17,13 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
     iterations = sorted({round(i * (max(max_steps, 1) - 1) / 15) for i in range(16)})
     sums: dict[str, float] = {}
     for it in iterations:
-        ctx = RolloutContext(seed=seed, iteration=it)
-        counts = plan.expected_counts(num_prompts, ctx)
+        counts = plan.expected_counts(num_prompts, RolloutContext(seed=seed, iteration=it))
         units = counts["leaves"] if objective.trains_on == "leaves" else counts["trained_edges"]
-        rows = counts["leaves"] * getattr(objective, "draws", 1) if objective.trains_on == "leaves" else \
-            _replay_rows(plan, num_prompts, ctx)
-        pool = num_prompts * plan.pool_size if "explore_forwards" in counts else 0
+        scored = counts["leaves"] + counts.get("probes", 0)
+        pool = counts.get("explore_decodes", 0)
         row = {"forwards": counts["forwards"], "explore_forwards": counts.get("explore_forwards", 0),
-               "decodes": counts["leaves"] + counts.get("probes", 0) + pool, "leaves": counts["leaves"],
-               "trained_units": units, "train_rows": rows, "scored": counts["leaves"] + counts.get("probes", 0),
-               "pool": pool}
+               "decodes": scored + pool, "leaves": counts["leaves"], "trained_units": units,
+               "train_rows": objective.train_rows(counts), "scored": scored, "pool": pool}
         for k, v in row.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(iterations) for k, v in sums.items()}

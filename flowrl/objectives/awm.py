@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.objectives.base import Batch
-from flowrl.objectives.nft import ForwardProcessObjective, row_mean
+from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 
 
 @dataclass

@@ -12,6 +12,12 @@ The loop hands the objective a scored, credited forest and only zero-grads, back
 3. :meth:`after_update` after every optimizer step (an old-policy EMA follows the weights here);
 4. :meth:`state_dict` / :meth:`load_state_dict`: whatever the objective keeps goes into checkpoints.
 
+What the loop and the tools ask of it, declared here so no caller probes for attributes: :meth:`sampling_teacher`
+(the guided teacher plans may let draw a share of each group, handed to them in the rollout context),
+:meth:`take_stats` (diagnostics since the last call, logged with the iteration), :meth:`train_rows` (the estimate's
+count of training forwards), and :attr:`has_reward_free_point` with :meth:`reward_free_overrides` /
+:meth:`move_to_reward_free_point` (``flowrl snr --reward-only``: the reward's share of the gradient alone).
+
 Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.config.components`).
 """
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Objective(Checked):
     extremes: ClassVar[dict[str, Any]] = {}
     first_step_keys: ClassVar[tuple[str, ...]] = ()
     progress_keys: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {}
+    has_reward_free_point: ClassVar[bool] = False  # a subclass may make it a property of its settings
     reduction: str = "mean"
 
     def progress(self, record: dict[str, Any]) -> dict[str, str]:
@@ -106,6 +113,42 @@ class Objective(Checked):
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint written before the objective kept state)."""
+
+    # ---- what the loop and the tools ask -----------------------------------------------------------
+    def sampling_teacher(self):
+        """The guided teacher (:class:`~flowrl.objectives.teacher.Teacher`) that plans may let draw a share of each
+        prompt group (the rollout context's ``teacher``), or None (default): no teacher."""
+        return None
+
+    def take_stats(self) -> dict[str, float]:
+        """Diagnostics accumulated since the last call (logged with the iteration; a count key ``*_forwards`` is
+        summed over processes, the others averaged), reset by the call. Default: none."""
+        return {}
+
+    def train_rows(self, counts: dict[str, int]) -> int:
+        """Velocity rows the forward with gradients runs in one iteration, from a plan's
+        :meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`: its leaves (training on leaves) or the states a
+        replay of its trained edges evaluates (``replay_rows``). For the memory/time estimate."""
+        return int(counts["leaves"] if self.trains_on == "leaves" else counts["replay_rows"])
+
+    def no_reward_free_point(self) -> str | None:
+        """Why this objective, as configured, has no reward-free point (None when it has one); the refusal of
+        ``flowrl snr --reward-only`` says it."""
+        if self.has_reward_free_point:
+            return None
+        return (f"{type(self).__name__} declares none (a forward-process objective with an old copy does: nft, awm or "
+                "a subclass)")
+
+    def reward_free_overrides(self) -> dict[str, Any]:
+        """``loss`` keys and values that switch off every term independent of the reward (e.g. a KL to a reference,
+        a teacher anchor), for ``flowrl snr --reward-only``; only asked when :attr:`has_reward_free_point`."""
+        return {}
+
+    def move_to_reward_free_point(self) -> None:
+        """At the current weights, make the gradient of every remaining reward-independent term zero (e.g. the old
+        copy set to the policy), so a gradient measures the reward's share alone. Only with
+        :attr:`has_reward_free_point` (the default has none)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no reward-free point")
 
     # ---- one iteration -------------------------------------------------------------------------
     def encode(self, model, forest):

@@ -3,7 +3,7 @@
 Each iteration draws G samples per prompt (with ``rollout.teacher_share: G`` all of them from the guided
 teacher, as Flow-GRPO's SFT baseline samples best-of-N from the guided model), keeps the ``top_k`` best of
 every group by reward, and regresses the policy's velocity on them with plain flow matching: per row
-‖v_θ(x_t, c) − (ε − x0)‖² at the forward-process points of :class:`~flowrl.objectives.nft.ForwardProcessObjective`
+‖v_θ(x_t, c) − (ε − x0)‖² at the forward-process points of :class:`~flowrl.objectives.forward.ForwardProcessObjective`
 (RAFT, Dong et al. 2023; "reward-ranked fine-tuning"). With ``cfg: free`` the conditional velocity learns
 the guided teacher's best samples. A ``loss.teacher.anchor`` > 0 adds the teacher's velocity pull as for NFT.
 """
@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from flowrl.objectives.base import Batch
-from flowrl.objectives.nft import ForwardProcessObjective, row_mean
+from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 
 
 @dataclass
@@ -27,6 +27,7 @@ class RAFTLoss(ForwardProcessObjective):
     min_reward: float = float("-inf")
 
     uses_old: ClassVar[bool] = False
+    has_reward_free_point: ClassVar[bool] = False  # no old copy: nothing to put at the weights measured
 
     def __post_init__(self) -> None:
         super().__post_init__()

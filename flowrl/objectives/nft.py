@@ -1,319 +1,17 @@
-"""Forward-process objectives: what they share, and DiffusionNFT (AWM: :mod:`flowrl.objectives.awm`; best-of-N: :mod:`flowrl.objectives.best_of_n`).
-
-Both train on the clean latents x0 of the forest's leaves, whatever sampler made them (an ODE plan,
-chains, a tree, explore): no log-probs, no replay. Per leaf and iteration, D draws (t, ε) give the
-forward-process point x_t = (1−t)·x0 + t·ε and the flow-matching target y = ε − x0 (the velocity the
-model predicts at noise level σ = t). Each leaf carries its group advantage A (written by the credit
-rule; 0 in a group without reward spread, which is still trained) and is trained unless its reward failed
-(NaN) or the credit rule gave it weight 0 (MC-GRPO's median sample, a tree's width-pruned chain).
-
-Draws are addressed, never taken from a global RNG: ε by (run seed, iteration, root seed of the leaf,
-its index within its prompt group, draw), t the same way or, with ``share_t``, by (run seed, iteration,
-prompt, draw) so a group shares its timesteps. Any process layout and a resume draw the same numbers.
-
-``cfg``: ``free`` (the published DiffusionNFT mode): rollouts at guidance 1 and the conditional velocity
-is the policy, trained alone (no unconditional forward); ``guided``: rollouts at the model's guidance and
-the guided velocity v_u + g·(v_c − v_u) is the policy.
-
-Both keep an old policy (:class:`~flowrl.objectives.copies.OldPolicy`): θ_old ← d_k·θ_old + (1−d_k)·θ after
-optimizer step k, d_k = ``old_decay``·min(1, k/``old_decay_warmup``) (constant without warm-up; a
-LoRA policy's old copy is a second adapter on the same base). ``kl_ref`` > 0 adds
-``kl_ref``·mean‖v_θ − v_ref‖² towards the initial policy. With ``old_decay_rate`` > 0 the decay follows
-DiffusionNFT's public schedule instead: d_k = min(``old_decay_rate``·max(0, k − ``old_decay_flat``), ``old_decay``)
-(their values: rate 0.001, cap 0.5, flat 0).
-
-``teacher`` (:mod:`flowrl.objectives.teacher`): a frozen guided teacher whose velocity anchors the policy at the same
-forward-process points (λ_k·w·mean‖v_θ − v_T‖², added to every row) and whose samples may share the groups
-(``rollout.teacher_share``). ``reward_term`` weights the objective's own reward-driven term: 0 leaves the
-anchor alone (guidance distillation, the baseline the reward must beat).
-
-``timesteps: sampler``: each leaf trains at ``draws`` distinct noise levels of the sampler's own schedule
-(the σ > 0 of the forest's nodes), fresh ε each — DiffusionNFT's public setting (9 of 10 steps).
-"""
+"""DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): implicit positive and negative policies around a lagging old
+copy, trained on the forward-process points of :mod:`flowrl.objectives.forward` (docs/algorithms.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 
 from flowrl.config.choices import choice
-from flowrl.objectives.base import Batch, Objective
-from flowrl.objectives.copies import OldPolicy, Reference
-from flowrl.objectives.teacher import Teacher, TeacherSpec, leaf_weights
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.objectives.base import Batch
+from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 
-CFG_MODES = ("free", "guided")
-TIMESTEPS = ("logit_normal", "uniform", "sampler")
 OPTIMALITY_FORMS = ("clip", "linear")  # NFT's optimality probability
 CENTERS = ("old", "teacher")  # NFT's implicit policies' centre
-
-
-@dataclass
-class ForwardProcessObjective(Objective):
-    """What DiffusionNFT and AWM share: the leaves' micro-batches, (t, ε) draws, the old copy, CFG modes.
-
-    ``draws``: (t, ε) pairs per leaf and iteration [2]. ``timesteps``: ``logit_normal`` (t = sigmoid(N(
-    ``logit_mean``, ``logit_std``²))) or ``uniform``, mapped into ``t_range`` = [lo, hi]. ``micro_batch``:
-    rows (leaf × draw) per training forward — not a key of its own: the run's ``rollout.max_batch``, set by
-    :func:`flowrl.config.build.build_loss`. ``adv_clip``: |A| bound.
-    """
-
-    draws: int = 2
-    timesteps: str = choice("logit_normal", TIMESTEPS)
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    share_t: bool = False
-    cfg: str = choice("free", CFG_MODES)
-    adv_clip: float = 5.0
-    old_decay: float = 0.9
-    old_decay_warmup: int = 0
-    old_decay_rate: float = 0.0
-    old_decay_flat: int = 0
-    kl_ref: float = 0.0
-    teacher: TeacherSpec | None = None
-    reward_term: float = 1.0
-
-    trains_on = "leaves"
-    trains_flat = True  # a group without spread still pulls towards the old copy (and the teacher)
-    progress_keys = {"fm": (("fm_error",), ".3f"), "anchor": (("anchor_error",), ".3f")}
-    uses_old: ClassVar[bool] = True  # keeps a lagging old copy (a subclass that never reads it sets False)
-    micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
-
-    def __post_init__(self) -> None:
-        if isinstance(self.teacher, dict):
-            self.teacher = TeacherSpec(**self.teacher)
-        if self.draws < 1:
-            raise ValueError(f"loss.draws={self.draws} must be >= 1")
-        if len(self.t_range) != 2 or not 0.0 <= self.t_range[0] < self.t_range[1] <= 1.0:
-            raise ValueError(f"loss.t_range={list(self.t_range)} must be [lo, hi] with 0 <= lo < hi <= 1")
-        if self.logit_std <= 0:
-            raise ValueError(f"loss.logit_std={self.logit_std} must be > 0")
-        if not 0.0 <= self.old_decay < 1.0:
-            raise ValueError(f"loss.old_decay={self.old_decay} must be in [0, 1) (the old policy's EMA decay per "
-                             "optimizer step; 0 = the policy that sampled the iteration)")
-        if self.old_decay_warmup < 0:
-            raise ValueError(f"loss.old_decay_warmup={self.old_decay_warmup} must be >= 0")
-        if self.adv_clip <= 0:
-            raise ValueError(f"loss.adv_clip={self.adv_clip} must be > 0")
-        if self.kl_ref < 0:
-            raise ValueError(f"loss.kl_ref={self.kl_ref} must be >= 0")
-        if self.old_decay_rate < 0 or self.old_decay_flat < 0:
-            raise ValueError(f"loss.old_decay_rate={self.old_decay_rate} and loss.old_decay_flat={self.old_decay_flat} "
-                             "must be >= 0")
-        if self.reward_term < 0:
-            raise ValueError(f"loss.reward_term={self.reward_term} must be >= 0 (0 = the teacher's anchor alone)")
-        if self.reward_term == 0 and (self.teacher is None or self.teacher.anchor == 0):
-            raise ValueError("loss.reward_term=0 leaves nothing to train without a teacher's anchor; set "
-                             "loss.teacher.anchor > 0 or loss.reward_term > 0")
-
-    # ---- configuration and lifecycle ---------------------------------------------------------
-    def rollout_guidance(self, guidance: float | None) -> float | None:
-        if self.cfg == "guided":
-            return guidance
-        if guidance is not None and float(guidance) != 1.0:
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(f"loss.cfg='free' samples and trains the conditional velocity (guidance 1), but "
-                              f"model.guidance={guidance}; unset model.guidance (or set 1), or use loss.cfg='guided'")
-        return 1.0
-
-    def check_plan(self, plan) -> None:
-        super().check_plan(plan)
-        share = int(getattr(plan, "teacher_share", 0) or 0)
-        if share and self.teacher is None:
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
-                              "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)")
-
-    def setup(self, model) -> None:
-        self._old = OldPolicy(model) if self.uses_old else None
-        self._reference = Reference(model) if self.kl_ref > 0 else None
-        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, reference=self._reference)
-        self._updates = 0
-        self._anchor_now = 0.0
-
-    def decay(self, k: int) -> float:
-        """The old policy's decay d_k after optimizer step k (1-based)."""
-        if self.old_decay_rate > 0:
-            return min(self.old_decay_rate * max(0, k - self.old_decay_flat), self.old_decay)
-        if self.old_decay_warmup <= 0:
-            return self.old_decay
-        return self.old_decay * min(1.0, k / self.old_decay_warmup)
-
-    def anchor_weight(self, forest=None) -> float:
-        """λ_k: the anchor's weight at the current optimizer step (0 without a teacher's anchor)."""
-        if self.teacher is None or self.teacher.anchor == 0:
-            return 0.0
-        mean_reward = None
-        if forest is not None:
-            r = forest.reward[forest.leaves()]
-            mean_reward = float(r[torch.isfinite(r)].mean()) if bool(torch.isfinite(r).any()) else None
-        return self.teacher.anchor * self.teacher.anchor_schedule(self._updates, mean_reward)
-
-    def _follow_schedules(self) -> None:
-        """The teacher's share of each group follows ``share_schedule`` at the current step."""
-        if self.teacher_model is not None:
-            self.teacher_model.share_fraction = self.teacher.sample_schedule(self._updates)
-
-    def after_update(self, model) -> None:
-        self._updates += 1
-        if self._old is not None:
-            self._old.update(self.decay(self._updates))
-        self._follow_schedules()
-
-    def state_dict(self) -> dict:
-        return {"old": None if self._old is None else self._old.state_dict(), "updates": self._updates}
-
-    def take_stats(self) -> dict[str, float]:
-        """The teacher's cost since the last call (forwards, seconds) and the anchor's weight."""
-        if self.teacher_model is None:
-            return {}
-        return {**self.teacher_model.take_stats(), "anchor_weight": self._anchor_now}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if state:
-            if self._old is not None and state.get("old") is not None:
-                self._old.load_state_dict(state["old"])
-            self._updates = int(state["updates"])
-            self._follow_schedules()
-
-    # ---- batches ----------------------------------------------------------------------------
-    def draw_t(self, seeds: list[int]) -> torch.Tensor:
-        """Timesteps [len(seeds)] in ``t_range``, one per seed."""
-        u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(s)) if self.timesteps == "uniform"
-                         else torch.sigmoid(self.logit_mean + self.logit_std *
-                                            torch.randn((), generator=torch.Generator().manual_seed(s)))
-                         for s in seeds])
-        lo, hi = self.t_range
-        return (lo + (hi - lo) * u).clamp(1e-4, 1.0 - 1e-4).float()
-
-    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
-        """Micro-batches of leaves (``micro_batch`` // ``draws`` each) with their draws: ``t`` [B·D] and
-        ``noise`` [B·D, C, H, W], leaf-major, the anchor's per-leaf weight ``anchor`` [B] (with a teacher) and the
-        teacher's conditioning of the forest's prompts ``teacher_cond`` (encoded once per iteration, when its
-        velocity is needed). Leaves must be clean (σ = 0); only the credited units are trained (:meth:`units`:
-        failed rewards and leaves the credit rule gave weight 0 are left out)."""
-        leaves = forest.leaves()
-        if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
-            raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
-                             "are not at sigma 0: the plan must sample to the end")
-        leaves = self.select_leaves(forest, self.units(forest))
-        if leaves.numel() == 0:
-            return []
-        group = forest.group[leaves]
-        within = torch.zeros_like(leaves)  # index of each leaf within its prompt group (layout-free address)
-        for g in torch.unique(group):
-            mine = group == g
-            within[mine] = torch.arange(int(mine.sum()))
-        shape = tuple(forest.all_latents().shape[1:])
-        D = self.draws
-        t_seeds, eps_seeds = [], []
-        for n, k in zip(leaves.tolist(), within.tolist()):
-            root, prompt = int(forest.seed[n]), forest.prompts[int(forest.group[n])]
-            for d in range(D):
-                t_seeds.append(derive_seed(seed, iteration, "fp_t", prompt, d) if self.share_t
-                               else derive_seed(seed, iteration, "fp_t", root, k, d))
-                eps_seeds.append(derive_seed(seed, iteration, "fp_eps", root, k, d))
-        t = self.sampler_t(forest, t_seeds) if self.timesteps == "sampler" else self.draw_t(t_seeds)
-        anchor = None
-        self._anchor_now = self.anchor_weight(forest)
-        if self._anchor_now > 0:
-            adv = forest.advantage[leaves].float().clamp(-self.adv_clip, self.adv_clip)
-            anchor = self._anchor_now * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
-        teacher_cond = self.teacher_model.encode(forest.prompts) if self.needs_teacher_velocity(anchor) else None
-        per = max(1, self.micro_batch // D)
-        out = []
-        for a in range(0, leaves.numel(), per):
-            rows = slice(a * D, min(a + per, leaves.numel()) * D)
-            noise = torch.stack([seeded_normal(s, shape) for s in eps_seeds[rows]])
-            extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per],
-                     "teacher_cond": teacher_cond}
-            out.append(Batch(leaves[a:a + per], int(leaves[a:a + per].numel()), extra))
-        return out
-
-    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
-        """Whether the loss reads the teacher's velocity this iteration (``anchor``: the per-leaf weights or None)."""
-        return anchor is not None
-
-    def select_leaves(self, forest, leaves: torch.Tensor) -> torch.Tensor:
-        """The leaves [L'] this objective trains on, of the scored ``leaves`` [L] (default: all of them)."""
-        return leaves
-
-    def sampler_t(self, forest, seeds: list[int]) -> torch.Tensor:
-        """``timesteps: sampler``: for each leaf (``draws`` consecutive seeds), ``draws`` distinct noise levels of
-        the sampler's schedule (the σ > 0 its nodes visited), drawn from the leaf's first seed [len(seeds)]."""
-        levels = torch.unique(forest.sigma[forest.sigma > 0]).float()
-        D = self.draws
-        if D > levels.numel():
-            raise ValueError(f"loss.draws={D} with loss.timesteps='sampler' needs at least {D} sampler steps; the "
-                             f"rollouts visited {levels.numel()} noise levels above 0 (raise rollout.steps)")
-        picks = [levels[torch.randperm(levels.numel(), generator=torch.Generator().manual_seed(seeds[i]))[:D]]
-                 for i in range(0, len(seeds), D)]
-        return torch.cat(picks).clamp(1e-4, 1.0 - 1e-4)
-
-    # ---- the shared forward --------------------------------------------------------------------
-    def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True):
-        """Per row (leaf × draw, leaf-major): v_θ (with grad), v_old (no grad; None unless ``with_old``),
-        v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B].
-        When the batch carries ``teacher_cond`` (:meth:`needs_teacher_velocity`) the teacher's guided velocity at
-        the same rows is kept for :meth:`total` / the loss (``_v_teacher``, no gradient)."""
-        device = model.device
-        D = self.draws
-        leaves = batch.index
-        x0 = forest.all_latents()[leaves].to(device).repeat_interleave(D, dim=0)
-        t = batch.extra["t"].to(device)
-        eps = batch.extra["noise"].to(device)
-        tb = t.view(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1.0 - tb) * x0 + tb * eps
-        target = eps - x0
-        row_groups = forest.group[leaves].repeat_interleave(D)
-        rows_cond = cond.select(row_groups)
-        g = forest.guidance
-        v_old = v_ref = None
-        if with_old:
-            with torch.no_grad(), self._old.active():
-                v_old = model.velocity(x_t, t, rows_cond, g).float()
-        if self._reference is not None:
-            with torch.no_grad(), self._reference.active():
-                v_ref = model.velocity(x_t, t, rows_cond, g).float()
-        teacher_cond = batch.extra.get("teacher_cond")
-        self._v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
-        v = model.velocity(x_t, t, rows_cond, g).float()
-        adv = forest.advantage[leaves].float().to(device).clamp(-self.adv_clip, self.adv_clip)
-        return v, v_old, v_ref, target, t, adv
-
-    def per_leaf(self, rows: torch.Tensor) -> torch.Tensor:
-        """Mean over each leaf's D draws: [B·D] → [B]."""
-        return rows.view(-1, self.draws).mean(dim=1)
-
-    def kl_ref_rows(self, v: torch.Tensor, v_ref: torch.Tensor | None) -> torch.Tensor | None:
-        return None if v_ref is None else row_mean((v - v_ref) ** 2)
-
-    def total(self, own: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None,
-              batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch's loss from the objective's own per-leaf term ``own`` [B]: ``reward_term``·own, plus
-        ``kl_ref``·(per-leaf mean‖v_θ − v_ref‖²) and the teacher's anchor λ_k·w·(per-leaf mean‖v_θ − v_T‖²)
-        (rows of ``v`` [B·D, ...]); returns (mean over leaves, diagnostics ``kl_ref`` / ``anchor_error``)."""
-        diag: dict[str, torch.Tensor] = {}
-        per_leaf = self.reward_term * own
-        kl = self.kl_ref_rows(v, v_ref)
-        if kl is not None:
-            per_leaf = per_leaf + self.kl_ref * self.per_leaf(kl)
-            diag["kl_ref"] = kl.detach().mean()
-        weight = batch.extra.get("anchor") if batch.extra else None
-        if weight is not None and self._v_teacher is not None:
-            err = self.per_leaf(row_mean((v - self._v_teacher) ** 2))
-            per_leaf = per_leaf + weight.to(err.device) * err
-            diag["anchor_error"] = err.detach().mean()
-        return per_leaf.mean(), diag
-
-
-def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over all non-batch elements: [R, ...] → [R]."""
-    return x.mean(dim=tuple(range(1, x.ndim)))
 
 
 @dataclass
@@ -352,6 +50,23 @@ class NFTLoss(ForwardProcessObjective):
 
     def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
         return self.center == "teacher" or super().needs_teacher_velocity(anchor)
+
+    def unread_fields(self) -> dict[str, str]:
+        """The shared ones, ``adv_scale`` under the linear optimality and ``adaptive_scale`` without the adaptive
+        weight."""
+        out = super().unread_fields()
+        if self.optimality_form == "linear":
+            out["adv_scale"] = "loss.optimality_form='linear' scales advantages by loss.adv_clip"
+        if not self.adaptive_weight:
+            out["adaptive_scale"] = "loss.adaptive_weight is false"
+        return out
+
+    def no_reward_free_point(self) -> str | None:
+        """Centred on the teacher (``center: teacher``) the objective has no reward-free point to measure from."""
+        if self.center != "old":
+            return (f"loss.center={self.center!r}: centred on the teacher, the objective has no reward-free point "
+                    "(use loss.center='old')")
+        return super().no_reward_free_point()
 
     def optimality(self, adv: torch.Tensor) -> torch.Tensor:
         """r [B] from advantages [B] (see the class docstring)."""

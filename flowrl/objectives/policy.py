@@ -82,6 +82,10 @@ class PolicyLoss(Objective):
         if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
             raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
 
+    def unread_fields(self) -> dict[str, str]:
+        """``kl_form`` without a KL to the reference (``kl_ref`` 0)."""
+        return {"kl_form": "loss.kl_ref is 0: no KL to the reference is computed"} if self.kl_ref == 0 else {}
+
     def clip_bounds(self, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ε_low, ε_high per edge [E] (constant unless ``adaptive_kappa`` is set)."""
         low = torch.full_like(adv, self.clip_low)
@@ -157,6 +161,11 @@ class LayerTuningLoss(PolicyLoss):
             raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
         if self.layer_batch < 1:
             raise ValueError(f"loss.layer_batch={self.layer_batch} must be >= 1")
+
+    def unread_fields(self) -> dict[str, str]:
+        """The policy objective's, and ``layer_batch`` when the layer term is off (``layer_lambda`` 0)."""
+        off = {"layer_batch": "loss.layer_lambda is 0: the layer-tuning term is off"} if self.layer_lambda == 0 else {}
+        return {**super().unread_fields(), **off}
 
     def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         from flowrl.rollout.seeding import derive_seed, seeded_normal

@@ -207,3 +207,16 @@ def leaf_weights(weighting: str, reward: torch.Tensor, group: torch.Tensor, adv:
     n = torch.zeros(int(group.max()) + 1, dtype=reward.dtype).index_add_(0, group, torch.ones_like(reward))
     mean = torch.zeros_like(n).index_add_(0, group, reward) / n.clamp(min=1)
     return reward / mean[group].clamp(min=1e-6)
+
+
+def teacher_share_metrics(forest, group) -> dict[str, float]:
+    """What the teacher's share of an iteration's samples did (every run asks; {} when the teacher drew none):
+    ``rollout_teacher_forwards`` (summed over processes) and the mean reward of its leaves and of the policy's own
+    (``reward_teacher``, ``reward_policy``), read from the forest's ``from_teacher`` column and counters."""
+    if "teacher_forwards" not in forest.counters:
+        return {}
+    leaves = forest.leaves()
+    mine = forest.from_teacher[leaves] > 0
+    return {"rollout_teacher_forwards": group.sum(forest.counters["teacher_forwards"]),
+            "reward_teacher": float(group.gather(forest.reward[leaves[mine]]).nanmean()),
+            "reward_policy": float(group.gather(forest.reward[leaves[~mine]]).nanmean())}

@@ -80,11 +80,6 @@ class RolloutPlan(Checked):
 
     config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.config.choices)
 
-    def unread_keys(self) -> dict[str, str]:
-        """Keys of this plan's section set away from their defaults that its other settings leave unread
-        (key → why), refused at load so every accepted key does something. Default: none."""
-        return {}
-
     def setup(self, model: FlowModel, reward=None) -> None:
         """Called once before the first rollout; ``reward`` is the run's MultiReward (or None)."""
 
@@ -123,8 +118,12 @@ class RolloutPlan(Checked):
         return None
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
-        """Closed-form ``forwards``, ``trained_edges`` and ``leaves`` (docs/extending.md) of a rollout of
-        ``num_prompts`` prompts in context ``ctx`` (its iteration and seed fix random windows)."""
+        """Closed-form counts (docs/extending.md) of a rollout of ``num_prompts`` prompts in context ``ctx`` (its
+        iteration and seed fix random windows): ``forwards``, ``trained_edges``, ``leaves`` and ``replay_rows`` (the
+        states a policy objective's replay evaluates: one per parent of a trained edge), and where the plan has them
+        ``probes`` (probed states, decoded and scored), ``explore_forwards`` / ``explore_decodes`` (an explorer's
+        preview forwards and decoded previews), ``teacher_forwards``. Tools (the estimate, the logs) read these and
+        nothing else of a plan."""
         raise NotImplementedError
 
 

@@ -148,7 +148,7 @@ class Chains(RolloutPlan):
         ctx = ctx or RolloutContext()
         chains = num_prompts * self.group_size
         if self.kernel == "ode":
-            return {"forwards": chains * self.steps, "trained_edges": 0, "leaves": chains}
+            return {"forwards": chains * self.steps, "trained_edges": 0, "leaves": chains, "replay_rows": 0}
         window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
         per_chain = self.steps
         if self.post_solver == "dpm2":
@@ -156,7 +156,8 @@ class Chains(RolloutPlan):
             per_chain = end + len(self._post_indices(end)) - 1
         trunk = window[0] + 1 if self.shared_noise else 0  # forwards one per group: the trunk and the branch point
         forwards = num_prompts * trunk + chains * (per_chain - trunk)
-        return {"forwards": forwards, "trained_edges": chains * len(window), "leaves": chains}
+        edges = chains * len(window)  # replay rows: one per edge (shared noise's first window step counted per edge too)
+        return {"forwards": forwards, "trained_edges": edges, "leaves": chains, "replay_rows": edges}
 
     @property
     def has_trainable_edges(self) -> bool:

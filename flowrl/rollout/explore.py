@@ -232,9 +232,11 @@ class Explore(RolloutPlan):
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """The inner plan's counts (full-precision forwards, trained edges, leaves of K seeds per prompt)
-        plus ``explore_forwards`` = prompts · N · preview_steps (explorer forwards, ×2 NFE with CFG)."""
+        plus ``explore_forwards`` = prompts · N · preview_steps (explorer forwards, ×2 NFE with CFG) and
+        ``explore_decodes`` = prompts · N (the previews decoded and scored)."""
         counts = dict(self.inner_plan.expected_counts(num_prompts, ctx))
         counts["explore_forwards"] = num_prompts * self.pool_size * self.preview_steps
+        counts["explore_decodes"] = num_prompts * self.pool_size
         return counts
 
     # ---- rollout ----------------------------------------------------------------------------

@@ -152,7 +152,8 @@ class Tree(RolloutPlan):
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Closed forms (docs/trees.md, "Cost: closed forms"): ``forwards`` Σ_{i<T} n(i), ``trained_edges`` Σ n(i+1) over
-        the stochastic steps minus the depth-pruned ones, ``depth_pruned_edges``, ``leaves`` n(T); per
+        the stochastic steps minus the depth-pruned ones, ``depth_pruned_edges``, ``leaves`` n(T), ``replay_rows``
+        Σ n(i) over the stochastic steps whose edges are not pruned (siblings share their parent's velocity); per
         prompt times ``num_prompts``."""
         ctx = ctx or RolloutContext()
         layout = self.layout(ctx.iteration, ctx.seed)
@@ -161,7 +162,8 @@ class Tree(RolloutPlan):
         pruned = sum(n[i + 1] for i in stochastic if i + 1 in layout.pruned)
         return {"forwards": num_prompts * sum(n[:self.steps]),
                 "trained_edges": num_prompts * (sum(n[i + 1] for i in stochastic) - pruned),
-                "depth_pruned_edges": num_prompts * pruned, "leaves": num_prompts * n[self.steps]}
+                "depth_pruned_edges": num_prompts * pruned, "leaves": num_prompts * n[self.steps],
+                "replay_rows": num_prompts * sum(n[i] for i in stochastic if i + 1 not in layout.pruned)}
 
     def root_count(self) -> int:
         """One root per prompt group: a wrapping plan (Sol-RL's explore) may choose its x_T seed."""

@@ -39,6 +39,7 @@ from flowrl.distributed.sharding import (
     resolve_shard,
 )
 from flowrl.models.base import FlowModel
+from flowrl.objectives.teacher import teacher_share_metrics
 from flowrl.prompts.checks import check_prompts, check_run_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
@@ -109,7 +110,7 @@ class Trainer(TrainerCheckpoints):
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
         self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
                                     guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
-                                    reduction=self.objective.reduction, teacher=getattr(self.objective, "teacher_model", None),
+                                    reduction=self.objective.reduction, teacher=self.objective.sampling_teacher(),
                                     async_reward={"auto": "auto", "true": True, "false": False}[c.train.async_reward])
         self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
                                sharded=self.sharding is not None)
@@ -207,15 +208,8 @@ class Trainer(TrainerCheckpoints):
         record["rollout_forwards"] = g.sum(forest.counters["forwards"])
         record["rollout_nfe"] = g.sum(forest.counters["nfe"])
         record["leaves"] = g.sum(forest.leaves().numel())
-        if "teacher_forwards" in forest.counters:  # the teacher's share of the rollout forwards
-            record["rollout_teacher_forwards"] = g.sum(forest.counters["teacher_forwards"])
-            teacher_leaves = forest.leaves()[forest.from_teacher[forest.leaves()] > 0]
-            record["reward_teacher"] = float(g.gather(forest.reward[teacher_leaves]).nanmean())
-            student = forest.leaves()[forest.from_teacher[forest.leaves()] == 0]
-            record["reward_policy"] = float(g.gather(forest.reward[student]).nanmean())
-        stats = getattr(self.objective, "take_stats", None)
-        if stats is not None:
-            record.update({k: g.sum(v) if k == "teacher_forwards" else g.mean(v) for k, v in stats().items()})
+        record.update(teacher_share_metrics(forest, g))  # {} unless the objective's teacher drew samples
+        record.update({k: g.sum(v) if k.endswith("_forwards") else g.mean(v) for k, v in self.objective.take_stats().items()})
         record.update(self._observe_spread(forest))
         record.update(times)
         return record
@@ -224,7 +218,7 @@ class Trainer(TrainerCheckpoints):
         """The share of prompt groups whose rewards did not spread (they train nothing), and the prompt
         source's feedback: every group's spread, gathered over processes in global order."""
         spread = self.group.gather(forest.group_reward_std())
-        flat = self.group.gather(forest.flat_groups(getattr(self.credit, "zero_std_tol", 1e-6)).float())
+        flat = self.group.gather(forest.flat_groups(self.credit.zero_std_tol).float())
         scored = ~torch.isnan(spread)
         out = {"groups_without_spread": float(flat[scored].mean()) if bool(scored.any()) else float("nan")}
         out.update(self.prompts.observe(spread))
