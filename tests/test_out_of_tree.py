@@ -171,9 +171,8 @@ class WeightedFlowMatching(Objective):
             raise ValueError(f"loss.t={self.t} must be in (0, 1)")
         SEEN.append({"t": self.t, "adv_weight": self.adv_weight, "tag": self.tag})
 
-    def batches(self, forest, iteration=0, seed=0):
-        leaves = forest.leaves()
-        leaves = leaves[torch.isfinite(forest.reward[leaves])]
+    def batches(self, forest, iteration=0, seed=0, units=None):
+        leaves = self.units(forest) if units is None else units
         shape = (leaves.numel(), *forest.all_latents().shape[1:])
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(1000 * seed + iteration))
         return [Batch(leaves, int(leaves.numel()), {"noise": noise})]

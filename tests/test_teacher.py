@@ -9,6 +9,7 @@ import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.base import Batch
+from flowrl.objectives.forward import Rows
 from flowrl.objectives.nft import NFTLoss
 from flowrl.objectives.teacher import Schedule, TeacherSpec, leaf_weights
 from tests.conftest import make_model, with_lora
@@ -18,19 +19,24 @@ TEACHER = "loss.teacher={guidance: 3.0, anchor: 1.0}"
 
 
 # ---- the anchor on hand-made tensors --------------------------------------------------------------
+def rows_of(v: torch.Tensor, v_teacher: torch.Tensor) -> Rows:
+    """A micro-batch's rows holding only what the anchor reads: the policy's and the teacher's velocities."""
+    return Rows(v=v, v_old=None, v_ref=None, v_teacher=v_teacher, target=torch.zeros_like(v_teacher),
+                t=torch.zeros(v.shape[0]), adv=torch.zeros(v.shape[0]))
+
+
 @pytest.mark.parametrize("weight", [0.5, 2.0])
 def test_anchor_gradient_is_zero_at_the_teacher_and_pulls_towards_it(weight):
     nft = NFTLoss(draws=2, teacher=TeacherSpec(anchor=1.0))
     gen = torch.Generator().manual_seed(0)
     v_t = torch.randn(4, 3, 2, 2, generator=gen)  # 2 leaves × 2 draws
     batch = Batch(torch.arange(2), 2, {"anchor": torch.full((2,), weight)})
-    nft._v_teacher = v_t
     at = v_t.clone().requires_grad_(True)
-    loss, diag = nft.total(torch.zeros(2), at, None, batch)
+    loss, diag = nft.total(torch.zeros(2), rows_of(at, v_t), batch)
     loss.backward()
     assert at.grad.abs().max() == 0 and diag["anchor_error"] == 0
     off = (v_t + 0.3 * torch.randn(v_t.shape, generator=gen)).requires_grad_(True)
-    nft.total(torch.zeros(2), off, None, batch)[0].backward()
+    nft.total(torch.zeros(2), rows_of(off, v_t), batch)[0].backward()
     # d/dv of mean_leaves(w·mean_draws(mean_elements ‖v − v_T‖²)) = w·2(v − v_T)/(leaves·draws·elements per row)
     expected = weight * 2 * (off.detach() - v_t) / (2 * 2 * v_t[0].numel())
     assert torch.allclose(off.grad, expected, atol=1e-6)
@@ -38,9 +44,9 @@ def test_anchor_gradient_is_zero_at_the_teacher_and_pulls_towards_it(weight):
 
 def test_reward_term_zero_leaves_the_anchor_alone():
     nft = NFTLoss(draws=1, teacher=TeacherSpec(anchor=1.0), reward_term=0.0)
-    nft._v_teacher = torch.zeros(2, 1)
     v = torch.ones(2, 1, requires_grad=True)
-    out, _ = nft.total(torch.tensor([5.0, 7.0]), v, None, Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}))
+    out, _ = nft.total(torch.tensor([5.0, 7.0]), rows_of(v, torch.zeros(2, 1)),
+                       Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}))
     assert out.item() == 1.0  # the NFT term (5, 7) weighted by 0; the anchor's error 1 per leaf
 
 

@@ -48,12 +48,13 @@ class AWMLoss(ForwardProcessObjective):
         return torch.maximum(-adv * ratio, -adv * clipped), ratio
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        v, v_old, v_ref, target, t, adv = self.forward_rows(model, forest, batch, cond)
+        rows = self.forward_rows(model, forest, batch, cond)
+        v, v_old, target, adv = rows.v, rows.v_old, rows.target, rows.adv
         err = self.per_leaf(row_mean((v - target) ** 2))
         err_old = self.per_leaf(row_mean((v_old - target) ** 2))
         policy, ratio = self.clipped(err, err_old, adv)
         drift = self.per_leaf(row_mean((v - v_old) ** 2))
-        loss, diag = self.total(policy + self.kl_old * drift, v, v_ref, batch)
+        loss, diag = self.total(policy + self.kl_old * drift, rows, batch)
         with torch.no_grad():
             r = ratio.detach()
             diag.update({"awm_policy_loss": policy.mean(), "fm_error": err.mean(), "old_drift": drift.mean(),

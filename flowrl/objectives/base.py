@@ -155,8 +155,9 @@ class Objective(Checked):
         """The conditioning of ``forest``'s prompt groups the training forward uses (one row per group)."""
         return model.encode(forest.prompts, forest.guidance)
 
-    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
-        """The micro-batches of one iteration over ``forest`` (credited), in a fixed order."""
+    def batches(self, forest, iteration: int = 0, seed: int = 0, units: torch.Tensor | None = None) -> list[Batch]:
+        """The micro-batches of one iteration over ``forest`` (credited), in a fixed order; over ``units`` [U] when
+        given (default: :meth:`units`, what the credit rule weighted)."""
         raise NotImplementedError
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -46,8 +46,9 @@ class RAFTLoss(ForwardProcessObjective):
         return leaves[keep]
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        v, _, v_ref, target, _, _ = self.forward_rows(model, forest, batch, cond, with_old=False)
-        loss, diag = self.total(self.per_leaf(row_mean((v - target) ** 2)), v, v_ref, batch)
+        rows = self.forward_rows(model, forest, batch, cond, with_old=False)
+        v, target = rows.v, rows.target
+        loss, diag = self.total(self.per_leaf(row_mean((v - target) ** 2)), rows, batch)
         with torch.no_grad():
             diag.update({"raft_loss": loss.detach(), "fm_error": row_mean((v - target) ** 2).mean(),
                          "raft_reward": forest.reward[batch.index].float().mean()})

@@ -147,7 +147,6 @@ class ForwardProcessObjective(Objective):
         self._reference = Reference(model) if self.kl_ref > 0 else None
         self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, reference=self._reference)
         self._updates = 0
-        self._anchor_now = 0.0
 
     def decay(self, k: int) -> float:
         """The old policy's decay d_k after optimizer step k (1-based)."""
@@ -198,10 +197,8 @@ class ForwardProcessObjective(Objective):
         self._old.copy_from_policy()
 
     def take_stats(self) -> dict[str, float]:
-        """The teacher's cost since the last call (forwards, seconds) and the anchor's weight."""
-        if self.teacher_model is None:
-            return {}
-        return {**self.teacher_model.take_stats(), "anchor_weight": self._anchor_now}
+        """The teacher's cost since the last call (forwards, seconds); the anchor's weight is a diagnostic of the loss."""
+        return {} if self.teacher_model is None else self.teacher_model.take_stats()
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
@@ -220,7 +217,7 @@ class ForwardProcessObjective(Objective):
         lo, hi = self.t_range
         return (lo + (hi - lo) * u).clamp(1e-4, 1.0 - 1e-4).float()
 
-    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
+    def batches(self, forest, iteration: int = 0, seed: int = 0, units: torch.Tensor | None = None) -> list[Batch]:
         """Micro-batches of leaves (``micro_batch`` // ``draws`` each) with their draws: ``t`` [B·D] and
         ``noise`` [B·D, C, H, W], leaf-major, the anchor's per-leaf weight ``anchor`` [B] (with a teacher) and the
         teacher's conditioning of the forest's prompts ``teacher_cond`` (encoded once per iteration, when its
@@ -230,7 +227,7 @@ class ForwardProcessObjective(Objective):
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
             raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
                              "are not at sigma 0: the plan must sample to the end")
-        leaves = self.select_leaves(forest, self.units(forest))
+        leaves = self.select_leaves(forest, self.units(forest) if units is None else units)
         if leaves.numel() == 0:
             return []
         group = forest.group[leaves]
@@ -249,10 +246,10 @@ class ForwardProcessObjective(Objective):
                 eps_seeds.append(derive_seed(seed, iteration, "fp_eps", root, k, d))
         t = self.sampler_t(forest, t_seeds) if self.timesteps == "sampler" else self.draw_t(t_seeds)
         anchor = None
-        self._anchor_now = self.anchor_weight(forest)
-        if self._anchor_now > 0:
+        strength = self.anchor_weight(forest)
+        if strength > 0:
             adv = forest.advantage[leaves].float().clamp(-self.adv_clip, self.adv_clip)
-            anchor = self._anchor_now * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
+            anchor = strength * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
         teacher_cond = self.teacher_model.encode(forest.prompts) if self.needs_teacher_velocity(anchor) else None
         per = max(1, self.micro_batch // D)
         out = []
@@ -260,7 +257,7 @@ class ForwardProcessObjective(Objective):
             rows = slice(a * D, min(a + per, leaves.numel()) * D)
             noise = torch.stack([seeded_normal(s, shape) for s in eps_seeds[rows]])
             extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per],
-                     "teacher_cond": teacher_cond}
+                     "teacher_cond": teacher_cond, "anchor_weight": None if self.teacher is None else strength}
             out.append(Batch(leaves[a:a + per], int(leaves[a:a + per].numel()), extra))
         return out
 
@@ -285,11 +282,10 @@ class ForwardProcessObjective(Objective):
         return torch.cat(picks).clamp(1e-4, 1.0 - 1e-4)
 
     # ---- the shared forward --------------------------------------------------------------------
-    def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True):
-        """Per row (leaf × draw, leaf-major): v_θ (with grad), v_old (no grad; None unless ``with_old``),
-        v_ref (None unless ``kl_ref`` > 0), the target y = ε − x0 and t; plus the leaves' advantages [B].
-        When the batch carries ``teacher_cond`` (:meth:`needs_teacher_velocity`) the teacher's guided velocity at
-        the same rows is kept for :meth:`total` / the loss (``_v_teacher``, no gradient)."""
+    def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True) -> "Rows":
+        """The micro-batch's :class:`Rows`: v_θ (with grad), v_old (no grad; None unless ``with_old``), v_ref (None
+        unless ``kl_ref`` > 0), the teacher's guided velocity when the batch carries ``teacher_cond``
+        (:meth:`needs_teacher_velocity`; no grad), the target y = ε − x0, t and the leaves' advantages."""
         device = model.device
         D = self.draws
         leaves = batch.index
@@ -310,10 +306,10 @@ class ForwardProcessObjective(Objective):
             with torch.no_grad(), self._reference.active():
                 v_ref = model.velocity(x_t, t, rows_cond, g).float()
         teacher_cond = batch.extra.get("teacher_cond")
-        self._v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
+        v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
         v = model.velocity(x_t, t, rows_cond, g).float()
         adv = forest.advantage[leaves].float().to(device).clamp(-self.adv_clip, self.adv_clip)
-        return v, v_old, v_ref, target, t, adv
+        return Rows(v, v_old, v_ref, v_teacher, target, t, adv)
 
     def per_leaf(self, rows: torch.Tensor) -> torch.Tensor:
         """Mean over each leaf's D draws: [B·D] → [B]."""
@@ -322,23 +318,42 @@ class ForwardProcessObjective(Objective):
     def kl_ref_rows(self, v: torch.Tensor, v_ref: torch.Tensor | None) -> torch.Tensor | None:
         return None if v_ref is None else row_mean((v - v_ref) ** 2)
 
-    def total(self, own: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None,
-              batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def total(self, own: torch.Tensor, rows: "Rows", batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's loss from the objective's own per-leaf term ``own`` [B]: ``reward_term``·own, plus
         ``kl_ref``·(per-leaf mean‖v_θ − v_ref‖²) and the teacher's anchor λ_k·w·(per-leaf mean‖v_θ − v_T‖²)
-        (rows of ``v`` [B·D, ...]); returns (mean over leaves, diagnostics ``kl_ref`` / ``anchor_error``)."""
+        (``rows``: the batch's :class:`Rows`); returns (mean over leaves, diagnostics ``kl_ref`` / ``anchor_error`` /
+        ``anchor_weight`` λ_k)."""
         diag: dict[str, torch.Tensor] = {}
         per_leaf = self.reward_term * own
-        kl = self.kl_ref_rows(v, v_ref)
+        kl = self.kl_ref_rows(rows.v, rows.v_ref)
         if kl is not None:
             per_leaf = per_leaf + self.kl_ref * self.per_leaf(kl)
             diag["kl_ref"] = kl.detach().mean()
-        weight = batch.extra.get("anchor") if batch.extra else None
-        if weight is not None and self._v_teacher is not None:
-            err = self.per_leaf(row_mean((v - self._v_teacher) ** 2))
+        extra = batch.extra or {}
+        weight = extra.get("anchor")
+        if weight is not None and rows.v_teacher is not None:
+            err = self.per_leaf(row_mean((rows.v - rows.v_teacher) ** 2))
             per_leaf = per_leaf + weight.to(err.device) * err
             diag["anchor_error"] = err.detach().mean()
+        if extra.get("anchor_weight") is not None:
+            diag["anchor_weight"] = torch.tensor(float(extra["anchor_weight"]))
         return per_leaf.mean(), diag
+
+
+@dataclass
+class Rows:
+    """One micro-batch at its forward-process points, per row (leaf × draw, leaf-major) [R, ...]: the policy's
+    velocity ``v`` (with grad), the old copy's ``v_old``, the reference's ``v_ref`` and the teacher's guided
+    ``v_teacher`` (no grad; None where not computed), the target ``target`` = ε − x0 and the noise level ``t`` [R];
+    and the leaves' advantages ``adv`` [B] (clipped to ±``adv_clip``)."""
+
+    v: torch.Tensor
+    v_old: torch.Tensor | None
+    v_ref: torch.Tensor | None
+    v_teacher: torch.Tensor | None
+    target: torch.Tensor
+    t: torch.Tensor
+    adv: torch.Tensor
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:

@@ -88,11 +88,12 @@ class NFTLoss(ForwardProcessObjective):
         return r * err_pos + (1.0 - r) * err_neg, err_pos, err_neg
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        v, v_old, v_ref, target, t, adv = self.forward_rows(model, forest, batch, cond)
-        r = self.optimality(adv).repeat_interleave(self.draws)
-        centre = self._v_teacher if self.center == "teacher" else v_old
-        rows, err_pos, err_neg = self.row_loss(v, centre, target, t, r)
-        loss, diag = self.total(self.per_leaf(rows), v, v_ref, batch)
+        rows = self.forward_rows(model, forest, batch, cond)
+        v, v_old, target = rows.v, rows.v_old, rows.target
+        r = self.optimality(rows.adv).repeat_interleave(self.draws)
+        centre = rows.v_teacher if self.center == "teacher" else v_old
+        own, err_pos, err_neg = self.row_loss(v, centre, target, rows.t, r)
+        loss, diag = self.total(self.per_leaf(own), rows, batch)
         with torch.no_grad():
             diag.update({"nft_loss": loss.detach(), "optimality_mean": r.mean(), "nft_err_pos": err_pos.mean(),
                          "nft_err_neg": err_neg.mean(), "fm_error": row_mean((v - target) ** 2).mean(),

@@ -57,9 +57,9 @@ class PolicyLoss(Objective):
     def setup(self, model) -> None:
         self._reference = Reference(model) if self.needs_reference else None
 
-    def batches(self, forest, iteration: int = 0, seed: int = 0) -> list[Batch]:
+    def batches(self, forest, iteration: int = 0, seed: int = 0, units: torch.Tensor | None = None) -> list[Batch]:
         """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
-        return [Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest))]
+        return [Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest) if units is None else units)]
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Replay the batch's edges under the current weights (and the reference for β > 0), then

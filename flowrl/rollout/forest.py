@@ -314,11 +314,11 @@ class Forest(ForestPaths):
         ``units("edges")``."""
         return self.units("edges") if trainable else torch.nonzero(self.parent >= 0).flatten()
 
-    def units(self, trains_on: str, flat: bool = False) -> torch.Tensor:
+    def units(self, trains_on: str, flat: bool = False, weighted: bool = True) -> torch.Tensor:
         """The nodes an objective trains [U], in node order: for ``"edges"`` the children of the stochastic
         edges the plan left ``trainable``; for ``"leaves"`` the leaves whose reward is finite (a failed reward
-        is never trained). Either way only units the credit rule gave a non-zero ``weight``, and ``flat``
-        ones (no reward spread in their comparison set) only when ``flat`` is True."""
+        is never trained). Only units the credit rule gave a non-zero ``weight`` (unless ``weighted`` is False), and
+        ``flat`` ones (no reward spread in their comparison set) only when ``flat`` is True."""
         if trains_on == "edges":
             mask = (self.parent >= 0) & self.stochastic & (self.trainable > 0)
         elif trains_on == "leaves":
@@ -327,7 +327,8 @@ class Forest(ForestPaths):
             mask &= torch.isfinite(self.reward)
         else:
             raise ValueError(f"units({trains_on!r}): accepted: {list(UNITS)}")
-        mask &= self.weight > 0
+        if weighted:
+            mask &= self.weight > 0
         if not flat:
             mask &= self.flat <= 0
         return torch.nonzero(mask).flatten()

@@ -117,14 +117,8 @@ class Updater:
         sharding: one of this iteration's own, else one over every unit the plan made trainable."""
         if self._batches:
             return self._batches[0]
-        weight, flat = forest.weight.clone(), forest.flat.clone()
-        forest.weight.fill_(1.0)
-        forest.flat.zero_()
-        try:
-            return self.objective.batches(forest, 0, self.cfg.train.seed)[0]
-        finally:
-            forest.weight.copy_(weight)
-            forest.flat.copy_(flat)
+        every = forest.units(self.objective.trains_on, flat=True, weighted=False)  # whatever the credit rule weighted
+        return self.objective.batches(forest, 0, self.cfg.train.seed, units=every)[0]
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """Inner epochs of optimizer steps over the objective's micro-batches of ``forest``; returns the
