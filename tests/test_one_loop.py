@@ -275,7 +275,7 @@ def test_model_kwargs_reach_the_adapter_from_yaml_alone(tmp_path):
 
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.plan=chains", "rollout.post_steps_ratio=0.5"], "rollout.post_steps_ratio"),
-    (["rollout.plan=probed", "rollout.inner={plan: tree, steps: 4, split_steps: [0]}", "rollout.eta=0.3"], "rollout.eta"),
+    (["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"], "rollout.inner.post_steps_ratio"),
     (["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"], "rollout.inner.post_steps_ratio"),
 ])
 def test_a_key_that_nothing_reads_is_refused(tmp_path, overrides, key):
@@ -291,3 +291,17 @@ def test_the_inner_plan_is_one_nested_mapping(tmp_path):
                                        "rollout.inner={plan: chains, group_size: 4, window: {mode: fixed, size: 2}}"])
     plan = build.build_plan(cfg.rollout)
     assert (plan.inner_plan.group_size, plan.inner_plan.window.mode, plan.inner_plan.window.size) == (4, "fixed", 2)
+
+
+def test_a_wrapping_plan_has_no_keys_of_its_inner_plan():
+    """The probed plan reuses no chain keys by inheritance: a chain key beside it is not one of its keys at all, and the
+    ODE plan has only the keys it reads (no kernel, eta, window or post-solver)."""
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.eta'"):
+        TrainConfig.from_yaml(None, ["rollout.plan=probed", "rollout.eta=0.3"])
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.window.size'"):
+        TrainConfig.from_yaml(None, ["rollout.plan=ode", "loss.objective=nft", "rollout.window.size=2"])
+    from flowrl.rollout.chains import Chains, ODEChains
+
+    assert not issubclass(ODEChains, Chains)
+    assert {f.name for f in __import__("dataclasses").fields(ODEChains)} == {"group_size", "steps", "solver",
+                                                                               "teacher_share"}

@@ -232,7 +232,7 @@ def test_tp_grpo_forward_count_matches_the_closed_form(sd3_model, steps, window,
     with shared noise the trunk and the reference (the shared root) are one per group (Probed's docstring)."""
     win = SDEWindow(mode="all") if window is None else SDEWindow(mode="fixed", start=0, size=window)
     G, P = 2, len(PROMPTS)
-    plan = Probed(group_size=G, steps=steps, window=win, shared_noise=shared, probe="ode_completion")
+    plan = Probed(inner_plan=Chains(group_size=G, steps=steps, window=win, shared_noise=shared), probe="ode_completion")
     ctx = RolloutContext(seed=4, max_batch=3)
     forest = plan.rollout(sd3_model, PROMPTS, ctx)
     T, n = steps, window or steps - 1
@@ -256,7 +256,7 @@ def test_tp_grpo_forward_count_matches_the_closed_form(sd3_model, steps, window,
 def test_vgpo_probes_add_no_transformer_forward(sd3_model):
     win = SDEWindow(mode="fixed", start=1, size=3)
     plain = Chains(group_size=3, steps=6, window=win).rollout(sd3_model, PROMPTS, RolloutContext(seed=2))
-    plan = Probed(group_size=3, steps=6, window=win, probe="x0_projection")
+    plan = Probed(inner_plan=Chains(group_size=3, steps=6, window=win), probe="x0_projection")
     probed = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=2))
     assert probed.counters["forwards"] == plain.counters["forwards"] and probed.counters["probe_forwards"] == 0
     torch.testing.assert_close(probed.all_latents(), plain.all_latents(), rtol=0, atol=0)
@@ -270,7 +270,7 @@ def test_vgpo_probes_add_no_transformer_forward(sd3_model):
 
 @pytest.mark.parametrize("guidance", [1.0, 2.5])
 def test_pure_ode_reference_starts_from_the_chains_own_x_T(sd3_model, guidance):
-    plan = Probed(group_size=2, steps=4, window=SDEWindow(mode="fixed", start=0, size=2))
+    plan = Probed(inner_plan=Chains(group_size=2, steps=4, window=SDEWindow(mode="fixed", start=0, size=2)))
     forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=7, guidance=guidance, max_batch=1))
     roots = forest.roots()
     seeds = forest.seed[roots].tolist()
@@ -287,7 +287,7 @@ def test_pure_ode_reference_starts_from_the_chains_own_x_T(sd3_model, guidance):
 @pytest.mark.parametrize("probe, rule", [("ode_completion", TurningPoint()), ("x0_projection", ValueAnchor())])
 def test_replay_ratio_is_one_on_the_trained_edges(probe, rule):
     model = with_lora(make_model("sd3"))
-    plan = Probed(group_size=3, steps=5, window=SDEWindow(mode="fixed", start=0, size=3), probe=probe)
+    plan = Probed(inner_plan=Chains(group_size=3, steps=5, window=SDEWindow(mode="fixed", start=0, size=3)), probe=probe)
     forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=2.0, max_batch=4))
     nodes, x0 = forest.score_requests()
     forest.record_scores(nodes, {"r": x0.mean(dim=(1, 2, 3))})
@@ -304,7 +304,7 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
     from flowrl_rewards import MultiReward
 
     win = SDEWindow(mode="fixed", start=0, size=2)
-    forest = Probed(group_size=2, steps=4, window=win, probe="x0_projection").rollout(sd3_model, PROMPTS[:1], RolloutContext())
+    forest = Probed(inner_plan=Chains(group_size=2, steps=4, window=win), probe="x0_projection").rollout(sd3_model, PROMPTS[:1], RolloutContext())
     forest.value[forest.probe_node] = 0.5
     forest.reward[forest.leaves()] = 1.0
     with pytest.raises(ValueError, match="ode_completion"):  # R_0 (the root) is not probed by x0 projections
@@ -314,7 +314,7 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
     with pytest.raises(ValueError, match="rollout.plan=probed"):
         ValueAnchor().assign(plain)
     with pytest.raises(ConfigError, match="reward_normalize"):
-        Probed(steps=4, window=win).setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))
+        Probed(inner_plan=Chains(steps=4, window=win)).setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))
     with pytest.raises(ValueError, match="rollout.probe"):
         Probed(probe="x0")
     with pytest.raises(TypeError, match="inner_args"):
@@ -347,7 +347,7 @@ def test_probed_wraps_any_inner_plan_and_passes_the_lifecycle_on(sd3_model):
     forest = wrapped.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     assert inner.calls == ["setup", "after_update"]
     assert wrapped.metrics(forest)["inner/leaves"] == 4.0
-    own = Probed(group_size=2, steps=4, window=win).rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
+    own = Probed(inner_plan=Chains(group_size=2, steps=4, window=win)).rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     by_name = Probed(inner={"plan": "flowrl.rollout.chains:Chains",  # the same nested form as explore's inner
                             "group_size": 2, "steps": 4, "window": {"mode": "fixed", "start": 0, "size": 2}})
     named = by_name.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
@@ -362,6 +362,10 @@ class MiniTree(RolloutPlan):
     """A stand-in tree for the composition test: one root per prompt, two SDE splits (dance) into 2 × 2, ODE after."""
 
     steps: int = 4
+
+    @property
+    def schedule_steps(self) -> int:  # declared: what an ODE-completion probe completes along
+        return self.steps
 
     def rollout(self, model, prompts, ctx):
         guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
@@ -417,12 +421,14 @@ def test_presets_load(path, plan, rule):
     built = build.build_plan(cfg.rollout)
     assert built.probe == ("ode_completion" if rule == "turning_point" else "x0_projection")
     if rule == "turning_point":  # TP-GRPO: the SDE window starts at step 0, so R_0 is the root's completion
-        assert built.window.steps(built.steps, 0, 0)[0] == 0
+        assert built.inner_plan.window.steps(built.inner_plan.steps, 0, 0)[0] == 0
 
 
 # ---- learning through the Trainer ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # learning runs (10 iterations each): `pytest -m slow`, run by .ci/run; the probe metrics through
+# the Trainer: test_config_cli's one iteration of every preset (sd35/tp_grpo_pickscore, sd35/vgpo_geneval)
 @pytest.mark.parametrize("method", ["tp_grpo", "vgpo"])
 def test_step_credit_raises_a_dense_reward_through_the_trainer(tmp_path, method):
     """Ten seeded iterations on the tiny SD3 pipeline with ``redness``: the mean reward of fixed-seed ODE
@@ -430,8 +436,9 @@ def test_step_credit_raises_a_dense_reward_through_the_trainer(tmp_path, method)
     extra = (["rollout.probe=ode_completion", "credit.rule=turning_point"] if method == "tp_grpo"
              else ["rollout.probe=x0_projection", "credit.rule=value_anchor"])
     before, after, train = train_redness(tmp_path, method, [
-        "rollout.plan=probed", *extra, "rollout.group_size=6", "rollout.window.mode=fixed",
-        "rollout.window.start=0", "rollout.window.size=3", "train.max_steps=10"])
+        "rollout.plan=probed", *extra,
+        "rollout.inner={plan: chains, steps: 6, group_size: 6, window: {mode: fixed, start: 0, size: 3}}",
+        "train.max_steps=10"])
     gain = sum(after) / 2 - sum(before) / 2
     assert gain > max(3 * abs(before[0] - before[1]), 0.01), f"before {before}, after {after}"
     assert all(r["first_step_abs_delta_logp"] == 0.0 for r in train)

@@ -112,6 +112,12 @@ class RolloutPlan(Checked):
         """Whether the forest's leaves are clean samples (σ = 0) a forward-process objective can train on."""
         return True
 
+    @property
+    def schedule_steps(self) -> int | None:
+        """T: the steps of the model's schedule this plan samples with (a probe completes states along it); None for a
+        plan without one schedule."""
+        return None
+
     def root_count(self) -> int | None:
         """Roots per prompt group whose x_T seeds a wrapping plan may choose through ``ctx.root_seeds``
         (:meth:`RolloutContext.given_root_seeds`); None (default): the plan does not take given roots."""

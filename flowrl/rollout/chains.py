@@ -9,9 +9,7 @@ reads (no kernel, eta, window or post-solver).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 
 import torch
 
@@ -82,6 +80,25 @@ class SDEWindow(Checked):
         return list(range(start, start + self.size))
 
 
+@dataclass(frozen=True)
+class ChainRun:
+    """One rollout of G chains per prompt, as the chain engine (:func:`roll_chains`, :func:`chain_counts`) runs it: the
+    settings of the plan that asked, resolved for this iteration (no config keys of its own).
+
+    ``window``: the stochastic steps (sorted; empty: every step ODE); ``post``: the schedule indices DPM-Solver++(2M)
+    visits after the window (MixGRPO-Flash; None: Euler ODE after it); ``dpm2_all``: DPM-Solver++(2M) over all T steps
+    (the ODE plan's ``solver: dpm2``)."""
+
+    group_size: int
+    steps: int
+    kernel: str = "ode"
+    eta: float = 0.0
+    shared_noise: bool = False
+    window: tuple[int, ...] = ()
+    post: tuple[int, ...] | None = None
+    dpm2_all: bool = False
+
+
 @dataclass
 class Chains(RolloutPlan):
     """G independent chains per prompt (Flow-GRPO / DanceGRPO / MixGRPO).
@@ -100,146 +117,59 @@ class Chains(RolloutPlan):
     window: SDEWindow = field(default_factory=SDEWindow)
     post_solver: str = choice("none", POST_SOLVERS)
     post_steps_ratio: float = 0.4
-    solver: str = choice("euler", SOLVERS)
-
-    deterministic: ClassVar[bool] = False  # every step ODE: the ODE plan
 
     def __post_init__(self) -> None:
         if isinstance(self.window, dict):
             self.window = SDEWindow(**self.window)
         sde.check_kernel(self.kernel, "rollout.kernel")
-        if self.kernel == "ode" and not self.deterministic:
+        if self.kernel == "ode":
             raise ValueError("rollout.kernel='ode' makes every chain deterministic: that is the ODE plan; use "
                              "rollout.plan: ode (its keys: group_size, steps, solver, teacher_share)")
-        if self.kernel != "ode" and self.solver != "euler":
-            raise ValueError(f"rollout.solver={self.solver!r} is the ODE plan's solver (rollout.plan: ode); with an "
-                             "SDE kernel use rollout.post_solver for the steps after the window")
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (group advantages need several samples)")
-        if self.steps < 2:
-            raise ValueError(f"rollout.steps={self.steps} must be >= 2")
-        if self.shared_noise and self.eta <= 0:  # (the ODE plan fixes shared_noise off)
+        check_chain_shape(self.group_size, self.steps)
+        if self.shared_noise and self.eta <= 0:
             raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
                              "the same ODE sample; use eta > 0")
         if not (0.0 < self.post_steps_ratio <= 1.0):
             raise ValueError(f"rollout.post_steps_ratio={self.post_steps_ratio} must be in (0, 1]")
         self.window.validate(self.steps)
 
-    # ---- schedule -------------------------------------------------------------------------
-    def _post_indices(self, window_end: int) -> list[int]:
-        """Schedule indices the DPM-Solver++(2M) steps visit after the window (ending at T)."""
-        remaining = self.steps - window_end
-        n_post = max(1, round(self.post_steps_ratio * remaining))
-        idx = sorted({round(window_end + k * remaining / n_post) for k in range(n_post + 1)})
-        return idx
+    def unread_fields(self) -> dict[str, str]:
+        """``post_steps_ratio`` without a post-solver."""
+        if self.post_solver == "none":
+            return {"post_steps_ratio": "it sizes the steps of rollout.post_solver: dpm2, which is off"}
+        return {}
 
-    def unread_keys(self) -> dict[str, str]:
-        """``post_steps_ratio`` without the post-solver it sizes. (The window's keys for other modes are left
-        alone: a preset's window switched to another mode on the command line keeps its sizes.)"""
-        unread = {}
-        default = Chains.__dataclass_fields__["post_steps_ratio"].default
-        if not self.deterministic and self.post_solver == "none" and self.post_steps_ratio != default:
-            unread["rollout.post_steps_ratio"] = "it sizes the steps of rollout.post_solver: dpm2, which is off"
-        return unread
+    @property
+    def schedule_steps(self) -> int:
+        return self.steps
+
+    def run_of(self, ctx: RolloutContext) -> ChainRun:
+        """This iteration's :class:`ChainRun`: the window ``ctx`` draws and the post-solver's steps after it."""
+        window = tuple(self.window.steps(self.steps, ctx.iteration, ctx.seed))
+        post = None
+        if self.post_solver == "dpm2" and window:
+            post = tuple(post_indices(self.steps, window[-1] + 1, self.post_steps_ratio))
+        return ChainRun(self.group_size, self.steps, self.kernel, self.eta, self.shared_noise, window, post)
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """Forwards and trained edges: T per chain (fewer after the window with dpm2); window size edges.
         With ``shared_noise`` the steps up to and including the first stochastic one cost one forward per group."""
-        ctx = ctx or RolloutContext()
-        chains = num_prompts * self.group_size
-        if self.kernel == "ode":
-            return {"forwards": chains * self.steps, "trained_edges": 0, "leaves": chains, "replay_rows": 0}
-        window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
-        per_chain = self.steps
-        if self.post_solver == "dpm2":
-            end = window[-1] + 1
-            per_chain = end + len(self._post_indices(end)) - 1
-        trunk = window[0] + 1 if self.shared_noise else 0  # forwards one per group: the trunk and the branch point
-        forwards = num_prompts * trunk + chains * (per_chain - trunk)
-        edges = chains * len(window)  # replay rows: one per edge (shared noise's first window step counted per edge too)
-        return {"forwards": forwards, "trained_edges": edges, "leaves": chains, "replay_rows": edges}
-
-    @property
-    def has_trainable_edges(self) -> bool:
-        return self.kernel != "ode"
+        return chain_counts(self.run_of(ctx or RolloutContext()), num_prompts)
 
     def root_count(self) -> int:
         """Roots per prompt group a wrapping plan may seed through ``ctx.root_seeds``: 1 with shared
         noise, else G (chain j starts from the group's j-th seed)."""
         return 1 if self.shared_noise else self.group_size
 
-    # ---- rollout --------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         """Forest of len(prompts)·G chains, grouped per prompt in order (chain j of prompt p is
         leaf p·G + j). Root x_T come from ``ctx.root_seeds`` when a wrapping plan set them."""
-        G, T = self.group_size, self.steps
-        guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
-        sigmas = model.schedule(T).float().cpu()
-        window = [] if self.kernel == "ode" else self.window.steps(T, ctx.iteration, ctx.seed)
-        window_set = set(window)
-
-        P = len(prompts)
-        forest = ctx.new_forest(prompts, guidance)
-        sigma0 = float(sigmas[0])
-        given = ctx.given_root_seeds(P, self.root_count())  # x_T chosen by a wrapping plan (explore), else None
-        if self.shared_noise:
-            # one x_T per group: the ODE steps before the window are the same for all G chains, so the
-            # group shares one trunk and branches into its G chains at the first stochastic step
-            seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
-            nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
-            chain_of = {int(n): (ctx.group_offset + g, None) for g, n in enumerate(nodes)}
-        else:
-            seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
-            nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
-            chain_of = {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
-        cond = model.encode(prompts, guidance)
-        shape = model.latent_shape
-
-        # SDE noise is addressed by (global group, chain, step), never by node index, so the same
-        # chain draws the same noise whatever the process layout, batch chunking or trunk sharing.
-        step_now = 0
-
-        def chain_key(parent: int, branch: int) -> tuple[int, int]:
-            group, chain = chain_of[parent]
-            return group, branch if chain is None else chain
-
-        def noise_for(parents: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-            return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_key(int(p), int(b)), step_now), shape)
-                                for p, b in zip(parents, branch)]).to(model.device)
-
-        if self.kernel == "ode" and self.solver == "dpm2":
-            self._post_solve(forest, model, nodes, cond, sigmas, list(range(T + 1)), guidance, ctx.max_batch)
-            return forest
-        last = T if (self.post_solver == "none" or not window) else window[-1] + 1
-        for i in range(last):
-            step_now = i
-            fanout = G if (self.shared_noise and window and i == window[0]) else 1
-            kernel = self.kernel if i in window_set else "ode"
-            children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
-                               self.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
-                               observers=ctx.observers)
-            branches = torch.arange(fanout).repeat(nodes.shape[0])  # children come parent by parent
-            chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
-                        for p, b, c in zip(forest.parent[children], branches, children)}
-            nodes = children
-        if last < T:
-            self._post_solve(forest, model, nodes, cond, sigmas, self._post_indices(last), guidance, ctx.max_batch)
-        return forest
-
-    def _post_solve(self, forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor,
-                    idx: list[int], guidance: float, max_batch: int) -> None:
-        """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0): untrained ODE edges of
-        kernel ``dpm2`` (after a window: :meth:`_post_indices`; the ODE plan's ``solver: dpm2``: all steps),
-        one :func:`advance` per step with one :class:`DPM2` solver carrying x̂0 between them. No observers:
-        the post-solver's states are not shown to a wrapping plan (probed's x̂0 probes refuse it)."""
-        solver = DPM2()
-        for b in idx[1:]:
-            nodes = advance(forest, model, nodes, cond, float(sigmas[b]), b, solver, 0.0, None, guidance, max_batch)
+        return roll_chains(self.run_of(ctx), model, prompts, ctx)
 
 
 @dataclass
-class ODEChains(Chains):
+class ODEChains(RolloutPlan):
     """``rollout.plan: ode``: G deterministic chains per prompt, one x_T seed each (``solver``: ``euler`` or
     ``dpm2`` over the T steps of the model's schedule). No stochastic edges: the forest's leaves are clean
     samples for forward-process objectives (``loss.objective: nft | awm``); explore can wrap it.
@@ -250,22 +180,32 @@ class ODEChains(Chains):
     group; the forest's ``from_teacher`` column marks the teacher's nodes. Leaves: the policy's chains of
     every group, then the teacher's."""
 
+    group_size: int = 8
+    steps: int = 10
+    solver: str = choice("euler", SOLVERS)
     teacher_share: int = 0
-    # Chains' SDE keys are fixed here and are not keys of the ODE plan's section (a given one is refused).
-    kernel: str = field(default="ode", init=False, metadata={"config": False})
-    eta: float = field(default=0.0, init=False, metadata={"config": False})
-    shared_noise: bool = field(default=False, init=False, metadata={"config": False})
-    window: SDEWindow = field(default_factory=SDEWindow, init=False, metadata={"config": False})
-    post_solver: str = field(default="none", init=False, metadata={"config": False})
-    post_steps_ratio: float = field(default=0.4, init=False, metadata={"config": False})
-
-    deterministic: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_chain_shape(self.group_size, self.steps)
         if not 0 <= self.teacher_share <= self.group_size:
             raise ValueError(f"rollout.teacher_share={self.teacher_share} must be in [0, rollout.group_size="
                              f"{self.group_size}] (the teacher's samples per prompt group)")
+
+    @property
+    def has_trainable_edges(self) -> bool:
+        return False
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.steps
+
+    def root_count(self) -> int:
+        """One root per chain: a wrapping plan may choose each chain's x_T."""
+        return self.group_size
+
+    def run_of(self, chains: int) -> ChainRun:
+        """The engine's run of ``chains`` deterministic chains per prompt."""
+        return ChainRun(chains, self.steps, dpm2_all=self.solver == "dpm2")
 
     def teacher_count(self, ctx: RolloutContext) -> int:
         """The teacher's chains per group in this rollout (0 without a teacher in ``ctx``)."""
@@ -279,7 +219,7 @@ class ODEChains(Chains):
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         k = self.teacher_count(ctx)
         if k == 0:
-            return super().rollout(model, prompts, ctx)
+            return roll_chains(self.run_of(self.group_size), model, prompts, ctx)
         G, P = self.group_size, len(prompts)
         seeds = ctx.given_root_seeds(P, G) or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j)
                                                for g in range(P) for j in range(G)]
@@ -288,14 +228,12 @@ class ODEChains(Chains):
         for chains, guidance, who in ((range(G - k), ctx.guidance, None), (range(G - k, G), ctx.teacher.guidance, ctx.teacher)):
             if not len(chains):
                 continue
-            plan = copy.copy(self)
-            plan.group_size, plan.teacher_share = len(chains), 0  # a part of the group (no re-validation)
             part_ctx = replace(ctx, guidance=guidance, root_seeds=[[s[j] for j in chains] for s in per_group])
             if who is None:
-                parts.append(Chains.rollout(plan, model, prompts, part_ctx))
+                parts.append(roll_chains(self.run_of(len(chains)), model, prompts, part_ctx))
             else:
                 with who.active():
-                    forest = Chains.rollout(plan, model, prompts, part_ctx)
+                    forest = roll_chains(self.run_of(len(chains)), model, prompts, part_ctx)
                 forest.from_teacher[:] = 1.0
                 forest.counters["teacher_forwards"] = forest.counters["forwards"]
                 parts.append(forest)
@@ -305,7 +243,110 @@ class ODEChains(Chains):
         return Forest.merge(parts, same_prompts=True)
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
-        counts = super().expected_counts(num_prompts, ctx)
+        counts = chain_counts(self.run_of(self.group_size), num_prompts)
         if ctx is not None and self.teacher_share and ctx.teacher is not None:
             counts["teacher_forwards"] = num_prompts * self.teacher_count(ctx) * self.steps
         return counts
+
+
+# ---- the chain engine ------------------------------------------------------------------------------
+def check_chain_shape(group_size: int, steps: int) -> None:
+    """``rollout.group_size`` ≥ 2 and ``rollout.steps`` ≥ 2 (a ValueError naming the key otherwise)."""
+    if group_size < 2:
+        raise ValueError(f"rollout.group_size={group_size} must be >= 2 (group advantages need several samples)")
+    if steps < 2:
+        raise ValueError(f"rollout.steps={steps} must be >= 2")
+
+
+def post_indices(steps: int, window_end: int, ratio: float) -> list[int]:
+    """Schedule indices the DPM-Solver++(2M) steps visit after the window (ending at T): ``ratio`` of the
+    remaining steps, at least one."""
+    remaining = steps - window_end
+    n_post = max(1, round(ratio * remaining))
+    return sorted({round(window_end + k * remaining / n_post) for k in range(n_post + 1)})
+
+
+def chain_counts(run: ChainRun, num_prompts: int) -> dict[str, int]:
+    """The closed forms of a :class:`ChainRun` of ``num_prompts`` prompts: ``forwards`` (T per chain; fewer after the
+    window with a post-solver; with ``shared_noise`` the steps up to and including the first stochastic one cost one
+    forward per group), ``trained_edges`` and ``replay_rows`` (one per edge: shared noise's first window step is
+    counted per edge too), ``leaves``."""
+    chains = num_prompts * run.group_size
+    if not run.window:
+        return {"forwards": chains * run.steps, "trained_edges": 0, "leaves": chains, "replay_rows": 0}
+    per_chain = run.steps if run.post is None else run.window[-1] + 1 + len(run.post) - 1
+    trunk = run.window[0] + 1 if run.shared_noise else 0  # forwards one per group: the trunk and the branch point
+    forwards = num_prompts * trunk + chains * (per_chain - trunk)
+    edges = chains * len(run.window)
+    return {"forwards": forwards, "trained_edges": edges, "leaves": chains, "replay_rows": edges}
+
+
+@torch.no_grad()
+def roll_chains(run: ChainRun, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
+    """Forest of len(prompts)·G chains of ``run``, grouped per prompt in order (chain j of prompt p is leaf p·G + j).
+    Root x_T come from ``ctx.root_seeds`` when a wrapping plan set them. SDE noise is addressed by (global group,
+    chain, step), never by node index, so the same chain draws the same noise whatever the process layout, batch
+    chunking or trunk sharing."""
+    G, T = run.group_size, run.steps
+    guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+    sigmas = model.schedule(T).float().cpu()
+    window_set = set(run.window)
+    P = len(prompts)
+    forest = ctx.new_forest(prompts, guidance)
+    nodes, chain_of = _roots(run, model, forest, ctx, P, float(sigmas[0]))
+    cond = model.encode(prompts, guidance)
+    shape = model.latent_shape
+    step_now = 0
+
+    def chain_key(parent: int, branch: int) -> tuple[int, int]:
+        group, chain = chain_of[parent]
+        return group, branch if chain is None else chain
+
+    def noise_for(parents: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_key(int(p), int(b)), step_now),
+                                          shape) for p, b in zip(parents, branch)]).to(model.device)
+
+    if run.dpm2_all:
+        _post_solve(forest, model, nodes, cond, sigmas, list(range(T + 1)), guidance, ctx.max_batch)
+        return forest
+    last = T if run.post is None else run.window[-1] + 1
+    for i in range(last):
+        step_now = i
+        fanout = G if (run.shared_noise and run.window and i == run.window[0]) else 1
+        kernel = run.kernel if i in window_set else "ode"
+        children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
+                           run.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
+                           observers=ctx.observers)
+        branches = torch.arange(fanout).repeat(nodes.shape[0])  # children come parent by parent
+        chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
+                    for p, b, c in zip(forest.parent[children], branches, children)}
+        nodes = children
+    if run.post is not None:
+        _post_solve(forest, model, nodes, cond, sigmas, list(run.post), guidance, ctx.max_batch)
+    return forest
+
+
+def _roots(run: ChainRun, model: FlowModel, forest: Forest, ctx: RolloutContext, P: int, sigma0: float):
+    """The roots (x_T) of a run and each root's (global group, chain; None for a shared trunk): one per group with
+    ``shared_noise`` (the group's chains share the ODE trunk up to the first stochastic step and branch there), else
+    one per chain."""
+    G = run.group_size
+    given = ctx.given_root_seeds(P, 1 if run.shared_noise else G)  # x_T chosen by a wrapping plan (explore), else None
+    if run.shared_noise:
+        seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
+        nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
+        return nodes, {int(n): (ctx.group_offset + g, None) for g, n in enumerate(nodes)}
+    seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
+    nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
+    return nodes, {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
+
+
+def _post_solve(forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor, idx: list[int],
+                guidance: float, max_batch: int) -> None:
+    """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0): untrained ODE edges of kernel ``dpm2``
+    (after a window: :func:`post_indices`; the ODE plan's ``solver: dpm2``: all steps), one :func:`advance` per step
+    with one :class:`DPM2` solver carrying x̂0 between them. No observers: the post-solver's states are not shown to a
+    wrapping plan (probed's x̂0 probes refuse it)."""
+    solver = DPM2()
+    for b in idx[1:]:
+        nodes = advance(forest, model, nodes, cond, float(sigmas[b]), b, solver, 0.0, None, guidance, max_batch)

@@ -39,17 +39,14 @@ PROBES = ("ode_completion", "x0_projection")
 
 
 @dataclass
-class Probed(Chains):
+class Probed(RolloutPlan):
     """A rollout plan that wraps an inner plan and probes its states (``rollout.plan: probed``).
 
-    The inner plan is, by default, the chains described by this section's chain keys (``group_size``,
-    ``steps``, ``kernel``, ``eta``, ``shared_noise``, ``window``, ``post_solver``, ``post_steps_ratio``:
-    the same keys, defaults and checks as ``rollout.plan: chains``, which is why this class extends
-    :class:`Chains`). ``inner`` names any other plan instead, in the one nested form: a name (a registered one
-    such as ``tree``, ``package.module:Class`` or ``file.py:Class``) or ``{plan: name, its own keys...}``
-    (:func:`flowrl.config.components.build_nested`, as in an explore plan); the chain keys are then unused. In
-    Python, ``inner_plan=`` takes a ready plan object. ``setup``,
-    ``after_update`` and ``metrics`` are passed on to the inner plan.
+    ``inner``: the plan that rolls out, in the one nested form every wrapping plan takes: a name (a registered one
+    such as ``chains`` (the default, with its defaults) or ``tree``, ``package.module:Class`` or ``file.py:Class``) or
+    ``{plan: name, its own keys...}`` (:func:`flowrl.config.components.build_nested`, as in an explore plan); its keys
+    are its own, not this section's. In Python, ``inner_plan=`` takes a ready plan object. ``setup``,
+    ``after_update``, ``metrics`` and ``root_count`` are passed on to the inner plan.
 
     ``probe``: ``ode_completion`` or ``x0_projection`` (module docstring).
 
@@ -61,7 +58,7 @@ class Probed(Chains):
     Differences from that closed form: with
     ``shared_noise`` the first decision state (the group's trunk node) is completed once per *group*
     (T − W[0] forwards per group, not per chain), and the chains themselves share their trunk
-    (:meth:`Chains.expected_counts`); a window starting at w > 0 uses the state at step w as R_0, so the
+    (:func:`~flowrl.rollout.chains.chain_counts`); a window starting at w > 0 uses the state at step w as R_0, so the
     reference costs T − w, not T. Decodes and reward evaluations: one per probed state (n per chain) on top
     of the leaf's (n + 1 per chain, as TP-GRPO counts). Counted in ``forest.counters["probe_forwards"]`` (and in
     ``forwards``/``nfe``); logged by :meth:`metrics`.
@@ -78,28 +75,18 @@ class Probed(Chains):
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.inner_plan is None and self.inner != "chains":
+        if self.inner_plan is None:
             from flowrl.config import components
 
             self.inner_plan = components.build_nested(components.PLAN, self.inner, key="rollout.inner", refuse=Probed)
-        if self.probe == "x0_projection" and self.inner_plan is None and self.post_solver != "none":
-            raise ValueError(f"rollout.probe=x0_projection with rollout.post_solver={self.post_solver!r}: the post-solver "
-                             "does not probe the state after the last SDE step; use post_solver: none")
-
-    # ---- keys that an inner plan leaves unread ------------------------------------------------
-    CHAIN_KEYS = ("group_size", "steps", "kernel", "eta", "shared_noise", "window", "post_solver", "post_steps_ratio",
-                  "solver")
+        inner = self.inner_plan
+        if self.probe == "x0_projection" and isinstance(inner, Chains) and inner.post_solver != "none":
+            raise ValueError(f"rollout.probe=x0_projection with rollout.inner.post_solver={inner.post_solver!r}: the "
+                             "post-solver does not probe the state after the last SDE step; use post_solver: none")
 
     def unread_keys(self) -> dict[str, str]:
-        """With an inner plan of its own, the section's chain keys are unread; else the chains' unread keys. The
-        inner plan's unread keys are named under ``rollout.inner``."""
-        if self.inner_plan is None:
-            return super().unread_keys()
-        default = Chains()
-        unread = {f"rollout.{k}": "the inner plan (rollout.inner) rolls out; give its keys inside rollout.inner"
-                  for k in self.CHAIN_KEYS if getattr(self, k) != getattr(default, k)}
-        return {**unread, **inner_unread(self.inner_plan)}
+        """The inner plan's unread keys, named under ``rollout.inner``."""
+        return inner_unread(self.inner_plan)
 
     # ---- lifecycle: passed on to the inner plan ----------------------------------------------
     def setup(self, model: FlowModel, reward=None) -> None:
@@ -107,24 +94,30 @@ class Probed(Chains):
         if normalize != "none":
             raise ConfigError(f"reward_normalize={normalize!r} with rollout.plan=probed: probe values and leaf rewards "
                               "are normalised separately and could not be compared; use reward_normalize: none")
-        if self.inner_plan is not None:
-            self.inner_plan.setup(model, reward)
+        self.inner_plan.setup(model, reward)
 
     def after_update(self, model: FlowModel) -> None:
-        if self.inner_plan is not None:
-            self.inner_plan.after_update(model)
+        self.inner_plan.after_update(model)
 
     def root_count(self) -> int | None:
         """The inner plan's: a wrapping plan (explore) chooses the inner roots' x_T through ``ctx.root_seeds``,
         which reaches the inner plan unchanged (the probes start from those roots too)."""
-        return self.inner_plan.root_count() if self.inner_plan is not None else super().root_count()
+        return self.inner_plan.root_count()
+
+    @property
+    def has_trainable_edges(self) -> bool:
+        return self.inner_plan.has_trainable_edges
+
+    @property
+    def schedule_steps(self) -> int | None:
+        return self.inner_plan.schedule_steps
 
     def metrics(self, forest: Forest) -> dict[str, float]:
         """The inner plan's metrics, plus the probes' cost: ``probe/extra_forwards`` (model forwards of
         the completions; 0 for x0 projection), ``probe/decodes`` (probed states decoded, one reward
         evaluation each), ``probe/reward_calls`` (images scored: leaves + probes) and both per leaf, and
         ``probe/value_mean`` (mean value of the probed states)."""
-        out = dict(self.inner_plan.metrics(forest)) if self.inner_plan is not None else {}
+        out = dict(self.inner_plan.metrics(forest))
         leaves = max(int(forest.leaves().numel()), 1)
         probes = int(forest.probe_node.numel())
         extra = float(forest.counters.get("probe_forwards", 0))
@@ -140,56 +133,44 @@ class Probed(Chains):
         return out
 
     # ---- rollout ------------------------------------------------------------------------------
-    @property
-    def steps_of_schedule(self) -> int:
-        """T: the number of schedule steps the inner plan samples with (completions follow its schedule)."""
-        steps = self.steps if self.inner_plan is None else getattr(self.inner_plan, "steps", None)
-        if steps is None:
-            raise ValueError(f"rollout.inner={self.inner!r} has no 'steps' field: the ODE completion needs the schedule length")
-        return int(steps)
-
     @torch.no_grad()
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         """The inner plan's forest, with every decision state (``ode_completion``) or every state reached by
         an SDE edge (``x0_projection``) added as a probe."""
         if self.probe == "x0_projection":
-            forest = self._inner_rollout(model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,)))
+            forest = self.inner_plan.rollout(model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,)))
             forest.meta["probe_x0"] = True
             forest.counters.setdefault("probe_forwards", 0)
             return forest
-        forest = self._inner_rollout(model, prompts, ctx)
+        steps = self.schedule_steps
+        if steps is None:
+            raise ValueError(f"rollout.inner ({type(self.inner_plan).__name__}) declares no schedule_steps: the ODE "
+                             "completion needs the length of the schedule the inner plan samples with")
+        forest = self.inner_plan.rollout(model, prompts, ctx)
         nodes = decision_states(forest)
         before = forest.counters["forwards"]
-        x0 = ode_complete(model, forest, nodes, self.steps_of_schedule, ctx.max_batch)
+        x0 = ode_complete(model, forest, nodes, steps, ctx.max_batch)
         forest.counters["probe_forwards"] = forest.counters.get("probe_forwards", 0) + forest.counters["forwards"] - before
         if nodes.numel():
             forest.add_probe(nodes, x0)
         return forest
 
-    def _inner_rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
-        if self.inner_plan is None:
-            return super().rollout(model, prompts, ctx)
-        return self.inner_plan.rollout(model, prompts, ctx)
-
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """The inner plan's closed forms plus ``probe_forwards`` and ``probes`` (class docstring);
-        ``forwards`` includes the probe forwards. Closed form for the chains inner plan only."""
+        ``forwards`` includes the probe forwards. Closed forms for an inner chains plan only."""
         ctx = ctx or RolloutContext()
-        inner = super().expected_counts(num_prompts, ctx) if self.inner_plan is None else \
-            self.inner_plan.expected_counts(num_prompts, ctx)
+        inner = self.inner_plan
+        counts = inner.expected_counts(num_prompts, ctx)
+        if not isinstance(inner, Chains):
+            raise NotImplementedError(f"expected_counts of {self.probe} probes over an inner plan other than chains")
+        T, G = inner.steps, inner.group_size
+        window = inner.window.steps(T, ctx.iteration, ctx.seed)
         if self.probe == "x0_projection":
-            if self.inner_plan is not None:
-                raise NotImplementedError("expected_counts of x0 probes over an inner plan other than chains")
-            window = self.window.steps(self.steps, ctx.iteration, ctx.seed)
-            return {**inner, "probe_forwards": 0, "probes": num_prompts * self.group_size * len(window)}
-        if self.inner_plan is not None:
-            raise NotImplementedError("expected_counts of ODE-completion probes over an inner plan other than chains")
-        T, G = self.steps, self.group_size
-        window = self.window.steps(T, ctx.iteration, ctx.seed)
-        first = 1 if self.shared_noise else G  # the first decision state is the group's trunk node with shared noise
+            return {**counts, "probe_forwards": 0, "probes": num_prompts * G * len(window)}
+        first = 1 if inner.shared_noise else G  # the first decision state is the group's trunk node with shared noise
         extra = num_prompts * (first * (T - window[0]) + G * sum(T - i for i in window[1:]))
         probes = num_prompts * (first + G * (len(window) - 1))
-        return {**inner, "forwards": inner["forwards"] + extra, "probe_forwards": extra, "probes": probes}
+        return {**counts, "forwards": counts["forwards"] + extra, "probe_forwards": extra, "probes": probes}
 
 
 # ---- probes --------------------------------------------------------------------------------------

@@ -165,6 +165,10 @@ class Tree(RolloutPlan):
                 "depth_pruned_edges": num_prompts * pruned, "leaves": num_prompts * n[self.steps],
                 "replay_rows": num_prompts * sum(n[i] for i in stochastic if i + 1 not in layout.pruned)}
 
+    @property
+    def schedule_steps(self) -> int:
+        return self.steps
+
     def root_count(self) -> int:
         """One root per prompt group: a wrapping plan (Sol-RL's explore) may choose its x_T seed."""
         return 1
