@@ -9,11 +9,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}
 
 
 def resolve_device(device: str | torch.device, owner: str = "reward") -> torch.device:
@@ -33,16 +28,19 @@ def resolve_device(device: str | torch.device, owner: str = "reward") -> torch.d
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, owner: str = "reward") -> torch.dtype:
     """``"auto"`` → fp16 on CUDA, fp32 elsewhere; else one of fp32/fp16/bf16 (or a ``torch.dtype``)."""
+    from flowrl.models.dtypes import DTYPE_ALIASES, DTYPES, dtype_named
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in DTYPES.values():
             raise ValueError(f"{owner}: dtype={dtype} is not supported; use one of fp32, fp16, bf16 or 'auto'")
         return dtype
     if dtype in (None, "auto"):
         return torch.float16 if device.type == "cuda" else torch.float32
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"{owner}: dtype={dtype!r} is not supported; use one of 'auto', {sorted(_DTYPES)}")
-    return _DTYPES[key]
+    found = dtype_named(dtype)
+    if found is None:
+        raise ValueError(f"{owner}: dtype={dtype!r} is not supported; use one of 'auto', "
+                         f"{sorted([*DTYPES, *DTYPE_ALIASES])}")
+    return found
 
 
 def to_uint8(images: torch.Tensor):

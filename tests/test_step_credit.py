@@ -138,7 +138,12 @@ def test_turning_point_credit_on_chains_with_balancing_and_a_zero_variance_group
     step2 = forest.step == 2
     torch.testing.assert_close(forest.advantage[step1][:4], z([3.0, 1.0, -1.5, 1.0]))
     torch.testing.assert_close(forest.advantage[step2][:4], z([2.0, 1.0, -0.5, -0.5]))
-    assert forest.weight[step1].tolist() == [1, 1, 1, 1, 0, 0] and forest.weight[step2].tolist() == [1, 1, 1, 1, 0, 0]
+    # the zero-variance group's edges are flat (advantage 0, no spread to compare), not weight 0: a policy objective
+    # (which trains no flat unit) skips them, one that trains flat units would not
+    assert forest.weight[step1].tolist() == [1] * 6 and forest.flat[step1].tolist() == [0, 0, 0, 0, 1, 1]
+    assert forest.flat[step2].tolist() == [0, 0, 0, 0, 1, 1]
+    flat_edges = torch.cat([torch.nonzero(step1).flatten()[4:], torch.nonzero(step2).flatten()[4:]])
+    assert not bool(torch.isin(flat_edges, forest.units("edges")).any())
     assert forest.advantage[step1][4:].tolist() == [0.0, 0.0]
     assert forest.weight[forest.step == 3].sum() == 0  # ODE edges are never trained
     assert (stats["tp/pos"], stats["tp/neg"], stats["tp/kept_pos"], stats["tp/kept_neg"]) == (2, 1, 1, 1)
@@ -203,7 +208,7 @@ def test_value_anchor_keeps_the_absolute_term_when_the_group_stops_varying():
     for t in range(2):  # z = 0, the absolute term remains and the edges are trained
         torch.testing.assert_close(forest.advantage[forest.step == t + 1], (omega[t] * 0.1 * Q[t]).expand(2))
         assert forest.weight[forest.step == t + 1].tolist() == [1.0, 1.0]
-    assert forest.weight[forest.step == 3].tolist() == [0.0, 0.0]  # t ≥ abs_steps: nothing left, skipped
+    assert forest.flat[forest.step == 3].tolist() == [1.0, 1.0]  # t ≥ abs_steps: nothing left, skipped (flat)
     assert stats["zero_std_ratio"] == 1.0 and stats["skipped_edges"] == 2
 
 

@@ -7,7 +7,7 @@ from typing import Callable, ClassVar
 import torch
 
 from flowrl.config.choices import Checked
-from flowrl.rollout.forest import Forest
+from flowrl.rollout.forest import Forest, no_spread
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -38,16 +38,21 @@ class CreditRule(Checked):
         raise NotImplementedError
 
 
-def write_edge_credit(forest: Forest, edges: torch.Tensor, advantage: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
-    """Write ``advantage`` [E] and weight 1 on the ``edges`` [E] marked ``train`` [E] bool; every other node
-    gets advantage 0 and weight 0. Edges the plan left untrainable (``forest.trainable`` 0: a tree's depth
-    pruning) stay untrained. Returns which of ``edges`` were so pruned [E] bool."""
+def write_edge_credit(forest: Forest, edges: torch.Tensor, advantage: torch.Tensor, train: torch.Tensor,
+                      flat: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``advantage`` [E] and weight 1 on the ``edges`` [E] marked ``train`` [E] bool, and ``flat`` 1 on those of
+    them whose comparison set had no spread (``flat`` [E] bool: their advantage is 0; an objective trains them only if
+    it trains flat units); every other node gets advantage 0, weight 0 and flat 0. Edges the plan left untrainable
+    (``forest.trainable`` 0: a tree's depth pruning) stay untrained. Returns which of ``edges`` were so pruned [E] bool."""
     pruned = forest.trainable[edges] <= 0
     train = train & ~pruned
     forest.advantage = torch.zeros(forest.num_nodes)
     forest.weight = torch.zeros(forest.num_nodes)
+    forest.flat = torch.zeros(forest.num_nodes)
     forest.advantage[edges] = torch.where(train, advantage, torch.zeros_like(advantage)).float()
     forest.weight[edges] = train.float()
+    if flat is not None:
+        forest.flat[edges] = (flat & train).float()
     return pruned
 
 
@@ -72,6 +77,6 @@ def standardize(value: torch.Tensor, key: torch.Tensor, stats: dict[str, torch.T
     """z-scores [N] (fp64) of ``value`` [N] within the sets ``key`` [N], from their ``stats`` (:func:`set_stats`),
     and which sets are flat [num_sets] bool: fewer than two entries, or a spread ≤ ``zero_std_tol``. Entries
     of flat sets and non-finite entries get 0."""
-    flat = (stats["count"] < 2) | ((stats["max"] - stats["min"]) <= zero_std_tol)
+    flat = no_spread(stats["count"], stats["min"], stats["max"], zero_std_tol)
     z = (value.double() - stats["mean"][key]) / (stats["std"][key] + eps)
     return torch.where(torch.isfinite(value) & ~flat[key], z, torch.zeros_like(z)), flat

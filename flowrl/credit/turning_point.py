@@ -168,9 +168,9 @@ class TurningPoint(CreditRule):
         edges = torch.unique(edge)
         r_edge = StepPaths.edge_mean(edge, reward, forest.num_nodes)[edges]
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, r_edge, self.eps, self.zero_std_tol)
-        train = torch.isfinite(r_edge) & ~zero_var
-        pruned = write_edge_credit(forest, edges, z, train)
-        train = train & ~pruned
+        train = torch.isfinite(r_edge)  # cells without spread: flat (advantage 0), not weight 0
+        pruned = write_edge_credit(forest, edges, z, train, flat=zero_var)
+        train = train & ~zero_var & ~pruned
 
         step = forest.step[parent]
         edge_step = forest.step[forest.parent[edges]]

@@ -96,9 +96,10 @@ class ValueAnchor(CreditRule):
         alpha = torch.where(t_edge < self.abs_steps, torch.full_like(q_edge, self.k_abs), torch.zeros_like(q_edge))
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, q_edge, self.eps, self.zero_std_tol)
         adv = w_edge * (z + alpha * q_edge)
-        train = torch.isfinite(adv) & ~(zero_var & (alpha == 0))
-        pruned = write_edge_credit(forest, edges, adv, train)
-        train = train & ~pruned
+        flat = zero_var & (alpha == 0)  # no spread and no absolute term: advantage 0, flat (not weight 0)
+        train = torch.isfinite(adv)
+        pruned = write_edge_credit(forest, edges, adv, train, flat=flat)
+        train = train & ~flat & ~pruned
 
         step = forest.step[forest.parent[edge]]
         edge_step = forest.step[forest.parent[edges]]

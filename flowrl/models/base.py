@@ -171,10 +171,13 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
         same source image)."""
         return [self.negative_prompt] * len(prompts)
 
+    def guidance_or_default(self, guidance: float | None) -> float:
+        """The guidance a call uses: ``guidance``, else (None) the model's default :attr:`guidance`."""
+        return float(self.guidance if guidance is None else guidance)
+
     def uses_cfg(self, guidance: float | None = None) -> bool:
         """Whether :meth:`velocity` runs classifier-free guidance (needs ``Conditioning.uncond``)."""
-        g = self.guidance if guidance is None else guidance
-        return float(g) != 1.0
+        return self.guidance_or_default(guidance) != 1.0
 
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
         """Embeddings of one prompt, each tensor with a leading batch dimension of 1 (subclasses)."""
@@ -328,7 +331,7 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     def _cfg_of(self, cond: Conditioning, guidance: float | None) -> tuple[float, bool]:
         """(g, cfg) of one :meth:`velocity` call: its guidance (None → :attr:`guidance`) and whether it runs the
         rows ``[uncond; cond]`` (:meth:`uses_cfg`); raises when it does and ``cond`` has no unconditional rows."""
-        g = self.guidance if guidance is None else float(guidance)
+        g = self.guidance_or_default(guidance)
         cfg = self.uses_cfg(g)
         if cfg and cond.uncond is None:
             raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")

@@ -40,6 +40,18 @@ AUTOCAST_FOLLOWS_ACCELERATE = "accelerate"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``model.dtype`` name → torch dtype, the one definition of these names: the config's check (its accepted values),
 model building and the memory estimate read it."""
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                                 "bf16": "bfloat16"}
+"""Short names some settings also take (a reward's ``dtype``), each for one of :data:`DTYPES`."""
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype of a name of :data:`DTYPES` or :data:`DTYPE_ALIASES` (case and a ``torch.`` prefix ignored);
+    None for any other name."""
+    key = str(name).lower().removeprefix("torch.")
+    return DTYPES.get(DTYPE_ALIASES.get(key, key))
+
+
 MIXED_PRECISION: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The short names → torch dtype: accelerate's ``mixed_precision`` and the explorer's ``bf16`` / ``fp16`` backends."""
 

@@ -103,7 +103,7 @@ class FluxFlowModel(Packed2x2, FlowModel):
         ``true_cfg`` ≠ 1 the rows ``[uncond; cond]`` run in one forward and the result is
         ``v_u + true_cfg·(v_c − v_u)``.
         """
-        g_embed = self.guidance if guidance is None else float(guidance)
+        g_embed = self.guidance_or_default(guidance)
         timestep = self._check_inputs(x, sigma, cond)  # FLUX's transformer takes σ (it multiplies by 1000)
         cfg = self.uses_cfg()
         if cfg and cond.uncond is None:

@@ -161,7 +161,7 @@ class Flux2FlowModel(FlowModel):
     ) -> torch.Tensor:
         """Velocity v ≈ ε − x0 (fp32, [B, C, h, w]) of latents ``x`` [B, C, h, w] at ``sigma`` ([B] or a scalar),
         with the guidance embedding at ``guidance`` (None → ``self.guidance``) on every row; one transformer call."""
-        g = self.guidance if guidance is None else float(guidance)
+        g = self.guidance_or_default(guidance)
         timestep = self._check_inputs(x, sigma, cond)  # the transformer takes σ (it multiplies by 1000)
         latents = x.to(device=self.device, dtype=self.dtype)
         text = cond.cond["prompt_embeds"].to(device=self.device, dtype=self.dtype)

@@ -237,7 +237,7 @@ class ODEChains(RolloutPlan):
                 forest.from_teacher[:] = 1.0
                 forest.counters["teacher_forwards"] = forest.counters["forwards"]
                 parts.append(forest)
-        policy_guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        policy_guidance = model.guidance_or_default(ctx.guidance)
         for forest in parts:
             forest.guidance = policy_guidance  # the training forward's guidance; the teacher's marks its nodes
         return Forest.merge(parts, same_prompts=True)
@@ -288,7 +288,7 @@ def roll_chains(run: ChainRun, model: FlowModel, prompts: list[str], ctx: Rollou
     chain, step), never by node index, so the same chain draws the same noise whatever the process layout, batch
     chunking or trunk sharing."""
     G, T = run.group_size, run.steps
-    guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+    guidance = model.guidance_or_default(ctx.guidance)
     sigmas = model.schedule(T).float().cpu()
     window_set = set(run.window)
     P = len(prompts)

@@ -265,7 +265,7 @@ class Explore(RolloutPlan):
         self._pending = [r for r in self._pending if r["iteration"] == ctx.iteration]
         sync_before = self._sync_seconds
         explorer = self.explorer
-        guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        guidance = model.guidance_or_default(ctx.guidance)
         seeds = [derive_seed(ctx.seed, ctx.iteration, "explore", ctx.group_offset + g, n) for g in range(P) for n in range(N)]
         pool_prompts = [p for p in prompts for _ in range(N)]
 

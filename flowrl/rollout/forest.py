@@ -53,14 +53,20 @@ _OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage":
 UNITS = ("edges", "leaves")  # what an objective trains on (Objective.trains_on), what a credit rule writes
 
 
+def no_spread(count: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tol: float) -> torch.Tensor:
+    """The loop's one spread test, per set [S] bool: fewer than two entries (``count``), or max − min (``hi`` − ``lo``)
+    ≤ ``tol``. Group credit (:func:`flat_rows`), step credit and tree credit (:func:`flowrl.credit.base.standardize`)
+    and the trainer's ``groups_without_spread`` (:meth:`Forest.flat_groups`) all ask it."""
+    return (count < 2) | ((hi - lo) <= tol)
+
+
 def flat_rows(values: torch.Tensor, ok: torch.Tensor, tol: float) -> torch.Tensor:
-    """Which rows of ``values`` [P, G] have no spread [P] bool: max − min over the entries where ``ok``
-    [P, G] ≤ ``tol``, or fewer than two such entries. The loop's one spread test (:meth:`Forest.flat_groups`)."""
+    """Which rows of ``values`` [P, G] have no spread [P] bool (:func:`no_spread` over the entries where ``ok``)."""
     if values.shape[1] == 0:
         return torch.ones(values.shape[0], dtype=torch.bool)
     lo = torch.where(ok, values, torch.full_like(values, float("inf"))).min(dim=1).values
     hi = torch.where(ok, values, torch.full_like(values, float("-inf"))).max(dim=1).values
-    return (ok.sum(dim=1) < 2) | ((hi - lo) <= tol)
+    return no_spread(ok.sum(dim=1), lo, hi, tol)
 
 
 @dataclass

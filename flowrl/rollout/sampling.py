@@ -24,7 +24,7 @@ def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int],
     samples at a time (each batch encoded, solved and decoded on its own), on the CPU."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    guidance = model.guidance if guidance is None else float(guidance)
+    guidance = model.guidance_or_default(guidance)
     sigmas = model.schedule(steps).float().cpu()
     outs = []
     for start in range(0, len(prompts), max_batch):

@@ -178,7 +178,7 @@ class Tree(RolloutPlan):
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:
         """Forest of one K-ary tree per prompt (prompt p is group p; its leaves come in path order)."""
         T, K = self.steps, self.branch
-        guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
+        guidance = model.guidance_or_default(ctx.guidance)
         sigmas = model.schedule(T).float().cpu()
         layout = self.layout(ctx.iteration, ctx.seed)
         splits = set(layout.splits)
