@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from flowrl.config.choices import choose
 from flowrl_rewards import geneval_rules as rules
 from flowrl_rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
 from flowrl_rewards.base import Reward
@@ -50,8 +51,7 @@ class GenEvalReward(Reward):
                  confidence: float = 0.3, counting_threshold: float = 0.9, max_objects: int = 16,
                  max_overlap: float = 1.0, position_threshold: float = 0.1, device: str = "auto", dtype: str = "auto",
                  batch_size: int = 8):
-        if score not in SCORES:
-            raise ValueError(f"geneval: score={score!r} is not accepted; accepted: {', '.join(SCORES)}")
+        choose("geneval: score", score, SCORES, error=ValueError)
         for key, value, low, high in (("confidence", confidence, 0, 1), ("counting_threshold", counting_threshold, 0, 1),
                                       ("max_overlap", max_overlap, 0, 1), ("position_threshold", position_threshold, 0, 1)):
             if not isinstance(value, (int, float)) or not low <= value <= high:

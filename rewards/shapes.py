@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from flowrl.config.choices import choose
 from flowrl.shapes import world
 from flowrl_rewards import geneval_rules as rules
 from flowrl_rewards.base import Reward
@@ -220,8 +221,7 @@ class ShapesReward(Reward):
     name = "shapes"
 
     def __init__(self, mode: str = "strict"):
-        if mode not in MODES:
-            raise ValueError(f"ShapesReward: mode {mode!r} is not accepted; accepted: {', '.join(MODES)}")
+        choose("shapes: mode", mode, MODES, error=ValueError)
         self.mode = mode
 
     def check_prompt(self, prompt: str) -> None:

@@ -148,7 +148,8 @@ def test_column_buffers_grow_by_doubling_and_keep_whole_column_writes():
 
 
 def test_probe_and_leaf_latents_share_the_forests_device():
-    f = Forest(prompts=["p"])
+    """The device is declared (a rollout's forest: its model's); latents and probes computed elsewhere move to it."""
+    f = Forest(prompts=["p"], device="meta")
     roots = f.add_roots(torch.zeros(2, 1, 2, 2, device="meta"), [0, 0], [0, 1])
     mids = f.add_children(roots, torch.zeros(2, 1, 2, 2, device="meta"), 0.5, 1, torch.zeros(2), torch.ones(2), "dance", 0.5, 0)
     f.add_children(mids, torch.zeros(2, 1, 2, 2, device="meta"), 0.0, 2, torch.zeros(2), torch.zeros(2), "ode", 0.0, 1)
@@ -156,6 +157,7 @@ def test_probe_and_leaf_latents_share_the_forests_device():
     assert f.device == torch.device("meta") and f.probe_latents().device == torch.device("meta")
     nodes, x0 = f.score_requests()  # leaves and probes in one tensor: they must share a device
     assert x0.device == torch.device("meta") and x0.shape[0] == 4
+    assert Forest(prompts=["p"]).device == torch.device("cpu")  # declared: cpu unless the rollout says its model's
 
 
 def test_kernel_names_belong_to_the_forest_and_survive_a_merge():

@@ -375,7 +375,7 @@ class MiniTree(RolloutPlan):
     def rollout(self, model, prompts, ctx):
         guidance = model.guidance if ctx.guidance is None else float(ctx.guidance)
         sigmas = model.schedule(self.steps)
-        forest = ctx.new_forest(prompts, guidance)
+        forest = ctx.new_forest(prompts, guidance, model.device)
         seeds = [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g) for g in range(len(prompts))]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(len(prompts)), seeds, sigma=float(sigmas[0]))
         cond = model.encode(prompts, guidance)

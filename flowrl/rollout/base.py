@@ -50,9 +50,10 @@ class RolloutContext:
             raise ValueError(f"root_seeds must give {per_group} seed(s) for each of {num_groups} prompt groups; got {counts}")
         return [int(s) for seeds in self.root_seeds for s in seeds]
 
-    def new_forest(self, prompts: list[str], guidance: float) -> Forest:
-        """An empty forest for ``prompts`` that records this context's sampler settings."""
-        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction)
+    def new_forest(self, prompts: list[str], guidance: float, device: torch.device | str) -> Forest:
+        """An empty forest for ``prompts`` that records this context's sampler settings, its latents kept on ``device``
+        (the rollout's model's)."""
+        return Forest(prompts=list(prompts), guidance=guidance, reduction=self.reduction, device=device)
 
 
 def inner_unread(plan: "RolloutPlan") -> dict[str, str]:

@@ -292,7 +292,7 @@ def roll_chains(run: ChainRun, model: FlowModel, prompts: list[str], ctx: Rollou
     sigmas = model.schedule(T).float().cpu()
     window_set = set(run.window)
     P = len(prompts)
-    forest = ctx.new_forest(prompts, guidance)
+    forest = ctx.new_forest(prompts, guidance, model.device)
     nodes, chain_of = _roots(run, model, forest, ctx, P, float(sigmas[0]))
     cond = model.encode(prompts, guidance)
     shape = model.latent_shape

@@ -24,8 +24,8 @@ pruning): credit rules never overwrite it; it concerns edges only (a leaf is tra
 whatever the edge into it);
 ``from_teacher`` [N] (0; 1 on nodes a guided teacher sampled, the ODE plan's ``teacher_share``).
 
-Built in layers, frozen once: each :meth:`add_children` appends one layer of latents (kept as given, on the
-forest's ``device``: the device of its first latents) and writes its columns into buffers that grow by
+Built in layers, frozen once: each :meth:`add_children` appends one layer of latents (fp32, on the forest's declared
+``device``: the rollout's model's, set by :meth:`~flowrl.rollout.base.RolloutContext.new_forest`) and writes its columns into buffers that grow by
 doubling, so building costs time linear in the number of nodes. During a rollout :meth:`latents_of` reads
 nodes from their layers; :meth:`all_latents` concatenates the layers once, when the rollout is read whole.
 Probe latents live on the same device as the nodes' latents. ``meta``: plain method data a plan records
@@ -79,7 +79,7 @@ class Forest(ForestPaths):
     reduction: str = "mean"  # how edge log-probs were reduced over latent elements (replay uses the same)
     meta: dict = field(default_factory=dict)  # plain method data (see the module docstring)
     kernels: list[str] = field(default_factory=lambda: ["ode"])  # the names behind the ``kernel`` column
-    device: torch.device | None = None  # where latents and probes live (None: the device of the first latents)
+    device: torch.device | str = "cpu"  # where latents and probes live: declared (a rollout's: its model's device)
     sigma: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     parent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -108,6 +108,9 @@ class Forest(ForestPaths):
     _next_batch_id: int = 0
     copied_latent_rows: int = field(default=0, repr=False)  # latent rows copied while building and freezing
 
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+
     # ---- building -------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
@@ -127,7 +130,6 @@ class Forest(ForestPaths):
 
     def _append(self, latents: torch.Tensor, **cols: torch.Tensor) -> torch.Tensor:
         n0, n = self.num_nodes, latents.shape[0]
-        self.device = latents.device if self.device is None else self.device
         self._block_starts.append(n0)
         self._latent_blocks.append(latents.detach().to(self.device, torch.float32))
         for name in _NODE_FIELDS:
@@ -222,8 +224,10 @@ class Forest(ForestPaths):
             if len({getattr(f, attr) for f in forests}) != 1:
                 raise ValueError(f"cannot merge forests sampled with different {attr}")
         prompts = list(forests[0].prompts) if same_prompts else [p for f in forests for p in f.prompts]
+        if len({f.device for f in forests}) != 1:
+            raise ValueError("cannot merge forests whose latents live on different devices")
         out = Forest(prompts=prompts, guidance=forests[0].guidance, reduction=forests[0].reduction,
-                     meta=dict(forests[0].meta))
+                     meta=dict(forests[0].meta), device=forests[0].device)
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
         out.reward_components = {k: torch.zeros(0) for k in names}
         node_offset = group_offset = batch_offset = 0

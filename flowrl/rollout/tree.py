@@ -183,7 +183,7 @@ class Tree(RolloutPlan):
         layout = self.layout(ctx.iteration, ctx.seed)
         splits = set(layout.splits)
         P = len(prompts)
-        forest = ctx.new_forest(prompts, guidance)
+        forest = ctx.new_forest(prompts, guidance, model.device)
         seeds = ctx.given_root_seeds(P, self.root_count()) or [
             derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=float(sigmas[0]), step=0)
