@@ -136,6 +136,9 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     negative_prompt: str = ""
     takes_source_image: bool = False
     """An editing family: every prompt carries the image it edits (:mod:`flowrl.prompts.images`)."""
+    modality: str = "image"
+    """What the family samples: ``"image"`` (decode → [B, 3, H, W]) or ``"video"`` (``decode_video`` → [B, F, 3, H, W],
+    frames ``num_frames``); declared once, read by the loop, the rewards' checks and the estimate."""
     default_lora_targets: list[str] = []
     autocast: torch.dtype | str | None = AUTOCAST_FOLLOWS_ACCELERATE
     """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``

@@ -64,6 +64,8 @@ class WanFlowModel(FlowModel):
         negative_prompt: the unconditional prompt of CFG (the pipeline's default ``""``).
     """
 
+    modality = "video"
+
     family = "wan"
     pipeline_class = "WanPipeline"
     default_lora_targets = WAN_LORA_TARGETS

@@ -139,6 +139,22 @@ class Objective(Checked):
         return (f"{type(self).__name__} declares none (a forward-process objective with an old copy does: nft, awm or "
                 "a subclass)")
 
+    def frozen_copies(self) -> tuple[str, ...]:
+        """The frozen copies of the policy the objective keeps and runs forwards on: ``old`` (a lagging old policy)
+        and/or ``reference`` (the initial weights, for a KL), in the order its update runs them. Default: none."""
+        return ()
+
+    @property
+    def rows_per_unit(self) -> int:
+        """Velocity rows one trained unit costs in the forward with gradients (a forward-process objective: its
+        ``draws`` (t, ε) points per leaf). Default 1."""
+        return 1
+
+    def training_cfg(self, rollout_cfg: bool) -> bool:
+        """Whether the forward with gradients runs classifier-free guidance, given whether the rollouts do (a policy
+        objective replays exactly what the rollout ran)."""
+        return rollout_cfg
+
     def reward_free_overrides(self) -> dict[str, Any]:
         """``loss`` keys and values that switch off every term independent of the reward (e.g. a KL to a reference,
         a teacher anchor), for ``flowrl snr --reward-only``; only asked when :attr:`has_reward_free_point`."""

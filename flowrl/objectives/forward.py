@@ -180,6 +180,18 @@ class ForwardProcessObjective(Objective):
     def state_dict(self) -> dict:
         return {"old": None if self._old is None else self._old.state_dict(), "updates": self._updates}
 
+    def frozen_copies(self) -> tuple[str, ...]:
+        """The old copy (unless the objective keeps none), then the reference for ``kl_ref`` > 0."""
+        return (("old",) if self.uses_old else ()) + (("reference",) if self.kl_ref > 0 else ())
+
+    @property
+    def rows_per_unit(self) -> int:
+        return self.draws
+
+    def training_cfg(self, rollout_cfg: bool) -> bool:
+        """The guided velocity is trained only with ``cfg: guided`` (CFG-free trains the conditional one)."""
+        return rollout_cfg and self.cfg == "guided"
+
     def sampling_teacher(self):
         """The guided teacher built from ``loss.teacher`` (None without one)."""
         return self.teacher_model

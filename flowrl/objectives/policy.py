@@ -82,6 +82,10 @@ class PolicyLoss(Objective):
         if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
             raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
 
+    def frozen_copies(self) -> tuple[str, ...]:
+        """The reference, for the KL (``kl_ref`` > 0)."""
+        return ("reference",) if self.needs_reference else ()
+
     def unread_fields(self) -> dict[str, str]:
         """``kl_form`` without a KL to the reference (``kl_ref`` 0)."""
         return {"kl_form": "loss.kl_ref is 0: no KL to the reference is computed"} if self.kl_ref == 0 else {}

@@ -113,6 +113,11 @@ class RolloutPlan(Checked):
         """Whether the forest's leaves are clean samples (σ = 0) a forward-process objective can train on."""
         return True
 
+    def explorer(self) -> tuple[str, int, list[str] | None] | None:
+        """The low-precision explorer copy the plan keeps (``(backend, min_params, skip)``: what it converts), or
+        None (default): none. For the memory estimate."""
+        return None
+
     @property
     def schedule_steps(self) -> int | None:
         """T: the steps of the model's schedule this plan samples with (a probe completes states along it); None for a

@@ -230,6 +230,11 @@ class Explore(RolloutPlan):
             self._stale = False
         return self._explorer
 
+    def explorer(self) -> tuple[str, int, list[str] | None] | None:
+        """``(backend, min_params, skip)`` of its explorer copy (``same`` keeps no copy of its own: it samples with
+        the policy, fewer steps)."""
+        return (self.backend, self.min_params, self.skip)
+
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
         """The inner plan's counts (full-precision forwards, trained edges, leaves of K seeds per prompt)
         plus ``explore_forwards`` = prompts · N · preview_steps (explorer forwards, ×2 NFE with CFG) and

@@ -33,8 +33,8 @@ from flowrl_rewards.base import Reward
 
 
 def model_modality(model) -> str:
-    """``"video"`` for a family that decodes to videos [B, F, 3, H, W] (it offers ``decode_video``), else ``"image"``."""
-    return "video" if callable(getattr(model, "decode_video", None)) else "image"
+    """What the model samples, as its family declares it (:attr:`~flowrl.models.base.FlowModel.modality`)."""
+    return model.modality
 
 
 def decode(model, latents: torch.Tensor, max_batch: int) -> torch.Tensor:
