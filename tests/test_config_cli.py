@@ -166,3 +166,30 @@ def test_an_out_of_tree_objective_declares_the_inherited_keys_it_never_reads(tmp
     with pytest.raises(ConfigError, match=r"loss.draws is set but nothing reads it: FixedT trains one point per leaf"):
         TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode", "loss.draws=4"])
     assert TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode"]).loss.draws == 2
+
+
+def test_the_checks_change_nothing_and_the_components_are_built_once(monkeypatch):
+    """Checking a config changes none of its values (YAML's true/false stay as given; their readers parse them), and
+    the plan, credit rule and objective checked at load are the ones a run takes, built once; a config changed after
+    loading gets fresh ones, checked then."""
+    import copy
+
+    from flowrl.config import chosen, components
+
+    cfg = TrainConfig.from_yaml(None, ["train.async_reward=True", "optim.loss_scaling=False"])
+    before = copy.deepcopy(cfg)
+    cfg.validate()
+    assert cfg == before and cfg.train.async_reward == "True" and cfg.optim.loss_scaling == "False"
+    built = []
+    real = components.instantiate
+    monkeypatch.setattr(components, "instantiate", lambda kind, section: built.append(kind.section) or real(kind, section))
+    cfg = TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode"])
+    assert sorted(built) == ["credit", "loss", "rollout"]
+    plan, credit, objective = chosen.take_components(cfg)
+    assert sorted(built) == ["credit", "loss", "rollout"] and type(objective).__name__ == "NFTLoss"  # the loaded ones
+    again = chosen.take_components(cfg)  # a second run of the same config: its own components
+    assert again[2] is not objective and len(built) == 6
+    cfg.loss.optimality_form = "linear"
+    cfg.loss.adv_scale = 3.0  # changed after loading into an unread key: refused when the run takes its components
+    with pytest.raises(ConfigError, match="loss.adv_scale is set but nothing reads it"):
+        chosen.take_components(cfg)

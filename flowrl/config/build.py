@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from flowrl.config import components
+from flowrl.config import chosen
 from flowrl.config.schema import ConfigError, ModelSection, RewardTerm, TrainConfig
 from flowrl.credit.base import CreditRule
 from flowrl.errors import shown
@@ -83,7 +83,7 @@ def add_lora(model: FlowModel, section: ModelSection) -> None:
 
 def build_plan(section: Any) -> RolloutPlan:
     """The rollout plan ``rollout.plan`` names, built from the section's values of its fields."""
-    return components.instantiate(components.PLAN, section)
+    return chosen.build_plan(section)
 
 
 def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
@@ -101,12 +101,10 @@ def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
 
 def build_credit(cfg: TrainConfig) -> CreditRule:
     """The credit rule ``credit.rule`` names."""
-    return components.instantiate(components.CREDIT, cfg.credit)
+    return chosen.build_credit(cfg)
 
 
 def build_loss(cfg: TrainConfig) -> Objective:
     """The objective ``loss.objective`` names, with the run's one micro-batch size (``rollout.max_batch``: states
     per rollout forward, which a policy objective's replay follows, and rows per training forward otherwise)."""
-    objective = components.instantiate(components.LOSS, cfg.loss)
-    objective.micro_batch = int(cfg.rollout.max_batch)
-    return objective
+    return chosen.build_loss(cfg)

@@ -7,7 +7,6 @@ import math
 import re
 from typing import Any
 
-from flowrl.config import components
 from flowrl.config.choices import choose, did_you_mean
 from flowrl.errors import ConfigError, shown
 from flowrl.models.dtypes import DTYPES
@@ -17,89 +16,106 @@ REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines severa
 
 
 def check_config(cfg: Any) -> None:
-    """Every check that needs no model on ``cfg`` (a TrainConfig, read by attribute: flowrl.config.schema calls this
-    module, which never imports it); raises ConfigError at the first failure."""
-    if ":" not in cfg.model.family:  # else an out-of-tree adapter, checked when it is imported
+    """Every check of ``cfg``'s own sections that needs no model (a TrainConfig, read by attribute: flowrl.config.schema
+    calls this module, which never imports it); raises ConfigError at the first failure. Nothing is changed. The
+    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.build.load_components`)."""
+    check_model_section(cfg.model)
+    check_loop_sections(cfg)
+
+
+def check_model_section(m: Any) -> None:
+    """``model.*``: the family, dtype, sharding, device, sizes, guidance and LoRA shape."""
+    if ":" not in m.family:  # else an out-of-tree adapter, checked when it is imported
         from flowrl.models import MODEL_FAMILIES
 
-        choose("model.family", cfg.model.family, tuple(MODEL_FAMILIES))
-    choose("model.dtype", cfg.model.dtype, tuple(DTYPES))
-    choose("model.shard", cfg.model.shard, ("auto", "ddp", "fsdp"))
-    choose("model.shard_rollouts", cfg.model.shard_rollouts, ("per_block", "whole"))
+        choose("model.family", m.family, tuple(MODEL_FAMILIES))
+    choose("model.dtype", m.dtype, tuple(DTYPES))
+    choose("model.shard", m.shard, ("auto", "ddp", "fsdp"))
+    choose("model.shard_rollouts", m.shard_rollouts, ("per_block", "whole"))
+    positive("model.lora.rank", m.lora.rank)
+    positive("model.lora.alpha", m.lora.alpha)
+    within("model.lora.dropout", m.lora.dropout, 0.0, 1.0)
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(m.device)):
+        raise ConfigError(f"model.device={shown(m.device)} is not supported; accepted: auto, cpu, mps, "
+                          "cuda, cuda:N")
+    for key in ("guidance", "true_cfg"):
+        if getattr(m, key) is not None:
+            positive(f"model.{key}", getattr(m, key), allow_zero=True)
+    for key in ("height", "width", "max_sequence_length", "prompt_cache_mb"):
+        if getattr(m, key) is not None:
+            positive(f"model.{key}", getattr(m, key))
+    if m.true_cfg is not None and m.family != "flux":
+        raise ConfigError(f"model.true_cfg={m.true_cfg} is FLUX's real CFG; for model.family="
+                          f"{m.family!r} use model.guidance")
+
+
+def check_loop_sections(cfg: Any) -> None:
+    """The loop's own sections: rewards, optim, prompts, rollout's loop keys, eval and train."""
     choose("reward_normalize", cfg.reward_normalize, REWARD_NORMALIZE)
-    choose("optim.schedule", cfg.optim.schedule, ("constant", "linear", "cosine"))
-    cfg.optim.loss_scaling = str(cfg.optim.loss_scaling).lower()  # YAML true/false arrive as "True"/"False"
-    choose("optim.loss_scaling", cfg.optim.loss_scaling, ("auto", "true", "false"))
-    choose("train.log_with", cfg.train.log_with, ("none", "tensorboard", "wandb"))
-    positive("train.max_steps", cfg.train.max_steps, allow_zero=True)
-    positive("train.max_minutes", cfg.train.max_minutes, allow_zero=True)
-    positive("train.inner_epochs", cfg.train.inner_epochs)
-    positive("train.updates_per_epoch", cfg.train.updates_per_epoch)
+    if not cfg.rewards:
+        raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
+    for i, term in enumerate(cfg.rewards):
+        if not math.isfinite(term.weight):
+            raise ConfigError(f"rewards[{i}].weight={term.weight} must be a finite number")
+    check_optim(cfg.optim)
     positive("prompts.per_step", cfg.prompts.per_step)
     choose("prompts.sampling", cfg.prompts.sampling, ("epoch", "adaptive"))
     check_adaptive_settings(cfg.prompts.adaptive_floor, cfg.prompts.adaptive_decay)
     positive("rollout.max_batch", cfg.rollout.max_batch)
     positive("rollout.chunks", cfg.rollout.chunks)
-    positive("optim.grad_clip", cfg.optim.grad_clip)  # ≤ 0 would reverse or zero every update
-    positive("train.checkpoint_every", cfg.train.checkpoint_every, allow_zero=True)
-    positive("train.keep_last", cfg.train.keep_last, allow_zero=True)
-    positive("eval.every", cfg.eval.every, allow_zero=True)
-    positive("eval.every_minutes", cfg.eval.every_minutes, allow_zero=True)
-    positive("eval.steps", cfg.eval.steps)
-    positive("model.lora.rank", cfg.model.lora.rank)
-    positive("model.lora.alpha", cfg.model.lora.alpha)
-    within("model.lora.dropout", cfg.model.lora.dropout, 0.0, 1.0)
-    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(cfg.model.device)):
-        raise ConfigError(f"model.device={shown(cfg.model.device)} is not supported; accepted: auto, cpu, mps, "
-                          "cuda, cuda:N")
-    for key in ("guidance", "true_cfg"):
-        if getattr(cfg.model, key) is not None:
-            positive(f"model.{key}", getattr(cfg.model, key), allow_zero=True)
-    for key in ("height", "width", "max_sequence_length", "prompt_cache_mb"):
-        if getattr(cfg.model, key) is not None:
-            positive(f"model.{key}", getattr(cfg.model, key))
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two numbers, e.g. [0.9, 0.999]")
-    for i, beta in enumerate(cfg.optim.betas):
-        within(f"optim.betas[{i}]", beta, 0.0, 1.0)
-    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
-    positive("optim.eps", cfg.optim.eps)
-    positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
-    positive("eval.grid_prompts", cfg.eval.grid_prompts, allow_zero=True)
+    for key in ("every", "every_minutes", "grid_prompts"):
+        positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
+    for key in ("steps", "images_per_prompt", "batch_size"):
+        positive(f"eval.{key}", getattr(cfg.eval, key))
     if cfg.eval.num_prompts is not None:
         positive("eval.num_prompts", cfg.eval.num_prompts)
-    for i, term in enumerate(cfg.rewards):
-        if not math.isfinite(term.weight):
-            raise ConfigError(f"rewards[{i}].weight={term.weight} must be a finite number")
-    if cfg.train.num_threads is not None:
-        positive("train.num_threads", cfg.train.num_threads)
-    check_run_name(cfg.train.name)
-    cfg.train.async_reward = str(cfg.train.async_reward).lower()  # YAML true/false arrive as "True"/"False"
-    choose("train.async_reward", cfg.train.async_reward, ("auto", "true", "false"))
-    positive("optim.lr", cfg.optim.lr)
-    if not cfg.rewards:
-        raise ConfigError("rewards must list at least one reward, e.g. rewards: [{name: shapes}]")
-    if cfg.model.true_cfg is not None and cfg.model.family != "flux":
-        raise ConfigError(f"model.true_cfg={cfg.model.true_cfg} is FLUX's real CFG; for model.family="
-                          f"{cfg.model.family!r} use model.guidance")
-    if cfg.train.overwrite and cfg.train.resume:
-        raise ConfigError(f"train.overwrite=true replaces the run, train.resume={cfg.train.resume!r} continues "
+    check_train(cfg.train)
+
+
+def check_optim(o: Any) -> None:
+    """``optim.*``: the schedule, loss scaling, rates, betas and clipping."""
+    choose("optim.schedule", o.schedule, ("constant", "linear", "cosine"))
+    choose("optim.loss_scaling", str(o.loss_scaling).lower(), ("auto", "true", "false"))  # YAML true/false too
+    positive("optim.lr", o.lr)
+    positive("optim.grad_clip", o.grad_clip)  # ≤ 0 would reverse or zero every update
+    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    positive("optim.eps", o.eps)
+    positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers, e.g. [0.9, 0.999]")
+    for i, beta in enumerate(o.betas):
+        within(f"optim.betas[{i}]", beta, 0.0, 1.0)
+
+
+def check_train(t: Any) -> None:
+    """``train.*``: logging, step and time limits, checkpoints, threads, the run's name, resume and EMA."""
+    choose("train.log_with", t.log_with, ("none", "tensorboard", "wandb"))
+    choose("train.async_reward", str(t.async_reward).lower(), ("auto", "true", "false"))  # YAML true/false too
+    for key in ("max_steps", "max_minutes", "checkpoint_every", "keep_last"):
+        positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    positive("train.inner_epochs", t.inner_epochs)
+    positive("train.updates_per_epoch", t.updates_per_epoch)
+    if t.num_threads is not None:
+        positive("train.num_threads", t.num_threads)
+    check_run_name(t.name)
+    if t.overwrite and t.resume:
+        raise ConfigError(f"train.overwrite=true replaces the run, train.resume={t.resume!r} continues "
                           "it: set one of them")
-    if not 0.0 <= cfg.train.ema < 1.0:
-        raise ConfigError(f"train.ema={cfg.train.ema} must be in [0, 1)")
-    built = {kind.section: components.instantiate(kind, getattr(cfg, kind.section))  # each checks its own fields
-             for kind in components.KINDS}
-    objective = built[components.LOSS.section]
-    objective.check_plan(built[components.PLAN.section])  # e.g. a policy objective on ODE rollouts
-    objective.check_credit(built[components.CREDIT.section])  # e.g. step-level credit with a leaf objective
-    for component in built.values():  # every key read or refused: each component names its unread ones
+    if not 0.0 <= t.ema < 1.0:
+        raise ConfigError(f"train.ema={t.ema} must be in [0, 1)")
+
+
+def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
+    """The chosen plan, credit rule and objective of ``cfg`` (each checked its own fields when constructed), checked
+    together: the objective against the plan and the credit rule, every key read or refused, the guidance."""
+    objective.check_plan(plan)  # e.g. a policy objective on ODE rollouts
+    objective.check_credit(credit)  # e.g. step-level credit with a leaf objective
+    for component in (plan, credit, objective):  # every key read or refused: each component names its unread ones
         unread = component.unread_keys()
         if unread:
             key, why = next(iter(unread.items()))
             raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
-    positive("eval.images_per_prompt", cfg.eval.images_per_prompt)
-    positive("eval.batch_size", cfg.eval.batch_size)
 
 
 def guard_names(cfg: Any) -> list[str]:

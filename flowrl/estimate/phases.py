@@ -43,50 +43,68 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
     backward has accumulated it (FSDP2 reduce-scatters a block's gradients and frees them as backward leaves it:
     :func:`~flowrl.estimate.sharding.fsdp_transients`; the sharded ones are static).
     """
-    arch = ARCH_CACHE[arch_key]
-    dtype = DTYPES[dtype_name]
-    module, _ = model_with_lora(arch_key, dtype_name, lora, sharded)
-    vae = build_vae(arch, dtype)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    held = [p for p in model_with_lora(arch_key, dtype_name, lora)[0].parameters() if p.requires_grad]
-    autocast = MetaAutocast(dtype, target) if lora is None and dtype != torch.float32 else None
-    inputs = torch.float32 if autocast is not None and not sharded else dtype
+    tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, rollout_states, cfg_on, update_states, train_cfg,
+                          before, after, target, sharded)
+    out = tracer.sampling(explore)
+    out.update(tracer.updates())
+    out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(tracer.held, target)
+    return out
 
-    def region(cache: bool = True):
-        return autocast(cache) if autocast is not None else contextlib.nullcontext()
 
-    def rollout_forward() -> None:
-        with torch.no_grad(), region():
-            velocity(module, arch, shapes, rollout_states, cfg_on, inputs)
+class _PhaseTracer:
+    """The meta model and inputs of :func:`phase_traces`, and one method per traced piece of an iteration."""
 
-    def decode() -> None:
+    def __init__(self, arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int,
+                 cfg_on: bool, update_states: int, train_cfg: bool, before: tuple, after: tuple, target: str,
+                 sharded: bool):
+        self.arch = ARCH_CACHE[arch_key]
+        self.dtype = DTYPES[dtype_name]
+        self.module, _ = model_with_lora(arch_key, dtype_name, lora, sharded)
+        self.vae = build_vae(self.arch, self.dtype)
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.held = [p for p in model_with_lora(arch_key, dtype_name, lora)[0].parameters() if p.requires_grad]
+        self.autocast = MetaAutocast(self.dtype, target) if lora is None and self.dtype != torch.float32 else None
+        self.inputs = torch.float32 if self.autocast is not None and not sharded else self.dtype
+        self.lora, self.shapes, self.target, self.sharded = lora, shapes, target, sharded
+        self.rollout_states, self.cfg_on, self.update_states, self.train_cfg = rollout_states, cfg_on, update_states, train_cfg
+        self.before, self.after = before, after
+
+    def region(self, cache: bool = True):
+        return self.autocast(cache) if self.autocast is not None else contextlib.nullcontext()
+
+    def rollout_forward(self) -> None:
+        with torch.no_grad(), self.region():
+            velocity(self.module, self.arch, self.shapes, self.rollout_states, self.cfg_on, self.inputs)
+
+    def decode(self) -> None:
         with torch.no_grad():
-            latents = torch.empty(rollout_states, *shapes.latent, dtype=torch.float32, device="meta").to(dtype)
-            image = decode_latents(vae, arch, latents)
+            latents = torch.empty(self.rollout_states, *self.shapes.latent, dtype=torch.float32,
+                                  device="meta").to(self.dtype)
+            image = decode_latents(self.vae, self.arch, latents)
             (image.float() / 2 + 0.5).clamp(0, 1)
 
-    def copy_forward(which: str) -> torch.Tensor:
+    def copy_forward(self, which: str) -> torch.Tensor:
         """A forward without gradients of the old policy (LoRA: its own adapter; same cost) or the reference
         (LoRA: adapters disabled, as ``FlowModel.reference``; full fine-tuning: a frozen copy, same cost)."""
-        off = which == "reference" and lora is not None
+        off = which == "reference" and self.lora is not None
         if off:
-            module.disable_adapters()
+            self.module.disable_adapters()
         try:
-            with torch.no_grad(), region(cache=False):  # a frozen copy's weights: not cached (no grad)
-                return velocity(module, arch, shapes, update_states, train_cfg, inputs)
+            with torch.no_grad(), self.region(cache=False):  # a frozen copy's weights: not cached (no grad)
+                return velocity(self.module, self.arch, self.shapes, self.update_states, self.train_cfg, self.inputs)
         finally:
             if off:
-                module.enable_adapters()
+                self.module.enable_adapters()
 
-    def update_step() -> None:
+    def update_step(self) -> None:
         # the objective's own latent-sized fp32 tensors of the micro-batch: a policy objective's parent and child
         # states and transition mean; a forward-process objective's x0, ε, x_t and target y
-        latents = [torch.empty(update_states, *shapes.latent, dtype=torch.float32, device="meta")
-                   for _ in range(3 if not before else 4)]
-        copies = [copy_forward(which) for which in before]
-        with region():
-            v = velocity(module, arch, shapes, update_states, train_cfg, inputs)
-        copies += [copy_forward(which) for which in after]
+        latents = [torch.empty(self.update_states, *self.shapes.latent, dtype=torch.float32, device="meta")
+                   for _ in range(3 if not self.before else 4)]
+        copies = [self.copy_forward(which) for which in self.before]
+        with self.region():
+            v = velocity(self.module, self.arch, self.shapes, self.update_states, self.train_cfg, self.inputs)
+        copies += [self.copy_forward(which) for which in self.after]
         loss = (v - torch.empty_like(v)).pow(2).mean()  # the objective's few latent-sized fp32 terms
         for h in copies:
             loss = loss + (v.detach() - h).pow(2).mean()
@@ -94,36 +112,42 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
         loss.backward()
         del latents
 
-    out: dict[str, Trace] = {}
-    module.eval()
-    out["rollout"] = out["explore"] = trace(rollout_forward, target)
-    if explore and lora is not None:
-        module.disable_adapters()
+    def sampling(self, explore: bool) -> dict[str, Trace]:
+        """``rollout``, ``explore`` (the LoRA merged, an explorer copy's cost) and ``decode``."""
+        out: dict[str, Trace] = {}
+        self.module.eval()
+        out["rollout"] = out["explore"] = trace(self.rollout_forward, self.target)
+        if explore and self.lora is not None:
+            self.module.disable_adapters()
+            try:
+                out["explore"] = trace(self.rollout_forward, self.target)
+            finally:
+                self.module.enable_adapters()
+        out["decode"] = trace(self.decode, self.target)
+        return out
+
+    def updates(self) -> dict[str, Trace]:
+        """``update`` and ``update_checkpointed``: one training micro-batch without and with gradient checkpointing."""
+        out: dict[str, Trace] = {}
+        self.module.train()
+        for p in self.trainable:  # gradients exist from the first micro-batch on: the estimate adds them to the phase
+            p.grad = torch.zeros_like(p)
+        handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in self.trainable] if self.sharded else []
         try:
-            out["explore"] = trace(rollout_forward, target)
+            for name, checkpointing in (("update", False), ("update_checkpointed", True)):
+                if checkpointing:
+                    self.module.enable_gradient_checkpointing(self.autocast.checkpoint if self.autocast is not None else None)
+                else:
+                    self.module.disable_gradient_checkpointing()
+                out[name] = trace(self.update_step, self.target)
         finally:
-            module.enable_adapters()
-    out["decode"] = trace(decode, target)
-    module.train()
-    for p in trainable:  # gradients exist from the first micro-batch on: the estimate adds them to the phase
-        p.grad = torch.zeros_like(p)
-    handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in trainable] if sharded else []
-    try:
-        for name, checkpointing in (("update", False), ("update_checkpointed", True)):
-            if checkpointing:
-                module.enable_gradient_checkpointing(autocast.checkpoint if autocast is not None else None)
-            else:
-                module.disable_gradient_checkpointing()
-            out[name] = trace(update_step, target)
-    finally:
-        for handle in handles:
-            handle.remove()
-        module.disable_gradient_checkpointing()
-        for p in trainable:
-            p.grad = None
-        module.eval()
-    out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(held, target)
-    return out
+            for handle in handles:
+                handle.remove()
+            self.module.disable_gradient_checkpointing()
+            for p in self.trainable:
+                p.grad = None
+            self.module.eval()
+        return out
 
 
 def _trace_optimizer(params: list[nn.Parameter], target: str) -> Trace:

@@ -113,7 +113,7 @@ class RolloutPlan(Checked):
         """Whether the forest's leaves are clean samples (σ = 0) a forward-process objective can train on."""
         return True
 
-    def explorer(self) -> tuple[str, int, list[str] | None] | None:
+    def explorer_spec(self) -> tuple[str, int, list[str] | None] | None:
         """The low-precision explorer copy the plan keeps (``(backend, min_params, skip)``: what it converts), or
         None (default): none. For the memory estimate."""
         return None

@@ -230,7 +230,7 @@ class Explore(RolloutPlan):
             self._stale = False
         return self._explorer
 
-    def explorer(self) -> tuple[str, int, list[str] | None] | None:
+    def explorer_spec(self) -> tuple[str, int, list[str] | None] | None:
         """``(backend, min_params, skip)`` of its explorer copy (``same`` keeps no copy of its own: it samples with
         the policy, fewer steps)."""
         return (self.backend, self.min_params, self.skip)

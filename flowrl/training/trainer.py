@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from flowrl.config import build
 from flowrl.config.checks import guard_names
+from flowrl.config.chosen import take_components
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import (
@@ -89,17 +90,13 @@ class Trainer(TrainerCheckpoints):
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
-        self.objective = build.build_loss(c)
+        self.plan, self.credit, self.objective = take_components(c)  # built and checked once (at load)
         if shard == "fsdp":
             check_sharded_objective(self.objective)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
         self.objective.setup(self.model)
-        self.plan = build.build_plan(c.rollout)
-        self.objective.check_plan(self.plan)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
-        self.credit = build.build_credit(c)
-        self.objective.check_credit(self.credit)
         self.plan.setup(self.model, self.reward)
         self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
         if shard == "fsdp":
@@ -111,7 +108,7 @@ class Trainer(TrainerCheckpoints):
         self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
                                     guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
                                     reduction=self.objective.reduction, teacher=self.objective.sampling_teacher(),
-                                    async_reward={"auto": "auto", "true": True, "false": False}[c.train.async_reward])
+                                    async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()])
         self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
                                sharded=self.sharding is not None)
         self.failed_rewards = FailedRewardStreak(c.train.max_failed_iterations, self.reward)  # all-NaN streak stops

@@ -58,7 +58,7 @@ class Updater:
         whose range the per-element gradients of a mean-reduced loss fall below). Disabled, it is the identity."""
         from flowrl.models.dtypes import computes_in_fp16
 
-        choice = self.cfg.optim.loss_scaling
+        choice = str(self.cfg.optim.loss_scaling).lower()  # YAML true/false arrive as True/False
         enabled = choice == "true" or (choice == "auto" and computes_in_fp16(self.model))
         device = self.params[0].device.type if self.params else "cpu"
         return torch.amp.GradScaler(device, enabled=enabled)
