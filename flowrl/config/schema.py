@@ -238,9 +238,11 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config.checks`)."""
+        from flowrl.config.chosen import load_components
         from flowrl.config.checks import check_config, check_guard, positive
 
         check_config(self)
+        load_components(self)  # the plan, credit rule and objective, built and checked once, kept for the trainer
         check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
         if self.train.max_failed_iterations < 1:
             raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
