@@ -13,9 +13,10 @@ OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 
 
 SEED_MAX = 2 ** 62  # seeds go to torch.Generator.manual_seed (and seed + i must stay below 2**64)
 
-Flag = tuple[str, float, "float | None", str]
-"""(flag, least, most (None: no bound), what it is) of a numeric flag; a flag left at None (its default) is not
-checked."""
+Flag = tuple[str, float, "float | None", str] | tuple[str, float, "float | None", str, float]
+"""``(flag, least, most (None: no bound), what it is[, limit])`` of a numeric flag; a flag left at None (its default)
+is not checked. ``limit``: a stated maximum of a size that drives memory or time (:mod:`flowrl.config.bounds`),
+refused at once with its own message rather than after minutes of work."""
 
 
 def defaults_epilog(argv: list[str] | None = None) -> str:
@@ -57,7 +58,9 @@ def is_file(word: str) -> bool:
 def check_flags(args: argparse.Namespace) -> None:
     """Every numeric flag the command declares (``args.flags``, its module's ``FLAGS``) within its range; else a
     ConfigError naming the flag, the value and what is accepted."""
-    for flag, low, high, what in getattr(args, "flags", ()):
+    from flowrl.config.bounds import at_most
+
+    for flag, low, high, what, *limit in getattr(args, "flags", ()):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         for v in value if isinstance(value, list) else [value]:
             if v is None:
@@ -66,3 +69,32 @@ def check_flags(args: argparse.Namespace) -> None:
             if bad:
                 accepted = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
                 raise ConfigError(f"{flag}={v!r} must be {accepted} ({what})")
+            if limit:
+                at_most(flag, v, limit[0], what)
+
+
+def image_bytes(model) -> int:
+    """Bytes one drawn image (a video: all its frames) of ``model`` takes as float32 pixels."""
+    frames = int(getattr(model, "num_frames", None) or 1)
+    return 3 * int(model.height) * int(model.width) * frames * 4
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give a process (``MemAvailable`` of /proc/meminfo), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(flag: str, value: int, need: int, what: str) -> None:
+    """``need`` bytes (``what``, driven by ``flag``'s ``value``) fit in the memory available now, with a quarter to
+    spare; else a ConfigError naming the flag, both sizes and what to change, before any work starts."""
+    have = available_memory()
+    if have is not None and need > 0.75 * have:
+        raise ConfigError(f"{flag}={value}: {what} take {need / 2**30:,.1f} GiB, more than this machine can hold "
+                          f"({have / 2**30:,.1f} GiB available); accepted: a smaller {flag}")

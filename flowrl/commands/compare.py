@@ -30,6 +30,8 @@ from pathlib import Path
 
 from flowrl.commands.common import SEED_MAX, Flag
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.run.filenames import unique_names
+from flowrl.run.outputs import check_output, unfinished_start
 
 BUDGETS = ("iterations", "images", "minutes")
 
@@ -77,9 +79,10 @@ def budget_overrides(cfg: TrainConfig, kind: str, value: float) -> list[str]:
 def plan_runs(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: tuple[str, float], out: Path,
               threads: int) -> list[Run]:
     """The runs of a comparison: ``entries`` are (label, config path, overrides); each is loaded (so a bad
-    config fails here, naming it) to turn the budget into its own overrides."""
+    config fails here, naming it) to turn the budget into its own overrides. A label becomes one folder name of
+    at most 40 characters, distinct from the others' (:func:`~flowrl.run.filenames.unique_names`): never a path."""
     loaded = []
-    for label, path, overrides in entries:
+    for label, (_, path, overrides) in zip(unique_names([e[0] for e in entries], 40, fallback="config"), entries):
         cfg = TrainConfig.from_yaml(path, overrides)
         loaded.append((label, path, overrides, cfg, budget_overrides(cfg, *budget), max(1, cfg.eval.every or 0)))
     runs = []
@@ -105,8 +108,10 @@ def run_all(runs: list[Run], out: Path, parallel: int = 1) -> dict[str, dict]:
         log = out / "logs" / f"{run.key}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(_threads(run.command))}
+        command = ["train.overwrite=true" if c == "train.resume=latest" and unfinished_start(run.folder) else c
+                   for c in run.command]  # stopped before its first checkpoint (a resume refuses): start it again
         with log.open("a") as f:
-            rc = subprocess.call(run.command, stdout=f, stderr=subprocess.STDOUT, env=env)
+            rc = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc == 0:
             return run.key, {"state": "done"}
         tail = log.read_text().strip().splitlines()[-5:]
@@ -331,14 +336,12 @@ def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, flo
 def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,
             parallel: int = 1, threads: int = 1, metric: str | None = None, run: bool = True) -> tuple[str, list[str]]:
     """Plan, run (resuming; ``run=False``: only report what is there) and report a comparison; returns the
-    Markdown table and the keys (``label-sSEED``) of the runs that failed."""
+    Markdown table and the keys (``label-sSEED``) of the runs that failed. ``out``: new, or a comparison's."""
     out = Path(out)
     runs = plan_runs(entries, seeds, parse_budget(budget), out, threads)
-    if run:
-        status = run_all(runs, out, parallel)
-    else:
-        status_path = out / "status.json"
-        status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    check_output(out, "flowrl compare", recognise=lambda folder: (folder / "status.json").is_file()).make()
+    saved = out / "status.json"
+    status = run_all(runs, out, parallel) if run else json.loads(saved.read_text()) if saved.is_file() else {}
     failed = [r.key for r in runs if status.get(r.key, {}).get("state") == "failed"]
     return report(runs, status, out, metric), failed
 
@@ -356,7 +359,7 @@ def add_parser(sub, epilog: str) -> None:
     p.add_argument("items", nargs="+", metavar="CONFIG|LABEL=CONFIG|key=value")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--budget", default="iterations=150", help="iterations=N | images=N | minutes=N (default iterations=150)")
-    p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    p.add_argument("--out", default="runs/compare", help="output folder: new, or an earlier comparison's (default runs/compare)")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--metric", default=None, help="held-out metric key (default: the first eval/*/accuracy)")

@@ -3,6 +3,7 @@ them, :mod:`flowrl.prompts.sets` says what each is)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 from flowrl.commands.common import Flag
 from flowrl.paths import REPO_ROOT
 from flowrl.prompts.fetch import fetch, list_sets
-from flowrl.prompts.sets import DEFAULT_OUT, PROMPT_SETS, SOURCE_ENV, DataError, get_set
+from flowrl.prompts.sets import DEFAULT_OUT, MANIFEST, PROMPT_SETS, SOURCE_ENV, DataError, get_set
 
 FLAGS: list[Flag] = []
 
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name in args.names:
             get_set(name)  # every name checked before anything is downloaded
+            _check_set_folder(args.out, name)  # and every folder it would write (flowrl/run/outputs.py)
         for name in args.names:
             fetch(name, args.out, source, force=args.force)
     except DataError as e:
@@ -47,6 +49,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 
+def _check_set_folder(out: str, name: str) -> None:
+    """``OUT/<set>/`` may be written (:func:`~flowrl.run.outputs.check_output`): new, empty, or a fetch of that set
+    (its ``manifest.json``, or files that already pass the set's counts and checksums). ``OUT`` itself may hold
+    anything: the command adds a folder per set to it."""
+    from flowrl.prompts.fetch import up_to_date
+    from flowrl.run.outputs import check_output
+
+    spec = get_set(name)
+
+    def fetched(folder: Path) -> bool:
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except (OSError, ValueError):
+            manifest = None
+        return (isinstance(manifest, dict) and manifest.get("name") == spec.name) or up_to_date(spec, folder)
+
+    check_output(Path(out) / spec.name, "flowrl data fetch", f"--out {out!r} ({spec.name}/: {Path(out) / spec.name})",
+                 recognise=fetched)
+
+
 def add_data_commands(parser: argparse.ArgumentParser) -> None:
     """``fetch NAME... [--out DIR] [--source FOLDER] [--force]`` and ``list [--out DIR]`` under ``parser``."""
     names = ", ".join(sorted(PROMPT_SETS))
@@ -57,7 +79,8 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
                                    "Exit status 2 when a set cannot be produced.")
     f.add_argument("names", nargs="+", metavar="NAME", help=f"prompt set(s): {names}")
     f.add_argument("--out", default=DEFAULT_OUT, help=f"folder that receives <name>/ (default ./{DEFAULT_OUT}, "
-                                                     "where the presets look)")
+                                                     "where the presets look); a <name>/ that an earlier fetch did "
+                                                     "not write is refused")
     f.add_argument("--source", default=None, metavar="FOLDER",
                    help=f"local mirror FOLDER/<owner>/<repo>/<path> instead of downloading (default ${SOURCE_ENV})")
     f.add_argument("--force", action="store_true", help="fetch again even when the files are present and check out")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from flowrl.commands.common import OVERRIDES_HELP, Flag
 from flowrl.errors import ConfigError
 from flowrl.run.model import load_model, run_config
+from flowrl.run.outputs import check_output
+
+EVAL_FAILED = 3  # the exit status of an eval whose reward failed (or was not finite) for every image
 
 FLAGS: list[Flag] = [("--images-per-prompt", 1, 64, "images per benchmark prompt")]
 
@@ -20,8 +24,9 @@ def add_parser(sub, epilog: str) -> None:
                        epilog=epilog, formatter_class=fmt)
     p.add_argument("--checkpoint", help="run folder or checkpoint folder (default: the base model)")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
-    p.add_argument("--out", help="folder for eval.json and grid.png (--benchmark: the images in GenEval's layout, "
-                                 "results.jsonl, summary.json)")
+    p.add_argument("--out", help="folder for eval.json and grid.png: a new one, or an earlier eval's (then eval-2.json, "
+                                 "…: nothing is overwritten); --benchmark: the images in GenEval's layout, results.jsonl, "
+                                 "summary.json, in a new (or empty) folder")
     p.add_argument("--benchmark", choices=("geneval", "ocr"), default=None,
                    help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
                         "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); docs/rewards/geneval.md, docs/rewards/ocr.md")
@@ -47,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.config import build
     from flowrl.distributed.process_group import ProcessGroup
     from flowrl.prompts.source import read_prompts
-    from flowrl.training.evaluation import HeldOutEval
-    from flowrl.training.grids import save_grid
+    from flowrl.training.evaluation import HeldOutEval, failed_rewards
 
     cfg, ckpt = run_config(args.checkpoint, args.config, args.overrides)
     if not cfg.prompts.eval:
         raise ConfigError("prompts.eval is null (the run was trained without held-out prompts); name them: "
                           "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
+    output = check_output(args.out, "flowrl eval") if args.out is not None else None  # before the model loads
     prompts = read_prompts(cfg.prompts.eval, "prompts.eval")[: cfg.eval.num_prompts or None]
     reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
@@ -63,13 +68,33 @@ def run(args: argparse.Namespace) -> int:
     metrics["num_prompts"] = len(prompts)
     if group.is_main:
         print(json.dumps(metrics, indent=2))
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "eval.json").write_text(json.dumps(metrics, indent=2))
-            if grids.get("eval") is not None and grids["eval"].numel():
-                save_grid(grids["eval"], Path(args.out) / "grid.png", scale=4)
+        if output is not None:
+            _write_eval(output.make(), metrics, grids.get("eval"))
     group.close()
+    failed = sorted({name for _, name, n in failed_rewards(metrics) if n >= held_out.images})
+    if failed:  # every image's score non-finite: the mean is no measurement
+        if group.is_main:
+            print(f"flowrl eval: eval reward {', '.join(map(repr, failed))} failed or was not finite for every one of "
+                  f"the {held_out.images} images; its mean is NaN (exit status {EVAL_FAILED})", file=sys.stderr)
+        return EVAL_FAILED
     return 0
+
+
+def _write_eval(out: Path, metrics: dict, grid) -> None:
+    """``eval.json`` and ``grid.png`` in ``out`` under new names (``eval-2.json``, … when an earlier eval wrote
+    there: nothing is overwritten), named on stderr."""
+    import json
+
+    from flowrl.run.filenames import FileNamer
+    from flowrl.training.grids import save_grid
+
+    names = FileNamer(out)
+    written = [names.path("", "eval", ".json")]
+    written[0].write_text(json.dumps(metrics, indent=2))
+    if grid is not None and grid.numel():
+        written.append(names.path("", "grid", ".png"))
+        save_grid(grid, written[-1], scale=4)
+    print(f"flowrl eval: wrote {' and '.join(p.name for p in written)} to {out}", file=sys.stderr)
 
 
 def run_benchmark_command(args) -> int:
@@ -90,6 +115,8 @@ def run_benchmark_command(args) -> int:
 
     bench = get_benchmark(args.benchmark)
     cfg, ckpt = run_config(args.checkpoint, args.config, args.overrides)
+    # a fixed layout (GenEval's): written into a new or empty folder only, never over an earlier benchmark's files
+    output = check_output(args.out, "flowrl eval --benchmark", mode="new") if args.out is not None else None
     path = args.prompts or bench.prompts
     try:
         prompts, records = read_benchmark_prompts(path)
@@ -109,8 +136,10 @@ def run_benchmark_command(args) -> int:
     model.trainable.eval()
     guidance = resolve_guidance(model.guidance, cfg.eval.guidance, trained_at)
     n = args.images_per_prompt or bench.images_per_prompt
+    if output is not None and group.is_main:
+        output.make()
     summary = run_benchmark(bench, model, cfg, reward, prompts, records, group, guidance,
-                            Path(args.out) if args.out else None, n, progress=cfg.train.progress)
+                            output.path if output is not None else None, n, progress=cfg.train.progress)
     if group.is_main:
         print(summary_lines(bench, summary, len(prompts)))
         print(f"(guidance {guidance:g}, {cfg.eval.steps} steps, {n} image{'s' if n > 1 else ''} per prompt"

@@ -7,10 +7,11 @@ import argparse
 from pathlib import Path
 
 from flowrl.commands.common import OVERRIDES_HELP, SEED_MAX, Flag
+from flowrl.config.bounds import MAX_IMAGES, MAX_STEPS
 from flowrl.errors import ConfigError, shown
 from flowrl.run.model import model_from_run
 
-FLAGS: list[Flag] = [("--num", 1, None, "images per prompt"), ("--steps", 1, None, "ODE steps"),
+FLAGS: list[Flag] = [("--num", 1, None, "images per prompt", MAX_IMAGES), ("--steps", 1, None, "ODE steps", MAX_STEPS),
                      ("--guidance", 0, None, "CFG scale"), ("--seed", 0, SEED_MAX, "seed of the first image"),
                      ("--scale", 1, 64, "upscaling of grid.png")]
 
@@ -28,7 +29,8 @@ def add_parser(sub, epilog: str) -> None:
     p.add_argument("--guidance", type=float, default=None,
                    help="CFG scale (default: eval.guidance, else the guidance the checkpoint's policy was trained for)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
-    p.add_argument("--out", default="samples", help="output folder (default ./samples)")
+    p.add_argument("--out", default="samples", help="output folder (default ./samples): made, or added to without "
+                   "replacing a file; never . nor a run folder's entries")
     p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")
     p.add_argument("--reward", metavar="NAME", help="score each image with this reward (a registry name, "
                    "package.module:Class or path/to/file.py:Class): its mark on grid.png (PASS/FAIL for a 0/1 reward, "
@@ -92,6 +94,29 @@ def _write_scores(path: Path, args: argparse.Namespace, files: list[Path], promp
                    for f, p, s, v in zip(files, prompts, seeds, values)]}, indent=2))
 
 
+def _guidance_source(args: argparse.Namespace, cfg, trained_at: float | None, guidance: float) -> str:
+    """The setting the sampling guidance came from, as a user would change it: ``--guidance=G``, ``eval.guidance=G``,
+    the checkpoint's or the model's."""
+    if args.guidance is not None:
+        return f"--guidance={guidance:g}"
+    if cfg.eval.guidance is not None:
+        return f"eval.guidance={guidance:g}"
+    return f"guidance {guidance:g} ({'the checkpoint policy' if trained_at is not None else 'the model'}'s; set --guidance)"
+
+
+def _check_finite(images, start: int, prompts: list[str], seeds: list[int], steps: int, source: str) -> None:
+    """Every pixel of a drawn batch is finite (one pass over the batch); else a FloatingPointError naming the
+    setting that produced it, the prompt and the seed, before anything of the batch is written."""
+    import torch
+
+    bad = (~torch.isfinite(images.flatten(1))).any(1)
+    if bool(bad.any()):
+        i = start + int(bad.nonzero()[0])
+        raise FloatingPointError(f"{source} drew a non-finite image (NaN or ±inf pixels) of prompt {shown(prompts[i], 80)}, "
+                                 f"seed {seeds[i]}, {steps} steps; it was not written (nor the rest of its batch). "
+                                 "Accepted: a guidance the model samples with (a CFG scale of about 1-10)")
+
+
 def run(args: argparse.Namespace) -> int:
     """ODE-sample ``--num`` images of every ``--prompt``; each batch is written as soon as it is drawn (a failure
     loses only what was not drawn yet), under names made from the prompt and never outside ``--out``; then
@@ -99,15 +124,18 @@ def run(args: argparse.Namespace) -> int:
     ``scores.json``)."""
     import torch
 
+    from flowrl.commands.common import check_memory, image_bytes
     from flowrl.prompts.checks import check_prompt_fits
     from flowrl.prompts.images import prompt_label
     from flowrl.rollout.sampling import ode_sample
     from flowrl.run.filenames import FileNamer
+    from flowrl.run.outputs import check_output
     from flowrl.training.evaluation import resolve_guidance
     from flowrl.training.grids import grid_scores, save_labelled_grid, save_sample
     from flowrl.training.scoring import check_modality, model_modality
 
     reward = _sample_reward(args, args.prompt)  # before the model loads
+    output = check_output(args.out, "flowrl sample", mode="adds")  # adds files, never replaces one
     cfg, model, trained_at = model_from_run(args.checkpoint, args.config, args.overrides)
     for prompt in args.prompt:  # an editing model's prompts carry their image; a text model's do not
         check_prompt_fits(prompt, f"--prompt {shown(prompt, 80)}", edits=model.takes_source_image,
@@ -118,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
     seeds = [args.seed + i for i in range(len(prompts))]
     guidance = resolve_guidance(model.guidance, args.guidance, cfg.eval.guidance, trained_at)
     steps = args.steps if args.steps is not None else cfg.eval.steps
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_memory("--num", args.num, len(prompts) * image_bytes(model), f"{len(prompts):,} images kept for the grid")
+    out = output.make()
     names = FileNamer(out)  # every name made (and checked inside --out) before any model time is spent
     video = model_modality(model) == "video"  # a video family: animated GIFs
     suffix = ".gif" if video else ".png"
@@ -130,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     images = []
     for start in range(0, len(prompts), batch):
         drawn = ode_sample(model, prompts[start:start + batch], seeds[start:start + batch], steps, guidance, batch)
+        _check_finite(drawn, start, prompts, seeds, steps, _guidance_source(args, cfg, trained_at, guidance))
         for path, img in zip(paths[start:start + batch], drawn):
             save_sample(img, path)
         images.append(drawn)

@@ -12,7 +12,7 @@ def eval_summary(first: dict[str, Any], last: dict[str, Any]) -> list[str]:
     the eval rewards (:func:`rewards_side_by_side`) and the aligned model against the guided base."""
     keys = sorted(k for k in last if k.startswith(("eval/", "eval_default/")) and k in first
                   and not k.endswith("/guidance") and isinstance(last[k], (int, float)))
-    is_count = lambda k: k.endswith("/n") or "/n/" in k  # noqa: E731
+    is_count = lambda k: k.endswith(("/n", "_failed")) or "/n/" in k  # noqa: E731 (failures: failed_evals)
     counts = [last[k] for k in keys if k.endswith("/n")]
     at = "; ".join(f"{p} at guidance {last[p + '/guidance']:g}" for p in ("eval", "eval_default") if f"{p}/guidance" in last)
     details = [f"{int(counts[0])} held-out images"] if counts else []
@@ -61,3 +61,17 @@ def against_the_guided_base(first: dict[str, Any], last: dict[str, Any]) -> list
             out.append(f"the aligned model at guidance {g:g} ({forwards}): {key[5:]} {last[key]:.4f}; the base model at "
                        f"guidance {g_base:g}: {first[base_key]:.4f}  ({last[key] - first[base_key]:+.4f})")
     return out
+
+
+def failed_evals(evals: list[dict[str, Any]]) -> list[str]:
+    """A warning line per eval reward that failed or was not finite for some held-out images (``eval/<name>_failed``,
+    :func:`flowrl.training.evaluation.failed_key`): its name and the count at each eval where it did."""
+    from flowrl.training.evaluation import failed_rewards
+
+    found: dict[str, list[str]] = {}
+    for record in evals:
+        for prefix, name, failed in failed_rewards(record):
+            found.setdefault(f"{prefix}/{name}", []).append(f"{failed} images at step {record.get('step')}")
+    return [f"warning: eval reward {key.split('/', 1)[1]!r} failed or was not finite (NaN or ±inf) for "
+            f"{', '.join(counts)} ({key}_failed in metrics.jsonl); its held-out mean is not a measurement"
+            for key, counts in found.items()]

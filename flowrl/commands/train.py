@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flowrl.commands.common import OVERRIDES_HELP, Flag, load_config, split_config_arg
-from flowrl.commands.summary import eval_summary
+from flowrl.commands.summary import eval_summary, failed_evals
 from flowrl.paths import DEFAULT_CONFIG, shipped_name
 from flowrl.training.guard import stop_summary
 
@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         if len(evals) >= 2:
             print("\n" + "\n".join(eval_summary(evals[0], evals[-1])))
+        failed = failed_evals(evals)  # an eval reward that failed: said in the summary, not only in the log
+        if failed:
+            print("\n" + "\n".join(failed))
         if stop is not None:
             print(f"\n{stop_summary(stop)}; exit status {GUARD_STOPPED}")
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")

@@ -238,11 +238,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config.checks`)."""
+        from flowrl.config.bounds import check_sizes
         from flowrl.config.chosen import load_components
         from flowrl.config.checks import check_config, check_guard, positive
 
         check_config(self)
         load_components(self)  # the plan, credit rule and objective, built and checked once, kept for the trainer
+        check_sizes(self)  # step counts within their stated maxima (flowrl/config/bounds.py)
         check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
         if self.train.max_failed_iterations < 1:
             raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
@@ -254,7 +256,7 @@ class TrainConfig:
 
 
 def _load_yaml(path: Path) -> Any:
-    """The YAML tree of ``path``; a syntax error names the file, line and column."""
+    """The YAML tree of ``path``; a syntax error names the file, line and column, a file that is not UTF-8 its name."""
     import yaml
 
     try:
@@ -264,6 +266,9 @@ def _load_yaml(path: Path) -> Any:
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}:{where}: not valid YAML ({problem})") from None
+    except UnicodeDecodeError as e:  # UTF-16, Latin-1, a binary file
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML saved as "
+                          "UTF-8") from None
     except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
         raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
                           "model:, rollout:, loss:") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from flowrl.errors import ConfigError, shown, shown_message
-from flowrl.prompts.images import FORM, read_image, split_image_prompt
+from flowrl.prompts.images import FORM, ImageTooLarge, read_image, split_image_prompt
 from flowrl.prompts.source import read_prompt_lines
 
 
@@ -53,7 +53,7 @@ def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing
             raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
         try:
             read_image(path)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ImageTooLarge) as e:
             raise ConfigError(f"{at}: {e}") from None
         except OSError as e:
             raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None

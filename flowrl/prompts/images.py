@@ -67,12 +67,31 @@ def resolve_image_path(path: str) -> Path:
     return found
 
 
+class ImageTooLarge(ValueError):
+    """An image whose header claims more pixels than are read (PIL's decompression-bomb limit)."""
+
+
 @functools.lru_cache(maxsize=256)
 def read_image(path: str):
-    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image, read once per path (cached)."""
+    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image, read once per path (cached). One whose
+    header claims more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels raises :class:`ImageTooLarge` before it is decoded."""
+    import warnings
+
     from PIL import Image
 
-    with Image.open(resolve_image_path(path)) as image:
+    found = resolve_image_path(path)
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, by name
+            image = Image.open(found)
+    except Image.DecompressionBombError as e:  # more than twice the limit: PIL refuses before reading the size
+        raise ImageTooLarge(f"the image {shown(path)} is too large to read ({e})") from None
+    with image:
+        if limit is not None and image.width * image.height > limit:
+            raise ImageTooLarge(f"the image {shown(path)} claims {image.width:,}×{image.height:,} pixels "
+                                f"({image.width * image.height:,}), more than the {limit:,} read "
+                                "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image")
         return image.convert("RGB")
 
 

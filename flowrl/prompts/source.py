@@ -39,7 +39,7 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
             raise FileNotFoundError(f"{key}={shown(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
                                     "prompts are written 'a red circle|two blue squares'")
         try:
-            lines = path.read_text().splitlines()
+            lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
             raise ConfigError(f"{key}={shown(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         pairs = [(f"line {i + 1}", line.strip()) for i, line in enumerate(lines)

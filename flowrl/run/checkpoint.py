@@ -5,6 +5,7 @@ renamed into place, so a crash mid-write leaves the previous checkpoint intact; 
 the manifest first, so a damaged checkpoint is an error naming its file, never wrong weights."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from flowrl.run.manifest import MANIFEST, DamagedCheckpoint, verify_checkpoint, write_manifest
+from flowrl.run.outputs import Output, check_output, write_marker
 from flowrl.run.sharded_checkpoint import is_sharded_checkpoint, read_model
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the diffusers LoRA file save_lora writes
@@ -69,11 +71,13 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
         torch.save({**state, "manifest": MANIFEST}, tmp / STATE_FILE)
         write_manifest(tmp)  # last: a folder with a whole manifest was written whole
     except BaseException as e:  # a full disk, an interrupt: the partial folder goes, earlier checkpoints stay
+        full = isinstance(e, Exception) and disk_full(e, folder)
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError):
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-            raise OSError(getattr(e, "errno", None) or 0, f"could not write checkpoint {final} ({reason}); "
-                          "the previous checkpoints are intact") from e
+        if full or (isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError)):
+            reason = os.strerror(errno.ENOSPC) if full else \
+                e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise OSError(errno.ENOSPC if full else getattr(e, "errno", None) or 0,
+                          f"could not write checkpoint {final}: {reason}; the previous checkpoints are intact") from e
         raise
     if final.exists():  # re-saving the same step: move the old one aside first
         old = folder / f".step-{step}.old-{os.getpid()}"
@@ -86,6 +90,22 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
         for _, path in list_checkpoints(folder)[:-keep_last]:
             remove(path)
     return final
+
+
+def disk_full(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write into ``folder`` ran out of space: ENOSPC anywhere in the exception's chain, the text
+    safetensors gives for it (``I/O error: No space left on device (os error 28)``), or (torch.save's
+    ``unexpected pos``, which names no cause) less than 1 MiB left on the file system."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e) or "os error 28" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    try:
+        return shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def remove(path: Path) -> None:
@@ -193,16 +213,26 @@ def load_weights(model, folder: Path) -> None:
         model.load_lora(folder)
 
 
-def write_export(target: Path, write_weights: Callable[[Path], None]) -> Path:
-    """Write ``target`` (consolidated weights, :func:`save_weights`) atomically: into a temporary folder
-    beside it, then renamed into place, an existing export moved aside and removed only after."""
+def check_export_target(target: Path, label: str = "--out") -> Output:
+    """Where ``flowrl export`` (and a sharded run's ``export/``) may write (:mod:`flowrl.run.outputs`): a new or empty
+    folder, an earlier export (its marker), or a run's own ``export/``; never anything else inside a run folder,
+    an existing file, ``.`` or a folder of the user's."""
+    return check_output(target, "flowrl export", label, run_entry="export")
+
+
+def write_export(target: Path, write_weights: Callable[[Path], None], label: str = "--out") -> Path:
+    """Write ``target`` (consolidated weights, :func:`save_weights`, and the export's marker) atomically: into a
+    temporary folder beside it, then renamed into place; an earlier export (:func:`check_export_target`: nothing
+    else is accepted) is moved aside and removed only after."""
     target = Path(target)
+    check_export_target(target, label)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         write_weights(tmp)
+        write_marker(tmp, "flowrl export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -20,12 +20,28 @@ MAX_STEM = 60  # characters of the text kept in a name (a name stays far below t
 _UNSAFE = re.compile(r"[^\w.\-]+", re.UNICODE)  # path separators, spaces, quotes, control characters, …
 
 
-def slug(text: str, limit: int = MAX_STEM) -> str:
-    """``text`` as one safe path component of at most ``limit`` characters (``"image"`` when nothing is left)."""
+def slug(text: str, limit: int = MAX_STEM, fallback: str = "image") -> str:
+    """``text`` as one safe path component of at most ``limit`` characters (``fallback`` when nothing is left)."""
     name = _UNSAFE.sub("_", str(text)).strip("._-")
     name = re.sub(r"\.{2,}", ".", name)  # no '..' anywhere, even inside a component
     name = name[:limit].rstrip("._-")
-    return name or "image"
+    return name or fallback
+
+
+def unique_names(texts: list[str], limit: int = MAX_STEM, fallback: str = "item") -> list[str]:
+    """One folder or file name per text (labels, config names): :func:`slug` of at most ``limit`` characters
+    (``fallback`` when nothing is left), and ``-2``, ``-3``, … where it would repeat an earlier one (compared
+    case-insensitively), so no two texts share a name."""
+    made, out = set(), []
+    for text in texts:
+        stem = slug(text, limit, fallback)
+        name, n = stem, 1
+        while name.lower() in made:
+            n += 1
+            name = f"{stem}-{n}"
+        made.add(name.lower())
+        out.append(name)
+    return out
 
 
 class FileNamer:

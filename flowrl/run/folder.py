@@ -23,14 +23,10 @@ from flowrl.distributed.process_group import ProcessGroup
 from flowrl.errors import shown
 from flowrl.run.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
 from flowrl.run.manifest import DamagedCheckpoint
+from flowrl.run.outputs import LOCK_FILE, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
 from flowrl.run.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
 from flowrl.run.signals import abort_on_terminate, signals_ignored
 from flowrl.training.metrics import MetricsLog
-
-LOCK_FILE = ".flowrl.lock"
-# What a run writes into its folder: a folder holding only these (or a config.yaml and a metrics.jsonl) is a
-# run that train.overwrite may replace; anything else is refused.
-RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "reward_curve.png", "samples", "checkpoints", "export", LOCK_FILE}
 
 # Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
 # decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
@@ -139,9 +135,11 @@ class RunFolder:
         if not self.is_run():
             raise ConfigError(f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
                               "metrics.jsonl); nothing was deleted. Choose another train.name or move it away")
-        for child in self.path.iterdir():
-            if child.name != LOCK_FILE:
-                remove(child)
+        removed = [child for child in self.path.iterdir() if child.name != LOCK_FILE]
+        for child in removed:
+            remove(child)
+        if removed:  # said: an earlier run's records and checkpoints are gone
+            print(f"train.overwrite=true: removed the earlier run in {self.path}", flush=True)
 
     def _agree(self, error: Exception | None) -> None:
         """Raise ``error`` on the main process, a ConfigError on the others, when the main process failed."""
@@ -156,6 +154,10 @@ class RunFolder:
         if (self.path.exists() or self.path.is_symlink()) and not self.path.is_dir():
             raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is a file, not a run folder; "
                               "choose another train.name")
+        # flowrl/run/outputs.py's rule: a new folder, a run (train.overwrite refuses anything else itself), nothing
+        # inside another run's entries, no parent that is a file
+        check_output(self.path, "flowrl train", f"train.name={self.cfg.train.name!r} ({self.path})",
+                     recognise=lambda _: self.cfg.train.overwrite or self.is_run())
         self.path.mkdir(parents=True, exist_ok=True)
         holder = self.lock.acquire()
         if holder is not None:
@@ -289,11 +291,13 @@ class RunFolder:
 
     def find_resume(self, spec: str, read: Callable[[Path], dict]) -> tuple[Path, dict] | None:
         """``train.resume``: a checkpoint folder, or ``latest`` — the newest intact checkpoint of the run; one
-        that ``read`` finds damaged is reported and the one before it tried. None: nothing to resume."""
+        that ``read`` finds damaged is reported and the one before it tried. The main process prints the
+        checkpoint and step it continues from. None: nothing to resume (said; refused when the run has logged
+        records, :meth:`nothing_to_resume`)."""
         if spec != "latest":
             path = resolve_resume(spec, self.checkpoints)
             try:
-                return path, read(path)
+                return self._resuming(path, read(path))
             except ConfigError:
                 raise
             except ValueError as e:
@@ -301,7 +305,7 @@ class RunFolder:
         found = [path for _, path in list_checkpoints(self.checkpoints)]
         for i in reversed(range(len(found))):
             try:
-                return found[i], read(found[i])
+                return self._resuming(found[i], read(found[i]))
             except ConfigError:  # a refusal (e.g. another LoRA rank), not damage
                 raise
             except DAMAGE as e:
@@ -312,7 +316,28 @@ class RunFolder:
         if found:
             raise ValueError(f"train.resume='latest': every checkpoint in {self.checkpoints} is damaged; "
                              "nothing was changed (move the folder away to start afresh)")
+        self.nothing_to_resume()
         return None
+
+    def _resuming(self, path: Path, state: dict) -> tuple[Path, dict]:
+        """(path, state) of the checkpoint a resume continues from, said in one line by the main process."""
+        if self.group.is_main:
+            print(f"resuming from {path} at step {int(state.get('step', 0))}", flush=True)
+        return path, state
+
+    def nothing_to_resume(self) -> None:
+        """``train.resume=latest`` without a checkpoint: refused (ConfigError naming ``train.overwrite``) when
+        ``metrics.jsonl`` holds records of a start that ended before its first checkpoint (a ``kill -9``), which
+        a start afresh would erase; else the main process says it starts at step 0."""
+        records = logged_records(self.path / "metrics.jsonl")
+        if records:
+            steps = max((r["step"] for r in records if isinstance(r.get("step"), (int, float))), default=0)
+            raise ConfigError(f"train.resume=latest: {self.path} has no checkpoint to continue from, but its "
+                              f"metrics.jsonl holds {len(records)} records (up to step {steps}) of a start that ended "
+                              "before its first checkpoint; nothing was changed. Start it again with "
+                              "train.overwrite=true (its records are replaced), or choose another train.name")
+        if self.group.is_main:
+            print(f"train.resume=latest: no checkpoint in {self.checkpoints}; starting at step 0", flush=True)
 
     def check_changes(self, saved: dict | None, path: Path) -> None:
         """Name every setting that changed since checkpoint ``path`` was written: a warning, or a ConfigError

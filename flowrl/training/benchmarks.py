@@ -65,8 +65,12 @@ def read_benchmark_prompts(path: str) -> tuple[list[str], list[dict] | None]:
     file = find_file(path)
     if file is None:
         raise ConfigError(f"--prompts {str(path)!r} does not exist (looked in {where_tried(path)})")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompts {str(path)!r}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
     records = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))

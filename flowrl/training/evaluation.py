@@ -3,6 +3,7 @@ evals (:class:`HeldOutEval`); their labelled grids are drawn by :mod:`flowrl.tra
 hacking that watches them is :mod:`flowrl.training.guard`."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -81,6 +82,22 @@ def train_key(prefix: str, name: str) -> str:
     return f"{prefix}/train/{name}/mean"
 
 
+def failed_key(prefix: str, name: str) -> str:
+    """The metric key counting eval reward ``name``'s non-finite scores (failed, timed out, NaN or ±inf) in eval pass
+    ``prefix``: ``eval/<name>_failed``, recorded only when some image's score was not finite."""
+    return f"{prefix}/{name}_failed"
+
+
+def failed_rewards(metrics: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """``(metric prefix, reward name, images)`` of every eval reward with non-finite scores in an eval's metrics."""
+    out = []
+    for key, value in metrics.items():
+        prefix, _, rest = key.partition("/")
+        if prefix in ("eval", "eval_default") and rest.endswith("_failed") and value:
+            out.append((prefix, rest[: -len("_failed")], int(value)))
+    return out
+
+
 def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str, train_reward=None
                  ) -> tuple[dict, dict]:
     """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
@@ -97,6 +114,9 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
         for name, scores in components_of(judge, images, prompts, {}).items():
             metrics[key(name)] = float(scores.mean())
             weights[key(name)] = float(len(prompts))
+            failed = int((~torch.isfinite(scores.float())).sum())
+            if failed and judge is reward:  # a count (no weight: added over processes), only when some failed
+                metrics[failed_key(prefix, name)] = float(failed)
     for term in reward.rewards:
         if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
             summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items()
@@ -156,7 +176,13 @@ class HeldOutEval:
         self.indices = list(range(group.rank, len(prompts), group.world))  # this process's, in the whole list
         self.prompts = [prompts[i] for i in self.indices]
         self.any = bool(prompts)
+        self.n_prompts = len(prompts)  # over every process
         self.policy_guidance = policy_guidance
+
+    @property
+    def images(self) -> int:
+        """The images of one eval pass, over every process."""
+        return self.n_prompts * self.e.images_per_prompt
 
     def guidances(self, periodic: bool = False) -> list[tuple[str, float]]:
         """(metric prefix, guidance) of an eval (:func:`eval_guidances`); ``eval_default`` with
@@ -164,9 +190,10 @@ class HeldOutEval:
         return eval_guidances(self.e.guidance, self.policy_guidance, self.model.guidance,
                               default_pass=bool(self.e.default_guidance) and not periodic)
 
-    def run(self, periodic: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    def run(self, periodic: bool = False, step: int | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """(metrics over every process, this process's grid images [K, 3, H, W] (videos [K, F, 3, H, W]) per
-        prefix) of one eval; every process must call it (a process without prompts takes part in the reduction only)."""
+        prefix) of one eval (at ``step``, named in the warning for an eval reward that failed,
+        :meth:`warn_failed`); every process must call it (a process without prompts takes part in the reduction only)."""
         if not self.any:
             return {}, {}
         e = self.e
@@ -185,13 +212,28 @@ class HeldOutEval:
                 grids[prefix] = found.images
         out = self.group.reduce_means(metrics, weights)
         out.update({f"{prefix}/guidance": guidance for prefix, guidance in self.guidances(periodic)})
+        self.warn_failed(out, step)
         return out, grids
+
+    def warn_failed(self, metrics: dict[str, float], step: int | None = None) -> list[str]:
+        """A warning (main process) for every eval reward with non-finite scores in ``metrics``, naming it and the
+        count; returns the names of those that failed for every image."""
+        every = []
+        for prefix, name, failed in failed_rewards(metrics):
+            when = f" at the eval of step {step}" if step is not None else ""
+            if failed >= self.images:
+                every.append(name)
+            if self.group.is_main:
+                warnings.warn(f"eval reward {name!r} failed or was not finite (NaN or ±inf) for {failed} of "
+                              f"{self.images} images{when} ({prefix}/{name}_failed); {prefix}/{name}_mean is "
+                              f"{metrics.get(f'{prefix}/{name}_mean', float('nan')):g}", RuntimeWarning, stacklevel=2)
+        return every
 
     def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:
         """Metrics of one eval (``tag``: ``before``/``after``; None: a periodic one, named by ``step``); the
         main process writes each pass's labelled grid to ``samples/`` (a PNG; for videos an animated GIF) and hands
         it to ``on_grid`` as ``samples/<prefix>`` (``samples/eval``, ``samples/eval_default``) at ``step``."""
-        out, grids = self.run(periodic=tag is None)
+        out, grids = self.run(periodic=tag is None, step=step)
         if self.group.is_main and self.samples is not None:
             for prefix, images in grids.items():
                 if images.numel():

@@ -1,0 +1,30 @@
+"""Stated maxima of the sizes that drive a command's memory or time, checked before any work starts, so a typo
+such as ``--num 100000000`` or ``eval.steps=100000000`` fails at once naming the flag or key instead of with a
+MemoryError after minutes (or minutes of silence). They sit far above any real use: flow models sample in 10–50
+steps (1,000 covers any solver), and ``flowrl sample`` keeps every image of a call for its grid."""
+from __future__ import annotations
+
+from typing import Any
+
+from flowrl.errors import ConfigError
+
+MAX_STEPS = 1000  # sampling steps: --steps, eval.steps, rollout.steps (and a plan's other step counts)
+MAX_IMAGES = 10_000  # images per prompt of one flowrl sample call (--num)
+STEP_KEYS = ("steps", "preview_steps")  # keys of the rollout section counting sampling steps, where a plan has them
+
+
+def at_most(name: str, value: float, limit: float, what: str) -> None:
+    """``value`` of flag or key ``name`` is at most ``limit``; else a ConfigError naming both and why."""
+    if value > limit:
+        raise ConfigError(f"{name}={value!r} is more than {limit:,g}, the most flowrl accepts ({what}); a size this "
+                          "large would run out of memory or run for hours, so nothing was started")
+
+
+def check_sizes(cfg: Any) -> None:
+    """The step counts of a loaded config (``eval.steps``, ``rollout.steps``, ``rollout.preview_steps``) within
+    :data:`MAX_STEPS`."""
+    at_most("eval.steps", cfg.eval.steps, MAX_STEPS, "ODE steps of each held-out image")
+    for key in STEP_KEYS:
+        value = getattr(cfg.rollout, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            at_most(f"rollout.{key}", value, MAX_STEPS, "sampling steps of each rollout")
