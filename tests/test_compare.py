@@ -55,6 +55,9 @@ def pipeline_folder(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # seven `flowrl train` processes, two at a time (30–80 s): `pytest -m slow`, run by .ci/run; in the
+# default set a compare run is started and its failure recorded (tests/test_outputs_owned.py), the table, status and
+# exit status come from run folders (tests/test_compare_noise.py), a run resumes from its checkpoint (test_trainer.py)
 def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     from flowrl.commands.main import main
 

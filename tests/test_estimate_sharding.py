@@ -107,6 +107,8 @@ def worker(out: str) -> None:
 
 
 # ---- against two real processes -------------------------------------------------------------------------
+@pytest.mark.slow  # two processes started on two cores (35–60 s): `pytest -m slow`, run by .ci/run; the estimate's
+# sharded parts without processes: test_fsdp_halves_the_sharded_parts_and_adds_the_gathers below
 def test_fsdp_estimate_matches_what_two_cpu_processes_hold(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -187,7 +187,9 @@ def test_nft_run(tmp_path, saved, family):
 
 
 # ---- (3): resume == straight -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("objective", ["policy", "nft"])
+# nft (`pytest -m slow`): each family's resume is the policy run's here, NFT's old copy and its resume are
+# test_forward_process.py::test_resume_restores_the_old_policy's, and each family's NFT run test_nft_run's
+@pytest.mark.parametrize("objective", ["policy", pytest.param("nft", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_resume_equals_a_straight_run(tmp_path, saved, family, objective):
     """1 iteration, then train.resume=latest to 2: every non-time/ metric and the step-2 LoRA equal a straight

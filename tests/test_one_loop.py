@@ -177,11 +177,18 @@ def test_kernel_names_belong_to_the_forest_and_survive_a_merge():
 
 # ---- the help lists the config that runs; every accepted key does something ------------------------
 def _help(*args: str) -> str:
-    import subprocess
-    import sys
+    """``flowrl train ARGS --help``'s text, from the parser in this process (the module entry point in a fresh
+    interpreter: tests/test_config_cli.py::test_help_explains_options)."""
+    import contextlib
+    import io
 
-    return subprocess.run([sys.executable, "-m", "flowrl", "train", *args, "--help"], capture_output=True,
-                          text=True, check=True).stdout
+    from flowrl.commands.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        main(["train", *args, "--help"])
+    assert done.value.code == 0
+    return out.getvalue()
 
 
 def _section(text: str, name: str) -> str:

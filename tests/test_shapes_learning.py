@@ -7,6 +7,7 @@ reward does not rise within a CI budget (docs/shapes.md, "Aligning it"), and a t
 passes by luck would assert nothing. Sampled without CFG to keep it short."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flowrl.config.schema import TrainConfig
@@ -39,6 +40,9 @@ def train_and_check_gain(trainer) -> tuple[list[float], list[float]]:
     return before, after
 
 
+@pytest.mark.slow  # a learning run (12 iterations of the shipped model, 15–45 s): `pytest -m slow`, run by .ci/run;
+# a trained LoRA loading into a fresh pipeline and the adapter's Euler ODE against the pipeline's own call stay in the
+# default set (tests/test_trainer.py, tests/test_models.py)
 def test_grpo_raises_reward_on_the_shapes_model(tmp_path):
     torch.set_num_threads(2)
     cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "grpo.yaml", [

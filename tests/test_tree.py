@@ -854,6 +854,8 @@ def test_mode_window_rejects_a_noise_ramp_that_reaches_zero():
 # ---- 7. learning ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a learning run (20 iterations): `pytest -m slow`, run by .ci/run; BranchGRPO through the Trainer:
+# test_config_cli's one iteration of every preset (sd35/branchgrpo_pickscore, flux/branchgrpo_hps, shapes/branchgrpo)
 def test_branchgrpo_raises_a_dense_reward_through_the_trainer(tmp_path):
     """Twenty seeded BranchGRPO iterations (tiny SD3, splits at 0, 1, 2 → 8 leaves per prompt, path-softmax
     fusion, depth-wise advantages) with ``redness``: the mean reward of fixed-seed ODE samples rises by well
