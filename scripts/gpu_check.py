@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes-prompts", type=int, default=None, help="prompts per update of the shapes runs (default 16)")
     p.add_argument("--shapes-images", type=int, default=None, help="images per prompt of the shapes runs (default 64)")
     p.add_argument("--shapes-max-batch", type=int, default=None, help="rows per forward of the shapes runs "
-                                                                       "(rollout.max_batch, eval.batch_size; default 512)")
+                                                                       "(rollout.max_batch; default 512)")
     p.add_argument("--snr-batches", type=int, default=None, help="gradient draws of the snr part at most (default 8; "
                                                                   "at least 3, fewer when time is short)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend of the compile part (default "
@@ -501,7 +501,7 @@ def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: fl
     excluded; --tiny: one update, 4 held-out prompts, 2 steps)."""
     batch = args.shapes_max_batch
     out = [f"prompts.per_step={args.shapes_prompts}", f"rollout.group_size={args.shapes_images}",
-           f"rollout.max_batch={batch}", f"eval.batch_size={batch}", f"train.seed={seed}", "train.log_with=none",
+           f"rollout.max_batch={batch}", f"train.seed={seed}", "train.log_with=none",
            "train.progress=false", "train.overwrite=true", "train.checkpoint_every=0",
            f"train.output_dir={args.work / 'runs'}", f"train.name={name}"]
     if args.tiny:

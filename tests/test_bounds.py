@@ -53,10 +53,10 @@ def test_sample_sizes_past_their_maximum_fail_at_once_naming_the_flag(flag, valu
 def test_sample_refuses_images_the_machine_cannot_hold_before_drawing_any(tiny_folder, tmp_path, capsys, monkeypatch):  # noqa: F811
     import flowrl.commands.common as common
     import flowrl.rollout.sampling as sampling
-    import flowrl.training.evaluation  # noqa: F401 (imported before the patch: it binds ode_sample at import)
+    import flowrl.training.evaluation  # noqa: F401 (imported before the patch: it binds ode_batches at import)
 
     monkeypatch.setattr(common, "available_memory", lambda: 100_000)  # 100 kB free
-    monkeypatch.setattr(sampling, "ode_sample", lambda *a, **k: pytest.fail("sampled although it cannot be held"))
+    monkeypatch.setattr(sampling, "ode_batches", lambda *a, **k: pytest.fail("sampled although it cannot be held"))
     err = _one_line(capsys, 2, ["sample", "--prompt", "a red circle", "--num", "50", "--steps", "2", "--out",
                                 str(tmp_path / "out"), f"model.path={tiny_folder}", "model.family=sd3"],
                     "--num=50", "more than this machine can hold", "a smaller --num")

@@ -13,7 +13,7 @@ from flowrl.config.schema import ConfigError, TrainConfig
     ("train.keep_last=-1", ["train.keep_last=-1", ">= 0"]),
     ("eval.every=-1", ["eval.every=-1", ">= 0"]),
     ("eval.every_minutes=-0.5", ["eval.every_minutes=-0.5", ">= 0"]),
-    ("eval.batch_size=0", ["eval.batch_size=0", "> 0"]),
+    ("rollout.max_batch=0", ["rollout.max_batch=0", "> 0"]),
     ("eval.images_per_prompt=0", ["eval.images_per_prompt=0", "> 0"]),
     ("train.num_threads=0", ["train.num_threads=0", "> 0"]),
     ("model.lora.rank=0", ["model.lora.rank=0", "> 0"]),

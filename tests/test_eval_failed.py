@@ -69,5 +69,5 @@ def test_flowrl_eval_exits_3_when_an_eval_reward_fails_for_every_image(tiny_fold
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["eval/nanr_failed"] == 4  # still written
     # some images failing: warned with the count, and the eval still ends with 0
     with pytest.warns(RuntimeWarning, match="'firstnan'.*for 1 of 4 images"):
-        assert main([*evaluate, "eval.images_per_prompt=2", "eval.batch_size=4",
+        assert main([*evaluate, "eval.images_per_prompt=2", "rollout.max_batch=4",
                      f"eval.rewards=[{{name: '{plugin}:FirstNan'}}]"]) == 0

@@ -20,7 +20,7 @@ from flowrl.paths import CONFIG_DIR
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
 CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"
-SETTINGS = ["eval.steps=4", "eval.images_per_prompt=2", "eval.guidance=1", "eval.batch_size=4", "eval.grid_prompts=2",
+SETTINGS = ["eval.steps=4", "eval.images_per_prompt=2", "eval.guidance=1", "rollout.max_batch=4", "eval.grid_prompts=2",
             "train.progress=false"]
 EVAL_PROMPTS = [line for line in (CONFIG_DIR / "shapes/prompts/eval.txt").read_text().splitlines() if line][:10]
 # rank r of 2 evaluates prompts r, r+2, …; the shapes eval prompts cycle single, two_objects, counting, color_attr, position

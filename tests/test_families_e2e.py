@@ -92,7 +92,7 @@ def write_config(tmp_path: Path, folder: Path, family: str, objective: str) -> P
         "loss": ({"clip_low": 0.2, "clip_high": 0.2, "kl_ref": 0.01} if policy else {"objective": "nft"}),
         "optim": {"lr": 3e-3 if policy else 1e-2},
         "prompts": {"train": str(tmp_path / "train.txt"), "eval": str(tmp_path / "eval.txt"), "per_step": 2},
-        "eval": {"steps": 2, "images_per_prompt": 1, "grid_prompts": 2, "batch_size": 4, "default_guidance": False},
+        "eval": {"steps": 2, "images_per_prompt": 1, "grid_prompts": 2, "default_guidance": False},
         "train": {"name": f"{family}-{objective}", "output_dir": str(tmp_path / "runs"), "max_steps": 2,
                   "checkpoint_every": 1, "progress": False, "num_threads": 1, "async_reward": False},
     }

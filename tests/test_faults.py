@@ -48,7 +48,7 @@ BAD_CONFIGS = [
     (["train.overwrite=true", "train.resume=latest"], ["train.overwrite", "train.resume"]),
     (["train.max_step=5"], ["train.max_step", "did you mean 'train.max_steps'"]),
     (["eval.every=-1"], ["eval.every=-1", ">= 0"]),
-    (["eval.batch_size=0"], ["eval.batch_size=0", "> 0"]),
+    (["eval.batch_size=4"], ["eval.batch_size", "is gone; use rollout.max_batch"]),
     (["eval.images_per_prompt=0"], ["eval.images_per_prompt=0", "> 0"]),
     (["eval.steps=0"], ["eval.steps=0", "> 0"]),
     (["eval.num_prompts=0"], ["eval.num_prompts=0", "> 0"]),

@@ -171,7 +171,7 @@ def bench_config(tmp_path, tiny, folder):
                                                       "clip_pretrained": None, "device": "cpu", "confidence": 0.0,
                                                       "counting_threshold": 0.0}}],
            "loss": {"objective": "nft", "cfg": "guided"}, "prompts": {"train": "a photo of a dog|a photo of a cat"},
-           "eval": {"steps": 2, "batch_size": 8},
+           "eval": {"steps": 2},
            "train": {"progress": False, "num_threads": 1}}
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -194,7 +194,7 @@ def test_bad_arguments_raise_naming_the_key(kwargs, key):
 
 
 def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
-    """The LayerTuning term (value and LoRA gradient) does not depend on ``layer_batch``; a prompt group
+    """The LayerTuning term (value and LoRA gradient) does not depend on ``micro_batch`` (rows per forward: ``rollout.max_batch``); a prompt group
     whose leaves all score the same has weight 0 and adds nothing."""
     from conftest import make_model, with_lora
 
@@ -209,9 +209,9 @@ def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
     forest.reward[leaves] = torch.tensor([0.1, 0.9, 0.3, 0.2, 0.5, 0.5, 0.5, 0.5])  # group 1 is flat
     cond = model.encode(forest.prompts, forest.guidance)
 
-    def term(layer_batch: int):
+    def term(micro_batch: int):
         model.trainable.zero_grad()
-        loss, diag = LayerTuningLoss(layer_lambda=1.0, layer_batch=layer_batch).auxiliary(model, forest, cond)
+        loss, diag = LayerTuningLoss(layer_lambda=1.0, micro_batch=micro_batch).auxiliary(model, forest, cond)
         loss.backward()
         return loss.detach(), diag, [p.grad.clone() for p in model.trainable.parameters() if p.grad is not None]
 

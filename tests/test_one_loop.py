@@ -247,6 +247,9 @@ def test_the_old_keys_say_where_they_went(tmp_path):
     with pytest.raises(ConfigError, match="rollout.max_batch"):
         TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "rollout.plan=ode", "loss.objective=nft",
                                      "loss.batch_size=8"])
+    for key in ("eval.batch_size=8", "loss.layer_batch=8"):  # folded into the one micro-batch key as well
+        with pytest.raises(ConfigError, match=r"is gone; use rollout.max_batch"):
+            TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=layer_tuning", key])
 
 
 def test_one_micro_batch_key_sizes_the_forward_process_micro_batches(tmp_path):

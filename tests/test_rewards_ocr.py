@@ -158,7 +158,7 @@ def preset_overrides(folder, tmp_path, train: str, name: str) -> list[str]:
     return [f"model.path={folder}", "model.dtype=float32", "model.height=32", "model.width=32",
             "model.max_sequence_length=8", "model.lora.rank=4", "model.gradient_checkpointing=false",
             "rollout.group_size=2", "rollout.steps=3", f"prompts.train={train}", f"prompts.eval={train}",
-            "prompts.per_step=2", "eval.steps=2", "eval.batch_size=4", "eval.grid_prompts=2",
+            "prompts.per_step=2", "eval.steps=2", "eval.grid_prompts=2",
             "eval.default_guidance=false", "train.max_steps=1", f"train.output_dir={tmp_path}", f"train.name={name}",
             "train.progress=false", "train.log_with=none", "train.num_threads=1", "train.async_reward=false",
             "train.checkpoint_every=0"]
@@ -207,9 +207,9 @@ def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_pa
     targets = {'a sign that says "OPEN"': "OPEN", 'a card with "Helloworld" on it': "Hellowarld"}
 
     def drawn(model, prompts, seeds, steps, guidance, max_batch):
-        return torch.stack([strip(targets[p]) for p in prompts])
+        yield 0, torch.stack([strip(targets[p]) for p in prompts])
 
-    monkeypatch.setattr(sampling, "ode_sample", drawn)
+    monkeypatch.setattr(sampling, "ode_batches", drawn)
     prompts = tmp_path / "test.txt"
     prompts.write_text("\n".join(targets) + "\n")
     out = tmp_path / "bench"

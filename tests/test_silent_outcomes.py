@@ -77,18 +77,18 @@ def test_prompts_with_separators_are_sampled_into_out(tiny_folder, tmp_path, cap
 def test_sample_writes_each_batch_as_it_is_drawn(tiny_folder, tmp_path, capsys, monkeypatch):  # noqa: F811
     import flowrl.rollout.sampling as sampling
 
-    real, calls = sampling.ode_sample, []
+    real = sampling.ode_batches
 
     def second_batch_fails(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("out of memory (simulated)")
-        return real(*args, **kwargs)
+        for n, batch in enumerate(real(*args, **kwargs)):
+            if n == 1:
+                raise RuntimeError("out of memory (simulated)")
+            yield batch
 
-    monkeypatch.setattr(sampling, "ode_sample", second_batch_fails)
+    monkeypatch.setattr(sampling, "ode_batches", second_batch_fails)
     out = tmp_path / "out"
     rc = main(["sample", *SAMPLE, "--prompt", "a red circle", "--prompt", "a blue square", "--out", str(out),
-               f"model.path={tiny_folder}", "model.family=sd3", "eval.batch_size=1"])
+               f"model.path={tiny_folder}", "model.family=sd3", "rollout.max_batch=1"])
     assert rc == 1 and "out of memory" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["000-a_red_circle.png"]  # the first image survives
 

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
     model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
-    held_out = HeldOutEval(cfg.eval, model, prompts, reward, group, None, trained_at, progress=cfg.train.progress)
+    held_out = HeldOutEval(cfg.eval, model, prompts, reward, group, None, trained_at, progress=cfg.train.progress,
+                           max_batch=cfg.rollout.max_batch)
     metrics, grids = held_out.run()
     metrics["num_prompts"] = len(prompts)
     if group.is_main:

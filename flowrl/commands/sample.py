@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.commands.common import check_memory, image_bytes
     from flowrl.prompts.checks import check_prompt_fits
     from flowrl.prompts.images import prompt_label
-    from flowrl.rollout.sampling import ode_sample
+    from flowrl.rollout.sampling import ode_batches
     from flowrl.run.filenames import FileNamer
     from flowrl.run.outputs import check_output
     from flowrl.training.evaluation import resolve_guidance
@@ -154,12 +154,10 @@ def run(args: argparse.Namespace) -> int:
     paths = [names.path(f"{i:03d}", prompt_label(prompt), suffix) for i, prompt in enumerate(prompts)]
     grid_path = names.path("", "grid", suffix)
     scores_path = names.path("", "scores", ".json") if reward is not None else None
-    batch = max(1, cfg.eval.batch_size)
     images = []
-    for start in range(0, len(prompts), batch):
-        drawn = ode_sample(model, prompts[start:start + batch], seeds[start:start + batch], steps, guidance, batch)
+    for start, drawn in ode_batches(model, prompts, seeds, steps, guidance, cfg.rollout.max_batch):
         _check_finite(drawn, start, prompts, seeds, steps, _guidance_source(args, cfg, trained_at, guidance))
-        for path, img in zip(paths[start:start + batch], drawn):
+        for path, img in zip(paths[start:start + len(drawn)], drawn):
             save_sample(img, path)
         images.append(drawn)
     images = torch.cat(images)

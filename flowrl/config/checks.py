@@ -65,7 +65,7 @@ def check_loop_sections(cfg: Any) -> None:
     positive("rollout.chunks", cfg.rollout.chunks)
     for key in ("every", "every_minutes", "grid_prompts"):
         positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
-    for key in ("steps", "images_per_prompt", "batch_size"):
+    for key in ("steps", "images_per_prompt"):
         positive(f"eval.{key}", getattr(cfg.eval, key))
     if cfg.eval.num_prompts is not None:
         positive("eval.num_prompts", cfg.eval.num_prompts)

@@ -119,7 +119,6 @@ class EvalSection:
     rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
     num_prompts: Optional[int] = None  # None → all eval prompts
     grid_prompts: int = 16
-    batch_size: int = 64
     seed: int = 1234
     guard: GuardSection = field(default_factory=GuardSection)  # stop when an eval reward falls (needs eval.every)
 
@@ -153,6 +152,10 @@ MOVED_KEYS = {"loss.beta": "loss.kl_ref (the weight of the KL to the reference p
                            "loss.beta is DiffusionNFT's step only)",
               "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
                                  "rows per training forward)",
+              "eval.batch_size": "rollout.max_batch (the run's one micro-batch size: images per forward of the eval, "
+                                 "flowrl sample and the benchmarks too)",
+              "loss.layer_batch": "rollout.max_batch (the run's one micro-batch size: rows per forward of the "
+                                  "layer-tuning term too)",
               "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
               "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, "
                                     "one mapping)",

@@ -13,7 +13,7 @@ reference forward for the KL term. :meth:`PolicyLoss.__call__` is the math on pl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -151,25 +151,19 @@ class LayerTuningLoss(PolicyLoss):
     in 21 iterations; docs/results.md). ε is drawn from ``derive_seed(seed of the group's root,
     "layer_tuning", σ)``: no global RNG, the same draw for every process layout and on resume.
 
-    ``layer_lambda``: λ [0.1]. ``layer_batch``: rows per forward [64]; each chunk runs under activation
+    ``layer_lambda``: λ [0.1]. ``micro_batch``: rows per forward — not a key of its own: the run's
+    ``rollout.max_batch`` (:func:`flowrl.config.build.build_loss`); each chunk runs under activation
     checkpointing, so the term's memory does not grow with P·S (its backward recomputes one chunk at a
     time). Set ``adaptive_kappa`` (κ [1]) for Dynamic-TreeRPO's adaptive clip.
     """
 
     layer_lambda: float = 0.1
-    layer_batch: int = 64
+    micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer_lambda < 0:
             raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
-        if self.layer_batch < 1:
-            raise ValueError(f"loss.layer_batch={self.layer_batch} must be >= 1")
-
-    def unread_fields(self) -> dict[str, str]:
-        """The policy objective's, and ``layer_batch`` when the layer term is off (``layer_lambda`` 0)."""
-        off = {"layer_batch": "loss.layer_lambda is 0: the layer-tuning term is off"} if self.layer_lambda == 0 else {}
-        return {**super().unread_fields(), **off}
 
     def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         from flowrl.rollout.seeding import derive_seed, seeded_normal
@@ -211,9 +205,9 @@ class LayerTuningLoss(PolicyLoss):
 
         from torch.utils.checkpoint import checkpoint
 
-        per_row = torch.cat([checkpoint(squared_error, a, min(a + self.layer_batch, len(rows) * len(sigmas)),
+        per_row = torch.cat([checkpoint(squared_error, a, min(a + self.micro_batch, len(rows) * len(sigmas)),
                                         use_reentrant=False)
-                             for a in range(0, len(rows) * len(sigmas), self.layer_batch)])
+                             for a in range(0, len(rows) * len(sigmas), self.micro_batch)])
         loss = self.layer_lambda * (weight * per_row).sum() / (P * len(sigmas))
         return loss, {"layer_tuning_loss": loss.detach(), "layer_tuning_weight": weight.mean().detach(),
                       "layer_tuning_mse": per_row.detach().mean()}

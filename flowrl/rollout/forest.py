@@ -44,7 +44,6 @@ from typing import Sequence
 
 import torch
 
-from flowrl.rollout import sde
 from flowrl.rollout.forest_paths import ForestPaths
 
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")

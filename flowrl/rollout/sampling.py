@@ -1,11 +1,11 @@
 """Plain ODE sampling (evaluation, ``flowrl sample``, explore's preview) and plans outside the trainer.
 
-:func:`ode_sample` keeps no forest: its Euler steps are the stepping engine's for states outside a forest
+:func:`ode_batches` (and :func:`ode_sample`, its batches concatenated) keeps no forest: its Euler steps are the stepping engine's for states outside a forest
 (:func:`flowrl.rollout.base.euler_ode`, the same update and chunked forward as every rollout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -17,22 +17,29 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int], steps: int,
-               guidance: float | None = None, max_batch: int = 64, decode: bool = True) -> torch.Tensor:
-    """Images [B, 3, H, W] in [0, 1] (or clean latents with ``decode=False``) for ``prompts[i]`` from
-    ``model.noise([seeds[i]])`` with ``steps`` Euler steps of the ODE at CFG ``guidance``, ``max_batch``
-    samples at a time (each batch encoded, solved and decoded on its own), on the CPU."""
+def ode_batches(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int], steps: int,
+                guidance: float | None = None, max_batch: int = 64, decode: bool = True
+                ) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, images)`` per batch of at most ``max_batch`` prompts, in order: images [b, 3, H, W] in [0, 1] (or
+    clean latents with ``decode=False``) of ``prompts[start:start + b]``, each from ``model.noise([seeds[i]])``
+    with ``steps`` Euler steps of the ODE at CFG ``guidance``, encoded, solved and decoded on its own, on the CPU.
+    The one place prompts are cut into batches: a caller writes or scores each batch as it comes."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     guidance = model.guidance_or_default(guidance)
     sigmas = model.schedule(steps).float().cpu()
-    outs = []
     for start in range(0, len(prompts), max_batch):
         batch_prompts = list(prompts[start:start + max_batch])
         x = euler_ode(model, model.noise(list(seeds[start:start + max_batch])), sigmas,
                       model.encode(batch_prompts, guidance), guidance, max_batch)
-        outs.append(model.decode(x).cpu() if decode else x.cpu())
-    return torch.cat(outs)
+        yield start, (model.decode(x).cpu() if decode else x.cpu())
+
+
+def ode_sample(model: "FlowModel", prompts: Sequence[str], seeds: Sequence[int], steps: int,
+               guidance: float | None = None, max_batch: int = 64, decode: bool = True) -> torch.Tensor:
+    """Images [B, 3, H, W] in [0, 1] (or clean latents with ``decode=False``) for ``prompts[i]`` from
+    ``model.noise([seeds[i]])``: every batch of :func:`ode_batches`, concatenated."""
+    return torch.cat([images for _, images in ode_batches(model, prompts, seeds, steps, guidance, max_batch, decode)])
 
 
 @dataclass

@@ -12,8 +12,8 @@
 The reward's settings (detector, colour model, OCR engine…) come from the config's term of the same name (in
 ``eval.rewards``, else ``rewards``), so a config that trains with it benchmarks with it; its training ``score`` is
 replaced by the benchmark's. Images come from the config's eval settings (``eval.steps``, the guidance as
-``flowrl eval`` picks it, ``eval.seed``, ``eval.batch_size``); under ``accelerate launch`` each process draws every
-``world``-th prompt and the scores are reduced over processes.
+``flowrl eval`` picks it, ``eval.seed``; ``rollout.max_batch`` images per forward); under ``accelerate launch`` each
+process draws every ``world``-th prompt and the scores are reduced over processes.
 """
 from __future__ import annotations
 
@@ -109,34 +109,32 @@ def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], 
     """Draw ``images_per_prompt`` images of this process's prompts (every ``group.world``-th), score each with
     ``reward`` and return the summary reduced over processes (:func:`summarise`); with ``out`` write the images,
     ``results.jsonl`` (``results-<rank>.jsonl`` under several processes) and, on the main process, ``summary.json``."""
-    from flowrl.rollout.sampling import ode_sample
+    from flowrl.rollout.sampling import ode_batches
     from flowrl.training.evaluation import prompt_seeds
     from flowrl.training.grids import save_sample
 
     mine = list(range(group.rank, len(prompts), group.world))
-    per_batch = max(1, cfg.eval.batch_size // images_per_prompt)
-    bar = tqdm(total=len(mine) * images_per_prompt, unit="image", desc=f"{bench.name} benchmark",
-               disable=not (progress and group.is_main))
+    indices = [i for i in mine for _ in range(images_per_prompt)]  # one entry per image, prompt-major
+    all_prompts = [prompts[i] for i in indices]
+    seeds = [prompt_seeds(cfg.eval.seed, [i], k)[0] for i in mine for k in range(images_per_prompt)]
+    bar = tqdm(total=len(indices), unit="image", desc=f"{bench.name} benchmark", disable=not (progress and group.is_main))
     rows: list[dict[str, Any]] = []
     results = None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         results = open(out / ("results.jsonl" if group.world == 1 else f"results-{group.rank}.jsonl"), "w", encoding="utf-8")
     try:
-        for start in range(0, len(mine), per_batch):
-            idx = mine[start:start + per_batch]
-            batch_prompts = [prompts[i] for i in idx for _ in range(images_per_prompt)]
-            seeds = [s for i in idx for s in (prompt_seeds(cfg.eval.seed, [i], k)[0] for k in range(images_per_prompt))]
-            images = ode_sample(model, batch_prompts, seeds, cfg.eval.steps, guidance, cfg.eval.batch_size)
-            new = score_rows(bench, reward, images, batch_prompts, [i for i in idx for _ in range(images_per_prompt)])
+        for start, images in ode_batches(model, all_prompts, seeds, cfg.eval.steps, guidance, cfg.rollout.max_batch):
+            here = slice(start, start + len(images))
+            new = score_rows(bench, reward, images, all_prompts[here], indices[here])
             for j, row in enumerate(new):
                 if out is not None:
                     folder = _prompt_folder(out, row["index"], row["prompt"], records[row["index"]] if records else None)
-                    path = save_sample(images[j], folder / "samples" / f"{j % images_per_prompt:04d}.png")
+                    path = save_sample(images[j], folder / "samples" / f"{(start + j) % images_per_prompt:04d}.png")
                     row["filename"] = str(path.relative_to(out))
                     results.write(json.dumps(row) + "\n")
             rows += new
-            bar.update(len(batch_prompts))
+            bar.update(len(images))
     finally:
         bar.close()
         if results is not None:

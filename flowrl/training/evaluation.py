@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from flowrl.models.base import FlowModel
 from flowrl.prompts.images import prompt_texts
-from flowrl.rollout.sampling import ode_sample
+from flowrl.rollout.sampling import ode_batches
 from flowrl.rollout.seeding import derive_seed
 from flowrl.training.grids import grid_scores, labelled_grid, save_frames
 from flowrl.training.scoring import components_of
@@ -145,10 +145,9 @@ def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, gu
     chunks = []
     for k in range(images_per_prompt):
         seeds = prompt_seeds(seed, indices, k)
-        for start in range(0, len(prompts), max_batch):
-            chunks.append(ode_sample(model, prompts[start:start + max_batch], seeds[start:start + max_batch], steps,
-                                     guidance, max_batch))
-            bar.update(len(chunks[-1]))
+        for _, images in ode_batches(model, prompts, seeds, steps, guidance, max_batch):
+            chunks.append(images)
+            bar.update(len(images))
     bar.close()
     images = torch.cat(chunks)
     metrics, weights = score_images(images, prompts * images_per_prompt, reward, prefix, train_reward)
@@ -168,8 +167,9 @@ class HeldOutEval:
 
     def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path | None,
                  policy_guidance: float | None, progress: bool = False, train_reward=None,
-                 on_grid: Callable[[str, Any, int], None] | None = None):
+                 on_grid: Callable[[str, Any, int], None] | None = None, max_batch: int = 64):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
+        self.max_batch = max_batch  # images per forward: the run's rollout.max_batch
         self.train_reward, self.on_grid = train_reward, on_grid
         self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
         prompts = list(prompts)
@@ -204,7 +204,7 @@ class HeldOutEval:
         for prefix, guidance in self.guidances(periodic):
             if self.prompts:
                 found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance, seed=e.seed,
-                                 max_batch=e.batch_size, keep_images=e.grid_prompts,
+                                 max_batch=self.max_batch, keep_images=e.grid_prompts,
                                  images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
                                  indices=self.indices, train_reward=self.train_reward)
                 metrics.update(found.metrics)

@@ -116,7 +116,8 @@ class Trainer(TrainerCheckpoints):
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
                                     run_dir / "samples", self.guidance, progress=c.train.progress,
-                                    train_reward=self._held_out_training_reward(), on_grid=self._log_grid)
+                                    train_reward=self._held_out_training_reward(), on_grid=self._log_grid,
+                                    max_batch=c.rollout.max_batch)
         self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
         self.resumed_from: Path | None = None
         self.step = 0
