@@ -134,6 +134,7 @@ def run_benchmark_command(args) -> int:
             raise ConfigError(f"--prompts {path!r}, prompt {i + 1}: {e}") from None
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
     model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
+    model.resize(cfg.eval.height, cfg.eval.width)  # eval.height/eval.width: the benchmark's images at that size
     model.trainable.eval()
     guidance = resolve_guidance(model.guidance, cfg.eval.guidance, trained_at)
     n = args.images_per_prompt or bench.images_per_prompt

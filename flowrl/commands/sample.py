@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     reward = _sample_reward(args, args.prompt)  # before the model loads
     output = check_output(args.out, "flowrl sample", mode="adds")  # adds files, never replaces one
     cfg, model, trained_at = model_from_run(args.checkpoint, args.config, args.overrides)
+    model.resize(cfg.eval.height, cfg.eval.width)  # eval.height/eval.width: sampled at the eval's size
     for prompt in args.prompt:  # an editing model's prompts carry their image; a text model's do not
         check_prompt_fits(prompt, f"--prompt {shown(prompt, 80)}", edits=model.takes_source_image,
                           family=getattr(model, "family", cfg.model.family))

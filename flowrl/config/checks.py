@@ -67,8 +67,9 @@ def check_loop_sections(cfg: Any) -> None:
         positive(f"eval.{key}", getattr(cfg.eval, key), allow_zero=True)
     for key in ("steps", "images_per_prompt"):
         positive(f"eval.{key}", getattr(cfg.eval, key))
-    if cfg.eval.num_prompts is not None:
-        positive("eval.num_prompts", cfg.eval.num_prompts)
+    for key in ("num_prompts", "height", "width"):  # None: all prompts, the model's size
+        if getattr(cfg.eval, key) is not None:
+            positive(f"eval.{key}", getattr(cfg.eval, key))
     check_train(cfg.train)
 
 

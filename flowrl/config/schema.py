@@ -119,6 +119,8 @@ class EvalSection:
     rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
     num_prompts: Optional[int] = None  # None → all eval prompts
     grid_prompts: int = 16
+    height: Optional[int] = None  # pixels of the eval's images (and grids, benchmarks, flowrl sample); None → model's
+    width: Optional[int] = None  # a transformer that accepts both sizes evaluates at another resolution
     seed: int = 1234
     guard: GuardSection = field(default_factory=GuardSection)  # stop when an eval reward falls (needs eval.every)
 

@@ -80,6 +80,13 @@ class SD3FlowModel(FlowModel):
         return super().from_pretrained(path, dtype=dtype, pipeline_kwargs=pipeline_kwargs, **kw)
 
     # ---- contract (schedule, decode, trainable, latent_shape: FlowModel's defaults) -------
+    def largest_side(self) -> int | None:
+        """SD3's learned position table covers ``pos_embed_max_size`` patches a side (None in the config: resized
+        to any size)."""
+        config = self.pipe.transformer.config
+        cells = getattr(config, "pos_embed_max_size", None)
+        return None if cells is None else int(cells) * int(config.patch_size) * self.vae_scale_factor
+
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
         """``prompt_embeds`` [1, L, D] and ``pooled`` [1, D_pool] from the pipeline's ``encode_prompt``."""
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(

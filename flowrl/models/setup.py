@@ -4,8 +4,9 @@ the prompt settings (:meth:`AdapterSetup._init_text`) and the image size (:meth:
 adapter's ``__init__`` is its family's keywords and defaults around these calls."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import ClassVar, Sequence, TypedDict
+from typing import ClassVar, Iterator, Sequence, TypedDict
 
 import torch
 from torch import nn
@@ -65,6 +66,44 @@ class AdapterSetup:
         config = self.pipe.transformer.config
         return (config.sample_size * self.vae_scale_factor, self.vae_scale_factor * config.patch_size,
                 "vae_scale_factor × patch_size")
+
+    def largest_side(self) -> int | None:
+        """The most pixels a side of an image may have for the transformer, or None (no bound: rotary position
+        embeddings, default). A family with a learned position table of fixed size overrides it."""
+        return None
+
+    def check_size(self, height: int, width: int, keys: str = "model.height/model.width") -> None:
+        """``height`` × ``width`` pixels are a size the transformer accepts: positive, multiples of the family's
+        multiple, within :meth:`largest_side`; else a ConfigError naming ``keys``, the size and what is accepted."""
+        from flowrl.errors import ConfigError
+
+        _, multiple, what = self._size_rule()
+        largest = self.largest_side()
+        if height < 1 or width < 1 or height % multiple or width % multiple:
+            raise ConfigError(f"{keys} = {height}×{width}: must be positive multiples of {what} = {multiple} for "
+                              f"{type(self).__name__}")
+        if largest is not None and max(height, width) > largest:
+            raise ConfigError(f"{keys} = {height}×{width}: {type(self).__name__}'s transformer accepts at most "
+                              f"{largest} pixels a side (its position table); accepted: sides of at most {largest}")
+
+    def resize(self, height: int | None, width: int | None, keys: str = "eval.height/eval.width") -> None:
+        """From now on images (and latents, :attr:`latent_shape`) are ``height`` × ``width`` pixels (None: the side
+        kept), checked by :meth:`check_size` naming ``keys``. Sampling, decoding and the schedule's shift all read
+        the size from the model."""
+        size = (int(height or self.height), int(width or self.width))
+        if size != (self.height, self.width):
+            self.check_size(*size, keys)
+            self.height, self.width = size
+
+    @contextlib.contextmanager
+    def sized(self, height: int | None, width: int | None, keys: str = "eval.height/eval.width") -> Iterator[None]:
+        """:meth:`resize` for the block only: the model's own size is restored after it."""
+        saved = (self.height, self.width)
+        self.resize(height, width, keys)
+        try:
+            yield
+        finally:
+            self.height, self.width = saved
 
     def _latent_scale(self, pipe) -> int:
         """Pixels per latent cell (``vae_scale_factor``): the pipeline's."""

@@ -170,6 +170,9 @@ class HeldOutEval:
                  on_grid: Callable[[str, Any, int], None] | None = None, max_batch: int = 64):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
         self.max_batch = max_batch  # images per forward: the run's rollout.max_batch
+        self.size = (section.height, section.width)  # eval.height/eval.width (None: the model's side)
+        if self.size != (None, None):  # refused at the start of a run, not at its first eval
+            model.check_size(int(self.size[0] or model.height), int(self.size[1] or model.width), "eval.height/eval.width")
         self.train_reward, self.on_grid = train_reward, on_grid
         self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
         prompts = list(prompts)
@@ -203,10 +206,11 @@ class HeldOutEval:
         grids: dict[str, torch.Tensor] = {}
         for prefix, guidance in self.guidances(periodic):
             if self.prompts:
-                found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance, seed=e.seed,
-                                 max_batch=self.max_batch, keep_images=e.grid_prompts,
-                                 images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
-                                 indices=self.indices, train_reward=self.train_reward)
+                with self.model.sized(*self.size):  # eval.height/eval.width: the rollouts' size is kept outside
+                    found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance,
+                                     seed=e.seed, max_batch=self.max_batch, keep_images=e.grid_prompts,
+                                     images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
+                                     indices=self.indices, train_reward=self.train_reward)
                 metrics.update(found.metrics)
                 weights.update(found.weights)
                 grids[prefix] = found.images
