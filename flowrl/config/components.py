@@ -74,6 +74,8 @@ CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
 LOSS = Kind("loss", "objective", "clipped", "flowrl.objectives.base:Objective",
             registry={"clipped": "flowrl.objectives.policy:PolicyLoss", "layer_tuning": "flowrl.objectives.policy:LayerTuningLoss",
                       "nft": "flowrl.objectives.nft:NFTLoss", "awm": "flowrl.objectives.awm:AWMLoss",
+                      "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
+                      "dpo": "flowrl.objectives.dpo:DPOLoss",
                       "raft": "flowrl.objectives.best_of_n:RAFTLoss"})
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 

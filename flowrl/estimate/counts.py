@@ -23,7 +23,7 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
         pool = counts.get("explore_decodes", 0)
         row = {"forwards": counts["forwards"], "explore_forwards": counts.get("explore_forwards", 0),
                "decodes": scored + pool, "leaves": counts["leaves"], "trained_units": units,
-               "train_rows": objective.train_rows(counts), "scored": scored, "pool": pool}
+               "train_rows": objective.train_rows({**counts, "groups": num_prompts}), "scored": scored, "pool": pool}
         for k, v in row.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(iterations) for k, v in sums.items()}

@@ -128,7 +128,9 @@ class Objective(Checked):
     def train_rows(self, counts: dict[str, int]) -> int:
         """Velocity rows the forward with gradients runs in one iteration, from a plan's
         :meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`: its leaves (training on leaves) or the states a
-        replay of its trained edges evaluates (``replay_rows``). For the memory/time estimate."""
+        replay of its trained edges evaluates (``replay_rows``). ``counts`` also holds ``groups`` (the prompt groups
+        of the rollout), for an objective that trains a fixed number of leaves per group. For the memory/time
+        estimate."""
         return int(counts["leaves"] if self.trains_on == "leaves" else counts["replay_rows"])
 
     def no_reward_free_point(self) -> str | None:
