@@ -223,6 +223,9 @@ SLOW_ESTIMATES = {
     # chains as SD3.5-M's, ode as FLUX.2's (15–40 s each; FLUX.1's trace takes about 1.5× FLUX.2's)
     "configs/qwen_image/flow_grpo_pickscore.yaml", "configs/qwen_image_edit/flow_grpo_edit.yaml",
     "configs/flux/nft_pickscore.yaml", "configs/wan/flow_grpo_1_3b.yaml",
+    # the peers' objectives on SD3.5-M: chains (grpo_guard) and ode (dpo, dgpo, crd, gdro) as the presets above
+    "configs/sd35/grpo_guard_pickscore.yaml", "configs/sd35/dpo_pickscore.yaml", "configs/sd35/dgpo_geneval.yaml",
+    "configs/sd35/crd_ocr.yaml", "configs/sd35/gdro_ocr.yaml",
 }
 
 

@@ -76,6 +76,8 @@ LOSS = Kind("loss", "objective", "clipped", "flowrl.objectives.base:Objective",
                       "nft": "flowrl.objectives.nft:NFTLoss", "awm": "flowrl.objectives.awm:AWMLoss",
                       "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
                       "dpo": "flowrl.objectives.dpo:DPOLoss",
+                      "dgpo": "flowrl.objectives.dgpo:DGPOLoss",
+                      "crd": "flowrl.objectives.crd:CRDLoss",
                       "raft": "flowrl.objectives.best_of_n:RAFTLoss"})
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 

@@ -309,7 +309,7 @@ class ForwardProcessObjective(Objective):
         target = eps - x0
         row_groups = forest.group[leaves].repeat_interleave(D)
         rows_cond = cond.select(row_groups)
-        g = forest.guidance
+        g = self.training_guidance(forest)
         v_old = v_ref = None
         if with_old:
             with torch.no_grad(), self._old.active():
@@ -322,6 +322,11 @@ class ForwardProcessObjective(Objective):
         v = model.velocity(x_t, t, rows_cond, g).float()
         adv = forest.advantage[leaves].float().to(device).clamp(-self.adv_clip, self.adv_clip)
         return Rows(v, v_old, v_ref, v_teacher, target, t, adv)
+
+    def training_guidance(self, forest) -> float:
+        """The guidance of the training forwards (policy, old copy, reference): the rollouts' (``forest.guidance``);
+        a subclass that trains the conditional velocity of guided rollouts returns 1."""
+        return forest.guidance
 
     def per_leaf(self, rows: torch.Tensor) -> torch.Tensor:
         """Mean over each leaf's D draws: [B·D] → [B]."""
