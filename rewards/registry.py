@@ -25,6 +25,7 @@ REGISTRY = Registry("reward", {
     "aesthetic": "flowrl_rewards.aesthetic:Aesthetic",
     "remote": "flowrl_rewards.remote:RemoteReward",
     "ocr": "flowrl_rewards.ocr:OcrReward",
+    "gdro_corrected": "flowrl_rewards.gdro_corrected:CorrectedScore",
     "geneval": "flowrl_rewards.geneval:GenEvalReward",
     "vlm_judge": "flowrl_rewards.vlm_judge:VlmJudge",
 }, base=Reward)

@@ -133,6 +133,12 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
         assert "cannot run on" in str(err), err
         cfg = TrainConfig.from_yaml(path, overrides + ["rollout.backend=same"])
     model = make_model("sd3")
+    if cfg.rollout.plan == "offline":  # a stored set of rollouts to train on, written by the `flowrl rollouts` code
+        from flowrl.commands.rollouts import write_rollouts
+
+        store = write_rollouts(cfg, tmp_path / "store", images_per_prompt=cfg.rollout.group_size, steps=2, model=model,
+                               verbose=False)
+        cfg = TrainConfig.from_yaml(path, overrides + [f"rollout.source={store}"])
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
     trainer = Trainer(cfg, model=model)
     record = trainer.train_step(0)

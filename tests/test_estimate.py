@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl import estimate as E
+from flowrl.estimate.report import _seconds
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import CONFIG_DIR, PACKAGE_DIR
 
@@ -262,7 +263,7 @@ def test_estimate_gives_memory_and_time_for_every_gpu_preset(path):
     assert 0 < lo < hi
     assert hi / lo == pytest.approx(E.UTILISATION[1] / E.UTILISATION[0])
     text = E.format_estimate(r)
-    assert f"{lo:.0f}–{hi:.0f} s/iteration" in text and "**peak**" in text
+    assert f"{_seconds(lo)}–{_seconds(hi)} s/iteration" in text and "**peak**" in text
 
 
 def test_more_processes_share_the_work_and_not_the_weights():

@@ -16,13 +16,13 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-from flowrl.commands import bench, compare, data, export, sample, snr, train  # noqa: E402
+from flowrl.commands import bench, compare, data, export, rollouts, sample, snr, train  # noqa: E402
 from flowrl.commands import eval as held_out_eval  # noqa: E402
 from flowrl.commands.common import check_flags, defaults_epilog  # noqa: E402
 from flowrl.commands.train import GUARD_STOPPED  # noqa: E402,F401 (the exit statuses: main's docstring)
 from flowrl.config.schema import ConfigError  # noqa: E402
 
-COMMANDS = (train, sample, export, held_out_eval, bench, compare, snr, data)
+COMMANDS = (train, sample, export, held_out_eval, bench, compare, snr, data, rollouts)
 """The subcommands, in the order ``flowrl --help`` lists them."""
 
 

@@ -66,7 +66,8 @@ PLAN = Kind("rollout", "plan", "chains", "flowrl.rollout.base:RolloutPlan",
                        ("chunks", int, 1)),      # roll out the groups in parts, scoring each while the next rolls out
             registry={"chains": "flowrl.rollout.chains:Chains", "tree": "flowrl.rollout.tree:Tree",
                       "explore": "flowrl.rollout.explore:Explore", "probed": "flowrl.rollout.probes:Probed",
-                      "ode": "flowrl.rollout.chains:ODEChains"})
+                      "ode": "flowrl.rollout.chains:ODEChains",
+                      "offline": "flowrl.rollout.offline:Offline"})
 CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
               registry={"group": "flowrl.credit.group:GroupAdvantage", "tree": "flowrl.credit.tree:TreeAdvantage",
                         "turning_point": "flowrl.credit.turning_point:TurningPoint",
@@ -76,6 +77,7 @@ LOSS = Kind("loss", "objective", "clipped", "flowrl.objectives.base:Objective",
                       "nft": "flowrl.objectives.nft:NFTLoss", "awm": "flowrl.objectives.awm:AWMLoss",
                       "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
                       "dpo": "flowrl.objectives.dpo:DPOLoss",
+                      "gdro": "flowrl.objectives.gdro:GDROLoss",
                       "dgpo": "flowrl.objectives.dgpo:DGPOLoss",
                       "crd": "flowrl.objectives.crd:CRDLoss",
                       "raft": "flowrl.objectives.best_of_n:RAFTLoss"})
