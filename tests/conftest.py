@@ -71,6 +71,33 @@ def perturb_lora(module, seed: int = 0, scale: float = 0.2, part: str = "lora_")
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def update_gradient(objective, model, forest, cond, micro_batch: int):
+    """One update's gradient as the loop accumulates it, the objective cutting ``micro_batch`` rows per forward:
+    (micro-batches, gradients of the trainable parameters, the last micro-batch's diagnostics); each micro-batch's
+    loss weighted by its size over all the units."""
+    objective.micro_batch = micro_batch
+    batches = objective.batches(forest, iteration=0, seed=0)
+    model.trainable.zero_grad()
+    n = sum(b.size for b in batches)
+    diag = {}
+    for b in batches:
+        loss, diag = objective.loss(model, forest, b, cond)
+        (loss * b.size / n).backward()
+    return len(batches), [p.grad.clone() for p in model.trainable.parameters() if p.grad is not None], diag
+
+
+def straight_and_resumed(config, *common: str) -> tuple[dict, dict]:
+    """The last records (timings dropped) of a straight 3-iteration run and of a 2-iteration run resumed to 3, each
+    on a fresh tiny SD3 model; ``config(name, *overrides)`` builds a run's TrainConfig."""
+    from flowrl.training.trainer import Trainer
+
+    straight = Trainer(config("a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
+    Trainer(config("b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
+    resumed = Trainer(config("b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    return drop(straight[-1]), drop(resumed[-1])
+
+
 def assert_lora_reloads(make, folder, x, s, prompts, v) -> torch.Tensor:
     """The LoRA saved in ``folder`` by a model whose velocity at ``x``, ``s`` [B], ``prompts`` is ``v``
     [B, *latent]: ``pipe.load_lora_weights`` into a fresh pipeline from ``make()`` (→ ``(pipe, model)``) gives

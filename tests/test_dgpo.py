@@ -9,7 +9,7 @@ import torch
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.dgpo import DGPOLoss, GroupedForward, GroupTable
 from flowrl.objectives.forward import Rows
-from tests.conftest import make_model, perturb_lora, with_lora
+from tests.conftest import make_model, perturb_lora, update_gradient, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
@@ -164,18 +164,8 @@ def test_a_group_cut_over_micro_batches_trains_as_one_forward(reference):
     perturb_lora(model.trainable, seed=1, scale=0.05, part="lora_B.default")  # the policy moves from its copies
     cond = obj.encode(model, forest)
 
-    def gradient(micro_batch):
-        obj.micro_batch = micro_batch
-        batches = obj.batches(forest, iteration=0, seed=0)
-        model.trainable.zero_grad()
-        n = sum(b.size for b in batches)
-        for b in batches:
-            loss, diag = obj.loss(model, forest, b, cond)
-            (loss * b.size / n).backward()
-        return len(batches), [p.grad.clone() for p in model.trainable.parameters() if p.grad is not None], diag
-
-    whole, g_whole, diag = gradient(64)
-    split, g_split, _ = gradient(2)  # one leaf per forward: every group completed without gradient
+    whole, g_whole, diag = update_gradient(obj, model, forest, cond, 64)
+    split, g_split, _ = update_gradient(obj, model, forest, cond, 2)  # one leaf per forward: every group completed without gradient
     assert (whole, split) == (1, 8) and diag["group_weight"] != 0.5
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g_whole, g_split))
 

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.dpo import DPOLoss
-from tests.conftest import make_model, with_lora
+from tests.conftest import make_model, straight_and_resumed, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null", "train.progress=false",
@@ -144,16 +144,10 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    from flowrl.training.trainer import Trainer
-
-    common = ["optim.lr=1e-2", "train.checkpoint_every=1", "loss.kl_ref=0.1"]
-    straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
-    Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
-    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"),
-                      model=make_model("sd3")).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    assert drop(resumed[-1]) == drop(straight[-1])
-    assert straight[-1]["trained_leaves"] > 0
+    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1",
+                                             "loss.kl_ref=0.1")
+    assert resumed == straight
+    assert straight["trained_leaves"] > 0
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -15,7 +15,7 @@ import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.grpo_guard import GRPOGuardLoss
-from tests.conftest import make_model, perturb_lora, with_lora
+from tests.conftest import make_model, perturb_lora, straight_and_resumed, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=chains", "rollout.group_size=2", "rollout.steps=3",
         "rollout.window.mode=all",
@@ -153,16 +153,10 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    from flowrl.training.trainer import Trainer
-
-    common = ["optim.lr=1e-2", "train.checkpoint_every=1", "train.inner_epochs=2", "loss.kl_ref=0.04"]
-    straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
-    Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
-    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"),
-                      model=make_model("sd3")).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    assert drop(resumed[-1]) == drop(straight[-1])
-    assert straight[-1]["abs_delta_logp"] > 0  # the second inner epoch replayed at moved weights
+    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1",
+                                             "train.inner_epochs=2", "loss.kl_ref=0.04")
+    assert resumed == straight
+    assert straight["abs_delta_logp"] > 0  # the second inner epoch replayed at moved weights
 
 
 @pytest.mark.parametrize("overrides, words", [
