@@ -401,4 +401,5 @@ def test_ocr_comes_from_the_pinned_flow_grpo_commit_and_its_test_split_is_checke
     assert urls == [f"https://raw.githubusercontent.com/{OCR_REPO}/{data_sets.OCR_REVISION}/dataset/ocr/{f}.txt"
                     for f in ("train", "test")]
     assert f"expected {data_sets.OCR_TEST_SHA256} for prompt set 'ocr'" in capsys.readouterr().err
-    assert sorted(data.used_by(spec)) == ["configs/sd35/flow_grpo_ocr.yaml", "configs/sd35/nft_ocr.yaml"]
+    assert sorted(data.used_by(spec)) == ["configs/sd35/crd_ocr.yaml", "configs/sd35/flow_grpo_ocr.yaml",
+                                          "configs/sd35/gdro_ocr.yaml", "configs/sd35/nft_ocr.yaml"]

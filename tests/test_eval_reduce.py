@@ -158,7 +158,7 @@ def test_guidance_precedence():
     # the trainer's eval asks it, and skips the default pass at periodic evals or when eval.default_guidance is off
     model = SimpleNamespace(guidance=3.0)
     for default_guidance, periodic, passes in [(True, False, 2), (True, True, 1), (False, False, 1)]:
-        section = SimpleNamespace(guidance=None, default_guidance=default_guidance)
+        section = SimpleNamespace(guidance=None, default_guidance=default_guidance, height=None, width=None)
         ev = HeldOutEval(section, model, ["a red circle"], None, one_process(), None, 1.0)
         assert ev.guidances(periodic) == eval_guidances(None, 1.0, 3.0, default_pass=passes == 2)
         assert len(ev.guidances(periodic)) == passes

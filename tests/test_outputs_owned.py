@@ -217,9 +217,11 @@ def test_check_output_states_and_the_marker_of_another_command(tmp_path):
 def test_no_command_that_writes_skips_the_rule():
     """Every subcommand module that takes ``--out`` (or writes a run folder) goes through flowrl/run/outputs.py."""
     root = Path(__file__).resolve().parents[1] / "flowrl"
-    for name in ("export", "sample", "eval", "compare", "data"):
-        text = (root / "commands" / f"{name}.py").read_text()
-        assert "check_output" in text or "check_export_target" in text, name
+    writers = [p for p in sorted((root / "commands").glob("*.py")) if '"--out"' in p.read_text()]
+    assert {p.stem for p in writers} >= {"export", "sample", "eval", "compare", "data", "rollouts"}
+    for path in writers:
+        text = path.read_text()
+        assert "check_output" in text or "check_export_target" in text, path.name
     assert "check_output" in (root / "run" / "folder.py").read_text()  # train's run folder
     assert "check_export_target(target" in (root / "run" / "checkpoint.py").read_text()  # write_export itself
 
