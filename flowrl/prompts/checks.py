@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from flowrl.errors import ConfigError, shown, shown_message
+from flowrl.errors import ConfigError, shown, shown_message, shown_path
 from flowrl.prompts.images import FORM, ImageTooLarge, read_image, split_image_prompt
 from flowrl.prompts.source import read_prompt_lines
 
@@ -18,7 +18,7 @@ def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
         try:
             check(split_image_prompt(prompt)[0])
         except ValueError as e:
-            raise ConfigError(f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)} cannot be scored: "
+            raise ConfigError(f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)} cannot be scored: "
                               f"{shown_message(str(e))}") from None
 
 
@@ -28,7 +28,7 @@ def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, reward
     ``needs_source_image`` needs image prompts."""
     needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
     for where, prompt in read_prompt_lines(spec, key):
-        check_prompt_fits(prompt, f"{key}={shown(spec, 80)}, {where}: {shown(prompt, 80)}", edits=edits,
+        check_prompt_fits(prompt, f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)}", edits=edits,
                           family=family, needing=needing)
 
 
@@ -56,7 +56,7 @@ def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing
         except (FileNotFoundError, ImageTooLarge) as e:
             raise ConfigError(f"{at}: {e}") from None
         except OSError as e:
-            raise ConfigError(f"{at}: cannot open the image {shown(path)} ({e})") from None
+            raise ConfigError(f"{at}: cannot open the image {shown_path(path)} ({e})") from None
 
 
 def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl.errors import shown
+from flowrl.errors import shown_path
 from flowrl.paths import find_file, where_tried
 
 IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
@@ -63,7 +63,7 @@ def resolve_image_path(path: str) -> Path:
     """``path`` as :func:`flowrl.paths.find_file` finds it (FileNotFoundError naming where it looked)."""
     found = find_file(path)
     if found is None:
-        raise FileNotFoundError(f"no such image {shown(path)} (looked in {where_tried(path)})")
+        raise FileNotFoundError(f"no such image {shown_path(path)} (looked in {where_tried(path)})")
     return found
 
 
@@ -86,10 +86,10 @@ def read_image(path: str):
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, by name
             image = Image.open(found)
     except Image.DecompressionBombError as e:  # more than twice the limit: PIL refuses before reading the size
-        raise ImageTooLarge(f"the image {shown(path)} is too large to read ({e})") from None
+        raise ImageTooLarge(f"the image {shown_path(path)} is too large to read ({e})") from None
     with image:
         if limit is not None and image.width * image.height > limit:
-            raise ImageTooLarge(f"the image {shown(path)} claims {image.width:,}×{image.height:,} pixels "
+            raise ImageTooLarge(f"the image {shown_path(path)} claims {image.width:,}×{image.height:,} pixels "
                                 f"({image.width * image.height:,}), more than the {limit:,} read "
                                 "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image")
         return image.convert("RGB")

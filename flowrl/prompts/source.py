@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.errors import ConfigError, shown
+from flowrl.errors import ConfigError, shown, shown_path
 from flowrl.paths import find_file, where_tried
 from flowrl.rollout.seeding import derive_seed
 
@@ -36,16 +36,16 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
     else:
         path = find_file(spec)
         if path is None:
-            raise FileNotFoundError(f"{key}={shown(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
+            raise FileNotFoundError(f"{key}={shown_path(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
                                     "prompts are written 'a red circle|two blue squares'")
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{key}={shown(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+            raise ConfigError(f"{key}={shown_path(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         pairs = [(f"line {i + 1}", line.strip()) for i, line in enumerate(lines)
                  if line.strip() and not line.lstrip().startswith("#")]
     if not pairs:
-        raise ValueError(f"{key}={shown(spec)} holds no prompts")
+        raise ValueError(f"{key}={shown_path(spec)} holds no prompts")
     return pairs
 
 
