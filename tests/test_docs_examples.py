@@ -267,6 +267,8 @@ BASH_NOT_RUN = {
     ("docs/rewards.md", "python -m flowrl_rewards.serve imagereward"): "a reward server in another environment, on a GPU",
     ("docs/rewards.md", "python -m flowrl_rewards.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
+    ("docs/results.md", "time flowrl rollouts configs/shapes/gdro.yaml"): "a rollout store written, then replayed by "
+    "its compare: tests/test_offline_plan.py and tests/test_gdro.py run both steps",
 }
 """Bash blocks with other commands than ``flowrl``, and why they are not run: every bash block is either
 checked by :func:`test_flowrl_commands` or listed here."""
