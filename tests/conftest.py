@@ -98,6 +98,19 @@ def straight_and_resumed(config, *common: str) -> tuple[dict, dict]:
     return drop(straight[-1]), drop(resumed[-1])
 
 
+def spy_velocity(model) -> list[tuple]:
+    """Wrap ``model.velocity`` to record, per call, (guidance, whether the conditioning has no unconditional rows,
+    whether gradients are on); returns the list the calls append to."""
+    seen, velocity = [], model.velocity
+
+    def spy(x, sigma, cond, guidance=None):
+        seen.append((guidance, cond.uncond is None, torch.is_grad_enabled()))
+        return velocity(x, sigma, cond, guidance)
+
+    model.velocity = spy
+    return seen
+
+
 def assert_lora_reloads(make, folder, x, s, prompts, v) -> torch.Tensor:
     """The LoRA saved in ``folder`` by a model whose velocity at ``x``, ``s`` [B], ``prompts`` is ``v``
     [B, *latent]: ``pipe.load_lora_weights`` into a fresh pipeline from ``make()`` (→ ``(pipe, model)``) gives

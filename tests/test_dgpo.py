@@ -9,7 +9,7 @@ import torch
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.dgpo import DGPOLoss, GroupedForward, GroupTable
 from flowrl.objectives.forward import Rows
-from tests.conftest import make_model, perturb_lora, update_gradient, with_lora
+from tests.conftest import make_model, perturb_lora, spy_velocity, update_gradient, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
@@ -175,14 +175,7 @@ def test_guided_rollouts_sample_with_cfg_and_train_the_conditional_velocity(tmp_
     from flowrl.training.trainer import Trainer
 
     model = make_model("sd3", guidance=4.5)
-    seen = []
-    velocity = model.velocity
-
-    def spy(x, sigma, cond, guidance=None):
-        seen.append((guidance, cond.uncond is None, torch.is_grad_enabled()))
-        return velocity(x, sigma, cond, guidance)
-
-    model.velocity = spy
+    seen = spy_velocity(model)
     Trainer(tiny(tmp_path, "gr", "train.max_steps=1"), model=model).train()
     assert {g for g, _, grad in seen if not grad} == {4.5, 1.0}  # rollouts guided; the reference at 1
     assert {(g, no_uncond) for g, no_uncond, grad in seen if grad} == {(1.0, True)}  # the policy: conditional only

@@ -9,7 +9,7 @@ import torch
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.awm import AWMLoss
 from flowrl.objectives.nft import NFTLoss
-from tests.conftest import make_model, with_lora
+from tests.conftest import make_model, spy_velocity, with_lora
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
@@ -177,14 +177,7 @@ def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
 
     def run(mode):
         model = make_model("sd3", guidance=4.5)
-        seen = []
-        velocity = model.velocity
-
-        def spy(x, sigma, cond, guidance=None):
-            seen.append((guidance, cond.uncond is None, torch.is_grad_enabled()))
-            return velocity(x, sigma, cond, guidance)
-
-        model.velocity = spy
+        seen = spy_velocity(model)
         trainer = Trainer(tiny(tmp_path, mode, f"loss.objective=nft", f"loss.cfg={mode}", "train.max_steps=1"), model=model)
         trainer.train()
         return seen
