@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.crd import CRDLoss
 from flowrl.objectives.forward import Rows
-from tests.conftest import make_model, perturb_lora, update_gradient, with_lora
+from tests.conftest import make_model, perturb_lora, straight_and_resumed, update_gradient, with_lora
 from tests.test_dgpo import hand_made, scored_forest
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
@@ -131,14 +131,9 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    from flowrl.training.trainer import Trainer
-
-    common = ["optim.lr=1e-2", "train.checkpoint_every=1", "rollout.max_batch=2", "loss.teacher={guidance: 3.0, anchor: 0.1}"]
-    straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
-    Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
-    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    assert "crd_loss" in resumed[-1] and drop(resumed[-1]) == drop(straight[-1])
+    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1", "rollout.max_batch=2",
+                                             "loss.teacher={guidance: 3.0, anchor: 0.1}")
+    assert "crd_loss" in resumed and resumed == straight
 
 
 # ---- bad settings fail at load naming the key --------------------------------------------------------------
