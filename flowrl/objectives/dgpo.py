@@ -62,6 +62,7 @@ class GroupedForward(ForwardProcessObjective):
     cfg: str = choice("free", GROUP_CFG_MODES)
     level_fraction: float = 1.0
 
+    group_use: ClassVar[str | None] = "compares the samples of each prompt group"
     statistic_reads_old: ClassVar[bool] = True  # the no-grad statistic pass runs the old copy
     statistic_reads_teacher: ClassVar[bool] = False  # ... and the teacher
 
@@ -77,18 +78,6 @@ class GroupedForward(ForwardProcessObjective):
             out["level_fraction"] = f"loss.timesteps={self.timesteps!r} does not train at the sampler's levels"
         return out
 
-    def check_plan(self, plan) -> None:
-        """The forward-process checks, and at least two leaves per prompt group (a group statistic of one is void)."""
-        super().check_plan(plan)
-        leaves = int(plan.expected_counts(1)["leaves"])
-        if leaves < 2:
-            from flowrl.config.components import name_of
-
-            raise ConfigError(f"loss.objective={name_of(self)!r} compares the samples of each prompt group, but "
-                              f"rollout.plan={name_of(plan)!r} gives {leaves} leaf per group; raise "
-                              "rollout.group_size to at least 2")
-
-    # ---- CFG -----------------------------------------------------------------------------------
     def rollout_guidance(self, guidance: float | None) -> float | None:
         if self.cfg != "guided_rollouts":
             return super().rollout_guidance(guidance)

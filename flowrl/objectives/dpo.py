@@ -41,6 +41,7 @@ class DPOLoss(ForwardProcessObjective):
     _self_pair: bool = field(default=False, init=False, repr=False, compare=False)  # see batches()
 
     uses_old: ClassVar[bool] = False
+    group_use: ClassVar[str | None] = "pairs the best and worst leaf of each prompt group"
     trains_flat = False  # a group without spread has no preferred sample
     # the preference term is all reward: without kl_ref and the teacher (reward_free_overrides) nothing else is left
     has_reward_free_point: ClassVar[bool] = True
@@ -61,18 +62,6 @@ class DPOLoss(ForwardProcessObjective):
         if self.teacher is None:
             out["adv_clip"] = "DPOLoss reads only the order of the advantages (a teacher's anchor weighting reads the clip)"
         return out
-
-    def check_plan(self, plan) -> None:
-        """The forward-process checks, and at least two leaves per prompt group (else no pair ever forms)."""
-        super().check_plan(plan)
-        leaves = int(plan.expected_counts(1)["leaves"])
-        if leaves < 2:
-            from flowrl.config.components import name_of
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(f"loss.objective='dpo' pairs the best and worst leaf of each prompt group, but "
-                              f"rollout.plan={name_of(plan)!r} gives {leaves} leaf per group; raise "
-                              "rollout.group_size (or the tree's splits) to at least 2 leaves per prompt")
 
     def train_rows(self, counts: dict[str, int]) -> int:
         """Rows of the forward with gradients: a chosen and a rejected leaf per prompt group, ``draws`` points each

@@ -77,6 +77,7 @@ class ForwardProcessObjective(Objective):
     trains_on = "leaves"
     trains_flat = True  # a group without spread still pulls towards the old copy (and the teacher)
     progress_keys = {"fm": (("fm_error",), ".3f"), "anchor": (("anchor_error",), ".3f")}
+    group_use: ClassVar[str | None] = None  # what an objective reading whole prompt groups does with them (needs 2+)
     uses_old: ClassVar[bool] = True  # keeps a lagging old copy (a subclass that never reads it sets False)
     has_reward_free_point: ClassVar[bool] = True  # with an old copy: the reward-free terms vanish at old = policy
     micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
@@ -141,6 +142,14 @@ class ForwardProcessObjective(Objective):
 
             raise ConfigError(f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
                               "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)")
+        leaves = int(plan.expected_counts(1)["leaves"])
+        if self.group_use is not None and leaves < 2:
+            from flowrl.config.components import name_of
+            from flowrl.errors import ConfigError
+
+            raise ConfigError(f"loss.objective={name_of(self)!r} {self.group_use}, but rollout.plan={name_of(plan)!r} "
+                              f"gives {leaves} leaf per group; raise rollout.group_size (or the tree's splits) to at "
+                              "least 2 leaves per prompt")
 
     def setup(self, model) -> None:
         self._old = OldPolicy(model) if self.uses_old else None
