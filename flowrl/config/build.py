@@ -29,11 +29,14 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     ``model.dtype``. With ``model.full_finetune`` and a bf16/fp16 ``model.dtype`` the transformer is kept in fp32
     (the weights the optimizer updates) and computes under autocast in ``model.dtype``
     (:func:`flowrl.models.dtypes.master_weights_fp32`); with LoRA the base stays in ``model.dtype`` and the LoRA
-    is fp32."""
+    is fp32. On CUDA, torch's cuDNN attention kernel is turned off unless ``model.cudnn_attention``
+    (:mod:`flowrl.models.attention`)."""
     from flowrl import models
+    from flowrl.models.attention import configure_attention
     from flowrl.models.dtypes import master_weights_fp32
 
     device = device or resolve_device(section.device)
+    configure_attention(device, section.cudnn_attention)
     kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
     passed = ("guidance", "true_cfg", "height", "width", "max_sequence_length")  # model keys the adapter reads
     for key in passed:

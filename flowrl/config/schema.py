@@ -59,6 +59,8 @@ class ModelSection:
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
     offload_encoders: bool = False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
+    cudnn_attention: bool = False  # CUDA: let torch pick its cuDNN attention kernel (off: its backward failed for
+    # FLUX.1-dev on an H200; flowrl/models/attention.py)
 
 
 @dataclass

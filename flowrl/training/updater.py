@@ -232,7 +232,16 @@ class Updater:
         if self.nonfinite_streak >= self.MAX_NONFINITE_STREAK:
             raise FloatingPointError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
                                      f"(iteration {iteration}); the weights were left as they were before them. Check the "
-                                     "reward's values, optim.lr and model.dtype")
+                                     f"reward's values, optim.lr and model.dtype{self._attention_hint()}")
+
+    def _attention_hint(self) -> str:
+        """A pointer to ``model.cudnn_attention`` when torch's cuDNN attention kernel is allowed on this CUDA device."""
+        from flowrl.models.attention import cudnn_attention_on
+
+        if not cudnn_attention_on(self.model.device):
+            return ""
+        return ("; torch's cuDNN attention kernel is on (model.cudnn_attention=true), whose backward gave non-finite "
+                "gradients for FLUX.1-dev on an H200: try model.cudnn_attention=false")
 
     def gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
         """The objective's gradient over all of ``forest``, flat [P] over ``params`` (mean over processes,
