@@ -614,6 +614,15 @@ def compile_blocks(model, backend: str) -> int:
     blocks = [m for m in transformer.modules() if type(m).__name__ in names]
     if not blocks:
         raise RuntimeError(f"no repeated block ({sorted(names)}) in {type(transformer).__name__} to compile")
+    import torch._dynamo
+
+    # one code object (the block class's forward) for every block: dynamo guards each block's own modules (SD3.5-M:
+    # 13 with a second attention, 11 without) and each batch shape, so the default limit of 8 variants left part
+    # of the blocks uncompiled on the H200 (2026-11-27); room for every block in a rollout and an update
+    limit = 4 * len(blocks)
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)
