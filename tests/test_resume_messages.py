@@ -95,9 +95,6 @@ def test_a_comparison_starts_again_a_run_stopped_before_its_first_checkpoint(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open: tests/sharded_worker.py's second launch (train.resume=latest under model.shard=fsdp) "
-                   "finds its step-1 checkpoint 'damaged' — the message is right, the worker's resume is not; "
-                   "tests/test_sharding.py's sharded resumes pass", strict=False)
 def test_a_resume_under_two_processes_with_fsdp_prints_one_line(tmp_path):
     """tests/sharded_worker.py on 2 CPU processes (gloo), ``model.shard=fsdp``: only the main process says it."""
     worker = Path(__file__).with_name("sharded_worker.py")

@@ -200,6 +200,23 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics(runs, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_sharded_lora_run_resumes_as_it_would_have_gone_on(runs, tmp_path):
+    """FSDP with LoRA: the shards hold the trained LoRA and the optimizer, not the frozen base or the old policy's
+    adapter (the objective's state has that), and a resume reads them back (it once refused the checkpoint as
+    damaged: the strict load counted every frozen parameter as missing)."""
+    straight, folder = runs[("fsdp", "lora", 2)]
+    launch(tmp_path, "fsdp", "lora", 2, "train.max_steps=1")
+    resumed = launch(tmp_path, "fsdp", "lora", 2, "train.resume=latest")
+    def trained(folder: Path) -> list[dict]:  # the first launch's closing eval at step 1 stays in its log
+        lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+        return comparable([r for r in map(json.loads, lines) if "reward_mean" in r])
+
+    assert [r["step"] for r in trained(tmp_path)] == [1, 2, 3]
+    assert trained(tmp_path) == trained(folder)
+    assert max_diff(resumed[0]["weights"], straight[0]["weights"]) == 0.0
+
+
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path):
     """DCP re-shards: a checkpoint of 2 processes resumed by 4 continues as the 2-process run does."""
     small = ("prompts.per_step=4", "eval.num_prompts=4")

@@ -92,8 +92,11 @@ def load_shards(folder: Path, module: torch.nn.Module, optimizer: torch.optim.Op
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     shards = shards_of(module, optimizer, extra)
-    dcp.load(shards, checkpoint_id=str(folder))
-    set_model_state_dict(module, shards["model"], options=_options())
+    dcp.load(shards, checkpoint_id=str(folder))  # every trained parameter's value, or an error naming it
+    # not strict: the frozen parameters (a LoRA's base, an old policy's adapter) were never saved and are "missing"
+    result = set_model_state_dict(module, shards["model"], options=_options(strict=False))
+    if result.unexpected_keys:
+        raise ValueError(f"sharded checkpoint {folder}: weights the model does not have: {result.unexpected_keys[:5]}")
     set_optimizer_state_dict(module, optimizer, shards["optim"], options=_options())
     return shards["extra"]
 
