@@ -62,6 +62,7 @@ def main(out: str, shard: str, tune: str, *extra: str) -> None:
                 "whole_param_bytes": sum(whole(p).numel() * p.element_size() for p in module.parameters()),
                 "whole_optim_bytes": sum(whole(t).numel() * t.element_size() for t in optim)},
                Path(out) / f"rank{trainer.rank}.pt")
+    trainer.group.close()  # as `flowrl train` does: exiting with gloo's threads up can abort (SIGABRT) at teardown
 
 
 if __name__ == "__main__":

@@ -6,8 +6,13 @@ import json
 from flowrl.commands.main import main
 
 
-def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys):
+def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys, monkeypatch):
+    from flowrl.distributed.process_group import ProcessGroup
     from flowrl.models.testing import tiny_sd3_pipeline
+
+    closed = []  # every command ends its process group (several processes: gloo's threads down before exit)
+    real_close = ProcessGroup.close
+    monkeypatch.setattr(ProcessGroup, "close", lambda self: (closed.append(1), real_close(self))[1])
 
     folder = tmp_path / "tiny-sd3"
     tiny_sd3_pipeline().save_pretrained(folder)
@@ -20,6 +25,7 @@ def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys):
     assert (run / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors").is_file()
     out = capsys.readouterr().out
     assert "eval/brightness_mean" in out and "run folder" in out
+    assert len(closed) == 1
 
     assert main(["sample", "--checkpoint", str(run), "--prompt", "a red circle", "--prompt", "a blue square",
                  "--num", "2", "--steps", "3", "--out", str(tmp_path / "png")]) == 0

@@ -77,6 +77,7 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     assert {k: v["state"] for k, v in status.items()} == {"good-s0": "done", "good-s1": "done",
                                                            "broken-s0": "failed", "broken-s1": "failed"}
     assert "no_such_reward" in " ".join(status["broken-s0"]["last_lines"])
+    assert "train.max_steps=2" in status["good-s0"]["command"]  # what was run, for a later report
     table = (out / "results.md").read_text()
     assert "| good | s0: " in table and "| broken | s0: failed, s1: failed |" in table and "Failed runs:" in table
     assert (out / "curves.png").stat().st_size > 0 and len((out / "commands.sh").read_text().splitlines()) == 4

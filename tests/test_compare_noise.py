@@ -103,3 +103,18 @@ def test_compare_exits_non_zero_after_writing_its_table_when_a_run_failed(tmp_pa
     table = (out / "results.md").read_text()
     assert "Failed runs:" in table and "b-s1" in table
     assert "one seed" in next(line for line in table.splitlines() if line.startswith("| b |"))
+
+
+def test_the_report_lists_each_run_as_it_was_run_not_as_this_call_would_run_it(tmp_path, capsys):
+    """Two `flowrl compare` calls into one folder with different budgets, then one report over both."""
+    out = tmp_path / "cmp"
+    args = make_runs(out, {"a": [0.40], "b": [0.42]})
+    status = json.loads((out / "status.json").read_text())
+    ran = ["python", "-m", "flowrl", "train", "b.yaml", "train.max_minutes=5.2", "train.seed=0"]
+    status["b-s0"]["command"] = ran
+    (out / "status.json").write_text(json.dumps(status))
+    assert main(args) == 0
+    commands = (out / "commands.sh").read_text().splitlines()
+    assert commands[1] == " ".join(ran)  # b's own budget, not this report's iterations=2
+    assert "train.max_steps=2" in commands[0]  # a run without a recorded command: as this call plans it
+    assert " ".join(ran) in (out / "results.md").read_text()

@@ -113,9 +113,9 @@ def run_all(runs: list[Run], out: Path, parallel: int = 1) -> dict[str, dict]:
         with log.open("a") as f:
             rc = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc == 0:
-            return run.key, {"state": "done"}
+            return run.key, {"state": "done", "command": run.command}
         tail = log.read_text().strip().splitlines()[-5:]
-        return run.key, {"state": "failed", "rc": rc, "log": str(log), "last_lines": tail}
+        return run.key, {"state": "failed", "rc": rc, "log": str(log), "last_lines": tail, "command": run.command}
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for key, result in pool.map(one, todo):
@@ -267,11 +267,13 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
     failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
     if failed:
         lines += ["", "Failed runs:"] + [f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()]
-    lines += ["", "Commands:", "", "```bash"] + [shlex.join(r.command) for r in runs] + ["```"]
+    # each run's command as it was run (status.json), so a report over runs made with other budgets shows theirs
+    commands = [shlex.join(status.get(r.key, {}).get("command") or r.command) for r in runs]
+    lines += ["", "Commands:", "", "```bash"] + commands + ["```"]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text)
-    (out / "commands.sh").write_text("\n".join(shlex.join(r.command) for r in runs) + "\n")
+    (out / "commands.sh").write_text("\n".join(commands) + "\n")
     _plot(runs, data, labels, metric, out / "curves.png")
     return text
 

@@ -49,5 +49,6 @@ def run(args: argparse.Namespace) -> int:
         if stop is not None:
             print(f"\n{stop_summary(stop)}; exit status {GUARD_STOPPED}")
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
+    trainer.group.close()  # several processes: all done, the process group destroyed before the interpreter exits
     return GUARD_STOPPED if stop is not None else 0
 
