@@ -269,6 +269,7 @@ BASH_NOT_RUN = {
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
     ("docs/results.md", "time flowrl rollouts configs/shapes/gdro.yaml"): "a rollout store written, then replayed by "
     "its compare: tests/test_offline_plan.py and tests/test_gdro.py run both steps",
+    ("docs/results.md", "--budget minutes=5.2"): "replays the rollout store the block above writes (not here)",
 }
 """Bash blocks with other commands than ``flowrl``, and why they are not run: every bash block is either
 checked by :func:`test_flowrl_commands` or listed here."""

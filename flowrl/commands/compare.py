@@ -39,7 +39,6 @@ BUDGETS = ("iterations", "images", "minutes")
 @dataclass
 class Run:
     """One (config, seed) of a comparison."""
-
     label: str
     seed: int
     command: list[str]
@@ -228,7 +227,7 @@ def _default_metric(records: list[dict]) -> str | None:
 
 
 def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | None = None) -> str:
-    """Write ``results.md``, ``curves.png`` and ``commands.sh``; return the Markdown."""
+    """Write ``results.md``, ``curves.png`` and ``commands.sh`` (each run's command as it ran); return the Markdown."""
     labels = list(dict.fromkeys(r.label for r in runs))
     data = {r.key: read_run(r.folder, metric) for r in runs}
     metric = metric or next((d["metric"] for d in data.values() if d["metric"]), "eval metric")
@@ -267,8 +266,7 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
     failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
     if failed:
         lines += ["", "Failed runs:"] + [f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()]
-    # each run's command as it was run (status.json), so a report over runs made with other budgets shows theirs
-    commands = [shlex.join(status.get(r.key, {}).get("command") or r.command) for r in runs]
+    commands = [shlex.join(status.get(r.key, {}).get("command") or r.command) for r in runs]  # as run (status.json)
     lines += ["", "Commands:", "", "```bash"] + commands + ["```"]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
