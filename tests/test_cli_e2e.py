@@ -12,7 +12,12 @@ def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys, monkey
 
     closed = []  # every command ends its process group (several processes: gloo's threads down before exit)
     real_close = ProcessGroup.close
-    monkeypatch.setattr(ProcessGroup, "close", lambda self: (closed.append(1), real_close(self))[1])
+
+    def counted_close(self):
+        closed.append(1)
+        real_close(self)
+
+    monkeypatch.setattr(ProcessGroup, "close", counted_close)
 
     folder = tmp_path / "tiny-sd3"
     tiny_sd3_pipeline().save_pretrained(folder)

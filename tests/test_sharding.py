@@ -207,8 +207,9 @@ def test_a_sharded_lora_run_resumes_as_it_would_have_gone_on(runs, tmp_path):
     straight, folder = runs[("fsdp", "lora", 2)]
     launch(tmp_path, "fsdp", "lora", 2, "train.max_steps=1")
     resumed = launch(tmp_path, "fsdp", "lora", 2, "train.resume=latest")
-    def trained(folder: Path) -> list[dict]:  # the first launch's closing eval at step 1 stays in its log
-        lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+
+    def trained(where: Path) -> list[dict]:  # the first launch's closing eval at step 1 stays in its log
+        lines = (where / "run" / "metrics.jsonl").read_text().splitlines()
         return comparable([r for r in map(json.loads, lines) if "reward_mean" in r])
 
     assert [r["step"] for r in trained(tmp_path)] == [1, 2, 3]
