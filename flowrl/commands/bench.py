@@ -44,9 +44,10 @@ class _Timed:
             self.calls += 1
 
 
-def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None) -> dict[str, float]:
+def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None, perf=None) -> dict[str, float]:
     """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving).
-    ``model``: a ready FlowModel (default: built from ``cfg.model``)."""
+    ``model``: a ready FlowModel (default: built from ``cfg.model``). ``perf``: a
+    :class:`~flowrl.training.perf.PerfMeter`: ``perf/tflops`` (and ``perf/mfu``) of the mean iteration too."""
     from flowrl.training.trainer import Trainer
 
     cfg.train.progress = False
@@ -78,6 +79,8 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     out["backward_seconds"] = backward.seconds / iterations
     out["overhead_seconds"] = total - out["forward_seconds"] - out["backward_seconds"] - out["time/reward"]
     out["overhead_fraction"] = out["overhead_seconds"] / total
+    if perf is not None:
+        out.update(perf.metrics(total))
     if torch.cuda.is_available():
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -198,6 +201,8 @@ def add_parser(sub, epilog: str) -> None:
     p.add_argument("--estimate", action="store_true",
                    help="predict peak GPU memory and s/iteration without running anything (meta device; docs/estimate.md)")
     p.add_argument("--gpu", default="H100", help="GPU class of --estimate: H100, H200, A100, L40S, 4090 (default H100)")
+    p.add_argument("--json", action="store_true", help="--estimate: print one JSON object only (peak_gib, "
+                                                       "seconds_per_iteration, flops_per_iteration, settings, fit)")
     p.add_argument("--processes", "--gpus", dest="processes", type=int, default=1,
                    help="--estimate: processes (GPUs) sharing prompts.per_step")
     p.add_argument("--shard", choices=("ddp", "fsdp"), default=None,
@@ -214,12 +219,18 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--estimate predicts one config; drop --vs")
         from flowrl.estimate import run_estimate
 
-        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes, shard=args.shard)
+        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes, shard=args.shard,
+                            as_json=args.json)
+    if args.json:
+        raise ConfigError("--json goes with --estimate (flowrl bench prints its JSON anyway)")
     cfg = load_config(config, overrides)
     if args.vs is None:
         if args.vs_set:
             raise ConfigError("--vs-set needs --vs OTHER")
-        result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup)
+        from flowrl.commands.train import fitted_and_metered
+
+        cfg, perf = fitted_and_metered(cfg, overrides)  # train.fit=auto for this device; perf/tflops, perf/mfu
+        result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup, perf=perf)
         print(json.dumps(result, indent=2))
         return 0
     other = load_config(args.vs, args.vs_set or [])

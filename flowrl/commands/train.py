@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from flowrl.commands.common import OVERRIDES_HELP, Flag, load_config, split_config_arg
 from flowrl.commands.summary import eval_summary, failed_evals
@@ -24,6 +25,20 @@ def add_parser(sub, epilog: str) -> None:
     p.set_defaults(func=run, flags=FLAGS)
 
 
+def fitted_and_metered(cfg, overrides: list[str]):
+    """``cfg`` with ``train.fit: auto``'s settings for the device at hand (printed; the ``key=value`` overrides win),
+    and the :class:`~flowrl.training.perf.PerfMeter` of its iterations (``perf/tflops``, ``perf/mfu``)."""
+    from flowrl.estimate.device import fit_for_run, perf_meter
+
+    flops = None
+    if cfg.train.fit == "auto":
+        fit = fit_for_run(cfg, overrides)
+        if os.environ.get("RANK", "0") == "0":
+            print("\n".join(fit.summary()), flush=True)
+        cfg, flops = fit.config, fit.flops_per_iteration
+    return cfg, perf_meter(cfg, flops)
+
+
 GUARD_STOPPED = 4  # the exit status of a run stopped by its eval guard (eval.guard; docs/reliability.md)
 
 
@@ -33,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
     config, overrides = split_config_arg(args.config, args.overrides)
     cfg = load_config(config, overrides)
-    trainer = Trainer(cfg)
+    cfg, perf = fitted_and_metered(cfg, overrides)
+    trainer = Trainer(cfg, perf=perf)
     try:
         records = trainer.train()
     except KeyboardInterrupt:

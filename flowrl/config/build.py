@@ -33,6 +33,7 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     (:mod:`flowrl.models.attention`)."""
     from flowrl import models
     from flowrl.models.attention import configure_attention
+    from flowrl.models.blocks import apply_block_settings
     from flowrl.models.dtypes import master_weights_fp32
 
     device = device or resolve_device(section.device)
@@ -66,6 +67,7 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         master_weights_fp32(model)
     if section.offload_encoders:
         model.offload_encoders()
+    apply_block_settings(model.pipe.transformer, section)  # checkpointing per block, regional compilation
     limit = section.prompt_cache_mb
     model.prompt_cache.max_bytes = None if limit is None else int(limit * 2 ** 20)
     return model
@@ -108,6 +110,6 @@ def build_credit(cfg: TrainConfig) -> CreditRule:
 
 
 def build_loss(cfg: TrainConfig) -> Objective:
-    """The objective ``loss.objective`` names, with the run's one micro-batch size (``rollout.max_batch``: states
-    per rollout forward, which a policy objective's replay follows, and rows per training forward otherwise)."""
+    """The objective ``loss.objective`` names, with its rows per training forward (``train.micro_batch``, default
+    ``rollout.max_batch``; a policy objective's replay follows the rollout's forwards of ``rollout.max_batch`` states)."""
     return chosen.build_loss(cfg)

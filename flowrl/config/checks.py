@@ -32,6 +32,12 @@ def check_model_section(m: Any) -> None:
     choose("model.dtype", m.dtype, tuple(DTYPES))
     choose("model.shard", m.shard, ("auto", "ddp", "fsdp"))
     choose("model.shard_rollouts", m.shard_rollouts, ("per_block", "whole"))
+    choose("model.compile", str(m.compile), ("off", "regional"))
+    if m.checkpoint_blocks is not None:
+        positive("model.checkpoint_blocks", m.checkpoint_blocks, allow_zero=True)
+        if not m.gradient_checkpointing:
+            raise ConfigError(f"model.checkpoint_blocks={m.checkpoint_blocks} is set but nothing reads it: "
+                              "model.gradient_checkpointing is false; set it true (or checkpoint_blocks null)")
     positive("model.lora.rank", m.lora.rank)
     positive("model.lora.alpha", m.lora.alpha)
     within("model.lora.dropout", m.lora.dropout, 0.0, 1.0)
@@ -98,12 +104,31 @@ def check_train(t: Any) -> None:
     positive("train.updates_per_epoch", t.updates_per_epoch)
     if t.num_threads is not None:
         positive("train.num_threads", t.num_threads)
+    check_fit_keys(t)
     check_run_name(t.name)
     if t.overwrite and t.resume:
         raise ConfigError(f"train.overwrite=true replaces the run, train.resume={t.resume!r} continues "
                           "it: set one of them")
     if not 0.0 <= t.ema < 1.0:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1)")
+
+
+FIT_KEYS = ("rollout.max_batch", "train.micro_batch", "model.gradient_checkpointing", "model.checkpoint_blocks",
+            "model.offload_encoders")
+"""The keys ``train.fit: auto`` chooses (:mod:`flowrl.estimate.fit`); ``train.fit_keep`` may name any of them."""
+
+
+def check_fit_keys(t: Any) -> None:
+    """``train.fit``, ``train.memory_fraction``, ``train.fit_keep``, ``train.micro_batch`` and ``train.peak_tflops``."""
+    choose("train.fit", str(t.fit), ("off", "auto"))
+    if not 0.0 < t.memory_fraction <= 1.0:
+        raise ConfigError(f"train.memory_fraction={t.memory_fraction} must be in (0, 1] (the share of the device's "
+                          "memory the predicted peak may use)")
+    for key in t.fit_keep:
+        choose("train.fit_keep", key, FIT_KEYS)
+    for key in ("micro_batch", "peak_tflops"):
+        if getattr(t, key) is not None:
+            positive(f"train.{key}", getattr(t, key))
 
 
 def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
@@ -117,6 +142,11 @@ def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
             key, why = next(iter(unread.items()))
             raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
+    micro = cfg.train.micro_batch
+    if micro is not None and objective.trains_on == "edges" and micro != cfg.rollout.max_batch:
+        raise ConfigError(f"train.micro_batch={micro}: loss.objective replays the rollout's edges in the rollout's "
+                          f"own forwards (rollout.max_batch={cfg.rollout.max_batch} states each, so a replay equals "
+                          "its rollout); accepted: null or the same value as rollout.max_batch")
 
 
 def guard_names(cfg: Any) -> list[str]:

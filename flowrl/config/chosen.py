@@ -22,15 +22,17 @@ def build_credit(cfg: Any):
 
 
 def build_loss(cfg: Any):
-    """The objective ``loss.objective`` names, with the run's one micro-batch size (``rollout.max_batch``)."""
+    """The objective ``loss.objective`` names, with its rows per training forward (``train.micro_batch``, default
+    ``rollout.max_batch``; a policy objective replays the rollout's own forwards of ``rollout.max_batch`` states)."""
     objective = components.instantiate(components.LOSS, cfg.loss)
-    objective.micro_batch = int(cfg.rollout.max_batch)
+    objective.micro_batch = int(cfg.train.micro_batch or cfg.rollout.max_batch)
     return objective
 
 
 def components_key(cfg: Any) -> str:
-    """What the components are built from: the rollout, credit and loss sections."""
-    return repr([dataclasses.asdict(cfg.rollout), dataclasses.asdict(cfg.credit), dataclasses.asdict(cfg.loss)])
+    """What the components are built from: the rollout, credit and loss sections (and the objective's micro-batch)."""
+    return repr([dataclasses.asdict(cfg.rollout), dataclasses.asdict(cfg.credit), dataclasses.asdict(cfg.loss),
+                 cfg.train.micro_batch])
 
 
 def build_and_check(cfg: Any) -> tuple:

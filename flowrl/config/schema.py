@@ -50,6 +50,10 @@ class ModelSection:
     lora: LoraSection = field(default_factory=LoraSection)
     full_finetune: bool = False
     gradient_checkpointing: bool = False
+    checkpoint_blocks: Optional[int] = None  # with gradient_checkpointing: how many transformer blocks recompute their
+    # forward in the backward (the first N in execution order; null = every block); train.fit chooses it
+    compile: str = "off"  # off | regional: torch.compile each transformer block (every block kind compiled once;
+    # flowrl/models/blocks.py)
     prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
     kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
     # complex_human_instruction or negative_prompt (passed through; an unknown one fails at load)
@@ -147,6 +151,14 @@ class TrainSection:
     num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
     async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
     max_failed_iterations: int = 3  # iterations in a row with every reward failed (all NaN) before the run stops
+    micro_batch: Optional[int] = None  # rows per training forward of an objective that trains on leaves (forward
+    # process: NFT, AWM, DPO, ...); null = rollout.max_batch. A policy objective replays the rollout's forwards
+    fit: str = "off"  # off | auto: choose rollout.max_batch, train.micro_batch, gradient checkpointing per block and
+    # text-encoder offload from the estimate for the device at hand, before any weight loads (docs/estimate.md)
+    memory_fraction: float = 0.9  # fit: the share of the device's memory the predicted peak may use
+    fit_keep: list[str] = field(default_factory=list)  # fit: keys it must leave as the config sets them (key=value
+    # overrides on the command line are kept too)
+    peak_tflops: Optional[float] = None  # the device's bf16 peak for perf/mfu; null = the table's (measured where known)
 
 
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)

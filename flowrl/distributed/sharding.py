@@ -31,14 +31,9 @@ import torch
 from torch import nn
 
 from flowrl.errors import ConfigError
+from flowrl.models.blocks import block_lists
 
 COPIES = "_flowrl_frozen_copies"  # the model's frozen full copies of the transformer (full fine-tuning)
-
-
-def block_lists(module: nn.Module) -> list[nn.Module]:
-    """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in ``blocks``."""
-    return [block for name, child in module.named_children()
-            if name.endswith("blocks") and isinstance(child, nn.ModuleList) for block in child]
 
 
 def frozen_copy(model) -> nn.Module:

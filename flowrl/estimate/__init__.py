@@ -90,12 +90,36 @@ __all__ = [
 ]
 
 def run_estimate(config: str | None, overrides: list[str], gpu: str = "H100", processes: int = 1,
-                 shard: str | None = None) -> int:
-    """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp]``: print the table and the JSON of
-    :func:`estimate` (``shard`` None: the config's ``model.shard``)."""
+                 shard: str | None = None, as_json: bool = False) -> int:
+    """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp] [--json]``: print the table and the JSON of
+    :func:`estimate` (``shard`` None: the config's ``model.shard``); with ``train.fit=auto`` first what
+    :func:`~flowrl.estimate.fit.fit_config` chooses for ``gpu`` (the ``key=value`` overrides win), then the estimate
+    of the fitted config. ``as_json``: one JSON object only (:func:`summary_json`), for scripts."""
+    from flowrl.config.checks import FIT_KEYS
+    from flowrl.estimate.fit import fit_config, settings_of
+
     cfg = load_config(config, overrides, gpu)
+    fit = None
     with assume_gpu(gpu):
-        result = estimate(cfg, gpu=gpu, processes=processes, shard=shard)
+        if cfg.train.fit == "auto":
+            keep = [o.split("=", 1)[0].strip() for o in overrides if o.split("=", 1)[0].strip() in FIT_KEYS]
+            fit = fit_config(cfg, gpu, processes=processes, keep=keep, shard=shard)
+            cfg = fit.config
+        result = fit.estimate if fit is not None else estimate(cfg, gpu=gpu, processes=processes, shard=shard)
+    if as_json:
+        print(json.dumps(summary_json(result, settings_of(cfg), fit), indent=2, default=float))
+        return 0
+    if fit is not None:
+        print("\n".join(fit.summary()) + "\n")
     print(format_estimate(result))
     print(json.dumps(result, indent=2, default=float))
     return 0
+
+
+def summary_json(result: dict, settings: dict, fit=None) -> dict:
+    """``flowrl bench --estimate --json``: ``peak_gib``, ``seconds_per_iteration`` [low, high],
+    ``flops_per_iteration``, ``settings`` (the effective value of every key ``train.fit`` may choose), ``fit`` (what
+    it chose, or null) and the whole ``estimate``."""
+    return {"peak_gib": result["memory_gib"]["peak"], "seconds_per_iteration": result["time"]["seconds_per_iteration"],
+            "flops_per_iteration": result["flops"]["total"], "settings": settings,
+            "fit": fit.to_json() if fit is not None else None, "estimate": result}

@@ -17,20 +17,28 @@ from flowrl.paths import DEFAULT_CONFIG
 @dataclass(frozen=True)
 class GPUClass:
     """A GPU class: dense bf16 tensor-core peak (TFLOP/s, no sparsity), memory torch can use (GiB), compute
-    capability, and the dense fp8 peak relative to bf16 (1 where the GPU has no fp8 tensor cores)."""
+    capability, the dense fp8 peak relative to bf16 (1 where the GPU has no fp8 tensor cores), and the bf16 matmul
+    rate measured on one (None where none was lent yet): the denominator of ``perf/mfu``."""
 
     name: str
     bf16_tflops: float
     memory_gib: float
     capability: tuple[int, int]
     fp8_speedup: float
+    measured_bf16_tflops: float | None = None
+
+    @property
+    def peak_tflops(self) -> float:
+        """The bf16 peak MFU is reported against: measured where known, else the datasheet's dense figure."""
+        return self.measured_bf16_tflops or self.bf16_tflops
 
 
 GPUS: dict[str, GPUClass] = {
     # NVIDIA datasheets: H100 SXM5 BF16 1,979 TFLOPS with sparsity → 989.4 dense; 80 GB HBM3 (79.6 GiB usable)
-    "H100": GPUClass("H100 SXM5 80GB", 989.4, 79.6, (9, 0), 2.0),
+    # measured: 8192³ bf16 products on the lent H100 and H200 (2026-11, docs/gpu.md): 798 and 788 TFLOP/s
+    "H100": GPUClass("H100 SXM5 80GB", 989.4, 79.6, (9, 0), 2.0, 798.0),
     # H200 SXM: same compute as H100 SXM, 141 GB HBM3e (139.8 GiB usable)
-    "H200": GPUClass("H200 SXM 141GB", 989.4, 139.8, (9, 0), 2.0),
+    "H200": GPUClass("H200 SXM 141GB", 989.4, 139.8, (9, 0), 2.0, 788.0),
     # A100 SXM4 80GB: BF16 312 TFLOPS dense; no fp8
     "A100": GPUClass("A100 SXM4 80GB", 312.0, 79.2, (8, 0), 1.0),
     # L40S: BF16 362.05 TFLOPS dense (733 with sparsity); 48 GB GDDR6 (44.4 GiB usable)
@@ -52,6 +60,15 @@ def gpu_class(name: str) -> GPUClass:
             return gpu
     raise ConfigError(f"unknown GPU class {name!r}; accepted: {sorted(GPUS)}")
 
+
+
+def gpu_class_of_device(device_name: str) -> str | None:
+    """The :data:`GPUS` key whose name a CUDA device's name contains (``NVIDIA H200`` → ``H200``), else None."""
+    name = device_name.upper().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):
+        if key.upper() in name:
+            return key
+    return None
 
 
 @contextlib.contextmanager

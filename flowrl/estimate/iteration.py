@@ -25,6 +25,7 @@ from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode
 from flowrl.estimate.static import explorer_bytes, host_decode_bytes, prompt_count, reward_model_bytes, tensor_bytes
 from flowrl.models import model_family
+from flowrl.models.blocks import block_lists
 from flowrl.models.dtypes import DTYPES
 
 GiB = 2 ** 30
@@ -112,8 +113,11 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
                    "text_tokens": shapes.text_tokens, "cfg": cfg_on, "guidance": guidance,
                    "rollout_rows": work["rollout_states"] * (2 if cfg_on else 1),
                    "update_rows": work["update_states"] * (2 if work["train_cfg"] else 1),
-                   "max_batch": int(cfg.rollout.max_batch),
-                   "gradient_checkpointing": bool(cfg.model.gradient_checkpointing)},
+                   "train_cfg": bool(work["train_cfg"]),
+                   "max_batch": int(cfg.rollout.max_batch), "micro_batch": int(objective.micro_batch),
+                   "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+                   "checkpoint_blocks": _checkpointed(cfg) if cfg.model.gradient_checkpointing else 0,
+                   "blocks": len(block_lists(model["module"]))},
         "counts": {**work["counts"], "prompts_per_process": P, "inner_epochs": int(cfg.train.inner_epochs)},
         "memory_gib": _memory_report(cfg, gpu_spec, model, static, cache, traces, phases, shards),
         "flops": flops["flops"],
@@ -174,7 +178,7 @@ def _work(cfg, plan, objective, P: int, cfg_on: bool) -> dict:
     counts = iteration_counts(plan, objective, P, cfg.train.max_steps, cfg.train.seed)
     max_batch = int(cfg.rollout.max_batch)
     per_unit = objective.rows_per_unit
-    update_states = max(1, max_batch // per_unit) * per_unit
+    update_states = max(1, int(objective.micro_batch) // per_unit) * per_unit  # train.micro_batch or max_batch
     return {"counts": counts, "train_cfg": objective.training_cfg(cfg_on),
             "update_states": max(1, min(update_states, int(max(counts["train_rows"], 1)))),
             "rollout_states": max(1, min(max_batch, int(max(counts["forwards"], 1))))}
@@ -193,9 +197,16 @@ def _traces(cfg, arch: dict, model: dict, objective, shapes: Shapes, work: dict,
                   bool(cfg.optim.use_8bit), target)
     # FSDP2: the weights gathered in model.dtype, a block's gradients reduce-scattered and freed as backward leaves
     # it (fsdp["update"] below)
-    traces = phase_traces(*trace_args, shards > 1)
+    traces = phase_traces(*trace_args, shards > 1, _checkpointed(cfg))
     traces["updates"] = {False: traces["update"], True: traces["update_checkpointed"]}
     return traces
+
+
+def _checkpointed(cfg) -> int | None:
+    """Blocks the update checkpoints when ``model.gradient_checkpointing`` is on: ``model.checkpoint_blocks`` (None:
+    every block)."""
+    n = cfg.model.checkpoint_blocks
+    return None if n is None else int(n)
 
 
 def _static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -> dict:
@@ -356,5 +367,7 @@ def _memory_report(cfg, gpu_spec: GPUClass, model: dict, static: dict, cache: di
         "prompt_cache_end_of_run": cache["end"] / GiB,
         "peak_end_of_run": (peak - cache["now"] + cache["end"]) / GiB,
         "host_forest": phases["forest_bytes"] / GiB,
+        "base": (static["total"] + cache["now"] + phases["host"]) / GiB,  # held through the iteration: peak − phase
+        "phases": {k: v / GiB for k, v in phases["phases"].items()},  # each phase's transient bytes on top of base
     }
     return parts

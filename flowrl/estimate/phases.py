@@ -12,6 +12,7 @@ from flowrl.estimate.archs import ARCH_CACHE, build_vae, model_with_lora
 from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.inputs import Shapes, decode_latents, velocity
 from flowrl.estimate.trace import Trace, trace
+from flowrl.models.blocks import checkpoint_blocks
 from flowrl.models.dtypes import DTYPES
 
 
@@ -22,7 +23,7 @@ def _drop_gradient(param: nn.Parameter) -> None:
 @functools.lru_cache(maxsize=64)
 def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int, cfg_on: bool,
                  update_states: int, train_cfg: bool, before: tuple, after: tuple, explore: bool, use_8bit: bool,
-                 target: str, sharded: bool = False) -> dict[str, Trace]:
+                 target: str, sharded: bool = False, checkpointed: int | None = None) -> dict[str, Trace]:
     """The traced phases of one iteration (:func:`trace` each, on the meta model of :func:`model_with_lora`, its
     parameters in the dtypes training holds; ``sharded``: as FSDP2 gathers them, in ``dtype_name``):
 
@@ -30,7 +31,8 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
     - ``explore``: the same with the LoRA merged (an explorer copy's cost; = ``rollout`` without LoRA);
     - ``decode``: the VAE decode of ``rollout_states`` latents to fp32 images in [0, 1];
     - ``update`` / ``update_checkpointed``: one training micro-batch of ``update_states`` states (×2 with
-      ``train_cfg``), without / with gradient checkpointing: the no-grad copy forwards ``before`` (old policy,
+      ``train_cfg``), without / with gradient checkpointing of the first ``checkpointed`` blocks (None: every block;
+      :func:`flowrl.models.blocks.checkpoint_blocks`): the no-grad copy forwards ``before`` (old policy,
       reference), the forward with gradients, the copy forwards ``after`` (the KL reference of a policy
       objective, while the activations are held), a loss over them, backward into pre-allocated gradients;
     - ``optimizer``: one AdamW step (after clipping) over the trainable parameters as training holds them (fp32).
@@ -45,6 +47,7 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
     """
     tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, rollout_states, cfg_on, update_states, train_cfg,
                           before, after, target, sharded)
+    tracer.checkpointed = checkpointed
     out = tracer.sampling(explore)
     out.update(tracer.updates())
     out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(tracer.held, target)
@@ -96,6 +99,10 @@ class _PhaseTracer:
             if off:
                 self.module.enable_adapters()
 
+    def _autocast_checkpoint(self, run, *args):
+        """A block's checkpointed forward inside the autocast region (:meth:`MetaAutocast.checkpoint`)."""
+        return self.autocast.checkpoint(run, *args)
+
     def update_step(self) -> None:
         # the objective's own latent-sized fp32 tensors of the micro-batch: a policy objective's parent and child
         # states and transition mean; a forward-process objective's x0, ε, x_t and target y
@@ -135,15 +142,13 @@ class _PhaseTracer:
         handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in self.trainable] if self.sharded else []
         try:
             for name, checkpointing in (("update", False), ("update_checkpointed", True)):
-                if checkpointing:
-                    self.module.enable_gradient_checkpointing(self.autocast.checkpoint if self.autocast is not None else None)
-                else:
-                    self.module.disable_gradient_checkpointing()
+                checkpoint_blocks(self.module, self.checkpointed if checkpointing else 0,
+                                  self._autocast_checkpoint if self.autocast is not None else None)
                 out[name] = trace(self.update_step, self.target)
         finally:
             for handle in handles:
                 handle.remove()
-            self.module.disable_gradient_checkpointing()
+            checkpoint_blocks(self.module, 0)
             for p in self.trainable:
                 p.grad = None
             self.module.eval()

@@ -9,7 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from flowrl.config.choices import choose
-from flowrl.distributed.sharding import block_lists, check_shard_settings, resolve_shard
+from flowrl.distributed.sharding import check_shard_settings, resolve_shard
+from flowrl.models.blocks import block_lists
 from flowrl.errors import ConfigError
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.trace import Trace

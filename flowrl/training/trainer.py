@@ -51,6 +51,7 @@ from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.evaluation import HeldOutEval, resolve_guidance
 from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
+from flowrl.training.perf import PerfMeter
 from flowrl.training.scoring import FailedRewardStreak, check_modality
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
 from flowrl.training.updater import Updater
@@ -61,13 +62,17 @@ class Trainer(TrainerCheckpoints):
 
     ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
     ``config.model``. ``reward``: a reward name, a :class:`flowrl_rewards.Reward`, a MultiReward, or None
-    for ``config.rewards``.
+    for ``config.rewards``. ``perf``: the FLOPs of one iteration and the device's peak, for ``perf/tflops`` and
+    ``perf/mfu`` in every iteration's metrics (``flowrl train`` makes it from the estimate:
+    :func:`flowrl.estimate.device.perf_meter`); None: not reported.
     """
 
-    def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None):
+    def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None,
+                 perf: PerfMeter | None = None):
         from accelerate import Accelerator
 
         self.cfg = c = config
+        self.perf = perf
         if c.train.num_threads:
             torch.set_num_threads(c.train.num_threads)
         device = build.resolve_device(c.model.device)
@@ -314,13 +319,18 @@ class Trainer(TrainerCheckpoints):
         t = self.cfg.train
         t0, seconds_before = time.perf_counter(), self.train_seconds
         record = self.train_step(self.step)
-        self.train_seconds += self.group.mean(time.perf_counter() - t0)  # the same on every rank
+        seconds = self.group.mean(time.perf_counter() - t0)  # the same on every rank
+        self.train_seconds += seconds
         self.step += 1
         record["time/train_total"] = self.train_seconds  # training time so far, evals excluded
+        record["time/iteration"] = seconds
+        if self.perf is not None:
+            record.update(self.perf.metrics(seconds))
         self._emit(record)
         self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
         bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record))
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record),
+                        **(self.perf.progress(record) if self.perf is not None else {}))
         last = self.step == t.max_steps or self.out_of_time()
         if self.eval_due(seconds_before) and not last:
             self._evaluate()

@@ -1,0 +1,210 @@
+"""The transformer's repeated blocks, and what is done to them one by one: gradient checkpointing of the first N
+(``model.gradient_checkpointing`` + ``model.checkpoint_blocks``) and regional ``torch.compile`` (``model.compile:
+regional``).
+
+Conventions:
+
+- the blocks are the items of every ``nn.ModuleList`` attribute of the transformer whose name ends in ``blocks``
+  (SD3's and SANA's ``transformer_blocks``, FLUX's double then single blocks, Wan's ``blocks``), in execution order;
+- a *block kind* is a block's class plus the names of its direct children: SD3.5's blocks with and without the
+  second attention (``attn2``) are two kinds of one class, FLUX's double and single blocks two classes;
+- a checkpointed block keeps its class's name, parameters and state-dict keys: its class is swapped for a subclass
+  whose ``forward`` runs under :func:`torch.utils.checkpoint.checkpoint` while gradients are on (a deep copy — the
+  objectives' frozen copies — stays a checkpointed block of its own, and FSDP2's own class swap composes);
+- regional compilation compiles each block in place (``block.compile``, lazily: a LoRA added later is traced with
+  it), every kind with a backend of its own that counts its graphs and their compile time (:class:`CompileStats`).
+  With dynamo's defaults (parameters as inputs, automatic dynamic shapes) one graph serves every block of a kind;
+  a grad mode, and a second batch size, add one variant each, in the first iteration.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+COMPILE_BACKEND = "inductor"
+"""torch.compile backend of ``model.compile: regional`` (tests on CPU set ``eager``)."""
+
+
+def block_lists(module: nn.Module) -> list[nn.Module]:
+    """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in ``blocks``."""
+    return [block for name, child in module.named_children()
+            if name.endswith("blocks") and isinstance(child, nn.ModuleList) for block in child]
+
+
+def block_kind(block: nn.Module) -> str:
+    """``Class(child, child, ...)``: a block's class and its direct children's names (one compiled graph each)."""
+    return f"{_plain_class(block).__name__}(" + ",".join(name for name, _ in block.named_children()) + ")"
+
+
+# ---- gradient checkpointing, block by block ------------------------------------------------------------------
+def _run_checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):
+    """``forward(*args, **kwargs)`` recomputed in the backward (torch's non-reentrant checkpoint), or by the block's
+    own ``checkpoint_function`` (the estimate's autocast on meta tensors)."""
+    fn = block.__dict__.get("_flowrl_checkpoint_fn")
+    if fn is not None:
+        return fn(lambda *a: forward(*a, **kwargs), *args)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    """The subclass of block class ``cls`` whose forward is checkpointed while gradients are on (one per class)."""
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            run = super(sub, self).forward
+            if torch.is_grad_enabled():
+                return _run_checkpointed(self, run, *args, **kwargs)
+            return run(*args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "_flowrl_checkpointed_from": cls,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def _plain_class(block: nn.Module) -> type:
+    """The block's class before any checkpointing swap (FSDP2's own swap stays outside)."""
+    cls = type(block)
+    for klass in cls.__mro__:
+        if "_flowrl_checkpointed_from" in klass.__dict__:
+            return klass.__dict__["_flowrl_checkpointed_from"]
+    return cls
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether :func:`checkpoint_blocks` made ``block`` checkpointed."""
+    return any("_flowrl_checkpointed_from" in k.__dict__ for k in type(block).__mro__)
+
+
+def checkpoint_blocks(transformer: nn.Module, count: int | None, function: Callable | None = None) -> int:
+    """Checkpoint the first ``count`` blocks of ``transformer`` (None: every block) and no other: the transformer's
+    own all-or-nothing checkpointing is turned off, each of those blocks recomputes its forward in the backward.
+    ``function(fn, *args)``: another checkpoint function (the estimate's autocast). Returns how many are
+    checkpointed; a ``count`` above the number of blocks means every block."""
+    blocks = block_lists(transformer)
+    if not blocks:
+        raise ValueError(f"{type(transformer).__name__} has no repeated blocks (an nn.ModuleList named *blocks) to "
+                         "checkpoint")
+    if getattr(transformer, "gradient_checkpointing", False) and hasattr(transformer, "disable_gradient_checkpointing"):
+        transformer.disable_gradient_checkpointing()
+    n = len(blocks) if count is None else min(int(count), len(blocks))
+    for i, block in enumerate(blocks):
+        plain = _plain_class(block)
+        if i < n:
+            if not is_checkpointed(block):
+                _swap_class(block, plain, _checkpointed_class)
+            if function is not None:
+                block.__dict__["_flowrl_checkpoint_fn"] = function
+            else:
+                block.__dict__.pop("_flowrl_checkpoint_fn", None)
+        elif is_checkpointed(block):
+            _swap_class(block, plain, None)
+    return n
+
+
+def _swap_class(block: nn.Module, plain: type, make: Callable[[type], type] | None) -> None:
+    """Replace ``plain`` in the block's class by ``make(plain)`` (or restore it: ``make`` None), keeping any
+    subclass another library swapped in around it (FSDP2's)."""
+    cls = type(block)
+    target = make(plain) if make is not None else plain
+    if cls is plain or cls is _CHECKPOINTED.get(plain):
+        block.__class__ = target
+        return
+    raise RuntimeError(f"cannot change gradient checkpointing of an already wrapped block ({cls.__name__}); set "
+                       "it before sharding")
+
+
+def checkpointed_count(transformer: nn.Module) -> int:
+    """How many of ``transformer``'s blocks run checkpointed (this module's or the transformer's own flag)."""
+    blocks = block_lists(transformer)
+    if getattr(transformer, "gradient_checkpointing", False):
+        return len(blocks)
+    return sum(is_checkpointed(b) for b in blocks)
+
+
+# ---- regional compilation ---------------------------------------------------------------------------------------
+@dataclass
+class CompileStats:
+    """Graphs compiled per block kind and the seconds the backend took (``model.compile: regional``)."""
+
+    graphs: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    blocks: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.graphs.values())
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(self.graphs.items()))
+        return (f"torch.compile (regional): {self.blocks} blocks of {len(self.graphs)} kinds, {self.total} graphs "
+                f"compiled in {self.seconds:.1f} s ({kinds or 'none yet'})")
+
+
+def _counting_backend(stats: CompileStats, kind: str, backend: str | Callable) -> Callable:
+    """A torch.compile backend that counts the graphs of ``kind`` and times ``backend`` compiling them."""
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_graph(graph_module, example_inputs):
+        t0 = time.perf_counter()
+        try:
+            return inner(graph_module, example_inputs)
+        finally:
+            stats.graphs[kind] = stats.graphs.get(kind, 0) + 1
+            stats.seconds += time.perf_counter() - t0
+
+    return compile_graph
+
+
+def _raise_recompile_limits(blocks: int) -> None:
+    """Room for every block's variants: dynamo keeps one cache entry per guard set of the blocks' shared forward
+    code, and its default limit of 8 left part of SD3.5-M's blocks uncompiled on an H200 (2026-11-27)."""
+    import torch._dynamo
+
+    limit = 4 * blocks
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))
+
+
+def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None) -> CompileStats:
+    """``torch.compile`` every block of ``transformer`` in place (``block.compile``; compiled at its first call),
+    each kind through a counting backend. Returns the :class:`CompileStats` (also kept on the transformer:
+    :func:`compile_stats`)."""
+    blocks = block_lists(transformer)
+    if not blocks:
+        raise ValueError(f"model.compile=regional: {type(transformer).__name__} has no repeated blocks (an "
+                         "nn.ModuleList named *blocks) to compile")
+    stats = CompileStats(blocks=len(blocks))
+    _raise_recompile_limits(len(blocks))
+    backends: dict[str, Callable] = {}
+    for block in blocks:
+        kind = block_kind(block)
+        if kind not in backends:
+            backends[kind] = _counting_backend(stats, kind, backend or COMPILE_BACKEND)
+        block.compile(backend=backends[kind])
+    transformer.__dict__["_flowrl_compile_stats"] = stats
+    return stats
+
+
+def compile_stats(transformer: nn.Module) -> CompileStats | None:
+    """The :class:`CompileStats` of a transformer compiled by :func:`compile_blocks`, else None."""
+    return transformer.__dict__.get("_flowrl_compile_stats")
+
+
+def apply_block_settings(transformer: nn.Module, section: Any) -> None:
+    """A ``model`` section's block settings: ``checkpoint_blocks`` (with ``gradient_checkpointing``; null leaves the
+    transformer's own all-block checkpointing) and ``compile``."""
+    if section.gradient_checkpointing and section.checkpoint_blocks is not None:
+        checkpoint_blocks(transformer, section.checkpoint_blocks)
+    if str(section.compile) == "regional":
+        compile_blocks(transformer)
