@@ -33,7 +33,6 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     (:mod:`flowrl.models.attention`)."""
     from flowrl import models
     from flowrl.models.attention import configure_attention
-    from flowrl.models.blocks import apply_block_settings
     from flowrl.models.dtypes import master_weights_fp32
 
     device = device or resolve_device(section.device)
@@ -67,7 +66,6 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
         master_weights_fp32(model)
     if section.offload_encoders:
         model.offload_encoders()
-    apply_block_settings(model.pipe.transformer, section)  # checkpointing per block, regional compilation
     limit = section.prompt_cache_mb
     model.prompt_cache.max_bytes = None if limit is None else int(limit * 2 ** 20)
     return model

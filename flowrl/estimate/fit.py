@@ -39,6 +39,7 @@ from flowrl.errors import ConfigError
 from flowrl.estimate.archs import arch_for_model
 from flowrl.estimate.gpus import gpu_class
 from flowrl.estimate.iteration import estimate
+from flowrl.estimate.report import size_text as gib
 
 EFFICIENCY_TOKENS = 8192
 """Tokens per forward at which the update reaches half its best speed in the throughput score (ours: a 2–12 B
@@ -72,8 +73,8 @@ class Fit:
         """Printable lines: the device, the predicted peak and s/iteration, each key and whether fit or the user set it."""
         lo, hi = self.seconds_per_iteration
         timing = f", {_seconds(lo)}–{_seconds(hi)} s/iteration" if self.target == "cuda" else ""  # a GPU's range
-        lines = [f"train.fit=auto for {self.device}: predicted peak {self.peak_gib:.1f} GiB of {self.budget_gib:.1f} "
-                 f"(train.memory_fraction × {self.capacity_gib:.1f} GiB){timing}"]
+        lines = [f"train.fit=auto for {self.device}: predicted peak {gib(self.peak_gib)} of {gib(self.budget_gib)} "
+                 f"(train.memory_fraction × {gib(self.capacity_gib)}){timing}"]
         for key, value in self.settings.items():
             if key in self.kept:
                 note = "set explicitly: it wins"
@@ -333,11 +334,11 @@ def _refusal(cfg, chooser: _Chooser, budget: float, capacity: float, device: str
             got = estimate(trial, **{**run, **extra})["memory_gib"]["peak"]
         except ConfigError:
             continue
-        remedies.append(f"{label}: {got:.1f} GiB" + (" (fits)" if got <= budget else " (does not fit either)"))
+        remedies.append(f"{label}: {gib(got)}" + (" (fits)" if got <= budget else " (does not fit either)"))
     shown = ", ".join(f"{k}={_shown(v)}" for k, v in settings.items())
     return (f"train.fit=auto: this config cannot fit {device}: even its least-memory settings ({shown}) need "
-            f"{peak:.1f} GiB by the estimate, over {budget:.1f} GiB (train.memory_fraction={cfg.train.memory_fraction} "
-            f"× {capacity:.1f} GiB). What the estimate says of each remedy: " + ("; ".join(remedies) or "none found")
+            f"{gib(peak)} by the estimate, over {gib(budget)} (train.memory_fraction={cfg.train.memory_fraction} "
+            f"× {gib(capacity)}). What the estimate says of each remedy: " + ("; ".join(remedies) or "none found")
             + ". (`flowrl bench CONFIG --estimate --gpu NAME [key=value ...]` estimates any other setting.)")
 
 

@@ -25,7 +25,8 @@ _LABELS = {
 }
 
 
-def _size(gib: float) -> str:
+def size_text(gib: float) -> str:
+    """``1.23 GiB``, or ``12.34 MiB`` below 0.1 GiB."""
     return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.2f} MiB"
 
 
@@ -79,14 +80,14 @@ def format_estimate(result: dict) -> str:
                 "activations_rollout", "activations_decode", "activations_update", "optimizer_step_transient",
                 "fsdp_gather_rollout", "fsdp_gather", "fsdp_reduce_scatter", "offloaded_to_cpu"):
         if mem.get(key) and not (key == "fsdp_gather_rollout" and mem[key] == mem["fsdp_gather"]):
-            lines.append(f"| {_LABELS.get(key, key.replace('_', ' '))} | {_size(mem[key])} |")
+            lines.append(f"| {_LABELS.get(key, key.replace('_', ' '))} | {size_text(mem[key])} |")
     lines += [
-        f"| **peak** ({mem['peak_phase']}) | **{_size(mem['peak'])}** of {mem['gpu_memory']:.0f} GiB "
+        f"| **peak** ({mem['peak_phase']}) | **{size_text(mem['peak'])}** of {mem['gpu_memory']:.0f} GiB "
         f"({'fits' if mem['fits'] else 'does NOT fit'}) |",
-        f"| peak with / without gradient checkpointing | {_size(mem['peak_with_gradient_checkpointing'])} / "
-        f"{_size(mem['peak_without_gradient_checkpointing'])} |",
-        f"| peak at the end of the run (prompt cache grown to {_size(mem['prompt_cache_end_of_run'])}) | "
-        f"{_size(mem['peak_end_of_run'])} |",
+        f"| peak with / without gradient checkpointing | {size_text(mem['peak_with_gradient_checkpointing'])} / "
+        f"{size_text(mem['peak_without_gradient_checkpointing'])} |",
+        f"| peak at the end of the run (prompt cache grown to {size_text(mem['prompt_cache_end_of_run'])}) | "
+        f"{size_text(mem['peak_end_of_run'])} |",
         "",
         f"FLOPs per iteration {_flops(fl['total'])} (rollout {_flops(fl['rollout'])}, explore {_flops(fl['explore'])}, "
         f"decode {_flops(fl['decode'])}, update {_flops(fl['update'])}) → "

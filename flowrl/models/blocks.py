@@ -14,7 +14,8 @@ Conventions:
 - regional compilation compiles each block in place (``block.compile``, lazily: a LoRA added later is traced with
   it), every kind with a backend of its own that counts its graphs and their compile time (:class:`CompileStats`).
   With dynamo's defaults (parameters as inputs, automatic dynamic shapes) one graph serves every block of a kind;
-  a grad mode, and a second batch size, add one variant each, in the first iteration.
+  a grad mode, a second batch size and a LoRA switched off (the KL reference) add one variant each, all in the
+  first iteration.
 """
 from __future__ import annotations
 
@@ -130,17 +131,32 @@ def checkpointed_count(transformer: nn.Module) -> int:
 
 
 # ---- regional compilation ---------------------------------------------------------------------------------------
+_DYNAMO_COMPILES = "_compile.compile_inner"  # dynamo's wall time of each frame compiled (tracing + backend), seconds
+
+
+def _dynamo_compile_times() -> list[float]:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return list(compilation_time_metrics.get(_DYNAMO_COMPILES, []))
+
+
 @dataclass
 class CompileStats:
-    """Graphs compiled per block kind and the seconds the backend took (``model.compile: regional``)."""
+    """Graphs compiled per block kind (counted by their backends) and the compile time: dynamo's wall time of every
+    frame compiled since :func:`compile_blocks` (tracing and backend; in a training process, the blocks')."""
 
     graphs: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
     blocks: int = 0
+    backend_seconds: float = 0.0
+    _before: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.graphs.values())
+
+    @property
+    def seconds(self) -> float:
+        return max(sum(_dynamo_compile_times()[self._before:]), self.backend_seconds)
 
     def summary(self) -> str:
         kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(self.graphs.items()))
@@ -160,7 +176,7 @@ def _counting_backend(stats: CompileStats, kind: str, backend: str | Callable) -
             return inner(graph_module, example_inputs)
         finally:
             stats.graphs[kind] = stats.graphs.get(kind, 0) + 1
-            stats.seconds += time.perf_counter() - t0
+            stats.backend_seconds += time.perf_counter() - t0
 
     return compile_graph
 
@@ -184,7 +200,7 @@ def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None
     if not blocks:
         raise ValueError(f"model.compile=regional: {type(transformer).__name__} has no repeated blocks (an "
                          "nn.ModuleList named *blocks) to compile")
-    stats = CompileStats(blocks=len(blocks))
+    stats = CompileStats(blocks=len(blocks), _before=len(_dynamo_compile_times()))
     _raise_recompile_limits(len(blocks))
     backends: dict[str, Callable] = {}
     for block in blocks:
@@ -201,10 +217,12 @@ def compile_stats(transformer: nn.Module) -> CompileStats | None:
     return transformer.__dict__.get("_flowrl_compile_stats")
 
 
-def apply_block_settings(transformer: nn.Module, section: Any) -> None:
-    """A ``model`` section's block settings: ``checkpoint_blocks`` (with ``gradient_checkpointing``; null leaves the
-    transformer's own all-block checkpointing) and ``compile``."""
-    if section.gradient_checkpointing and section.checkpoint_blocks is not None:
+def apply_block_settings(transformer: nn.Module, section: Any) -> CompileStats | None:
+    """A ``model`` section's block settings: ``checkpoint_blocks`` (with ``gradient_checkpointing``; null: every
+    block) and ``compile`` (its :class:`CompileStats`, or None when off). Gradient checkpointing is also turned on
+    here for a model built elsewhere (``flowrl.wrap(pipe)`` handed to the trainer)."""
+    if section.gradient_checkpointing:
         checkpoint_blocks(transformer, section.checkpoint_blocks)
     if str(section.compile) == "regional":
-        compile_blocks(transformer)
+        return compile_blocks(transformer)
+    return None

@@ -40,6 +40,7 @@ from flowrl.distributed.sharding import (
     resolve_shard,
 )
 from flowrl.models.base import FlowModel
+from flowrl.models.blocks import apply_block_settings
 from flowrl.objectives.teacher import teacher_share_metrics
 from flowrl.prompts.checks import check_prompts, check_run_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
@@ -103,6 +104,8 @@ class Trainer(TrainerCheckpoints):
         self.objective.setup(self.model)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.plan.setup(self.model, self.reward)
+        # after the frozen and explorer copies are made from it, before FSDP2 wraps its blocks
+        self.compiled = apply_block_settings(self.model.trainable, c.model)  # per-block checkpointing, compile
         self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
         if shard == "fsdp":
             self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
@@ -326,6 +329,10 @@ class Trainer(TrainerCheckpoints):
         record["time/iteration"] = seconds
         if self.perf is not None:
             record.update(self.perf.metrics(seconds))
+        if self.compiled is not None:  # model.compile=regional: graphs compiled so far and their compile time
+            record.update({"compile/graphs": self.compiled.total, "compile/seconds": self.compiled.seconds})
+            if record.get("compile/graphs") and self.step == 1 and self.group.is_main:
+                tqdm.write(self.compiled.summary())
         self._emit(record)
         self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
         bar.update(1)

@@ -1,0 +1,126 @@
+"""The transformer's blocks one by one (flowrl/models/blocks.py): gradient checkpointing of the first N blocks and
+regional torch.compile, on tiny pipelines of every family."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flowrl.models.blocks as blocks
+from flowrl.models.blocks import (
+    block_kind,
+    block_lists,
+    checkpoint_blocks,
+    checkpointed_count,
+    compile_blocks,
+    is_checkpointed,
+)
+from tests.conftest import make_model
+from tests.test_trainer import tiny_config
+
+
+def _sd3_inputs(transformer, batch: int = 3):
+    g = torch.Generator().manual_seed(0)
+    c = transformer.config
+    return dict(hidden_states=torch.randn(batch, c.in_channels, 8, 8, generator=g),
+                encoder_hidden_states=torch.randn(batch, 7, c.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(batch, c.pooled_projection_dim, generator=g),
+                timestep=torch.rand(batch, generator=g) * 1000)
+
+
+def _gradients(transformer) -> list[torch.Tensor]:
+    transformer.zero_grad()
+    transformer(**_sd3_inputs(transformer)).sample.pow(2).mean().backward()
+    return [p.grad.clone() for p in transformer.parameters() if p.grad is not None]
+
+
+def _saved_bytes(transformer) -> int:
+    """Bytes autograd saves for backward over one forward with gradients."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        transformer(**_sd3_inputs(transformer)).sample.pow(2).mean()
+    return sum(saved)
+
+
+def test_checkpointing_the_first_blocks_keeps_gradients_and_saves_memory():
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    transformer = tiny_sd3_pipeline().transformer
+    n = len(block_lists(transformer))
+    assert n >= 2
+    keys = list(transformer.state_dict())
+    plain, saved_plain = _gradients(transformer), _saved_bytes(transformer)
+    assert checkpoint_blocks(transformer, 1) == 1 and checkpointed_count(transformer) == 1
+    assert [is_checkpointed(b) for b in block_lists(transformer)] == [True] + [False] * (n - 1)
+    saved_one = _saved_bytes(transformer)
+    for a, b in zip(plain, _gradients(transformer)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert checkpoint_blocks(transformer, None) == n and checkpointed_count(transformer) == n
+    saved_all = _saved_bytes(transformer)
+    assert saved_plain > saved_one > saved_all  # each checkpointed block keeps only its inputs
+    for a, b in zip(plain, _gradients(transformer)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert list(transformer.state_dict()) == keys  # names unchanged: LoRA files and checkpoints load as before
+    assert type(block_lists(transformer)[0]).__name__ == "JointTransformerBlock"
+    clone = copy.deepcopy(transformer)  # the objectives' frozen copies: checkpointed blocks of their own
+    assert checkpointed_count(clone) == n and block_lists(clone)[0] is not block_lists(transformer)[0]
+    checkpoint_blocks(transformer, 0)
+    assert checkpointed_count(transformer) == 0 and not any(is_checkpointed(b) for b in block_lists(transformer))
+
+
+def test_the_transformers_own_checkpointing_is_replaced_by_the_blocks_count():
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    transformer = tiny_sd3_pipeline().transformer
+    transformer.enable_gradient_checkpointing()
+    assert checkpointed_count(transformer) == len(block_lists(transformer))
+    checkpoint_blocks(transformer, 1)
+    assert not transformer.gradient_checkpointing and checkpointed_count(transformer) == 1
+
+
+@pytest.mark.parametrize("family,kinds", [("sd3", {"JointTransformerBlock"}),
+                                          ("flux", {"FluxTransformerBlock", "FluxSingleTransformerBlock"})])
+def test_block_kinds_cover_every_block_of_the_family(family, kinds):
+    transformer = make_model(family).trainable
+    found = block_lists(transformer)
+    assert {block_kind(b).split("(")[0] for b in found} == kinds
+    assert len(found) == sum(len(c) for name, c in transformer.named_children() if name.endswith("blocks"))
+
+
+def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recompiles(tmp_path, monkeypatch):
+    """model.compile=regional on a tiny SD3 with LoRA and one checkpointed block: three iterations train; every
+    block kind (SD3's blocks with and without the context branch) compiles the same variants (the rollout without
+    gradients, a smaller last chunk, the update with them, the KL reference with the adapter off) in the first
+    iteration and nothing after it."""
+    import torch._dynamo
+
+    from flowrl.training.trainer import Trainer
+
+    monkeypatch.setattr(blocks, "COMPILE_BACKEND", "eager")  # dynamo traces as with inductor, no C++ build
+    torch._dynamo.reset()
+    cfg = tiny_config(tmp_path, "compiled", "model.compile=regional", "model.gradient_checkpointing=true",
+                      "model.checkpoint_blocks=1", "prompts.eval=null", "rollout.max_batch=6")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    stats = trainer.compiled
+    kinds = {block_kind(b) for b in block_lists(trainer.model.trainable)}
+    assert stats is not None and set(stats.graphs) == set() and len(kinds) == 2
+    before = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
+    records = trainer.train()
+    assert [r["compile/graphs"] for r in records] == [stats.total] * 3  # nothing compiled after iteration 1
+    assert set(stats.graphs) == kinds and len(set(stats.graphs.values())) == 1  # the same variants per kind
+    assert 1 <= next(iter(stats.graphs.values())) <= 4
+    assert records[0]["compile/seconds"] > 0
+    after = dict(trainer.model.trainable.named_parameters())
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the LoRA trained through compiled blocks
+    torch._dynamo.reset()
+
+
+def test_compile_refuses_a_transformer_without_blocks():
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        compile_blocks(torch.nn.Linear(2, 2))
