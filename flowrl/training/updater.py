@@ -27,6 +27,46 @@ from flowrl.rollout.seeding import derive_seed
 UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
 
 
+_TORCH_EXTREMES = {min: torch.minimum, max: torch.maximum}  # the objectives' extremes, as tensor functions
+
+
+class DeviceSums:
+    """One optimizer step's diagnostics, accumulated where the objective computed them (no host read per
+    micro-batch): size-weighted sums, and the keys of ``extremes`` combined by their min/max. ``values``: key →
+    0-d tensor (fp64); :func:`host_values` reads many of them back at once."""
+
+    def __init__(self, extremes: dict[str, Any]):
+        self.extremes = extremes
+        self.values: dict[str, torch.Tensor] = {}
+
+    def add(self, diag: dict[str, Any], size: int) -> None:
+        """Fold one micro-batch's diagnostics (0-d tensors or numbers) of ``size`` units."""
+        for key, value in diag.items():
+            v = torch.as_tensor(value).detach().reshape(())
+            v = v.to(torch.float32 if v.device.type == "mps" else torch.float64)
+            if key not in self.extremes:
+                v = v * size
+            if key not in self.values:
+                self.values[key] = v
+            elif key in self.extremes:
+                combine = _TORCH_EXTREMES.get(self.extremes[key], self.extremes[key])
+                self.values[key] = combine(self.values[key], v)
+            else:
+                self.values[key] = self.values[key] + v
+
+
+def host_values(parts: list[DeviceSums]) -> list[dict[str, float]]:
+    """Every part's values as floats, read back with one ``tolist`` per device (one host synchronisation on an
+    accelerator, whatever the number of parts and keys)."""
+    flat = [(i, key, v) for i, part in enumerate(parts) for key, v in part.values.items()]
+    out: list[dict[str, float]] = [{} for _ in parts]
+    for device in {v.device for _, _, v in flat}:
+        mine = [(i, key, v) for i, key, v in flat if v.device == device]
+        for (i, key, _), number in zip(mine, torch.stack([v for _, _, v in mine]).tolist()):
+            out[i][key] = number
+    return out
+
+
 class Updater:
     """Optimizer, schedule and EMA of ``params``; :meth:`update` runs ``train.inner_epochs`` ×
     ``train.updates_per_epoch`` optimizer steps of ``objective`` on one forest."""
@@ -50,7 +90,7 @@ class Updater:
         self.scaler = self._make_scaler()
         self.overflows = 0  # steps skipped by the loss scaler (scale too high; not failures)
         self.overflow_streak = 0  # overflows since the last step taken
-        self._loss_finite = True
+        self._loss_finite = torch.ones((), dtype=torch.bool)  # every loss of the step finite (on the device; read on overflow)
         self._batches: list[Batch] = []
 
     def _make_scaler(self) -> torch.amp.GradScaler:
@@ -83,24 +123,22 @@ class Updater:
         return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
 
     # ---- back-propagation ---------------------------------------------------------------------
-    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: dict[str, float],
+    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: "DeviceSums",
                   final: bool = False, padding: int = 0) -> int:
         """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
         step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
-        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max). ``final``: the
-        last micro-batch's backward ends the accumulation (its gradients start reducing as they are ready).
-        Returns the units seen."""
+        diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max), on the device:
+        no host synchronisation per micro-batch. ``final``: the last micro-batch's backward ends the
+        accumulation (its gradients start reducing as they are ready). Returns the units seen."""
         count = 0
-        extremes = self.objective.extremes
         for j, b in enumerate(part):
             loss, diag = self.objective.loss(self.model, forest, b, cond)
             if self.scaler.is_enabled():
-                self._loss_finite &= bool(torch.isfinite(loss))
+                self._loss_finite = self._loss_finite & torch.isfinite(loss.detach())
             last = final and j == len(part) - 1
             with self.reducer.final() if last else contextlib.nullcontext():
                 self.scaler.scale(loss * (b.size * self.group.world / n_global)).backward()
-            for k, v in diag.items():
-                fold(sums, k, float(v) if k in extremes else float(v) * b.size, extremes)
+            sums.add(diag, b.size)
             count += b.size
         for _ in range(padding):  # sharded: as many forwards and backwards as the busiest process, at weight 0
             loss, _ = self.objective.loss(self.model, forest, self._padding(forest), cond)
@@ -129,9 +167,7 @@ class Updater:
         self.model.trainable.train()
         cond = objective.encode(self.model, forest)
         batches = self._batches = objective.batches(forest, iteration, cfg.train.seed)
-        diag_sums: dict[str, float] = {}  # size-weighted sums (extremes: min/max) over this process's units
-        aux_sums: dict[str, float] = {}  # the objective's auxiliary term, summed over optimizer steps
-        first_sums: dict[str, float] = {}  # the first optimizer step's, before any weight changed
+        step_diags: list[tuple[DeviceSums, float, DeviceSums | None]] = []  # per optimizer step: (diagnostics, units, auxiliary)
         skipped, overflows = 0, self.overflows
         grad_norms = []
         for epoch in range(cfg.train.inner_epochs):
@@ -146,28 +182,25 @@ class Updater:
                 if n_global == 0:  # on every process alike
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                self._loss_finite = True
-                step_sums: dict[str, float] = {}
+                self._loss_finite = torch.ones((), dtype=torch.bool)
+                step_sums = DeviceSums(extremes)
                 seen = self._backward(forest, cond, part, n_global, step_sums, final=self._overlap,
                                       padding=self._padding_count(part))
-                step_sums[UNITS] = float(seen)
-                if epoch == 0 and u == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
-                    first_sums = {k: v for k, v in step_sums.items() if k in objective.first_step_keys or k == UNITS}
                 aux = objective.auxiliary(self.model, forest, cond)
+                aux_sums = None
                 if aux is not None:
                     if self.scaler.is_enabled():
-                        self._loss_finite &= bool(torch.isfinite(aux[0]))
+                        self._loss_finite = self._loss_finite & torch.isfinite(aux[0].detach())
                     self.scaler.scale(aux[0]).backward()
-                    for k, v in aux[1].items():
-                        aux_sums[k] = aux_sums.get(k, 0.0) + float(v)
-                    aux_sums[STEPS] = aux_sums.get(STEPS, 0.0) + 1.0
-                for k, v in step_sums.items():
-                    fold(diag_sums, k, v, extremes)
+                    aux_sums = DeviceSums({})
+                    aux_sums.add(aux[1], 1)
+                step_diags.append((step_sums, float(seen), aux_sums))
                 grad_norm = self._step(iteration)
                 if grad_norm is None:
                     skipped += 1
                 else:
                     grad_norms.append(grad_norm)
+        diag_sums, aux_sums, first_sums = self._fold_steps(step_diags, extremes, objective.first_step_keys)
         self.optimizer.zero_grad(set_to_none=True)
         out = self._averages(diag_sums, extremes)
         out.update(self._averages(aux_sums, {}, units=STEPS))
@@ -181,6 +214,28 @@ class Updater:
         out[f"trained_{objective.trains_on}"] = self.group.sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
+
+    @staticmethod
+    def _fold_steps(step_diags: list[tuple["DeviceSums", float, "DeviceSums | None"]], extremes: dict,
+                    first_keys: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """The iteration's diagnostics on the host, read back in one go (:func:`host_values`): (every optimizer
+        step's sums folded, with the units under ``UNITS``; the auxiliary term's sums with the steps that had one
+        under ``STEPS``; the first step's ``first_keys``, before any weight changed, with its units)."""
+        values = host_values([d for sums, _, aux in step_diags for d in (sums, aux) if d is not None])
+        diag_sums: dict[str, float] = {}
+        aux_sums: dict[str, float] = {}
+        first_sums: dict[str, float] = {}
+        for k, (_, seen, aux) in enumerate(step_diags):
+            step = {**values.pop(0), UNITS: seen}
+            if k == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
+                first_sums = {key: v for key, v in step.items() if key in first_keys or key == UNITS}
+            for key, v in step.items():
+                fold(diag_sums, key, v, extremes)
+            if aux is not None:
+                for key, v in values.pop(0).items():
+                    aux_sums[key] = aux_sums.get(key, 0.0) + v
+                aux_sums[STEPS] = aux_sums.get(STEPS, 0.0) + 1.0
+        return diag_sums, aux_sums, first_sums
 
     def _averages(self, sums: dict[str, float], extremes: dict, units: str = UNITS) -> dict[str, float]:
         """Per-unit averages of size-weighted sums over every process (extremes as they are): the same
@@ -200,7 +255,7 @@ class Updater:
         grad_norm = float(whole(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)))
         if not math.isfinite(grad_norm):  # a non-finite loss or gradient: never let it into the weights
             # grad_norm is the same on every process, so all of them are here and agree on the losses
-            losses_finite = self.scaler.is_enabled() and self.group.sum(0.0 if self._loss_finite else 1.0) == 0
+            losses_finite = self.scaler.is_enabled() and self.group.sum(0.0 if bool(self._loss_finite) else 1.0) == 0
             if losses_finite:
                 self.scaler.update()  # an overflow: halve the scale
                 self.overflow_streak += 1
@@ -252,7 +307,8 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         n_global = self.group.sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, batches, n_global, {}, final=True, padding=self._padding_count(batches))
+            self._backward(forest, cond, batches, n_global, DeviceSums(self.objective.extremes), final=True,
+                           padding=self._padding_count(batches))
             self.reducer.finish()
         flat = torch.cat([whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                           for p in self.params])
