@@ -10,6 +10,7 @@ from flowrl.config.choices import Checked
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.forest import Forest
+from flowrl.rollout.transfer import to_device
 
 
 @dataclass
@@ -162,7 +163,7 @@ def velocity_in_chunks(model: FlowModel, x: torch.Tensor, sigma: float, cond: Co
         if cond_rows is not None:
             cond_b = cond.select(cond_rows[rows])
         else:
-            cond_b = cond if n == x.shape[0] else cond.select(torch.arange(start, start + n))
+            cond_b = cond if n == x.shape[0] else cond.select(torch.arange(start, start + n, device=model.device))
         v = model.velocity(xb, torch.full((n,), sigma, device=model.device), cond_b, guidance)
         if count_on is not None:
             count_on.count_forward(n, cfg=model.uses_cfg(guidance))
@@ -195,6 +196,7 @@ def advance(
     fanout: int = 1,
     std_scale: float = 1.0,
     observers: tuple[Callable[..., None], ...] = (),
+    sigma: float | None = None,
 ) -> torch.Tensor:
     """Move every node in ``parents`` [M] (all at the same sigma) one step with ``kernel``, giving
     each ``fanout`` children (siblings share the parent's velocity and differ by their noise).
@@ -214,17 +216,21 @@ def advance(
     std (stored on the forest) and log-prob are those of the widened Gaussian N(μ, (std_scale·std)²)
     (BranchGRPO's ``independent_scaled`` split noise; docs/trees.md, "What one iteration does").
     ``observers`` (the rollout context's, :attr:`RolloutContext.observers`) see every chunk's parents with
-    their velocity.
+    their velocity. ``sigma``: the parents' noise level when the caller knows it (a python float; None reads it from
+    the forest).
+
+    Nothing here waits for the device: the conditioning rows move once per call, the noise through pinned memory,
+    and the edges' log-probs and stds reach the forest's host columns asynchronously (:meth:`Forest.add_children`).
     """
     multistep = isinstance(kernel, DPM2)
     if fanout > 1 and (multistep or kernel == "ode" or eta <= 0):
         raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
     x_parents = forest.latents_of(parents)
-    sigma = float(forest.sigma[parents[0]])
+    sigma = float(forest.sigma[parents[0]]) if sigma is None else sigma
     children, x0s = [], []
     stochastic = not multistep and kernel != "ode" and eta > 0
     for rows, x, v in velocity_in_chunks(model, x_parents, sigma, cond, guidance, max(1, max_batch // fanout),
-                                         cond_rows=forest.group[parents], count_on=forest):
+                                         cond_rows=to_device(forest.group[parents], model.device), count_on=forest):
         chunk = parents[rows]
         for observe in observers:
             observe(forest, chunk, x, sigma, v)
@@ -244,9 +250,10 @@ def advance(
         if std_scale != 1.0 and noise is not None:
             std = std * std_scale
             x_next = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise.float()
-        logp = sde.log_prob(x_next, mean, std, forest.reduction) if noise is not None else torch.zeros(chunk.shape[0])
-        if noise is None:
-            std = torch.zeros_like(std)
+        if noise is None:  # deterministic: nothing of the device to wait for
+            logp = std = torch.zeros(chunk.shape[0])
+        else:
+            logp = sde.log_prob(x_next, mean, std, forest.reduction)
         children.append(forest.add_children(chunk, x_next, sigma_next, step_next, logp, std, kernel if noise is not None else "ode",
                                             eta if noise is not None else 0.0, forest.new_batch_id()))
     if multistep:

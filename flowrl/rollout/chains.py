@@ -18,7 +18,7 @@ from flowrl.models.base import FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.base import DPM2, RolloutContext, RolloutPlan, advance
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.rollout.seeding import derive_seed, seeded_normals
 
 WINDOW_MODES = ("all", "fixed", "random", "progressive")
 POST_SOLVERS = ("none", "dpm2")
@@ -290,63 +290,64 @@ def roll_chains(run: ChainRun, model: FlowModel, prompts: list[str], ctx: Rollou
     G, T = run.group_size, run.steps
     guidance = model.guidance_or_default(ctx.guidance)
     sigmas = model.schedule(T).float().cpu()
+    sigma_at = sigmas.tolist()  # the schedule as python floats, read once (no per-step tensor reads)
     window_set = set(run.window)
     P = len(prompts)
     forest = ctx.new_forest(prompts, guidance, model.device)
-    nodes, chain_of = _roots(run, model, forest, ctx, P, float(sigmas[0]))
+    nodes, keys = _roots(run, model, forest, ctx, P, sigma_at[0])
     cond = model.encode(prompts, guidance)
     shape = model.latent_shape
     step_now = 0
-
-    def chain_key(parent: int, branch: int) -> tuple[int, int]:
-        group, chain = chain_of[parent]
-        return group, branch if chain is None else chain
+    where: dict[int, int] = {}  # node → its position in ``nodes`` (the frontier), rebuilt per step
 
     def noise_for(parents: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", *chain_key(int(p), int(b)), step_now),
-                                          shape) for p, b in zip(parents, branch)]).to(model.device)
+        """Noise [K, *shape] of the children of ``parents`` [K] (``branch`` [K]): one draw per (group, chain, step)."""
+        seeds = []
+        for p, b in zip(parents.tolist(), branch.tolist()):
+            group, chain = keys[where[p]]
+            seeds.append(derive_seed(ctx.seed, ctx.iteration, "sde", group, b if chain is None else chain, step_now))
+        return seeded_normals(seeds, shape, model.device)
 
     if run.dpm2_all:
-        _post_solve(forest, model, nodes, cond, sigmas, list(range(T + 1)), guidance, ctx.max_batch)
+        _post_solve(forest, model, nodes, cond, sigma_at, list(range(T + 1)), guidance, ctx.max_batch)
         return forest
     last = T if run.post is None else run.window[-1] + 1
     for i in range(last):
         step_now = i
+        where = {n: k for k, n in enumerate(nodes.tolist())}
         fanout = G if (run.shared_noise and run.window and i == run.window[0]) else 1
         kernel = run.kernel if i in window_set else "ode"
-        children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, kernel,
-                           run.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
-                           observers=ctx.observers)
-        branches = torch.arange(fanout).repeat(nodes.shape[0])  # children come parent by parent
-        chain_of = {int(c): chain_key(int(p), int(b)) if fanout > 1 else chain_of[int(p)]
-                    for p, b, c in zip(forest.parent[children], branches, children)}
-        nodes = children
+        nodes = advance(forest, model, nodes, cond, sigma_at[i + 1], i + 1, kernel,
+                        run.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
+                        observers=ctx.observers, sigma=sigma_at[i])
+        if fanout > 1:  # children come parent by parent: branch b of a trunk becomes chain b of its group
+            keys = [(group, b) for group, _ in keys for b in range(fanout)]
     if run.post is not None:
-        _post_solve(forest, model, nodes, cond, sigmas, list(run.post), guidance, ctx.max_batch)
+        _post_solve(forest, model, nodes, cond, sigma_at, list(run.post), guidance, ctx.max_batch)
     return forest
 
 
 def _roots(run: ChainRun, model: FlowModel, forest: Forest, ctx: RolloutContext, P: int, sigma0: float):
-    """The roots (x_T) of a run and each root's (global group, chain; None for a shared trunk): one per group with
-    ``shared_noise`` (the group's chains share the ODE trunk up to the first stochastic step and branch there), else
-    one per chain."""
+    """The roots (x_T) [R] of a run and each root's (global group, chain; None for a shared trunk) [R], in root order:
+    one per group with ``shared_noise`` (the group's chains share the ODE trunk up to the first stochastic step and
+    branch there), else one per chain."""
     G = run.group_size
     given = ctx.given_root_seeds(P, 1 if run.shared_noise else G)  # x_T chosen by a wrapping plan (explore), else None
     if run.shared_noise:
         seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
-        return nodes, {int(n): (ctx.group_offset + g, None) for g, n in enumerate(nodes)}
+        return nodes, [(ctx.group_offset + g, None) for g in range(P)]
     seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
     nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
-    return nodes, {int(n): (ctx.group_offset + k // G, k % G) for k, n in enumerate(nodes)}
+    return nodes, [(ctx.group_offset + k // G, k % G) for k in range(P * G)]
 
 
-def _post_solve(forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: torch.Tensor, idx: list[int],
+def _post_solve(forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: list[float], idx: list[int],
                 guidance: float, max_batch: int) -> None:
-    """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0): untrained ODE edges of kernel ``dpm2``
-    (after a window: :func:`post_indices`; the ODE plan's ``solver: dpm2``: all steps), one :func:`advance` per step
-    with one :class:`DPM2` solver carrying x̂0 between them. No observers: the post-solver's states are not shown to a
-    wrapping plan (probed's x̂0 probes refuse it)."""
+    """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0) of ``sigmas`` [T+1]: untrained ODE edges
+    of kernel ``dpm2`` (after a window: :func:`post_indices`; the ODE plan's ``solver: dpm2``: all steps), one
+    :func:`advance` per step with one :class:`DPM2` solver carrying x̂0 between them. No observers: the post-solver's
+    states are not shown to a wrapping plan (probed's x̂0 probes refuse it)."""
     solver = DPM2()
-    for b in idx[1:]:
-        nodes = advance(forest, model, nodes, cond, float(sigmas[b]), b, solver, 0.0, None, guidance, max_batch)
+    for a, b in zip(idx[:-1], idx[1:]):
+        nodes = advance(forest, model, nodes, cond, sigmas[b], b, solver, 0.0, None, guidance, max_batch, sigma=sigmas[a])

@@ -44,12 +44,20 @@ from typing import Sequence
 
 import torch
 
+from flowrl.rollout.forest_columns import DeviceColumns
 from flowrl.rollout.forest_paths import ForestPaths
+from flowrl.rollout.transfer import host_copy
 
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
 _OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "flat": 0.0,
                      "trainable": 1.0, "from_teacher": 0.0}
+_DEVICE_COLUMNS = ("logp_old", "std", "stochastic")  # computed on the model's device (see Forest._settle)
 UNITS = ("edges", "leaves")  # what an objective trains on (Objective.trains_on), what a credit rule writes
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: itself when it is there (no call that could synchronise), else a copy."""
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 def no_spread(count: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tol: float) -> torch.Tensor:
@@ -69,7 +77,7 @@ def flat_rows(values: torch.Tensor, ok: torch.Tensor, tol: float) -> torch.Tenso
 
 
 @dataclass
-class Forest(ForestPaths):
+class Forest(ForestPaths, DeviceColumns):
     """Trajectory forest of one rollout (see module docstring). Build with :meth:`add_roots` /
     :meth:`add_children`, then read through the helpers."""
 
@@ -84,9 +92,12 @@ class Forest(ForestPaths):
     parent: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     group: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     seed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    logp_old: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    std: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    stochastic: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    # logp_old [N], std [N] and stochastic [N] are properties over these: an edge's values are computed on the model's
+    # device and copied to the host without waiting (:meth:`add_children`); the first read settles the copies
+    _logp_old: torch.Tensor = field(default_factory=lambda: torch.zeros(0), repr=False)
+    _std: torch.Tensor = field(default_factory=lambda: torch.zeros(0), repr=False)
+    _stochastic: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool), repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # (first node, host copy [2, M], ready event, trainable kernel)
     kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     eta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     batch: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -132,9 +143,10 @@ class Forest(ForestPaths):
         self._block_starts.append(n0)
         self._latent_blocks.append(latents.detach().to(self.device, torch.float32))
         for name in _NODE_FIELDS:
-            setattr(self, name, self._grown(name, getattr(self, name), torch.as_tensor(cols[name]).reshape(n).cpu()))
+            attr = "_" + name if name in _DEVICE_COLUMNS else name  # no settling while a rollout appends
+            setattr(self, attr, self._grown(name, getattr(self, attr), _on_host(torch.as_tensor(cols[name]).reshape(n))))
         for name, default in _OUTCOME_DEFAULTS.items():
-            new = cols[name].float().reshape(n).cpu() if name in cols else torch.full((n,), default)
+            new = _on_host(cols[name].float().reshape(n)) if name in cols else torch.full((n,), default)
             setattr(self, name, self._grown(name, getattr(self, name), new))
         for name, column in self.reward_components.items():
             self.reward_components[name] = self._grown(f"reward/{name}", column, torch.full((n,), float("nan")))
@@ -167,20 +179,24 @@ class Forest(ForestPaths):
                      batch: int | torch.Tensor) -> torch.Tensor:
         """Add one child per entry of ``parents`` [M] with states ``latents`` [M, C, H, W] reached by
         a ``kernel`` edge (log-prob ``logp`` [M], std ``std`` [M]). Returns the new node indices [M]."""
-        parents = torch.as_tensor(parents, dtype=torch.long).cpu()
+        parents = _on_host(torch.as_tensor(parents, dtype=torch.long))
         m = parents.shape[0]
 
         def column(value, dtype=torch.float32) -> torch.Tensor:  # a scalar broadcast to [M], or [M] as is
-            t = torch.as_tensor(value, dtype=dtype).cpu()
+            t = _on_host(torch.as_tensor(value, dtype=dtype))
             return t.expand(m) if t.ndim == 0 else t
 
-        std = std.detach().float().cpu()
-        return self._append(
+        # logp and std stay where they were computed: copied to the host without waiting, settled on first read
+        values = torch.stack([logp.detach().float().reshape(m), std.detach().float().reshape(m).to(logp.device)])
+        host, ready = host_copy(values)
+        start = self.num_nodes
+        nodes = self._append(
             latents, sigma=column(sigma), step=column(step, torch.long), parent=parents, group=self.group[parents],
-            seed=self.seed[parents], logp_old=logp.detach().float().cpu(), std=std,
-            stochastic=(std > 0) & (kernel != "ode"), kernel=column(self.kernel_index(kernel), torch.long),
-            eta=column(eta), batch=column(batch, torch.long),
+            seed=self.seed[parents], logp_old=torch.zeros(m), std=torch.zeros(m), stochastic=torch.zeros(m, dtype=torch.bool),
+            kernel=column(self.kernel_index(kernel), torch.long), eta=column(eta), batch=column(batch, torch.long),
         )
+        self._pending.append((start, host, ready, kernel != "ode"))
+        return nodes
 
     def count_forward(self, rows: int, cfg: bool) -> None:
         """Record one model call over ``rows`` states (each a forward; ×2 NFE with CFG)."""
