@@ -42,7 +42,8 @@ from flowrl.config.choices import choice
 from flowrl.objectives.base import Batch, Objective
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.teacher import Teacher, TeacherSpec, leaf_weights
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.rollout.seeding import derive_seed, seeded_normals
+from flowrl.rollout.transfer import to_device
 
 CFG_MODES = ("free", "guided")
 TIMESTEPS = ("logit_normal", "uniform", "sampler")
@@ -252,15 +253,12 @@ class ForwardProcessObjective(Objective):
         if leaves.numel() == 0:
             return []
         group = forest.group[leaves]
-        within = torch.zeros_like(leaves)  # index of each leaf within its prompt group (layout-free address)
-        for g in torch.unique(group):
-            mine = group == g
-            within[mine] = torch.arange(int(mine.sum()))
+        within = rank_within(group)  # index of each leaf within its prompt group (layout-free address)
         shape = tuple(forest.all_latents().shape[1:])
         D = self.draws
         t_seeds, eps_seeds = [], []
-        for n, k in zip(leaves.tolist(), within.tolist()):
-            root, prompt = int(forest.seed[n]), forest.prompts[int(forest.group[n])]
+        for root, g, k in zip(forest.seed[leaves].tolist(), group.tolist(), within.tolist()):
+            prompt = forest.prompts[g]
             for d in range(D):
                 t_seeds.append(derive_seed(seed, iteration, "fp_t", prompt, d) if self.share_t
                                else derive_seed(seed, iteration, "fp_t", root, k, d))
@@ -276,7 +274,7 @@ class ForwardProcessObjective(Objective):
         out = []
         for a in range(0, leaves.numel(), per):
             rows = slice(a * D, min(a + per, leaves.numel()) * D)
-            noise = torch.stack([seeded_normal(s, shape) for s in eps_seeds[rows]])
+            noise = seeded_normals(eps_seeds[rows], shape)
             extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per],
                      "teacher_cond": teacher_cond, "anchor_weight": None if self.teacher is None else strength}
             out.append(Batch(leaves[a:a + per], int(leaves[a:a + per].numel()), extra))
@@ -310,13 +308,14 @@ class ForwardProcessObjective(Objective):
         device = model.device
         D = self.draws
         leaves = batch.index
-        x0 = forest.all_latents()[leaves].to(device).repeat_interleave(D, dim=0)
-        t = batch.extra["t"].to(device)
-        eps = batch.extra["noise"].to(device)
+        latents = forest.all_latents()
+        x0 = latents[to_device(leaves, latents.device)].to(device).repeat_interleave(D, dim=0)
+        t = to_device(batch.extra["t"], device)
+        eps = to_device(batch.extra["noise"], device)
         tb = t.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - tb) * x0 + tb * eps
         target = eps - x0
-        row_groups = forest.group[leaves].repeat_interleave(D)
+        row_groups = to_device(forest.group[leaves].repeat_interleave(D), device)
         rows_cond = cond.select(row_groups)
         g = self.training_guidance(forest)
         v_old = v_ref = None
@@ -329,7 +328,7 @@ class ForwardProcessObjective(Objective):
         teacher_cond = batch.extra.get("teacher_cond")
         v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
         v = model.velocity(x_t, t, rows_cond, g).float()
-        adv = forest.advantage[leaves].float().to(device).clamp(-self.adv_clip, self.adv_clip)
+        adv = to_device(forest.advantage[leaves].float(), device).clamp(-self.adv_clip, self.adv_clip)
         return Rows(v, v_old, v_ref, v_teacher, target, t, adv)
 
     def training_guidance(self, forest) -> float:
@@ -359,7 +358,7 @@ class ForwardProcessObjective(Objective):
         weight = extra.get("anchor")
         if weight is not None and rows.v_teacher is not None:
             err = self.per_leaf(row_mean((rows.v - rows.v_teacher) ** 2))
-            per_leaf = per_leaf + weight.to(err.device) * err
+            per_leaf = per_leaf + to_device(weight, err.device) * err
             diag["anchor_error"] = err.detach().mean()
         if extra.get("anchor_weight") is not None:
             diag["anchor_weight"] = torch.tensor(float(extra["anchor_weight"]))
@@ -380,6 +379,16 @@ class Rows:
     target: torch.Tensor
     t: torch.Tensor
     adv: torch.Tensor
+
+
+def rank_within(group: torch.Tensor) -> torch.Tensor:
+    """For entries labelled ``group`` [L] (ints ≥ 0), each entry's index among the entries of its group, in order [L]."""
+    order = torch.argsort(group, stable=True)
+    counts = torch.bincount(group)
+    first = torch.cumsum(counts, 0) - counts  # where each group starts in ``order``
+    within = torch.empty_like(group)
+    within[order] = torch.arange(group.numel()) - first[group[order]]
+    return within
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from flowrl.objectives.base import Batch, Objective
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.replay import replay, replay_batches
 from flowrl.rollout import sde
+from flowrl.rollout.transfer import to_device
 
 __all__ = ["Objective", "PolicyLoss", "LayerTuningLoss"]
 
@@ -70,9 +71,8 @@ class PolicyLoss(Objective):
             raise RuntimeError("PolicyLoss with kl_ref > 0 needs setup(model) first (the KL reference)")
         out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
                      reference=reference.active if reference is not None else None)
-        device = out.logp.device
-        return self(out.logp, forest.logp_old[b].to(device), forest.advantage[b].to(device), out.kl,
-                    forest.weight[b].to(device))
+        host = to_device(torch.stack([forest.logp_old[b], forest.advantage[b], forest.weight[b]]), out.logp.device)
+        return self(out.logp, host[0], host[1], out.kl, host[2])
 
     def __post_init__(self) -> None:
         if self.clip_low <= 0 or self.clip_high <= 0:

@@ -14,6 +14,7 @@ import torch
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.forest import Forest
+from flowrl.rollout.transfer import to_device
 
 
 def replay_batches(forest: Forest, edges: torch.Tensor) -> list[torch.Tensor]:
@@ -21,7 +22,9 @@ def replay_batches(forest: Forest, edges: torch.Tensor) -> list[torch.Tensor]:
     if edges.numel() == 0:
         return []
     batch_ids = forest.batch[edges]
-    return [edges[batch_ids == b] for b in torch.unique(batch_ids, sorted=True)]
+    order = torch.argsort(batch_ids, stable=True)  # by forward, node order kept within one
+    _, counts = torch.unique_consecutive(batch_ids[order], return_counts=True)
+    return list(torch.split(edges[order], counts.tolist()))
 
 
 @dataclass
@@ -57,27 +60,31 @@ def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Te
     if unique_parents.numel() != torch.unique(parents).numel():
         raise ValueError("edges sharing a parent must be adjacent in a replay batch")
     device = model.device
-    x_parent = latents[unique_parents].to(device)
-    sigma_parent = forest.sigma[unique_parents].to(device)
-    group_cond = cond.select(forest.group[unique_parents])
+    rows = to_device(torch.cat([unique_parents, edges]), latents.device)  # one index copy; host columns below
+    x_parent = latents[rows[:unique_parents.numel()]].to(device)
+    x_edges = latents[rows[unique_parents.numel():]].to(device)
+    sigma_parent = to_device(forest.sigma[unique_parents], device)
+    group_cond = cond.select(to_device(forest.group[unique_parents], device))
     # the rollout's transition std, as recorded: it does not depend on the weights, and a plan may have
     # widened it (BranchGRPO's independent_scaled split noise evaluates its log-prob at s·std)
-    recorded_std = forest.std[edges].to(device)
+    recorded_std = to_device(forest.std[edges], device)
+    position = to_device(position, device)
+    sigma_from, sigma_to = to_device(forest.sigma[parents], device), to_device(forest.sigma[edges], device)
+    eta = to_device(forest.eta[edges], device)
 
     def transition(v_parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        v = v_parent[position.to(device)]
-        x = x_parent[position.to(device)]
-        _, mean, _ = sde.step(kernel, x, v, forest.sigma[parents].to(device), forest.sigma[edges].to(device),
-                              forest.eta[edges].to(device))
+        v = v_parent[position]
+        x = x_parent[position]
+        _, mean, _ = sde.step(kernel, x, v, sigma_from, sigma_to, eta)
         return mean, recorded_std
 
     v = model.velocity(x_parent, sigma_parent, group_cond, forest.guidance)
     mean, std = transition(v)
-    logp = sde.log_prob(latents[edges].to(device), mean, std, reduction)
+    logp = sde.log_prob(x_edges, mean, std, reduction)
     kl = None
     if kl_form is not None:
         with torch.no_grad(), (reference or model.reference)():
             mean_ref, _ = transition(model.velocity(x_parent, sigma_parent, group_cond, forest.guidance))
-        dt = (forest.sigma[edges] - forest.sigma[parents]).to(device)
+        dt = sigma_to - sigma_from
         kl = sde.kl(mean, mean_ref, std, kl_form, dt)
     return ReplayOut(logp, mean, std, kl)
