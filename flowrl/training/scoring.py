@@ -25,7 +25,9 @@ the calling code is the same either way.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -37,14 +39,53 @@ def model_modality(model) -> str:
     return model.modality
 
 
+_WAITS = threading.local()  # .events: a list while a caller takes over the waiting (:func:`_not_waiting`)
+
+
 def decode(model, latents: torch.Tensor, max_batch: int) -> torch.Tensor:
     """Images [S, 3, H, W] (a video family: videos [S, F, 3, H, W]) in [0, 1] on the CPU for clean latents
-    [S, *latent_shape], ``max_batch`` at a time."""
+    [S, *latent_shape], ``max_batch`` at a time (:func:`decode_to_host`, waited for; under :func:`_not_waiting` the
+    caller takes the event instead and the host does not wait)."""
+    images, ready = decode_to_host(model, latents, max_batch)
+    if ready is not None:
+        events = getattr(_WAITS, "events", None)
+        if events is None:
+            ready.synchronize()
+        else:
+            events.append(ready)
+    return images
+
+
+@contextlib.contextmanager
+def _not_waiting() -> Iterator[list]:
+    """Inside, :func:`decode` hands its copies' events to the yielded list instead of waiting for them."""
+    previous, _WAITS.events = getattr(_WAITS, "events", None), []
+    try:
+        yield _WAITS.events
+    finally:
+        _WAITS.events = previous
+
+
+def decode_to_host(model, latents: torch.Tensor, max_batch: int) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
+    """:func:`decode` without waiting for the device: ``(images, ready)``, the images [S, 3, H, W] (or [S, F, 3, H, W])
+    in one host buffer (pinned on CUDA) that is valid once ``ready`` (a CUDA event; None: valid now) has completed.
+    The decodes are queued ``max_batch`` at a time, each copied into its rows of the buffer as it finishes."""
     if latents.shape[0] == 0:
         frames = (model.num_frames,) if model_modality(model) == "video" else ()
-        return torch.zeros(0, *frames, 3, model.height, model.width)
-    return torch.cat([model.decode(latents[i:i + max_batch].to(model.device)).cpu()
-                      for i in range(0, latents.shape[0], max_batch)])
+        return torch.zeros(0, *frames, 3, model.height, model.width), None
+    out = None
+    on_cuda = torch.device(model.device).type == "cuda"
+    for i in range(0, latents.shape[0], max_batch):
+        images = model.decode(latents[i:i + max_batch].to(model.device))
+        if out is None:
+            out = torch.empty((latents.shape[0], *images.shape[1:]), dtype=images.dtype,
+                              pin_memory=on_cuda and images.device.type == "cuda")
+        out[i:i + images.shape[0]].copy_(images, non_blocking=out.is_pinned())
+    ready = None
+    if out.is_pinned():
+        ready = torch.cuda.Event()
+        ready.record()
+    return out, ready
 
 
 def check_modality(model, rewards: Sequence[tuple[str, Reward]]) -> None:
@@ -68,11 +109,14 @@ def request_scores(scorer: "BackgroundScorer", model, forest, max_batch: int
                    ) -> "tuple[torch.Tensor, cf.Future[dict[str, torch.Tensor]]]":
     """Decode every state ``forest`` asks to be scored (leaves, then probes) and submit them to ``scorer``.
     Returns the scored nodes [S] and the future of their raw scores ``{name: [S]}``; counts the decoded
-    states in ``forest.counters["scored"]``."""
+    states in ``forest.counters["scored"]``. The host does not wait for the decodes: the scorer's thread does
+    (:func:`decode_to_host`), so with a background scorer the next rollout is launched at once."""
     nodes, x0 = forest.score_requests()
-    images = decode(model, x0, max_batch)
+    with _not_waiting() as events:
+        images = decode(model, x0, max_batch)
+    ready = events[-1] if events else None
     forest.counters["scored"] = forest.counters.get("scored", 0) + int(nodes.numel())
-    return nodes, scorer.submit(images, [forest.prompts[int(g)] for g in forest.group[nodes]], {})
+    return nodes, scorer.submit(images, [forest.prompts[g] for g in forest.group[nodes].tolist()], {}, ready=ready)
 
 
 def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
@@ -88,6 +132,14 @@ def components_of(reward: Reward, images: torch.Tensor, prompts: Sequence[str], 
     if isinstance(reward, MultiReward):
         return reward.components(images, prompts, meta)
     return {reward.name: reward(images, prompts, meta)}
+
+
+def _score_when_ready(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any],
+                      ready: "torch.cuda.Event | None") -> dict[str, torch.Tensor]:
+    """:func:`components_of` once the images' copies (``ready``; None: none in flight) have landed."""
+    if ready is not None:
+        ready.synchronize()
+    return components_of(reward, images, prompts, meta)
 
 
 class BackgroundScorer:
@@ -109,18 +161,19 @@ class BackgroundScorer:
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer") if enabled else None
         self._closed = False
 
-    def submit(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
-               ) -> "cf.Future[dict[str, torch.Tensor]]":
-        """Start scoring; a future of ``{name: float32 [B]}`` (the reward's exception, if it fails)."""
+    def submit(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None,
+               ready: "torch.cuda.Event | None" = None) -> "cf.Future[dict[str, torch.Tensor]]":
+        """Start scoring; a future of ``{name: float32 [B]}`` (the reward's exception, if it fails). ``ready``: an
+        event the images wait for (copies still in flight, :func:`decode_to_host`), waited for by the worker."""
         if self._closed:
             raise RuntimeError("BackgroundScorer.submit after close()")
         meta = {} if meta is None else meta
         prompts = list(prompts)
         if self._pool is not None:
-            return self._pool.submit(components_of, self.reward, images, prompts, meta)
+            return self._pool.submit(_score_when_ready, self.reward, images, prompts, meta, ready)
         fut: cf.Future = cf.Future()
         try:
-            fut.set_result(components_of(self.reward, images, prompts, meta))
+            fut.set_result(_score_when_ready(self.reward, images, prompts, meta, ready))
         except Exception as e:  # delivered through the future, as in the threaded mode
             fut.set_exception(e)
         return fut
