@@ -19,7 +19,8 @@ from flowrl.config.schema import ConfigError
 from flowrl.run.sharded_checkpoint import merge_sharded, split_sharded
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+       "FLOWRL_COMPILE_BACKEND": "eager"}  # model.compile=regional: dynamo's tracing, no C++ build
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 TIME_KEYS = ("time/",)
 # Sol-RL's plan on the main job: an int8 explorer copy previews a pool, the chosen ones regenerated in full precision
@@ -42,11 +43,13 @@ def runs(tmp_path_factory):
     """The shapes job, full fine-tuning and LoRA: one process, two unsharded (DDP) and two sharded."""
     root = tmp_path_factory.mktemp("sharding")
     variants = {"per_block": ("model.shard_rollouts=per_block", "model.gradient_checkpointing=true"),
-                "bf16": ("model.dtype=bfloat16",), "explore": EXPLORE}
+                "bf16": ("model.dtype=bfloat16",), "explore": EXPLORE,
+                "compiled": ("model.compile=regional", "model.gradient_checkpointing=true", "model.checkpoint_blocks=2")}
     out = {}
     for shard, tune, n, *variant in [("ddp", "full", 1), ("ddp", "full", 2), ("fsdp", "full", 2), ("ddp", "lora", 1),
                                      ("fsdp", "lora", 2), ("fsdp", "full", 2, "per_block"), ("fsdp", "lora", 2, "bf16"),
-                                     ("ddp", "full", 2, "explore"), ("fsdp", "full", 2, "explore")]:
+                                     ("ddp", "full", 2, "explore"), ("fsdp", "full", 2, "explore"),
+                                     ("fsdp", "full", 2, "compiled")]:
         folder = root / "-".join([shard, tune, str(n), *variant])
         out[(shard, tune, n, *variant)] = (launch(folder, shard, tune, n, *variants[variant[0]] if variant else ()), folder)
     return out
@@ -95,6 +98,18 @@ def test_block_by_block_sampling_and_gradient_checkpointing_compose_with_shardin
     assert max_diff(blockwise[0]["weights"], blockwise[1]["weights"]) == 0.0
     assert max_diff(blockwise[0]["weights"], whole_run[0]["weights"]) < 2e-6
     assert [r.get("reward_mean") for r in blockwise[0]["records"]] == [r.get("reward_mean") for r in whole_run[0]["records"]]
+
+
+@pytest.mark.slow
+def test_regional_compile_and_per_block_checkpointing_compose_with_sharding(runs):
+    """``model.compile=regional`` with the first 2 blocks checkpointed, under FSDP2: both ranks train to the weights
+    of the uncompiled sharded run, compiling in the first iteration only."""
+    plain, _ = runs[("fsdp", "full", 2)]
+    compiled, _ = runs[("fsdp", "full", 2, "compiled")]
+    assert max_diff(compiled[0]["weights"], compiled[1]["weights"]) == 0.0
+    assert max_diff(compiled[0]["weights"], plain[0]["weights"]) < 2e-6
+    graphs = [r["compile/graphs"] for r in compiled[0]["records"] if "compile/graphs" in r]
+    assert len(graphs) == 3 and graphs[0] > 0 and len(set(graphs)) == 1
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,8 +28,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-COMPILE_BACKEND = "inductor"
-"""torch.compile backend of ``model.compile: regional`` (tests on CPU set ``eager``)."""
+COMPILE_BACKEND = os.environ.get("FLOWRL_COMPILE_BACKEND", "inductor")
+"""torch.compile backend of ``model.compile: regional``: ``inductor``, or the environment's ``FLOWRL_COMPILE_BACKEND``
+(``eager``/``aot_eager`` trace with dynamo but generate no code: how the CPU tests run it, and a way to tell a
+dynamo problem from an inductor one)."""
 
 
 def block_lists(module: nn.Module) -> list[nn.Module]:
