@@ -10,12 +10,16 @@ every row, so a kill leaves what was measured):
   timings (:func:`flowrl.commands.bench.bench_iteration`: s/iteration split into rollout, reward and update, peak
   ``torch.cuda.max_memory_allocated``) after one warm-up, against ``flowrl bench --estimate`` at the same settings
   (:func:`flowrl.estimate.estimate`: its peak memory → the ratio; its FLOPs per iteration → model TFLOP/s and the
-  fraction of the card's measured bf16 peak, --peak-tflops);
+  fraction of the card's measured bf16 peak, --peak-tflops); each preset twice, side by side: at its shipped
+  settings, then with ``train.fit=auto`` (:func:`flowrl.estimate.fit.fit_config` for this GPU) and
+  ``model.compile=regional`` (each transformer block under ``torch.compile``);
+- ``profile``: one Flow-GRPO iteration (the SD3.5-Medium preset at shipped settings, after its warm-up) under
+  ``torch.profiler``: the top ops, the device's idle gaps, the synchronisations and their call sites
+  (scripts/gpu_profile.py), and the gzipped Chrome trace beside gpu_check.md;
 - ``shapes``: the main job (configs/shapes/nft.yaml) and guidance distillation alone (``loss.reward_term=0``) at
   1,024 images per update (16 prompts × 64), as many updates as fit, seeds 0 and 1, held-out strict accuracy at
   guidance 1 (and 3) before and after;
-- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per batch;
-- ``compile``: the SD3.5-Medium NFT preset again with its transformer blocks under ``torch.compile``.
+- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per batch.
 
 ``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
 :func:`flowrl.models.random_init.tiny_arch`) and tiny settings in well under a minute (tests/test_gpu_check.py).
@@ -27,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import gc
 import json
 import math
@@ -43,10 +46,15 @@ from pathlib import Path
 
 STARTED = time.monotonic()  # --minutes counts from here, the imports included
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the checkout's flowrl when it is not installed (scripts/gpu_check.sh installs it)
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):  # the checkout's flowrl when it is not installed (scripts/gpu_check.sh installs
+    if str(path) not in sys.path:    # it), and this script's own modules
+        sys.path.insert(0, str(path))
 
-PARTS = ("presets", "shapes", "snr", "compile")
+import gpu_profile  # noqa: E402
+import gpu_report  # noqa: E402
+from gpu_report import fmt, now  # noqa: E402
+
+PARTS = ("presets", "profile", "shapes", "snr")
 PROMPTS = "a photo of a cat|a red car and a blue house"
 """Inline training prompts of the presets (words of the synthetic tokenizers' vocabulary; sequences are padded to
 the preset's lengths anyway)."""
@@ -59,18 +67,37 @@ class Preset:
     arch: str
     prompts: int  # prompts per iteration
     images: int  # images per prompt (rollout.group_size)
-    weight: float  # share of the time budget
+    weight: float  # share of the time budget at shipped settings
+    fitted_weight: float  # and with train.fit=auto + model.compile=regional (compilation in its warm-up)
+
+    def keys(self) -> tuple[str, str]:
+        """The budget's keys (and row names) of its shipped and fitted rows."""
+        return self.name, f"{self.name}_fitted"
 
 
-PRESETS = (
-    Preset("sd35m_flow_grpo_lora", "configs/sd35/flow_grpo_pickscore.yaml", "sd35_medium", 2, 8, 1.2),
-    Preset("sd35m_nft_lora", "configs/sd35/nft_geneval.yaml", "sd35_medium", 2, 8, 0.6),
+PRESETS = (  # weights ≈ seconds / 55 on the H200 of 2026-11-27 (Flow-GRPO 21.7 s/iteration, NFT 4.4 s, FLUX ≈ 16 s;
+    # regional compilation ≈ 65 s of warm-up, which the NFT preset ships with)
+    Preset("sd35m_flow_grpo_lora", "configs/sd35/flow_grpo_pickscore.yaml", "sd35_medium", 2, 8, 1.0, 1.3),
+    Preset("sd35m_nft_lora", "configs/sd35/nft_geneval.yaml", "sd35_medium", 2, 8, 1.2, 1.0),
     # DiffusionNFT rather than the Flow-GRPO-style FLUX presets (dance_grpo_hps, 720 px, every one of 16 steps
     # replayed in the update): ≈ 0.44 against ≈ 2.4 PFLOP per image, so a warm-up and timed iterations fit
-    Preset("flux1dev_nft_lora", "configs/flux/nft_pickscore.yaml", "flux1_dev", 2, 4, 1.4),
+    Preset("flux1dev_nft_lora", "configs/flux/nft_pickscore.yaml", "flux1_dev", 2, 4, 1.0, 1.4),
 )
-COMPILE_PRESET = PRESETS[1]
-PART_WEIGHTS = {"shapes": 3.0, "snr": 0.7, "compile": 0.8}
+FITTED = ["train.fit=auto", "model.compile=regional"]
+FIT_KEYS = {"rollout.max_batch": "batch", "train.micro_batch": "micro", "model.gradient_checkpointing": "ckpt",
+            "model.checkpoint_blocks": "ckpt blocks", "model.offload_encoders": "offload"}
+"""The keys train.fit chooses, and their short names in the tables."""
+TINY_CAPACITY = 1.1
+"""--tiny: the fit's device capacity, × the shipped settings' estimated peak: with train.memory_fraction 0.9 just
+under it, so the fit must choose other settings (tiny Flow-GRPO: no checkpointing, encoders offloaded; the NFT
+presets: rollouts of 1)."""
+COMPILE_GUESS = 70.0
+"""Seconds of a fitted row's warm-up planned for regional compilation on the GPU (SD3.5-M: 64.5 s, 2026-11-27)."""
+PROFILE_PRESET, PROFILE_PROMPTS = PRESETS[0], 1
+"""The profile's preset and prompts per iteration on the GPU (1 × 8 images: the shipped forwards of 8 rows, half
+the iteration's events of 2 × 8, so its trace stays readable)."""
+PROFILE_TRACE = "gpu_check_profile.json.gz"
+PART_WEIGHTS = {"profile": 1.8, "shapes": 0.8, "snr": 0.3}
 """Shares of the budget besides the presets' (a part's time = what is left × its weight / the weights still to run)."""
 SHAPES_RUNS = (("main", []), ("distill", ["loss.reward_term=0"]))
 SHAPES_CONFIG = "configs/shapes/nft.yaml"
@@ -95,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(under a minute): the rehearsal the tests run")
     p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run, in this order (default: all): presets (SD3.5-M Flow-GRPO and NFT, "
-                        "FLUX.1-dev NFT, LoRA, real size), shapes (main job and distillation at 1,024 images per update), "
-                        "snr (--reward-only at 1,024 images per batch), compile (torch.compile on the SD3.5-M NFT preset)")
+                        "FLUX.1-dev NFT, LoRA, real size; shipped, then train.fit=auto + model.compile=regional), profile "
+                        "(torch.profiler of one SD3.5-M Flow-GRPO iteration), shapes (main job and distillation at 1,024 "
+                        "images per update), snr (--reward-only at 1,024 images per batch)")
     p.add_argument("--peak-tflops", type=float, default=MEASURED_PEAK_TFLOPS,
                    help=f"the card's bf16 peak the model FLOP/s are set against (default {MEASURED_PEAK_TFLOPS:g}, "
                         "measured on the lent H100/H200)")
@@ -112,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "(rollout.max_batch; default 512)")
     p.add_argument("--snr-batches", type=int, default=None, help="gradient draws of the snr part at most (default 8; "
                                                                   "at least 3, fewer when time is short)")
-    p.add_argument("--compile-backend", default=None, help="torch.compile backend of the compile part (default "
-                                                            "inductor; eager with --tiny)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend of model.compile=regional in the "
+                                                            "fitted preset rows (default inductor; eager with --tiny)")
+    p.add_argument("--profile-stack", action="store_true", help="profile the iteration with Python stacks on the GPU "
+                   "too (default: only with --tiny; on the GPU the warm-up's synchronising call sites are recorded "
+                   "instead, and the profiled iteration keeps its timing)")
     p.add_argument("--commit", default=None, help="the commit the copy was made from (the GPU machine's copy has no "
                                                   ".git; default: git rev-parse HEAD when there is one)")
     p.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
@@ -226,12 +257,18 @@ def one_line(error: BaseException) -> str:
 
 # ---- the report -----------------------------------------------------------------------------------
 COLUMNS = {
-    "presets": [("preset", "name"), ("model", "model"), ("prompts × images", "batch"), ("px / steps", "size"),
-                ("s/iter", "seconds_per_iteration"), ("rollout s", "rollout_seconds"), ("reward s", "reward_seconds"),
-                ("update s", "update_seconds"), ("estimate s/iter", "estimate_seconds"),
-                ("model TFLOP/iter", "model_tflop_per_iteration"), ("TFLOP/s", "model_tflops_per_second"),
-                ("of peak", "fraction_of_peak"), ("peak GiB", "peak_memory_gib"),
-                ("estimate GiB", "estimate_peak_gib"), ("measured / estimate", "peak_ratio"), ("build s", "build_seconds")],
+    "presets": [("preset", "name"), ("variant", "variant"), ("model", "model"), ("prompts × images", "batch"),
+                ("px / steps", "size"), ("settings", "settings_text"), ("s/iter", "seconds_per_iteration"),
+                ("rollout s", "rollout_seconds"), ("reward s", "reward_seconds"), ("update s", "update_seconds"),
+                ("estimate s/iter", "estimate_seconds"), ("model TFLOP/iter", "model_tflop_per_iteration"),
+                ("TFLOP/s", "model_tflops_per_second"), ("of peak", "fraction_of_peak"), ("peak GiB", "peak_memory_gib"),
+                ("estimate GiB", "estimate_peak_gib"), ("measured / estimate", "peak_ratio"),
+                ("images/s", "images_per_second"), ("fitted / shipped", "speedup"), ("build s", "build_seconds"),
+                ("warm-up s", "warmup_seconds")],
+    "profile": [("iteration", "name"), ("prompts × images", "batch"), ("s/iter profiled", "iteration_seconds"),
+                ("busy s", "busy_seconds"), ("idle s", "idle_seconds"), ("idle share", "idle_fraction"),
+                ("gaps", "gaps"), ("syncs", "syncs"), ("top op", "top_op"), ("stacks", "with_stack"),
+                ("trace MB", "trace_mb"), ("warm-up s", "warmup_seconds"), ("analysis s", "analysis_seconds")],
     "shapes": [("run", "name"), ("seed", "seed"), ("images/update", "images_per_update"), ("updates", "updates"),
                ("images", "images"), ("s/update", "seconds_per_update"), ("strict g1 before", "strict_g1_before"),
                ("strict g1 after", "strict_g1_after"), ("Δ g1", "strict_g1_change"), ("strict g3 before", "strict_g3_before"),
@@ -239,91 +276,22 @@ COLUMNS = {
     "snr": [("measure", "name"), ("batches", "batches"), ("images/batch", "samples_per_batch"),
             ("signal / error", "signal_over_error"), ("mean pairwise cosine", "mean_pairwise_cosine"),
             ("SNR per batch", "snr_per_batch"), ("images for SNR 1", "samples_for_snr_1"), ("s/batch", "seconds_per_batch")],
-    "compile": [("preset", "name"), ("backend", "backend"), ("s/iter", "seconds_per_iteration"),
-                ("rollout s", "rollout_seconds"), ("update s", "update_seconds"), ("without compile s/iter", "eager_seconds"),
-                ("speed-up", "speedup"), ("setup + warm-up s", "warmup_seconds"), ("peak GiB", "peak_memory_gib")],
 }
-TITLES = {"presets": "Real presets, real size, random weights",
+TITLES = {"presets": "Real presets, real size, random weights: shipped, and train.fit=auto + model.compile=regional",
+          "profile": "torch.profiler: one Flow-GRPO iteration",
           "shapes": "Shapes: the main job and distillation alone, many images per update",
-          "snr": "The reward's gradient signal (flowrl snr --reward-only)", "compile": "torch.compile (regional: the transformer blocks)"}
+          "snr": "The reward's gradient signal (flowrl snr --reward-only)"}
 
 
-def fmt(value) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, (list, tuple)):
-        return "–".join(fmt(v) for v in value)
-    return str(value)
+def profile_tables(rows: list[dict]) -> list[str]:
+    """The profile part's tables under its row (scripts/gpu_profile.py)."""
+    return [line for r in rows if r.get("profile") for line in gpu_profile.markdown(r["profile"], r.get("sync_sites"), fmt)]
 
 
-class Report:
-    """The JSON (docs/gpu.md: its structure) and the Markdown of every part, rewritten after every row."""
+class Report(gpu_report.Report):
+    """gpu_check.json and gpu_check.md (scripts/gpu_report.py) with this check's parts."""
 
-    def __init__(self, out: str | Path, meta: dict, parts: list[str]):
-        self.out = Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.data = {"schema": 1, "meta": meta,
-                     "parts": {p: {"status": "pending", "seconds": 0.0, "allotted_seconds": 0.0, "rows": []} for p in parts}}
-
-    def add(self, part: str, row: dict) -> None:
-        self.data["parts"][part]["rows"].append(row)
-        self.write()
-
-    def rows(self, part: str) -> list[dict]:
-        return self.data["parts"].get(part, {}).get("rows", [])
-
-    def close_part(self, part: str, seconds: float, allotted: float, error: str | None = None) -> None:
-        entry = self.data["parts"][part]
-        statuses = {r.get("status") for r in entry["rows"]}
-        entry["status"] = ("failed" if error else "ok" if statuses == {"ok"} else
-                           "empty" if not statuses else "partial")
-        entry.update(seconds=round(seconds, 1), allotted_seconds=round(allotted, 1))
-        if error:
-            entry["error"] = error
-        self.write()
-
-    def write(self) -> None:
-        self.data["meta"]["written"] = now()
-        for name, text in (("gpu_check.json", json.dumps(self.data, indent=2, default=str, allow_nan=True)),
-                           ("gpu_check.md", self.markdown())):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text + "\n")
-            tmp.replace(self.out / name)
-
-    def markdown(self) -> str:
-        m = self.data["meta"]
-        lines = [f"# GPU check{' (--tiny, CPU)' if m['tiny'] else ''}", "",
-                 f"device: {m['device']}; torch {m['torch']} (CUDA {m['cuda']}); commit {m['commit']}; "
-                 f"started {m['started']}; budget {m['minutes']:g} min; bf16 peak taken as {m['peak_tflops']:g} TFLOP/s", ""]
-        if m["tiny"]:
-            lines += ["--tiny: the architectures shrunk, on the CPU; peak GiB is the process's peak RSS, not comparable "
-                      "with the estimate.", ""]
-        for part, entry in self.data["parts"].items():
-            lines += [f"## {TITLES[part]}", "",
-                      f"status: {entry['status']}; {entry['seconds']:.0f} s of {entry['allotted_seconds']:.0f} s allotted"
-                      + (f"; {entry['error']}" if entry.get("error") else ""), ""]
-            lines += table(entry["rows"], COLUMNS[part]) + [""]
-        return "\n".join(lines)
-
-
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> list[str]:
-    out = ["| " + " | ".join(h for h, _ in columns) + " | status |", "|" + "---|" * (len(columns) + 1)]
-    for row in rows:
-        status = row.get("status", "ok") + (f": {row['error']}" if row.get("error") else "")
-        out.append("| " + " | ".join(fmt(row.get(key)) for _, key in columns) + f" | {status} |")
-    return out
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    titles, columns, extras = TITLES, COLUMNS, {"profile": profile_tables}
 
 
 def commit_of(given: str | None) -> str:
@@ -389,7 +357,11 @@ def preset_estimate(cfg, arch: dict, args: argparse.Namespace, gpu: str) -> dict
     from flowrl.estimate import assume_gpu, estimate
 
     with assume_gpu(gpu):
-        e = estimate(copy.deepcopy(cfg), gpu=gpu, arch=arch, target="cpu" if args.tiny else "cuda")
+        return estimate_figures(estimate(copy.deepcopy(cfg), gpu=gpu, arch=arch, target="cpu" if args.tiny else "cuda"))
+
+
+def estimate_figures(e: dict) -> dict:
+    """The figures of an estimate (:func:`flowrl.estimate.estimate`'s result) a preset row keeps."""
     return {"peak_gib": e["memory_gib"]["peak"], "peak_phase": e["memory_gib"]["peak_phase"],
             "static_gib": e["memory_gib"]["static"], "flops_per_iteration": e["flops"]["total"],
             "flops_split": {k: e["flops"][k] for k in ("rollout", "decode", "update", "explore")},
@@ -425,10 +397,45 @@ ITERATION_GUESS = 1.5
 """An iteration is planned at this many times the estimate's slowest (30 % of the bf16 peak): small batches."""
 
 
-def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: str, row: dict, name: str | None = None,
-               prepare=None) -> dict:
-    """Estimate, build on the device and bench one preset into ``row`` (what it holds when time runs out is kept);
-    ``prepare(model)`` runs on the built model first."""
+def fit_choices(cfg) -> dict:
+    """What ``cfg`` sets for each key train.fit chooses (:data:`FIT_KEYS`; the micro-batch's effective value)."""
+    out = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in FIT_KEYS}
+    out["train.micro_batch"] = out["train.micro_batch"] or out["rollout.max_batch"]
+    return out
+
+
+def settings_text(settings: dict) -> str:
+    """``batch 8 · micro 8 · ckpt yes · ckpt blocks — · offload no``: the fit's keys in a table cell."""
+    return " · ".join(f"{short} {fmt(settings.get(key))}" for key, short in FIT_KEYS.items())
+
+
+def fitted_config(cfg, arch: dict, args: argparse.Namespace, gpu: str, shipped: dict | None, row: dict):
+    """``cfg`` as ``train.fit=auto`` makes it for ``gpu`` (:func:`flowrl.estimate.fit.fit_config`; --tiny: on a
+    device of :data:`TINY_CAPACITY` × the shipped settings' estimated peak), its fit recorded in ``row``; benched as
+    chosen (``train.fit`` then off: a Trainer does not fit again). Returns it and the fit's estimate of it."""
+    from flowrl.estimate.fit import fit_config
+
+    capacity = None
+    if args.tiny:
+        peak = (shipped or {}).get("estimate_peak_gib") or preset_estimate(cfg, arch, args, gpu)["peak_gib"]
+        capacity = TINY_CAPACITY * peak
+    t0 = time.monotonic()
+    fit = fit_config(cfg, gpu, arch=arch, target="cpu" if args.tiny else "cuda", capacity_gib=capacity)
+    summary = fit.summary()
+    row["fit"] = {"settings": dict(fit.settings), "kept": list(fit.kept), "peak_gib": fit.peak_gib,
+                  "seconds_per_iteration": list(fit.seconds_per_iteration), "flops_per_iteration": fit.flops_per_iteration,
+                  "capacity_gib": capacity, "seconds": time.monotonic() - t0,
+                  "summary": summary.splitlines() if isinstance(summary, str) else list(summary)}
+    fitted = copy.deepcopy(fit.config)
+    fitted.train.fit = "off"
+    return fitted, estimate_figures(fit.estimate) if getattr(fit, "estimate", None) else None
+
+
+def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: str, row: dict, fitted: bool = False,
+               shipped: dict | None = None) -> dict:
+    """Estimate, build on the device and bench one preset into ``row`` (what it holds when time runs out is kept):
+    at its shipped settings, or ``fitted`` (:data:`FITTED`: train.fit=auto and regional compilation; ``shipped``:
+    that preset's shipped row, for the ratio)."""
     import torch
 
     from flowrl.commands.bench import bench_iteration
@@ -436,33 +443,55 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
     from flowrl.models.random_init import random_model, tiny_arch
 
     t0 = time.monotonic()
-    name = name or preset.name
-    cfg = load_config(preset_path(preset.config), preset_overrides(preset, args, name), gpu)
+    name = preset.keys()[int(fitted)]
+    cfg = load_config(preset_path(preset.config), preset_overrides(preset, args, name) + (FITTED if fitted else []), gpu)
     arch = tiny_arch(preset.arch) if args.tiny else load_arch(preset.arch)
-    est = preset_estimate(cfg, arch, args, gpu)
+    row.update(name=name, variant="fit + compile" if fitted else "shipped", config=preset.config, model=arch["name"])
+    est = None
+    if fitted:
+        cfg, est = fitted_config(cfg, arch, args, gpu, shipped, row)
+    est = est or preset_estimate(cfg, arch, args, gpu)
     m = cfg.model
-    row.update({"name": name, "config": preset.config, "model": arch["name"], "status": "ok",
-           "batch": f"{cfg.prompts.per_step} × {cfg.rollout.group_size}", "size": f"{m.height} / {cfg.rollout.steps}",
-           "settings": {"height": m.height, "width": m.width, "steps": cfg.rollout.steps, "max_batch": cfg.rollout.max_batch,
-                        "max_sequence_length": m.max_sequence_length, "dtype": m.dtype, "lora_rank": m.lora.rank,
-                        "gradient_checkpointing": m.gradient_checkpointing, "objective": cfg.loss.objective},
-           "estimate": est, "estimate_seconds_taken": time.monotonic() - t0})
+    row.update({"status": "ok", "batch": f"{cfg.prompts.per_step} × {cfg.rollout.group_size}",
+                "size": f"{m.height} / {cfg.rollout.steps}", "fit_settings": fit_choices(cfg),
+                "settings_text": settings_text(fit_choices(cfg)),
+                "settings": {"height": m.height, "width": m.width, "steps": cfg.rollout.steps,
+                             "max_batch": cfg.rollout.max_batch, "micro_batch": cfg.train.micro_batch,
+                             "max_sequence_length": m.max_sequence_length, "dtype": m.dtype, "lora_rank": m.lora.rank,
+                             "gradient_checkpointing": m.gradient_checkpointing, "checkpoint_blocks": m.checkpoint_blocks,
+                             "offload_encoders": m.offload_encoders, "compile": m.compile, "objective": cfg.loss.objective},
+                "estimate": est, "estimate_seconds_taken": time.monotonic() - t0})
     t1 = time.monotonic()
     model = random_model(m, "cpu" if args.tiny else "cuda", arch)
     row["build_seconds"] = time.monotonic() - t1
-    if prepare is not None:
-        prepare(model)
     per_iteration = ITERATION_GUESS * est["seconds_per_iteration"][1]
-    iterations = timed_iterations(seconds - (time.monotonic() - t0), per_iteration, args)
+    compiling = COMPILE_GUESS if m.compile == "regional" and not args.tiny else 0.0
+    iterations = timed_iterations(seconds - compiling - (time.monotonic() - t0), per_iteration, args)
     t2 = time.monotonic()
     bench = bench_iteration(cfg, iterations=iterations, warmup=args.warmup, model=model)
-    del model
     row.update(measured(bench, est, args), iterations=iterations, warmup=args.warmup, bench=bench,
-               warmup_seconds=time.monotonic() - t2 - iterations * bench["seconds_per_iteration"])
+               warmup_seconds=time.monotonic() - t2 - iterations * bench["seconds_per_iteration"],
+               images_per_second=cfg.prompts.per_step * cfg.rollout.group_size / bench["seconds_per_iteration"])
+    if m.compile == "regional":  # the fitted rows, and a preset that ships it (SD3.5-M NFT)
+        row.update(compiled(model), backend=args.compile_backend)
+    if fitted:
+        base = (shipped or {}).get("images_per_second") if (shipped or {}).get("status") == "ok" else None
+        row["speedup"] = row["images_per_second"] / base if base else None  # None: the shipped row did not measure
+    del model
     release_memory()
     if torch.cuda.is_available() and not args.tiny:
         row["allocated_after_release_gib"] = torch.cuda.memory_allocated() / GiB  # > 0: something kept the model
     return row
+
+
+def compiled(model) -> dict:
+    """What regional compilation did to ``model``'s transformer (flowrl/models/blocks.py's CompileStats)."""
+    from flowrl.models.blocks import compile_stats
+
+    stats = compile_stats(model.pipe.transformer)
+    if stats is None:
+        return {"compiled_blocks": 0}
+    return {"compiled_blocks": stats.blocks, "compiled_graphs": dict(stats.graphs), "compile_seconds": stats.seconds}
 
 
 def guarded(report: Report, budget: Budget, part: str, name: str, seconds: float, run, slack: float = 1.25) -> dict:
@@ -488,14 +517,65 @@ def guarded(report: Report, budget: Budget, part: str, name: str, seconds: float
 
 
 def run_presets(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    """Each preset at its shipped settings, then fitted and compiled (the pair side by side in the table)."""
+    import torch
+
     gpu = report.data["meta"]["gpu_class"]
     for preset in PRESETS:
-        seconds = budget.allot(preset.name)
-        guarded(report, budget, "presets", preset.name, seconds,
-                lambda row: preset_row(preset, args, seconds, gpu, row), slack=1.5)
+        shipped = None
+        for fitted, key in enumerate(preset.keys()):
+            seconds = budget.allot(key)
+            try:
+                row = guarded(report, budget, "presets", key, seconds, slack=1.5, run=lambda row: preset_row(
+                    preset, args, seconds, gpu, row, fitted=bool(fitted), shipped=shipped))
+            finally:
+                torch._dynamo.reset()  # the compiled blocks' graphs go with their model
+            shipped = shipped or row
 
 
-# ---- part 2: the shapes main job at 1,024 images per update ----------------------------------------
+# ---- part 2: torch.profiler of one Flow-GRPO iteration ----------------------------------------------
+def profile_row(args: argparse.Namespace, gpu: str, row: dict) -> dict:
+    """One iteration of :data:`PROFILE_PRESET` at its shipped settings (:data:`PROFILE_PROMPTS` prompt on the GPU)
+    under ``torch.profiler`` after an untimed warm-up that records the synchronising call sites; the tables and the
+    gzipped trace of scripts/gpu_profile.py (--tiny: the tiny preset on the CPU, with Python stacks)."""
+    from flowrl.estimate import load_arch, load_config
+    from flowrl.models.random_init import random_model, tiny_arch
+    from flowrl.training.trainer import Trainer
+
+    preset, cuda = PROFILE_PRESET, not args.tiny
+    extra = [] if args.tiny else [f"prompts.per_step={PROFILE_PROMPTS}"]
+    cfg = load_config(preset_path(preset.config), preset_overrides(preset, args, "profile") + extra, gpu)
+    cfg.train.progress, cfg.prompts.eval = False, None  # as flowrl bench: no progress bar, no eval
+    row.update(name=preset.name, status="ok", batch=f"{cfg.prompts.per_step} × {cfg.rollout.group_size}")
+    t0 = time.monotonic()
+    arch = tiny_arch(preset.arch) if args.tiny else load_arch(preset.arch)
+    trainer = Trainer(cfg, model=random_model(cfg.model, "cuda" if cuda else "cpu", arch))
+    row["build_seconds"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    with gpu_profile.sync_sites(cuda) as sites:
+        trainer.train_step(0)
+    row.update(warmup_seconds=time.monotonic() - t1, sync_sites=dict(sites))
+    t2 = time.monotonic()
+    summary = gpu_profile.profile_step(lambda: trainer.train_step(1), Path(args.out) / PROFILE_TRACE, args.work,
+                                       cuda=cuda, with_stack=args.tiny or args.profile_stack)
+    del trainer
+    gaps = summary["gaps"]
+    row.update(profile=summary, iteration_seconds=summary["iteration_seconds"], busy_seconds=gaps["busy_seconds"],
+               idle_seconds=gaps["idle_seconds"], idle_fraction=gaps["idle_fraction"], gaps=gaps["count"],
+               syncs=sum(r["count"] for r in summary["syncs"] if r["name"] != "aten::_local_scalar_dense"),
+               top_op=summary["top_ops"][0]["op"] if summary["top_ops"] else None, with_stack=summary["with_stack"],
+               trace_file=summary["trace_file"], trace_mb=summary["trace_mb"],
+               analysis_seconds=time.monotonic() - t2 - summary["iteration_seconds"])
+    return row
+
+
+def run_profile(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    seconds = budget.allot("profile")
+    gpu = report.data["meta"]["gpu_class"]
+    guarded(report, budget, "profile", PROFILE_PRESET.name, seconds, lambda row: profile_row(args, gpu, row))
+
+
+# ---- part 3: the shapes main job at 1,024 images per update ----------------------------------------
 def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: float) -> list[str]:
     """configs/shapes/nft.yaml at --shapes-prompts × --shapes-images per update for ``minutes`` of training (evals
     excluded; --tiny: one update, 4 held-out prompts, 2 steps)."""
@@ -576,7 +656,7 @@ def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None
             overhead = 1.1 * max(row["wall_seconds"] - row["train_seconds"], 0.0)
 
 
-# ---- part 3: the reward's share of the gradient at 1,024 images per batch ---------------------------
+# ---- part 4: the reward's share of the gradient at 1,024 images per batch ---------------------------
 def snr_row(args: argparse.Namespace, batches: int) -> dict:
     """``flowrl snr configs/shapes/nft.yaml --reward-only`` at the shapes runs' images per batch."""
     from flowrl.commands.snr import gradient_snr
@@ -605,53 +685,8 @@ def run_snr(report: Report, budget: Budget, args: argparse.Namespace) -> None:
     guarded(report, budget, "snr", f"reward only, {batches} batches", seconds, lambda row: snr_row(args, batches))
 
 
-# ---- part 4 (optional): torch.compile of the transformer blocks --------------------------------------
-def compile_blocks(model, backend: str) -> int:
-    """``torch.compile`` each repeated transformer block in place (regional compilation: diffusers'
-    ``_repeated_blocks``, SD3's ``JointTransformerBlock``); returns how many."""
-    transformer = model.pipe.transformer
-    names = set(getattr(transformer, "_repeated_blocks", None) or ()) | {"JointTransformerBlock"}
-    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise RuntimeError(f"no repeated block ({sorted(names)}) in {type(transformer).__name__} to compile")
-    import torch._dynamo
-
-    # one code object (the block class's forward) for every block: dynamo guards each block's own modules (SD3.5-M:
-    # 13 with a second attention, 11 without) and each batch shape, so the default limit of 8 variants left part
-    # of the blocks uncompiled on the H200 (2026-11-27); room for every block in a rollout and an update
-    limit = 4 * len(blocks)
-    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))
-    for block in blocks:
-        block.compile(backend=backend)
-    return len(blocks)
-
-
-def run_compile(report: Report, budget: Budget, args: argparse.Namespace) -> None:
-    import torch
-
-    seconds = budget.allot("compile")
-    gpu = report.data["meta"]["gpu_class"]
-    preset = COMPILE_PRESET
-    eager = next((r for r in report.rows("presets") if r.get("name") == preset.name and r.get("status") == "ok"), None)
-
-    def run(row: dict) -> dict:
-        row["backend"] = args.compile_backend
-        preset_row(preset, args, seconds, gpu, row, name=f"{preset.name}_compiled",
-                   prepare=lambda model: compile_blocks(model, args.compile_backend))
-        row["eager_seconds"] = eager["seconds_per_iteration"] if eager else None  # None: presets not run or failed
-        row["speedup"] = row["eager_seconds"] / row["seconds_per_iteration"] if eager else None
-        return row
-
-    try:
-        guarded(report, budget, "compile", preset.name, seconds, run)
-    finally:
-        torch._dynamo.reset()
-
-
 # ---- main ---------------------------------------------------------------------------------------
-RUNNERS = {"presets": run_presets, "shapes": run_shapes, "snr": run_snr, "compile": run_compile}
+RUNNERS = {"presets": run_presets, "profile": run_profile, "shapes": run_shapes, "snr": run_snr}
 
 
 def quiet_libraries() -> None:
@@ -666,7 +701,8 @@ def quiet_libraries() -> None:
 
 
 def budget_weights(parts: list[str]) -> dict[str, float]:
-    weights = {p.name: p.weight for p in PRESETS} if "presets" in parts else {}
+    """The budget's keys and weights of ``parts``: two per preset (shipped, fitted), one per other part."""
+    weights = {k: w for p in PRESETS for k, w in zip(p.keys(), (p.weight, p.fitted_weight))} if "presets" in parts else {}
     weights.update({k: v for k, v in PART_WEIGHTS.items() if k in parts})
     return weights
 
@@ -682,8 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     import flowrl.commands.bench  # noqa: F401 - the libraries imported once, then frozen: their objects stay out of every
     import flowrl.estimate  # noqa: F401   later gc.collect (the estimate collects once per traced phase)
+    import flowrl.models.blocks
     import flowrl.training.trainer  # noqa: F401
 
+    flowrl.models.blocks.COMPILE_BACKEND = args.compile_backend  # model.compile=regional's (eager with --tiny)
     gc.freeze()
     args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     budget = Budget(args.minutes * 60, budget_weights(args.parts), start=STARTED)
@@ -697,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             RUNNERS[part](report, budget, args)
         except Exception as e:  # noqa: BLE001 - a part that breaks leaves the others their time
             error = one_line(e)
-        keys = [p.name for p in PRESETS] if part == "presets" else [part]
+        keys = [k for p in PRESETS for k in p.keys()] if part == "presets" else [part]
         report.close_part(part, time.monotonic() - t0, sum(budget.given.get(k, 0.0) for k in keys), error)
     report.data["meta"]["seconds"] = round(budget.elapsed(), 1)
     report.write()

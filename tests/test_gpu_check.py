@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-EXPECTED_ROWS = {"presets": 3, "shapes": 4, "snr": 1, "compile": 1}  # 3 presets; main + distill × seeds 0, 1
+EXPECTED_ROWS = {"presets": 6, "profile": 1, "shapes": 4, "snr": 1}  # 3 presets × (shipped, fitted); main + distill
+# × seeds 0, 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,24 +68,42 @@ def check_like(actual, documented, path: str, nullable: bool = False) -> None:
         assert isinstance(actual, str), f"{path} = {actual!r}, not a string"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """One ``--tiny`` run as a user starts it, its folder given by $OUT as on the GPU machine."""
-    out = tmp_path_factory.mktemp("gpu_check")
+RUNS = {"presets": "presets", "rest": "profile,shapes,snr"}
+"""The rehearsal in two runs (each well under a minute on 2 cores): the preset pairs, and the other parts."""
+
+
+def run_tiny(out: Path, parts: str) -> dict:
+    """One ``--tiny --parts parts`` run as a user starts it, its folder given by $OUT as on the GPU machine."""
     env = {**os.environ, "OUT": str(out)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--work", str(out / "work"), "--commit", "test"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--parts", parts, "--work", str(out / "work"),
+                           "--commit", "test"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "wall": time.monotonic() - t0, "json": json.loads((out / "gpu_check.json").read_text()),
-            "md": (out / "gpu_check.md").read_text(), "stdout": proc.stdout}
+            "md": (out / "gpu_check.md").read_text(), "stdout": proc.stdout, "parts": parts.split(",")}
+
+
+@pytest.fixture(scope="module")
+def tiny_presets(tmp_path_factory):
+    return run_tiny(tmp_path_factory.mktemp("gpu_check_presets"), RUNS["presets"])
+
+
+@pytest.fixture(scope="module")
+def tiny_rest(tmp_path_factory):
+    return run_tiny(tmp_path_factory.mktemp("gpu_check_rest"), RUNS["rest"])
+
+
+@pytest.fixture(params=list(RUNS))
+def tiny(request):
+    return request.getfixturevalue(f"tiny_{request.param}")
 
 
 def test_tiny_json_is_what_the_docs_describe(tiny):
     data, documented = tiny["json"], documented_json()
     check_like(data["meta"], documented["meta"], "meta", nullable=True)
     assert data["schema"] == documented["schema"]
-    assert list(data["parts"]) == list(documented["parts"]) == ["presets", "shapes", "snr", "compile"]
+    assert list(documented["parts"]) == ["presets", "profile", "shapes", "snr"]
+    assert list(data["parts"]) == tiny["parts"]
     for part, entry in data["parts"].items():
         check_like(entry, documented["parts"][part], f"parts.{part}")
         assert entry["status"] == "ok", (part, entry)
@@ -93,22 +112,76 @@ def test_tiny_json_is_what_the_docs_describe(tiny):
     meta = data["meta"]
     assert meta["tiny"] is True and meta["commit"] == "test" and meta["device_memory_gib"] is None
     assert meta["seconds"] > 0  # its wall time is recorded (a speed target belongs to a benchmark, not a test:
-    # the rehearsal takes ≈ 27 s on 2 idle cores and more on a busy machine)
+    # the two runs take ≈ 45 and 25 s on 2 idle cores and more on a busy machine)
 
 
-def test_tiny_rows_are_measured_and_consistent(tiny):
-    parts = tiny["json"]["parts"]
-    presets = parts["presets"]["rows"]
-    assert [r["name"] for r in presets] == ["sd35m_flow_grpo_lora", "sd35m_nft_lora", "flux1dev_nft_lora"]
-    assert [r["model"] for r in presets] == ["SD3.5-Medium (tiny)", "SD3.5-Medium (tiny)", "FLUX.1-dev (tiny)"]
+def test_tiny_preset_rows_are_measured_and_consistent(tiny_presets):
+    presets = tiny_presets["json"]["parts"]["presets"]["rows"]
+    names = ["sd35m_flow_grpo_lora", "sd35m_nft_lora", "flux1dev_nft_lora"]
+    assert [r["name"] for r in presets] == [n + suffix for n in names for suffix in ("", "_fitted")]
+    assert [r["variant"] for r in presets] == ["shipped", "fit + compile"] * 3
+    assert [r["model"] for r in presets] == ["SD3.5-Medium (tiny)"] * 4 + ["FLUX.1-dev (tiny)"] * 2
     for r in presets:
         assert r["seconds_per_iteration"] > 0 and r["estimate"]["flops_per_iteration"] > 0
         assert r["rollout_seconds"] + r["update_seconds"] <= r["seconds_per_iteration"] * 1.05
         assert r["model_tflops_per_second"] == pytest.approx(r["model_tflop_per_iteration"] / r["seconds_per_iteration"])
         assert r["fraction_of_peak"] == pytest.approx(r["model_tflops_per_second"] / 790.0)
         assert r["peak_ratio"] == pytest.approx(r["peak_memory_gib"] / r["estimate_peak_gib"])
+        assert r["images_per_second"] == pytest.approx(2 / r["seconds_per_iteration"])  # 1 prompt × 2 images
         assert r["bench"]["rollout_forwards"] > 0 and r["iterations"] == 1
-    assert presets[0]["settings"]["objective"] == "clipped" and presets[1]["settings"]["objective"] == "nft"
+    assert presets[0]["settings"]["objective"] == "clipped" and presets[2]["settings"]["objective"] == "nft"
+
+
+def test_tiny_fitted_rows_choose_their_settings_and_compile(tiny_presets):
+    """The fitted row of each pair: train.fit=auto's settings on a device just too small for the shipped ones
+    (so they differ), the estimate for those settings, regional compilation (eager), the ratio to the shipped row."""
+    presets = tiny_presets["json"]["parts"]["presets"]["rows"]
+    for shipped, fitted in zip(presets[::2], presets[1::2]):
+        fit = fitted["fit"]
+        assert fitted["fit_settings"] != shipped["fit_settings"], (shipped["fit_settings"], fitted["fit_settings"])
+        for key, value in fit["settings"].items():  # the micro-batch: None (a policy objective's) → its effective one
+            assert fitted["fit_settings"][key] == (value if value is not None or key != "train.micro_batch"
+                                                   else fitted["fit_settings"]["rollout.max_batch"]), key
+        assert fit["capacity_gib"] == pytest.approx(1.1 * shipped["estimate_peak_gib"])
+        assert fit["peak_gib"] <= 0.9 * fit["capacity_gib"] + 1e-12
+        assert fit["peak_gib"] < shipped["estimate_peak_gib"]
+        assert fitted["estimate_peak_gib"] == pytest.approx(fit["peak_gib"])  # the estimate of the settings used
+        assert fitted["settings"]["compile"] == "regional"
+        assert fitted["backend"] == "eager" and fitted["compiled_blocks"] >= 2
+        assert sum(fitted["compiled_graphs"].values()) > 0
+        assert fitted["speedup"] == pytest.approx(fitted["images_per_second"] / shipped["images_per_second"])
+        assert fitted["settings_text"] != shipped["settings_text"] and fit["summary"]
+    # the shipped settings as the presets ship them: the SD3.5-M NFT preset compiles its blocks
+    assert [r["settings"]["compile"] for r in presets[::2]] == ["off", "regional", "off"]
+    assert presets[2]["compiled_blocks"] >= 2 and "compiled_blocks" not in presets[0]
+    md = tiny_presets["md"]
+    assert "| sd35m_nft_lora_fitted | fit + compile |" in md and "batch 2 · micro 2 · ckpt yes" in md
+
+
+def test_tiny_profile_has_its_tables_and_a_small_trace(tiny_rest):
+    row = tiny_rest["json"]["parts"]["profile"]["rows"][0]
+    profile = row["profile"]
+    assert row["name"] == "sd35m_flow_grpo_lora" and row["batch"] == "1 × 2" and row["with_stack"] is True
+    assert profile["source"] == "host" and profile["cpu_ops"] > 100 and row["iteration_seconds"] > 0
+    assert len(profile["top_ops"]) == 15 and all(r["self_cpu_ms"] > 0 and r["calls"] > 0 for r in profile["top_ops"])
+    gaps = profile["gaps"]
+    assert gaps["count"] > 0 and 0 < gaps["idle_fraction"] < 1 and len(gaps["largest"]) == 10
+    assert gaps["idle_seconds"] + gaps["busy_seconds"] <= row["iteration_seconds"] * 1.01
+    syncs = {r["name"]: r for r in profile["syncs"]}
+    assert syncs["aten::item"]["count"] > 0 and any("flowrl/" in s for s in syncs["aten::item"]["sites"])
+    trace = tiny_rest["out"] / row["trace_file"]
+    assert trace.is_file() and trace.stat().st_size < 5 * 2 ** 20 and row["trace_mb"] > 0
+    assert sorted(p.name for p in tiny_rest["out"].iterdir() if p.is_file()) == [
+        "gpu_check.json", "gpu_check.md", "gpu_check_profile.json.gz"]  # the raw trace stayed in the scratch folder
+    md = tiny_rest["md"]
+    for heading in ("**Top 15 ops by self CPU time", "**Gaps between top-level aten ops", "**Synchronisations**",
+                    "**Synchronising call sites of the warm-up iteration**", "Trace: `gpu_check_profile.json.gz`"):
+        assert heading in md, heading
+    assert f"| `{profile['top_ops'][0]['op']}` |" in md and "| `aten::item` |" in md
+
+
+def test_tiny_shapes_and_snr_rows(tiny_rest):
+    parts = tiny_rest["json"]["parts"]
     shapes = parts["shapes"]["rows"]
     assert [(r["name"], r["seed"]) for r in shapes] == [("main", 0), ("distill", 0), ("main", 1), ("distill", 1)]
     for r in shapes:
@@ -117,21 +190,22 @@ def test_tiny_rows_are_measured_and_consistent(tiny):
     assert shapes[1]["overrides"] == ["loss.reward_term=0"] and shapes[0]["overrides"] == []
     snr = parts["snr"]["rows"][0]
     assert snr["batches"] == 3 and snr["samples_per_batch"] == 8 and -1 <= snr["mean_pairwise_cosine"] <= 1
-    compiled = parts["compile"]["rows"][0]
-    assert compiled["backend"] == "eager" and compiled["eager_seconds"] == presets[1]["seconds_per_iteration"]
-    assert compiled["speedup"] == pytest.approx(compiled["eager_seconds"] / compiled["seconds_per_iteration"])
 
 
 def test_tiny_markdown_has_every_part_and_row(tiny):
     md, script = tiny["md"], load_script()
     sections = re.split(r"^## ", md, flags=re.M)[1:]
-    assert [s.splitlines()[0] for s in sections] == [script.TITLES[p] for p in script.PARTS]
-    for section, part in zip(sections, script.PARTS):
+    assert [s.splitlines()[0] for s in sections] == [script.TITLES[p] for p in tiny["parts"]]
+    for section, part in zip(sections, tiny["parts"]):
+        own = section.split("\n\n")[2]  # the part's own table (the profile's tables follow it)
         header = "| " + script.COLUMNS[part][0][0] + " |"
-        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(header)]
+        rows = [line for line in own.splitlines() if line.startswith("| ") and not line.startswith(header)]
         assert len(rows) == EXPECTED_ROWS[part], section
         assert all(line.endswith("| ok |") for line in rows), rows
-        assert not any(cell.strip() in ("nan", "inf", "—") for line in rows for cell in line.split("|")), rows
+        cells = [c.strip() for line in rows for c in line.split("|")[1:-1]]
+        assert not {"nan", "inf"} & set(cells), rows
+        if part != "presets":  # a shipped row has no "fitted / shipped"
+            assert "—" not in cells, rows
     assert tiny["md"] in tiny["stdout"]  # printed at the end too
 
 
@@ -162,6 +236,74 @@ def test_budget_shares_what_is_left_by_weight():
     assert budget.allot("a") == pytest.approx(30.0, abs=0.5)
     assert budget.allot("b") == pytest.approx(90.0, abs=0.5)  # the last part gets all that is left
     assert budget.given == pytest.approx({"a": 30.0, "b": 90.0}, abs=0.5)
+
+
+def load_profile_module():
+    """scripts/gpu_profile.py as a module."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_profile
+
+    return gpu_profile
+
+
+def toy_step():
+    """A few ops and two reads back to Python, as an iteration has (matmuls, a loss, .item())."""
+    import torch
+
+    x = torch.randn(64, 64)
+    for _ in range(5):
+        x = torch.tanh(x @ x.T / 64)
+    loss = x.pow(2).mean()
+    return loss.item() + x.sum().item()
+
+
+@pytest.mark.parametrize("with_stack", [False, True])
+def test_profile_of_a_cpu_step_has_top_ops_gaps_and_syncs(tmp_path, with_stack):
+    """scripts/gpu_profile.py on a trace made on the CPU: the top ops by self CPU time, gaps between the top-level aten
+    ops, the ``.item()`` synchronisations (with this file as their call site when stacks are on), the trace written."""
+    gp = load_profile_module()
+    summary = gp.profile_step(toy_step, tmp_path / "trace.json.gz", tmp_path, cuda=False, with_stack=with_stack)
+    assert summary["source"] == "host" and summary["device_events"] == 0 and summary["iteration_seconds"] > 0
+    ops = {r["op"]: r for r in summary["top_ops"]}
+    assert {"aten::mm", "aten::tanh"} <= set(ops) and ops["aten::tanh"]["calls"] == 5
+    assert all(r["self_cuda_ms"] is None and r["self_cpu_ms"] >= 0 for r in summary["top_ops"])
+    assert summary["gaps"]["count"] >= 5 and summary["gaps"]["largest"][0]["ms"] >= summary["gaps"]["largest"][-1]["ms"]
+    syncs = {r["name"]: r for r in summary["syncs"]}
+    assert syncs["aten::item"]["count"] == 2 and syncs["aten::_local_scalar_dense"]["count"] == 2
+    sites = syncs["aten::item"]["sites"]
+    assert (sites and "test_gpu_check.py" in sites[0] and "toy_step" in sites[0]) if with_stack else sites == []
+    assert (tmp_path / "trace.json.gz").is_file() and summary["trace_trimmed"] is None
+    assert not (tmp_path / "profile_trace.json").exists()
+    events = gp.load_events(tmp_path / "trace.json.gz")  # the written trace reads back to the same tables
+    assert gp.summarize(events)["syncs"][0]["count"] == 2
+    md = "\n".join(gp.markdown(summary, {}))
+    assert "| `aten::item` | 2 |" in md and "no CUDA" in md
+
+
+def test_profile_trace_is_trimmed_to_its_limit(tmp_path):
+    gp = load_profile_module()
+    gp.profile_step(toy_step, tmp_path / "full.json.gz", tmp_path, cuda=False, with_stack=True)
+    trace = {"traceEvents": gp.load_events(tmp_path / "full.json.gz")}
+    full = (tmp_path / "full.json.gz").stat().st_size
+    lean = gp.write_trace(trace, tmp_path / "lean.json.gz", int(0.5 * full))
+    assert "Python frames" in lean["trace_trimmed"] and (tmp_path / "lean.json.gz").stat().st_size <= 0.5 * full
+    short = gp.write_trace(trace, tmp_path / "short.json.gz", 600)
+    assert "first" in short["trace_trimmed"] and (tmp_path / "short.json.gz").stat().st_size <= 600 * 1.2
+
+
+def test_sync_sites_name_the_calling_frame():
+    """What the warm-up's recorder keeps of a synchronising call: its innermost frame outside the libraries."""
+    import traceback
+
+    gp = load_profile_module()
+    frame = traceback.extract_stack()[-1]
+    assert gp.site_of_stack([frame]) == f"test_gpu_check.py({frame.lineno}): {frame.name}"
+    with gp.sync_sites(cuda=False) as sites:
+        toy_step()
+    assert sites == {}  # on a CPU nothing synchronises
+    assert gp.short_path("/x/lib/python3.12/site-packages/torch/nn/module.py") == "torch/nn/module.py"
+    assert gp.short_path("/work/main/flowrl/training/updater.py") == "flowrl/training/updater.py"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
