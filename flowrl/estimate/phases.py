@@ -20,7 +20,6 @@ def _drop_gradient(param: nn.Parameter) -> None:
     param.grad = None
 
 
-@functools.lru_cache(maxsize=64)
 def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int, cfg_on: bool,
                  update_states: int, train_cfg: bool, before: tuple, after: tuple, explore: bool, use_8bit: bool,
                  target: str, sharded: bool = False, checkpointed: int | None = None) -> dict[str, Trace]:
@@ -44,45 +43,71 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
     (FSDP2 casts the forward inputs to the gathered dtype). ``sharded``: each gradient is dropped as soon as
     backward has accumulated it (FSDP2 reduce-scatters a block's gradients and frees them as backward leaves it:
     :func:`~flowrl.estimate.sharding.fsdp_transients`; the sharded ones are static).
+
+    Each piece is cached on the arguments it depends on (:func:`_sampling_traces`, :func:`_update_trace`,
+    :func:`_optimizer_trace`): estimates that differ in one batch size (``train.fit``'s probes and its choice)
+    trace only what that size changes.
     """
-    tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, rollout_states, cfg_on, update_states, train_cfg,
-                          before, after, target, sharded)
-    tracer.checkpointed = checkpointed
-    out = tracer.sampling(explore)
-    out.update(tracer.updates())
-    out["optimizer"] = Trace(0, 0, 0) if use_8bit else _trace_optimizer(tracer.held, target)
+    out = dict(_sampling_traces(arch_key, dtype_name, lora, shapes, rollout_states, cfg_on, explore, target, sharded))
+    update = (arch_key, dtype_name, lora, shapes, update_states, train_cfg, before, after, target, sharded)
+    out["update"] = _update_trace(*update, 0)
+    out["update_checkpointed"] = _update_trace(*update, checkpointed)
+    out["optimizer"] = Trace(0, 0, 0) if use_8bit else _optimizer_trace(arch_key, dtype_name, lora, target)
     return out
 
 
-class _PhaseTracer:
-    """The meta model and inputs of :func:`phase_traces`, and one method per traced piece of an iteration."""
+@functools.lru_cache(maxsize=64)
+def _sampling_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int,
+                     cfg_on: bool, explore: bool, target: str, sharded: bool) -> dict[str, Trace]:
+    """``rollout``, ``explore`` and ``decode`` of :func:`phase_traces`."""
+    return _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded).sampling(rollout_states, cfg_on, explore)
 
-    def __init__(self, arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int,
-                 cfg_on: bool, update_states: int, train_cfg: bool, before: tuple, after: tuple, target: str,
-                 sharded: bool):
+
+@functools.lru_cache(maxsize=128)
+def _update_trace(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, update_states: int,
+                  train_cfg: bool, before: tuple, after: tuple, target: str, sharded: bool,
+                  checkpointed: int | None) -> Trace:
+    """One training micro-batch of :func:`phase_traces` with the first ``checkpointed`` blocks checkpointed (0: none;
+    None: every block)."""
+    tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded)
+    return tracer.update(update_states, train_cfg, before, after, checkpointed)
+
+
+@functools.lru_cache(maxsize=32)
+def _optimizer_trace(arch_key: str, dtype_name: str, lora: tuple | None, target: str) -> Trace:
+    return _trace_optimizer(_PhaseTracer.held_parameters(arch_key, dtype_name, lora), target)
+
+
+class _PhaseTracer:
+    """The meta model of :func:`phase_traces` and one method per traced piece of an iteration; the batch of the
+    piece being traced is set by the method that traces it."""
+
+    def __init__(self, arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, target: str, sharded: bool):
         self.arch = ARCH_CACHE[arch_key]
         self.dtype = DTYPES[dtype_name]
         self.module, _ = model_with_lora(arch_key, dtype_name, lora, sharded)
         self.vae = build_vae(self.arch, self.dtype)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self.held = [p for p in model_with_lora(arch_key, dtype_name, lora)[0].parameters() if p.requires_grad]
         self.autocast = MetaAutocast(self.dtype, target) if lora is None and self.dtype != torch.float32 else None
         self.inputs = torch.float32 if self.autocast is not None and not sharded else self.dtype
         self.lora, self.shapes, self.target, self.sharded = lora, shapes, target, sharded
-        self.rollout_states, self.cfg_on, self.update_states, self.train_cfg = rollout_states, cfg_on, update_states, train_cfg
-        self.before, self.after = before, after
+        self.states, self.cfg_rows, self.before, self.after = 1, False, (), ()
+
+    @staticmethod
+    def held_parameters(arch_key: str, dtype_name: str, lora: tuple | None) -> list[nn.Parameter]:
+        """The trainable parameters as training holds them (fp32 LoRA or master weights), whole."""
+        return [p for p in model_with_lora(arch_key, dtype_name, lora)[0].parameters() if p.requires_grad]
 
     def region(self, cache: bool = True):
         return self.autocast(cache) if self.autocast is not None else contextlib.nullcontext()
 
     def rollout_forward(self) -> None:
         with torch.no_grad(), self.region():
-            velocity(self.module, self.arch, self.shapes, self.rollout_states, self.cfg_on, self.inputs)
+            velocity(self.module, self.arch, self.shapes, self.states, self.cfg_rows, self.inputs)
 
     def decode(self) -> None:
         with torch.no_grad():
-            latents = torch.empty(self.rollout_states, *self.shapes.latent, dtype=torch.float32,
-                                  device="meta").to(self.dtype)
+            latents = torch.empty(self.states, *self.shapes.latent, dtype=torch.float32, device="meta").to(self.dtype)
             image = decode_latents(self.vae, self.arch, latents)
             (image.float() / 2 + 0.5).clamp(0, 1)
 
@@ -94,7 +119,7 @@ class _PhaseTracer:
             self.module.disable_adapters()
         try:
             with torch.no_grad(), self.region(cache=False):  # a frozen copy's weights: not cached (no grad)
-                return velocity(self.module, self.arch, self.shapes, self.update_states, self.train_cfg, self.inputs)
+                return velocity(self.module, self.arch, self.shapes, self.states, self.cfg_rows, self.inputs)
         finally:
             if off:
                 self.module.enable_adapters()
@@ -106,11 +131,11 @@ class _PhaseTracer:
     def update_step(self) -> None:
         # the objective's own latent-sized fp32 tensors of the micro-batch: a policy objective's parent and child
         # states and transition mean; a forward-process objective's x0, ε, x_t and target y
-        latents = [torch.empty(self.update_states, *self.shapes.latent, dtype=torch.float32, device="meta")
+        latents = [torch.empty(self.states, *self.shapes.latent, dtype=torch.float32, device="meta")
                    for _ in range(3 if not self.before else 4)]
         copies = [self.copy_forward(which) for which in self.before]
         with self.region():
-            v = velocity(self.module, self.arch, self.shapes, self.update_states, self.train_cfg, self.inputs)
+            v = velocity(self.module, self.arch, self.shapes, self.states, self.cfg_rows, self.inputs)
         copies += [self.copy_forward(which) for which in self.after]
         loss = (v - torch.empty_like(v)).pow(2).mean()  # the objective's few latent-sized fp32 terms
         for h in copies:
@@ -119,8 +144,9 @@ class _PhaseTracer:
         loss.backward()
         del latents
 
-    def sampling(self, explore: bool) -> dict[str, Trace]:
-        """``rollout``, ``explore`` (the LoRA merged, an explorer copy's cost) and ``decode``."""
+    def sampling(self, states: int, cfg_on: bool, explore: bool) -> dict[str, Trace]:
+        """``rollout``, ``explore`` (the LoRA merged, an explorer copy's cost) and ``decode`` of ``states``."""
+        self.states, self.cfg_rows = states, cfg_on
         out: dict[str, Trace] = {}
         self.module.eval()
         out["rollout"] = out["explore"] = trace(self.rollout_forward, self.target)
@@ -133,18 +159,16 @@ class _PhaseTracer:
         out["decode"] = trace(self.decode, self.target)
         return out
 
-    def updates(self) -> dict[str, Trace]:
-        """``update`` and ``update_checkpointed``: one training micro-batch without and with gradient checkpointing."""
-        out: dict[str, Trace] = {}
+    def update(self, states: int, train_cfg: bool, before: tuple, after: tuple, checkpointed: int | None) -> Trace:
+        """One training micro-batch of ``states`` with the first ``checkpointed`` blocks checkpointed (0: none)."""
+        self.states, self.cfg_rows, self.before, self.after = states, train_cfg, before, after
         self.module.train()
         for p in self.trainable:  # gradients exist from the first micro-batch on: the estimate adds them to the phase
             p.grad = torch.zeros_like(p)
         handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in self.trainable] if self.sharded else []
         try:
-            for name, checkpointing in (("update", False), ("update_checkpointed", True)):
-                checkpoint_blocks(self.module, self.checkpointed if checkpointing else 0,
-                                  self._autocast_checkpoint if self.autocast is not None else None)
-                out[name] = trace(self.update_step, self.target)
+            checkpoint_blocks(self.module, checkpointed, self._autocast_checkpoint if self.autocast is not None else None)
+            return trace(self.update_step, self.target)
         finally:
             for handle in handles:
                 handle.remove()
@@ -152,7 +176,6 @@ class _PhaseTracer:
             for p in self.trainable:
                 p.grad = None
             self.module.eval()
-        return out
 
 
 def _trace_optimizer(params: list[nn.Parameter], target: str) -> Trace:
