@@ -124,3 +124,22 @@ def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recomp
 def test_compile_refuses_a_transformer_without_blocks():
     with pytest.raises(ValueError, match="no repeated blocks"):
         compile_blocks(torch.nn.Linear(2, 2))
+
+
+def test_every_stored_architecture_has_its_block_kinds_found_and_checkpointable():
+    """On the meta device, every family's published transformer: its blocks found in execution order, the kinds
+    regional compilation compiles once each (SD3.5-Medium's blocks with and without the second attention and its
+    last, context-free block; FLUX's double and single blocks), and any count of them checkpointed."""
+    from flowrl.estimate import build_transformer, list_archs, load_arch
+
+    kinds_of = {}
+    for key in list_archs():
+        transformer = build_transformer(load_arch(key), torch.bfloat16)
+        found = block_lists(transformer)
+        assert found, key
+        kinds_of[key] = {block_kind(b) for b in found}
+        half = len(found) // 2
+        assert checkpoint_blocks(transformer, half) == half and checkpointed_count(transformer) == half
+    sd35 = kinds_of["sd35_medium"]
+    assert len(sd35) == 3 and sum("attn2" in k for k in sd35) == 1
+    assert {k.split("(")[0] for k in kinds_of["flux1_dev"]} == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
