@@ -47,18 +47,54 @@ def _kept_requires_grad(module: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
+class LoraLayers:
+    """The LoRA layers (peft ``BaseTunerLayer``) of a module, found once and switched one by one: what diffusers'
+    ``disable_adapters`` / ``enable_adapters`` / ``set_adapter`` do to each layer, without the package-version check
+    (an ``importlib.metadata`` read) and the walk over every module that they repeat on each call: switched once per
+    micro-batch, those cost more than the switching (issue 52). Found again if the model's trainable module changes."""
+
+    def __init__(self):
+        self._module: torch.nn.Module | None = None
+        self._layers: list = []
+
+    def of(self, module: torch.nn.Module) -> list:
+        """The LoRA layers of ``module``, in module order."""
+        if module is not self._module:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self._module, self._layers = module, [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+        return self._layers
+
+    def enable(self, module: torch.nn.Module, enabled: bool) -> None:
+        """Every adapter on (the active one trainable) or off (diffusers' ``enable_adapters`` / ``disable_adapters``)."""
+        for layer in self.of(module):
+            layer.enable_adapters(enabled=enabled)
+
+    def activate(self, module: torch.nn.Module, name: str) -> None:
+        """Adapter ``name`` active at its configured scale (diffusers' ``set_adapter(name)``; peft marks it trainable
+        and the others frozen)."""
+        for layer in self.of(module):
+            layer.set_adapter([name])
+            layer.set_scale(name, 1.0)
+
+
 class Reference:
     """The KL reference policy (the weights before training)."""
 
     def __init__(self, model):
         self.model = model
         self.frozen = None if model.has_lora else frozen_copy(model)
+        self._lora = LoraLayers()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self.frozen is None:
-            with self.model.reference():
+        if self.frozen is None:  # LoRA: the base with the adapters disabled (the model's ``reference()``)
+            module = self.model.trainable
+            self._lora.enable(module, False)
+            try:
                 yield
+            finally:
+                self._lora.enable(module, True)
         else:
             with swapped_transformer(self.model, self.frozen):
                 yield
@@ -69,6 +105,7 @@ class OldPolicy:
 
     def __init__(self, model):
         self.model = model
+        self._lora = LoraLayers()
         module = model.trainable
         if model.has_lora:
             from peft import LoraConfig
@@ -105,9 +142,12 @@ class OldPolicy:
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        """θ_old ← decay·θ_old + (1 − decay)·θ."""
-        for old, live in self.pairs:
-            old.mul_(decay).add_(live.detach().to(old.dtype), alpha=1.0 - decay)
+        """θ_old ← decay·θ_old + (1 − decay)·θ (one fused multi-tensor update on CUDA)."""
+        pairs = self.pairs
+        if pairs:
+            olds = [old for old, _ in pairs]
+            torch._foreach_mul_(olds, decay)
+            torch._foreach_add_(olds, [live.detach().to(old.dtype) for old, live in pairs], alpha=1.0 - decay)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -117,11 +157,11 @@ class OldPolicy:
             return
         module = self.model.trainable
         with _kept_requires_grad(module):
-            module.set_adapter(OLD_ADAPTER)
+            self._lora.activate(module, OLD_ADAPTER)
             try:
                 yield
             finally:
-                module.set_adapter("default")
+                self._lora.activate(module, "default")
 
     def state_dict(self) -> list[torch.Tensor]:
         return [old.detach().cpu().clone() for old, _ in self.pairs]

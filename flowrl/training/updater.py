@@ -325,9 +325,9 @@ class Updater:
         if self.cfg.train.ema_warmup:  # DiffusionNFT's eval EMA: min((1 + s)/(10 + s), ema) after optimizer step s
             s = max(0, self.scheduler.last_epoch - 1)
             d = min(d, (1 + s) / (10 + s))
-        with torch.no_grad():
-            for e, p in zip(self.ema, self.params):
-                e.mul_(d).add_(p.detach(), alpha=1 - d)
+        with torch.no_grad():  # one fused multi-tensor update on CUDA
+            torch._foreach_mul_(self.ema, d)
+            torch._foreach_add_(self.ema, [p.detach() for p in self.params], alpha=1 - d)
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
