@@ -216,7 +216,7 @@ def top_ops(ops: list[dict], device: list[dict], by_id: dict, parents: dict, n: 
         r = rows.setdefault(name, {"op": name, "calls": 0, "self_cuda_ms": 0.0, "self_cpu_ms": 0.0})
         r["self_cuda_ms"] += d["dur"] / 1e3
     key = "self_cuda_ms" if device else "self_cpu_ms"
-    out = sorted(rows.values(), key=lambda r: -r[key])[:n]
+    out = sorted((r for r in rows.values() if r[key] > 0 or not device), key=lambda r: -r[key])[:n]
     for r in out:
         r["cuda_share"] = r["self_cuda_ms"] / busy if device and busy else None
         if not device:
@@ -358,7 +358,7 @@ def keep_lean(event: dict, parents: dict) -> bool:
 
 
 # ---- the Markdown -----------------------------------------------------------------------------------------------------
-def markdown(summary: dict, sites: dict[str, int] | None = None, fmt=str) -> list[str]:
+def markdown(summary: dict, sites: dict[str, int] | None = None, fmt=lambda v: "—" if v is None else str(v)) -> list[str]:
     """The profile's tables (top ops, gaps, synchronisations, and the synchronising call sites of the warm-up)."""
     g = summary["gaps"]
     cuda = summary["source"] == "device"

@@ -281,6 +281,46 @@ def test_profile_of_a_cpu_step_has_top_ops_gaps_and_syncs(tmp_path, with_stack):
     assert "| `aten::item` | 2 |" in md and "no CUDA" in md
 
 
+def test_profile_tables_of_a_gpu_shaped_trace():
+    """The device path of scripts/gpu_profile.py on a hand-made trace shaped as a CUDA one (kernels and copies on a
+    stream, linked to their aten op by ``External id``; a ``.item()`` that copies to the host and synchronises)."""
+    gp = load_profile_module()
+
+    def x(cat, name, ts, dur, ext=None, tid=1, pid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
+                "args": {} if ext is None else {"External id": ext}}
+
+    events = [x("user_annotation", gp.ITERATION, 0, 1000), x("python_function", "flowrl/training/updater.py(10): _step", 10, 500),
+              x("python_function", "torch/_tensor.py(5): item", 95, 210),
+              x("cpu_op", "aten::mm", 20, 30, 1), x("cuda_runtime", "cudaLaunchKernel", 25, 5, 1),
+              x("cpu_op", "aten::item", 100, 200, 2), x("cpu_op", "aten::_local_scalar_dense", 105, 190, 3),
+              x("cuda_runtime", "cudaMemcpyAsync", 110, 5, 3), x("cuda_runtime", "cudaStreamSynchronize", 120, 170, 3),
+              x("cpu_op", "aten::add", 390, 10, 4), x("kernel", "sm90_xmma_gemm_bf16", 30, 60, 1, tid=7, pid=0),
+              x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 115, 5, 3, tid=7, pid=0),
+              x("kernel", "vectorized_elementwise_kernel", 400, 50, 4, tid=7, pid=0), {"ph": "s", "name": "arrow", "ts": 25}]
+    summary = gp.summarize(events)
+    assert summary["source"] == "device" and summary["device_events"] == 3 and summary["iteration_seconds"] == 1e-3
+    top = {r["op"]: r for r in summary["top_ops"]}
+    assert [r["op"] for r in summary["top_ops"]][:3] == ["aten::mm", "aten::add", "aten::_local_scalar_dense"]
+    assert top["aten::mm"]["self_cuda_ms"] == pytest.approx(0.06) and top["aten::mm"]["cuda_share"] == pytest.approx(60 / 115)
+    assert "aten::item" not in top  # no device time of its own: its copy is its nested op's
+    ops = gp.complete(events, ("cpu_op",))
+    own = gp.self_times(ops, gp.nest(gp.complete(events, gp.HOST_CATS)))
+    assert own[id(ops[1])] == pytest.approx(10)  # aten::item: 200 µs less its nested op's 190
+    gaps = summary["gaps"]
+    assert gaps["source"] == "device" and gaps["count"] == 2 and gaps["idle_seconds"] == pytest.approx(305e-6)
+    assert gaps["idle_fraction"] == pytest.approx(0.305) and gaps["busy_seconds"] == pytest.approx(115e-6)
+    largest = gaps["largest"][0]
+    assert largest["ms"] == pytest.approx(0.28) and largest["before"].startswith("aten::_local_scalar_dense → Memcpy DtoH")
+    assert largest["after"] == "aten::add → vectorized_elementwise_kernel"
+    syncs = {r["name"]: r for r in summary["syncs"]}
+    assert set(syncs) == {"cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense", "Memcpy DtoH"}
+    assert all(r["count"] == 1 and r["sites"] == ["flowrl/training/updater.py(10): _step ×1"] for r in syncs.values())
+    md = "\n".join(gp.markdown(summary, {"flowrl/training/updater.py(10): _step": 3}))
+    assert "**Top 3 ops by self CUDA time**" in md and "**Gaps between kernels and copies (all streams)**" in md
+    assert "| `flowrl/training/updater.py(10): _step` | 3 |" in md
+
+
 def test_profile_trace_is_trimmed_to_its_limit(tmp_path):
     gp = load_profile_module()
     gp.profile_step(toy_step, tmp_path / "full.json.gz", tmp_path, cuda=False, with_stack=True)
