@@ -35,7 +35,10 @@ def row(preset: str, gpu: str) -> str:
     from flowrl.estimate import estimate, load_config
     from flowrl.estimate.fit import fit_config, settings_of
 
-    cfg = load_config(preset, [], gpu)
+    try:
+        cfg = load_config(preset, [], gpu)
+    except ConfigError as e:  # e.g. an fp8 explorer on a GPU without fp8
+        return f"| `{preset}` | {gpu} | not on this GPU: {e} | | | | | |"
     shipped = estimate(cfg, gpu=gpu)
     blocks = shipped["shapes"]["blocks"]
     lo, hi = shipped["time"]["seconds_per_iteration"]

@@ -139,7 +139,11 @@ def test_fit_for_every_gpu_preset_and_gpu_class_is_within_the_fraction(gpu):
     the shipped settings leave room it uses more of it (or it refuses, naming remedies, when nothing fits)."""
     refused = []
     for preset in GPU_PRESETS:
-        cfg = load_config(preset, [], gpu)
+        try:
+            cfg = load_config(preset, [], gpu)
+        except ConfigError as e:  # the preset itself needs another GPU (an fp8 explorer on an A100)
+            assert "compute capability" in str(e)
+            continue
         try:
             fit = fit_config(cfg, gpu)
         except ConfigError as e:
