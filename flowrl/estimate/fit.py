@@ -179,8 +179,8 @@ class _MemoryModel:
 
 
 # ---- choosing -----------------------------------------------------------------------------------------------------
-def _ladder(low: int, high: int, step: int = 1) -> list[int]:
-    """Powers of two times ``step`` from ``low`` to ``high``, and ``high`` itself (ascending, distinct)."""
+def _ladder(low: int, high: int) -> list[int]:
+    """``low`` doubled while below ``high``, and ``high`` itself (ascending, distinct)."""
     out, x = [], max(1, low)
     while x < high:
         out.append(x)
@@ -230,7 +230,6 @@ class _Chooser:
         bs, us, ks, offloads = self.options()
         m, out = self.model, []
         for offload in offloads:
-            room = self.budget - m.base(offload)
             for u in us:
                 for k in ks:
                     if self.policy:
@@ -239,7 +238,7 @@ class _Chooser:
                     else:
                         fitting = [b for b in bs if m.peak(b, u, k, offload) <= self.budget]
                         fits, b = bool(fitting), max(fitting, default=0)
-                    if fits and room > 0:
+                    if fits:
                         out.append(_Candidate(b, u, k, offload, self.score(u, k, offload)))
         return sorted(out, key=lambda c: (-c.score, -c.b, c.k))
 
