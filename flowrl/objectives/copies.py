@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -37,9 +37,9 @@ def swapped_transformer(model, module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _kept_requires_grad(module: torch.nn.Module) -> Iterator[None]:
-    """peft's ``set_adapter`` marks the active adapter trainable and the others frozen: undo that."""
-    flags = [(p, p.requires_grad) for p in module.parameters()]
+def _kept_requires_grad(params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """peft's ``set_adapter`` marks the active adapter trainable and the others frozen: undo that for ``params``."""
+    flags = [(p, p.requires_grad) for p in params]
     try:
         yield
     finally:
@@ -64,6 +64,11 @@ class LoraLayers:
 
             self._module, self._layers = module, [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
         return self._layers
+
+    def parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Every parameter of the LoRA layers of ``module`` (their base layers' too), looked up each time (sharding
+        replaces the parameter objects)."""
+        return [p for layer in self.of(module) for p in layer.parameters()]
 
     def enable(self, module: torch.nn.Module, enabled: bool) -> None:
         """Every adapter on (the active one trainable) or off (diffusers' ``enable_adapters`` / ``disable_adapters``)."""
@@ -113,7 +118,7 @@ class OldPolicy:
             if OLD_ADAPTER not in module.peft_config:  # a second objective on the same model reuses it
                 config = LoraConfig(**{k: v for k, v in module.peft_config["default"].to_dict().items()
                                        if k in LoraConfig.__dataclass_fields__ and k not in ("peft_type", "task_type")})
-                with _kept_requires_grad(module), warnings.catch_warnings():
+                with _kept_requires_grad(module.parameters()), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # intended: two adapters
                     module.add_adapter(config, adapter_name=OLD_ADAPTER)
                     module.set_adapter("default")
@@ -156,7 +161,7 @@ class OldPolicy:
                 yield
             return
         module = self.model.trainable
-        with _kept_requires_grad(module):
+        with _kept_requires_grad(self._lora.parameters(module)):  # set_adapter touches the LoRA layers' only
             self._lora.activate(module, OLD_ADAPTER)
             try:
                 yield

@@ -46,7 +46,7 @@ import torch
 
 from flowrl.rollout.forest_columns import DeviceColumns
 from flowrl.rollout.forest_paths import ForestPaths
-from flowrl.rollout.transfer import host_copy
+from flowrl.rollout.transfer import host_copy, to_device
 
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
 _OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "flat": 0.0,
@@ -209,12 +209,13 @@ class Forest(ForestPaths, DeviceColumns):
         nodes = torch.as_tensor(nodes, dtype=torch.long).reshape(-1).cpu()
         starts = torch.tensor(self._block_starts)
         layer = torch.searchsorted(starts, nodes, right=True) - 1
-        if nodes.numel() and bool((layer == layer[0]).all()):
-            return self._latent_blocks[int(layer[0])][nodes - starts[layer[0]]]
+        if nodes.numel() and bool((layer == layer[0]).all()):  # indices moved without waiting (to_device)
+            return self._latent_blocks[int(layer[0])][to_device(nodes - starts[layer[0]], self.device)]
         out = torch.empty((nodes.numel(),) + tuple(self._latent_blocks[0].shape[1:]), device=self.device)
         for k in torch.unique(layer).tolist():
             mine = layer == k
-            out[mine.to(out.device)] = self._latent_blocks[k][nodes[mine] - self._block_starts[k]]
+            rows = to_device(torch.cat([torch.nonzero(mine).flatten(), nodes[mine] - self._block_starts[k]]), self.device)
+            out[rows[:rows.numel() // 2]] = self._latent_blocks[k][rows[rows.numel() // 2:]]
         return out
 
     def all_latents(self) -> torch.Tensor:
