@@ -227,7 +227,7 @@ def advance(
         raise ValueError("fanout > 1 needs a stochastic kernel: deterministic siblings would be copies")
     x_parents = forest.latents_of(parents)
     sigma = float(forest.sigma[parents[0]]) if sigma is None else sigma
-    children, x0s = [], []
+    edges, x0s = [], []  # per forward, added after the last (add_edges)
     stochastic = not multistep and kernel != "ode" and eta > 0
     for rows, x, v in velocity_in_chunks(model, x_parents, sigma, cond, guidance, max(1, max_batch // fanout),
                                          cond_rows=to_device(forest.group[parents], model.device), count_on=forest):
@@ -239,7 +239,7 @@ def advance(
             x_next, x0 = sde.dpm2_step(x, v, sigma, sigma_next, prev_x0, kernel.prev_sigma)
             x0s.append(x0)
             zeros = torch.zeros(chunk.shape[0])
-            children.append(forest.add_children(chunk, x_next, sigma_next, step_next, zeros, zeros, "dpm2", 0.0, -1))
+            edges.append((chunk, x_next, zeros, zeros, "dpm2", 0.0, -1))
             continue
         if fanout > 1:
             x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
@@ -254,10 +254,30 @@ def advance(
             logp = std = torch.zeros(chunk.shape[0])
         else:
             logp = sde.log_prob(x_next, mean, std, forest.reduction)
-        children.append(forest.add_children(chunk, x_next, sigma_next, step_next, logp, std, kernel if noise is not None else "ode",
-                                            eta if noise is not None else 0.0, forest.new_batch_id()))
+        edges.append((chunk, x_next, logp, std, kernel if noise is not None else "ode", eta if noise is not None else 0.0,
+                      forest.new_batch_id()))
     if multistep:
         kernel.prev_x0, kernel.prev_sigma = torch.cat(x0s), sigma
+    return add_edges(forest, edges, sigma_next, step_next)
+
+
+def add_edges(forest: Forest, edges: list[tuple], sigma_next: float, step_next: int) -> torch.Tensor:
+    """Add the children of one :func:`advance` call, forward by forward, as few forest layers as possible: one per run
+    of consecutive forwards with the same kernel and η (the forest's bookkeeping costs per call, not per row).
+
+    ``edges``: per forward ``(parents [K], x_next [K, ...], logp [K], std [K], kernel name, eta, batch id)``. Returns
+    the new nodes [ΣK], in the order given (node numbers and batch ids as one add per forward would give them)."""
+    children, start = [], 0
+    while start < len(edges):
+        end = start + 1
+        while end < len(edges) and edges[end][4:6] == edges[start][4:6]:
+            end += 1
+        run = edges[start:end]
+        cat = (lambda k: run[0][k]) if len(run) == 1 else (lambda k: torch.cat([e[k] for e in run]))
+        batch = torch.cat([torch.full((e[0].shape[0],), e[6]) for e in run])
+        children.append(forest.add_children(cat(0), cat(1), sigma_next, step_next, cat(2), cat(3), run[0][4], run[0][5],
+                                            batch))
+        start = end
     return torch.cat(children)
 
 
