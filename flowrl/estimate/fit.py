@@ -37,7 +37,7 @@ from flowrl.config import build
 from flowrl.config.checks import FIT_KEYS
 from flowrl.errors import ConfigError
 from flowrl.estimate.archs import arch_for_model
-from flowrl.estimate.gpus import gpu_class
+from flowrl.estimate.gpus import assume_gpu, gpu_class
 from flowrl.estimate.iteration import estimate
 from flowrl.estimate.report import size_text as gib
 
@@ -135,16 +135,26 @@ class _Line:
         return self.y0 + (self.y1 - self.y0) * (x - self.x0) / (self.x1 - self.x0)
 
 
+def states_of(result: dict) -> tuple[int, int]:
+    """(rollout states per forward, update states per micro-batch) an estimate traced: the batches as the run takes
+    them (``rollout.max_batch`` at most the iteration's forwards, the micro-batch at most its training rows)."""
+    sh = result["shapes"]
+    return sh["rollout_rows"] // (2 if sh["cfg"] else 1), sh["update_rows"] // (2 if sh["train_cfg"] else 1)
+
+
 @dataclass
 class _MemoryModel:
     """Predicted peak (GiB) of settings (rollout batch ``b``, update batch ``u``, ``k`` of ``blocks`` checkpointed,
-    ``offload``), from two probe estimates at (b0, u0) and (b1, u1), every block checkpointed."""
+    ``offload``), from two probe estimates ``low`` and ``high``, every block checkpointed; a batch beyond what the
+    high probe traced (the iteration's forwards or training rows) is that batch."""
 
     low: dict
     high: dict
-    b: tuple[int, int]
-    u: tuple[int, int]
     blocks: int
+
+    def __post_init__(self) -> None:
+        (b0, u0), (b1, u1) = states_of(self.low), states_of(self.high)
+        self.b, self.u = (b0, b1), (u0, u1)
 
     def _line(self, key: str, over: str) -> _Line:
         x = self.b if over == "b" else self.u
@@ -152,6 +162,7 @@ class _MemoryModel:
 
     def update(self, u: int, k: int) -> float:
         """The update phase's activations with ``k`` blocks checkpointed (one block's worth on top in between)."""
+        u = min(u, self.u[1])
         none = self._line("activations_update_without_checkpointing", "u")(u)
         every = self._line("activations_update_with_checkpointing", "u")(u)
         saved_per_block = max(0.0, none - every) / self.blocks
@@ -162,6 +173,7 @@ class _MemoryModel:
         mem = self.low["memory_gib"]
         p = mem["phases"]
         encoders = mem["text_encoders"] + mem["offloaded_to_cpu"]
+        b = min(b, self.b[1])
         return {"rollout": self._line("activations_rollout", "b")(b) + p["rollout"] - mem["activations_rollout"],
                 "decode": self._line("activations_decode", "b")(b),
                 "update": self.update(u, k) + p["update"] - mem["activations_update"],
@@ -261,6 +273,14 @@ def fit_config(cfg, gpu: str = "H100", *, processes: int = 1, capacity_gib: floa
     ``train.memory_fraction`` by the estimate (see the module's docstring); ``keep``: keys (of :data:`FIT_KEYS`) to
     leave as ``cfg`` sets them, besides ``train.fit_keep``. Raises :class:`ConfigError` when even the least-memory
     settings do not fit, naming the predicted peak, the capacity and what would fit."""
+    if target == "cuda":  # an explorer backend is checked against the GPU class, not this machine
+        with assume_gpu(gpu):
+            return _fit(cfg, gpu, processes, capacity_gib, keep, arch, target, shard, device)
+    return _fit(cfg, gpu, processes, capacity_gib, keep, arch, target, shard, device)
+
+
+def _fit(cfg, gpu: str, processes: int, capacity_gib: float | None, keep: Iterable[str], arch: dict | None,
+         target: str, shard: str | None, device: str | None) -> Fit:
     spec = gpu_class(gpu)
     capacity = float(capacity_gib if capacity_gib is not None else spec.memory_gib)
     budget = capacity * float(cfg.train.memory_fraction)
@@ -278,13 +298,14 @@ def fit_config(cfg, gpu: str = "H100", *, processes: int = 1, capacity_gib: floa
     high_b = kept_b or caps[0]
     high_u = high_b if policy else (_kept_u(cfg) if "train.micro_batch" in keep else caps[1])
     second = estimate(with_settings(cfg, _probe(cfg, high_b, high_u, keep, policy)), **run)
-    model = _MemoryModel(first, second, (kept_b or unit, high_b), (_probe_u(cfg, unit, keep, policy, kept_b), high_u),
-                         first["shapes"]["blocks"])
+    model = _MemoryModel(first, second, first["shapes"]["blocks"])
+    caps = (min(caps[0], model.b[1]), min(caps[1], model.u[1]) if not policy else min(caps[0], model.b[1]))
     sh = first["shapes"]
     tokens = (sh["image_tokens"] + sh["text_tokens"] + sh["source_tokens"]) * (2 if sh["train_cfg"] else 1)
     chooser = _Chooser(cfg, keep, model, budget, policy, unit, caps, tokens)
     name = device or spec.name
-    for candidate in chooser.ranked()[:VERIFY_TRIES]:
+    # the best candidates, then (the interpolation is an approximation) the least-memory settings
+    for candidate in [*chooser.ranked()[:VERIFY_TRIES], chooser.least()]:
         settings = chooser.settings(candidate)
         fitted = with_settings(cfg, {k: v for k, v in settings.items() if k not in keep})
         result = estimate(fitted, **run)
@@ -295,12 +316,6 @@ def fit_config(cfg, gpu: str = "H100", *, processes: int = 1, capacity_gib: floa
 
 def _kept_u(cfg) -> int:
     return int(cfg.train.micro_batch or cfg.rollout.max_batch)
-
-
-def _probe_u(cfg, unit: int, keep: set[str], policy: bool, kept_b: int | None) -> int:
-    if policy:
-        return kept_b or unit
-    return _kept_u(cfg) if "train.micro_batch" in keep else unit
 
 
 def _probe(cfg, b: int, u: int, keep: set[str], policy: bool) -> dict[str, Any]:
