@@ -466,8 +466,8 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
     model = random_model(m, "cpu" if args.tiny else "cuda", arch)
     row["build_seconds"] = time.monotonic() - t1
     per_iteration = ITERATION_GUESS * est["seconds_per_iteration"][1]
-    compiles = m.compile == "regional"  # a second warm-up: the NFT objectives compile one variant more in it
-    warmup = args.warmup + int(compiles)
+    compiles = m.compile == "regional"  # every variant compiles in the first iteration (flowrl/models/blocks.py)
+    warmup = args.warmup
     compiling = COMPILE_GUESS if compiles and not args.tiny else 0.0
     iterations = timed_iterations(seconds - compiling - (time.monotonic() - t0), per_iteration, args, warmup)
     t2 = time.monotonic()

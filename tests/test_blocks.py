@@ -96,8 +96,8 @@ def test_block_kinds_cover_every_block_of_the_family(family, kinds):
 def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recompiles(tmp_path, monkeypatch):
     """model.compile=regional on a tiny SD3 with LoRA and one checkpointed block: three iterations train; every
     block kind (SD3's blocks with and without the context branch) compiles the same variants (the rollout without
-    gradients, a smaller last chunk, the update with them, the KL reference with the adapter off) in the first
-    iteration and nothing after it."""
+    gradients, the update with them, the KL reference with the adapter off; a smaller last chunk of 2 rows after
+    chunks of 6 is no variant: shapes are dynamic) in the first iteration and nothing after it."""
     import torch._dynamo
 
     from flowrl.training.trainer import Trainer
@@ -114,7 +114,7 @@ def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recomp
     records = trainer.train()
     assert [r["compile/graphs"] for r in records] == [stats.total] * 3  # nothing compiled after iteration 1
     assert set(stats.graphs) == kinds and len(set(stats.graphs.values())) == 1  # the same variants per kind
-    assert 1 <= next(iter(stats.graphs.values())) <= 4
+    assert 1 <= next(iter(stats.graphs.values())) <= 3
     assert records[0]["compile/seconds"] > 0
     after = dict(trainer.model.trainable.named_parameters())
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the LoRA trained through compiled blocks

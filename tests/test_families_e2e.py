@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from flowrl.commands.main import main
+from tests.conftest import without_wall_clock
 
 FAMILIES = {
     # family: (pipeline class, tiny builder "module:function", model keys, training rewards)
@@ -205,8 +206,7 @@ def test_resume_equals_a_straight_run(tmp_path, saved, family, objective):
     del resumed[2]
     assert [r["step"] for r in straight] == [0, 1, 2, 2]
 
-    def drop_time(r):
-        return {k: v for k, v in r.items() if not k.startswith("time/")}
+    drop_time = without_wall_clock
 
     for a, b in zip(straight, resumed):
         a, b = drop_time(a), drop_time(b)

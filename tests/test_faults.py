@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.commands.main import main
+from tests.conftest import without_wall_clock
 
 # ---- the bad-config table -----------------------------------------------------------------------------
 # (overrides of the default job, or a YAML text as {"yaml": ...}; words the message must hold). Each fails
@@ -305,7 +306,7 @@ def test_a_finished_run_resumed_again_adds_nothing(tiny_folder, tmp_path, capsys
 # ---- kill -9 at random points ---------------------------------------------------------------------------
 def _records(path: Path) -> list[dict]:
     """The metrics without wall-clock timings."""
-    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")} for l in path.read_text().splitlines()]
+    return [without_wall_clock(json.loads(l)) for l in path.read_text().splitlines()]
 
 
 def test_kill_9_at_random_points_resumes_to_the_uninterrupted_metrics(tiny_folder, tmp_path, request):

@@ -9,7 +9,7 @@ import torch
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.awm import AWMLoss
 from flowrl.objectives.nft import NFTLoss
-from tests.conftest import make_model, spy_velocity, with_lora
+from tests.conftest import make_model, spy_velocity, with_lora, without_wall_clock
 
 TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",
         "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
@@ -204,7 +204,7 @@ def test_resume_restores_the_old_policy(tmp_path):
     straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
     Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
     resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1])  # old_drift, losses, rewards: the same third iteration
 
 

@@ -13,7 +13,7 @@ import torch
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.gdro import GDROLoss, plackett_luce_loss
 from flowrl.rollout.forest import Forest
-from tests.conftest import make_model
+from tests.conftest import make_model, without_wall_clock
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
@@ -193,7 +193,7 @@ def test_resume_equals_a_straight_run(tmp_path, tiny_store):
     Trainer(tiny(tmp_path, tiny_store, "b", *common, "train.max_steps=2"), model=sampling_refused()).train()
     resumed = Trainer(tiny(tmp_path, tiny_store, "b", *common, "train.max_steps=3", "train.resume=latest"),
                       model=sampling_refused()).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1])
     last = straight[-1]
     assert last["rollout_forwards"] == 0 and last["trained_leaves"] == 6 and last["offline/reward_drift"] == 0

@@ -17,12 +17,12 @@ import torch
 
 from flowrl.config.schema import ConfigError
 from flowrl.run.sharded_checkpoint import merge_sharded, split_sharded
+from tests.conftest import without_wall_clock
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
        "FLOWRL_COMPILE_BACKEND": "eager"}  # model.compile=regional: dynamo's tracing, no C++ build
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-TIME_KEYS = ("time/",)
 # Sol-RL's plan on the main job: an int8 explorer copy previews a pool, the chosen ones regenerated in full precision
 EXPLORE = ("config=configs/shapes/solrl_nft.yaml", "rollout.inner={plan: ode, group_size: 2, steps: 4}", "rollout.pool=4",
            "rollout.preview_steps=2", "train.max_steps=2")
@@ -61,7 +61,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in records]
+    return [without_wall_clock(r) for r in records]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from flowrl.objectives.base import Batch
 from flowrl.objectives.forward import Rows
 from flowrl.objectives.nft import NFTLoss
 from flowrl.objectives.teacher import Schedule, TeacherSpec, leaf_weights
-from tests.conftest import make_model, with_lora
+from tests.conftest import make_model, with_lora, without_wall_clock
 from tests.test_forward_process import tiny
 
 TEACHER = "loss.teacher={guidance: 3.0, anchor: 1.0}"
@@ -203,7 +203,7 @@ def test_resume_with_a_teacher_is_exact(tmp_path):
     straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
     Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
     resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1]) and "anchor_error" in resumed[-1]
 
 

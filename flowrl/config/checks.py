@@ -32,7 +32,7 @@ def check_model_section(m: Any) -> None:
     choose("model.dtype", m.dtype, tuple(DTYPES))
     choose("model.shard", m.shard, ("auto", "ddp", "fsdp"))
     choose("model.shard_rollouts", m.shard_rollouts, ("per_block", "whole"))
-    choose("model.compile", str(m.compile), ("off", "regional"))
+    choose("model.compile", off_as_written(m.compile), ("off", "regional"))
     if m.checkpoint_blocks is not None:
         positive("model.checkpoint_blocks", m.checkpoint_blocks, allow_zero=True)
         if not m.gradient_checkpointing:
@@ -113,6 +113,12 @@ def check_train(t: Any) -> None:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1)")
 
 
+def off_as_written(value: Any) -> str:
+    """A switch's value as the user wrote it: YAML (and so ``key=off`` on the command line) reads a bare ``off`` as
+    false, which a string key then holds as ``"False"``."""
+    return "off" if str(value) == "False" else str(value)
+
+
 FIT_KEYS = ("rollout.max_batch", "train.micro_batch", "model.gradient_checkpointing", "model.checkpoint_blocks",
             "model.offload_encoders")
 """The keys ``train.fit: auto`` chooses (:mod:`flowrl.estimate.fit`); ``train.fit_keep`` may name any of them."""
@@ -120,7 +126,7 @@ FIT_KEYS = ("rollout.max_batch", "train.micro_batch", "model.gradient_checkpoint
 
 def check_fit_keys(t: Any) -> None:
     """``train.fit``, ``train.memory_fraction``, ``train.fit_keep``, ``train.micro_batch`` and ``train.peak_tflops``."""
-    choose("train.fit", str(t.fit), ("off", "auto"))
+    choose("train.fit", off_as_written(t.fit), ("off", "auto"))
     if not 0.0 < t.memory_fraction <= 1.0:
         raise ConfigError(f"train.memory_fraction={t.memory_fraction} must be in (0, 1] (the share of the device's "
                           "memory the predicted peak may use)")

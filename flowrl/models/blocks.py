@@ -13,9 +13,10 @@ Conventions:
   objectives' frozen copies — stays a checkpointed block of its own, and FSDP2's own class swap composes);
 - regional compilation compiles each block in place (``block.compile``, lazily: a LoRA added later is traced with
   it), every kind with a backend of its own that counts its graphs and their compile time (:class:`CompileStats`).
-  With dynamo's defaults (parameters as inputs, automatic dynamic shapes) one graph serves every block of a kind;
-  a grad mode, a second batch size and a LoRA switched off (the KL reference) add one variant each, all in the
-  first iteration.
+  Parameters are graph inputs (dynamo's default), so one graph serves every block of a kind, and shapes are
+  dynamic from the start (``dynamic=True``): a micro-batch of another size (a last chunk, a group skipped for zero
+  variance) recompiles nothing. A grad mode, an input that does or does not require grad and a LoRA switched off
+  (the KL reference) add one variant each, all in the first iteration.
 """
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None
         kind = block_kind(block)
         if kind not in backends:
             backends[kind] = _counting_backend(stats, kind, backend or COMPILE_BACKEND)
-        block.compile(backend=backends[kind])
+        block.compile(backend=backends[kind], dynamic=True)  # the batch varies (last chunks, skipped groups)
     transformer.__dict__["_flowrl_compile_stats"] = stats
     return stats
 

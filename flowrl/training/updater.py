@@ -67,6 +67,17 @@ def host_values(parts: list[DeviceSums]) -> list[dict[str, float]]:
     return out
 
 
+@contextlib.contextmanager
+def training_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in training mode within the block, its own mode restored after it."""
+    was = module.training
+    module.train()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
 class Updater:
     """Optimizer, schedule and EMA of ``params``; :meth:`update` runs ``train.inner_epochs`` ×
     ``train.updates_per_epoch`` optimizer steps of ``objective`` on one forest."""
@@ -159,12 +170,17 @@ class Updater:
         return self.objective.batches(forest, 0, self.cfg.train.seed, units=every)[0]
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
+        """:meth:`_update` with the transformer in training mode, back in eval mode after it (rollouts sample in eval
+        mode: a LoRA dropout stays off, and a compiled block sees one mode per phase, so nothing recompiles)."""
+        with training_mode(self.model.trainable):
+            return self._update(forest, iteration)
+
+    def _update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """Inner epochs of optimizer steps over the objective's micro-batches of ``forest``; returns the
         diagnostics (the objective's, averaged per unit; its ``first_step_*`` before any weight changed;
         grad norm, skipped steps, units trained, lr)."""
         cfg, objective = self.cfg, self.objective
         extremes = objective.extremes
-        self.model.trainable.train()
         cond = objective.encode(self.model, forest)
         batches = self._batches = objective.batches(forest, iteration, cfg.train.seed)
         step_diags: list[tuple[DeviceSums, float, DeviceSums | None]] = []  # per optimizer step: (diagnostics, units, auxiliary)
@@ -301,7 +317,10 @@ class Updater:
     def gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
         """The objective's gradient over all of ``forest``, flat [P] over ``params`` (mean over processes,
         before clipping), without changing any weight."""
-        self.model.trainable.train()
+        with training_mode(self.model.trainable):
+            return self._gradient(forest, iteration)
+
+    def _gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
         cond = self.objective.encode(self.model, forest)
         batches = self._batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
         self.optimizer.zero_grad(set_to_none=True)
