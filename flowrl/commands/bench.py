@@ -30,22 +30,28 @@ from flowrl.errors import ConfigError
 
 
 class _Timed:
-    """Wraps a callable and accumulates its wall time."""
+    """Wraps a callable and accumulates its wall time. ``sync``: called before and after each call (CUDA's
+    ``synchronize``: a call returns once its kernels are queued, so without it their time would be charged to
+    whatever waits for them next, and counted as the loop's overhead)."""
 
-    def __init__(self, fn):
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
+    def __init__(self, fn, sync=None):
+        self.fn, self.seconds, self.calls, self.sync = fn, 0.0, 0, sync or (lambda: None)
 
     def __call__(self, *a, **k):
+        self.sync()
         t0 = time.perf_counter()
         try:
             return self.fn(*a, **k)
         finally:
+            self.sync()
             self.seconds += time.perf_counter() - t0
             self.calls += 1
 
 
 def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None, perf=None) -> dict[str, float]:
-    """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving).
+    """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving). On CUDA the
+    timed forwards and backwards synchronise the device around them, so ``overhead_seconds`` is time the GPU was
+    not running the model (at the cost of the overlap those waits remove: s/iteration is then an upper bound).
     ``model``: a ready FlowModel (default: built from ``cfg.model``). ``perf``: a
     :class:`~flowrl.training.perf.PerfMeter`: ``perf/tflops`` (and ``perf/mfu``) of the mean iteration too."""
     from flowrl.training.trainer import Trainer
@@ -55,9 +61,10 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     trainer = Trainer(cfg, model=model)
     for i in range(warmup):
         trainer.train_step(i)
-    velocity = _Timed(trainer.model.velocity)
+    sync = torch.cuda.synchronize if trainer.model.device.type == "cuda" else None  # kernels charged to their call
+    velocity = _Timed(trainer.model.velocity, sync)
     trainer.model.velocity = velocity
-    backward = _Timed(torch.Tensor.backward)
+    backward = _Timed(torch.Tensor.backward, sync)
     torch.Tensor.backward = lambda self, *a, **k: backward(self, *a, **k)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
