@@ -11,6 +11,9 @@ import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# model.compile=regional (a preset ships it): dynamo traces every block as on a GPU, without inductor's C++ build of
+# each graph on these 2 cores (minutes); flowrl/models/blocks.py reads it when first imported, after this line
+os.environ.setdefault("FLOWRL_COMPILE_BACKEND", "eager")
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves
 
 
