@@ -95,15 +95,13 @@ def run_estimate(config: str | None, overrides: list[str], gpu: str = "H100", pr
     :func:`estimate` (``shard`` None: the config's ``model.shard``); with ``train.fit=auto`` first what
     :func:`~flowrl.estimate.fit.fit_config` chooses for ``gpu`` (the ``key=value`` overrides win), then the estimate
     of the fitted config. ``as_json``: one JSON object only (:func:`summary_json`), for scripts."""
-    from flowrl.config.checks import FIT_KEYS
-    from flowrl.estimate.fit import fit_config, settings_of
+    from flowrl.estimate.fit import fit_config, kept_keys, settings_of
 
     cfg = load_config(config, overrides, gpu)
     fit = None
     with assume_gpu(gpu):
         if cfg.train.fit == "auto":
-            keep = [o.split("=", 1)[0].strip() for o in overrides if o.split("=", 1)[0].strip() in FIT_KEYS]
-            fit = fit_config(cfg, gpu, processes=processes, keep=keep, shard=shard)
+            fit = fit_config(cfg, gpu, processes=processes, keep=kept_keys(overrides), shard=shard)
             cfg = fit.config
         result = fit.estimate if fit is not None else estimate(cfg, gpu=gpu, processes=processes, shard=shard)
     if as_json:

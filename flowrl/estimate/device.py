@@ -10,8 +10,7 @@ from typing import Iterable
 import torch
 
 from flowrl.config import build
-from flowrl.config.checks import FIT_KEYS
-from flowrl.estimate.fit import Fit, fit_config
+from flowrl.estimate.fit import Fit, fit_config, kept_keys
 from flowrl.estimate.gpus import GPUS, gpu_class_of_device
 from flowrl.estimate.iteration import GiB, estimate
 from flowrl.training.perf import PerfMeter
@@ -40,8 +39,7 @@ def world_size() -> int:
 def fit_for_run(cfg, overrides: Iterable[str] = ()) -> Fit:
     """:func:`fit_config` of ``cfg`` for the device at hand; the keys of ``overrides`` (``key=value``) are kept."""
     gpu, memory, target, description = device_at_hand(cfg)
-    keep = [o.split("=", 1)[0].strip() for o in overrides if o.split("=", 1)[0].strip() in FIT_KEYS]
-    return fit_config(cfg, gpu, processes=world_size(), capacity_gib=memory, keep=keep, target=target,
+    return fit_config(cfg, gpu, processes=world_size(), capacity_gib=memory, keep=kept_keys(overrides), target=target,
                       device=description)
 
 

@@ -109,14 +109,23 @@ def settings_of(cfg) -> dict[str, Any]:
 
 
 def with_settings(cfg, settings: dict[str, Any]):
-    """A validated copy of ``cfg`` with ``settings`` (dotted keys of :data:`FIT_KEYS`) applied."""
+    """A validated copy of ``cfg`` with ``settings`` (dotted keys, e.g. ``rollout.max_batch``) applied."""
     out = copy.deepcopy(cfg)
     out.__dict__.pop("_loaded_components", None)
     for key, value in settings.items():
-        section, name = key.split(".")
-        setattr(getattr(out, section), name, value)
+        obj = out
+        *path, last = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
     out.validate()
     return out
+
+
+def kept_keys(overrides: Iterable[str]) -> list[str]:
+    """The keys :func:`fit_config` may choose that ``key=value`` command-line ``overrides`` set (they win)."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    return [k for k in keys if k in FIT_KEYS]
 
 
 # ---- the memory model from two probes ---------------------------------------------------------------------------
@@ -344,7 +353,7 @@ def _refusal(cfg, chooser: _Chooser, budget: float, capacity: float, device: str
     remedies = []
     for label, overrides, extra in _remedies(least_cfg, run["processes"], size):
         try:
-            trial = _overridden(least_cfg, overrides)
+            trial = with_settings(least_cfg, overrides)
             got = estimate(trial, **{**run, **extra})["memory_gib"]["peak"]
         except ConfigError:
             continue
@@ -354,19 +363,6 @@ def _refusal(cfg, chooser: _Chooser, budget: float, capacity: float, device: str
             f"{gib(peak)} by the estimate, over {gib(budget)} (train.memory_fraction={cfg.train.memory_fraction} "
             f"× {gib(capacity)}). What the estimate says of each remedy: " + ("; ".join(remedies) or "none found")
             + ". (`flowrl bench CONFIG --estimate --gpu NAME [key=value ...]` estimates any other setting.)")
-
-
-def _overridden(cfg, overrides: dict[str, Any]):
-    out = copy.deepcopy(cfg)
-    out.__dict__.pop("_loaded_components", None)
-    for key, value in overrides.items():
-        obj = out
-        *path, last = key.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, last, value)
-    out.validate()
-    return out
 
 
 def _remedies(cfg, processes: int, size: tuple[int, int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
