@@ -12,6 +12,27 @@ from __future__ import annotations
 import torch
 
 
+class _Settled:
+    """A column of :class:`DeviceColumns` (held in ``_<name>``): read or written only after the copies in flight have
+    landed (``_settle``)."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        obj._settle()
+        return getattr(obj, self.attr)
+
+    def __set__(self, obj, value: torch.Tensor) -> None:
+        obj._settle()
+        setattr(obj, self.attr, value)
+
+
 class DeviceColumns:
     """``logp_old``, ``std`` and ``stochastic`` as properties that settle the copies in flight (module docstring)."""
 
@@ -27,35 +48,7 @@ class DeviceColumns:
             self._std[start:end] = host[1]
             self._stochastic[start:end] = (host[1] > 0) & trainable_kernel
 
-    @property
-    def logp_old(self) -> torch.Tensor:
-        """Log-prob of each node's incoming edge under the rollout's policy [N] (0 on roots and ODE edges)."""
-        self._settle()
-        return self._logp_old
-
-    @logp_old.setter
-    def logp_old(self, value: torch.Tensor) -> None:
-        self._settle()
-        self._logp_old = value
-
-    @property
-    def std(self) -> torch.Tensor:
-        """The transition std of each node's incoming edge [N] (0: deterministic)."""
-        self._settle()
-        return self._std
-
-    @std.setter
-    def std(self, value: torch.Tensor) -> None:
-        self._settle()
-        self._std = value
-
-    @property
-    def stochastic(self) -> torch.Tensor:
-        """Whether each node's incoming edge is an SDE edge with std > 0 [N] bool (trainable)."""
-        self._settle()
-        return self._stochastic
-
-    @stochastic.setter
-    def stochastic(self, value: torch.Tensor) -> None:
-        self._settle()
-        self._stochastic = value
+    logp_old = _Settled("Log-prob of each node's incoming edge under the rollout's policy [N] (0 on roots and ODE "
+                        "edges).")
+    std = _Settled("The transition std of each node's incoming edge [N] (0: deterministic).")
+    stochastic = _Settled("Whether each node's incoming edge is an SDE edge with std > 0 [N] bool (trainable).")
