@@ -174,10 +174,10 @@ def test_an_out_of_tree_objective_declares_the_inherited_keys_it_never_reads(tmp
     assert TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode"]).loss.draws == 2
 
 
-def test_the_checks_change_nothing_and_the_components_are_built_once(monkeypatch):
-    """Checking a config changes none of its values (YAML's true/false stay as given; their readers parse them), and
-    the plan, credit rule and objective checked at load are the ones a run takes, built once; a config changed after
-    loading gets fresh ones, checked then."""
+def test_the_checks_change_nothing_and_the_config_carries_no_components(monkeypatch):
+    """Checking a config changes none of its values (YAML's true/false stay as given; their readers parse them) and
+    leaves nothing on it: the plan, credit rule and objective are built and checked at load and let go; each run
+    builds its own from the sections as they are then, so a config changed after loading is checked again."""
     import copy
 
     from flowrl.config import chosen, components
@@ -186,16 +186,17 @@ def test_the_checks_change_nothing_and_the_components_are_built_once(monkeypatch
     before = copy.deepcopy(cfg)
     cfg.validate()
     assert cfg == before and cfg.train.async_reward == "True" and cfg.optim.loss_scaling == "False"
+    assert vars(cfg) == vars(before)  # no built component kept beside the values
     built = []
     real = components.instantiate
     monkeypatch.setattr(components, "instantiate", lambda kind, section: built.append(kind.section) or real(kind, section))
     cfg = TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode"])
-    assert sorted(built) == ["credit", "loss", "rollout"]
-    plan, credit, objective = chosen.take_components(cfg)
-    assert sorted(built) == ["credit", "loss", "rollout"] and type(objective).__name__ == "NFTLoss"  # the loaded ones
-    again = chosen.take_components(cfg)  # a second run of the same config: its own components
-    assert again[2] is not objective and len(built) == 6
+    assert sorted(built) == ["credit", "loss", "rollout"]  # checked at load
+    plan, credit, objective = chosen.build_components(cfg)
+    assert len(built) == 6 and type(objective).__name__ == "NFTLoss"
+    again = chosen.build_components(cfg)  # a second run of the same config: its own components
+    assert again.objective is not objective and again.plan is not plan and len(built) == 9
     cfg.loss.optimality_form = "linear"
-    cfg.loss.adv_scale = 3.0  # changed after loading into an unread key: refused when the run takes its components
+    cfg.loss.adv_scale = 3.0  # changed after loading into an unread key: refused when the run builds its components
     with pytest.raises(ConfigError, match="loss.adv_scale is set but nothing reads it"):
-        chosen.take_components(cfg)
+        chosen.build_components(cfg)

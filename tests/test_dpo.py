@@ -125,8 +125,9 @@ def test_batches_and_loss_of_a_real_forest_equal_the_formula_written_out():
 
 def test_declared_copies_and_reward_free_point():
     obj = DPOLoss()
-    assert obj.frozen_copies() == ("reference",) and not obj.uses_old
-    assert obj.no_reward_free_point() is None and obj.reward_free_overrides() == {"teacher": None, "kl_ref": 0.0}
+    facts = obj.describe()
+    assert facts.frozen_copies == ("reference",) and not obj.uses_old and facts.leaves_per_group == 2
+    assert facts.no_reward_free_point is None and facts.reward_free_overrides == {"teacher": None, "kl_ref": 0.0}
 
 
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):

@@ -254,7 +254,7 @@ def test_the_presets_load_without_a_store_and_train_only_with_one(tmp_path):
     for preset in ("configs/shapes/gdro.yaml", "configs/sd35/gdro_ocr.yaml"):
         cfg = TrainConfig.from_yaml(preset)
         plan, loss = build.build_plan(cfg.rollout), build.build_loss(cfg)
-        assert plan.expected_counts(8)["leaves"] == 48 and loss.frozen_copies() == ("reference",)
+        assert plan.expected_counts(8)["leaves"] == 48 and loss.describe().frozen_copies == ("reference",)
         with pytest.raises(ConfigError, match="rollout.source is not set"):
             plan.setup(None)
 

@@ -161,7 +161,7 @@ class SharpNFT(NFTLoss):
 
 
 def test_reward_only_takes_any_objective_that_declares_a_reward_free_point(tmp_path, monkeypatch):
-    """``flowrl snr --reward-only`` asks the objective (has_reward_free_point, its overrides, moving there): a subclass
+    """``flowrl snr --reward-only`` asks the objective (its description's reward-free overrides, moving there): a subclass
     of NFT loaded from a file is measured, its old copy put at the weights and its teacher and kl_ref switched off; an
     objective that declares no such point is refused naming loss.objective."""
     import flowrl.config.build as build

@@ -105,7 +105,8 @@ def test_normalisation_removes_the_bias_and_the_per_step_scale_of_the_raw_ratio(
 
 def test_the_rollout_weights_give_mu_old_after_an_optimizer_step():
     """Before the iteration's first step μ_old is the replay's own mean (ratio exactly 1); after a step it comes from
-    the kept rollout weights, not the moved policy; a new forest moves the kept copy to the weights."""
+    the kept rollout weights, not the moved policy; the next iteration's begin_iteration moves the kept copy to the
+    weights."""
     from flowrl.objectives.replay import replay
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.chains import Chains
@@ -116,6 +117,7 @@ def test_the_rollout_weights_give_mu_old_after_an_optimizer_step():
     forest.advantage[forest.edges()] = torch.linspace(-1.0, 1.0, forest.edges().numel())
     obj = GRPOGuardLoss(kl_ref=0.0)
     obj.setup(model)
+    obj.begin_iteration(model, forest)
     cond = obj.encode(model, forest)
     batch = obj.batches(forest)[0]
     seen = {}
@@ -130,14 +132,16 @@ def test_the_rollout_weights_give_mu_old_after_an_optimizer_step():
     torch.testing.assert_close(seen["mean_old"], rollout_mean)
     assert float(diag["abs_delta_logp"]) > 0
     fresh = plan.rollout(model, ["a red circle", "a dog"], RolloutContext(seed=3, iteration=1))
+    obj.begin_iteration(model, fresh)
     _, diag = obj.loss(model, fresh, obj.batches(fresh)[0], obj.encode(model, fresh))
     assert float(diag["abs_delta_logp"]) == 0.0  # the kept copy followed the weights to the new iteration
 
 
 def test_frozen_copies_are_declared():
-    assert GRPOGuardLoss(kl_ref=0.0).frozen_copies() == ("old",)
-    assert GRPOGuardLoss(kl_ref=0.04).frozen_copies() == ("reference", "old")
-    assert GRPOGuardLoss().no_reward_free_point() is not None
+    assert GRPOGuardLoss(kl_ref=0.0).describe().frozen_copies == ("old",)
+    assert GRPOGuardLoss(kl_ref=0.04).describe().frozen_copies == ("reference", "old")
+    facts = GRPOGuardLoss().describe()
+    assert facts.reward_free_overrides is None and facts.no_reward_free_point is not None
 
 
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):

@@ -292,7 +292,7 @@ def test_the_progress_bar_shows_the_objectives_own_keys(tmp_path, capsys):
     assert "fm=" in bar and "anchor=" in bar and "clip=" not in bar and "kl=" not in bar
     from flowrl.objectives.policy import PolicyLoss
 
-    assert PolicyLoss().progress({"approx_kl": 0.002, "clipfrac_high": 0.25, "clipfrac_low": 0.5}) == {
+    assert PolicyLoss().describe().progress({"approx_kl": 0.002, "clipfrac_high": 0.25, "clipfrac_low": 0.5}) == {
         "kl": "2.0e-03", "clip": "0.75"}
 
 
@@ -371,12 +371,11 @@ def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
 @pytest.mark.parametrize("teacher", [True, False])
 def test_a_run_with_a_teacher_and_one_without_take_the_same_declared_path(tmp_path, monkeypatch, teacher):
     """The loop asks the objective for its sampling teacher once (Objective.sampling_teacher: a Teacher or None), hands
-    that to every rollout context, and logs the teacher's share through one function; nothing else of the trainer
+    that to every rollout context, and logs the teacher's share through one callback (flowrl.training.callbacks); nothing else of the trainer
     knows whether there is a teacher."""
     from flowrl.objectives import base, teacher as teacher_module
     from flowrl.rollout import runner as runner_module
     from flowrl.rollout.base import RolloutContext
-    from flowrl.training import trainer as trainer_module
     from flowrl.training.trainer import Trainer
 
     asked, contexts, metrics = [], [], []
@@ -387,18 +386,19 @@ def test_a_run_with_a_teacher_and_one_without_take_the_same_declared_path(tmp_pa
 
     def record_context(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        contexts.append(self.teacher)
+        contexts.append((self.teacher, self.teacher_fraction))
 
     monkeypatch.setattr(runner_module.RolloutContext, "__init__", record_context)
     original_metrics = teacher_module.teacher_share_metrics
-    monkeypatch.setattr(trainer_module, "teacher_share_metrics",
+    monkeypatch.setattr(teacher_module, "teacher_share_metrics",
                         lambda forest, group: metrics.append(original_metrics(forest, group)) or metrics[-1])
     extra = [TEACHER, "rollout.teacher_share=2"] if teacher else []
     trainer = Trainer(tiny(tmp_path, f"path{teacher}", "loss.objective=nft", "train.max_steps=2", "prompts.eval=null",
                            *extra), model=make_model("sd3"))
     records = trainer.train()
     assert len(asked) == 1 and (asked[0] is not None) == teacher and asked[0] is trainer.objective.teacher_model
-    assert len(contexts) >= 2 and all(c is asked[0] for c in contexts)  # every rollout context carries that teacher
+    assert len(contexts) >= 2 and all(c is asked[0] for c, _ in contexts)  # every rollout context carries that teacher
+    assert all(fraction == 1.0 for _, fraction in contexts)  # no share_schedule: the whole rollout.teacher_share
     assert len(metrics) == 2 and all(bool(m) == teacher for m in metrics)
     steps = [r for r in records if "reward_mean" in r]
     assert all(("rollout_teacher_forwards" in r) == teacher for r in steps)

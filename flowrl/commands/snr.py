@@ -106,17 +106,17 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
 
 def reward_free_overrides(cfg: TrainConfig) -> dict:
     """``--reward-only``: the ``loss`` keys that switch off ``cfg``'s objective's reward-independent terms, as the
-    objective declares them (:attr:`~flowrl.objectives.base.Objective.has_reward_free_point`, a subclass of NFT
+    objective declares them (:meth:`~flowrl.objectives.base.Objective.describe`'s ``reward_free_overrides``, a subclass of NFT
     included); a ConfigError naming ``loss.objective`` for one that declares no reward-free point."""
     from flowrl.config import build
     from flowrl.errors import ConfigError
 
-    objective = build.build_loss(cfg)
-    why = objective.no_reward_free_point()
-    if why is not None:
+    facts = build.build_loss(cfg).describe()
+    if facts.reward_free_overrides is None:
         raise ConfigError(f"--reward-only measures the reward's share of an objective whose other terms can be put at "
-                          f"zero gradient; loss.objective={cfg.loss.objective!r} has no such point: {why}")
-    return objective.reward_free_overrides()
+                          f"zero gradient; loss.objective={cfg.loss.objective!r} has no such point: "
+                          f"{facts.no_reward_free_point}")
+    return dict(facts.reward_free_overrides)
 
 
 # ---- the command ----------------------------------------------------------------------------------

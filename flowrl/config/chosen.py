@@ -1,14 +1,22 @@
 """The components a config chooses (``rollout.plan``, ``credit.rule``, ``loss.objective``): built from their sections
-and checked together once, at load (:meth:`~flowrl.config.schema.TrainConfig.validate` calls :func:`load_components`),
-then handed to the run (:func:`take_components`). A config is read by attribute here: this module imports neither
-the schema nor the model code."""
+and checked together. At load (:meth:`~flowrl.config.schema.TrainConfig.validate` calls :func:`load_components`) they
+are built, checked and let go, so a bad key fails before any model loads; a run builds its own
+(:func:`build_components`), from the sections as they are then. A config never carries built components, and no two
+runs share one. A config is read by attribute here: this module imports neither the schema nor the model code."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from flowrl.config import components
 from flowrl.config.checks import check_components
+
+
+class Components(NamedTuple):
+    """What one run is made of, beside its model and rewards."""
+
+    plan: Any
+    credit: Any
+    objective: Any
 
 
 def build_plan(section: Any):
@@ -22,37 +30,21 @@ def build_credit(cfg: Any):
 
 
 def build_loss(cfg: Any):
-    """The objective ``loss.objective`` names, with its rows per training forward (``train.micro_batch``, default
-    ``rollout.max_batch``; a policy objective replays the rollout's own forwards of ``rollout.max_batch`` states)."""
+    """The objective ``loss.objective`` names, with its rows per training forward, its declared ``micro_batch``
+    (``train.micro_batch``, default ``rollout.max_batch``; a policy objective replays the rollout's own forwards of
+    ``rollout.max_batch`` states)."""
     objective = components.instantiate(components.LOSS, cfg.loss)
-    objective.micro_batch = int(cfg.train.micro_batch or cfg.rollout.max_batch)
+    objective.micro_batch = int(cfg.train.micro_batch or cfg.rollout.max_batch)  # a field of every Objective
     return objective
 
 
-def components_key(cfg: Any) -> str:
-    """What the components are built from: the rollout, credit and loss sections (and the objective's micro-batch)."""
-    return repr([dataclasses.asdict(cfg.rollout), dataclasses.asdict(cfg.credit), dataclasses.asdict(cfg.loss),
-                 cfg.train.micro_batch])
-
-
-def build_and_check(cfg: Any) -> tuple:
+def build_components(cfg: Any) -> Components:
     """(plan, credit rule, objective) of ``cfg``, built and checked together (:func:`check_components`)."""
-    built = (build_plan(cfg.rollout), build_credit(cfg), build_loss(cfg))
+    built = Components(build_plan(cfg.rollout), build_credit(cfg), build_loss(cfg))
     check_components(cfg, *built)
     return built
 
 
 def load_components(cfg: Any) -> None:
-    """At load: build and check ``cfg``'s components, and keep them beside the config (not a config value) for the
-    first :func:`take_components` while its sections stay as they were."""
-    object.__setattr__(cfg, "_loaded_components", (components_key(cfg), build_and_check(cfg)))
-
-
-def take_components(cfg: Any) -> tuple:
-    """(plan, credit rule, objective) of ``cfg``: those built and checked when it was loaded, once and only while its
-    sections are unchanged; else (a second run of one config, a config changed since) built and checked now. Each
-    component is so built and checked once per run, and no two runs share one."""
-    loaded = cfg.__dict__.pop("_loaded_components", None)
-    if loaded is not None and loaded[0] == components_key(cfg):
-        return loaded[1]
-    return build_and_check(cfg)
+    """At load: build and check ``cfg``'s components (a ConfigError naming the key), keeping nothing."""
+    build_components(cfg)

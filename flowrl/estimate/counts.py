@@ -1,7 +1,7 @@
 """The plan's work per iteration: forwards, explorer previews, decodes, leaves and training rows per
 process, averaged over iterations spread over the run. Read from what the plan declares
 (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`) and the objective declares
-(:attr:`~flowrl.objectives.base.Objective.trains_on`, :meth:`~flowrl.objectives.base.Objective.train_rows`), so an
+(:meth:`~flowrl.objectives.base.Objective.describe`: what it trains on, its rows per iteration), so an
 out-of-tree plan or objective is estimated from its own declarations."""
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
     (velocity rows the objective's forward with gradients runs, before CFG doubling); of the decodes, ``scored``
     (leaves and probed states, decoded together after the rollout) and ``pool`` (explore previews)."""
     iterations = sorted({round(i * (max(max_steps, 1) - 1) / 15) for i in range(16)})
+    facts = objective.describe()
     sums: dict[str, float] = {}
     for it in iterations:
         counts = plan.expected_counts(num_prompts, RolloutContext(seed=seed, iteration=it))
-        units = counts["leaves"] if objective.trains_on == "leaves" else counts["trained_edges"]
+        units = counts["leaves"] if facts.trains_on == "leaves" else counts["trained_edges"]
         scored = counts["leaves"] + counts.get("probes", 0)
         pool = counts.get("explore_decodes", 0)
         row = {"forwards": counts["forwards"], "explore_forwards": counts.get("explore_forwards", 0),
                "decodes": scored + pool, "leaves": counts["leaves"], "trained_units": units,
-               "train_rows": objective.train_rows({**counts, "groups": num_prompts}), "scored": scored, "pool": pool}
+               "train_rows": facts.train_rows({**counts, "groups": num_prompts}), "scored": scored, "pool": pool}
         for k, v in row.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(iterations) for k, v in sums.items()}

@@ -295,8 +295,8 @@ def _fit(cfg, gpu: str, processes: int, capacity_gib: float | None, keep: Iterab
     budget = capacity * float(cfg.train.memory_fraction)
     keep = {k for k in (*keep, *cfg.train.fit_keep) if k in FIT_KEYS}
     arch = arch or arch_for_model(cfg.model)
-    objective = build.build_loss(cfg)
-    policy, unit = objective.trains_on == "edges", int(objective.rows_per_unit)
+    facts = build.build_loss(cfg).describe()
+    policy, unit = facts.trains_on == "edges", int(facts.rows_per_unit)
     run = dict(gpu=gpu, processes=processes, arch=arch, target=target, shard=shard)
     kept_b = int(cfg.rollout.max_batch) if "rollout.max_batch" in keep else None
     first = estimate(with_settings(cfg, _probe(cfg, kept_b or unit, unit, keep, policy)), **run)

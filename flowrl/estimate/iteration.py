@@ -79,8 +79,8 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     iteration and process), ``memory_gib`` (every part, ``peak`` = static + the largest phase, and the peak
     with and without gradient checkpointing), ``flops`` and ``time`` (``seconds_per_iteration`` [low, high]
     at the assumed utilisation range), ``assumptions``. The plan and the objective are asked what they declare
-    (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`, ``explorer_spec``; the objective's ``trains_on``,
-    ``frozen_copies``, ``rows_per_unit``, ``training_cfg``), never tested for their type.
+    (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`, ``explorer_spec``; the objective's
+    :meth:`~flowrl.objectives.base.Objective.describe`), never tested for their type.
     """
     if processes < 1 or cfg.prompts.per_step % processes:
         raise ConfigError(f"prompts.per_step={cfg.prompts.per_step} must be divisible by the processes ({processes})")
@@ -177,9 +177,10 @@ def _work(cfg, plan, objective, P: int, cfg_on: bool) -> dict:
     update hold (a policy objective replays ``max_batch`` states; a forward-process one whole leaves' points)."""
     counts = iteration_counts(plan, objective, P, cfg.train.max_steps, cfg.train.seed)
     max_batch = int(cfg.rollout.max_batch)
-    per_unit = objective.rows_per_unit
-    update_states = max(1, int(objective.micro_batch) // per_unit) * per_unit  # train.micro_batch or max_batch
-    return {"counts": counts, "train_cfg": objective.training_cfg(cfg_on),
+    facts = objective.describe()
+    per_unit = facts.rows_per_unit
+    update_states = max(1, int(facts.micro_batch) // per_unit) * per_unit  # train.micro_batch or max_batch
+    return {"counts": counts, "train_cfg": facts.training_cfg(cfg_on),
             "update_states": max(1, min(update_states, int(max(counts["train_rows"], 1)))),
             "rollout_states": max(1, min(max_batch, int(max(counts["forwards"], 1))))}
 
@@ -188,8 +189,8 @@ def _traces(cfg, arch: dict, model: dict, objective, shapes: Shapes, work: dict,
             shards: int) -> dict:
     """The traced phases (cached: presets sharing a model, shapes and batch layout share them). The objective's frozen
     copies run before the policy's forward in a forward-process update, the reference after it in a replay."""
-    copies = objective.frozen_copies()
-    policy = objective.trains_on == "edges"
+    facts = objective.describe()
+    copies, policy = facts.frozen_copies, facts.trains_on == "edges"
     before = () if policy else copies
     after = copies if policy else ()
     trace_args = (arch["key"], cfg.model.dtype, model["lora"], shapes, work["rollout_states"], cfg_on,
@@ -217,7 +218,7 @@ def _static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -
     optim_bytes = (2 * held_bytes(model["trainable"], shards, itemsize=1) if cfg.optim.use_8bit
                    else 2 * trainable_bytes)
     ema = trainable_bytes if cfg.train.ema > 0 else 0
-    copies = objective.frozen_copies()
+    copies = objective.describe().frozen_copies
     old = (trainable_bytes if lora is not None else model["full_copy"]) if "old" in copies else 0
     reference = model["full_copy"] if "reference" in copies and lora is None else 0
     explorer_spec = plan.explorer_spec()

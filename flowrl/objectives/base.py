@@ -1,29 +1,42 @@
-"""The objective contract (``loss.objective``): what an objective trains on, its loss, its lifecycle.
+"""The objective contract (``loss.objective``): its loop part, its state, and one description for the tools.
 
-The loop hands the objective a scored, credited forest and only zero-grads, back-propagates and steps:
+**The loop's part.** The loop hands the objective a scored, credited forest and only zero-grads, back-propagates
+and steps:
 
-1. :meth:`Objective.setup` once, after the trainable weights exist (LoRA attached or full fine-tuning),
-   before the first rollout: an objective keeps the copies it needs here (a KL reference, an old policy);
-2. every iteration: :meth:`encode` the forest's prompts (the conditioning its velocity uses),
-   :meth:`batches` (the micro-batches of the iteration: edges for policy objectives, leaves for
-   forward-process ones), then per micro-batch :meth:`loss` → ``(loss averaged over the batch, diagnostics)``;
-   the loop weights each micro-batch's loss by ``batch.size`` so an optimizer step averages over all of
-   its units on all processes; :meth:`auxiliary` once per optimizer step (an extra term, e.g. LayerTuning);
+1. :meth:`Objective.setup` once, after the trainable weights exist (LoRA attached or full fine-tuning), before the
+   first rollout: an objective keeps the copies it needs here (a KL reference, an old policy);
+2. every iteration, after the rollout and the credit rule: :meth:`begin_iteration` with the forest (what an
+   objective derives from the iteration's rollout, e.g. GRPO-Guard's copy of the rollout's weights, is taken
+   here, not discovered inside :meth:`loss`); :meth:`encode` the forest's prompts; :meth:`batches` (edges for
+   policy objectives, leaves for forward-process ones); per micro-batch :meth:`loss` → ``(loss averaged over the
+   batch, diagnostics)``, weighted by ``batch.size`` so an optimizer step averages over all of its units on all
+   processes; :meth:`auxiliary` once per optimizer step (an extra term, e.g. LayerTuning);
 3. :meth:`after_update` after every optimizer step (an old-policy EMA follows the weights here);
 4. :meth:`state_dict` / :meth:`load_state_dict`: whatever the objective keeps goes into checkpoints.
 
-What the loop and the tools ask of it, declared here so no caller probes for attributes: :meth:`sampling_teacher`
-(the guided teacher plans may let draw a share of each group, handed to them in the rollout context),
-:meth:`take_stats` (diagnostics since the last call, logged with the iteration), :meth:`train_rows` (the estimate's
-count of training forwards), and :attr:`has_reward_free_point` with :meth:`reward_free_overrides` /
-:meth:`move_to_reward_free_point` (``flowrl snr --reward-only``: the reward's share of the gradient alone).
+Only :meth:`setup`, :meth:`begin_iteration`, :meth:`after_update` and :meth:`load_state_dict` change the
+objective, and only the attributes it declares in :attr:`Objective.state_attributes`; :meth:`batches`,
+:meth:`loss` and every other call read it (tests/test_objective_contract.py holds every objective to this).
 
-Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.config.components`).
+**The rollout's part.** :meth:`sampling_teacher` (the guided teacher plans may let draw a share of each group) and
+:meth:`teacher_fraction` (the share of ``rollout.teacher_share`` it draws this iteration), both handed to the plan
+in the rollout context; :meth:`take_stats` (diagnostics since the last call, logged with the iteration).
+
+**The tools' part.** :meth:`describe` gives one :class:`ObjectiveFacts` value: what it trains on, its rows per
+unit and micro-batch, its frozen copies, whether its training forward runs CFG, its reward-free point (``flowrl snr
+--reward-only``) and how its diagnostics are combined and shown. The config checks (:meth:`check_plan`,
+:meth:`check_credit`, :meth:`rollout_guidance`) run at load; :meth:`move_to_reward_free_point` is the one action
+``flowrl snr`` takes.
+
+Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.config.components`);
+``micro_batch`` (rows per training forward) is a declared field set from ``train.micro_batch`` (default
+``rollout.max_batch``), not a key of ``loss``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -42,37 +55,92 @@ class Batch:
     extra: dict[str, Any] | None = None
 
 
-class Objective(Checked):
-    """Base of ``loss.objective`` components (see the module docstring for the lifecycle).
+@dataclass(frozen=True)
+class ObjectiveFacts:
+    """What an objective is, for the config checks, the estimate, ``flowrl snr`` and the loop's logging
+    (:meth:`Objective.describe`); a value: nothing in it changes during a run.
 
-    Class attributes a subclass sets: :attr:`trains_on` (``"edges"``: stochastic edges replayed with
-    log-probs; ``"leaves"``: the clean latents of the leaves), :attr:`extremes` (diagnostics combined by
-    min/max over micro-batches instead of averaged), :attr:`first_step_keys` (diagnostics also logged as
-    ``first_step_<key>`` for the first micro-batches of an iteration, before any weight changed),
-    :attr:`progress_keys` (the iteration record's keys the progress bar shows beside the reward: label →
-    (keys summed, format); a key the record lacks is left out).
-    ``reduction`` (how rollouts reduce edge log-probs over latent elements) belongs to the objective;
-    objectives that do not use log-probs leave the default.
-    """
+    ``trains_on``: ``"edges"`` (stochastic edges replayed with log-probs) or ``"leaves"`` (the clean latents);
+    ``trains_flat``: whether units of groups without reward spread are kept; ``micro_batch``: rows per training
+    forward; ``rows_per_unit``: velocity rows one trained unit costs (a forward-process objective's ``draws``);
+    ``leaves_per_group``: the leaves it trains per prompt group when it trains a fixed number (DPO's pair), else None;
+    ``frozen_copies``: ``old`` (a lagging old policy) and/or ``reference`` (the initial weights), in the order its
+    update runs them; ``guided_training``: whether its training forward runs CFG when the rollouts do (a policy
+    objective replays exactly what the rollout ran); ``reward_free_overrides``: the ``loss`` keys that switch off
+    every reward-independent term (None: it has no reward-free point, ``no_reward_free_point`` says why);
+    ``extremes``: diagnostics combined by min/max over micro-batches instead of averaged; ``first_step_keys``:
+    diagnostics also logged as ``first_step_<key>`` for the first micro-batches of an iteration; ``progress_keys``:
+    the progress bar's fields, label → (record keys summed, format)."""
 
-    config_key = "loss"
-    trains_on: ClassVar[str] = "edges"
-    trains_flat: ClassVar[bool] = False
-    extremes: ClassVar[dict[str, Any]] = {}
-    first_step_keys: ClassVar[tuple[str, ...]] = ()
-    progress_keys: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {}
-    has_reward_free_point: ClassVar[bool] = False  # a subclass may make it a property of its settings
-    reduction: str = "mean"
+    trains_on: str = "edges"
+    trains_flat: bool = False
+    micro_batch: int = 64
+    rows_per_unit: int = 1
+    leaves_per_group: int | None = None
+    frozen_copies: tuple[str, ...] = ()
+    guided_training: bool = True
+    reward_free_overrides: Mapping[str, Any] | None = None
+    no_reward_free_point: str | None = "it declares none (a forward-process objective with an old copy does: nft, awm)"
+    extremes: Mapping[str, Callable] = field(default_factory=dict)
+    first_step_keys: tuple[str, ...] = ()
+    progress_keys: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
 
-    def progress(self, record: dict[str, Any]) -> dict[str, str]:
-        """The progress bar's fields for one iteration ``record``: ``progress_keys`` the record holds."""
+    def train_rows(self, counts: Mapping[str, int]) -> int:
+        """Velocity rows the forward with gradients runs in one iteration, from a plan's
+        :meth:`~flowrl.rollout.base.RolloutPlan.expected_counts` (with ``groups``: the prompt groups of the rollout):
+        its trained leaves × :attr:`rows_per_unit`, or the states a replay of its trained edges evaluates
+        (``replay_rows``). For the memory/time estimate."""
+        if self.trains_on != "leaves":
+            return int(counts["replay_rows"])
+        leaves = int(counts["leaves"])
+        if self.leaves_per_group is not None:
+            leaves = min(self.leaves_per_group * int(counts["groups"]), leaves)
+        return leaves * self.rows_per_unit
+
+    def training_cfg(self, rollout_cfg: bool) -> bool:
+        """Whether the forward with gradients runs classifier-free guidance, given whether the rollouts do."""
+        return rollout_cfg and self.guided_training
+
+    def progress(self, record: Mapping[str, Any]) -> dict[str, str]:
+        """The progress bar's fields for one iteration ``record``: the ``progress_keys`` the record holds."""
         shown = {}
         for label, (keys, fmt) in self.progress_keys.items():
             if all(key in record for key in keys):
                 shown[label] = format(sum(float(record[key]) for key in keys), fmt)
         return shown
 
-    # ---- configuration checks ---------------------------------------------------------------
+
+@dataclass
+class Objective(Checked):
+    """Base of ``loss.objective`` components (see the module docstring for the contract).
+
+    Declarations a subclass sets (class attributes, gathered by :meth:`describe`): :attr:`trains_on`,
+    :attr:`trains_flat`, :attr:`extremes`, :attr:`first_step_keys`, :attr:`progress_keys`, :attr:`state_attributes`
+    (the attributes its lifecycle calls may change; everything else is fixed after :meth:`setup`).
+    ``reduction`` (how rollouts reduce edge log-probs over latent elements) belongs to the objective; objectives that
+    do not use log-probs leave the default.
+    """
+
+    config_key: ClassVar[str] = "loss"
+    trains_on: ClassVar[str] = "edges"
+    trains_flat: ClassVar[bool] = False
+    extremes: ClassVar[dict[str, Any]] = {}
+    first_step_keys: ClassVar[tuple[str, ...]] = ()
+    progress_keys: ClassVar[dict[str, tuple[tuple[str, ...], str]]] = {}
+    state_attributes: ClassVar[tuple[str, ...]] = ()
+    reduction: ClassVar[str] = "mean"
+    micro_batch: int = field(default=64, kw_only=True, metadata={"config": False})  # rows per training forward
+
+    # ---- the tools' part ---------------------------------------------------------------------------
+    def describe(self) -> ObjectiveFacts:
+        """What this objective is (:class:`ObjectiveFacts`); a subclass adds its own facts with
+        ``dataclasses.replace(super().describe(), ...)``."""
+        return ObjectiveFacts(trains_on=self.trains_on, trains_flat=self.trains_flat, micro_batch=int(self.micro_batch),
+                              extremes=dict(self.extremes), first_step_keys=tuple(self.first_step_keys),
+                              progress_keys=dict(self.progress_keys),
+                              no_reward_free_point=f"{type(self).__name__} declares none (a forward-process objective "
+                                                   "with an old copy does: nft, awm or a subclass)")
+
     def units(self, forest) -> torch.Tensor:
         """The nodes this objective trains [U] (``forest.units``: the credit rule's ``weight`` honoured alike by
         every objective; flat units kept when :attr:`trains_flat`)."""
@@ -80,7 +148,7 @@ class Objective(Checked):
 
     def check_credit(self, credit) -> None:
         """Refuse, at config load, a credit rule that writes no advantage where this objective reads one."""
-        writes = tuple(getattr(credit, "writes", ("edges", "leaves")))
+        writes = tuple(credit.writes)
         if self.trains_on not in writes:
             raise ConfigError(f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
                               f"loss.objective={_name(self)!r} trains on {self.trains_on} (it would read advantage 0 on "
@@ -89,11 +157,11 @@ class Objective(Checked):
 
     def check_plan(self, plan) -> None:
         """Refuse, at config load, a rollout plan this objective cannot train on (names the keys)."""
-        if self.trains_on == "edges" and not getattr(plan, "has_trainable_edges", True):
+        if self.trains_on == "edges" and not plan.has_trainable_edges:
             raise ConfigError(f"loss.objective={_name(self)!r} trains stochastic edges by replaying their log-probs, "
                               f"but rollout.plan={_name(plan)!r} keeps none (deterministic ODE rollouts); use a "
                               "forward-process objective (loss.objective: nft | awm) or a stochastic kernel")
-        if self.trains_on == "leaves" and not getattr(plan, "keeps_clean_latents", True):
+        if self.trains_on == "leaves" and not plan.keeps_clean_latents:
             raise ConfigError(f"loss.objective={_name(self)!r} trains on the clean latents of the leaves, but "
                               f"rollout.plan={_name(plan)!r} keeps none; accepted plans: chains, ode, tree, explore, probed")
 
@@ -101,9 +169,19 @@ class Objective(Checked):
         """The CFG scale the rollouts must use, given ``model.guidance`` (None = the model's default)."""
         return guidance
 
-    # ---- lifecycle ----------------------------------------------------------------------------
+    def move_to_reward_free_point(self) -> None:
+        """At the current weights, make the gradient of every remaining reward-independent term zero (e.g. the old
+        copy set to the policy), so a gradient measures the reward's share alone. Only when :meth:`describe` gives
+        ``reward_free_overrides`` (the default has none)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no reward-free point")
+
+    # ---- the loop's part ----------------------------------------------------------------------------
     def setup(self, model) -> None:
         """Called once with the model whose trainable weights are set up (LoRA or full)."""
+
+    def begin_iteration(self, model, forest) -> None:
+        """Called once per iteration with its scored, credited forest, before its first :meth:`batches` (while the
+        weights are still those the rollout sampled with). Default: nothing."""
 
     def after_update(self, model) -> None:
         """Called after every optimizer step."""
@@ -114,61 +192,6 @@ class Objective(Checked):
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint written before the objective kept state)."""
 
-    # ---- what the loop and the tools ask -----------------------------------------------------------
-    def sampling_teacher(self):
-        """The guided teacher (:class:`~flowrl.objectives.teacher.Teacher`) that plans may let draw a share of each
-        prompt group (the rollout context's ``teacher``), or None (default): no teacher."""
-        return None
-
-    def take_stats(self) -> dict[str, float]:
-        """Diagnostics accumulated since the last call (logged with the iteration; a count key ``*_forwards`` is
-        summed over processes, the others averaged), reset by the call. Default: none."""
-        return {}
-
-    def train_rows(self, counts: dict[str, int]) -> int:
-        """Velocity rows the forward with gradients runs in one iteration, from a plan's
-        :meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`: its leaves (training on leaves) or the states a
-        replay of its trained edges evaluates (``replay_rows``). ``counts`` also holds ``groups`` (the prompt groups
-        of the rollout), for an objective that trains a fixed number of leaves per group. For the memory/time
-        estimate."""
-        return int(counts["leaves"] if self.trains_on == "leaves" else counts["replay_rows"])
-
-    def no_reward_free_point(self) -> str | None:
-        """Why this objective, as configured, has no reward-free point (None when it has one); the refusal of
-        ``flowrl snr --reward-only`` says it."""
-        if self.has_reward_free_point:
-            return None
-        return (f"{type(self).__name__} declares none (a forward-process objective with an old copy does: nft, awm or "
-                "a subclass)")
-
-    def frozen_copies(self) -> tuple[str, ...]:
-        """The frozen copies of the policy the objective keeps and runs forwards on: ``old`` (a lagging old policy)
-        and/or ``reference`` (the initial weights, for a KL), in the order its update runs them. Default: none."""
-        return ()
-
-    @property
-    def rows_per_unit(self) -> int:
-        """Velocity rows one trained unit costs in the forward with gradients (a forward-process objective: its
-        ``draws`` (t, ε) points per leaf). Default 1."""
-        return 1
-
-    def training_cfg(self, rollout_cfg: bool) -> bool:
-        """Whether the forward with gradients runs classifier-free guidance, given whether the rollouts do (a policy
-        objective replays exactly what the rollout ran)."""
-        return rollout_cfg
-
-    def reward_free_overrides(self) -> dict[str, Any]:
-        """``loss`` keys and values that switch off every term independent of the reward (e.g. a KL to a reference,
-        a teacher anchor), for ``flowrl snr --reward-only``; only asked when :attr:`has_reward_free_point`."""
-        return {}
-
-    def move_to_reward_free_point(self) -> None:
-        """At the current weights, make the gradient of every remaining reward-independent term zero (e.g. the old
-        copy set to the policy), so a gradient measures the reward's share alone. Only with
-        :attr:`has_reward_free_point` (the default has none)."""
-        raise NotImplementedError(f"{type(self).__name__} declares no reward-free point")
-
-    # ---- one iteration -------------------------------------------------------------------------
     def encode(self, model, forest):
         """The conditioning of ``forest``'s prompt groups the training forward uses (one row per group)."""
         return model.encode(forest.prompts, forest.guidance)
@@ -187,6 +210,22 @@ class Objective(Checked):
         a best-path flow-matching term on the group's best leaf); None (default) for none. Its gradient is
         averaged over processes with the rest."""
         return None
+
+    # ---- the rollout's part ---------------------------------------------------------------------------
+    def sampling_teacher(self):
+        """The guided teacher (:class:`~flowrl.objectives.teacher.Teacher`) that plans may let draw a share of each
+        prompt group (the rollout context's ``teacher``), or None (default): no teacher."""
+        return None
+
+    def teacher_fraction(self) -> float:
+        """The fraction of ``rollout.teacher_share`` the teacher draws in the next rollout (the rollout context's
+        ``teacher_fraction``; a schedule of the objective's state). Default 1."""
+        return 1.0
+
+    def take_stats(self) -> dict[str, float]:
+        """Diagnostics accumulated since the last call (logged with the iteration; a count key ``*_forwards`` is
+        summed over processes, the others averaged), reset by the call. Default: none."""
+        return {}
 
 
 def _name(component) -> str:

@@ -34,7 +34,7 @@ class RAFTLoss(ForwardProcessObjective):
         if self.top_k < 1:
             raise ValueError(f"loss.top_k={self.top_k} must be >= 1 (the best samples of each group trained)")
 
-    def select_leaves(self, forest, leaves: torch.Tensor) -> torch.Tensor:
+    def select_leaves(self, forest, leaves: torch.Tensor, padding: bool = False) -> torch.Tensor:
         """The ``top_k`` highest-reward leaves of each group among ``leaves`` [L] (ties: the earlier node)."""
         reward, group = forest.reward[leaves], forest.group[leaves]
         keep = torch.zeros(leaves.numel(), dtype=torch.bool)

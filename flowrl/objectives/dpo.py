@@ -4,13 +4,13 @@
 "Online Diffusion-DPO")."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from flowrl.objectives.base import Batch
+from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 from flowrl.objectives.teacher import Teacher
@@ -38,7 +38,6 @@ class DPOLoss(ForwardProcessObjective):
     """
 
     beta: float = 100.0
-    _self_pair: bool = field(default=False, init=False, repr=False, compare=False)  # see batches()
 
     uses_old: ClassVar[bool] = False
     group_use: ClassVar[str | None] = "pairs the best and worst leaf of each prompt group"
@@ -63,10 +62,9 @@ class DPOLoss(ForwardProcessObjective):
             out["adv_clip"] = "DPOLoss reads only the order of the advantages (a teacher's anchor weighting reads the clip)"
         return out
 
-    def train_rows(self, counts: dict[str, int]) -> int:
-        """Rows of the forward with gradients: a chosen and a rejected leaf per prompt group, ``draws`` points each
-        (at most every leaf)."""
-        return min(2 * int(counts["groups"]), int(counts["leaves"])) * self.draws
+    def describe(self) -> ObjectiveFacts:
+        """The forward-process facts, training a chosen and a rejected leaf per prompt group."""
+        return replace(super().describe(), leaves_per_group=2)
 
     def setup(self, model) -> None:
         """The frozen reference (always: the preference is measured against it); no old copy."""
@@ -90,8 +88,9 @@ class DPOLoss(ForwardProcessObjective):
         return super().kl_ref_rows(v, v_ref) if self.kl_ref > 0 else None
 
     # ---- pairs and batches ---------------------------------------------------------------------
-    def select_leaves(self, forest, leaves: torch.Tensor) -> torch.Tensor:
-        """The pairs among ``leaves`` [L], interleaved [w_0, l_0, w_1, l_1, ...] [2P], groups in increasing order."""
+    def select_leaves(self, forest, leaves: torch.Tensor, padding: bool = False) -> torch.Tensor:
+        """The pairs among ``leaves`` [L], interleaved [w_0, l_0, w_1, l_1, ...] [2P], groups in increasing order;
+        with ``padding`` (explicit units asked, :meth:`batches`) and no pair, the first leaf paired with itself."""
         adv, group = forest.advantage[leaves].double(), forest.group[leaves]
         out: list[int] = []
         for g in torch.unique(group).tolist():
@@ -100,7 +99,7 @@ class DPOLoss(ForwardProcessObjective):
             best, worst = int(torch.argmax(a)), int(torch.argmin(a))  # the first of equals
             if mine.numel() >= 2 and bool(a[best] > a[worst]):
                 out += [int(leaves[mine[best]]), int(leaves[mine[worst]])]
-        if not out and self._self_pair and leaves.numel():
+        if not out and padding and leaves.numel():
             out = [int(leaves[0])] * 2
         return torch.tensor(out, dtype=torch.long)
 
@@ -110,11 +109,7 @@ class DPOLoss(ForwardProcessObjective):
         the chosen one's: a pair is compared at the same points. Asked for ``units`` explicitly (the sharded loop's
         weight-0 padding asks for a micro-batch over every unit) where no pair forms, the first unit paired with itself:
         a micro-batch whose loss is log 2 with no gradient (z ≡ 0)."""
-        self._self_pair = units is not None
-        try:
-            parts = super().batches(forest, iteration, seed, units)
-        finally:
-            self._self_pair = False
+        parts = super().batches(forest, iteration, seed, units)
         if not parts:
             return []
         D = self.draws

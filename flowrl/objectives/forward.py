@@ -33,13 +33,13 @@ anchor alone (guidance distillation, the baseline the reward must beat).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 
 from flowrl.config.choices import choice
-from flowrl.objectives.base import Batch, Objective
+from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.teacher import Teacher, TeacherSpec, leaf_weights
 from flowrl.rollout.seeding import derive_seed, seeded_normals
@@ -81,7 +81,8 @@ class ForwardProcessObjective(Objective):
     group_use: ClassVar[str | None] = None  # what an objective reading whole prompt groups does with them (needs 2+)
     uses_old: ClassVar[bool] = True  # keeps a lagging old copy (a subclass that never reads it sets False)
     has_reward_free_point: ClassVar[bool] = True  # with an old copy: the reward-free terms vanish at old = policy
-    micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
+    state_attributes: ClassVar[tuple[str, ...]] = ("_updates",)  # optimizer steps taken (the old copy's weights and
+    # the schedules follow them; the copies' tensors change in place)
 
     def __post_init__(self) -> None:
         if isinstance(self.teacher, dict):
@@ -176,16 +177,14 @@ class ForwardProcessObjective(Objective):
             mean_reward = float(r[torch.isfinite(r)].mean()) if bool(torch.isfinite(r).any()) else None
         return self.teacher.anchor * self.teacher.anchor_schedule(self._updates, mean_reward)
 
-    def _follow_schedules(self) -> None:
-        """The teacher's share of each group follows ``share_schedule`` at the current step."""
-        if self.teacher_model is not None:
-            self.teacher_model.share_fraction = self.teacher.sample_schedule(self._updates)
+    def teacher_fraction(self) -> float:
+        """The teacher's share of each group follows ``share_schedule`` at the optimizer steps taken."""
+        return 1.0 if self.teacher is None else float(self.teacher.sample_schedule(self._updates))
 
     def after_update(self, model) -> None:
         self._updates += 1
         if self._old is not None:
             self._old.update(self.decay(self._updates))
-        self._follow_schedules()
 
     def state_dict(self) -> dict:
         return {"old": None if self._old is None else self._old.state_dict(), "updates": self._updates}
@@ -194,25 +193,22 @@ class ForwardProcessObjective(Objective):
         """The old copy (unless the objective keeps none), then the reference for ``kl_ref`` > 0."""
         return (("old",) if self.uses_old else ()) + (("reference",) if self.kl_ref > 0 else ())
 
-    @property
-    def rows_per_unit(self) -> int:
-        return self.draws
-
-    def training_cfg(self, rollout_cfg: bool) -> bool:
-        """The guided velocity is trained only with ``cfg: guided`` (CFG-free trains the conditional one)."""
-        return rollout_cfg and self.cfg == "guided"
-
-    def sampling_teacher(self):
-        """The guided teacher built from ``loss.teacher`` (None without one)."""
-        return self.teacher_model
-
-    def train_rows(self, counts: dict[str, int]) -> int:
-        """Rows of the forward with gradients: every trained leaf's ``draws`` (t, ε) points."""
-        return int(counts["leaves"]) * self.draws
+    def describe(self) -> ObjectiveFacts:
+        """Leaves, ``draws`` rows each; the frozen copies; the guided velocity trained only with ``cfg: guided``
+        (CFG-free trains the conditional one); the reward-free point when :attr:`has_reward_free_point`."""
+        facts = replace(super().describe(), rows_per_unit=self.draws, frozen_copies=self.frozen_copies(),
+                        guided_training=self.cfg == "guided")
+        if not self.has_reward_free_point:
+            return facts
+        return replace(facts, reward_free_overrides=self.reward_free_overrides(), no_reward_free_point=None)
 
     def reward_free_overrides(self) -> dict[str, Any]:
         """No teacher anchor and no KL to the reference: their gradients do not depend on the reward."""
         return {"teacher": None, "kl_ref": 0.0}
+
+    def sampling_teacher(self):
+        """The guided teacher built from ``loss.teacher`` (None without one)."""
+        return self.teacher_model
 
     def move_to_reward_free_point(self) -> None:
         """The old copy set to the weights: the objective's own reward-free terms vanish there."""
@@ -227,7 +223,6 @@ class ForwardProcessObjective(Objective):
             if self._old is not None and state.get("old") is not None:
                 self._old.load_state_dict(state["old"])
             self._updates = int(state["updates"])
-            self._follow_schedules()
 
     # ---- batches ----------------------------------------------------------------------------
     def draw_t(self, seeds: list[int]) -> torch.Tensor:
@@ -249,7 +244,7 @@ class ForwardProcessObjective(Objective):
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
             raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
                              "are not at sigma 0: the plan must sample to the end")
-        leaves = self.select_leaves(forest, self.units(forest) if units is None else units)
+        leaves = self.select_leaves(forest, self.units(forest) if units is None else units, padding=units is not None)
         if leaves.numel() == 0:
             return []
         group = forest.group[leaves]
@@ -284,8 +279,9 @@ class ForwardProcessObjective(Objective):
         """Whether the loss reads the teacher's velocity this iteration (``anchor``: the per-leaf weights or None)."""
         return anchor is not None
 
-    def select_leaves(self, forest, leaves: torch.Tensor) -> torch.Tensor:
-        """The leaves [L'] this objective trains on, of the scored ``leaves`` [L] (default: all of them)."""
+    def select_leaves(self, forest, leaves: torch.Tensor, padding: bool = False) -> torch.Tensor:
+        """The leaves [L'] this objective trains on, of the scored ``leaves`` [L] (default: all of them); ``padding``:
+        asked for explicit units (the sharded loop's weight-0 padding, which needs one micro-batch)."""
         return leaves
 
     def sampler_t(self, forest, seeds: list[int]) -> torch.Tensor:

@@ -11,13 +11,13 @@ so the step's gradient no longer scales with its width).
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
 from flowrl.config.choices import choice
-from flowrl.objectives.base import Batch
+from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy
 from flowrl.objectives.policy import PolicyLoss
 from flowrl.objectives.replay import replay
@@ -39,7 +39,7 @@ class GRPOGuardLoss(PolicyLoss):
 
     μ_old: the forest records no transition mean, so the objective keeps the rollout's weights (an
     :class:`~flowrl.objectives.copies.OldPolicy`: a second LoRA adapter, or a frozen copy under full fine-tuning), set to
-    the policy when it first sees an iteration's forest. Until the iteration's first optimizer step the policy *is* that
+    the policy at :meth:`begin_iteration` (the weights are still the rollout's then). Until the iteration's first optimizer step the policy *is* that
     copy and μ_old is the replay's own mean, detached (no extra forward); after it (``train.updates_per_epoch`` or
     ``train.inner_epochs`` > 1) each micro-batch runs one more forward without gradients under the copy. The decision
     depends only on the optimizer steps taken, the same on every process, so sharded forwards stay in step.
@@ -51,33 +51,34 @@ class GRPOGuardLoss(PolicyLoss):
 
     reweight: str = choice("dt", REWEIGHTS)
 
+    state_attributes: ClassVar[tuple[str, ...]] = ("_steps",)  # optimizer steps since the rollout's weights were kept
+    _rollout_weights = None  # the rollout's weights (an OldPolicy), from setup()
+
     def setup(self, model) -> None:
         super().setup(model)
         self._rollout_weights = OldPolicy(model)
-        self._forest = None  # weak reference to the forest whose rollout the copy holds
-        self._steps = 0  # optimizer steps since the copy was set
+        self._steps = 0
+
+    def begin_iteration(self, model, forest) -> None:
+        """Keep the rollout's weights (still the policy's): μ_old of this iteration's edges."""
+        self._rollout_weights.copy_from_policy()
+        self._steps = 0
 
     def after_update(self, model) -> None:
         self._steps += 1
 
-    def frozen_copies(self) -> tuple[str, ...]:
-        """The reference for the KL (``kl_ref`` > 0), then the rollout's weights (``old``), in the order a replay runs them."""
-        return super().frozen_copies() + ("old",)
-
-    def _follow(self, forest) -> None:
-        """A forest not seen before starts an iteration: the weights are still the rollout's; keep them."""
-        if self._forest is None or self._forest() is not forest:
-            self._rollout_weights.copy_from_policy()
-            self._forest = weakref.ref(forest)
-            self._steps = 0
+    def describe(self) -> ObjectiveFacts:
+        """The reference for the KL (``kl_ref`` > 0), then the rollout's weights (``old``), in the order a replay runs
+        them."""
+        facts = super().describe()
+        return replace(facts, frozen_copies=facts.frozen_copies + ("old",))
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Replay the batch's edges (with the reference for β > 0), get μ_old, then :meth:`guarded` on plain tensors."""
         b = batch.index
-        reference = getattr(self, "_reference", None)
-        if not hasattr(self, "_rollout_weights") or (self.needs_reference and reference is None):
+        reference = self._reference
+        if self._rollout_weights is None or (self.needs_reference and reference is None):
             raise RuntimeError("GRPOGuardLoss needs setup(model) first (the rollout's weights and the KL reference)")
-        self._follow(forest)
         out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
                      reference=reference.active if reference is not None else None)
         if self._steps == 0:

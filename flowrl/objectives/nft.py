@@ -2,12 +2,12 @@
 copy, trained on the forward-process points of :mod:`flowrl.objectives.forward` (docs/algorithms.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from flowrl.config.choices import choice
-from flowrl.objectives.base import Batch
+from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 
 OPTIMALITY_FORMS = ("clip", "linear")  # NFT's optimality probability
@@ -61,12 +61,14 @@ class NFTLoss(ForwardProcessObjective):
             out["adaptive_scale"] = "loss.adaptive_weight is false"
         return out
 
-    def no_reward_free_point(self) -> str | None:
+    def describe(self) -> ObjectiveFacts:
         """Centred on the teacher (``center: teacher``) the objective has no reward-free point to measure from."""
+        facts = super().describe()
         if self.center != "old":
-            return (f"loss.center={self.center!r}: centred on the teacher, the objective has no reward-free point "
-                    "(use loss.center='old')")
-        return super().no_reward_free_point()
+            return replace(facts, reward_free_overrides=None, no_reward_free_point=(
+                f"loss.center={self.center!r}: centred on the teacher, the objective has no reward-free point "
+                "(use loss.center='old')"))
+        return facts
 
     def optimality(self, adv: torch.Tensor) -> torch.Tensor:
         """r [B] from advantages [B] (see the class docstring)."""

@@ -13,12 +13,12 @@ reference forward for the KL term. :meth:`PolicyLoss.__call__` is the math on pl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
 from flowrl.config.choices import choice
-from flowrl.objectives.base import Batch, Objective
+from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.replay import replay, replay_batches
 from flowrl.rollout import sde
@@ -50,6 +50,7 @@ class PolicyLoss(Objective):
     extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
     first_step_keys = ("abs_delta_logp",)  # weights not yet updated: every ratio must be exactly 1
     progress_keys = {"kl": (("approx_kl",), ".1e"), "clip": (("clipfrac_high", "clipfrac_low"), ".2f")}
+    _reference = None  # the KL reference (a Reference), from setup() when kl_ref > 0
 
     @property
     def needs_reference(self) -> bool:
@@ -66,7 +67,7 @@ class PolicyLoss(Objective):
         """Replay the batch's edges under the current weights (and the reference for β > 0), then
         :meth:`__call__` on the plain tensors."""
         b = batch.index
-        reference = getattr(self, "_reference", None)
+        reference = self._reference
         if self.needs_reference and reference is None:
             raise RuntimeError("PolicyLoss with kl_ref > 0 needs setup(model) first (the KL reference)")
         out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
@@ -82,9 +83,9 @@ class PolicyLoss(Objective):
         if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
             raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
 
-    def frozen_copies(self) -> tuple[str, ...]:
-        """The reference, for the KL (``kl_ref`` > 0)."""
-        return ("reference",) if self.needs_reference else ()
+    def describe(self) -> ObjectiveFacts:
+        """The reference as a frozen copy, for the KL (``kl_ref`` > 0)."""
+        return replace(super().describe(), frozen_copies=("reference",) if self.needs_reference else ())
 
     def unread_fields(self) -> dict[str, str]:
         """``kl_form`` without a KL to the reference (``kl_ref`` 0)."""
@@ -158,7 +159,6 @@ class LayerTuningLoss(PolicyLoss):
     """
 
     layer_lambda: float = 0.1
-    micro_batch: int = field(default=64, metadata={"config": False})  # rows per forward: rollout.max_batch
 
     def __post_init__(self) -> None:
         super().__post_init__()

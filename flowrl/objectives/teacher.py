@@ -129,7 +129,10 @@ def check_teacher_path(path: str) -> Path:
 
 
 class Teacher:
-    """The frozen teacher of ``spec`` over ``model``: :meth:`velocity` is its guided velocity (no gradient)."""
+    """The frozen teacher of ``spec`` over ``model``: :meth:`velocity` is its guided velocity (no gradient).
+    ``forwards`` and ``seconds`` count its cost since the last :meth:`take_stats` (its only changing attributes)."""
+
+    state_attributes = ("forwards", "seconds")
 
     def __init__(self, model, spec: TeacherSpec, reference=None):
         from flowrl.objectives.copies import Reference
@@ -137,7 +140,6 @@ class Teacher:
         self.model, self.spec, self.guidance = model, spec, float(spec.guidance)
         self.forwards = 0  # rows through the teacher (each 2 NFE with guidance)
         self.seconds = 0.0
-        self.share_fraction = 1.0  # of rollout.teacher_share, set by the objective from loss.teacher.share_schedule
         if spec.path is None:  # the initial weights: the KL reference's copy when there is one (one frozen copy)
             self._copy = reference if reference is not None else Reference(model)
         else:

@@ -29,6 +29,8 @@ class RolloutContext:
     (None: the plan derives its own root seeds).
     ``teacher``: the objective's guided teacher (:class:`flowrl.objectives.teacher.Teacher`; None without ``loss.teacher``),
     for plans that let it draw a share of each group (the ODE plan's ``teacher_share``).
+    ``teacher_fraction``: the share of ``rollout.teacher_share`` it draws in this rollout (the objective's
+    ``loss.teacher.share_schedule`` at its optimizer steps, :meth:`~flowrl.objectives.base.Objective.teacher_fraction`).
     """
 
     seed: int = 0
@@ -40,6 +42,7 @@ class RolloutContext:
     observers: tuple[Callable[..., None], ...] = ()
     root_seeds: list[list[int]] | None = None
     teacher: object | None = None
+    teacher_fraction: float = 1.0
 
     def given_root_seeds(self, num_groups: int, per_group: int) -> list[int] | None:
         """``root_seeds`` flattened group by group [num_groups·per_group] after checking their count, or

@@ -213,7 +213,7 @@ class ODEChains(RolloutPlan):
             return 0
         if ctx.teacher is None:
             raise ValueError(f"rollout.teacher_share={self.teacher_share} needs a teacher (loss.teacher) to draw them")
-        return int(round(self.teacher_share * ctx.teacher.share_fraction))
+        return int(round(self.teacher_share * ctx.teacher_fraction))
 
     @torch.no_grad()
     def rollout(self, model: FlowModel, prompts: list[str], ctx: RolloutContext) -> Forest:

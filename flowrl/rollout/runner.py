@@ -33,7 +33,7 @@ class RolloutRunner:
         """This process's prompt groups for ``iteration`` and the global index of its first group."""
         return self.group.shard(self.prompts.batch(iteration))
 
-    def run(self, iteration: int) -> tuple[Forest, dict[str, float]]:
+    def run(self, iteration: int, teacher_fraction: float = 1.0) -> tuple[Forest, dict[str, float]]:
         """Sample the forest of ``iteration`` and score it (no gradients): every leaf and every state the
         plan probed gets its reward terms in ``reward_components`` and its combined score in ``reward``
         (leaves) or ``value`` (probed states).
@@ -51,7 +51,8 @@ class RolloutRunner:
         t_sample = t_score = 0.0
         for a, b in zip(bounds[:-1], bounds[1:]):
             ctx = RolloutContext(seed=self.seed, iteration=iteration, group_offset=offset + a, guidance=self.guidance,
-                                 max_batch=self.max_batch, reduction=self.reduction, teacher=self.teacher)
+                                 max_batch=self.max_batch, reduction=self.reduction, teacher=self.teacher,
+                                 teacher_fraction=teacher_fraction)
             t0 = time.perf_counter()
             forest = self.plan.rollout(self.model, prompts[a:b], ctx)
             nodes, future = request_scores(self.scorer, self.model, forest, self.max_batch)

@@ -10,8 +10,10 @@ own small piece, wired here:
 - :class:`~flowrl.training.updater.Updater`: the objective's micro-batches → optimizer steps (the objective owns
   its batches and its loss, :mod:`flowrl.objectives.base`; the updater only zero-grads, back-propagates, steps);
 - :class:`~flowrl.training.evaluation.HeldOutEval` and :class:`~flowrl.run.folder.RunFolder`: evals, checkpoints,
-  resume and the protection of the run folder; :class:`~flowrl.training.guard.EvalGuard` (``eval.guard``): the stop
-  when an eval reward falls from its start value (reward hacking);
+  resume and the protection of the run folder;
+- side jobs as callbacks (:mod:`flowrl.training.callbacks`): the teacher's share metrics, the stop after a streak of
+  failed rewards, and :class:`~flowrl.training.guard.EvalGuard` (``eval.guard``): the stop when an eval reward falls
+  from its start value (reward hacking); a user's callbacks after them;
 - :class:`~flowrl.training.trainer_checkpoints.TrainerCheckpoints` (mixed in): what a checkpoint holds, saving, the
   export and the resume.
 """
@@ -21,14 +23,14 @@ import contextlib
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import build
 from flowrl.config.checks import guard_names
-from flowrl.config.chosen import take_components
+from flowrl.config.chosen import build_components
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import (
@@ -41,7 +43,6 @@ from flowrl.distributed.sharding import (
 )
 from flowrl.models.base import FlowModel
 from flowrl.models.blocks import apply_block_settings
-from flowrl.objectives.teacher import teacher_share_metrics
 from flowrl.prompts.checks import check_prompts, check_run_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
@@ -49,11 +50,12 @@ from flowrl.rollout.runner import RolloutRunner
 from flowrl.rollout.seeding import derive_seed
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
+from flowrl.training.callbacks import Callback, default_callbacks
 from flowrl.training.evaluation import HeldOutEval, resolve_guidance
 from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
 from flowrl.training.perf import PerfMeter
-from flowrl.training.scoring import FailedRewardStreak, check_modality
+from flowrl.training.scoring import check_modality
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
 from flowrl.training.updater import Updater
 
@@ -65,11 +67,12 @@ class Trainer(TrainerCheckpoints):
     ``config.model``. ``reward``: a reward name, a :class:`flowrl_rewards.Reward`, a MultiReward, or None
     for ``config.rewards``. ``perf``: the FLOPs of one iteration and the device's peak, for ``perf/tflops`` and
     ``perf/mfu`` in every iteration's metrics (``flowrl train`` makes it from the estimate:
-    :func:`flowrl.estimate.device.perf_meter`); None: not reported.
+    :func:`flowrl.estimate.device.perf_meter`); None: not reported. ``callbacks``: :class:`Callback` side jobs run
+    after the built-in ones at the end of every iteration and eval.
     """
 
     def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None,
-                 perf: PerfMeter | None = None):
+                 perf: PerfMeter | None = None, callbacks: Sequence[Callback] = ()):
         from accelerate import Accelerator
 
         self.cfg = c = config
@@ -96,7 +99,7 @@ class Trainer(TrainerCheckpoints):
             r.check_ready()  # e.g. a remote reward's server answers
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
-        self.plan, self.credit, self.objective = take_components(c)  # built and checked once (at load)
+        self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked
         if shard == "fsdp":
             check_sharded_objective(self.objective)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
@@ -119,7 +122,6 @@ class Trainer(TrainerCheckpoints):
                                     async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()])
         self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
                                sharded=self.sharding is not None)
-        self.failed_rewards = FailedRewardStreak(c.train.max_failed_iterations, self.reward)  # all-NaN streak stops
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
@@ -127,6 +129,7 @@ class Trainer(TrainerCheckpoints):
                                     train_reward=self._held_out_training_reward(), on_grid=self._log_grid,
                                     max_batch=c.rollout.max_batch)
         self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
+        self.callbacks = [*default_callbacks(c, self.reward, self.guard), *callbacks]
         self.resumed_from: Path | None = None
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
@@ -158,8 +161,10 @@ class Trainer(TrainerCheckpoints):
     @objective.setter
     def objective(self, objective) -> None:
         self._objective = objective
-        if hasattr(self, "updater"):
-            self.updater.objective = objective
+        self.facts = objective.describe()
+        updater = self.__dict__.get("updater")  # None while __init__ builds the parts
+        if updater is not None:
+            updater.objective = objective
             self.runner.reduction = objective.reduction
 
     @property
@@ -186,7 +191,7 @@ class Trainer(TrainerCheckpoints):
     def rollout(self, iteration: int) -> tuple[Forest, dict[str, float]]:
         """The scored forest of ``iteration`` for this process and its timings (:class:`RolloutRunner`)."""
         with self.sampling():
-            return self.runner.run(iteration)
+            return self.runner.run(iteration, teacher_fraction=self.objective.teacher_fraction())
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """The optimizer steps of ``iteration`` on ``forest`` and their diagnostics (:class:`Updater`)."""
@@ -214,9 +219,10 @@ class Trainer(TrainerCheckpoints):
         record["rollout_forwards"] = g.sum(forest.counters["forwards"])
         record["rollout_nfe"] = g.sum(forest.counters["nfe"])
         record["leaves"] = g.sum(forest.leaves().numel())
-        record.update(teacher_share_metrics(forest, g))  # {} unless the objective's teacher drew samples
         record.update({k: g.sum(v) if k.endswith("_forwards") else g.mean(v) for k, v in self.objective.take_stats().items()})
         record.update(self._observe_spread(forest))
+        for callback in self.callbacks:
+            record.update(callback.on_iteration(self, forest, record))
         record.update(times)
         return record
 
@@ -334,9 +340,10 @@ class Trainer(TrainerCheckpoints):
             if record.get("compile/graphs") and self.step == 1 and self.group.is_main:
                 tqdm.write(self.compiled.summary())
         self._emit(record)
-        self.failed_rewards.observe(record)  # every reward failed N iterations in a row: exit 3
+        for callback in self.callbacks:
+            callback.on_iteration_end(self, record)  # e.g. every reward failed N iterations in a row: exit 3
         bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.objective.progress(record),
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.facts.progress(record),
                         **(self.perf.progress(record) if self.perf is not None else {}))
         last = self.step == t.max_steps or self.out_of_time()
         if self.eval_due(seconds_before) and not last:
@@ -358,7 +365,8 @@ class Trainer(TrainerCheckpoints):
         """One held-out eval (``tag``: before/after; None: periodic) with the eval guard's verdict, recorded."""
         with self.ema_weights(), self.sampling():
             record: dict[str, Any] = {"step": self.step, **self.evaluate(self.step, tag)}
-        record.update(self.guard.observe(self.step, record))
+        for callback in self.callbacks:
+            record.update(callback.on_eval_end(self, record))  # e.g. the eval guard's verdict
         self._emit(record)
 
     def _log_grid(self, tag: str, image: Any, step: int) -> None:

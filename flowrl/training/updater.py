@@ -166,7 +166,7 @@ class Updater:
         sharding: one of this iteration's own, else one over every unit the plan made trainable."""
         if self._batches:
             return self._batches[0]
-        every = forest.units(self.objective.trains_on, flat=True, weighted=False)  # whatever the credit rule weighted
+        every = forest.units(self.objective.describe().trains_on, flat=True, weighted=False)  # whatever the credit rule weighted
         return self.objective.batches(forest, 0, self.cfg.train.seed, units=every)[0]
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
@@ -180,7 +180,9 @@ class Updater:
         diagnostics (the objective's, averaged per unit; its ``first_step_*`` before any weight changed;
         grad norm, skipped steps, units trained, lr)."""
         cfg, objective = self.cfg, self.objective
-        extremes = objective.extremes
+        facts = objective.describe()
+        extremes = facts.extremes
+        objective.begin_iteration(self.model, forest)
         cond = objective.encode(self.model, forest)
         batches = self._batches = objective.batches(forest, iteration, cfg.train.seed)
         step_diags: list[tuple[DeviceSums, float, DeviceSums | None]] = []  # per optimizer step: (diagnostics, units, auxiliary)
@@ -216,18 +218,18 @@ class Updater:
                     skipped += 1
                 else:
                     grad_norms.append(grad_norm)
-        diag_sums, aux_sums, first_sums = self._fold_steps(step_diags, extremes, objective.first_step_keys)
+        diag_sums, aux_sums, first_sums = self._fold_steps(step_diags, extremes, facts.first_step_keys)
         self.optimizer.zero_grad(set_to_none=True)
         out = self._averages(diag_sums, extremes)
         out.update(self._averages(aux_sums, {}, units=STEPS))
         first = self._averages(first_sums, extremes)
-        out.update({f"first_step_{k}": first.get(k, 0.0) for k in objective.first_step_keys})
+        out.update({f"first_step_{k}": first.get(k, 0.0) for k in facts.first_step_keys})
         out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0  # the same on every rank
         out["skipped_steps"] = float(skipped)
         if self.scaler.is_enabled():
             out["loss_scale"] = self.scaler.get_scale()
             out["loss_scale_overflows"] = float(self.overflows - overflows)
-        out[f"trained_{objective.trains_on}"] = self.group.sum(sum(b.size for b in batches))
+        out[f"trained_{facts.trains_on}"] = self.group.sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
@@ -321,12 +323,13 @@ class Updater:
             return self._gradient(forest, iteration)
 
     def _gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
+        self.objective.begin_iteration(self.model, forest)
         cond = self.objective.encode(self.model, forest)
         batches = self._batches = self.objective.batches(forest, iteration, self.cfg.train.seed)
         self.optimizer.zero_grad(set_to_none=True)
         n_global = self.group.sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, batches, n_global, DeviceSums(self.objective.extremes), final=True,
+            self._backward(forest, cond, batches, n_global, DeviceSums(self.objective.describe().extremes), final=True,
                            padding=self._padding_count(batches))
             self.reducer.finish()
         flat = torch.cat([whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
