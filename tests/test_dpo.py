@@ -120,7 +120,11 @@ def test_batches_and_loss_of_a_real_forest_equal_the_formula_written_out():
     assert pad.index.tolist() == [int(leaves[0])] * 2
     loss, _ = obj.loss(model, forest, pad, cond)
     assert loss.item() == pytest.approx(math.log(2), rel=1e-6)
-    assert max(float(g.abs().max()) for g in torch.autograd.grad(loss, params)) < 1e-6
+    # no gradient: the two rows are the same sample, so what is left is float32 rounding of the batched forward, far
+    # below a real pair's gradient (a bound relative to it, not to a number that depends on torch's kernels)
+    real = max(float(g.abs().max()) for g in got)
+    padded = max(float(g.abs().max()) for g in torch.autograd.grad(loss, params))
+    assert padded <= 1e-4 * real, (padded, real)
 
 
 def test_declared_copies_and_reward_free_point():
