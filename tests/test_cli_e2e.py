@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flowrl.commands.main import main
 
 
@@ -51,6 +53,38 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "no checkpoints/step-N/ folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_signal_inside_a_run_saves_the_iteration_and_a_resume_continues(tmp_path, signum):
+    """In process: a signal arriving during an iteration (sent by a callback at the end of step 1) lets the iteration
+    finish, saves a checkpoint there and raises KeyboardInterrupt (`flowrl train` exits 130 on it); a resume
+    continues from step 1. The two-process test below does the same to `flowrl train` itself."""
+    import os
+    import signal
+
+    from flowrl.training.callbacks import Callback
+    from flowrl.training.trainer import Trainer
+    from tests.conftest import make_model
+    from tests.test_trainer import tiny_config
+
+    class SignalAtStepOne(Callback):
+        def on_iteration(self, trainer, forest, record):
+            if record["step"] == 1:
+                os.kill(os.getpid(), getattr(signal, signum))
+            return {}
+
+    cfg = tiny_config(tmp_path, signum, "train.max_steps=5", "prompts.eval=null")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, model=make_model("sd3"), callbacks=[SignalAtStepOne()]).train()
+    run = tmp_path / signum
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1"]
+    cfg = tiny_config(tmp_path, signum, "train.max_steps=2", "prompts.eval=null", "train.resume=latest")
+    Trainer(cfg, model=make_model("sd3")).train()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# slow (29 s): two `flowrl train` processes; test_a_signal_inside_a_run_saves_the_iteration_and_a_resume_continues above
+# holds the same stop, save and resume in process
+@pytest.mark.slow
 def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     """SIGINT (Ctrl-C) to one run and SIGTERM to another, started together (one thread each, so the two
     cores run them side by side): each saves a checkpoint, exits with status 130, and a resume continues."""

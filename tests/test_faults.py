@@ -309,6 +309,10 @@ def _records(path: Path) -> list[dict]:
     return [without_wall_clock(json.loads(l)) for l in path.read_text().splitlines()]
 
 
+# slow (38 s): 20 steps killed at random points; the default set holds resume equality by
+# test_families_e2e.py::test_resume_equals_a_straight_run and a kill -9 before the first checkpoint by
+# test_resume_messages.py::test_resume_after_kill_9_before_the_first_checkpoint_refuses_and_erases_nothing
+@pytest.mark.slow
 def test_kill_9_at_random_points_resumes_to_the_uninterrupted_metrics(tiny_folder, tmp_path, request):
     steps = 20
     command = [sys.executable, "-m", "flowrl", "train"]

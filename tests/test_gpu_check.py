@@ -68,6 +68,10 @@ def check_like(actual, documented, path: str, nullable: bool = False) -> None:
         assert isinstance(actual, str), f"{path} = {actual!r}, not a string"
 
 
+# The rehearsal's tests below are the slow set's (76 s of runs): the default set holds its parts by cheaper tests,
+# test_real_size_random_pipeline_wires_as_the_gpu_run_does (the presets' wiring), test_a_row_out_of_time_is_recorded_
+# with_the_files (a row and its files), test_profile_of_a_cpu_step_has_top_ops_gaps_and_syncs (the profile) and
+# test_without_gpu_or_tiny_it_names_what_is_missing (the script's start).
 RUNS = {"presets": "presets", "rest": "profile,shapes,snr"}
 """The rehearsal in two runs (each well under a minute on 2 cores): the preset pairs, and the other parts."""
 
@@ -98,6 +102,7 @@ def tiny(request):
     return request.getfixturevalue(f"tiny_{request.param}")
 
 
+@pytest.mark.slow
 def test_tiny_json_is_what_the_docs_describe(tiny):
     data, documented = tiny["json"], documented_json()
     check_like(data["meta"], documented["meta"], "meta", nullable=True)
@@ -115,6 +120,7 @@ def test_tiny_json_is_what_the_docs_describe(tiny):
     # the two runs take ≈ 45 and 25 s on 2 idle cores and more on a busy machine)
 
 
+@pytest.mark.slow
 def test_tiny_preset_rows_are_measured_and_consistent(tiny_presets):
     presets = tiny_presets["json"]["parts"]["presets"]["rows"]
     names = ["sd35m_flow_grpo_lora", "sd35m_nft_lora", "flux1dev_nft_lora"]
@@ -132,6 +138,7 @@ def test_tiny_preset_rows_are_measured_and_consistent(tiny_presets):
     assert presets[0]["settings"]["objective"] == "clipped" and presets[2]["settings"]["objective"] == "nft"
 
 
+@pytest.mark.slow
 def test_tiny_fitted_rows_choose_their_settings_and_compile(tiny_presets):
     """The fitted row of each pair: train.fit=auto's settings on a device just too small for the shipped ones
     (so they differ), the estimate for those settings, regional compilation (eager), the ratio to the shipped row."""
@@ -158,6 +165,7 @@ def test_tiny_fitted_rows_choose_their_settings_and_compile(tiny_presets):
     assert "| sd35m_nft_lora_fitted | fit + compile |" in md and "batch 2 · micro 2 · ckpt yes" in md
 
 
+@pytest.mark.slow
 def test_tiny_profile_has_its_tables_and_a_small_trace(tiny_rest):
     row = tiny_rest["json"]["parts"]["profile"]["rows"][0]
     profile = row["profile"]
@@ -180,6 +188,7 @@ def test_tiny_profile_has_its_tables_and_a_small_trace(tiny_rest):
     assert f"| `{profile['top_ops'][0]['op']}` |" in md and "| `aten::item` |" in md
 
 
+@pytest.mark.slow
 def test_tiny_shapes_and_snr_rows(tiny_rest):
     parts = tiny_rest["json"]["parts"]
     shapes = parts["shapes"]["rows"]
@@ -192,6 +201,7 @@ def test_tiny_shapes_and_snr_rows(tiny_rest):
     assert snr["batches"] == 3 and snr["samples_per_batch"] == 8 and -1 <= snr["mean_pairwise_cosine"] <= 1
 
 
+@pytest.mark.slow
 def test_tiny_markdown_has_every_part_and_row(tiny):
     md, script = tiny["md"], load_script()
     sections = re.split(r"^## ", md, flags=re.M)[1:]
