@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import math
@@ -559,7 +560,8 @@ def profile_row(args: argparse.Namespace, gpu: str, row: dict) -> dict:
         trainer.train_step(0)
     row.update(warmup_seconds=time.monotonic() - t1, sync_sites=dict(sites))
     t2 = time.monotonic()
-    summary = gpu_profile.profile_step(lambda: trainer.train_step(1), Path(args.out) / PROFILE_TRACE, args.work,
+    step = functools.partial(trainer.train_step, 1)
+    summary = gpu_profile.profile_step(step, Path(args.out) / PROFILE_TRACE, args.work,
                                        cuda=cuda, with_stack=args.tiny or args.profile_stack)
     del trainer
     gaps = summary["gaps"]
