@@ -145,3 +145,17 @@ def test_a_non_finite_sample_is_an_error_naming_the_guidance_not_a_black_png(tin
                           "--out", str(out), f"model.path={tiny_folder}", "model.family=sd3"],
               "--guidance=1e+30", "non-finite image", "'a red circle'", "seed 0")
     assert not list(out.glob("*.png"))  # nothing written as if it were a sample
+
+
+def test_a_prompt_file_with_a_byte_order_mark_reads_as_without_one(tmp_path):
+    """A UTF-8 byte-order mark (as Windows editors write) is not text of line 1: the file gives the prompts of the same
+    file without it, and the shapes reward scores line 1 (it refused '\\ufeffa red circle' before)."""
+    from flowrl.prompts.checks import check_prompts
+    from flowrl.prompts.source import read_prompts
+    from flowrl_rewards import build_reward
+
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("a red circle\ntwo blue squares\n", encoding="utf-8")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert read_prompts(str(marked)) == read_prompts(str(plain)) == ["a red circle", "two blue squares"]
+    check_prompts(str(marked), "prompts.train", build_reward("shapes").check_prompt)

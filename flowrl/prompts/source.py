@@ -38,8 +38,8 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
         if path is None:
             raise FileNotFoundError(f"{key}={shown_path(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
                                     "prompts are written 'a red circle|two blue squares'")
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+        try:  # utf-8-sig: a byte-order mark (Windows editors write one) is read as what it is, not as text of line 1
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
         except UnicodeDecodeError as e:
             raise ConfigError(f"{key}={shown_path(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         pairs = [(f"line {i + 1}", line.strip()) for i, line in enumerate(lines)
