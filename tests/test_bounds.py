@@ -70,6 +70,15 @@ def test_step_keys_past_their_maximum_are_refused_at_load(key, tmp_path, capsys)
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("key", ["eval.height", "model.width"])
+def test_an_image_side_past_its_maximum_is_refused_at_load(key, tmp_path, capsys):
+    """FLUX at eval.height=eval.width=20000 ended in an OverflowError from the schedule's shift; every image side is
+    refused at load past 8,192 pixels, naming the key."""
+    _one_line(capsys, 2, ["train", "configs/flux/nft_pickscore.yaml", f"{key}=20000", f"train.output_dir={tmp_path / 'runs'}"],
+              f"{key}=20000 is more than 8,192", "pixels of an image side")
+    assert not (tmp_path / "runs").exists()
+
+
 # ---- prompt images whose header claims too many pixels --------------------------------------------------------------
 @pytest.mark.parametrize("side", [100_000, 12_000])
 def test_an_image_prompt_claiming_too_many_pixels_is_refused_naming_file_and_line(side, tmp_path, capsys):

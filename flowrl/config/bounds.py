@@ -10,6 +10,9 @@ from flowrl.errors import ConfigError
 
 MAX_STEPS = 1000  # sampling steps: --steps, eval.steps, rollout.steps (and a plan's other step counts)
 MAX_IMAGES = 10_000  # images per prompt of one flowrl sample call (--num)
+MAX_SIDE = 8192  # pixels of an image side: model.height/width, eval.height/width (the largest families train at 2048;
+# far beyond, FLUX's resolution-dependent shift exp(mu) overflows: 20,000² gave a bare OverflowError)
+SIDE_KEYS = ("model.height", "model.width", "eval.height", "eval.width")
 STEP_KEYS = ("steps", "preview_steps")  # keys of the rollout section counting sampling steps, where a plan has them
 
 
@@ -22,8 +25,13 @@ def at_most(name: str, value: float, limit: float, what: str) -> None:
 
 def check_sizes(cfg: Any) -> None:
     """The step counts of a loaded config (``eval.steps``, ``rollout.steps``, ``rollout.preview_steps``) within
-    :data:`MAX_STEPS`."""
+    :data:`MAX_STEPS`, and the image sides (:data:`SIDE_KEYS`) within :data:`MAX_SIDE`."""
     at_most("eval.steps", cfg.eval.steps, MAX_STEPS, "ODE steps of each held-out image")
+    for key in SIDE_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            at_most(key, value, MAX_SIDE, "pixels of an image side")
     for key in STEP_KEYS:
         value = getattr(cfg.rollout, key, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
