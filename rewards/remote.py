@@ -22,95 +22,40 @@ malformed replies are not retried. A batch that still fails raises :class:`Remot
 ``self.failed_batches`` / ``self.failed_samples``, and a logged warning with the reason.
 Worst case per batch ≈ ``(retries + 1) × timeout + Σ backoff`` seconds.
 
-The transport is public for other HTTP rewards (:mod:`flowrl_rewards.vlm_judge_served`): :func:`post_json` makes one
-POST and raises :class:`TransientError` or :class:`RemoteRewardError`; :func:`post_json_retrying` adds the
-retries and backoff above.
+The transport (:mod:`flowrl_rewards.transport`, its names importable from here too) bounds each request by
+``timeout`` in total (connection and the whole reply, not per read) and follows a redirect only within the
+URL's own scheme, host and port: one to another origin is refused, naming the URL and the ``Location``, so the
+``headers`` (credentials) never leave for another server. Header values with control characters or whitespace
+at an end are refused at load, naming the header, not the value.
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
-import http.client
 import io
 import json
 import logging
 import math
-import socket
-import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
 import torch
 
 from flowrl_rewards._common import batches, to_uint8
 from flowrl_rewards.base import Reward
+from flowrl_rewards.transport import (  # noqa: F401 — the transport's names, public here as before
+    RedirectRefused,
+    RemoteRewardError,
+    TransientError,
+    check_header_values,
+    fetch,
+    post_json,
+    post_json_retrying,
+)
 
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "nan")
-
-
-class RemoteRewardError(RuntimeError):
-    """A remote reward batch failed (after retries where the failure was transient)."""
-
-
-class TransientError(Exception):
-    """A failure worth retrying (connection refused or dropped, timeout, 5xx, 429); :func:`post_json` raises it."""
-
-
-# ---- the transport ---------------------------------------------------------------------------------------
-def post_json(url: str, payload: bytes, timeout: float, headers: dict[str, str] | None = None) -> bytes:
-    """One ``POST url`` of the JSON ``payload``; the reply body. :class:`TransientError` for a failure worth
-    retrying (connection refused or dropped, timeout, 5xx, 429), :class:`RemoteRewardError` for any other (4xx,
-    a malformed HTTP reply), each with a message naming the HTTP status and the server's words."""
-    req = urllib.request.Request(url, data=payload, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read()
-    except urllib.error.HTTPError as e:
-        try:
-            detail = e.read()[:300].decode("utf-8", "replace")
-        except Exception:
-            detail = ""
-        msg = f"HTTP {e.code} {e.reason}: {detail}".strip()
-        if e.code >= 500 or e.code == 429:
-            raise TransientError(msg) from e
-        raise RemoteRewardError(msg) from e
-    except urllib.error.URLError as e:
-        reason = e.reason
-        if isinstance(reason, ConnectionRefusedError):
-            raise TransientError("connection refused (is the reward server running?)") from e
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise TransientError(f"timed out after {timeout:g} s") from e
-        raise TransientError(f"cannot reach the server ({reason})") from e
-    except (socket.timeout, TimeoutError) as e:
-        raise TransientError(f"timed out after {timeout:g} s waiting for the reply") from e
-    except (ConnectionError, http.client.RemoteDisconnected) as e:
-        raise TransientError(f"connection failed ({type(e).__name__}: {e})") from e
-    except http.client.HTTPException as e:
-        raise RemoteRewardError(f"malformed HTTP reply ({type(e).__name__}: {e})") from e
-    except OSError as e:
-        raise TransientError(f"connection failed ({type(e).__name__}: {e})") from e
-
-
-def post_json_retrying(url: str, payload: bytes, timeout: float, headers: dict[str, str] | None, retries: int,
-                       backoff: float, max_backoff: float, what: str, logger: logging.Logger = log) -> bytes:
-    """:func:`post_json` with a :class:`TransientError` retried ``retries`` times after ``backoff × 2^attempt``
-    seconds (at most ``max_backoff``), each retry logged to ``logger`` as ``"<what>: <error>; retry …"``.
-    RemoteRewardError: a non-transient failure at once, or ``"<error> (after N attempts)"``."""
-    attempts = retries + 1
-    for attempt in range(attempts):
-        try:
-            return post_json(url, payload, timeout, headers)
-        except TransientError as e:
-            if attempt + 1 >= attempts:
-                raise RemoteRewardError(f"{e} (after {attempts} attempt{'s' if attempts > 1 else ''})") from e
-            delay = min(max_backoff, backoff * 2 ** attempt)
-            logger.warning("%s: %s; retry %d/%d in %.2g s", what, e, attempt + 1, retries, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 # ---- images and meta on the wire -------------------------------------------------------------------------
@@ -211,12 +156,12 @@ class RemoteReward(Reward):
 
     kwargs:
       url: endpoint, e.g. ``"http://127.0.0.1:8000/score"`` (required).
-      timeout: seconds per connection / read (default 60).
+      timeout: seconds for one request: connecting and reading the whole reply (default 60).
       retries: extra attempts for transient failures (default 2).
       backoff: first retry delay in seconds, doubled each retry (default 1.0); max_backoff caps it (30).
       batch_size: images per request (default 16; 0 = all in one request).
       on_error: ``"raise"`` (default: the step fails) or ``"nan"`` (NaN scores, counted in meta).
-      headers: extra HTTP headers (e.g. an auth token), dict.
+      headers: extra HTTP headers (e.g. an auth token), dict of strings; never sent to another origin.
       name: the reward's name in metrics (default ``"remote"``).
     """
 
@@ -238,6 +183,9 @@ class RemoteReward(Reward):
                 raise ValueError(f"remote: {key}={val!r} must be a non-negative integer")
         self.url, self.timeout, self.retries = url, float(timeout), retries
         self.backoff, self.max_backoff, self.batch_size = float(backoff), float(max_backoff), batch_size
+        if headers is not None and not isinstance(headers, dict):
+            raise ValueError(f"remote: headers must be a mapping of header name to value, got {type(headers).__name__}")
+        check_header_values(dict(headers or {}), "remote")
         self.on_error, self.headers = on_error, dict(headers or {})
         if name:
             self.name = str(name)
@@ -246,14 +194,11 @@ class RemoteReward(Reward):
 
     def health(self) -> dict:
         """``GET /health`` on the server (same host and port as ``url``); RemoteRewardError if unreachable."""
-        import urllib.parse
-
         parts = urllib.parse.urlsplit(self.url)
         url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=self.headers), timeout=self.timeout) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError, http.client.HTTPException) as e:
+            return json.loads(fetch(url, self.timeout, headers=self.headers))
+        except (TransientError, RemoteRewardError, ValueError) as e:
             raise RemoteRewardError(
                 f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})") from e
 

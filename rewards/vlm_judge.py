@@ -7,11 +7,14 @@ Two ways to score an answer (``score``):
   `` yes``, ``YES``, …) counted as yes and every "No"-like one as no;
 - ``pattern`` (UnifiedReward, Wang et al. 2025, arXiv 2503.05236, as Flow-GRPO reads it): the judge writes an
   answer ending in e.g. ``Final Score: 4``; the number the regex ``pattern`` captures is mapped from
-  ``score_range`` [low, high] to [0, 1] (clipped there). An answer without a match scores NaN (counted).
+  ``score_range`` [low, high] to [0, 1] (clipped there). An answer without a match, or whose number is not
+  finite ("nan", "inf"), scores NaN (counted, with the reason).
 
 Two backends (``backend``): ``openai``, any OpenAI-compatible chat-completions server (vLLM, sglang), one
-request per image, ``concurrency`` in flight, with remote.py's retries and timeouts
-(:mod:`flowrl_rewards.vlm_judge_served`); ``transformers``, the judge in this process (:mod:`flowrl_rewards.vlm_judge_local`).
+request per image, ``concurrency`` in flight, with remote.py's retries and a total deadline of ``timeout`` per
+request (:mod:`flowrl_rewards.vlm_judge_served`); a reply whose log-probabilities are not log-probabilities
+(NaN, infinite, above 0, ``top_logprobs`` not a list or shorter than asked) is a failed request, raised or
+(``on_error: nan``) counted; ``transformers``, the judge in this process (:mod:`flowrl_rewards.vlm_judge_local`).
 Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from flowrl_rewards.base import Reward
 from flowrl_rewards.remote import ON_ERROR, RemoteRewardError, encode_png
-from flowrl_rewards.vlm_judge_served import ServedJudge, api_key_of, first_token_candidates
+from flowrl_rewards.vlm_judge_served import MalformedReply, ServedJudge, api_key_of, first_token_candidates
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +108,28 @@ def yes_share(candidates: Sequence[tuple[str, float]]) -> float:
     return mass["yes"] / total if total > 0 else float("nan")
 
 
-def pattern_score(text: str, pattern: re.Pattern, low: float, high: float) -> float:
-    """The last match of ``pattern`` in ``text`` mapped from [low, high] to [0, 1] (clipped); NaN without one."""
+def read_pattern(text: str, pattern: re.Pattern, low: float, high: float) -> tuple[float, str | None]:
+    """(score, None): the last match of ``pattern`` in ``text`` mapped from [low, high] to [0, 1] (clipped); or
+    (NaN, why) without a match, or when the match is not a number or not a finite one ("nan", "inf")."""
+    shown = (text or "")[:200]
     matches = list(pattern.finditer(text or ""))
     if not matches:
-        return float("nan")
+        return float("nan"), f"no number matching pattern {pattern.pattern!r} in the answer {shown!r}"
     m = matches[-1]
+    found = m.group(1) if pattern.groups else m.group(0)
     try:
-        value = float(m.group(1) if pattern.groups else m.group(0))
-    except ValueError:
-        return float("nan")
-    return min(1.0, max(0.0, (value - low) / (high - low)))
+        value = float(found)
+    except (TypeError, ValueError):
+        return float("nan"), f"pattern {pattern.pattern!r} matched {found!r}, not a number, in the answer {shown!r}"
+    if not math.isfinite(value):
+        return float("nan"), (f"pattern {pattern.pattern!r} matched {found!r}, not a finite number, in the answer "
+                              f"{shown!r}")
+    return min(1.0, max(0.0, (value - low) / (high - low))), None
+
+
+def pattern_score(text: str, pattern: re.Pattern, low: float, high: float) -> float:
+    """:func:`read_pattern`'s score alone."""
+    return read_pattern(text, pattern, low, high)[0]
 
 
 # ---- the reward ------------------------------------------------------------------------------------------
@@ -211,7 +225,14 @@ class VlmJudge(Reward):
                 reasons.append(None)
                 failures.append(choice)
                 continue
-            value, why = self.from_choice(choice)
+            try:
+                value, why = self.from_choice(choice)
+            except MalformedReply as e:
+                message = f"POST {self.served.chat_url}: malformed reply: {e}"
+                if self.on_error == "raise":
+                    raise RemoteRewardError(f"vlm_judge: {message}") from e
+                value, why = float("nan"), None
+                failures.append(message)
             scores.append(value)
             reasons.append(why)
         return scores, reasons, failures
@@ -221,7 +242,7 @@ class VlmJudge(Reward):
         if self.mode == "pattern":
             message = choice.get("message") or {}
             return self.from_text(message.get("content") if isinstance(message, dict) else None)
-        candidates = first_token_candidates(choice)
+        candidates = first_token_candidates(choice, self.top_logprobs)
         if candidates is None:
             raise RuntimeError(
                 f"vlm_judge: the server at {self.served.chat_url} answered without log-probabilities "
@@ -236,10 +257,7 @@ class VlmJudge(Reward):
 
     def from_text(self, text: str | None) -> tuple[float, str | None]:
         """(score, None) or (NaN, why) from an answer's text (pattern mode)."""
-        value = pattern_score(text or "", self.pattern, self.low, self.high)
-        if math.isnan(value):
-            return value, f"no number matching pattern {self.pattern.pattern!r} in the answer {(text or '')[:200]!r}"
-        return value, None
+        return read_pattern(text or "", self.pattern, self.low, self.high)
 
     def record(self, meta: dict, n: int, reasons: Sequence[str | None], failures: Sequence[str]) -> None:
         """Counts into ``meta`` (``<name>/failed``: requests masked after retries; ``<name>/unscored``: answers

@@ -96,11 +96,13 @@ def serve():
         s.close()
 
 
-def completion(content, top=None):
-    """A chat-completions reply: ``content``, and with ``top`` [(token, logprob), ...] the first token's log-probs."""
+def completion(content, top=None, asked=20):
+    """A chat-completions reply: ``content``, and with ``top`` [(token, logprob), ...] the first token's log-probs,
+    padded to the ``asked`` alternatives a server returns with unlikely tokens (neither yes nor no)."""
     choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop",
               "logprobs": None}
     if top is not None:
+        top = list(top) + [(f"<filler{i}>", -30.0) for i in range(asked - len(top))]
         choice["logprobs"] = {"content": [{"token": top[0][0], "logprob": top[0][1],
                                            "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}]}
     return 200, {"id": "c", "object": "chat.completion", "model": "judge", "choices": [choice]}
@@ -391,3 +393,227 @@ def test_local_pattern_mode_decodes_a_greedy_answer(tiny_vlm):
     reward.local.model.generation_config.sequence_bias = None
     scores = reward(images(1, 16, 16), ["cat"], meta)  # a random model's answer holds no "Final Score: n"
     assert torch.isnan(scores).all() and meta["vlm_judge/unscored"] == 1 and "no number matching" in reward.last_error
+
+
+# ---- round four (issue 54): secrets, malformed log-probabilities, bounded time -----------------------------
+class Redirector:
+    """A server on 127.0.0.1 answering every request with ``status`` and ``Location: target(path)``; records hits."""
+
+    def __init__(self, status, target):
+        self.hits = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self):
+                length = int(self.headers.get("Content-Length", 0))
+                outer.hits.append((self.command, self.path, self.rfile.read(length) if length else b""))
+                self.send_response(status)
+                self.send_header("Location", target(self.path))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def redirector():
+    made = []
+
+    def start(status, target):
+        made.append(Redirector(status, target))
+        return made[-1]
+
+    yield start
+    for r in made:
+        r.close()
+
+
+@pytest.mark.parametrize("status", [302, 307, 308])
+def test_a_redirect_to_another_origin_is_refused_and_the_key_never_leaves(serve, redirector, monkeypatch, status):
+    elsewhere = serve(lambda req: completion("Yes", [("Yes", YES_LP), ("No", NO_LP)]))
+    hop = redirector(status, lambda path: elsewhere.url + path)  # another port: another origin
+    monkeypatch.setenv("JUDGE_KEY", "s3cret")
+    reward = judge(hop.url, api_key_env="JUDGE_KEY", retries=0)
+    with pytest.raises(RemoteRewardError, match=rf"{hop.url}/v1/chat/completions answered HTTP {status} redirecting "
+                                                rf"to Location: {elsewhere.url}/v1/chat/completions; not followed") as e:
+        reward(images(1), ["a cat"])
+    assert "credentials" in str(e.value) and "s3cret" not in str(e.value)
+    with pytest.raises(RuntimeError, match=rf"refused GET {hop.url}/v1/models.*Location: {elsewhere.url}/v1/models"
+                       ) as e:
+        reward.check_ready()
+    assert "no judge server answers" not in str(e.value)
+    assert elsewhere.paths == [] and elsewhere.headers == []  # nothing reached the other server, key or not
+    assert [h[:2] for h in hop.hits] == [("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+
+
+@pytest.mark.parametrize("status", [307, 308])
+def test_a_redirect_within_the_origin_keeps_the_post_and_its_body(serve, status):
+    holder = {}
+
+    def reply(req):
+        return completion("Yes", [("Yes", YES_LP), ("No", NO_LP)])
+
+    server = serve(reply)
+    original = ChatServer.send
+
+    # the same server answers /old/v1/chat/completions with a redirect to /v1/chat/completions
+    def send(handler, code, body):
+        if handler.path.startswith("/old/"):
+            holder.setdefault("hits", 0)
+            holder["hits"] += 1
+            handler.send_response(status)
+            handler.send_header("Location", handler.path[len("/old"):])
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        original(handler, code, body)
+
+    server.send = send
+    reward = judge(server.url + "/old", retries=0)
+    assert reward(images(1), ["a cat"]).item() == pytest.approx(P_YES, abs=1e-6)
+    assert holder["hits"] == 1 and server.paths[-1] == ("POST", "/v1/chat/completions")
+    assert question_of(server.requests[-1]) == DEFAULT_QUESTION.format(prompt="a cat")  # the body came along
+
+
+@pytest.mark.parametrize("value, what", [
+    ("s3cret-key\n", r"a newline \(U\+000A\) at its end \(character 11 of 11\)"),
+    (" s3cret-key", r"a space \(U\+0020\) at its start"),
+    ("s3cret key", r"a space \(U\+0020\) at character 7"),
+    ("s3cret\x07key", r"a control character \(U\+0007\) at character 7"),
+])
+def test_a_key_with_whitespace_or_control_characters_is_refused_at_build_without_showing_it(monkeypatch, value, what):
+    monkeypatch.setenv("JUDGE_KEY", value)
+    with pytest.raises(ValueError, match=rf"the key in the environment variable JUDGE_KEY \(api_key_env\) holds {what}"
+                       ) as e:
+        build_reward("vlm_judge", api_key_env="JUDGE_KEY")
+    assert "s3cret" not in str(e.value) and "no judge server answers" not in str(e.value)
+    with pytest.raises(ValueError, match=rf"the key in api_key holds {what}") as e:
+        build_reward("vlm_judge", api_key=value)
+    assert "s3cret" not in str(e.value)
+
+
+def first_token(top, token=("Yes", -0.1)):
+    """A reply whose first answer token is ``token`` and whose ``top_logprobs`` is ``top`` as given."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": token[0]}, "finish_reason": "stop",
+              "logprobs": {"content": [{"token": token[0], "logprob": token[1], "top_logprobs": top}]}}
+    return 200, {"id": "c", "object": "chat.completion", "model": "judge", "choices": [choice]}
+
+
+def padded(*pairs):
+    return [{"token": t, "logprob": lp} for t, lp in pairs] + [{"token": f"<f{i}>", "logprob": -30.0}
+                                                               for i in range(20 - len(pairs))]
+
+
+@pytest.mark.parametrize("reply, match", [
+    (first_token(padded(("Yes", 0.5), ("No", -2.0)), ("Yes", 0.5)),
+     r"logprob=0.5 \(token 'Yes'\) is not a log-probability: one is finite and at most 0"),
+    (first_token(padded(("Yes", 1e9), ("No", -2.0)), ("Yes", 1e9)), r"logprob=1000000000.0 \(token 'Yes'\) is not a"),
+    (first_token(padded(("Yes", float("nan")), ("No", -2.0)), ("Yes", float("nan"))),
+     r"top_logprobs\[0\].logprob is NaN \(token 'Yes'\)"),
+    (first_token(padded(("Yes", -0.1), ("No", float("-inf")))), r"top_logprobs\[1\].logprob=-inf \(token 'No'\)"),
+    (first_token({"Yes": -0.1, "No": -2.0}),
+     r"top_logprobs is dict, not a list of \{token, logprob\}; the reply held \{\"token\": \"Yes\""),
+    (first_token([]), r"top_logprobs holds 0 alternatives, fewer than the top_logprobs=20 asked for"),
+    (first_token(padded(("Yes", -0.1))[:3]), r"holds 3 alternatives, fewer than the top_logprobs=20"),
+    (first_token(padded(("Yes", "-0.1"))), r"top_logprobs\[0\].logprob='-0.1' \(token 'Yes'\) is not a number"),
+])
+def test_log_probabilities_that_cannot_be_are_a_named_failure_raised_or_counted(serve, reply, match):
+    server = serve(lambda req: reply)
+    with pytest.raises(RemoteRewardError, match=rf"vlm_judge: POST {server.url}/v1/chat/completions: malformed "
+                                                rf"reply: .*{match}"):
+        judge(server.url)(images(1), ["a cat"])
+    reward, meta = judge(server.url, on_error="nan"), {}
+    scores = reward(images(2), ["a cat", "a dog"], meta)
+    assert torch.isnan(scores).all() and meta == {"vlm_judge/failed": 2, "vlm_judge/unscored": 0}
+    assert "malformed reply" in reward.last_error and "neither 'yes' nor 'no'" not in reward.last_error
+
+
+def test_pattern_mode_refuses_non_finite_numbers(serve):
+    answers = {"nan": "Final Score: nan", "inf": "Final Score: inf", "big": "Final Score: 1e999", "ok": "Final Score: 4"}
+    server = serve(lambda req: completion(answers[question_of(req).split()[-1]]))
+    reward = judge(server.url, score="pattern", question="Rate {prompt}", pattern=r"Final Score:\s*(\S+)")
+    meta = {}
+    scores = reward(images(4), ["nan", "inf", "big", "ok"], meta)
+    assert torch.isnan(scores[:3]).all() and scores[3] == pytest.approx(0.75)
+    assert meta == {"vlm_judge/failed": 0, "vlm_judge/unscored": 3}
+    assert "matched 'nan', not a finite number" in reward.last_error
+    assert math.isnan(pattern_score("Score: inf", check_pattern(r"Score: (\S+)"), 1, 5))
+    assert math.isnan(pattern_score("Score: -inf", check_pattern(r"Score: (\S+)"), 1, 5))
+
+
+class Dripper:
+    """A server on 127.0.0.1 that reads a request and answers one byte every ``every`` seconds: the status line and
+    headers too (``phase="headers"``) or, after whole headers promising 10,000 bytes, the body (``"body"``)."""
+
+    def __init__(self, phase, every=0.25):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.stop = threading.Event()
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.phase, self.every = phase, every
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while not self.stop.is_set():
+            try:
+                conn = self.listener.accept()[0]
+            except OSError:
+                return
+            threading.Thread(target=self.drip, args=(conn,), daemon=True).start()
+
+    def drip(self, conn):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000\r\n\r\n"
+        try:
+            conn.recv(1 << 20)
+            if self.phase == "body":
+                conn.sendall(head)
+            for byte in (head if self.phase == "headers" else b" " * 10000):
+                if self.stop.wait(self.every):
+                    break
+                conn.sendall(bytes([byte]) if isinstance(byte, int) else byte)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_server_that_drips_its_reply_fails_within_the_timeout(phase):
+    dripper = Dripper(phase)
+    box = {}
+
+    def call():
+        t = time.monotonic()
+        try:
+            judge(dripper.url, timeout=1.0, retries=0)(images(1), ["a cat"])
+        except Exception as e:  # noqa: BLE001 — inspected below
+            box["error"] = e
+        box["seconds"] = time.monotonic() - t
+
+    worker = threading.Thread(target=call, daemon=True)
+    try:
+        worker.start()
+        worker.join(6.0)  # a per-read timeout alone would wait 10,000 × 0.25 s
+        assert not worker.is_alive(), "the request outlived its 1 s deadline by 5 s"
+    finally:
+        dripper.close()
+        worker.join(5.0)
+    assert isinstance(box.get("error"), RemoteRewardError) and "timed out after 1 s" in str(box["error"])
+    assert box["seconds"] < 2.5
