@@ -23,6 +23,7 @@ convention for arrays (the reference passes RGB arrays).
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,14 +80,35 @@ def text_score(recognised: str, target: str) -> float:
     return 1.0 - min(edit_distance(seen, want), len(want)) / len(want)
 
 
+VISIBLE = ("L", "N", "P", "S")  # Unicode categories an engine can read: letters, digits, punctuation, symbols
+
+
+def invisible_only(text: str) -> bool:
+    """True when ``text`` holds no character an OCR engine could see (only spaces, tabs, NBSP, zero-width or
+    direction marks, other control or format characters, lone combining marks)."""
+    return not any(unicodedata.category(ch)[0] in VISIBLE for ch in text)
+
+
+def describe_characters(text: str, limit: int = 4) -> str:
+    """The distinct characters of ``text`` by code point and name, e.g. ``U+0009 (CHARACTER TABULATION)``."""
+    seen = list(dict.fromkeys(text))
+    names = [f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')})" for ch in seen[:limit]]
+    return ", ".join(names) + (", …" if len(seen) > limit else "")
+
+
 def prompt_target(prompt: str) -> str:
-    """The target of ``prompt``; a ValueError saying what is accepted when it has none."""
+    """The target of ``prompt``; a ValueError naming the prompt and saying what is accepted when it has none, or
+    when its target has no visible character (it could never be read: the score would always be 0)."""
     target = quoted_target(prompt)
     if target is None:
         raise ValueError(f"reward 'ocr' reads the text the prompt quotes, and this prompt has no pair of double "
                          f"quotes; accepted: {PROMPT_FORM}")
     if not normalise(target):
         raise ValueError(f"reward 'ocr': the text between the prompt's first pair of double quotes is empty; "
+                         f"accepted: {PROMPT_FORM}")
+    if invisible_only(target):
+        raise ValueError(f"reward 'ocr': the prompt {prompt[:200]!r} quotes {target!r}, which has no visible character "
+                         f"(only {describe_characters(target)}): no image can show it, so it would always score 0; "
                          f"accepted: {PROMPT_FORM}")
     return target
 
@@ -176,21 +198,45 @@ class OcrReward(Reward):
         """The recognised text of each image [B, 3, H, W] in [0, 1]: kept boxes joined by spaces, in reading order."""
         return self._read_all(images)[0]
 
-    def _read_all(self, images: torch.Tensor) -> tuple[list[str], str]:
-        """(recognised text per image, fingerprint of the 8-bit images) for images [B, 3, H, W]; one image per
-        engine call, each converted on its own (a large eval batch is never copied whole)."""
-        texts, hasher = [], _hasher(images)
-        for rgb in _pages(images):
-            hasher.update(rgb.tobytes())
-            boxes = self.engine.read(np.ascontiguousarray(rgb[..., ::-1]))
+    def _read_all(self, images: torch.Tensor) -> tuple[list[str | None], str]:
+        """(recognised text per image, None for an image with non-finite values; fingerprint of the 8-bit images)
+        for images [B, 3, H, W]; one image per engine call, each converted on its own (a large eval batch is never
+        copied whole)."""
+        texts: list[str | None] = []
+        hasher = _hasher(images)
+        for i, (rgb, finite) in enumerate(_pages(images)):
+            hasher.update(rgb.tobytes() + bytes([finite]))
+            if not finite:
+                texts.append(None)
+                continue
+            boxes = self._engine_read(np.ascontiguousarray(rgb[..., ::-1]), i)
             texts.append(" ".join(text for text, conf in boxes if conf > 0 and conf >= self.min_confidence))
         return texts, hasher.hexdigest()
 
+    def _engine_read(self, bgr: np.ndarray, index: int) -> list[tuple[str, float]]:
+        """The engine's boxes for one uint8 BGR image [H, W, 3]; an engine failure re-raised naming the image's size."""
+        try:
+            return self.engine.read(bgr)
+        except Exception as e:  # the engines' own errors can be empty (RapidOCR's ResizeImgError())
+            height, width = bgr.shape[:2]
+            thin = max(height, width) / max(1, min(height, width))
+            hint = (f"; an image this thin ({height}:{width}) is beyond what the engine can resize (it scales the "
+                    "longer side down and rounds each side to a multiple of 32); give images closer to square"
+                    if thin > 100 else "")
+            raise RuntimeError(f"reward 'ocr': the {self.engine_name} engine failed on image {index} of {height} × "
+                               f"{width} pixels (height × width): {error_chain(e)}{hint}") from e
+
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
+        """float32 [B] scores for images [B, 3, H, W] in [0, 1]; NaN (a failure to count, :attr:`last_error` says
+        which) for an image with non-finite values."""
         targets = [prompt_target(p) for p in prompts]
         texts, digest = self._read_all(images)
-        meta["ocr/text"] = [t[:MAX_TEXT_SHOWN] for t in texts]
-        scores = torch.tensor([text_score(t, g) for t, g in zip(texts, targets)], dtype=torch.float32)
+        meta["ocr/text"] = [(t or "")[:MAX_TEXT_SHOWN] for t in texts]
+        scores = torch.tensor([float("nan") if t is None else text_score(t, g) for t, g in zip(texts, targets)],
+                              dtype=torch.float32)
+        broken = [i for i, t in enumerate(texts) if t is None]
+        self.last_error = (f"{len(broken)} of {len(texts)} images hold non-finite values (NaN or inf; the first: "
+                           f"image {broken[0]}), scored NaN" if broken else None)
         self._last = (digest, tuple(prompts), scores.clone())  # the caller may change its copy
         return scores
 
@@ -207,9 +253,20 @@ class OcrReward(Reward):
 
 
 def _pages(images: torch.Tensor):
-    """Each image of [B, 3, H, W] in [0, 1] as uint8 RGB [H, W, 3], one at a time."""
+    """Each image of [B, 3, H, W] in [0, 1] as (uint8 RGB [H, W, 3], whether every value is finite), one at a time."""
     for i in range(images.shape[0]):
-        yield to_uint8(images[i:i + 1])[0]
+        image = images[i:i + 1]
+        yield to_uint8(image)[0], bool(torch.isfinite(image).all())
+
+
+def error_chain(error: BaseException) -> str:
+    """``Type: message`` of ``error`` and of the errors it was raised from, skipping empty messages' text."""
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        parts.append(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+        error = error.__cause__ or error.__context__
+    return " ← ".join(parts)
 
 
 def _hasher(images: torch.Tensor):
@@ -221,6 +278,6 @@ def _hasher(images: torch.Tensor):
 def _digest(images: torch.Tensor) -> str:
     """A fingerprint of images [B, 3, H, W] as the engine sees them (8 bits), as ``OcrReward._read_all`` makes it."""
     hasher = _hasher(images)
-    for rgb in _pages(images):
-        hasher.update(rgb.tobytes())
+    for rgb, finite in _pages(images):
+        hasher.update(rgb.tobytes() + bytes([finite]))
     return hasher.hexdigest()

@@ -93,7 +93,7 @@ def test_evaluate_gives_the_exact_read_accuracy_and_reuses_the_last_scores(ocr, 
 
     monkeypatch.setattr(ocr.engine, "read", no_second_read)
     assert ocr.evaluate(images, [SIGN] * 3) == {"accuracy": pytest.approx(1 / 3), "n": 3}
-    with pytest.raises(AssertionError, match="read the images again"):  # other images are read
+    with pytest.raises(RuntimeError, match="read the images again"):  # other images are read (engine errors named)
         ocr.evaluate(images[:2], [SIGN] * 2)
 
 
@@ -225,3 +225,50 @@ def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_pa
     assert summary["mean"] == pytest.approx((1 + 0.9) / 2) and summary["images"] == 0.5
     assert "OCR benchmark: 2 images of 2 prompts" in printed and f"{summary['mean']:.4f}" in printed
     assert "% read exactly: 50.00% (1 / 2)" in printed
+
+
+# ---- round four (issue 54): invisible targets, non-finite images, degenerate sizes ---------------------------
+@needs_engine
+@pytest.mark.parametrize("target, named", [
+    ("\t", "U+0009 (a control character)"), ("\u00a0", "U+00A0 (NO-BREAK SPACE)"),
+    ("\u200b", "U+200B (ZERO WIDTH SPACE)"), ("\u200f", "U+200F (RIGHT-TO-LEFT MARK)"),
+    ("\u200b \u00a0\t", "U+200B (ZERO WIDTH SPACE), U+0020 (SPACE), U+00A0 (NO-BREAK SPACE)"),
+])
+def test_a_target_without_a_visible_character_is_refused_at_load_naming_the_prompt(ocr, tmp_path, target, named):
+    prompt = f'a sign that says "{target}"'
+    with pytest.raises(ValueError, match="has no visible character") as e:
+        ocr.check_prompt(prompt)
+    assert repr(prompt) in str(e.value) and named in str(e.value) and "always score 0" in str(e.value)
+    path = tmp_path / "ocr.txt"
+    path.write_text(f'a sign that says "OPEN"\n{prompt}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"ocr.txt.*, line 2: .* cannot be scored: .*no visible character"):
+        check_prompts(str(path), "prompts.train", ocr.check_prompt)
+    ocr.check_prompt('a sign that says "\u200fOPEN"')  # a mark beside visible text is text the engine can read
+    ocr.check_prompt('a sign that says "€"')
+
+
+@needs_engine
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_image_with_non_finite_values_scores_nan_not_zero(ocr, bad):
+    images = torch.stack([strip("Helloworld"), strip("Helloworld"), strip("Helloworld")])
+    images[1] = bad
+    images[2, :, :4, :4] = bad  # a few values suffice
+    meta: dict = {}
+    scores = ocr(images, [SIGN] * 3, meta)
+    assert scores[0] == 1.0 and torch.isnan(scores[1:]).all()
+    assert ocr.last_error == "2 of 3 images hold non-finite values (NaN or inf; the first: image 1), scored NaN"
+    assert meta["ocr/text"][1:] == ["", ""]
+    assert ocr(images[:1], [SIGN]).item() == 1.0 and ocr.last_error is None
+    assert ocr.evaluate(images, [SIGN] * 3)["accuracy"] == pytest.approx(1 / 3)
+    black = torch.zeros(1, 3, 128, 512)  # what a NaN image becomes as 8 bits: not taken for the NaN one's scores
+    ocr(torch.full((1, 3, 128, 512), float("nan")), [SIGN])
+    assert ocr.evaluate(black, [SIGN]) == {"accuracy": 0.0, "n": 1}
+
+
+@needs_engine
+@pytest.mark.parametrize("height, width", [(1, 4000), (4000, 1)])
+def test_a_degenerate_image_size_is_a_clear_error_naming_the_size(ocr, height, width):
+    with pytest.raises(RuntimeError, match=rf"the rapidocr engine failed on image 0 of {height} × {width} pixels "
+                                           r"\(height × width\): ResizeImgError.*resize_w or resize_h is less than or "
+                                           r"equal to 0.*this thin.*closer to square"):
+        ocr(torch.ones(1, 3, height, width), [SIGN])
