@@ -20,7 +20,7 @@ from flowrl_rewards import geneval_rules as rules
 from flowrl_rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
 from flowrl_rewards.base import Reward
 from flowrl_rewards.geneval_detector import DEFAULT_DETECTOR, ClipColors, Mask2FormerDetector
-from flowrl_rewards.geneval_prompts import TaskBook
+from flowrl_rewards.geneval_prompts import COCO_CLASSES, TaskBook
 
 SCORES: tuple[str, ...] = ("partial", "strict", "exact")
 
@@ -31,7 +31,9 @@ class GenEvalReward(Reward):
     kwargs:
       score: the training score: ``partial`` (default; Flow-GRPO's reward server), ``strict`` (GenEval's verdict,
         0/1) or ``exact`` (Flow-GRPO's verdict: every count exact, 0/1).
-      metadata: GenEval metadata JSONL file(s) giving each prompt's task (default: none, GenEval's templates).
+      metadata: GenEval metadata JSONL file(s) giving each prompt's task (default: none, GenEval's templates);
+        checked at load: a class the detector does not know, an include count above ``max_objects`` or a colour
+        outside GenEval's ten (lower case) is refused, naming the file, line and field.
       detector: a transformers Mask2Former COCO instance-segmentation checkpoint, hub id or local folder (default
         ``facebook/mask2former-swin-small-coco-instance``, the architecture GenEval uses).
       clip_model / clip_pretrained: the colour classifier, an open_clip architecture and its weights (default
@@ -59,13 +61,16 @@ class GenEvalReward(Reward):
         if isinstance(max_objects, bool) or not isinstance(max_objects, int) or max_objects < 1:
             raise ValueError(f"geneval: max_objects={max_objects!r} must be an integer >= 1")
         self.score_kind = score
-        self.tasks = TaskBook([metadata] if isinstance(metadata, str) else list(metadata or []))
+        # metadata checked before any model loads: classes, counts within max_objects, colours, fields
+        self.tasks = TaskBook([metadata] if isinstance(metadata, str) else list(metadata or []),
+                              max_objects=max_objects)
         self.thresholds = rules.Thresholds(float(confidence), float(counting_threshold), max_objects, float(max_overlap))
         self.position_threshold = float(position_threshold)
         dev = resolve_device(device, self.name)
         dt = resolve_dtype(dtype, dev, self.name)
         check_batch_size(batch_size, self.name)
         self.detector = Mask2FormerDetector(detector, dev, dt, batch_size, owner=self.name)
+        self.tasks.require_classes(set(self.detector.names) & set(COCO_CLASSES), detector)
         from flowrl_rewards.clip_score import load_open_clip
 
         net, preprocess, tokenizer = load_open_clip(clip_model, clip_pretrained, self.name, device=dev)

@@ -75,17 +75,15 @@ def parse_prompt(prompt: str, classes: Sequence[str] = COCO_CLASSES) -> Task | N
     return None
 
 
-def read_metadata(paths: Iterable[str | Path]) -> dict[str, Task]:
+def read_metadata(paths: Iterable[str | Path], classes: Sequence[str] = COCO_CLASSES,
+                  max_objects: int | None = None) -> dict[str, Task]:
     """Prompt → task from GenEval metadata JSONL files (one record per line; later files win on a repeated
-    prompt); a ValueError naming the file and line of a record that is not a GenEval task."""
+    prompt); a ValueError naming the file, line and field of a record that is not a GenEval task, names a class
+    outside ``classes`` or a count above ``max_objects`` (the most detections GenEval keeps per class: such a
+    clause could never pass); a folder given for a file is named as one."""
     out: dict[str, Task] = {}
-    from flowrl.paths import find_file, where_tried
-
     for spec in paths:
-        path = find_file(spec)  # as prompt files are found
-        if path is None:
-            raise FileNotFoundError(f"GenEval metadata file {str(spec)!r} does not exist (looked in {where_tried(spec)};"
-                                    " flowrl data fetch geneval writes dataset/geneval/{train,test}_metadata.jsonl)")
+        path = metadata_file(spec)
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
@@ -96,23 +94,86 @@ def read_metadata(paths: Iterable[str | Path]) -> dict[str, Task]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: not JSON ({e})") from None
                 task = Task.from_metadata(record, where)
+                check_task(task, where, classes, max_objects)
                 out[" ".join(task.prompt.split())] = task
     return out
 
 
+def metadata_file(spec: str | Path) -> Path:
+    """The metadata file ``spec`` names (found as prompt files are); FileNotFoundError, or IsADirectoryError
+    listing the JSONL files inside when it names a folder."""
+    from flowrl.paths import REPO_ROOT, find_file, where_tried
+
+    path = find_file(spec)
+    if path is not None:
+        return path
+    folder = next((p for p in (Path(spec).expanduser(), REPO_ROOT / Path(spec).expanduser()) if p.is_dir()), None)
+    if folder is not None:
+        inside = sorted(p.name for p in folder.glob("*.jsonl"))
+        listing = f"; the JSONL files in it: {inside[:8]}" if inside else "; it holds no .jsonl file"
+        raise IsADirectoryError(f"GenEval metadata {str(spec)!r} is a folder ({folder}), not a file: metadata takes "
+                                f"JSONL files, e.g. {str(spec).rstrip('/')}/test_metadata.jsonl{listing}")
+    raise FileNotFoundError(f"GenEval metadata file {str(spec)!r} does not exist (looked in {where_tried(spec)};"
+                            " flowrl data fetch geneval writes dataset/geneval/{train,test}_metadata.jsonl)")
+
+
+def check_task(task: Task, where: str, classes: Sequence[str], max_objects: int | None) -> None:
+    """A ValueError naming ``where`` and the clause when ``task`` asks for a class outside ``classes`` or (an
+    include clause) more objects than ``max_objects``: GenEval could never count it as passed."""
+    known = set(classes)
+    for kind, clauses in (("include", task.include), ("exclude", task.exclude)):
+        for i, c in enumerate(clauses):
+            if c.cls not in known:
+                near = [n for n in classes if n.split()[-1] == c.cls.split()[-1] or c.cls.lower() == n]
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"{where}: {kind}[{i}].class={c.cls!r} is not a class the detector knows; accepted: "
+                                 f"GenEval's {len(classes)} COCO class names (e.g. 'person', 'traffic light', "
+                                 f"'potted plant', 'tv remote', lower case, as GenEval spells them){hint}")
+            if kind == "include" and max_objects is not None and c.count > max_objects:
+                raise ValueError(f"{where}: include[{i}].count={c.count} is above max_objects={max_objects}, the most "
+                                 f"detections GenEval keeps per class, so it could never pass; accepted: 1 to "
+                                 f"{max_objects} (or raise the reward's max_objects)")
+
+
 class TaskBook:
     """Finds each prompt's task: in the metadata files first (by the prompt with whitespace collapsed), else by
-    GenEval's templates; a prompt found in neither is a ValueError that names the accepted forms."""
+    GenEval's templates; a prompt found in neither is a ValueError that names the accepted forms. Metadata
+    records are checked at load (:func:`check_task`); :meth:`require_classes` then narrows the classes to those
+    a detector knows."""
 
-    def __init__(self, metadata: Iterable[str | Path] = (), classes: Sequence[str] = COCO_CLASSES):
-        self.known = read_metadata(metadata)
-        self.classes = tuple(classes)
+    def __init__(self, metadata: Iterable[str | Path] = (), classes: Sequence[str] = COCO_CLASSES,
+                 max_objects: int | None = None):
+        self.classes, self.max_objects = tuple(classes), max_objects
+        self.known = read_metadata(metadata, self.classes, max_objects)
+        self.detectable: tuple[set[str], str] | None = None  # (classes, the detector's name)
+
+    def require_classes(self, detectable: Iterable[str], detector: str) -> None:
+        """Refuse (ValueError naming the prompt and class) a metadata task with a class the detector
+        ``detector`` does not detect, and check every later prompt's task the same way."""
+        self.detectable = (set(detectable), detector)
+        for task in self.known.values():
+            self._check_detectable(task)
+
+    def _check_detectable(self, task: Task) -> None:
+        if self.detectable is None:
+            return
+        classes, detector = self.detectable
+        missing = [c.cls for c in (*task.include, *task.exclude) if c.cls not in classes]
+        if missing:
+            raise ValueError(f"{task.prompt!r} asks for {missing[0]!r}, a class the detector {detector!r} does not "
+                             f"detect (it detects {len(classes)} of GenEval's classes: {sorted(classes)[:12]}…); use "
+                             "a COCO instance-segmentation checkpoint with every GenEval class")
 
     def __call__(self, prompt: str) -> Task:
         key = " ".join(prompt.split())
-        task = self.known.get(key) or parse_prompt(key, self.classes)
+        task = self.known.get(key)
+        if task is None:
+            task = parse_prompt(key, self.classes)
+            if task is not None:
+                check_task(task, repr(prompt), self.classes, self.max_objects)
         if task is None:
             where = f"; nor is it in the metadata files ({len(self.known)} prompts)" if self.known else ""
             raise ValueError(f"{prompt!r} is not a GenEval prompt: it follows none of GenEval's templates ({FORMS}) "
                              f"over the COCO class names{where}")
+        self._check_detectable(task)
         return task

@@ -122,8 +122,11 @@ def _clause(raw: Any, where: str, fail: Callable[[str], ValueError]) -> Clause:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise fail(f"{where}.count={count!r} must be an integer >= 1")
     color = raw.get("color")
-    if color is not None and not isinstance(color, str):
-        raise fail(f"{where}.color={color!r} must be a string")
+    if color is not None and color not in COLORS:
+        lower = color.lower() if isinstance(color, str) else None
+        hint = (f"; GenEval's colours are lower case: write {lower!r}" if lower in COLORS
+                else " (lower case); the colour classifier knows no other")
+        raise fail(f"{where}.color={color!r} is not one of GenEval's ten colours {COLORS}{hint}")
     position = raw.get("position")
     if position is not None:
         if (not isinstance(position, (list, tuple)) or len(position) != 2 or position[0] not in RELATIONS

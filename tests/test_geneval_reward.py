@@ -239,3 +239,58 @@ def test_an_eval_runs_the_detector_once_per_batch(reward, monkeypatch):
     assert calls == [2] and summary["accuracy"] == pytest.approx(float(np.mean(meta["geneval/strict"])))
     reward.evaluate(images.clone(), prompts)
     assert calls == [2, 2]
+
+
+# ---- round four (issue 54): classes the detector knows, whole metadata from a text file ------------------------
+def test_a_class_the_detector_does_not_detect_is_refused_at_load(tiny, tmp_path):
+    kw = dict(detector=tiny["detector"], clip_model=tiny["clip"], clip_pretrained=None, device="cpu")
+    meta = tmp_path / "meta.jsonl"
+    meta.write_text(json.dumps({"tag": "single_object", "include": [{"class": "giraffe", "count": 1}],
+                                "prompt": "a photo of a giraffe"}) + "\n")
+    with pytest.raises(ValueError, match=r"'a photo of a giraffe' asks for 'giraffe', a class the detector .* does not "
+                                         r"detect \(it detects 8 of GenEval's classes"):
+        build_reward("geneval", metadata=str(meta), **kw)
+    reward = build_reward("geneval", **kw)
+    with pytest.raises(ValueError, match="asks for 'giraffe', a class the detector"):
+        reward.check_prompt("a photo of a giraffe")  # a GenEval template, but never detectable here
+    reward.check_prompt("a photo of a computer mouse")  # the tiny detector's "mouse", GenEval's name
+
+
+def test_benchmark_out_from_a_text_file_writes_whole_geneval_metadata(tmp_path, tiny, capsys, monkeypatch):
+    from flowrl.commands.main import main
+    from flowrl.models.testing import tiny_sd3_pipeline
+    from flowrl.rollout import sampling
+
+    def drawn(model, prompts, seeds, steps, guidance, max_batch):
+        yield 0, torch.rand(len(prompts), 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    monkeypatch.setattr(sampling, "ode_batches", drawn)
+    folder = tmp_path / "tiny-sd3"
+    tiny_sd3_pipeline().save_pretrained(folder)
+    config = bench_config(tmp_path, tiny, folder)
+    text = tmp_path / "prompts.txt"
+    prompts = ["a photo of three pizzas", "a photo of a cat left of a dog", "a photo of a red car and a blue bench"]
+    text.write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "bench"
+    assert main(["eval", "--benchmark", "geneval", "--config", str(config), "--prompts", str(text), "--out", str(out),
+                 "--images-per-prompt", "1"]) == 0
+    written = [json.loads((out / f"{i:05d}" / "metadata.jsonl").read_text()) for i in range(3)]
+    assert written == [
+        {"tag": "counting", "include": [{"class": "pizza", "count": 3}], "exclude": [{"class": "pizza", "count": 4}],
+         "prompt": prompts[0]},
+        {"tag": "position", "include": [{"class": "dog", "count": 1},
+                                        {"class": "cat", "count": 1, "position": ["left of", 0]}], "prompt": prompts[1]},
+        {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
+                                          {"class": "bench", "count": 1, "color": "blue"}], "prompt": prompts[2]},
+    ]
+
+
+def test_benchmark_records_name_a_prompt_without_a_task(tiny):
+    from flowrl.errors import ConfigError
+    from flowrl.training.benchmarks import geneval_records
+
+    reward = build_reward("geneval", detector=tiny["detector"], clip_model=tiny["clip"], clip_pretrained=None,
+                          device="cpu")
+    with pytest.raises(ConfigError, match=r"prompt 2 \('a sunset'\): cannot write its GenEval metadata: .*not a "
+                                          r"GenEval prompt"):
+        geneval_records(reward, ["a photo of a dog", "a sunset"])

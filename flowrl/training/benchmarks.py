@@ -5,7 +5,7 @@
   GenEval's ``summary_scores.py`` prints it: correct images and prompts, the six task rows, the overall score (the
   mean of the task scores). With ``--out`` the images are written in GenEval's folder layout
   (``<out>/<00000>/metadata.jsonl``, ``samples/0000.png`` …), so GenEval's own ``evaluate_images.py`` can score them
-  too, with ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
+  too (prompts from a text file get whole records, parsed from GenEval's templates: :func:`geneval_records`), with ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
 - ``ocr`` (Flow-GRPO's OCR test set, ``dataset/ocr/test.txt`` from ``flowrl data fetch ocr``): one image per prompt,
   scored by the ``ocr`` reward; the mean score and the share read exactly.
 
@@ -95,6 +95,21 @@ def benchmark_reward(cfg, bench: Benchmark, metadata: str | None):
     return build_rewards([RewardTerm(name=bench.reward, kwargs=kwargs)]).rewards[0]
 
 
+def geneval_records(reward, prompts: Sequence[str]) -> list[dict]:
+    """GenEval metadata records (tag, include with class/count/colour/position, exclude, prompt) of prompts given
+    without them (a text file): each prompt's task as the reward reads it (its metadata files, else GenEval's
+    templates), so GenEval's own ``evaluate_images.py`` can score the folder; a ConfigError naming the prompt (its
+    number and text) when one has no task."""
+    records = []
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            task = reward.tasks(prompt)
+        except ValueError as e:
+            raise ConfigError(f"--prompts, prompt {number} ({prompt!r}): cannot write its GenEval metadata: {e}") from None
+        records.append({**task.to_metadata(), "prompt": prompt})
+    return records
+
+
 def _prompt_folder(out: Path, index: int, prompt: str, record: dict | None) -> Path:
     """GenEval's layout: ``out/<index:05d>/metadata.jsonl`` (the record) and ``samples/``."""
     folder = out / f"{index:05d}"
@@ -113,6 +128,8 @@ def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], 
     from flowrl.training.evaluation import prompt_seeds
     from flowrl.training.grids import save_sample
 
+    if out is not None and records is None and bench.name == "geneval":
+        records = geneval_records(reward, prompts)  # a text file's prompts: GenEval's layout needs whole records
     mine = list(range(group.rank, len(prompts), group.world))
     indices = [i for i in mine for _ in range(images_per_prompt)]  # one entry per image, prompt-major
     all_prompts = [prompts[i] for i in indices]
