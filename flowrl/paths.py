@@ -2,8 +2,10 @@
 
 A relative path is tried from the working directory, then from a source checkout's root (:data:`REPO_ROOT`: the
 ``dataset/`` folder `flowrl data fetch` fills when run there), then, for ``configs/…``, among the presets and prompt
-files shipped inside the package (:data:`CONFIG_DIR`, read with :mod:`importlib.resources`), so
-``flowrl train configs/sd35/flow_grpo_pickscore.yaml`` works from any directory after ``pip install flowrl-align``.
+files (:data:`CONFIG_DIR`), so ``flowrl train configs/sd35/flow_grpo_pickscore.yaml`` works from any directory after
+``pip install flowrl-align``. The presets live in the repository's top-level ``configs/``; the build ships them inside
+the package as ``flowrl/configs/`` (pyproject.toml maps ``flowrl.configs`` to ``configs``), read with
+:mod:`importlib.resources` when installed from a wheel.
 """
 from __future__ import annotations
 
@@ -13,9 +15,21 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(os.fspath(files("flowrl")))
 REPO_ROOT = PACKAGE_DIR.parent  # a checkout's root (site-packages when installed): relative paths are also tried from here
-CONFIG_DIR = PACKAGE_DIR / "configs"  # the shipped presets and the shapes world's prompt files
-DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"  # the main job (`flowrl train` with no config)
 SHIPPED = "configs"  # the first part of a path that names a shipped file: configs/sd35/flow_grpo_pickscore.yaml
+
+
+def config_dir(package_dir: Path) -> Path:
+    """The presets and prompt files for the ``flowrl`` package at ``package_dir``: the checkout's top-level
+    ``configs/`` when the package sits in a source checkout (run from it, or an editable install), else the copy the
+    build shipped inside the package (``flowrl/configs/`` of an installed wheel)."""
+    root = package_dir.parent
+    if (root / "pyproject.toml").is_file() and (root / SHIPPED).is_dir():
+        return root / SHIPPED
+    return package_dir / SHIPPED
+
+
+CONFIG_DIR = config_dir(PACKAGE_DIR)  # the presets and the shapes world's prompt files
+DEFAULT_CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"  # the main job (`flowrl train` with no config)
 
 
 def shipped_name(path: Path) -> str:

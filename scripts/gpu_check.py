@@ -332,10 +332,10 @@ def gpu_class_of(args: argparse.Namespace, device: str) -> str:
 
 # ---- part 1: the real presets -----------------------------------------------------------------------
 def preset_path(relative: str) -> str:
-    """The file of the preset ``configs/<...>.yaml`` in this checkout (``flowrl/configs/`` or ``configs/``), else the
+    """The file of the preset ``configs/<...>.yaml`` in this checkout (its top-level ``configs/``), else the
     name as given, for flowrl to find."""
     inner = Path(relative).relative_to("configs")
-    for base in (ROOT / "flowrl" / "configs", ROOT / "configs"):
+    for base in (ROOT / "configs",):
         if (base / inner).is_file():
             return str(base / inner)
     return relative

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from flowrl.shapes.prompt_sets import held_out_pairs, prompt_sets  # noqa: E402
 
-DEFAULT_OUT = ROOT / "flowrl" / "configs" / "shapes" / "prompts"
+DEFAULT_OUT = ROOT / "configs" / "shapes" / "prompts"
 
 
 def render_files(seed: int) -> dict[str, str]:
