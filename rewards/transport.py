@@ -137,9 +137,16 @@ class Deadline:
         deadline = self
 
         class Watched(base):
-            def connect(self):
-                super().connect()
-                deadline.watch(self.sock)
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                create = self._create_connection  # the TCP socket, watched before any TLS handshake on it
+
+                def created(*a, **kw):
+                    sock = create(*a, **kw)
+                    deadline.watch(sock)
+                    return sock
+
+                self._create_connection = created
 
         return Watched
 
