@@ -95,13 +95,14 @@ def benchmark_reward(cfg, bench: Benchmark, metadata: str | None):
     return build_rewards([RewardTerm(name=bench.reward, kwargs=kwargs)]).rewards[0]
 
 
-def geneval_records(reward, prompts: Sequence[str]) -> list[dict]:
+def geneval_records(reward, prompts: Sequence[str], progress: bool = False) -> list[dict]:
     """GenEval metadata records (tag, include with class/count/colour/position, exclude, prompt) of prompts given
     without them (a text file): each prompt's task as the reward reads it (its metadata files, else GenEval's
     templates), so GenEval's own ``evaluate_images.py`` can score the folder; a ConfigError naming the prompt (its
     number and text) when one has no task."""
     records = []
-    for number, prompt in enumerate(prompts, 1):
+    bar = tqdm(prompts, desc="GenEval metadata", unit="prompt", disable=not progress or len(prompts) < 1000)
+    for number, prompt in enumerate(bar, 1):
         try:
             task = reward.tasks(prompt)
         except ValueError as e:
@@ -118,6 +119,28 @@ def _prompt_folder(out: Path, index: int, prompt: str, record: dict | None) -> P
     return folder
 
 
+class ImageSeeds(Sequence[int]):
+    """The seed of image k of each of the prompts ``mine`` (prompt-major, ``per`` images each), derived when a batch
+    asks for it (:func:`~flowrl.training.evaluation.prompt_seeds`): 100,000 prompts × 64 images computed up front held
+    the first image back for a quarter of a minute, with nothing on the screen."""
+
+    def __init__(self, seed: int, mine: Sequence[int], per: int):
+        self.seed, self.mine, self.per = seed, list(mine), int(per)
+
+    def __len__(self) -> int:
+        return len(self.mine) * self.per
+
+    def __getitem__(self, i):
+        from flowrl.training.evaluation import prompt_seeds
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return prompt_seeds(self.seed, [self.mine[i // self.per]], i % self.per)[0]
+
+
 def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], records: list[dict] | None,
                   group, guidance: float | None, out: Path | None, images_per_prompt: int,
                   progress: bool = True) -> dict[str, float]:
@@ -125,15 +148,15 @@ def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], 
     ``reward`` and return the summary reduced over processes (:func:`summarise`); with ``out`` write the images,
     ``results.jsonl`` (``results-<rank>.jsonl`` under several processes) and, on the main process, ``summary.json``."""
     from flowrl.rollout.sampling import ode_batches
-    from flowrl.training.evaluation import prompt_seeds
     from flowrl.training.grids import save_sample
 
     if out is not None and records is None and bench.name == "geneval":
-        records = geneval_records(reward, prompts)  # a text file's prompts: GenEval's layout needs whole records
+        # a text file's prompts: GenEval's layout needs whole records
+        records = geneval_records(reward, prompts, progress and group.is_main)
     mine = list(range(group.rank, len(prompts), group.world))
     indices = [i for i in mine for _ in range(images_per_prompt)]  # one entry per image, prompt-major
     all_prompts = [prompts[i] for i in indices]
-    seeds = [prompt_seeds(cfg.eval.seed, [i], k)[0] for i in mine for k in range(images_per_prompt)]
+    seeds = ImageSeeds(cfg.eval.seed, mine, images_per_prompt)  # each batch's, when it is drawn
     bar = tqdm(total=len(indices), unit="image", desc=f"{bench.name} benchmark", disable=not (progress and group.is_main))
     rows: list[dict[str, Any]] = []
     results = None
