@@ -1,9 +1,11 @@
-"""Reward plugins for flowrl: one interface (:class:`Reward`), a registry, and a weighted combiner."""
+"""Reward plugins for flowrl: one port (:class:`Scorer`: what flowrl calls), one interface (:class:`Reward`), a
+registry, a weighted combiner, and the background scorer that overlaps scoring with sampling."""
+from flowrl_rewards.port import Scorer
 from flowrl_rewards.base import Reward
 from flowrl_rewards.registry import REGISTRY, build_reward, register
 from flowrl_rewards.multi import MultiReward, RewardSpec
 
-__all__ = ["Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec"]
+__all__ = ["Scorer", "Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec"]
 
 register("temporal_consistency", "flowrl_rewards.temporal:TemporalConsistency")
 register("source_fidelity", "flowrl_rewards.source_fidelity:SourceFidelity")

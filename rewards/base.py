@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from flowrl_rewards.port import Scorer
 
 MODALITIES = ("image", "video", "any")
 """What a reward scores (:attr:`Reward.modality`): images, videos whole, or whatever it is given."""
@@ -32,21 +33,25 @@ def check_frame_stride(name: str, value: Any) -> int:
     return value
 
 
-class Reward:
-    """Base class of every reward. Subclasses implement :meth:`score`.
+class Reward(Scorer):
+    """Base class of every reward: a :class:`~flowrl_rewards.port.Scorer` of one term, itself (its ``terms``,
+    ``components``, ``combine``, ``failures``, ``evaluate`` and ``normalize`` are the port's defaults). Subclasses
+    implement :meth:`score`; a reward with an eval summary overrides :meth:`evaluate`.
 
     Attributes: ``name`` (used in metric keys), ``higher_is_better`` (always True for training
     rewards; flip the sign in your subclass otherwise), ``last_error`` (a reward that returns NaN for
     samples it could not score may say why here; a run stopped because every reward failed names it),
     ``modality`` (``"image"``, ``"video"`` or ``"any"``: the module docstring) and ``frame_stride`` (every k-th
     frame of a video is scored; set from the ``frame_stride`` kwarg of any reward term by
-    :class:`flowrl_rewards.MultiReward`).
+    :class:`flowrl_rewards.MultiReward`), ``needs_source_image`` (True: it scores an edit against the image its
+    prompt carries, so its prompts must carry one; checked at load).
     """
 
     name: str = "reward"
     modality: str = "image"  # "video": score() receives videos [B, F, 3, H, W] whole
     frame_stride: int = 1  # videos: frames 0, k, 2k, … are scored
-    last_error: str | None = None  # why the last call's scores hold NaN, when the reward knows (e.g. remote)
+    needs_source_image: bool = False  # an edit reward: meta["source_images"] holds each prompt's image
+    # last_error (why the last call's scores hold NaN, when the reward knows, e.g. remote): declared by the port
 
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
         """Scores float32 [B] for images [B, 3, H, W] in [0, 1] (``modality="video"``: videos [B, F, 3, H, W])."""

@@ -67,7 +67,7 @@ class MultiReward(Reward):
         self.rewards: list[Reward] = []
         self.weights: list[float] = []
         self.timeouts: list[float | None] = []
-        self.failures: dict[str, str] = {}  # term name → why its scores of the last call were not all finite
+        self._failures: dict[str, str] = {}  # term name → why its scores of the last call were not all finite
         for i, term in enumerate(terms):
             if isinstance(term, str):
                 term = {"name": term}
@@ -113,6 +113,17 @@ class MultiReward(Reward):
                             f"got {config!r}")
         return cls([dict(t) if isinstance(t, dict) else t for t in config], normalize=normalize)
 
+    @property
+    def terms(self) -> list[Reward]:
+        """The combined rewards, in order (:attr:`rewards`)."""
+        return list(self.rewards)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Term name → why its scores of the last :meth:`components` call were not all finite (the timeout, the
+        reward's own ``last_error``, or how many scores were not finite)."""
+        return dict(self._failures)
+
     def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
                    ) -> dict[str, torch.Tensor]:
         """Raw scores of every term: name → float32 [B]; a term past its ``timeout`` gives NaN scores (warned)
@@ -134,10 +145,10 @@ class MultiReward(Reward):
                                    f"{type(e).__name__}: {e}") from e
             bad = int((~torch.isfinite(out[r.name])).sum())
             if bad:
-                why = getattr(r, "last_error", None)
+                why = r.last_error
                 failures[r.name] = (f"returned {bad} non-finite score{'s' if bad > 1 else ''} of {len(prompts)}"
                                     + (f" ({why})" if why else ""))
-        self.failures = failures
+        self._failures = failures
         return out
 
     @staticmethod
@@ -171,6 +182,12 @@ class MultiReward(Reward):
             term = weight * values
             total = term if total is None else total + term
         return total
+
+    def evaluate(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
+        """Every term's eval summary (:meth:`~flowrl_rewards.port.Scorer.evaluate`), its keys under ``<term>/``; an
+        image term is not asked for videos [N, F, 3, H, W] (its summary reads images)."""
+        return {f"{r.name}/{key}": value for r in self.rewards if images.ndim == 4 or r.modality != "image"
+                for key, value in r.evaluate(images, prompts).items()}
 
     def score(self, images, prompts, meta):
         return self.combine(self.components(images, prompts, meta))
