@@ -1,14 +1,24 @@
-"""Serve any registered reward over HTTP for the ``remote`` reward (stdlib ``http.server``).
+"""Serve any registered reward over HTTP for the ``remote`` reward (LitServe: FastAPI + uvicorn).
 
     python -m flowrl_rewards.serve NAME [--host 127.0.0.1] [--port 8000] [--kwargs '{"device": "cuda"}']
+        [--token-env NAME] [--batch-size 32] [--batch-timeout 0.01] [--no-merge] [--workers 1]
+        [--max-body-mb 256] [--max-json-depth 32] [--max-image-pixels 16777216] [--queue-timeout 60]
+        [--backlog 2048] [--verbose]
 
-NAME is a registry name, ``package.module:Class`` or ``path/to/file.py:Class``. ``--port 0`` picks a
-free port. Once listening, one line is printed to stdout: ``serving NAME on http://HOST:PORT/score``.
-Endpoints: ``POST /score`` (or ``/``) with the JSON described in :mod:`flowrl_rewards.remote`;
-``GET /health`` → ``{"status": "ok", "reward": NAME}``. Requests are handled in threads, scoring
-is serialised by a lock (one model, one batch at a time). Bad requests get 400, reward failures
-500, both with ``{"error": message}``. The server binds 127.0.0.1 by default; it has no
-authentication, so expose it beyond localhost only on a trusted network.
+NAME is a registry name, ``package.module:Class`` or ``path/to/file.py:Class``. ``--port 0`` picks a free port.
+Once the reward is loaded and the server answers, one line is printed to stdout, the only one:
+``serving NAME on http://HOST:PORT/score`` (logs go to stderr).
+
+Endpoints: ``POST /score`` (or ``/``) with the JSON of :mod:`flowrl_rewards.remote`; ``GET /health`` (or ``/``)
+→ ``{"status": "ok", "reward": NAME}``. Refusals are ``{"error": message}``: 401 without the bearer token
+(``--token-env``), 413 for a body over ``--max-body-mb``, 400 for a body that is not JSON, nests deeper than
+``--max-json-depth``, holds more than ``--batch-size`` images or an image over ``--max-image-pixels`` (read from
+its header, before decoding); a reward exception is 500, a request that waited ``--queue-timeout`` seconds for a
+worker 504. Concurrent requests are scored together, up to ``--batch-size`` images per reward call
+(:mod:`flowrl_rewards.serve_batching`); the layout is in :mod:`flowrl_rewards.serve_app`. The server needs the
+optional extra ``serve`` (``pip install 'flowrl-align[serve]'``). It binds 127.0.0.1 by default; without
+``--token-env`` anyone who reaches the port can use it, and it speaks plain HTTP (put a TLS proxy in front to
+cross an untrusted network).
 """
 from __future__ import annotations
 
@@ -16,131 +26,158 @@ import argparse
 import json
 import logging
 import math
+import os
+import signal
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
-from flowrl_rewards.base import Reward
-
-log = logging.getLogger(__name__)
-
-MAX_BODY = 1 << 30  # 1 GiB
+EXTRA_HINT = ("the reward server needs the optional extra 'serve' (LitServe, with FastAPI and uvicorn): "
+              "pip install 'flowrl-align[serve]' (in a checkout: pip install -e '.[serve]')")
 
 
-def _handler(reward: Reward, lock: threading.Lock, max_body: int):
-    from flowrl_rewards.remote import decode_png, to_json
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _reply(self, status: int, obj: dict) -> None:
-            body = json.dumps(obj, allow_nan=False).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            if self.path.rstrip("/") in ("", "/health"):
-                self._reply(200, {"status": "ok", "reward": reward.name})
-            else:
-                self._reply(404, {"error": f"unknown path {self.path!r}; use GET /health or POST /score"})
-
-        def do_POST(self) -> None:
-            if self.path.rstrip("/") not in ("", "/score"):
-                self._reply(404, {"error": f"unknown path {self.path!r}; use POST /score"})
-                return
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._reply(411, {"error": "a Content-Length header is required"})
-                return
-            if not 0 <= length <= max_body:
-                self._reply(413, {"error": f"body of {length} bytes exceeds the limit of {max_body}"})
-                return
-            try:
-                request = json.loads(self.rfile.read(length))
-                images, prompts, meta = self._parse(request)
-            except ValueError as e:
-                self._reply(400, {"error": f"bad request: {e}"})
-                return
-            before = set(meta)
-            try:
-                with lock:
-                    scores = reward(images, prompts, meta)
-            except Exception as e:  # the reward failed: report it, keep serving
-                log.exception("reward %s failed", reward.name)
-                self._reply(500, {"error": f"reward {reward.name!r} failed: {type(e).__name__}: {e}"})
-                return
-            out_meta = {}
-            for key in meta:
-                if key not in before or key.startswith(f"{reward.name}/"):
-                    try:
-                        out_meta[key] = to_json(meta[key])
-                    except TypeError:
-                        pass
-            values = [float(s) if math.isfinite(s) else None for s in scores.tolist()]
-            self._reply(200, {"scores": values, "meta": out_meta})
-
-        def _parse(self, request: Any):
-            if not isinstance(request, dict):
-                raise ValueError("body must be a JSON object with 'images', 'prompts' and optional 'meta'")
-            images, prompts = request.get("images"), request.get("prompts")
-            meta = request.get("meta") or {}
-            if not isinstance(images, list) or not isinstance(prompts, list):
-                raise ValueError("'images' (list of base64 PNG strings) and 'prompts' (list of strings) are required")
-            if len(images) != len(prompts) or not all(isinstance(p, str) for p in prompts):
-                raise ValueError(f"need one prompt string per image, got {len(images)} images, {len(prompts)} prompts")
-            if not isinstance(meta, dict):
-                raise ValueError(f"'meta' must be an object, got {type(meta).__name__}")
-            return decode_png(images), prompts, meta
-
-    return Handler
+def require_litserve() -> None:
+    """ImportError naming the extra to install when LitServe (or what it needs) is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import litserve  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{EXTRA_HINT} ({type(e).__name__}: {e})") from e
 
 
-def make_server(reward: Reward, host: str = "127.0.0.1", port: int = 0,
-                max_body: int = MAX_BODY) -> ThreadingHTTPServer:
-    """A bound (not yet serving) HTTP server for ``reward``; call ``serve_forever()`` on it.
+def positive(kind: type, what: str):
+    """An argparse type: a positive ``kind`` (int or float), refused with the flag's meaning otherwise."""
 
-    ``server.server_address[1]`` is the port (useful with ``port=0``).
-    """
-    server = ThreadingHTTPServer((host, port), _handler(reward, threading.Lock(), max_body))
-    server.daemon_threads = True
-    return server
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number ({what})") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a positive finite number ({what})")
+        return value
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flowrl_rewards.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("name", help="registry name, package.module:Class or path/to/file.py:Class")
+    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default), 0.0.0.0 or ::")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
+    p.add_argument("--token-env", metavar="NAME",
+                   help="require 'Authorization: Bearer <token>', the token read from environment variable NAME")
+    p.add_argument("--batch-size", type=positive(int, "images per reward call"), default=32,
+                   help="the most images scored (and decoded) in one reward call, and per request (default 32)")
+    p.add_argument("--batch-timeout", type=positive(float, "seconds"), default=0.01,
+                   help="seconds a worker waits for more requests to fill a batch (default 0.01)")
+    p.add_argument("--no-merge", action="store_true",
+                   help="score each request in its own reward call (requests are still taken together)")
+    p.add_argument("--workers", type=positive(int, "scoring processes"), default=1,
+                   help="scoring processes, each with its own copy of the reward (default 1)")
+    p.add_argument("--max-body-mb", type=positive(float, "MiB"), default=256.0,
+                   help="the largest request body in MiB (default 256)")
+    p.add_argument("--max-json-depth", type=positive(int, "levels"), default=32,
+                   help="the deepest nesting of a request's JSON (default 32)")
+    p.add_argument("--max-image-pixels", type=positive(int, "width x height"), default=4096 * 4096,
+                   help="the largest image, width x height (default 16777216 = 4096²)")
+    p.add_argument("--queue-timeout", type=positive(float, "seconds"), default=60.0,
+                   help="seconds a request may wait for a worker before 504 (default 60)")
+    p.add_argument("--backlog", type=positive(int, "connections"), default=2048,
+                   help="connections the listening socket queues before accepting (default 2048)")
+    p.add_argument("--verbose", action="store_true", help="log every request")
+    return p
+
+
+def options_from(args: argparse.Namespace, p: argparse.ArgumentParser):
+    """The :class:`ServeOptions` of parsed flags (argparse errors, exit 2, for a bad token variable)."""
+    from flowrl_rewards.serve_app import ServeOptions
+    from flowrl_rewards.serve_limits import Limits, check_token_value
+
+    token = None
+    if args.token_env is not None:
+        if args.token_env not in os.environ:
+            p.error(f"--token-env {args.token_env}: the environment variable {args.token_env} is not set")
+        try:
+            token = check_token_value(os.environ[args.token_env], f"--token-env {args.token_env}: the variable")
+        except ValueError as e:
+            p.error(str(e))
+    limits = Limits(max_body=int(args.max_body_mb * (1 << 20)), max_depth=args.max_json_depth,
+                    max_images=args.batch_size, max_image_pixels=args.max_image_pixels)
+    return ServeOptions(token=token, limits=limits, batch_timeout=args.batch_timeout, merge=not args.no_merge,
+                        workers=args.workers, queue_timeout=args.queue_timeout, backlog=args.backlog,
+                        verbose=args.verbose)
+
+
+def _stdout_for_the_ready_line():
+    """A handle on the real stdout for the ready line; fd 1 itself (and so every log line of this process and the
+    processes it starts) now goes to stderr."""
+    sys.stdout.flush()
+    ready = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return ready
+
+
+def _sigterm_handler():
+    """SIGTERM → KeyboardInterrupt in this process (LitServe then stops its processes as for Ctrl-C); a process
+    forked from it (the uvicorn server, which re-raises the signal after its own shutdown) ends the default way."""
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() == main_pid:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flowrl_rewards.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", help="registry name, package.module:Class or path/to/file.py:Class")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 = any free port")
-    parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
-    parser.add_argument("--verbose", action="store_true", help="log every request")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as e:
-        parser.error(f"--kwargs {args.kwargs!r} is not valid JSON ({e})")
+        p.error(f"--kwargs {args.kwargs!r} is not valid JSON ({e})")
     if not isinstance(kwargs, dict):
-        parser.error(f"--kwargs must be a JSON object, got {args.kwargs!r}")
-    from flowrl_rewards.registry import build_reward
-
-    reward = build_reward(args.name, **kwargs)
-    server = make_server(reward, args.host, args.port)
-    host, port = server.server_address[:2]
-    print(f"serving {reward.name} on http://{host}:{port}/score", flush=True)
+        p.error(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+    if not 0 <= args.port <= 65535 or 0 < args.port < 1024:
+        p.error(f"--port {args.port} is not served; use 0 (any free port) or 1024-65535")
     try:
-        server.serve_forever()
+        require_litserve()
+    except ImportError as e:
+        p.exit(1, f"{p.prog}: error: {e}\n")
+    from flowrl_rewards.serve_app import HOSTS, RewardSpec, run
+
+    if args.host not in HOSTS:
+        p.error(f"--host {args.host!r} cannot be served; use one of {', '.join(HOSTS)} (LitServe binds these)")
+    options = options_from(args, p)
+    from flowrl_rewards.registry import resolve_reward_class
+
+    try:
+        resolve_reward_class(args.name)
+    except (KeyError, ImportError, ValueError, TypeError) as e:
+        p.exit(2, f"{p.prog}: error: reward {args.name!r}: {e}\n")
+
+    ready_out = _stdout_for_the_ready_line()
+    signal.signal(signal.SIGTERM, _sigterm_handler())
+
+    def on_ready(name: str, url: str) -> None:
+        print(f"serving {name} on {url}", file=ready_out, flush=True)
+
+    try:
+        run(RewardSpec(args.name, kwargs), options, args.host, args.port, on_ready)
     except KeyboardInterrupt:
         pass
-    finally:
-        server.server_close()
+    except RuntimeError as e:  # no scoring worker started: the reward's traceback is above, in the log
+        print(f"{p.prog}: error: {e}; the reward {args.name!r} with --kwargs {args.kwargs} failed to load in the "
+              f"scoring worker (its traceback is above)", file=sys.stderr)
+        return 1
+    except (EOFError, ConnectionError) as e:  # LitServe stopped everything after a worker died (see the log)
+        print(f"{p.prog}: error: the server stopped: a scoring worker died (killed, or out of memory?) and LitServe "
+              f"shut the server down ({type(e).__name__} from its process manager)", file=sys.stderr)
+        return 1
     return 0
 
 

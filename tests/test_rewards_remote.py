@@ -1,4 +1,7 @@
-"""remote + serve: a real server on 127.0.0.1, and servers that refuse, hang, fail and babble."""
+"""remote + serve: a real server on 127.0.0.1, and servers that refuse, hang, fail and babble.
+
+The real server (LitServe, the `serve` extra) runs in a child process, one per reward for the module; the
+server's own limits, token and batching are in tests/test_reward_server.py."""
 import json
 import os
 import socket
@@ -15,7 +18,7 @@ import torch
 
 from flowrl_rewards import Reward, build_reward
 from flowrl_rewards.remote import RemoteReward, RemoteRewardError
-from flowrl_rewards.serve import make_server
+from flowrl_rewards.serve_process import RewardServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(timeout=0.5, retries=2, backoff=0.01, max_backoff=0.05)
@@ -39,26 +42,23 @@ class Boom(Reward):
         raise RuntimeError("model exploded")
 
 
-def _serve(reward):
-    server = make_server(reward, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def served():
-    servers = []
+    """``served(name)`` → the score URL of ``python -m flowrl_rewards.serve name`` (started once per module)."""
+    pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
+    servers: dict[str, RewardServerProcess] = {}
 
-    def start(reward):
-        server, url = _serve(reward)
-        servers.append(server)
-        return url
+    def start(name):
+        if name not in servers:
+            servers[name] = RewardServerProcess(name, cwd=ROOT)
+        return servers[name].url
 
     yield start
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+    for server in servers.values():  # all stop at once
+        server.proc.terminate()
+    for server in servers.values():
+        server.close()
+        server.remove_log()
 
 
 def _fake_server(behaviour):
@@ -92,7 +92,7 @@ def _images(b=5, seed=0):
 
 
 def test_remote_matches_local_reward_in_batches(served):
-    url = served(build_reward("brightness"))
+    url = served("brightness")
     remote = build_reward("remote", url=url, batch_size=2)
     x = _images()
     s = remote(x, ["p"] * 5)
@@ -104,7 +104,7 @@ def test_remote_matches_local_reward_in_batches(served):
 
 
 def test_meta_goes_both_ways_and_is_sliced_per_batch(served):
-    url = served(MetaEcho())
+    url = served(f"{__file__}:MetaEcho")
     remote = RemoteReward(url, batch_size=2, name="echo_remote")
     assert remote.name == "echo_remote"
     meta = {"ids": list(range(5)), "tensor_ids": torch.arange(5), "scalar": 3.5, "opaque": object()}
@@ -115,7 +115,7 @@ def test_meta_goes_both_ways_and_is_sliced_per_batch(served):
 
 
 def test_server_reports_bad_requests_and_reward_failures(served):
-    url = served(build_reward("brightness"))
+    url = served("brightness")
 
     def post(body):
         req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
@@ -131,7 +131,7 @@ def test_server_reports_bad_requests_and_reward_failures(served):
     code, err = post(json.dumps({"images": [], "prompts": ["a"]}).encode())
     assert code == 400 and "one prompt string per image" in err
     with pytest.raises(RemoteRewardError, match="HTTP 500.*model exploded") as info:
-        RemoteReward(served(Boom()), **FAST)(_images(2), ["a", "b"])
+        RemoteReward(served(f"{__file__}:Boom"), **FAST)(_images(2), ["a", "b"])
     assert "3 attempts" in str(info.value)
 
 
@@ -261,6 +261,7 @@ def test_bad_remote_kwargs():
 
 
 def test_serve_cli_end_to_end():
+    pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "flowrl_rewards.serve", "jpeg_incompressibility", "--port", "0",
                              "--kwargs", '{"quality": 50}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
