@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl_rewards import geneval_rules as rules
 from flowrl_rewards._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
 from flowrl_rewards.base import Reward

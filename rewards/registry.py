@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from flowrl.config.registry import Registry
+from flowrl.core.registry import Registry
 from flowrl_rewards.base import Reward
 
 REGISTRY = Registry("reward", {

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.shapes import world
 from flowrl_rewards import geneval_rules as rules
 from flowrl_rewards.base import Reward

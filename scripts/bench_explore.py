@@ -86,7 +86,7 @@ def main() -> None:
     from flowrl.prompts.source import read_prompts
     from flowrl.rollout.explorer import make_explorer
     from flowrl.rollout.precision import available_backends
-    from flowrl.rollout.seeding import derive_seed
+    from flowrl.core.seeding import derive_seed
     from flowrl.training.scoring import decode
     from flowrl_rewards import build_reward
 

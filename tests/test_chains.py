@@ -10,7 +10,7 @@ from flowrl.objectives.replay import replay, replay_batches
 from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares"]

@@ -13,7 +13,7 @@ from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.explore import Explore, kendall, select_seeds, spearman
 from flowrl.rollout.explorer import make_explorer
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 

@@ -119,7 +119,7 @@ def test_the_counter_sees_a_read_per_micro_batch(tmp_path):
 
 # ---- the pieces that replaced per-row and per-micro-batch work ----------------------------------------------------
 def test_seeded_normals_equal_the_rows_drawn_one_by_one():
-    from flowrl.rollout.seeding import seeded_normal, seeded_normals
+    from flowrl.core.seeding import seeded_normal, seeded_normals
 
     seeds = [3, 2**62 + 5, 0]
     assert torch.equal(seeded_normals(seeds, (2, 3, 3)), torch.stack([seeded_normal(s, (2, 3, 3)) for s in seeds]))

@@ -13,8 +13,8 @@ import pytest
 import flowrl_rewards
 from flowrl import models
 from flowrl.config import components
-from flowrl.config.choices import Checked, check_choices, choice, choices_of
-from flowrl.config.registry import NotRegistered, Registry
+from flowrl.core.choices import Checked, check_choices, choice, choices_of
+from flowrl.core.registry import NotRegistered, Registry
 from flowrl.config.schema import TrainConfig
 from flowrl.credit.group import BASELINES, GroupAdvantage
 from flowrl.errors import ConfigError

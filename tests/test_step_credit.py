@@ -24,7 +24,7 @@ from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import Probed, decision_states, state_values
 from flowrl.rollout.sampling import ode_sample
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
 PROMPTS = ["a red circle", "two blue squares"]

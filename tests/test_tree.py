@@ -25,7 +25,7 @@ from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
 PROMPTS = ["a red circle", "two blue squares"]

@@ -147,7 +147,7 @@ def test_layer_tuning_noises_each_video_row_at_its_own_sigma(monkeypatch):
     many as the latent channels: a [N, 1, 1, 1] σ broadcast silently over the channel axis instead."""
     from flowrl.objectives.policy import LayerTuningLoss
     from flowrl.rollout.base import RolloutContext
-    from flowrl.rollout.seeding import derive_seed, seeded_normal
+    from flowrl.core.seeding import derive_seed, seeded_normal
     from flowrl.rollout.tree import Tree
 
     model = wan_model(guidance=1.0)

@@ -42,7 +42,7 @@ def store_prompts(prompts: list[str], num: int | None, seed: int) -> list[str]:
     """``num`` of ``prompts`` (all when None or more), chosen by a permutation seeded with ``seed``, in file order."""
     import torch
 
-    from flowrl.rollout.seeding import derive_seed
+    from flowrl.core.seeding import derive_seed
 
     if num is None or num >= len(prompts):
         return list(prompts)

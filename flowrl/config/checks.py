@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from flowrl.config.choices import choose, did_you_mean
+from flowrl.core.choices import choose, did_you_mean
 from flowrl.errors import ConfigError, shown
 from flowrl.models.dtypes import DTYPES
 from flowrl.prompts.source import check_adaptive_settings

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional, Union
 
-from flowrl.config.choices import Checked, check_choices, did_you_mean
+from flowrl.core.choices import Checked, check_choices, did_you_mean
 from flowrl.config.plugins import public_name
-from flowrl.config.registry import LOAD_ERRORS, Registry
+from flowrl.core.registry import LOAD_ERRORS, Registry
 from flowrl.errors import ConfigError
 
 

@@ -56,7 +56,7 @@ def is_set(obj: Any, name: str) -> bool:
 def check_choices(obj: Any, prefix: str | None = None) -> None:
     """Check every field of the dataclass ``obj`` that declares choices; errors name ``prefix.field`` (default:
     the class's :attr:`Checked.config_key`, else its name)."""
-    prefix = prefix or getattr(obj, "config_key", "") or type(obj).__name__
+    prefix = prefix or (obj.config_key if isinstance(obj, Checked) else "") or type(obj).__name__
     for f in dataclasses.fields(obj):
         accepted = choices_of(f)
         if accepted is not None:

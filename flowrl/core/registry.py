@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
-from flowrl.config.choices import did_you_mean
+from flowrl.core.choices import did_you_mean
 from flowrl.config.plugins import load_target, public_name
 from flowrl.errors import ConfigError
 

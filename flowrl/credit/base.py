@@ -6,7 +6,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from flowrl.config.choices import Checked
+from flowrl.core.choices import Checked
 from flowrl.rollout.forest import Forest, no_spread
 
 Gather = Callable[[torch.Tensor], torch.Tensor]

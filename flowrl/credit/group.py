@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.credit.base import CreditRule, Gather
 from flowrl.rollout.forest import Forest, flat_rows
 

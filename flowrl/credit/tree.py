@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.credit.base import CreditRule, Gather, set_stats, standardize
 from flowrl.rollout.forest import Forest
 

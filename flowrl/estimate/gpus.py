@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import flowrl.rollout.precision as precision
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.config.schema import TrainConfig
 from flowrl.errors import ConfigError
 from flowrl.paths import DEFAULT_CONFIG

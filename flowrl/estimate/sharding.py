@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.distributed.sharding import check_shard_settings, resolve_shard
 from flowrl.models.blocks import block_lists
 from flowrl.errors import ConfigError

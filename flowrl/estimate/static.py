@@ -7,7 +7,7 @@ import fnmatch
 
 from torch import nn
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.paths import find_file
 from flowrl.rollout.precision import BACKENDS, DEFAULT_MIN_PARAMS, DEFAULT_SKIP, QUANTIZING, _shape_ok
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.config.registry import Registry
+from flowrl.core.registry import Registry
 from flowrl.models.base import Conditioning, FlowModel, LoraSpec
 
 

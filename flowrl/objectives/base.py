@@ -40,7 +40,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
-from flowrl.config.choices import Checked
+from flowrl.core.choices import Checked
 from flowrl.errors import ConfigError
 
 

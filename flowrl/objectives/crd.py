@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch
 from flowrl.objectives.dgpo import GroupedForward
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, Rows, row_mean

@@ -10,13 +10,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.errors import ConfigError
 from flowrl.objectives.base import Batch
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, Rows, row_mean
 from flowrl.objectives.teacher import Teacher
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 
 GROUP_CFG_MODES = ("free", "guided", "guided_rollouts")
 REFERENCES = ("initial", "teacher", "old")

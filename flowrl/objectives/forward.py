@@ -38,11 +38,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.teacher import Teacher, TeacherSpec, leaf_weights
-from flowrl.rollout.seeding import derive_seed, seeded_normals
+from flowrl.core.seeding import derive_seed, seeded_normals
 from flowrl.rollout.transfer import to_device
 
 CFG_MODES = ("free", "guided")

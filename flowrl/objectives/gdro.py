@@ -30,11 +30,11 @@ from typing import ClassVar
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, row_mean
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 
 NORMS = ("mean", "sum")  # ‖·‖² over latent elements: their mean (the code convention), or the squared L2 norm
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy
 from flowrl.objectives.policy import PolicyLoss

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 

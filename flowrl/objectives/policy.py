@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.replay import replay, replay_batches
@@ -166,7 +166,7 @@ class LayerTuningLoss(PolicyLoss):
             raise ValueError(f"loss.layer_lambda={self.layer_lambda} must be >= 0")
 
     def auxiliary(self, model, forest, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        from flowrl.rollout.seeding import derive_seed, seeded_normal
+        from flowrl.core.seeding import derive_seed, seeded_normal
 
         if self.layer_lambda == 0:
             return None

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from flowrl.config.choices import Checked, choice
+from flowrl.core.choices import Checked, choice
 from flowrl.errors import ConfigError
 
 WEIGHTINGS = ("none", "reward", "advantage")

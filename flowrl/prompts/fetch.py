@@ -45,7 +45,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.prompts.sets import (  # noqa: F401 (re-exported: the prompt sets are part of this module's API)
     DEFAULT_OUT,
     MANIFEST,

@@ -16,7 +16,7 @@ import torch
 
 from flowrl.errors import ConfigError, shown, shown_path
 from flowrl.paths import find_file, where_tried
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 
 
 def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.config.choices import Checked
+from flowrl.core.choices import Checked
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.forest import Forest

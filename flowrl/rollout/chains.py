@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from flowrl.config.choices import Checked, choice
+from flowrl.core.choices import Checked, choice
 from flowrl.models.base import FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.base import DPM2, RolloutContext, RolloutPlan, advance
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.seeding import derive_seed, seeded_normals
+from flowrl.core.seeding import derive_seed, seeded_normals
 
 WINDOW_MODES = ("all", "fixed", "random", "progressive")
 POST_SOLVERS = ("none", "dpm2")

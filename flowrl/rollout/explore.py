@@ -50,12 +50,12 @@ from typing import Any
 
 import torch
 
-from flowrl.config.choices import choice, choose
+from flowrl.core.choices import choice, choose
 from flowrl.errors import ConfigError
 from flowrl.rollout.base import RolloutContext, RolloutPlan, inner_unread
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.precision import BACKENDS
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 
 SELECTIONS = ("extremes", "top_k", "spread")
 

@@ -28,7 +28,7 @@ from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext, RolloutPlan
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.offline_store import COMMAND, RolloutStore
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 
 
 @dataclass

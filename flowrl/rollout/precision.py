@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from flowrl.config.choices import choose
+from flowrl.core.choices import choose
 from flowrl.errors import ConfigError
 from flowrl.models.dtypes import MIXED_PRECISION
 

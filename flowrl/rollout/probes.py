@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext, RolloutPlan, euler_ode, inner_unread

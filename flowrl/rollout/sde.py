@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from flowrl.config.choices import choose
-from flowrl.config.registry import LOAD_ERRORS, Registry
+from flowrl.core.choices import choose
+from flowrl.core.registry import LOAD_ERRORS, Registry
 from flowrl.errors import ConfigError
 
 KL_FORMS: tuple[str, ...] = ("exact", "flow_grpo")

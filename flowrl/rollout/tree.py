@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.config.choices import choice
+from flowrl.core.choices import choice
 from flowrl.models.base import FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.seeding import derive_seed, seeded_normal
+from flowrl.core.seeding import derive_seed, seeded_normal
 
 MODES = ("sde", "mix", "window")
 SPLIT_NOISE = ("correlated", "independent_scaled")

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from flowrl.models.base import FlowModel
 from flowrl.prompts.images import prompt_texts
 from flowrl.rollout.sampling import ode_batches
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 from flowrl.training.grids import grid_scores, labelled_grid, save_frames
 from flowrl.training.scoring import components_of
 

@@ -47,7 +47,7 @@ from flowrl.prompts.checks import check_prompts, check_run_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.callbacks import Callback, default_callbacks

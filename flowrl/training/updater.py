@@ -22,7 +22,7 @@ from flowrl.distributed.process_group import ProcessGroup, fold
 from flowrl.distributed.sharding import local, whole
 from flowrl.objectives.base import Batch, Objective
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.seeding import derive_seed
+from flowrl.core.seeding import derive_seed
 
 UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
 
