@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from flowrl.errors import ConfigError
 from flowrl.training.scoring import BackgroundScorer
 from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
 from flowrl_rewards.registry import resolve_reward_class
@@ -72,7 +73,8 @@ def test_plugin_errors_are_clear(plugin_dir):
         build_reward(f"{path}:NotAReward")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_reward(f"{plugin_dir}/nope.py:MyReward")
-    with pytest.raises(TypeError, match=r"unknown kwargs \['colour'\]; accepted: \['channel', 'factor'\]"):
+    with pytest.raises(ConfigError, match=r"colour=1 is not a setting of reward 'flowrl_test_plugin_mod:MyReward' "
+                                         r"\(MyReward\); accepted: \['channel', 'factor'\]"):
         build_reward("flowrl_test_plugin_mod:MyReward", colour=1)
     with pytest.raises(KeyError, match="did you mean 'brightness'"):
         build_reward("brightnes")

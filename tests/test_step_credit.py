@@ -318,8 +318,10 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
     plain.reward[plain.leaves()] = 1.0
     with pytest.raises(ValueError, match="rollout.plan=probed"):
         ValueAnchor().assign(plain)
-    with pytest.raises(ConfigError, match="reward_normalize"):
-        Probed(inner_plan=Chains(steps=4, window=win)).setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))
+    probed = Probed(inner_plan=Chains(steps=4, window=win))
+    with pytest.raises(ConfigError, match="reward_normalize='batch' with a probed plan"):  # at load (test_key_checks)
+        probed.check_reward_normalize("batch")
+    probed.setup(sd3_model, MultiReward([{"name": "brightness"}], normalize="batch"))  # nothing refused after load
     with pytest.raises(ValueError, match="rollout.probe"):
         Probed(probe="x0")
     with pytest.raises(TypeError, match="inner_args"):

@@ -28,12 +28,14 @@ COMMANDS = (train, sample, export, held_out_eval, bench, compare, snr, data, rol
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``flowrl`` parser; ``argv`` (when asking for help) picks the config whose keys the help lists."""
-    epilog = defaults_epilog(argv) if argv and ("-h" in argv or "--help" in argv) else defaults_epilog()
+    asking = bool(argv) and ("-h" in argv or "--help" in argv)
+    epilog = defaults_epilog(argv) if asking else defaults_epilog()
     parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models. "
                                      "Add --debug to any command to see the traceback of a failure.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub, epilog)
+    for command in COMMANDS:  # flowrl train --help lists its rewards' settings too
+        asked = asking and command is train and argv[0] == "train"
+        command.add_parser(sub, epilog + train.reward_settings_epilog(argv) if asked else epilog)
     return parser
 
 

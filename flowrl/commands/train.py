@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from flowrl.commands.common import OVERRIDES_HELP, Flag, load_config, split_config_arg
+from flowrl.commands.common import OVERRIDES_HELP, Flag, is_file, load_config, split_config_arg
 from flowrl.commands.summary import eval_summary, failed_evals
 from flowrl.paths import DEFAULT_CONFIG, shipped_name
 from flowrl.training.guard import stop_summary
@@ -23,6 +23,60 @@ def add_parser(sub, epilog: str) -> None:
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
+
+
+def reward_settings_epilog(argv: list[str] | None) -> str:
+    """The help's list of reward settings (:func:`reward_settings_text`) of the config ``flowrl train ARGV --help``
+    would run (the config and ``key=value`` overrides named in ``argv``, as the key list above it; one that does
+    not load: the default config's)."""
+    from flowrl.config.schema import ConfigError, TrainConfig
+
+    words = [w for w in (argv or [])[1:] if not w.startswith("-")]
+    config = next((w for w in words if "=" not in w and is_file(w)), None)
+    try:
+        cfg = load_config(config, [w for w in words if "=" in w])
+    except (ConfigError, OSError):
+        cfg = TrainConfig()
+    return "\n\n" + reward_settings_text(cfg)
+
+
+def reward_settings_text(cfg) -> str:
+    """Every reward term of ``cfg`` (``rewards``, then ``eval.rewards`` when set) with its settings, each with its
+    default and whether the config sets it (:func:`flowrl_rewards.registry.settings_of`; the class imported, not
+    built), then the combiner's term keys."""
+    from flowrl_rewards.registry import TERM_KEYS, TERM_KWARGS, resolve_reward_class, settings_of
+
+    lines = ["reward settings (the keys of rewards[i].kwargs and eval.rewards[i].kwargs), with their defaults:"]
+    for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):
+        for i, term in enumerate(terms):
+            try:
+                settings = settings_of(resolve_reward_class(term.name))
+            except Exception as e:  # noqa: BLE001 — the help still lists the others
+                lines.append(f"  {section}[{i}] {term.name}: (cannot list its settings: {e})")
+                continue
+            cls = settings.reward
+            lines.append(f"  {section}[{i}] {term.name} ({cls.__module__}.{cls.__name__}):")
+            given = dict(term.kwargs or {})
+            for s in settings.own + TERM_KWARGS:
+                notes = [n for n in (s.annotation, s.note) if n]
+                if s.name in given:  # its value is in the key list above (not repeated: it may be a credential)
+                    notes.append("set in this config")
+                default = "(required)" if s.required else _yaml_value(s.default)
+                lines.append(f"    {s.name}: {default}" + (f"  # {'; '.join(notes)}" if notes else ""))
+            if settings.open:
+                lines.append("    (its constructor takes any other key too)")
+    keys = ", ".join(f"{k.name} ({_yaml_value(k.default)}: {k.note})" for k in TERM_KEYS)
+    lines.append(f"each term also takes, beside name and kwargs: {keys}")
+    return "\n".join(lines)
+
+
+def _yaml_value(value) -> str:
+    """``value`` as YAML writes it: null, true/false, a bare string, else its repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value if isinstance(value, str) else repr(value)
 
 
 def fitted_and_metered(cfg, overrides: list[str]):

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from flowrl.config import chosen
+from flowrl.config.checks import ADAPTER_KEYS, check_model_kwargs
 from flowrl.config.schema import ConfigError, ModelSection, RewardTerm, TrainConfig
 from flowrl.credit.base import CreditRule
 from flowrl.errors import shown
@@ -37,17 +38,13 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
 
     device = device or resolve_device(section.device)
     configure_attention(device, section.cudnn_attention)
+    check_model_kwargs(section)  # every model.kwargs key a keyword of the adapter, before any weight loads
     kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
-    passed = ("guidance", "true_cfg", "height", "width", "max_sequence_length")  # model keys the adapter reads
-    for key in passed:
+    for key in ADAPTER_KEYS:  # the model.* keys the adapter reads
         value = getattr(section, key)
         if value is not None:
             kwargs[key] = value
-    extra = dict(section.kwargs or {})
-    owned = sorted(set(extra) & (set(kwargs) | set(passed) | {"path"}))
-    if owned:
-        raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
-    kwargs.update(extra)
+    kwargs.update(section.kwargs or {})
     try:
         if section.path is None and models.model_family(section.family).needs_path:
             raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
@@ -55,10 +52,6 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
         if isinstance(e, ConfigError):
             raise
-        unknown = [k for k in extra if isinstance(e, TypeError) and f"unexpected keyword argument '{k}'" in str(e)]
-        if unknown:
-            raise ConfigError(f"model.kwargs.{unknown[0]}={shown(extra[unknown[0]])} is not a keyword of the "
-                              f"model.family={section.family!r} adapter ({e})") from e
         chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
                            if getattr(section, k) is not None)
         raise ConfigError(f"{chosen}: {e}") from e

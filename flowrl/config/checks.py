@@ -18,9 +18,72 @@ REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines severa
 def check_config(cfg: Any) -> None:
     """Every check of ``cfg``'s own sections that needs no model (a TrainConfig, read by attribute: flowrl.config.schema
     calls this module, which never imports it); raises ConfigError at the first failure. Nothing is changed. The
-    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.build.load_components`)."""
+    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.build.load_components`).
+    The keys of the free-form mappings are checked here too, against what reads them: ``model.kwargs`` against the
+    adapter's keywords, ``rewards[i].kwargs`` against each reward's settings (:func:`check_free_keys`)."""
     check_model_section(cfg.model)
     check_loop_sections(cfg)
+    check_free_keys(cfg)
+
+
+def check_free_keys(cfg: Any) -> None:
+    """The keys the schema leaves to what reads them, checked against it without building it: ``model.kwargs`` against
+    the adapter's signature (:func:`check_model_kwargs`), every ``rewards[i].kwargs`` and ``eval.rewards[i].kwargs``
+    against that reward's settings (:func:`check_reward_terms`)."""
+    check_model_kwargs(cfg.model)
+    check_reward_terms(cfg)
+
+
+ADAPTER_KEYS = ("guidance", "true_cfg", "height", "width", "max_sequence_length")
+"""``model.*`` keys that :func:`flowrl.config.build.build_model` passes to the adapter when set."""
+MODEL_OWNED = ("path", "device", "dtype", "gradient_checkpointing") + ADAPTER_KEYS
+"""Adapter keywords ``model.*`` keys set: ``model.kwargs`` may not set them too."""
+
+
+def check_model_kwargs(m: Any) -> None:
+    """``model.kwargs``: no key that ``model.*`` sets itself, and every key a keyword of the ``model.family`` adapter
+    (its loader's or ``from_pretrained``'s signature and the adapter's ``__init__`` they pass the rest to:
+    :func:`flowrl.models.adapter_keywords`), checked before any weight loads."""
+    from flowrl.core.registry import LOAD_ERRORS
+    from flowrl.models import adapter_keywords
+
+    extra = dict(m.kwargs or {})
+    owned = [k for k in extra if k in MODEL_OWNED]
+    if owned:
+        raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
+    if not extra:
+        return
+    try:
+        keywords = adapter_keywords(m.family)
+    except ConfigError:
+        raise
+    except LOAD_ERRORS as e:
+        raise ConfigError(f"model.family={shown(m.family)}: {e}") from None
+    if keywords is None:  # the adapter takes any keyword
+        return
+    accepted = [k for k in keywords if k not in MODEL_OWNED]
+    for k, v in extra.items():
+        if k not in accepted:
+            raise ConfigError(f"model.kwargs.{k}={shown(v)} is not a keyword of the model.family={m.family!r} adapter"
+                              f"{did_you_mean(k, accepted)}; accepted: {accepted} (and the model.* keys "
+                              f"{list(MODEL_OWNED)})")
+
+
+def check_reward_terms(cfg: Any) -> None:
+    """Every term of ``rewards`` and ``eval.rewards``: its name resolves (a ``module:Class`` plugin is imported, not
+    built) and each key of its ``kwargs`` is one of that reward's settings or the combiner's
+    (:func:`flowrl_rewards.registry.check_reward_kwargs`), each failure naming ``rewards[i].kwargs.<key>``."""
+    from flowrl.core.registry import LOAD_ERRORS
+    from flowrl_rewards.registry import check_reward_kwargs
+
+    for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):
+        for i, term in enumerate(terms):
+            try:
+                check_reward_kwargs(term.name, dict(term.kwargs or {}), key=f"{section}[{i}].kwargs", term=True)
+            except ConfigError:
+                raise
+            except LOAD_ERRORS as e:  # a plugin that does not import, or is not a Reward (named in the message)
+                raise ConfigError(str(e)) from None
 
 
 def check_model_section(m: Any) -> None:
@@ -141,6 +204,7 @@ def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
     """The chosen plan, credit rule and objective of ``cfg`` (each checked its own fields when constructed), checked
     together: the objective against the plan and the credit rule, every key read or refused, the guidance."""
     objective.check_plan(plan)  # e.g. a policy objective on ODE rollouts
+    plan.check_reward_normalize(cfg.reward_normalize)  # e.g. probed states need unnormalised rewards
     objective.check_credit(credit)  # e.g. step-level credit with a leaf objective
     for component in (plan, credit, objective):  # every key read or refused: each component names its unread ones
         unread = component.unread_keys()

@@ -56,7 +56,7 @@ class ModelSection:
     # flowrl/models/blocks.py)
     prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
     kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
-    # complex_human_instruction or negative_prompt (passed through; an unknown one fails at load)
+    # complex_human_instruction or negative_prompt (passed through; one the adapter's signature lacks fails at load)
     shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
     # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
     # (configs/accelerate/fsdp.yaml), else ddp
@@ -72,7 +72,8 @@ class RewardTerm:
     name: str = MISSING  # registry name, "package.module:Class" or "path/to/file.py:Class"
     weight: float = 1.0
     label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward's settings (its constructor's keywords) and the
+    # combiner's frame_stride; each key checked at load (flowrl train --help lists them with their defaults)
     timeout: Optional[float] = None  # seconds one call may take; past it that call's scores are NaN (reward_failed)
 
 
@@ -361,9 +362,10 @@ def _unknown_key_message(e: OmegaConfBaseException, schema: type = TrainConfig) 
     return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config/schema.py for every key)"
 
 
-_FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own
-              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built)
-              "model.kwargs")  # the adapter's own keywords (checked against it when the model loads)
+_FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own settings (checked
+              # against them at load by flowrl.config.checks.check_reward_terms, the reward not built)
+              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built, at load)
+              "model.kwargs")  # the adapter's own keywords (checked against its signature at load, no weight loaded)
 
 
 def _dotted(tree: Any, prefix: str = "") -> list[str]:

@@ -6,7 +6,9 @@ path)`` loads a pipeline (hub id or local folder) and wraps it. Importing this p
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +36,72 @@ class ModelFamily:
             return self.adapter
         return load_target(self.adapter, f"model.family adapter {self.adapter!r}", "model adapter file", FlowModel)
 
-    def load(self, path, *, dtype: torch.dtype, **kw) -> FlowModel:
+    def entry(self):
+        """What :meth:`load` calls: the ``loader`` function (imported, not called), else the adapter's
+        ``from_pretrained``."""
         if self.loader is not None:
             module, _, name = self.loader.rpartition(":")
-            return getattr(importlib.import_module(module), name)(path, dtype=dtype, **kw)
-        return self.adapter_class().from_pretrained(path, dtype=dtype, **kw)
+            return getattr(importlib.import_module(module), name)
+        return self.adapter_class().from_pretrained
+
+    def load(self, path, *, dtype: torch.dtype, **kw) -> FlowModel:
+        return self.entry()(path, dtype=dtype, **kw)
+
+    def keywords(self) -> tuple[str, ...] | None:
+        """The keywords :meth:`load` accepts beside ``path`` and ``dtype``, read from signatures (nothing is loaded):
+        the entry's (:meth:`entry`) named keywords and, where it passes the rest on (an unannotated ``**kw``), the
+        adapter ``__init__``'s, with the keys of the TypedDict its ``**options: Unpack[...]`` declares
+        (:class:`flowrl.models.setup.AdapterOptions`). None: a function on the way takes any keyword."""
+        entry_named, passes_on = _named_keywords(self.entry())
+        if entry_named is None:
+            return None
+        if passes_on is None:
+            return tuple(entry_named)
+        if passes_on is not True:  # the entry's own **kw declares its keys
+            return tuple(entry_named + passes_on)
+        init_named, options = _named_keywords(self.adapter_class())
+        if init_named is None or options is True:  # the adapter's __init__ takes any keyword
+            return None
+        return tuple(dict.fromkeys(entry_named + init_named + list(options or ())))
+
+
+def _named_keywords(fn) -> tuple[list[str] | None, list[str] | bool | None]:
+    """``(names, rest)`` of ``fn``'s signature: the keywords it names (its first positional parameter, the path or
+    the pipeline, and ``dtype`` left out) and what its ``**`` parameter takes: None (there is none), the keys of the
+    TypedDict it unpacks (``**options: Unpack[AdapterOptions]``) or True (any keyword). ``(None, True)`` when ``fn``
+    has no signature to read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: it may take any keyword
+        return None, True
+    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "dtype"]
+    rest = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
+    if rest is None:
+        return names, None
+    keys = _unpacked_keys(fn, rest.annotation)
+    return names, keys if keys is not None else True
+
+
+def _unpacked_keys(fn, annotation) -> list[str] | None:
+    """The keys of the TypedDict that ``**kw: Unpack[TD]`` declares (the annotation may be a string, with ``Unpack``
+    and ``AdapterOptions`` imported only for type checkers), else None."""
+    from flowrl.models.setup import AdapterOptions
+
+    if annotation is inspect.Parameter.empty:
+        return None
+    if isinstance(annotation, str):
+        owner = fn.__init__ if isinstance(fn, type) else fn
+        names = {**getattr(owner, "__globals__", {}), "Unpack": typing.Unpack, "AdapterOptions": AdapterOptions}
+        try:
+            annotation = eval(annotation, names)  # noqa: S307 — a signature's own annotation, as typing.get_type_hints
+        except Exception:  # noqa: BLE001 — an annotation that does not evaluate declares nothing
+            return None
+    args = typing.get_args(annotation)
+    if args and typing.is_typeddict(args[0]):
+        return list(typing.get_type_hints(args[0]))
+    return None
 
 
 def _check_family(family, label: str) -> None:
@@ -77,6 +140,12 @@ def model_family(name: str) -> ModelFamily:
     return family if isinstance(family, ModelFamily) else ModelFamily(None, family)
 
 
+def adapter_keywords(family: str) -> tuple[str, ...] | None:
+    """The keywords :func:`load_model` accepts for ``family`` beside ``path`` and ``dtype`` (:meth:`ModelFamily.keywords`,
+    from signatures: the adapter is imported, nothing loaded); None: it takes any keyword."""
+    return model_family(family).keywords()
+
+
 def wrap(pipe, **kw) -> FlowModel:
     """The adapter for a diffusers pipeline, picked by its class (or a base class); ``kw`` go to the adapter."""
     names = [cls.__name__ for cls in type(pipe).__mro__]
@@ -100,5 +169,6 @@ def load_model(family: str, path: str | os.PathLike | None, *, dtype: torch.dtyp
     return fam.load(path, dtype=dtype, **kw)
 
 
-__all__ = ["Conditioning", "FlowModel", "LoraSpec", "MODEL_FAMILIES", "ModelFamily", "load_model", "model_family",
+__all__ = ["Conditioning", "FlowModel", "LoraSpec", "MODEL_FAMILIES", "ModelFamily", "adapter_keywords", "load_model",
+           "model_family",
            "register_model_family", "wrap"]

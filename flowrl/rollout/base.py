@@ -86,7 +86,12 @@ class RolloutPlan(Checked):
     config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.config.choices)
 
     def setup(self, model: FlowModel, reward=None) -> None:
-        """Called once before the first rollout; ``reward`` is the run's MultiReward (or None)."""
+        """Called once before the first rollout; ``reward`` is the run's MultiReward (or None). What a plan can check
+        without the model it checks when the config loads (e.g. :meth:`check_reward_normalize`), not here."""
+
+    def check_reward_normalize(self, normalize: str) -> None:
+        """Raise a ConfigError when the plan cannot work with the run's ``reward_normalize`` (``none`` | ``batch`` |
+        ``group``), checked when the config loads (:func:`flowrl.config.checks.check_components`). Default: any."""
 
     def after_update(self, model: FlowModel) -> None:
         """Called after every optimizer step, with the updated model."""

@@ -193,8 +193,21 @@ class Explore(RolloutPlan):
         return self.pool if self.pool is not None else 4 * self.keep
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def unread_fields(self) -> dict[str, str]:
+        """``min_params`` and ``skip`` with the ``same`` backend (it converts no layer)."""
+        if self.backend == "same":
+            why = "it chooses the layers a low-precision backend converts, and rollout.backend: same converts none"
+            return {"min_params": why, "skip": why}
+        return {}
+
     def unread_keys(self) -> dict[str, str]:
-        return inner_unread(self.inner_plan)
+        """Its own unread keys (the base's check of :meth:`unread_fields`) and the inner plan's, named under
+        ``rollout.inner``."""
+        return {**super().unread_keys(), **inner_unread(self.inner_plan)}
+
+    def check_reward_normalize(self, normalize: str) -> None:
+        """The inner plan's (the explorer scores its previews with whatever combination the run uses)."""
+        self.inner_plan.check_reward_normalize(normalize)
 
     def setup(self, model, reward=None) -> None:
         """Set up the inner plan, keep the reward (it scores the preview pool) and build the explorer."""
@@ -250,9 +263,7 @@ class Explore(RolloutPlan):
         from flowrl.training.scoring import components_of
 
         parts = components_of(self._reward, images, prompts, {})
-        if hasattr(self._reward, "combine"):
-            return self._reward.combine(parts, groups).float().cpu()
-        return next(iter(parts.values())).float().cpu()
+        return self._reward.combine(parts, groups).float().cpu()
 
     @torch.no_grad()
     def rollout(self, model, prompts: list[str], ctx: RolloutContext) -> Forest:

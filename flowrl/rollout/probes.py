@@ -67,7 +67,8 @@ class Probed(RolloutPlan):
     with start step ≤ i moves one Euler step in forwards of at most ``max_batch`` states, all at σ_i.
 
     Rewards: probe values and leaf rewards are combined separately by the MultiReward, so
-    ``reward_normalize`` must be ``none`` (checked in :meth:`setup`): step credit compares them.
+    ``reward_normalize`` must be ``none`` (:meth:`check_reward_normalize`, when the config loads): step credit
+    compares them.
     """
 
     probe: str = choice("ode_completion", PROBES)
@@ -85,15 +86,18 @@ class Probed(RolloutPlan):
                              "post-solver does not probe the state after the last SDE step; use post_solver: none")
 
     def unread_keys(self) -> dict[str, str]:
-        """The inner plan's unread keys, named under ``rollout.inner``."""
-        return inner_unread(self.inner_plan)
+        """Its own unread keys (the base's check of its fields) and the inner plan's, named under ``rollout.inner``."""
+        return {**super().unread_keys(), **inner_unread(self.inner_plan)}
+
+    def check_reward_normalize(self, normalize: str) -> None:
+        """``none`` only (class docstring), then the inner plan's check."""
+        if normalize != "none":
+            raise ConfigError(f"reward_normalize={normalize!r} with a probed plan (rollout.plan: probed): probe values and leaf rewards "
+                              "are normalised separately and could not be compared; accepted: reward_normalize: none")
+        self.inner_plan.check_reward_normalize(normalize)
 
     # ---- lifecycle: passed on to the inner plan ----------------------------------------------
     def setup(self, model: FlowModel, reward=None) -> None:
-        normalize = getattr(reward, "normalize", "none")
-        if normalize != "none":
-            raise ConfigError(f"reward_normalize={normalize!r} with rollout.plan=probed: probe values and leaf rewards "
-                              "are normalised separately and could not be compared; use reward_normalize: none")
         self.inner_plan.setup(model, reward)
 
     def after_update(self, model: FlowModel) -> None:
