@@ -433,7 +433,7 @@ def test_200_concurrent_clients_are_all_answered():
     with RewardServerProcess("brightness", cwd=ROOT) as server:
         def one(i):
             t = time.monotonic()
-            reply = json.loads(post_json(server.url, bodies[i], timeout=120))
+            reply = json.loads(post_json(server.url, bodies[i], timeout=60))  # the remote reward's default
             return time.monotonic() - t, reply["scores"][0]
 
         results = _concurrently(n, one)
@@ -444,7 +444,7 @@ def test_200_concurrent_clients_are_all_answered():
         latencies = sorted(t for t, _ in results)
         p50, p99 = statistics.median(latencies), latencies[int(0.99 * n) - 1]
         print(f"\n200 concurrent clients: all answered; p50 {p50:.2f} s, p99 {p99:.2f} s, max {latencies[-1]:.2f} s")
-        assert p99 < 30
+        assert p99 < 10  # measured 0.68 s on 2 CPU cores; the stdlib server reset 44 of 200 connections (backlog 5)
         _no_traceback(server)
 
 
