@@ -4,8 +4,9 @@ from flowrl_rewards.port import Scorer
 from flowrl_rewards.base import Reward
 from flowrl_rewards.registry import REGISTRY, build_reward, register
 from flowrl_rewards.multi import MultiReward, RewardSpec
+from flowrl_rewards.background import BackgroundScorer
 
-__all__ = ["Scorer", "Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec"]
+__all__ = ["Scorer", "Reward", "REGISTRY", "build_reward", "register", "MultiReward", "RewardSpec", "BackgroundScorer"]
 
 register("temporal_consistency", "flowrl_rewards.temporal:TemporalConsistency")
 register("source_fidelity", "flowrl_rewards.source_fidelity:SourceFidelity")

@@ -87,7 +87,7 @@ def main() -> None:
     from flowrl.rollout.explorer import make_explorer
     from flowrl.rollout.precision import available_backends
     from flowrl.core.seeding import derive_seed
-    from flowrl.training.scoring import decode
+    from flowrl.rollout.decoding import decode
     from flowrl_rewards import build_reward
 
     model = load_shapes_model()

@@ -45,7 +45,7 @@ def test_a_size_the_transformer_cannot_take_is_refused_naming_the_keys(tiny_mode
 
 def test_a_run_evaluates_at_eval_height_and_width(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
     import flowrl.training.evaluation as evaluation
-    import flowrl.training.scoring as scoring
+    import flowrl.rollout.scoring as scoring
 
     seen = {"eval": set(), "rollout": set()}
     score_images, decode = evaluation.score_images, scoring.decode

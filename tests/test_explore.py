@@ -217,7 +217,8 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     p.setup(sd3_model, reward)
     forest = p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, max_batch=16))
     nodes, x0 = forest.score_requests()
-    from flowrl.training.scoring import components_of, decode
+    from flowrl.rollout.decoding import decode
+    from flowrl.rollout.scoring import components_of
 
     forest.record_scores(nodes, components_of(reward, decode(sd3_model, x0, 16), [forest.prompts[int(g)] for g in forest.group[nodes]], {}))
     forest.combine_scores(reward.combine)

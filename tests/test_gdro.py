@@ -157,7 +157,7 @@ def test_a_group_shares_its_timesteps_and_noise(share):
 # ---- through the loop ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_store(tmp_path_factory):
-    from flowrl.rollout.offline_store import write_store
+    from flowrl.run.rollout_store import write_store
     from flowrl_rewards import MultiReward
 
     out = tmp_path_factory.mktemp("gdro") / "store"

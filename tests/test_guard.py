@@ -90,7 +90,7 @@ def test_a_bad_guard_is_exit_status_2_before_anything_is_written(tmp_path, capsy
 
 # ---- the guard itself ------------------------------------------------------------------------------------------
 def test_the_guard_trips_below_its_threshold_absolute_or_relative_and_keeps_its_state():
-    multi = SimpleNamespace(rewards=[SimpleNamespace(name="level"), SimpleNamespace(name="shapes")])
+    multi = SimpleNamespace(terms=[SimpleNamespace(name="level"), SimpleNamespace(name="shapes")])  # the Scorer port
     guard = EvalGuard.build(GuardSection(reward="plug.py:Level", max_drop=0.1), ["plug.py:Level", "shapes"], multi)
     assert guard.metric == "eval/level_mean"  # the name as written → the built term's metric
     assert guard.observe(0, {"step": 0, "eval/level_mean": 0.5}) == {

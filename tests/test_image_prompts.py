@@ -18,7 +18,7 @@ from flowrl.prompts.images import (
     reward_inputs,
     split_image_prompt,
 )
-from flowrl.training.scoring import components_of
+from flowrl.rollout.scoring import components_of
 from flowrl_rewards import MultiReward, Reward, build_reward
 
 

@@ -10,7 +10,8 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.offline import Offline
-from flowrl.rollout.offline_store import META_FILE, RolloutStore, write_store
+from flowrl.rollout.offline_store import META_FILE, RolloutStore
+from flowrl.run.rollout_store import write_store
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.training.scoring import BackgroundScorer
+from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
 from flowrl_rewards.registry import resolve_reward_class
 

@@ -170,7 +170,7 @@ def test_layer_tuning_noises_each_video_row_at_its_own_sigma(monkeypatch):
 
 
 def test_nothing_to_score_decodes_to_an_empty_batch_of_videos():
-    from flowrl.training.scoring import decode
+    from flowrl.rollout.decoding import decode
 
     model = wan_model()
     assert decode(model, torch.zeros(0, *model.latent_shape), 4).shape == (0, 5, 3, 32, 48)

@@ -75,7 +75,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def image_bytes(model) -> int:
     """Bytes one drawn image (a video: all its frames) of ``model`` takes as float32 pixels."""
-    frames = int(getattr(model, "num_frames", None) or 1)
+    frames = int(model.num_frames or 1)
     return 3 * int(model.height) * int(model.width) * frames * 4
 
 

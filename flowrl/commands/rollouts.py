@@ -58,7 +58,8 @@ def write_rollouts(cfg, out: str, *, checkpoint=None, images_per_prompt: int = 1
     ``model`` a ready model (None: built from ``cfg`` with ``checkpoint``'s weights). Returns the store's path."""
     from flowrl.config import build
     from flowrl.prompts.source import read_prompts
-    from flowrl.rollout.offline_store import COMMAND, write_store
+    from flowrl.rollout.offline_store import COMMAND
+    from flowrl.run.rollout_store import write_store
     from flowrl.run.model import load_model
     from flowrl.run.outputs import check_output
     from flowrl.training.evaluation import resolve_guidance

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from flowrl.run.outputs import check_output
     from flowrl.training.evaluation import resolve_guidance
     from flowrl.training.grids import grid_scores, save_labelled_grid, save_sample
-    from flowrl.training.scoring import check_modality, model_modality
+    from flowrl.training.scoring import check_modality
 
     reward = _sample_reward(args, args.prompt)  # before the model loads
     output = check_output(args.out, "flowrl sample", mode="adds")  # adds files, never replaces one
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     model.resize(cfg.eval.height, cfg.eval.width)  # eval.height/eval.width: sampled at the eval's size
     for prompt in args.prompt:  # an editing model's prompts carry their image; a text model's do not
         check_prompt_fits(prompt, f"--prompt {shown(prompt, 80)}", edits=model.takes_source_image,
-                          family=getattr(model, "family", cfg.model.family))
+                          family=model.family or cfg.model.family)
     if reward is not None:
         check_modality(model, [("--reward", reward)])
     prompts = [p for p in args.prompt for _ in range(args.num)]
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     check_memory("--num", args.num, len(prompts) * image_bytes(model), f"{len(prompts):,} images kept for the grid")
     out = output.make()
     names = FileNamer(out)  # every name made (and checked inside --out) before any model time is spent
-    video = model_modality(model) == "video"  # a video family: animated GIFs
+    video = model.modality == "video"  # a video family: animated GIFs
     suffix = ".gif" if video else ".png"
     paths = [names.path(f"{i:03d}", prompt_label(prompt), suffix) for i, prompt in enumerate(prompts)]
     grid_path = names.path("", "grid", suffix)

@@ -136,9 +136,14 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     negative_prompt: str = ""
     takes_source_image: bool = False
     """An editing family: every prompt carries the image it edits (:mod:`flowrl.prompts.images`)."""
+    family: str | None = None
+    """The registered family name (``model.family``: ``"sd3"``, ``"flux"``, …), a class attribute of each family
+    adapter; None for an adapter outside the registry (it is named by its class then)."""
     modality: str = "image"
     """What the family samples: ``"image"`` (decode → [B, 3, H, W]) or ``"video"`` (``decode_video`` → [B, F, 3, H, W],
     frames ``num_frames``); declared once, read by the loop, the rewards' checks and the estimate."""
+    num_frames: int | None = None
+    """Frames of a video family's samples (``model.kwargs.num_frames``, set by its adapter); None for image families."""
     default_lora_targets: list[str] = []
     autocast: torch.dtype | str | None = AUTOCAST_FOLLOWS_ACCELERATE
     """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``

@@ -260,7 +260,7 @@ class Explore(RolloutPlan):
     # ---- rollout ----------------------------------------------------------------------------
     def _score_pool(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor) -> torch.Tensor:
         """Combined reward [M] of the preview images [M, 3, H, W] (the run's MultiReward)."""
-        from flowrl.training.scoring import components_of
+        from flowrl.rollout.scoring import components_of
 
         parts = components_of(self._reward, images, prompts, {})
         return self._reward.combine(parts, groups).float().cpu()
@@ -270,7 +270,7 @@ class Explore(RolloutPlan):
         """Preview N seeds per prompt with the explorer, keep K by reward, regenerate them with the inner
         plan; returns the inner plan's forest (regenerated samples only)."""
         from flowrl.rollout.sampling import ode_sample
-        from flowrl.training.scoring import decode
+        from flowrl.rollout.decoding import decode
 
         if self._reward is None:
             raise RuntimeError("Explore needs the run's reward to score its preview pool: call setup(model, reward) "

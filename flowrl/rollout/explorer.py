@@ -24,8 +24,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
-
-from flowrl.distributed.sharding import whole
+from torch.distributed.tensor import DTensor
 from flowrl.rollout.precision import (
     DEFAULT_MIN_PARAMS,
     DEFAULT_SKIP,
@@ -35,6 +34,12 @@ from flowrl.rollout.precision import (
     quantize_linear,
     rest_dtype,
 )
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` gathered whole: a sharded parameter (FSDP2's DTensor) by a collective every process must call; a plain
+    tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # ---- LoRA -----------------------------------------------------------------------------------

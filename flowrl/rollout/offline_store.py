@@ -17,26 +17,30 @@ A store is a folder::
     prompts.txt                the stored prompts, one per line (``prompts.train`` may point at it)
 
 Rows are prompt-major: prompt p's K samples are rows p·K … p·K + K − 1. Written into a temporary folder and
-renamed into place (:func:`write_store`); read lazily (:class:`RolloutStore`: the metadata, seeds and rewards at
+renamed into place (:func:`flowrl.run.rollout_store.write_store`: an output folder of ``flowrl rollouts``); read lazily (:class:`RolloutStore`: the metadata, seeds and rewards at
 once, latents by rows, memory-mapped; each part's checksum verified the first time its latents are read).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.models.base import FlowModel
 
 FORMAT, VERSION = "flowrl-rollouts", 1
 META_FILE, PROMPTS_FILE = "rollouts.json", "prompts.txt"
 COMMAND = "flowrl rollouts"
 PART_BYTES = 512 * 2**20  # latents per part file (about): a store of any size is read and written part by part
+
+
+def adapter_name(model: FlowModel) -> str:
+    """What a store records as the adapter it was sampled with: the model's family, else its adapter's class name."""
+    return model.family or type(model).__name__
 
 
 def sha256_of(path: Path) -> str:
@@ -176,115 +180,14 @@ class RolloutStore:
                     out[i] = block[r:r + 1][0].float()
         return out
 
-    def check_model(self, model) -> None:
+    def check_model(self, model: FlowModel) -> None:
         """Refuse a model whose latents differ from the store's (another family, size or VAE): a ConfigError naming
         both."""
         m = self.meta["model"]
         theirs = (m["adapter"], self.latent_shape)
-        ours = (getattr(model, "family", type(model).__name__), tuple(int(d) for d in model.latent_shape))
+        ours = (adapter_name(model), tuple(int(d) for d in model.latent_shape))
         if theirs != ours:
             raise ConfigError(f"{self.where} holds samples of model family {m.get('family')!r} (adapter {theirs[0]!r}) "
                               f"with latents {list(theirs[1])}, but this run's model is adapter {ours[0]!r} with latents "
                               f"{list(ours[1])}; accepted: a store written with this run's model (`{COMMAND} CONFIG "
                               "--out FOLDER` with the run's config)")
-
-
-# ---- writing ---------------------------------------------------------------------------------------------
-def write_part(folder: Path, index: int, first_row: int, latents: torch.Tensor, seed: torch.Tensor,
-               components: dict[str, torch.Tensor], reward: torch.Tensor) -> dict[str, Any]:
-    """``part-NNNNN.safetensors`` of rows [first_row, first_row + n) in ``folder``: ``latents`` [n, …], ``seed`` [n],
-    ``reward`` [n] and each term's ``reward/<name>`` [n]; returns its entry of ``parts``."""
-    from safetensors.torch import save_file
-
-    name = f"part-{index:05d}.safetensors"
-    tensors = {"latents": latents.detach().float().cpu().contiguous(), "seed": seed.long().cpu().contiguous(),
-               "reward": reward.float().cpu().contiguous()}
-    tensors.update({f"reward/{k}": v.float().cpu().contiguous() for k, v in components.items()})
-    save_file(tensors, str(folder / name), metadata={"format": FORMAT})
-    return {"file": name, "rows": [first_row, first_row + int(latents.shape[0])], "bytes": (folder / name).stat().st_size,
-            "sha256": sha256_of(folder / name)}
-
-
-def sample_groups(model, prompts: list[str], reward, *, images_per_prompt: int, steps: int, guidance: float,
-                  seed: int, max_batch: int, group_offset: int = 0):
-    """K = ``images_per_prompt`` ODE samples (Euler, ``steps``) of each of ``prompts``, decoded and scored: (latents
-    [P·K, …], root seeds [P·K], combined reward [P·K], each term's scores {name: [P·K]}), prompt-major. Root seeds
-    are the ODE plan's: derive_seed(seed, 0, "root", group_offset + p, j)."""
-    from flowrl.rollout.base import RolloutContext
-    from flowrl.rollout.chains import ODEChains
-    from flowrl.training.scoring import components_of, decode
-
-    ctx = RolloutContext(seed=seed, iteration=0, group_offset=group_offset, guidance=guidance, max_batch=max_batch)
-    forest = ODEChains(group_size=images_per_prompt, steps=steps).rollout(model, prompts, ctx)
-    leaves = forest.leaves()
-    x0 = forest.all_latents()[leaves]
-    texts = [forest.prompts[int(g)] for g in forest.group[leaves]]
-    if reward is None:
-        nan = torch.full((leaves.numel(),), float("nan"))
-        return x0, forest.seed[leaves], nan, {}
-    images = decode(model, x0, max_batch)
-    components = components_of(reward, images, texts, {})
-    total = reward.combine(components, forest.group[leaves]) if hasattr(reward, "combine") else next(iter(components.values()))
-    return x0, forest.seed[leaves], total, components
-
-
-def write_store(out: str | Path, model, prompts: list[str], reward, *, images_per_prompt: int, steps: int,
-                guidance: float, seed: int, max_batch: int, model_info: dict[str, Any],
-                checkpoint: str | None = None, part_bytes: int = PART_BYTES,
-                progress: Callable[[int, int], None] | None = None) -> Path:
-    """Sample, score and write a store of ``images_per_prompt`` samples of every prompt into ``out`` (a new or empty
-    folder: :func:`~flowrl.run.outputs.check_output`, never an earlier store), through a temporary folder beside it
-    renamed into place. ``model_info``: ``family`` (``model.family``), ``path`` (``model.path``); ``progress(done,
-    total)`` is called after each part of prompts. Returns ``out``."""
-    from flowrl.run.outputs import check_output, write_marker
-
-    if images_per_prompt < 2:
-        raise ConfigError(f"--images-per-prompt={images_per_prompt} must be >= 2 (a group ranks several samples)")
-    if not prompts:
-        raise ConfigError("a rollout store needs at least one prompt (prompts.train is empty)")
-    target = check_output(out, COMMAND, mode="new").path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    per_image = 4 * max(1, int(torch.tensor(model.latent_shape).prod()))
-    per_part = max(1, part_bytes // (per_image * images_per_prompt))  # prompts per part file
-    chunk = max(1, min(per_part, max_batch // images_per_prompt or 1))  # prompts per sampling call
-    try:
-        tmp.mkdir()
-        parts, terms, rewards = [], None, []
-        for start in range(0, len(prompts), per_part):
-            block = prompts[start:start + per_part]
-            pieces = [sample_groups(model, block[a:a + chunk], reward, images_per_prompt=images_per_prompt, steps=steps,
-                                    guidance=guidance, seed=seed, max_batch=max_batch, group_offset=start + a)
-                      for a in range(0, len(block), chunk)]
-            names = sorted(pieces[0][3])
-            terms = names if terms is None else terms
-            comps = {k: torch.cat([p[3][k] for p in pieces]) for k in names}
-            total = torch.cat([p[2] for p in pieces])
-            rewards.append(total)
-            parts.append(write_part(tmp, len(parts), start * images_per_prompt, torch.cat([p[0] for p in pieces]),
-                                    torch.cat([p[1] for p in pieces]), comps, total))
-            if progress is not None:
-                progress(min(start + per_part, len(prompts)), len(prompts))
-        allr = torch.cat(rewards)
-        ok = allr[torch.isfinite(allr)]
-        meta = {"format": FORMAT, "version": VERSION, "written_by": COMMAND,
-                "model": {"family": model_info.get("family"), "path": model_info.get("path"),
-                          "adapter": getattr(model, "family", type(model).__name__),
-                          "latent_shape": [int(d) for d in model.latent_shape],
-                          "height": int(model.height), "width": int(model.width)},
-                "sampler": {"plan": "ode", "solver": "euler", "steps": int(steps), "guidance": float(guidance),
-                            "seed": int(seed)},
-                "checkpoint": checkpoint, "images_per_prompt": int(images_per_prompt), "prompts": list(prompts),
-                "rewards": terms or [], "reward_mean": float(ok.mean()) if ok.numel() else None,
-                "rows": len(prompts) * images_per_prompt, "parts": parts}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        (tmp / PROMPTS_FILE).write_text("".join(p + "\n" for p in prompts))
-        write_marker(tmp, COMMAND)
-        if target.exists():  # an empty folder (check_output accepted it): replaced by the written one
-            target.rmdir()
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target

@@ -4,17 +4,26 @@ rollout (``rollout.chunks``, ``train.async_reward``)."""
 from __future__ import annotations
 
 import time
+from typing import Protocol, Sequence
 
-from flowrl.distributed.process_group import ProcessGroup
 from flowrl.rollout.base import RolloutContext, RolloutPlan
 from flowrl.rollout.forest import Forest
-from flowrl.training.scoring import BackgroundScorer, request_scores
+from flowrl.rollout.scoring import loop_scorer, request_scores
+from flowrl_rewards.background import BackgroundScorer
+from flowrl_rewards.port import Scorer
+
+
+class PromptShards(Protocol):
+    """This process's share of the prompts (:class:`flowrl.distributed.process_group.ProcessGroup` is one)."""
+
+    def shard(self, items: Sequence[str]) -> tuple[list[str], int]:
+        """This process's items and the global index of its first."""
 
 
 class RolloutRunner:
     """``run(iteration)`` → (scored forest, timings) for this process's share of the iteration's prompts."""
 
-    def __init__(self, plan: RolloutPlan, model, reward, prompts, group: ProcessGroup, *, seed: int, guidance: float,
+    def __init__(self, plan: RolloutPlan, model, reward: Scorer, prompts, group: PromptShards, *, seed: int, guidance: float,
                  max_batch: int, chunks: int, reduction: str, async_reward: bool | str = "auto", teacher=None):
         self.plan, self.model, self.reward, self.prompts, self.group = plan, model, reward, prompts, group
         self.seed, self.guidance, self.max_batch, self.chunks, self.reduction = seed, guidance, max_batch, chunks, reduction
@@ -26,7 +35,7 @@ class RolloutRunner:
     def scorer(self) -> BackgroundScorer:
         """The reward scorer (a background thread when enabled), started on first use and after :meth:`close`."""
         if self._scorer is None:
-            self._scorer = BackgroundScorer(self.reward, enabled=self.async_reward)
+            self._scorer = loop_scorer(self.reward, enabled=self.async_reward)
         return self._scorer
 
     def local_prompts(self, iteration: int) -> tuple[list[str], int]:

@@ -59,7 +59,7 @@ def sample_with_plan(model: "FlowModel", prompts: Sequence[str], plan, seed: int
 
     The plan is set up with ``model`` and ``reward`` first (a plan that scores candidates, as an
     explore plan does, needs the reward). ``reduction``: how edge log-probs are reduced (``mean`` | ``sum``)."""
-    from flowrl.training.scoring import decode
+    from flowrl.rollout.decoding import decode
 
     plan.setup(model, reward)
     forest = plan.rollout(model, list(prompts), RolloutContext(seed=seed, iteration=iteration, guidance=guidance,

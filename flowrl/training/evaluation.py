@@ -10,12 +10,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.core.seeding import derive_seed
 from flowrl.models.base import FlowModel
 from flowrl.prompts.images import prompt_texts
 from flowrl.rollout.sampling import ode_batches
-from flowrl.core.seeding import derive_seed
+from flowrl.rollout.scoring import components_of
 from flowrl.training.grids import grid_scores, labelled_grid, save_frames
-from flowrl.training.scoring import components_of
+from flowrl_rewards.port import Scorer
 
 
 # ---- guidance ---------------------------------------------------------------------------------
@@ -98,11 +99,12 @@ def failed_rewards(metrics: dict[str, Any]) -> list[tuple[str, str, int]]:
     return out
 
 
-def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: str, train_reward=None
-                 ) -> tuple[dict, dict]:
+def score_images(images: torch.Tensor, prompts: Sequence[str], reward: Scorer, prefix: str,
+                 train_reward: Scorer | None = None) -> tuple[dict, dict]:
     """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
     reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged), the
-    numeric summary of terms that offer ``evaluate`` (images only: not asked of an image term given videos) and,
+    numeric summary of each term's ``evaluate`` (:meth:`flowrl_rewards.port.Scorer.evaluate`; ``{}`` for a term without
+    one; not asked of an image term given videos) and,
     with ``train_reward`` (the training reward, when the eval scores with others), the mean of each of its terms
     (:func:`train_key`): the training reward held out, beside the guard rewards."""
     metrics: dict[str, float] = {}
@@ -117,8 +119,8 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
             failed = int((~torch.isfinite(scores.float())).sum())
             if failed and judge is reward:  # a count (no weight: added over processes), only when some failed
                 metrics[failed_key(prefix, name)] = float(failed)
-    for term in reward.rewards:
-        if hasattr(term, "evaluate") and (images.ndim == 4 or term.modality != "image"):
+    for term in reward.terms:
+        if images.ndim == 4 or term.modality != "image":
             summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items()
                        if isinstance(v, (int, float))}
             metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
@@ -127,11 +129,11 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward, prefix: s
 
 
 @torch.no_grad()
-def evaluate(model: FlowModel, prompts: Sequence[str], reward, *, steps: int, guidance: float | None, seed: int,
+def evaluate(model: FlowModel, prompts: Sequence[str], reward: Scorer, *, steps: int, guidance: float | None, seed: int,
              max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval",
              progress: bool = False, indices: Sequence[int] | None = None, train_reward=None) -> Evaluated:
     """Mean of each reward term (``<prefix>/<name>_mean``; ``train_reward``'s too, :func:`score_images`) and per-task
-    breakdowns of rewards that offer ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
+    breakdowns of the terms' ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
     the standard error shrinks by √k), with the weight of each mean, and the first ``keep_images`` images
     [K, 3, H, W] (videos [K, F, 3, H, W]) of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
     seeds (default 0, 1, …). ``progress``: a bar counting the images drawn."""

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from flowrl.prompts.images import prompt_label
-from flowrl.training.scoring import components_of
+from flowrl.rollout.scoring import components_of
 
 
 def _pil(image: torch.Tensor):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from flowrl.errors import ConfigError
+from flowrl_rewards.port import Scorer
 
 
 class EvalGuard:
@@ -27,12 +28,12 @@ class EvalGuard:
         self.note: str | None = None  # what a resume past an earlier trip says (:meth:`resume_refusal`)
 
     @classmethod
-    def build(cls, section, names: Sequence[str], reward) -> "EvalGuard":
+    def build(cls, section, names: Sequence[str], reward: Scorer) -> "EvalGuard":
         """The guard of ``section`` over the eval ``reward`` (a MultiReward) whose terms are spelled ``names`` in the
         config (:func:`~flowrl.config.checks.guard_names`): the named term's metric key, by its built name."""
         if section.reward is None:
             return cls(section, None)
-        built = [term.name for term in getattr(reward, "rewards", [reward])]
+        built = [term.name for term in reward.terms]
         if section.reward in built:
             return cls(section, f"eval/{section.reward}_mean")
         if section.reward in names and len(names) == len(built):
