@@ -153,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in HOSTS:
         p.error(f"--host {args.host!r} cannot be served; use one of {', '.join(HOSTS)} (LitServe binds these)")
     options = options_from(args, p)
-    from flowrl_rewards.registry import resolve_reward_class
+    from flowrl_rewards.registry import check_reward_kwargs
 
-    try:
-        resolve_reward_class(args.name)
+    try:  # the name and --kwargs checked here (the class imported, not built), before any process starts
+        check_reward_kwargs(args.name, kwargs)
     except (KeyError, ImportError, ValueError, TypeError) as e:
-        p.exit(2, f"{p.prog}: error: reward {args.name!r}: {e}\n")
+        p.exit(2, f"{p.prog}: error: reward {args.name!r} with --kwargs {args.kwargs}: {e}\n")
 
     ready_out = _stdout_for_the_ready_line()
     signal.signal(signal.SIGTERM, _sigterm_handler())
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         run(RewardSpec(args.name, kwargs), options, args.host, args.port, on_ready)
     except KeyboardInterrupt:
         pass
-    except RuntimeError as e:  # no scoring worker started: the reward's traceback is above, in the log
+    except RuntimeError as e:  # LitServe's "workers failed to start": the reward's traceback is above, in the log
+        if "failed to start" not in str(e):
+            raise
         print(f"{p.prog}: error: {e}; the reward {args.name!r} with --kwargs {args.kwargs} failed to load in the "
               f"scoring worker (its traceback is above)", file=sys.stderr)
         return 1

@@ -7,8 +7,9 @@ Before a request reaches the server library's routes it is (in this order):
    (docs, info) are not served;
 2. authorised, when the server has a token: ``Authorization: Bearer <token>`` or 401;
 3. for ``POST /score``: its body read up to the size limit (413, the rest of the body drained so the client
-   reads the reply instead of a reset connection), then parsed and checked
-   (:func:`flowrl_rewards.serve_limits.check_score_body`: 400).
+   reads the reply instead of a reset connection, up to :data:`DRAIN_LIMIT`), then parsed and checked
+   (:func:`flowrl_rewards.serve_limits.check_score_body`: 400), and passed on as ``application/json`` whatever
+   the client declared (the stdlib server never read ``Content-Type``; ``curl -d`` says a form).
 
 Every refusal is ``{"error": message}`` JSON with its status, never an empty reply; the accepted body is
 passed on unchanged. A failure of the checks themselves is a 500 with the same shape.

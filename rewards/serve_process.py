@@ -47,6 +47,7 @@ class RewardServerProcess:
     def _ready_line(self, timeout: float) -> str:
         import selectors
 
+        line = None
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if sel.select(timeout):
@@ -54,8 +55,12 @@ class RewardServerProcess:
                 if line.startswith(READY_PREFIX):
                     return line
         self.close()
-        raise RuntimeError(f"the reward server did not start within {timeout:g} s (exit code {self.proc.returncode})"
-                           f"; its log:\n{self.log[-4000:]}")
+        log = self.log
+        self.remove_log()
+        why = (f"no ready line within {timeout:g} s, stopped" if line is None
+               else f"it exited with code {self.proc.returncode}" if line == ""
+               else f"it printed {line.strip()[:200]!r} instead of its ready line")
+        raise RuntimeError(f"the reward server did not start ({why}); its log:\n{log[-4000:]}")
 
     @property
     def log(self) -> str:

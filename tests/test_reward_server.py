@@ -418,6 +418,21 @@ def test_serve_refuses_bad_flags_clearly(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main(["no_such_reward", "--port", "0"])
     assert info.value.code == 2 and "no_such_reward" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # checked before any process starts
+        main(["brightness", "--port", "0", "--kwargs", '{"qualty": 5}'])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "qualty" in err and "brightness" in err
+
+
+def test_a_reward_that_fails_to_build_stops_the_start_with_its_error():
+    pytest.importorskip("litserve")
+    from flowrl_rewards.serve_process import RewardServerProcess
+
+    with pytest.raises(RuntimeError, match="did not start") as info:
+        RewardServerProcess("remote", {"url": "ftp://x"}, cwd=ROOT, timeout=60)
+    message = str(info.value)
+    assert "exited with code 1" in message and "failed to load in the scoring worker" in message
+    assert "url='ftp://x' must start with http://" in message
 
 
 # ---- load (slow) ---------------------------------------------------------------------------------------------
