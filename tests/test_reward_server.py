@@ -435,6 +435,39 @@ def test_a_reward_that_fails_to_build_stops_the_start_with_its_error():
     assert "url='ftp://x' must start with http://" in message
 
 
+def _scoring_workers(group: int) -> list[int]:
+    """PIDs of the spawned processes (LitServe's scoring workers) in process group ``group``."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[2]) == group and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_scoring_worker_that_dies_stops_the_server_with_a_message():
+    pytest.importorskip("litserve")
+    import signal
+
+    from flowrl_rewards.serve_process import RewardServerProcess
+
+    server = RewardServerProcess("brightness", cwd=ROOT)
+    try:
+        workers = _scoring_workers(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer would
+        assert server.proc.wait(30) == 1
+        assert "a scoring worker died (killed, or out of memory?)" in server.log
+    finally:
+        server.close()
+        server.remove_log()
+
+
 # ---- load (slow) ---------------------------------------------------------------------------------------------
 @pytest.mark.slow  # ~15 s; the cheaper test_concurrent_requests_are_scored_together holds the batching
 def test_200_concurrent_clients_are_all_answered():
