@@ -70,24 +70,26 @@ def test_config_dir_is_the_checkouts_in_a_checkout_and_the_shipped_copy_when_ins
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    """The wheel built from a copy of the tracked files: the checkout's build/ may hold files since moved or deleted,
-    which setuptools would put in the wheel."""
+def built_wheel(tmp_path_factory) -> tuple[zipfile.ZipFile, list[str]]:
+    """The wheel built from a copy of the tracked files, and the files copied: the checkout's build/ may hold files
+    since moved or deleted, which setuptools would put in the wheel."""
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
-    for name in tracked("pyproject.toml", "README.md", "flowrl", "rewards", PRESETS):
-        if (ROOT / name).is_file():  # skip a tracked file deleted in the working tree
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
+    copied = [name for name in tracked("pyproject.toml", "README.md", "flowrl", "rewards", PRESETS)
+              if (ROOT / name).is_file()]  # not a tracked file deleted in the working tree
+    for name in copied:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(out)], check=True, capture_output=True)
     (path,) = out.glob("flowrl_align-*.whl")
-    return zipfile.ZipFile(path)
+    return zipfile.ZipFile(path), copied
 
 
-def test_the_wheel_holds_every_tracked_file_under_its_import_name(wheel):
+def test_the_wheel_holds_every_tracked_file_under_its_import_name(built_wheel):
+    wheel, copied = built_wheel
     names = set(wheel.namelist())
-    expected = ({f for f in tracked("flowrl")} | {"flowrl_rewards/" + f.split("/", 1)[1] for f in tracked("rewards")}
-                | {"flowrl/" + f for f in tracked(PRESETS)})
+    top = {"flowrl": "flowrl", "rewards": "flowrl_rewards", PRESETS: "flowrl/configs"}  # folder -> place in the wheel
+    expected = {top[f.split("/", 1)[0]] + "/" + f.split("/", 1)[1] for f in copied if "/" in f}
     missing = sorted(expected - names)
     assert not missing, f"{len(missing)} files not in the wheel, e.g. {missing[:5]}"
     assert "flowrl/configs/shapes/nft.yaml" in names and "flowrl/configs/shapes/prompts/eval.txt" in names
