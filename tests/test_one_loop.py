@@ -279,8 +279,9 @@ def test_model_kwargs_reach_the_adapter_from_yaml_alone(tmp_path):
     plain = build.build_model(TrainConfig.from_yaml(None, [f"model.path={tmp_path / 'sana'}", "model.family=sana",
                                                            "model.max_sequence_length=8", "model.device=cpu"]).model)
     assert plain.complex_human_instruction is None and plain.negative_prompt == ""
-    with pytest.raises(ConfigError, match="model.kwargs.instruction"):
-        build.build_model(TrainConfig.from_yaml(yaml, ["model.kwargs={instruction: x}"]).model)
+    with pytest.raises(ConfigError, match=r"model.kwargs.instruction='x' is not a keyword of the model.family='sana' "
+                                          r"adapter \(did you mean 'complex_human_instruction'\?\); accepted: \["):
+        TrainConfig.from_yaml(yaml, ["model.kwargs={instruction: x}"])  # at load (tests/test_key_checks.py)
     with pytest.raises(ConfigError, match="set model.guidance"):
         build.build_model(TrainConfig.from_yaml(yaml, ["model.kwargs={guidance: 2.0}"]).model)
 

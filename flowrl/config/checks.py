@@ -65,8 +65,7 @@ def check_model_kwargs(m: Any) -> None:
     for k, v in extra.items():
         if k not in accepted:
             raise ConfigError(f"model.kwargs.{k}={shown(v)} is not a keyword of the model.family={m.family!r} adapter"
-                              f"{did_you_mean(k, accepted)}; accepted: {accepted} (and the model.* keys "
-                              f"{list(MODEL_OWNED)})")
+                              f"{did_you_mean(k, accepted)}; accepted: {accepted} (its other keywords are model.* keys)")
 
 
 def check_reward_terms(cfg: Any) -> None:
