@@ -23,10 +23,10 @@ from flowrl.distributed.process_group import ProcessGroup
 from flowrl.errors import shown
 from flowrl.run.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
 from flowrl.run.manifest import DamagedCheckpoint
+from flowrl.run.metrics_log import MetricsLog
 from flowrl.run.outputs import LOCK_FILE, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
 from flowrl.run.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
 from flowrl.run.signals import abort_on_terminate, signals_ignored
-from flowrl.training.metrics import MetricsLog
 
 # Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
 # decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).

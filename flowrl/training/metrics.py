@@ -1,49 +1,10 @@
-"""Run outputs: ``metrics.jsonl`` (one JSON object per iteration or eval), trackers, the reward curve."""
+"""What a run shows of its metrics: eval grids to the trackers and the reward curve (``reward_curve.png``); the
+metrics themselves are appended to ``metrics.jsonl`` by :class:`flowrl.run.metrics_log.MetricsLog`."""
 from __future__ import annotations
 
-import json
 import math
-import warnings
 from pathlib import Path
 from typing import Any
-
-
-class MetricsLog:
-    """Appends JSON lines to ``path``; on resume keeps only lines with ``step <= resume_step``."""
-
-    def __init__(self, path: Path, resume_step: int | None = None):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            path.write_text("")
-        elif path.exists():
-            kept = [json.dumps(r) for r in self.read() if r.get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (float(v) if hasattr(v, "item") else v) for k, v in record.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
-
-    def read(self) -> list[dict[str, Any]]:
-        """The records; a line that is not a JSON object (torn by a kill mid-write) is skipped with a warning
-        naming the file and line."""
-        if not self.path.exists():
-            return []
-        records = []
-        for i, line in enumerate(self.path.read_text(errors="replace").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if not isinstance(record, dict):
-                warnings.warn(f"{self.path} line {i + 1} is not a metrics record (torn by an interrupted write?); "
-                              "skipped", RuntimeWarning, stacklevel=2)
-                continue
-            records.append(record)
-        return records
 
 
 def log_grid_image(accelerator, log_with: str, tag: str, image, step: int) -> None:
