@@ -40,7 +40,7 @@ REGISTRY = Registry("reward", {
     "geneval": "flowrl_rewards.geneval:GenEvalReward",
     "vlm_judge": "flowrl_rewards.vlm_judge:VlmJudge",
 }, base=Reward)
-"""Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.config.registry.Registry`)."""
+"""Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.core.registry.Registry`)."""
 
 
 class _NoDefault:
