@@ -18,7 +18,7 @@ REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines severa
 def check_config(cfg: Any) -> None:
     """Every check of ``cfg``'s own sections that needs no model (a TrainConfig, read by attribute: flowrl.config.schema
     calls this module, which never imports it); raises ConfigError at the first failure. Nothing is changed. The
-    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.build.load_components`).
+    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.chosen.load_components`).
     The keys of the free-form mappings are checked here too, against what reads them: ``model.kwargs`` against the
     adapter's keywords, ``rewards[i].kwargs`` against each reward's settings (:func:`check_free_keys`)."""
     check_model_section(cfg.model)
