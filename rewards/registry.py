@@ -69,12 +69,14 @@ class RewardSetting:
 
 
 TERM_KWARGS = (RewardSetting("frame_stride", 1, "int", "the combiner's: on videos, score every k-th frame"),)
-"""Keys of a term's ``kwargs`` the combiner (:class:`flowrl_rewards.MultiReward`) takes, not the reward's constructor."""
+"""Keys of a term's ``kwargs`` the combiner (:class:`flowrl_rewards.MultiReward`) takes, not the reward's
+constructor."""
 
 TERM_KEYS = (RewardSetting("weight", 1.0, "float", "its weight in the sum"),
              RewardSetting("label", None, "str | None", "its metric name, to use one reward twice"),
              RewardSetting("timeout", None, "float | None", "seconds one call may take; past it its scores are NaN"))
-"""A reward term's own keys beside ``name`` and ``kwargs`` (the config's ``RewardTerm``, the combiner's ``RewardSpec``)."""
+"""A reward term's own keys beside ``name`` and ``kwargs`` (the config's ``RewardTerm``, the combiner's
+``RewardSpec``)."""
 
 
 @dataclasses.dataclass(frozen=True)

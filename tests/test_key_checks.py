@@ -182,14 +182,14 @@ def test_adapter_keywords_read_the_loader_and_the_adapters_options():
 # ---- wrapped plans ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.plan=explore", "rollout.pol=8"], "unknown config key 'rollout.pol'; did you mean 'rollout.pool'?"),
-    (["rollout.plan=probed", "rollout.prob=x0_projection"], "unknown config key 'rollout.prob'; did you mean "
-                                                            "'rollout.probe'?"),
+    (["rollout.plan=probed", "rollout.prob=x0_projection"],
+     "unknown config key 'rollout.prob'; did you mean 'rollout.probe'?"),
     (["rollout.plan=explore", "rollout.min_params=8"],
-     "rollout.min_params is set but nothing reads it: it chooses the layers a low-precision backend converts, and "
-     "rollout.backend: same converts none"),
+     ("rollout.min_params is set but nothing reads it: it chooses the layers a low-precision backend converts, and "
+      "rollout.backend: same converts none")),
     (["rollout.plan=probed", "rollout.inner={plan: chains, stpes: 5}"],
-     "rollout.inner: 'stpes' is not a key of rollout.plan='chains' (did you mean 'steps'?); its keys: ['group_size', "
-     "'steps'"),
+     ("rollout.inner: 'stpes' is not a key of rollout.plan='chains' (did you mean 'steps'?); its keys: "
+      "['group_size', 'steps'")),
     (["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
      "rollout.inner.post_steps_ratio is set but nothing reads it"),
     (["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
