@@ -442,7 +442,8 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
 
     from flowrl.commands.bench import bench_iteration
     from flowrl.estimate import load_arch, load_config
-    from flowrl.models.random_init import random_model, tiny_arch
+    from flowrl.models.random_init import tiny_arch
+    from flowrl.run.model import random_model
 
     t0 = time.monotonic()
     name = preset.keys()[int(fitted)]
@@ -543,7 +544,8 @@ def profile_row(args: argparse.Namespace, gpu: str, row: dict) -> dict:
     under ``torch.profiler`` after an untimed warm-up that records the synchronising call sites; the tables and the
     gzipped trace of scripts/gpu_profile.py (--tiny: the tiny preset on the CPU, with Python stacks)."""
     from flowrl.estimate import load_arch, load_config
-    from flowrl.models.random_init import random_model, tiny_arch
+    from flowrl.models.random_init import tiny_arch
+    from flowrl.run.model import random_model
     from flowrl.training.trainer import Trainer
 
     preset, cuda = PROFILE_PRESET, not args.tiny

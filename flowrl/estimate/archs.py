@@ -1,5 +1,5 @@
-"""The published architectures on the meta device: an architecture (a stored JSON of
-flowrl/models/archs/, a local pipeline folder's configs, or a live pipeline's) and building its diffusers
+"""The published architectures on the meta device: an architecture (a stored JSON of flowrl/models/archs/, read by
+:mod:`flowrl.models.architectures`, a local pipeline folder's configs, or a live pipeline's) and building its diffusers
 transformer and VAE and counting its text encoders on the ``meta`` device (shapes and dtypes, no memory),
 with the preset's LoRA attached by peft exactly as training attaches it."""
 from __future__ import annotations
@@ -20,30 +20,9 @@ from torch import nn
 from flowrl.errors import ConfigError
 from flowrl.estimate.inputs import EDIT_FAMILIES, base_family
 from flowrl.models import model_family
+from flowrl.models.architectures import ARCH_DIR, list_archs, load_arch  # noqa: F401 (ARCH_DIR: the estimate's API)
 from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
-
-ARCH_DIR = Path(__file__).resolve().parents[1] / "models" / "archs"
-
-
-def list_archs() -> list[str]:
-    """Names (file stems) of the stored architectures, e.g. ``sd35_medium``."""
-    return sorted(p.stem for p in ARCH_DIR.glob("*.json"))
-
-
-def load_arch(name: str) -> dict:
-    """The stored architecture ``name`` (a file stem of flowrl/models/archs, e.g. ``flux1_dev``). A file with
-    ``"extends": BASE`` is BASE's architecture with the file's keys over it (its ``text`` merged key by key):
-    a model sharing another's transformer, VAE and encoders (Qwen-Image-Edit) states only what differs."""
-    path = ARCH_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ConfigError(f"no stored architecture {name!r}; stored: {list_archs()}")
-    arch = json.loads(path.read_text())
-    if "extends" in arch:
-        base = load_arch(arch.pop("extends"))
-        arch = {**base, **arch, "text": {**base["text"], **arch.get("text", {})}}
-    arch["key"] = name
-    return arch
 
 
 def arch_for_model(section) -> dict:

@@ -10,9 +10,10 @@ real ``model_max_length`` (77 CLIP tokens; T5 padded to ``max_sequence_length``)
 the real model gives it. Every component is in ``dtype`` (as ``from_pretrained(dtype=...)`` loads one).
 
 - :func:`random_pipeline`: the diffusers pipeline of an architecture (families ``sd3`` and ``flux``);
-- :func:`random_model`: the :class:`~flowrl.models.base.FlowModel` a run builds from its ``model`` section
-  (:func:`flowrl.config.build.build_model`, so LoRA, dtypes, sizes and the prompt cache are set exactly as a run sets
-  them), over a random pipeline of the section's stored architecture (``model.path``: its hub id);
+- :func:`random_section`: a ``model`` section that builds a random-weight adapter over an architecture;
+  :func:`flowrl.run.model.random_model` builds the :class:`~flowrl.models.base.FlowModel` from it as a run builds its
+  model (:func:`flowrl.config.build.build_model`, so LoRA, dtypes, sizes and the prompt cache are set exactly as a run
+  sets them);
 - :func:`tiny_arch`: a stored architecture shrunk to a few thousand parameters per component, the same
   classes and wiring, to exercise all of this on a CPU in seconds (``scripts/gpu_check.py --tiny``).
 
@@ -28,6 +29,7 @@ from typing import Iterator
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.models.architectures import load_arch
 from flowrl.models.dtypes import cast_module
 from flowrl.models.flux import FluxFlowModel
 from flowrl.models.sd3 import SD3FlowModel
@@ -76,8 +78,6 @@ def _supported(arch: dict) -> str:
 
 def tiny_arch(name: str) -> dict:
     """The stored architecture ``name`` (e.g. ``sd35_medium``) with the :data:`TINY` sizes: key ``tiny-<name>``."""
-    from flowrl.estimate.archs import load_arch
-
     arch = copy.deepcopy(load_arch(name))
     sizes = TINY[_supported(arch)]
     arch["transformer"]["config"].update(sizes["transformer"])
@@ -132,7 +132,7 @@ def _tokenizer(spec: dict, clip_tokens: int):
 
 def random_pipeline(arch: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     seed: int = 0):
-    """The diffusers pipeline of ``arch`` (a stored architecture, :func:`flowrl.estimate.archs.load_arch`, or
+    """The diffusers pipeline of ``arch`` (a stored architecture, :func:`flowrl.models.architectures.load_arch`, or
     :func:`tiny_arch`) with random weights drawn on ``device`` in ``dtype`` (seeded), every module in eval mode."""
     import diffusers
 
@@ -187,15 +187,11 @@ class RandomFluxFlowModel(_RandomWeights, FluxFlowModel):
 ADAPTERS = {"sd3": RandomSD3FlowModel, "flux": RandomFluxFlowModel}
 
 
-def random_model(section, device: str | torch.device, arch: dict | None = None):
-    """The :class:`~flowrl.models.base.FlowModel` of the ``model`` section ``section`` (its LoRA not yet attached,
-    as :func:`flowrl.config.build.build_model` returns it) over :func:`random_pipeline` of ``arch`` (default: the stored
-    architecture of ``model.path``, :func:`flowrl.estimate.archs.arch_for_model`), built on ``device``."""
-    from flowrl.config import build
-    from flowrl.estimate.archs import arch_for_model
-
-    arch = arch or arch_for_model(section)
+def random_section(section, arch: dict):
+    """The ``model`` section ``section`` (a :class:`~flowrl.config.schema.ModelSection`) as one that builds a
+    random-weight adapter over ``arch`` (a stored architecture or :func:`tiny_arch`): its ``family`` the adapter
+    (``module:Class``) and its ``path`` the key ``arch`` is registered under. :func:`flowrl.run.model.random_model`
+    builds it as a run builds its model."""
     adapter = ADAPTERS[_supported(arch)]
     _ARCHS[arch["key"]] = arch
-    random_section = dataclasses.replace(section, family=f"{__name__}:{adapter.__name__}", path=arch["key"])
-    return build.build_model(random_section, torch.device(device))
+    return dataclasses.replace(section, family=f"{__name__}:{adapter.__name__}", path=arch["key"])

@@ -1,6 +1,7 @@
 """A model with a run's trained weights: the config of a run folder or checkpoint (or of a config file), the
 model it builds with the checkpoint's weights and the guidance its policy was trained to sample with. What
-``flowrl sample``, ``flowrl eval`` (``--benchmark`` too) and ``flowrl export`` load."""
+``flowrl sample``, ``flowrl eval`` (``--benchmark`` too) and ``flowrl export`` load. And a run's model over random
+weights of a stored architecture (:func:`random_model`: the GPU check's real-size models)."""
 from __future__ import annotations
 
 from flowrl.config.schema import TrainConfig
@@ -39,3 +40,16 @@ def model_from_run(run: str | None, config: str | None, overrides: list[str]):
     """(config, model, policy guidance) for a run folder or checkpoint, or for a config (guidance None)."""
     cfg, ckpt = run_config(run, config, overrides)
     return (cfg, *load_model(cfg, ckpt))
+
+
+def random_model(section, device, arch: dict):
+    """The :class:`~flowrl.models.base.FlowModel` of the ``model`` section ``section`` (its LoRA not yet attached,
+    as :func:`flowrl.config.build.build_model` returns it) over :func:`flowrl.models.random_init.random_pipeline` of
+    ``arch`` (a stored architecture, :func:`flowrl.models.architectures.load_arch`, or
+    :func:`flowrl.models.random_init.tiny_arch`), built on ``device``."""
+    import torch
+
+    from flowrl.config import build
+    from flowrl.models.random_init import random_section
+
+    return build.build_model(random_section(section, arch), torch.device(device))
