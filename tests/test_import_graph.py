@@ -20,10 +20,16 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` that ``path`` imports (a package import counts as its ``__init__``)."""
+    return {name for _, name in import_sites(path, known)}
+
+
+def import_sites(path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path`` of a module of ``known``, at module level, inside a function or
+    under ``if TYPE_CHECKING:`` alike (tests/test_layers.py names the line of an import that runs up the layers)."""
     tree = ast.parse(path.read_text())
     this = module_name(path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
-    found: set[str] = set()
+    found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -38,8 +44,8 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
             while name and name not in known:  # flowrl.rollout.forest.Forest → flowrl.rollout.forest
                 name = name.rpartition(".")[0]
             if name and name != this:
-                found.add(name)
-    return found
+                found.append((node.lineno, name))
+    return sorted(set(found))
 
 
 def import_graph() -> dict[str, set[str]]:
