@@ -23,6 +23,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl.config import components
+from flowrl.config.secrets import redacted, refuse_redacted
 from flowrl.errors import ConfigError, shown, shown_message
 from flowrl.paths import find_file, where_tried
 
@@ -228,6 +229,7 @@ class TrainConfig:
             if overrides:
                 _check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
                 base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+                _keep_strings_as_written(base, overrides)
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise ConfigError(_unknown_key_message(e, schema)) from None
         except ValidationError as e:
@@ -242,7 +244,9 @@ class TrainConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every value, with the rewards' secrets redacted (:mod:`flowrl.config.secrets`): what checkpoints, run folders
+        and trackers keep."""
+        return redacted(asdict(self))
 
     def to_flat_dict(self) -> dict[str, Any]:
         """``{"rollout.kernel": "flow_grpo", ...}`` with lists and None as strings (for trackers' hparams)."""
@@ -254,7 +258,8 @@ class TrainConfig:
         return flat(self.to_dict(), "")
 
     def to_yaml(self) -> str:
-        return OmegaConf.to_yaml(OmegaConf.structured(self))
+        """The config as YAML (``runs/<name>/config.yaml``), the rewards' secrets redacted."""
+        return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
 
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config.checks`)."""
@@ -263,6 +268,7 @@ class TrainConfig:
         from flowrl.config.checks import check_config, check_guard, positive
 
         check_config(self)
+        refuse_redacted(asdict(self))  # a run's saved config used again: its secrets are asked for again
         load_components(self)  # the plan, credit rule and objective, built and checked once, kept for the trainer
         check_sizes(self)  # step counts within their stated maxima (flowrl/config/bounds.py)
         check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
@@ -292,6 +298,18 @@ def _load_yaml(path: Path) -> Any:
     except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
         raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
                           "model:, rollout:, loss:") from None
+
+
+def _keep_strings_as_written(base, overrides: list[str]) -> None:
+    """A string key given on the command line keeps its text: YAML would read ``train.name=off`` as false (the run
+    folder ``False``), ``0x10`` as 16 and ``1e3`` as 1000.0. Quotes around the value are taken off."""
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        if isinstance(OmegaConf.select(base, key, default=None), str):
+            text = raw.strip()
+            if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+                text = text[1:-1]
+            OmegaConf.update(base, key, text, merge=False)
 
 
 def _check_sections(loaded: Any, path: Path) -> None:
