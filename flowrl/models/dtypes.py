@@ -87,7 +87,7 @@ def accelerate_mixed_precision() -> torch.dtype | None:
 def autocast_dtype(model) -> torch.dtype | None:
     """The dtype the transformer call of ``model`` runs under autocast in, or None (no autocast): the model's
     ``autocast`` attribute when it names a dtype (None: never), else accelerate's ``mixed_precision``."""
-    choice = getattr(model, "autocast", AUTOCAST_FOLLOWS_ACCELERATE)
+    choice = model.autocast  # declared by FlowModel (default AUTOCAST_FOLLOWS_ACCELERATE)
     if choice is None or isinstance(choice, torch.dtype):
         return choice
     if choice != AUTOCAST_FOLLOWS_ACCELERATE:
@@ -98,7 +98,7 @@ def autocast_dtype(model) -> torch.dtype | None:
 def computes_in_fp16(model) -> bool:
     """Whether the transformer's forward (and so its backward) runs in fp16: weights stored in fp16, or
     autocast to fp16 (``model.autocast`` / accelerate's ``mixed_precision: fp16``)."""
-    return getattr(model, "dtype", None) == torch.float16 or autocast_dtype(model) == torch.float16
+    return model.dtype == torch.float16 or autocast_dtype(model) == torch.float16
 
 
 def autocast_context(model) -> contextlib.AbstractContextManager:
@@ -132,7 +132,7 @@ def master_weights_fp32(model) -> None:
         return
     cast_module(model.trainable, torch.float32)
     model.dtype = torch.float32
-    if not isinstance(getattr(model, "autocast", None), torch.dtype):
+    if not isinstance(model.autocast, torch.dtype):
         model.autocast = compute
 
 

@@ -26,7 +26,7 @@ def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, reward
     """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`~flowrl.prompts.source.read_prompt_lines`)
     fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
     ``needs_source_image`` needs image prompts."""
-    needing = [r.name for r in rewards if getattr(r, "needs_source_image", False)]
+    needing = [r.name for r in rewards if r.needs_source_image]
     for where, prompt in read_prompt_lines(spec, key):
         check_prompt_fits(prompt, f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)}", edits=edits,
                           family=family, needing=needing)
@@ -70,10 +70,10 @@ def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
         adapter = type(model) if model is not None else model_family(cfg.model.family).adapter_class()
     except (ValueError, ImportError, AttributeError, TypeError) as e:  # a bad out-of-tree name: its message names it
         raise ConfigError(str(e)) from e
-    family = getattr(model, "family", cfg.model.family)
-    edits = bool(getattr(adapter, "takes_source_image", False))
+    family = (model.family if model is not None else None) or cfg.model.family
+    edits = bool(adapter.takes_source_image)
     for key, spec, judge in (("prompts.train", cfg.prompts.train, reward),
                              ("prompts.eval", cfg.prompts.eval, eval_reward)):
         if spec:
             check_prompts(spec, key, judge.check_prompt)
-            check_prompt_images(spec, key, edits=edits, family=family, rewards=getattr(judge, "rewards", [judge]))
+            check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms)
