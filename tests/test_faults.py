@@ -22,6 +22,11 @@ from tests.conftest import without_wall_clock
 # (overrides of the default job, or a YAML text as {"yaml": ...}; words the message must hold). Each fails
 # with status 2, one message, nothing written under train.output_dir.
 BAD_CONFIGS = [
+    # issue 54, round four: each names what is wrong with it
+    (["eval.guard.max_drop=inf"], ["eval.guard.max_drop=inf", "finite number"]),
+    (["eval.rewards=[{name: shapes},{name: shapes}]"], ["eval.rewards (", "unique", "label"]),
+    (["configs/sd35/grpo_guard_pickscore.yaml", "rollout.plan=ode"],
+     ["rollout.plan=ode (on the command line) has no key 'rollout.kernel'", "grpo_guard_pickscore.yaml", "reads:"]),
     (["optim.grad_clip=-1"], ["optim.grad_clip=-1", "> 0"]),
     (["optim.grad_clip=0"], ["optim.grad_clip=0", "> 0"]),
     (["optim.lr=0"], ["optim.lr=0", "> 0"]),

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                           "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
     output = check_output(args.out, "flowrl eval") if args.out is not None else None  # before the model loads
     prompts = read_prompts(cfg.prompts.eval, "prompts.eval")[: cfg.eval.num_prompts or None]
-    reward = build.build_rewards(cfg.eval.rewards or cfg.rewards)
+    reward = build.build_rewards(cfg.eval.rewards or cfg.rewards, key="eval.rewards" if cfg.eval.rewards else "rewards")
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
     model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
     held_out = HeldOutEval(cfg.eval, model, prompts, reward, group, None, trained_at, progress=cfg.train.progress,

@@ -82,8 +82,9 @@ def build_plan(section: Any) -> RolloutPlan:
     return chosen.build_plan(section)
 
 
-def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
-    """A :class:`flowrl_rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``)."""
+def build_rewards(terms: list[RewardTerm], normalize: str = "none", key: str = "rewards"):
+    """A :class:`flowrl_rewards.MultiReward` over the configured terms (``reward_normalize`` → ``normalize``); errors
+    name ``key``, the section the terms come from (``rewards`` or ``eval.rewards``)."""
     from flowrl_rewards import MultiReward, RewardSpec
 
     try:
@@ -92,7 +93,7 @@ def build_rewards(terms: list[RewardTerm], normalize: str = "none"):
                            normalize=normalize)
     except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
         names = ", ".join(shown(t.name, 60) for t in terms)
-        raise ConfigError(f"rewards ({names}): {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
+        raise ConfigError(f"{key} ({names}): {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
 
 
 def build_credit(cfg: TrainConfig) -> CreditRule:

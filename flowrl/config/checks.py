@@ -247,7 +247,11 @@ def check_guard(cfg: Any) -> None:
 
 
 def positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    """``value`` is a finite number, > 0 (or >= 0 with ``allow_zero``); the error says which of the two it is not."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'} (inf and nan are "
+                          "not limits flowrl can check against)")
+    if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 

@@ -224,6 +224,7 @@ class TrainConfig:
         base = OmegaConf.structured(schema)
         try:
             if loaded is not None:
+                _check_file_keys_under_overridden_components(loaded, path, overrides or [], schema)
                 _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
                 base = OmegaConf.merge(base, loaded)
             if overrides:
@@ -395,6 +396,27 @@ def _dotted(tree: Any, prefix: str = "") -> list[str]:
         key = f"{prefix}.{k}" if prefix else str(k)
         out.extend(_dotted(v, key) if key not in _FREE_FORM else [key])
     return out
+
+
+def _check_file_keys_under_overridden_components(loaded: Any, path: Any, overrides: list[str], schema: type) -> None:
+    """A component chosen on the command line (``rollout.plan=ode``) over a file whose section sets keys that component
+    does not have (the preset's ``rollout.kernel``): the conflict named, not an unknown key of the file."""
+    known = set(all_keys(schema))
+    from_file = _selected_components(loaded, [])
+    for kind in components.KINDS:
+        chosen = _selected_components(None, overrides).get(kind.selector)
+        if chosen is None or chosen == from_file.get(kind.selector, kind.default):
+            continue
+        section = loaded.get(kind.section) if hasattr(loaded, "get") else None
+        if section is None:
+            continue
+        keys = [f"{kind.section}.{k}" for k in _dotted(OmegaConf.to_container(section))]
+        foreign = [k for k in keys if k not in known and not any(k == f or k.startswith(f + ".") for f in _FREE_FORM)]
+        if foreign:
+            own = sorted(k for k in known if k.startswith(kind.section + "."))
+            raise ConfigError(f"{kind.key}={chosen} (on the command line) has no key {foreign[0]!r}, which {path} sets for "
+                              f"its {kind.key}={from_file.get(kind.selector, kind.default)}; remove it from the file (or "
+                              f"choose a {kind.selector} that reads it). {kind.key}={chosen} reads: {own}")
 
 
 def _check_keys(keys: list[str], where: str, schema: type = TrainConfig) -> None:

@@ -93,7 +93,7 @@ class Trainer(TrainerCheckpoints):
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
                        else build.build_rewards(c.rewards, c.reward_normalize))
-        self.eval_reward = build.build_rewards(c.eval.rewards) if c.eval.rewards else self.reward
+        self.eval_reward = build.build_rewards(c.eval.rewards, key="eval.rewards") if c.eval.rewards else self.reward
         check_run_prompts(c, self.reward, self.eval_reward, model)  # each line scorable; source images where needed
         for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
             r.check_ready()  # e.g. a remote reward's server answers
