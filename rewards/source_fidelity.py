@@ -10,7 +10,7 @@ class SourceFidelity(Reward):
     """Score = 1 − the mean absolute pixel difference between the sample and its prompt's source image, both
     average-pooled to ``size`` × ``size`` (default 32), in [0, 1]: 1 for an unchanged layout and colours,
     lower the more the edit repaints. For image-editing runs (prompts ``[image: PATH] INSTRUCTION``): the
-    source arrives as ``meta["source_images"]`` [B, 3, H, W] (:mod:`flowrl.prompts.images`); a run whose
+    source arrives as ``meta["source_images"]`` [B, 3, H, W] (:mod:`flowrl.models.image_prompts`); a run whose
     prompts carry no image is refused at load (``needs_source_image``).
 
     No model, CPU only, deterministic. It guards an instruction reward (e.g. CLIP or PickScore of the

@@ -83,7 +83,7 @@ def test_an_image_side_past_its_maximum_is_refused_at_load(key, tmp_path, capsys
 @pytest.mark.parametrize("side", [100_000, 12_000])
 def test_an_image_prompt_claiming_too_many_pixels_is_refused_naming_file_and_line(side, tmp_path, capsys):
     from flowrl.prompts.checks import check_prompt_images
-    from flowrl.prompts.images import read_image
+    from flowrl.models.image_prompts import read_image
 
     small = tmp_path / "small.png"
     from PIL import Image

@@ -180,7 +180,8 @@ def test_the_checks_change_nothing_and_the_config_carries_no_components(monkeypa
     builds its own from the sections as they are then, so a config changed after loading is checked again."""
     import copy
 
-    from flowrl.config import chosen, components
+    from flowrl.config import chosen
+    from flowrl.core import components
 
     cfg = TrainConfig.from_yaml(None, ["train.async_reward=True", "optim.loss_scaling=False"])
     before = copy.deepcopy(cfg)

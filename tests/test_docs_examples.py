@@ -196,7 +196,7 @@ def test_tables_match_the_docs():
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
     """A temporary working directory with ``configs`` linked in; global registries and torch threads restored."""
-    from flowrl.config import components
+    from flowrl.core import components
     from flowrl.models import MODEL_FAMILIES
     from flowrl.rollout import sde
     from flowrl_rewards import REGISTRY

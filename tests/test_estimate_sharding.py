@@ -68,7 +68,8 @@ def measure(case: str, world: int) -> dict[str, int]:
     exp_avg_sq) and ``reference`` (the copy's parameters and buffers)."""
     from conftest import make_model
 
-    from flowrl.distributed.sharding import COPIES, Sharding, compute_dtype, frozen_copy
+    from flowrl.distributed.sharding import Sharding, compute_dtype
+    from flowrl.models.frozen import COPIES, frozen_copy
     from flowrl.models.dtypes import DTYPES, master_weights_fp32
     from flowrl.models.lora import LoraSpec
 

@@ -62,7 +62,7 @@ def family_prompts(tmp_path: Path, family: str, texts: list[str]) -> list[str]:
     from PIL import Image
 
     from flowrl.models import model_family
-    from flowrl.prompts.images import image_prompt
+    from flowrl.models.image_prompts import image_prompt
 
     if not model_family(family).adapter_class().takes_source_image:
         return list(texts)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from flowrl.errors import ConfigError
 from flowrl.prompts.checks import check_prompt_images
-from flowrl.prompts.images import (
+from flowrl.models.image_prompts import (
     image_prompt,
     load_source_image,
     prompt_label,

@@ -119,7 +119,7 @@ def plugin(tmp_path):
 
 
 def test_a_plugin_rewards_settings_are_checked_at_load_with_its_class_imported_not_built(plugin, nothing_built):
-    from flowrl.config.plugins import import_file
+    from flowrl.core.plugins import import_file
 
     with pytest.raises(ConfigError, match=rf"rewards\[0\].kwargs.colour=1 is not a setting of reward "
                                           rf"'{plugin}:Tinted' \(Tinted\); accepted: \['channel', 'factor', "

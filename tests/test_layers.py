@@ -3,7 +3,7 @@ what)::
 
     core      flowrl (the package: its public names are imported lazily, so it imports nothing), flowrl/errors.py,
               flowrl/paths.py, flowrl/core/ (seeding, the registry, the choices)
-    models    flowrl/models/           the adapters, the FlowModel contract, the stored architectures
+    models    flowrl/models/           the adapters, the FlowModel contract, the stored architectures, the image-prompt form
     shapes    flowrl/shapes/           the embedded world and its model (an SD3 adapter of models/)
     rewards   rewards/ (flowrl_rewards) the Scorer port, the rewards, the background scorer (the shapes reward reads
                                        the world; rewards use models' dtypes)
@@ -48,28 +48,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 """Layer name → the modules in it, bottom to top: ``pkg.*`` is the package ``pkg`` and every module under it; a name
 without ``.*`` is that module alone."""
 
-_COMPONENTS = "git mv flowrl/config/components.py flowrl/core/ (it imports only core and plugins; owner: config's key checks)"
-_PLUGINS = "git mv flowrl/config/plugins.py flowrl/core/ (it imports nothing of flowrl; owner: config's key checks)"
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("flowrl.core.registry", "flowrl.config.plugins"): _PLUGINS,
-    ("flowrl.models", "flowrl.config.plugins"): _PLUGINS,
-    ("flowrl.prompts.source", "flowrl.config.plugins"): _PLUGINS,
-    ("flowrl.objectives.base", "flowrl.config.components"): _COMPONENTS,
-    ("flowrl.objectives.forward", "flowrl.config.components"): _COMPONENTS,
-    ("flowrl.objectives.gdro", "flowrl.config.components"): _COMPONENTS,
-    ("flowrl.rollout.explore", "flowrl.config.components"): _COMPONENTS,
-    ("flowrl.rollout.probes", "flowrl.config.components"): _COMPONENTS,
-    ("flowrl.objectives.copies", "flowrl.distributed.sharding"):
-        "frozen_copy: the frozen copies are the objective's, made by the loop or from a methods-level helper (owner: "
-        "the objective contract's rewrite)",
-    ("flowrl.objectives.teacher", "flowrl.distributed.sharding"):
-        "frozen_copy, as for flowrl.objectives.copies (owner: the objective contract's rewrite)",
     ("flowrl.objectives.teacher", "flowrl.run.checkpoint"):
         "the teacher's weights read from a run's checkpoint by the loop and handed to the objective (owner: the "
         "objective contract's rewrite)",
-    ("flowrl.models.qwen_image_edit", "flowrl.prompts.images"):
-        "the image-prompt form (split_image_prompt, image_prompt, FORM, source_pil) below the adapters, e.g. in "
-        "flowrl/models/ (owner: flowrl/prompts/images.py)",
 }
 """(importing module, imported module) → the move that removes the upward import (see the module docstring)."""
 

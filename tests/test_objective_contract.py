@@ -97,7 +97,7 @@ def test_describe_is_one_value_the_tools_read():
 def test_micro_batch_is_a_declared_field_not_a_loss_key():
     """Every objective declares ``micro_batch`` (set from train.micro_batch / rollout.max_batch at build), and no
     ``loss`` section accepts it as a key."""
-    from flowrl.config import components
+    from flowrl.core import components
     from flowrl.config.chosen import build_loss
     from flowrl.config.schema import ConfigError, TrainConfig
 

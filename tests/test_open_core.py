@@ -211,7 +211,7 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
 
 def test_every_registered_component_is_a_public_name_of_flowrl():
     import flowrl
-    from flowrl.config import components
+    from flowrl.core import components
 
     for kind in components.KINDS:
         for name, target in kind.registry.items():

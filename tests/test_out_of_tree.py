@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from flowrl.commands.main import main
-from flowrl.config.plugins import import_file
+from flowrl.core.plugins import import_file
 
 ADAPTER = '''
 from flowrl.models.sd3 import SD3FlowModel
@@ -43,7 +43,7 @@ def half_noise(x, v, sigma, sigma_next, eta):
 PLAN = '''
 from dataclasses import dataclass
 
-from flowrl.config import components
+from flowrl.core import components
 from flowrl.rollout.base import RolloutPlan
 
 ROLLOUTS = []

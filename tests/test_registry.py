@@ -12,7 +12,7 @@ import pytest
 
 import flowrl_rewards
 from flowrl import models
-from flowrl.config import components
+from flowrl.core import components
 from flowrl.core.choices import Checked, check_choices, choice, choices_of
 from flowrl.core.registry import NotRegistered, Registry
 from flowrl.config.schema import TrainConfig

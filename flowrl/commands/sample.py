@@ -66,7 +66,7 @@ def _sample_reward(args: argparse.Namespace, prompts: list[str]):
     except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
         text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise ConfigError(f"--reward={shown(name)}: {shown_message(str(text))}") from None
-    from flowrl.prompts.images import split_image_prompt
+    from flowrl.models.image_prompts import split_image_prompt
 
     for prompt in prompts:
         try:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     from flowrl.commands.common import check_memory, image_bytes
     from flowrl.prompts.checks import check_prompt_fits
-    from flowrl.prompts.images import prompt_label
+    from flowrl.models.image_prompts import prompt_label
     from flowrl.rollout.sampling import ode_batches
     from flowrl.run.filenames import FileNamer
     from flowrl.run.outputs import check_output

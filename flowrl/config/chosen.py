@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from flowrl.config import components
+from flowrl.core import components
 from flowrl.config.checks import check_components
 
 

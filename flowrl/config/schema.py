@@ -6,13 +6,12 @@ the key, the value and the expected type, and semantic checks (choices, ranges) 
 components are built (they name the key too).
 
 The ``rollout``, ``credit`` and ``loss`` sections belong to the components they select
-(``rollout.plan``, ``credit.rule``, ``loss.objective``; see :mod:`flowrl.config.components`): their keys are
+(``rollout.plan``, ``credit.rule``, ``loss.objective``; see :mod:`flowrl.core.components`): their keys are
 the chosen component's dataclass fields, so the schema is assembled per config by
 :meth:`TrainConfig.schema` before the YAML is merged into it.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, make_dataclass
 from functools import lru_cache
@@ -22,7 +21,8 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from flowrl.config import components
+from flowrl.core import components
+from flowrl.config import keys
 from flowrl.config.secrets import redacted, refuse_redacted
 from flowrl.errors import ConfigError, shown, shown_message
 from flowrl.paths import find_file, where_tried
@@ -166,19 +166,6 @@ class TrainSection:
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
 CreditSection = components.section_schema(components.CREDIT, components.CREDIT.default)
 LossSection = components.section_schema(components.LOSS, components.LOSS.default)
-MOVED_KEYS = {"loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
-                           "loss.beta is DiffusionNFT's step only)",
-              "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
-                                 "rows per training forward)",
-              "eval.batch_size": "rollout.max_batch (the run's one micro-batch size: images per forward of the eval, "
-                                 "flowrl sample and the benchmarks too)",
-              "loss.layer_batch": "rollout.max_batch (the run's one micro-batch size: rows per forward of the "
-                                  "layer-tuning term too)",
-              "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
-              "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, "
-                                    "one mapping)",
-              "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
-                                        "prompt group before the weighted sum) with credit.scale: none"}
 
 
 @dataclass
@@ -214,25 +201,25 @@ class TrainConfig:
             if found is None:
                 raise ConfigError(f"config file {str(path)!r} does not exist (looked in {where_tried(path)})")
             path = found
-            loaded = _load_yaml(path)
+            loaded = keys.load_yaml(path)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
         if loaded is not None:
             _check_sections(loaded, path)
-        schema = cls.schema(**_selected_components(loaded, overrides or []))
+        schema = cls.schema(**keys.selected_components(loaded, overrides or []))
         base = OmegaConf.structured(schema)
         try:
             if loaded is not None:
-                _check_file_keys_under_overridden_components(loaded, path, overrides or [], schema)
-                _check_keys(_dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
+                keys.check_file_keys_under_overridden_components(loaded, path, overrides or [], schema)
+                keys.check_keys(keys.dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
                 base = OmegaConf.merge(base, loaded)
             if overrides:
-                _check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
+                keys.check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
                 base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-                _keep_strings_as_written(base, overrides)
+                keys.keep_strings_as_written(base, overrides)
         except (ConfigKeyError, ConfigAttributeError) as e:
-            raise ConfigError(_unknown_key_message(e, schema)) from None
+            raise ConfigError(keys.unknown_key_message(e, schema)) from None
         except ValidationError as e:
             raise ConfigError(f"config key {e.full_key!r}: {shown_message(str(e.msg).splitlines()[0])}") from None
         except OmegaConfBaseException as e:
@@ -282,37 +269,6 @@ class TrainConfig:
                     positive(f"{key}[{i}].timeout", term.timeout)  # seconds
 
 
-def _load_yaml(path: Path) -> Any:
-    """The YAML tree of ``path``; a syntax error names the file, line and column, a file that is not UTF-8 its name."""
-    import yaml
-
-    try:
-        return OmegaConf.load(path)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}:{where}: not valid YAML ({problem})") from None
-    except UnicodeDecodeError as e:  # UTF-16, Latin-1, a binary file
-        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML saved as "
-                          "UTF-8") from None
-    except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
-        raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
-                          "model:, rollout:, loss:") from None
-
-
-def _keep_strings_as_written(base, overrides: list[str]) -> None:
-    """A string key given on the command line keeps its text: YAML would read ``train.name=off`` as false (the run
-    folder ``False``), ``0x10`` as 16 and ``1e3`` as 1000.0. Quotes around the value are taken off."""
-    for item in overrides:
-        key, raw = item.split("=", 1)
-        if isinstance(OmegaConf.select(base, key, default=None), str):
-            text = raw.strip()
-            if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-                text = text[1:-1]
-            OmegaConf.update(base, key, text, merge=False)
-
-
 def _check_sections(loaded: Any, path: Path) -> None:
     """A config file is a mapping, and each section (``model``, ``rollout``, …) a mapping too."""
     tree = OmegaConf.to_container(loaded)
@@ -328,21 +284,6 @@ def _check_sections(loaded: Any, path: Path) -> None:
                               f"got {shown(value)}")
 
 
-def _selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:
-    """The component names a YAML tree and overrides select: ``{"plan": ..., "rule": ..., "objective": ...}``
-    (the last override wins; absent → the defaults)."""
-    chosen: dict[str, str] = {}
-    for kind in components.KINDS:
-        section = loaded.get(kind.section) if loaded is not None and hasattr(loaded, "get") else None
-        if section is not None and hasattr(section, "get") and section.get(kind.selector) is not None:
-            chosen[kind.selector] = str(section.get(kind.selector))
-        for item in overrides:
-            key, _, value = item.partition("=")
-            if key.strip() == kind.key:
-                chosen[kind.selector] = value.strip()
-    return chosen
-
-
 @lru_cache(maxsize=None)
 def _schema(plan: str, rule: str, objective: str) -> type:
     sections = {kind.section: components.section_schema(kind, name)
@@ -351,82 +292,3 @@ def _schema(plan: str, rule: str, objective: str) -> type:
         return TrainConfig
     return make_dataclass("TrainConfig", [(name, schema, field(default_factory=schema)) for name, schema in sections.items()],
                           bases=(TrainConfig,))
-
-
-def all_keys(schema: type = TrainConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (for suggestions)."""
-    import typing
-
-    out = []
-    hints = typing.get_type_hints(schema)
-    for f in fields(schema):
-        key = f"{prefix}{f.name}"
-        out.append(key)
-        default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default  # type: ignore[misc]
-        nested = [a for a in typing.get_args(hints.get(f.name)) if is_dataclass(a)]  # Optional[Section], default None
-        if is_dataclass(default) or nested:
-            out.extend(all_keys(type(default) if is_dataclass(default) else nested[0], key + "."))
-    return out
-
-
-def _unknown_key_message(e: OmegaConfBaseException, schema: type = TrainConfig) -> str:
-    bad = getattr(e, "full_key", None) or str(e)
-    keys = all_keys(schema)
-    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
-    if not close:  # compare the last component within the same section
-        section, _, leaf = bad.rpartition(".")
-        same = [k for k in keys if k.rpartition(".")[0] == section]
-        close = [k for k in same if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)]
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config/schema.py for every key)"
-
-
-_FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own settings (checked
-              # against them at load by flowrl.config.checks.check_reward_terms, the reward not built)
-              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built, at load)
-              "model.kwargs")  # the adapter's own keywords (checked against its signature at load, no weight loaded)
-
-
-def _dotted(tree: Any, prefix: str = "") -> list[str]:
-    """Dotted keys of the leaves of a nested dict (lists are leaves)."""
-    if not isinstance(tree, dict):
-        return [prefix]
-    out = []
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.extend(_dotted(v, key) if key not in _FREE_FORM else [key])
-    return out
-
-
-def _check_file_keys_under_overridden_components(loaded: Any, path: Any, overrides: list[str], schema: type) -> None:
-    """A component chosen on the command line (``rollout.plan=ode``) over a file whose section sets keys that component
-    does not have (the preset's ``rollout.kernel``): the conflict named, not an unknown key of the file."""
-    known = set(all_keys(schema))
-    from_file = _selected_components(loaded, [])
-    for kind in components.KINDS:
-        chosen = _selected_components(None, overrides).get(kind.selector)
-        if chosen is None or chosen == from_file.get(kind.selector, kind.default):
-            continue
-        section = loaded.get(kind.section) if hasattr(loaded, "get") else None
-        if section is None:
-            continue
-        keys = [f"{kind.section}.{k}" for k in _dotted(OmegaConf.to_container(section))]
-        foreign = [k for k in keys if k not in known and not any(k == f or k.startswith(f + ".") for f in _FREE_FORM)]
-        if foreign:
-            own = sorted(k for k in known if k.startswith(kind.section + "."))
-            raise ConfigError(f"{kind.key}={chosen} (on the command line) has no key {foreign[0]!r}, which {path} sets for "
-                              f"its {kind.key}={from_file.get(kind.selector, kind.default)}; remove it from the file (or "
-                              f"choose a {kind.selector} that reads it). {kind.key}={chosen} reads: {own}")
-
-
-def _check_keys(keys: list[str], where: str, schema: type = TrainConfig) -> None:
-    """Every key must exist in the schema; else name the nearest full key."""
-    known = set(all_keys(schema))
-    for key in keys:
-        if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in _FREE_FORM):
-            continue
-        if key in MOVED_KEYS:
-            raise ConfigError(f"config key {key!r}{where} is gone; use {MOVED_KEYS[key]}")
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")

@@ -1,10 +1,10 @@
 """One registry class for every kind of named thing: rollout plans, credit rules, objectives
-(:data:`flowrl.config.components.KINDS`), rewards (:data:`flowrl_rewards.REGISTRY`), SDE kernels
+(:data:`flowrl.core.components.KINDS`), rewards (:data:`flowrl_rewards.REGISTRY`), SDE kernels
 (:data:`flowrl.rollout.sde.KERNEL_FUNCTIONS`) and model families (:data:`flowrl.models.MODEL_FAMILIES`).
 
 A :class:`Registry` maps names to objects or to lazy ``"module:attr"`` strings (imported when resolved, so
 registering the built-ins imports nothing heavy). :meth:`Registry.resolve` accepts a registered name,
-``package.module:attr`` or ``path/to/file.py:attr`` (:func:`flowrl.config.plugins.load_target`); an unknown name
+``package.module:attr`` or ``path/to/file.py:attr`` (:func:`flowrl.core.plugins.load_target`); an unknown name
 raises :class:`NotRegistered` naming the kind, the nearest name and the accepted ones. A registry is a
 mutable mapping of its raw entries (``name in r``, ``r.pop(name)``, ``dict(r)``), writes checked by
 :meth:`Registry.register`.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 from flowrl.core.choices import did_you_mean
-from flowrl.config.plugins import load_target, public_name
+from flowrl.core.plugins import load_target, public_name
 from flowrl.errors import ConfigError
 
 LOAD_ERRORS = (ImportError, AttributeError, FileNotFoundError, ValueError, TypeError)

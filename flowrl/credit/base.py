@@ -24,7 +24,7 @@ class CreditRule(Checked):
     A credit rule reads the forest only: ``reward`` on leaves and ``value`` on probed states (both
     combined over reward terms by the MultiReward), ``reward_components[name]`` per term, ``group``,
     the structure and the log-probs. Subclasses are dataclasses whose fields are the keys of the
-    ``credit`` section (:mod:`flowrl.config.components`); a field declares its accepted values with
+    ``credit`` section (:mod:`flowrl.core.components`); a field declares its accepted values with
     :func:`flowrl.config.choices.choice`, checked on construction.
     """
 

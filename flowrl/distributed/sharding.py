@@ -13,7 +13,7 @@ Rules this module keeps, each learned the hard way:
 - the LoRA (and the old policy's second adapter) is added *before* sharding, with the same seed on every
   process: added after, its parameters would stay whole and their gradients never averaged (the ranks drift);
 - the frozen full copies of full fine-tuning (KL reference, old policy, teacher) are made before sharding
-  and sharded the same way (:func:`frozen_copy` records them on the model);
+  and sharded the same way (:func:`flowrl.models.frozen.frozen_copy` records them on the model);
 - every process must run the same transformer calls in the same order, since each gathers collectively: the
   updater pads micro-batches to the processes' maximum (:mod:`flowrl.training.updater`), and rollouts and evals run
   with the whole transformer gathered once (``model.shard_rollouts: whole``, collective-free sampling) or block
@@ -23,7 +23,6 @@ Rules this module keeps, each learned the hard way:
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 from typing import Iterator
 
@@ -32,17 +31,7 @@ from torch import nn
 
 from flowrl.errors import ConfigError
 from flowrl.models.blocks import block_lists
-
-COPIES = "_flowrl_frozen_copies"  # the model's frozen full copies of the transformer (full fine-tuning)
-
-
-def frozen_copy(model) -> nn.Module:
-    """A frozen, eval-mode deep copy of ``model.trainable``, recorded on the model so that sharding (which
-    comes after the objective made its copies) shards it too."""
-    made = copy.deepcopy(model.trainable).requires_grad_(False).eval()
-    model.__dict__.setdefault(COPIES, []).append(made)
-    return made
-
+from flowrl.models.frozen import frozen_copies
 
 def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
@@ -113,7 +102,7 @@ def check_shard_settings(cfg, world: int, shard: str) -> None:
 def check_sharded_objective(objective) -> None:
     """Refuse an objective whose extra loss term (:meth:`~flowrl.objectives.base.Objective.auxiliary`) runs forwards
     that differ between processes (each forward of a sharded transformer gathers collectively)."""
-    from flowrl.config.components import name_of
+    from flowrl.core.components import name_of
     from flowrl.objectives.base import Objective
 
     if type(objective).auxiliary is not Objective.auxiliary:
@@ -154,7 +143,7 @@ class Sharding:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for module in [self.model.trainable, *self.model.__dict__.get(COPIES, [])]:
+        for module in [self.model.trainable, *frozen_copies(self.model)]:
             blocks = block_lists(module)
             if not blocks:
                 raise ConfigError(f"model.shard=fsdp: {type(module).__name__} has no block list (no ModuleList "

@@ -30,7 +30,7 @@ class ModelFamily:
     needs_path: bool = True
 
     def adapter_class(self) -> type[FlowModel]:
-        from flowrl.config.plugins import load_target
+        from flowrl.core.plugins import load_target
 
         if isinstance(self.adapter, type):
             return self.adapter

@@ -135,7 +135,7 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     guidance: float = 1.0
     negative_prompt: str = ""
     takes_source_image: bool = False
-    """An editing family: every prompt carries the image it edits (:mod:`flowrl.prompts.images`)."""
+    """An editing family: every prompt carries the image it edits (:mod:`flowrl.models.image_prompts`)."""
     family: str | None = None
     """The registered family name (``model.family``: ``"sd3"``, ``"flux"``, …), a class attribute of each family
     adapter; None for an adapter outside the registry (it is named by its class then)."""

@@ -1,6 +1,6 @@
 """`FlowModel` adapter for ``QwenImageEditPipeline`` (Qwen-Image-Edit): an instruction edits a source image.
 
-A prompt carries its source image: ``"[image: PATH] INSTRUCTION"`` (:mod:`flowrl.prompts.images`). Everything
+A prompt carries its source image: ``"[image: PATH] INSTRUCTION"`` (:mod:`flowrl.models.image_prompts`). Everything
 else is :class:`~flowrl.models.qwen_image.QwenImageFlowModel`'s (latents, packing, schedule, true CFG with the
 norm rescale, decode); what the edit pipeline adds, as ``QwenImageEditPipeline.__call__`` applies it:
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.qwen_image import QwenImageFlowModel
-from flowrl.prompts.images import FORM, image_prompt, source_pil, split_image_prompt
+from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
 
 if TYPE_CHECKING:
     from typing import Unpack

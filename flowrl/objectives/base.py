@@ -28,7 +28,7 @@ unit and micro-batch, its frozen copies, whether its training forward runs CFG, 
 :meth:`check_credit`, :meth:`rollout_guidance`) run at load; :meth:`move_to_reward_free_point` is the one action
 ``flowrl snr`` takes.
 
-Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.config.components`);
+Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.core.components`);
 ``micro_batch`` (rows per training forward) is a declared field set from ``train.micro_batch`` (default
 ``rollout.max_batch``), not a key of ``loss``.
 """
@@ -229,6 +229,6 @@ class Objective(Checked):
 
 
 def _name(component) -> str:
-    from flowrl.config.components import name_of
+    from flowrl.core.components import name_of
 
     return name_of(component)

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from flowrl.distributed.sharding import frozen_copy
+from flowrl.models.frozen import frozen_copy
 from flowrl.models.dtypes import keep_adapter_fp32
 
 OLD_ADAPTER = "flowrl_old"

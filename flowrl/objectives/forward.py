@@ -146,7 +146,7 @@ class ForwardProcessObjective(Objective):
                               "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)")
         leaves = int(plan.expected_counts(1)["leaves"])
         if self.group_use is not None and leaves < 2:
-            from flowrl.config.components import name_of
+            from flowrl.core.components import name_of
             from flowrl.errors import ConfigError
 
             raise ConfigError(f"loss.objective={name_of(self)!r} {self.group_use}, but rollout.plan={name_of(plan)!r} "

@@ -121,7 +121,7 @@ class GDROLoss(ForwardProcessObjective):
         """The forward-process checks, and ``timesteps: sampler`` only with a plan that samples along a schedule."""
         super().check_plan(plan)
         if self.timesteps == "sampler" and plan.schedule_steps is None:
-            from flowrl.config.components import name_of
+            from flowrl.core.components import name_of
             from flowrl.errors import ConfigError
 
             raise ConfigError(f"loss.timesteps='sampler' trains at the sampler's own noise levels, but rollout.plan="

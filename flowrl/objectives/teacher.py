@@ -179,7 +179,7 @@ class _LoadedCopy:
     """A frozen copy of the policy's transformer with the weights of ``folder`` (full or LoRA)."""
 
     def __init__(self, model, folder: Path):
-        from flowrl.distributed.sharding import frozen_copy
+        from flowrl.models.frozen import frozen_copy
         from flowrl.objectives.copies import swapped_transformer
         from flowrl.run.checkpoint import load_weights
 

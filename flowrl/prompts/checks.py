@@ -1,19 +1,19 @@
 """Checks at load that a run's prompts fit it: every line scorable by its rewards, and a source image on each
-prompt exactly when the model edits one or a reward compares with one (:mod:`flowrl.prompts.images`). Each refusal
+prompt exactly when the model edits one or a reward compares with one (:mod:`flowrl.models.image_prompts`). Each refusal
 is a ConfigError naming the key, the line, the prompt and what is accepted."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 from flowrl.errors import ConfigError, shown, shown_message, shown_path
-from flowrl.prompts.images import FORM, ImageTooLarge, read_image, split_image_prompt
+from flowrl.models.image_prompts import FORM, ImageTooLarge, read_image, split_image_prompt
 from flowrl.prompts.source import read_prompt_lines
 
 
 def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
     """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~flowrl_rewards.Reward.check_prompt`); else a
     ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
-    instruction text (:mod:`flowrl.prompts.images`: what rewards receive)."""
+    instruction text (:mod:`flowrl.models.image_prompts`: what rewards receive)."""
     for where, prompt in read_prompt_lines(spec, key):
         try:
             check(split_image_prompt(prompt)[0])

@@ -28,7 +28,7 @@ def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
 def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, str]]:
     """``(where, prompt)`` pairs of :func:`read_prompts` (``where``: ``"line 51"`` of a file or ``"prompt 3"``
     of an inline list). ``spec`` is inline when it holds ``|`` or a space and does not look like a path
-    (``.txt``, ``/``) or starts with an image prompt (``[image: …]``, :mod:`flowrl.prompts.images`); a single word is
+    (``.txt``, ``/``) or starts with an image prompt (``[image: …]``, :mod:`flowrl.models.image_prompts`); a single word is
     a file name, so ``prompts.train=nope`` is an error, not one prompt."""
     looks_like_path = not spec.lstrip().startswith("[image:") and (spec.endswith(".txt") or "/" in spec or "\\" in spec)
     if not looks_like_path and ("|" in spec or " " in spec.strip()):
@@ -103,7 +103,7 @@ DIFFICULTY_KEYS: dict[str, Callable[[str], str]] = {"prompt": lambda p: p, "shap
 def resolve_difficulty_key(name: str) -> Callable[[str], str]:
     """``prompts.difficulty_key``: a name of :data:`DIFFICULTY_KEYS`, or ``package.module:function`` /
     ``path/file.py:function`` mapping a prompt to the key its statistics are pooled under."""
-    from flowrl.config.plugins import import_file, import_module, is_file_target
+    from flowrl.core.plugins import import_file, import_module, is_file_target
 
     if name in DIFFICULTY_KEYS:
         return DIFFICULTY_KEYS[name]

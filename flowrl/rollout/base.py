@@ -70,7 +70,7 @@ class RolloutPlan(Checked):
     """A rollout plan turns prompts into a :class:`Forest` (``rollout.plan``; docs/extending.md).
 
     Subclasses are dataclasses whose fields are the keys of the ``rollout`` section
-    (:mod:`flowrl.config.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
+    (:mod:`flowrl.core.components`). The lifecycle, as the trainer (and :func:`flowrl.sample`) drive it:
 
     1. :meth:`setup` once with the model and the reward, before the first rollout (an explore plan
        builds its low-precision copy of the policy here and keeps the reward to score its preview pool);

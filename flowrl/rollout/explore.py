@@ -128,9 +128,9 @@ def _nanmean(values: list[float]) -> float:
 
 def build_inner(spec: str | dict[str, Any], key: str = "rollout.inner") -> RolloutPlan:
     """The inner plan ``spec`` (a name, or ``{plan: name, key: value, ...}``) built by
-    :func:`flowrl.config.components.build_nested`; it must take given root seeds (the explorer chooses them) and not be
+    :func:`flowrl.core.components.build_nested`; it must take given root seeds (the explorer chooses them) and not be
     an explore plan itself."""
-    from flowrl.config import components
+    from flowrl.core import components
 
     plan = components.build_nested(components.PLAN, spec, key=key, refuse=Explore)
     if plan.root_count() is None:

@@ -44,7 +44,7 @@ class Probed(RolloutPlan):
 
     ``inner``: the plan that rolls out, in the one nested form every wrapping plan takes: a name (a registered one
     such as ``chains`` (the default, with its defaults) or ``tree``, ``package.module:Class`` or ``file.py:Class``) or
-    ``{plan: name, its own keys...}`` (:func:`flowrl.config.components.build_nested`, as in an explore plan); its keys
+    ``{plan: name, its own keys...}`` (:func:`flowrl.core.components.build_nested`, as in an explore plan); its keys
     are its own, not this section's. In Python, ``inner_plan=`` takes a ready plan object. ``setup``,
     ``after_update``, ``metrics`` and ``root_count`` are passed on to the inner plan.
 
@@ -77,7 +77,7 @@ class Probed(RolloutPlan):
 
     def __post_init__(self) -> None:
         if self.inner_plan is None:
-            from flowrl.config import components
+            from flowrl.core import components
 
             self.inner_plan = components.build_nested(components.PLAN, self.inner, key="rollout.inner", refuse=Probed)
         inner = self.inner_plan

@@ -9,7 +9,7 @@ overlaps the next rollout::
     forest.combine_scores(multi_reward.combine)                         # reward (leaves), value (probes)
 
 :func:`components_of` is the one place flowrl calls a reward: a prompt that carries a source image reaches the
-rewards as its instruction text with ``meta["source_images"]`` (:func:`flowrl.prompts.images.reward_inputs`).
+rewards as its instruction text with ``meta["source_images"]`` (:func:`flowrl.models.image_prompts.reward_inputs`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from flowrl.models.base import FlowModel
-from flowrl.prompts.images import reward_inputs
+from flowrl.models.image_prompts import reward_inputs
 from flowrl.rollout.decoding import decode, not_waiting
 from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards.port import Scorer

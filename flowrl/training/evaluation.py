@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from flowrl.core.seeding import derive_seed
 from flowrl.models.base import FlowModel
-from flowrl.prompts.images import prompt_texts
+from flowrl.models.image_prompts import prompt_texts
 from flowrl.rollout.sampling import ode_batches
 from flowrl.rollout.scoring import components_of
 from flowrl.training.grids import grid_scores, labelled_grid, save_frames

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from flowrl.prompts.images import prompt_label
+from flowrl.models.image_prompts import prompt_label
 from flowrl.rollout.scoring import components_of
 
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any, Optional, Union
 
 from flowrl.core.choices import Checked, check_choices, did_you_mean
-from flowrl.config.plugins import public_name
+from flowrl.core.plugins import public_name
 from flowrl.core.registry import LOAD_ERRORS, Registry
 from flowrl.errors import ConfigError
 
