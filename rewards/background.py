@@ -13,8 +13,8 @@ write diagnostics into ``meta``; read them after ``result()``). Gradients are of
 (``Reward.__call__`` is ``no_grad``). ``enabled=False`` (or ``"auto"`` without CUDA) scores synchronously inside
 ``submit`` and returns a finished future, so the calling code is the same either way.
 
-It sits beside the port (:mod:`flowrl_rewards.port`), below the rollout plans that use it: it calls
-:meth:`~flowrl_rewards.port.Scorer.components` and nothing of flowrl. What flowrl gives rewards for its prompts (an
+It sits beside the port (:mod:`flowrl_rewards.core.port`), below the rollout plans that use it: it calls
+:meth:`~flowrl_rewards.core.port.Scorer.components` and nothing of flowrl. What flowrl gives rewards for its prompts (an
 edit prompt's instruction text and source image, :func:`flowrl.rollout.scoring.components_of`) comes in as
 ``inputs``.
 """
@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 Inputs = Callable[[Sequence[str], dict[str, Any], torch.Tensor], "tuple[list[str], dict[str, Any]]"]
 """``(prompts, meta, images) → (prompts, meta)``: what the rewards receive for the prompts of ``images``."""
@@ -46,7 +46,7 @@ class BackgroundScorer:
     """Runs ``reward.components(images, prompts, meta)`` on one worker thread.
 
     Args:
-      reward: a :class:`~flowrl_rewards.port.Scorer`: a :class:`~flowrl_rewards.MultiReward` or any
+      reward: a :class:`~flowrl_rewards.core.port.Scorer`: a :class:`~flowrl_rewards.MultiReward` or any
         :class:`~flowrl_rewards.Reward`.
       enabled: True (thread), False (synchronous) or ``"auto"`` (thread iff CUDA is available).
       inputs: ``(prompts, meta, images) → (prompts, meta)`` applied in the worker before scoring (None: as given).

@@ -99,7 +99,7 @@ def save_mask2former_swin_small(folder: Path, shortest_edge: int) -> Path:
     processor resizing the shorter side to ``shortest_edge`` (no hub: the time depends only on the shapes)."""
     from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
 
-    from flowrl_rewards.geneval_prompts import COCO_CLASSES
+    from flowrl_rewards.compositional.geneval_prompts import COCO_CLASSES
 
     backbone = SwinConfig(embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], window_size=7,
                           out_features=["stage1", "stage2", "stage3", "stage4"])
@@ -122,7 +122,7 @@ def bench_geneval(args: argparse.Namespace) -> list[Row]:
     import torch
 
     from flowrl_rewards import build_reward
-    from flowrl_rewards import geneval_rules as rules
+    from flowrl_rewards.compositional import geneval_rules as rules
 
     images = torch.rand(args.images, 3, 512, 512, generator=torch.Generator().manual_seed(0))
     arr = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()

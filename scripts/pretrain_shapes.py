@@ -62,7 +62,7 @@ from flowrl.shapes.pipeline import (  # noqa: E402
     build_shapes_pipeline,
     write_generation_defaults,
 )
-from flowrl_rewards.shapes import ShapesReward  # noqa: E402
+from flowrl_rewards.compositional.shapes import ShapesReward  # noqa: E402
 
 # ----------------------------------------------------------------------------------------- helpers
 

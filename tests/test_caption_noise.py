@@ -6,7 +6,7 @@ import pytest
 
 from flowrl.shapes import prompt_sets, world
 from flowrl.shapes.caption_noise import KINDS, CaptionNoise, corrupt
-from flowrl_rewards.shapes import ShapesReward
+from flowrl_rewards.compositional.shapes import ShapesReward
 
 
 def spec(prompt: str) -> world.Spec:

@@ -106,7 +106,7 @@ SUBSTITUTIONS = [
 def offline_stand_in(name: str, score):
     """A reward registered as ``name`` for the docs' blocks: built with the real class's keywords (checked
     against its signature, so a wrong keyword in the docs fails), scoring with ``score(images)``."""
-    from flowrl_rewards.registry import resolve_reward_class
+    from flowrl_rewards.core.registry import resolve_reward_class
 
     real = resolve_reward_class(name)  # imports the module only; its models load in __init__, not called here
 
@@ -264,8 +264,8 @@ BASH_NOT_RUN = {
     ("docs/gpu.md", "--num_machines M --machine_rank r"): "several machines",
     ("README.md", "pip install -e . && flowrl train"): "installs the package, trains the full job, runs the suite",
     ("README.md", "accelerate launch --config_file"): "several processes on GPUs / gloo: tests/test_distributed.py",
-    ("docs/rewards.md", "python -m flowrl_rewards.serve imagereward"): "a reward server in another environment, on a GPU",
-    ("docs/rewards.md", "python -m flowrl_rewards.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
+    ("docs/rewards.md", "python -m flowrl_rewards.serving.serve imagereward"): "a reward server in another environment, on a GPU",
+    ("docs/rewards.md", "python -m flowrl_rewards.serving.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
     ("docs/results.md", "time flowrl rollouts configs/shapes/gdro.yaml"): "a rollout store written, then replayed by "
     "its compare: tests/test_offline_plan.py and tests/test_gdro.py run both steps",

@@ -14,7 +14,7 @@ from tests.test_faults import tiny_args, tiny_folder  # noqa: F401 (tiny_folder:
 
 PLUGIN = '''
 import torch
-from flowrl_rewards.base import Reward
+from flowrl_rewards.core.base import Reward
 
 
 class NanR(Reward):

@@ -194,7 +194,7 @@ def test_resume_names_changed_settings_and_refuses_a_shape_change(tiny_folder, t
 
 REWARD_PLUGIN = '''
 import torch
-from flowrl_rewards.base import Reward
+from flowrl_rewards.core.base import Reward
 
 
 class Short(Reward):

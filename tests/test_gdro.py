@@ -261,8 +261,8 @@ def test_the_presets_load_without_a_store_and_train_only_with_one(tmp_path):
 
 # ---- the corrected score --------------------------------------------------------------------------------
 def test_the_corrected_score_is_reward_times_quality_above_three_plus_a_fifth():
-    from flowrl_rewards.gdro_corrected import CorrectedScore
-    from flowrl_rewards.image_stats import Brightness, Saturation
+    from flowrl_rewards.heuristics.gdro_corrected import CorrectedScore
+    from flowrl_rewards.heuristics.image_stats import Brightness, Saturation
 
     images = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     prompts = ["p"] * 5

@@ -10,8 +10,8 @@ pytest.importorskip("scipy")  # transformers' Mask2Former needs it
 open_clip = pytest.importorskip("open_clip")
 
 from flowrl_rewards import build_reward  # noqa: E402
-from flowrl_rewards import geneval_rules as rules  # noqa: E402
-from flowrl_rewards.geneval_detector import ClipColors, Mask2FormerDetector, geneval_name, mask_boxes  # noqa: E402
+from flowrl_rewards.compositional import geneval_rules as rules  # noqa: E402
+from flowrl_rewards.compositional.geneval_detector import ClipColors, Mask2FormerDetector, geneval_name, mask_boxes  # noqa: E402
 
 LABELS = ["person", "dog", "cat", "car", "bench", "pizza", "mouse", "zebra"]  # "mouse": COCO's, GenEval's "computer mouse"
 

@@ -1,4 +1,4 @@
-"""GenEval's scoring rules (rewards/geneval_rules.py) on hand-made detections, GenEval's templates, and the shapes
+"""GenEval's scoring rules (rewards/compositional/geneval_rules.py) on hand-made detections, GenEval's templates, and the shapes
 world's reward scored through the same rules."""
 import json
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from flowrl.shapes import world
-from flowrl_rewards import geneval_rules as rules
-from flowrl_rewards.geneval_prompts import COCO_CLASSES, TaskBook, parse_prompt
-from flowrl_rewards.shapes import ShapesReward, geneval_objects, geneval_task, requirements, shapes_relation, to_uint8_hwc
-from flowrl_rewards.shapes_detector import detect_batch
+from flowrl_rewards.compositional import geneval_rules as rules
+from flowrl_rewards.compositional.geneval_prompts import COCO_CLASSES, TaskBook, parse_prompt
+from flowrl_rewards.compositional.shapes import ShapesReward, geneval_objects, geneval_task, requirements, shapes_relation, to_uint8_hwc
+from flowrl_rewards.compositional.shapes_detector import detect_batch
 
 F = rules.Found
 

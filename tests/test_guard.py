@@ -17,7 +17,7 @@ from flowrl.training.guard import EvalGuard
 
 PLUGIN = '''
 import torch
-from flowrl_rewards.base import Reward
+from flowrl_rewards.core.base import Reward
 
 
 class Counting(Reward):

@@ -12,7 +12,7 @@ from flowrl.commands.main import main
 from flowrl.config.build import build_model
 from flowrl.config.schema import ConfigError, ModelSection, TrainConfig
 from flowrl.models import ModelFamily, adapter_keywords
-from flowrl_rewards.registry import REGISTRY, settings_of
+from flowrl_rewards.core.registry import REGISTRY, settings_of
 
 
 def _refuse(*args, **kwargs):
@@ -23,8 +23,8 @@ def _refuse(*args, **kwargs):
 def nothing_built(monkeypatch):
     """Any model load, and the shapes/OCR rewards' constructors, raise: a check that reaches them fails the test."""
     from flowrl import models
-    from flowrl_rewards.ocr import OcrReward
-    from flowrl_rewards.shapes import ShapesReward
+    from flowrl_rewards.text.ocr import OcrReward
+    from flowrl_rewards.compositional.shapes import ShapesReward
 
     monkeypatch.setattr(ModelFamily, "load", _refuse)
     monkeypatch.setattr(models, "load_model", _refuse)
@@ -217,7 +217,7 @@ def test_train_help_lists_the_running_configs_reward_settings_with_defaults(caps
         main(["train", "rewards=[{name: ocr, kwargs: {threads: 2}}]", "--help"])
     out = capsys.readouterr().out
     settings = out[out.index("reward settings (the keys of rewards[i].kwargs"):]
-    assert "rewards[0] ocr (flowrl_rewards.ocr.OcrReward):" in settings
+    assert "rewards[0] ocr (flowrl_rewards.text.ocr.OcrReward):" in settings
     assert "    min_confidence: 0.5  # float\n" in settings
     assert "    threads: 1  # int; set in this config\n" in settings
     assert "    frame_stride: 1  # int; the combiner's" in settings

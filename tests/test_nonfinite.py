@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.config.schema import TrainConfig
-from flowrl_rewards.image_stats import Redness
+from flowrl_rewards.heuristics.image_stats import Redness
 from tests.conftest import make_model
 
 

@@ -47,7 +47,7 @@ def test_every_folder_of_modules_is_a_listed_package():
 def test_configs_sit_at_the_top_and_pyproject_ships_every_file_in_them():
     presets = tracked(PRESETS)
     assert "configs/shapes/nft.yaml" in presets and not tracked("flowrl/configs"), \
-        "the presets belong in the repository's top-level configs/ (README.md, "Layout")"
+        "the presets belong in the repository's top-level configs/ (README.md, Layout)"
     assert "flowrl.configs" in PYPROJECT["packages"] and folder_of("flowrl.configs") == PRESETS, \
         "pyproject.toml must ship configs/ inside the package: packages lists flowrl.configs, package-dir maps it"
     globs = PYPROJECT.get("package-data", {}).get("flowrl.configs", [])

@@ -101,9 +101,9 @@ def test_register_checks_the_name_and_the_target():
         registry.register("bad", "no_colon")
     with pytest.raises(TypeError, match="not a subclass of flowrl_rewards.Reward"):
         registry.register("bad", object)
-    registry.register("lazy", "flowrl_rewards.image_stats:Brightness")
-    assert registry["lazy"] == "flowrl_rewards.image_stats:Brightness" and registry.resolve("lazy").__name__ == "Brightness"
-    assert registry.names() == ["lazy"] and dict(registry) == {"lazy": "flowrl_rewards.image_stats:Brightness"}
+    registry.register("lazy", "flowrl_rewards.heuristics.image_stats:Brightness")
+    assert registry["lazy"] == "flowrl_rewards.heuristics.image_stats:Brightness" and registry.resolve("lazy").__name__ == "Brightness"
+    assert registry.names() == ["lazy"] and dict(registry) == {"lazy": "flowrl_rewards.heuristics.image_stats:Brightness"}
     assert registry.pop("lazy") and "lazy" not in registry and len(registry) == 0
 
 

@@ -1,4 +1,4 @@
-"""The reward server (python -m flowrl_rewards.serve, on LitServe): the remote protocol, the bearer token, the
+"""The reward server (python -m flowrl_rewards.serving.serve, on LitServe): the remote protocol, the bearer token, the
 body / depth / image limits, batching across requests, and load (200 concurrent clients, large images).
 
 Most tests share one server (a token, a 1 MiB body limit, batches of 8 images, a reward that takes 0.3 s a call so
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl_rewards.base import Reward
-from flowrl_rewards.remote import RemoteReward, RemoteRewardError, encode_png, post_json
-from flowrl_rewards.serve_batching import Reply, plan_groups, score_requests, split_meta
-from flowrl_rewards.serve_limits import (
+from flowrl_rewards.core.base import Reward
+from flowrl_rewards.serving.remote import RemoteReward, RemoteRewardError, encode_png, post_json
+from flowrl_rewards.serving.serve_batching import Reply, plan_groups, score_requests, split_meta
+from flowrl_rewards.serving.serve_limits import (
     Limits,
     RequestError,
     ScoreRequest,
@@ -130,7 +130,7 @@ def _concurrently(n, fn):
 def server():
     """The shared server: token, 1 MiB bodies, batches of 8, a 0.3 s reward, images up to 2048²."""
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
-    from flowrl_rewards.serve_process import RewardServerProcess
+    from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     proc = RewardServerProcess(f"{__file__}:ProbeReward", {"delay": 0.3},
                                args=["--token-env", TOKEN_ENV, "--max-body-mb", "1", "--batch-size", "8",
@@ -328,7 +328,7 @@ def test_concurrent_requests_are_scored_together(server):
 
 
 def _request(n, size=(4, 4), meta=None, value=0.5, prompt="p"):
-    from flowrl_rewards.remote import encode_png as enc
+    from flowrl_rewards.serving.remote import encode_png as enc
 
     images = [base64.b64decode(s) for s in enc(torch.full((n, 3, *size), value))]
     return ScoreRequest(images, size if n else None, [prompt] * n, meta if meta is not None else {})
@@ -388,7 +388,7 @@ def test_split_meta_slices_what_is_as_long_as_the_call():
 
 # ---- the command -------------------------------------------------------------------------------------------
 def test_serve_names_the_extra_when_litserve_is_missing(monkeypatch, capsys):
-    from flowrl_rewards.serve import main
+    from flowrl_rewards.serving.serve import main
 
     monkeypatch.setitem(sys.modules, "litserve", None)
     with pytest.raises(SystemExit) as info:
@@ -399,7 +399,7 @@ def test_serve_names_the_extra_when_litserve_is_missing(monkeypatch, capsys):
 
 def test_serve_refuses_bad_flags_clearly(monkeypatch, capsys):
     pytest.importorskip("litserve")
-    from flowrl_rewards.serve import main
+    from flowrl_rewards.serving.serve import main
 
     monkeypatch.delenv("FLOWRL_NO_SUCH_TOKEN", raising=False)
     monkeypatch.setenv("FLOWRL_BAD_TOKEN", "s3cret-value\n")
@@ -426,7 +426,7 @@ def test_serve_refuses_bad_flags_clearly(monkeypatch, capsys):
 
 def test_a_reward_that_fails_to_build_stops_the_start_with_its_error():
     pytest.importorskip("litserve")
-    from flowrl_rewards.serve_process import RewardServerProcess
+    from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     with pytest.raises(RuntimeError, match="did not start") as info:
         RewardServerProcess("remote", {"url": "ftp://x"}, cwd=ROOT, timeout=60)
@@ -454,7 +454,7 @@ def test_a_scoring_worker_that_dies_stops_the_server_with_a_message():
     pytest.importorskip("litserve")
     import signal
 
-    from flowrl_rewards.serve_process import RewardServerProcess
+    from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     server = RewardServerProcess("brightness", cwd=ROOT)
     try:
@@ -473,7 +473,7 @@ def test_a_scoring_worker_that_dies_stops_the_server_with_a_message():
 def test_200_concurrent_clients_are_all_answered():
     """p50/p99 of 200 clients posting one 64x64 image each at once to `brightness` with the default flags."""
     pytest.importorskip("litserve")
-    from flowrl_rewards.serve_process import RewardServerProcess
+    from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     n = 200
     x = _images(n, 64, 64, seed=2)
@@ -501,7 +501,7 @@ def test_three_concurrent_12000_pixel_images_decoded_one_at_a_time(bomb_12000):
     """With the pixel limit raised and --batch-size 1, three 12,000² PNGs sent at once are each decoded and scored
     (one decoded image at a time: ~2 GB), every client answered, no traceback."""
     pytest.importorskip("litserve")
-    from flowrl_rewards.serve_process import RewardServerProcess
+    from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     body = json.dumps({"images": [_b64(bomb_12000)], "prompts": ["a"]}).encode()
     with RewardServerProcess("brightness", args=["--max-image-pixels", "150000000", "--batch-size", "1"],

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flowrl_rewards import build_reward
-from flowrl_rewards.geneval_prompts import TaskBook, read_metadata
+from flowrl_rewards.compositional.geneval_prompts import TaskBook, read_metadata
 
 GOOD = {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a photo of a red car"}
 

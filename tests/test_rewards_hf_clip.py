@@ -132,7 +132,7 @@ def test_pickscore_bf16(tiny):
 
 @pytest.fixture(scope="module")
 def mlp_weights(tiny):
-    from flowrl_rewards.aesthetic import AestheticMLP
+    from flowrl_rewards.preference.aesthetic import AestheticMLP
 
     torch.manual_seed(2)
     mlp = AestheticMLP(16).eval()
@@ -175,7 +175,7 @@ def test_aesthetic_weights_from_hub_cache_and_errors(tiny, mlp_weights, tmp_path
     torch.save({"fc.weight": torch.zeros(1, 16)}, bad)
     with pytest.raises(ValueError, match="not an aesthetic-predictor MLP"):
         build_reward("aesthetic", weights=str(bad), clip_model=str(tiny["root"] / "model"))
-    from flowrl_rewards.aesthetic import AestheticMLP
+    from flowrl_rewards.preference.aesthetic import AestheticMLP
 
     torch.save(AestheticMLP(768).state_dict(), tmp_path / "l14.pth")
     with pytest.raises(ValueError, match="768-d embeddings"):

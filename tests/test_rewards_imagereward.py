@@ -111,7 +111,7 @@ def fake_package(tmp_path, monkeypatch):
 
 def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ImageReward", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"optional extra 'imagereward'.*flowrl-align\[imagereward\].*flowrl_rewards.serve"):
+    with pytest.raises(ImportError, match=r"optional extra 'imagereward'.*flowrl-align\[imagereward\].*flowrl_rewards.serving.serve"):
         build_reward("imagereward")
 
 
@@ -122,7 +122,7 @@ def test_batched_scores_equal_the_package_per_image_score(fake_package, tmp_path
     x = torch.rand(5, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     s = r(x, PROMPTS)
     assert s.shape == (5,) and s.dtype == torch.float32
-    from flowrl_rewards._common import to_pil
+    from flowrl_rewards.core._common import to_pil
 
     expected = torch.tensor([r.model.score(p, im) for p, im in zip(PROMPTS, to_pil(x))])
     assert torch.allclose(s, expected, atol=1e-5)

@@ -16,7 +16,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.prompts.checks import check_prompts
 from flowrl_rewards import build_reward
-from flowrl_rewards.ocr import edit_distance, quoted_target, text_score
+from flowrl_rewards.text.ocr import edit_distance, quoted_target, text_score
 
 needs_engine = pytest.mark.skipif(importlib.util.find_spec("rapidocr_onnxruntime") is None,
                                   reason="needs rapidocr-onnxruntime (pip install 'flowrl-align[ocr]')")

@@ -182,7 +182,7 @@ def test_hpsv2_wrong_checkpoint_is_a_clear_error(tiny, tmp_path):
 
 def test_quickgelu_tags_get_quickgelu(monkeypatch):
     """``ViT-L-14`` + ``openai`` (trained with QuickGELU) must build the QuickGELU variant, not just warn."""
-    from flowrl_rewards.clip_score import load_open_clip
+    from flowrl_rewards.preference.clip_score import load_open_clip
 
     seen = {}
 

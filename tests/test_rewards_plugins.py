@@ -10,7 +10,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
-from flowrl_rewards.registry import resolve_reward_class
+from flowrl_rewards.core.registry import resolve_reward_class
 
 PLUGIN = textwrap.dedent('''
     import torch

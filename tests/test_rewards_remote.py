@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from flowrl_rewards import Reward, build_reward
-from flowrl_rewards.remote import RemoteReward, RemoteRewardError
-from flowrl_rewards.serve_process import RewardServerProcess
+from flowrl_rewards.serving.remote import RemoteReward, RemoteRewardError
+from flowrl_rewards.serving.serve_process import RewardServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(timeout=0.5, retries=2, backoff=0.01, max_backoff=0.05)
@@ -44,7 +44,7 @@ class Boom(Reward):
 
 @pytest.fixture(scope="module")
 def served():
-    """``served(name)`` → the score URL of ``python -m flowrl_rewards.serve name`` (started once per module)."""
+    """``served(name)`` → the score URL of ``python -m flowrl_rewards.serving.serve name`` (started once per module)."""
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     servers: dict[str, RewardServerProcess] = {}
 
@@ -263,7 +263,7 @@ def test_bad_remote_kwargs():
 def test_serve_cli_end_to_end():
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "flowrl_rewards.serve", "jpeg_incompressibility", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl_rewards.serving.serve", "jpeg_incompressibility", "--port", "0",
                              "--kwargs", '{"quality": 50}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=str(ROOT))
     try:
@@ -282,7 +282,7 @@ def test_serve_cli_end_to_end():
 
 
 def test_serve_cli_rejects_bad_kwargs(capsys):
-    from flowrl_rewards.serve import main
+    from flowrl_rewards.serving.serve import main
 
     for bad, msg in (("{oops", "not valid JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(SystemExit) as info:

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from flowrl_rewards.remote import RemoteReward, RemoteRewardError
+from flowrl_rewards.serving.remote import RemoteReward, RemoteRewardError
 
 
 class Server:

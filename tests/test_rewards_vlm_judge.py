@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from flowrl_rewards import build_reward
-from flowrl_rewards._common import to_uint8
-from flowrl_rewards.remote import RemoteRewardError
-from flowrl_rewards.vlm_judge import DEFAULT_QUESTION, VlmJudge, check_pattern, pattern_score, yes_share
+from flowrl_rewards.core._common import to_uint8
+from flowrl_rewards.serving.remote import RemoteRewardError
+from flowrl_rewards.judges.vlm_judge import DEFAULT_QUESTION, VlmJudge, check_pattern, pattern_score, yes_share
 
 FAST = dict(timeout=5.0, retries=2, backoff=0.01, max_backoff=0.05)
 YES_LP, NO_LP = -0.1, -2.4

@@ -123,7 +123,7 @@ import os
 import time
 
 import torch
-from flowrl_rewards.base import Reward
+from flowrl_rewards.core.base import Reward
 
 
 class Slow(Reward):

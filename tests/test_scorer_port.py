@@ -1,4 +1,4 @@
-"""The reward port (:class:`flowrl_rewards.port.Scorer`, issue 53 item 1): a plain reward and a MultiReward of it answer
+"""The reward port (:class:`flowrl_rewards.core.port.Scorer`, issue 53 item 1): a plain reward and a MultiReward of it answer
 ``terms``, ``components``, ``combine``, ``failures``, ``evaluate`` and ``normalize`` alike, so the code that once asked
 a reward what it has (the eval's summaries, the guard's names, the failed-reward streak, the video check, the rollout
 store's combined reward, the background scorer) gives the same result for either."""

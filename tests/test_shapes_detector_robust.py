@@ -16,7 +16,7 @@ import torch
 from flowrl.shapes import world
 from flowrl.shapes.world import COLORS, TASKS, ObjectSpec, Spec, parse, recolor, sample_spec, to_prompt
 from flowrl_rewards import build_reward
-from flowrl_rewards.shapes import MODES, Detection, ShapesReward, detect_batch, geneval_subscores, precision
+from flowrl_rewards.compositional.shapes import MODES, Detection, ShapesReward, detect_batch, geneval_subscores, precision
 
 SUPERSAMPLE = 8
 Box = tuple[float, float, float]   # x0, y0, size (px, continuous)

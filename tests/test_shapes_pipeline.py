@@ -10,7 +10,7 @@ import torch
 from flowrl.shapes import prompt_sets, world
 from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, CONFIG_FILE, MAX_SEQUENCE_LENGTH, SHIPPED_DIR,
                                     build_shapes_pipeline, generation_defaults, load_shapes_pipeline)
-from flowrl_rewards.shapes import ShapesReward
+from flowrl_rewards.compositional.shapes import ShapesReward
 
 # Single-object prompts: every colour, on two shapes (includes held-out colour-shape pairs).
 SINGLE_PROMPTS = [f"a {c} {s}" for c in world.COLORS for s in ("circle", "square")]

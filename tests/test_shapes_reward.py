@@ -8,7 +8,7 @@ import torch
 from flowrl.shapes import world
 from flowrl.shapes.world import COLORS, TASKS, parse, recolor, render, sample_spec, to_prompt
 from flowrl_rewards import build_reward
-from flowrl_rewards.shapes import ShapesReward, detect, detect_batch, evaluate, label_components
+from flowrl_rewards.compositional.shapes import ShapesReward, detect, detect_batch, evaluate, label_components
 
 
 def _batch(n: int, seed: int, task: str | None = None) -> tuple[np.ndarray, list[str], list[world.Spec]]:

@@ -17,7 +17,7 @@ PLUGIN = '''
 import time
 
 import torch
-from flowrl_rewards.base import Reward
+from flowrl_rewards.core.base import Reward
 
 
 class NanReward(Reward):

@@ -42,9 +42,9 @@ def reward_settings_epilog(argv: list[str] | None) -> str:
 
 def reward_settings_text(cfg) -> str:
     """Every reward term of ``cfg`` (``rewards``, then ``eval.rewards`` when set) with its settings, each with its
-    default and whether the config sets it (:func:`flowrl_rewards.registry.settings_of`; the class imported, not
+    default and whether the config sets it (:func:`flowrl_rewards.core.registry.settings_of`; the class imported, not
     built), then the combiner's term keys."""
-    from flowrl_rewards.registry import TERM_KEYS, TERM_KWARGS, resolve_reward_class, settings_of
+    from flowrl_rewards.core.registry import TERM_KEYS, TERM_KWARGS, resolve_reward_class, settings_of
 
     lines = ["reward settings (the keys of rewards[i].kwargs and eval.rewards[i].kwargs), with their defaults:"]
     for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):

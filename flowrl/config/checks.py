@@ -71,9 +71,9 @@ def check_model_kwargs(m: Any) -> None:
 def check_reward_terms(cfg: Any) -> None:
     """Every term of ``rewards`` and ``eval.rewards``: its name resolves (a ``module:Class`` plugin is imported, not
     built) and each key of its ``kwargs`` is one of that reward's settings or the combiner's
-    (:func:`flowrl_rewards.registry.check_reward_kwargs`), each failure naming ``rewards[i].kwargs.<key>``."""
+    (:func:`flowrl_rewards.core.registry.check_reward_kwargs`), each failure naming ``rewards[i].kwargs.<key>``."""
     from flowrl.core.registry import LOAD_ERRORS
-    from flowrl_rewards.registry import check_reward_kwargs
+    from flowrl_rewards.core.registry import check_reward_kwargs
 
     for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):
         for i, term in enumerate(terms):

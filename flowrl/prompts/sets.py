@@ -208,7 +208,7 @@ def convert_ocr(files: dict[str, list[Path]]) -> dict[str, list[str]]:
     """Flow-GRPO's text-rendering prompts: each file's lines in order, cleaned (:func:`clean_prompt`: blank lines
     and lines read as comments dropped), repeats kept. Every prompt must quote its target text (the ``ocr``
     reward reads it); a line that does not is a DataError naming the file and line."""
-    from flowrl_rewards.ocr import prompt_target
+    from flowrl_rewards.text.ocr import prompt_target
 
     out: dict[str, list[str]] = {}
     for split in ("train", "test"):

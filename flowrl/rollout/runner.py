@@ -10,7 +10,7 @@ from flowrl.rollout.base import RolloutContext, RolloutPlan
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.scoring import loop_scorer, request_scores
 from flowrl_rewards.background import BackgroundScorer
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 class PromptShards(Protocol):

@@ -22,13 +22,13 @@ from flowrl.models.base import FlowModel
 from flowrl.models.image_prompts import reward_inputs
 from flowrl.rollout.decoding import decode, not_waiting
 from flowrl_rewards.background import BackgroundScorer
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 def components_of(reward: Scorer, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
                   ) -> dict[str, torch.Tensor]:
     """Each term's scores ``{name: float32 [B]}`` of images [B, 3, H, W] (videos [B, F, 3, H, W]):
-    :meth:`~flowrl_rewards.port.Scorer.components` of what the rewards receive for ``prompts``."""
+    :meth:`~flowrl_rewards.core.port.Scorer.components` of what the rewards receive for ``prompts``."""
     prompts, meta = reward_inputs(prompts, meta, images)
     return reward.components(images, prompts, meta)
 

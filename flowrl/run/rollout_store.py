@@ -24,7 +24,7 @@ from flowrl.rollout.offline_store import (COMMAND, FORMAT, META_FILE, PART_BYTES
                                           sha256_of)
 from flowrl.rollout.scoring import components_of
 from flowrl.run.outputs import check_output, write_marker
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 def write_part(folder: Path, index: int, first_row: int, latents: torch.Tensor, seed: torch.Tensor,

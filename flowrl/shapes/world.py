@@ -20,7 +20,7 @@ position      ``a yellow square left of a blue circle``   two different objects 
 two_objects and color_attr share the surface form "X and Y"; which one a prompt belongs to follows
 from the pair itself: objects that share their colour or their shape are a presence test
 (two_objects), objects that differ in both are a binding test (color_attr), the case where a model
-can put each colour on the wrong shape. :mod:`flowrl_rewards.shapes` scores them accordingly.
+can put each colour on the wrong shape. :mod:`flowrl_rewards.compositional.shapes` scores them accordingly.
 
 Every word any prompt can contain is in :func:`vocabulary` (23 words). Rendering draws every object
 7–11 px wide, keeps at least ``MIN_GAP`` px of background between any two bounding boxes, and for

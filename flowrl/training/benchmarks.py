@@ -1,7 +1,7 @@
 """``flowrl eval --benchmark NAME``: the field's benchmarks by their own protocols, on a run's weights or a base model.
 
 - ``geneval`` (GenEval, Ghosh et al. 2023): its 553 prompts (``dataset/geneval/test_metadata.jsonl`` from ``flowrl
-  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.geneval`, strict); printed as
+  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.compositional.geneval`, strict); printed as
   GenEval's ``summary_scores.py`` prints it: correct images and prompts, the six task rows, the overall score (the
   mean of the task scores). With ``--out`` the images are written in GenEval's folder layout
   (``<out>/<00000>/metadata.jsonl``, ``samples/0000.png`` …), so GenEval's own ``evaluate_images.py`` can score them
@@ -202,7 +202,7 @@ def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
     """The benchmark's summary over every process (each a count-weighted mean, reduced in one call): for GenEval
     the share of correct images and of prompts with a correct image, each task's accuracy and the overall score
     (mean of the task accuracies); for OCR the mean score and the share read exactly."""
-    from flowrl_rewards.geneval_rules import TAGS
+    from flowrl_rewards.compositional.geneval_rules import TAGS
 
     values: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -237,7 +237,7 @@ def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
 
 def summary_lines(bench: Benchmark, summary: dict[str, float], n_prompts: int) -> str:
     """The printed summary: GenEval's layout for ``geneval``; the mean score and exact share for ``ocr``."""
-    from flowrl_rewards.geneval_rules import summary_text
+    from flowrl_rewards.compositional.geneval_rules import summary_text
 
     if bench.name == "geneval":
         return summary_text({**summary, "n": summary["n/images"]}, n_prompts)

@@ -16,7 +16,7 @@ from flowrl.models.image_prompts import prompt_texts
 from flowrl.rollout.sampling import ode_batches
 from flowrl.rollout.scoring import components_of
 from flowrl.training.grids import grid_scores, labelled_grid, save_frames
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 # ---- guidance ---------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward: Scorer, p
                  train_reward: Scorer | None = None) -> tuple[dict, dict]:
     """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
     reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged), the
-    numeric summary of each term's ``evaluate`` (:meth:`flowrl_rewards.port.Scorer.evaluate`; ``{}`` for a term without
+    numeric summary of each term's ``evaluate`` (:meth:`flowrl_rewards.core.port.Scorer.evaluate`; ``{}`` for a term without
     one; not asked of an image term given videos) and,
     with ``train_reward`` (the training reward, when the eval scores with others), the mean of each of its terms
     (:func:`train_key`): the training reward held out, beside the guard rewards."""

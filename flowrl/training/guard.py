@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from flowrl.errors import ConfigError
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 class EvalGuard:

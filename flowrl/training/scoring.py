@@ -1,7 +1,7 @@
 """The loop's checks of its rewards: a video reward asked of an image model is refused at load
 (:func:`check_modality`), and a run whose every reward keeps failing stops, naming them (:class:`FailedRewardStreak`).
 
-Scoring itself sits below the loop: the port and the background scorer in :mod:`flowrl_rewards.port` and
+Scoring itself sits below the loop: the port and the background scorer in :mod:`flowrl_rewards.core.port` and
 :mod:`flowrl_rewards.background`, decoding and requesting a forest's scores in :mod:`flowrl.rollout.decoding` and
 :mod:`flowrl.rollout.scoring`.
 """
@@ -11,7 +11,7 @@ from typing import Sequence
 
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
-from flowrl_rewards.port import Scorer
+from flowrl_rewards.core.port import Scorer
 
 
 def check_modality(model: FlowModel, rewards: Sequence[tuple[str, Scorer]]) -> None:
@@ -36,7 +36,7 @@ class RewardsFailed(FloatingPointError):
 class FailedRewardStreak:
     """Counts iterations in a row whose every leaf's reward failed (``reward_failed`` == ``leaves``); the
     ``limit``-th (``train.max_failed_iterations``) raises :class:`RewardsFailed` naming the rewards that failed
-    and why (:attr:`flowrl_rewards.port.Scorer.failures` of the last call), instead of training on nothing."""
+    and why (:attr:`flowrl_rewards.core.port.Scorer.failures` of the last call), instead of training on nothing."""
 
     def __init__(self, limit: int, reward: Scorer):
         self.limit, self.reward, self.count = int(limit), reward, 0

@@ -1,0 +1,276 @@
+"""A vision-language model as judge: a question about each image, its answer turned into a score in [0, 1].
+
+Two ways to score an answer (``score``):
+
+- ``yes_probability`` (VQAScore, Lin et al. 2024, arXiv 2404.01291): the judge answers a yes/no question;
+  the score is P(yes) / (P(yes) + P(no)) over its first answer token, every "Yes"-like token (``Yes``,
+  `` yes``, ``YES``, …) counted as yes and every "No"-like one as no;
+- ``pattern`` (UnifiedReward, Wang et al. 2025, arXiv 2503.05236, as Flow-GRPO reads it): the judge writes an
+  answer ending in e.g. ``Final Score: 4``; the number the regex ``pattern`` captures is mapped from
+  ``score_range`` [low, high] to [0, 1] (clipped there). An answer without a match, or whose number is not
+  finite ("nan", "inf"), scores NaN (counted, with the reason).
+
+Two backends (``backend``): ``openai``, any OpenAI-compatible chat-completions server (vLLM, sglang), one
+request per image, ``concurrency`` in flight, with remote.py's retries and a total deadline of ``timeout`` per
+request (:mod:`flowrl_rewards.judges.vlm_judge_served`); a reply whose log-probabilities are not log-probabilities
+(NaN, infinite, above 0, ``top_logprobs`` not a list or shorter than asked) is a failed request, raised or
+(``on_error: nan``) counted; ``transformers``, the judge in this process (:mod:`flowrl_rewards.judges.vlm_judge_local`).
+Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import string
+from typing import Any, Sequence
+
+import torch
+
+from flowrl_rewards.core.base import Reward
+from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError, encode_png
+from flowrl_rewards.judges.vlm_judge_served import MalformedReply, ServedJudge, api_key_of, first_token_candidates
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("openai", "transformers")
+SCORES = ("yes_probability", "pattern")
+DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+DEFAULT_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
+"""VQAScore's question template (t2v_metrics, ``default_question_template``), ``{prompt}`` for its ``{}``."""
+DEFAULT_PATTERN = r"Final Score:\s*([0-9]+(?:\.[0-9]+)?)"
+"""UnifiedReward's pointwise answer ends in ``Final Score: <1–5>``."""
+PATTERN_MAX_TOKENS = 512  # the default answer length in pattern mode (a short reasoning, then the score)
+
+
+# ---- settings ----------------------------------------------------------------------------------------------
+def check_choice(key: str, value: Any, accepted: Sequence[str], hint: str = "") -> str:
+    """``value`` if it is one of ``accepted``, else a ValueError naming the key, the value and ``accepted``."""
+    if value not in accepted:
+        raise ValueError(f"vlm_judge: {key}={value!r} is not one of {tuple(accepted)}{hint}")
+    return value
+
+
+def check_template(key: str, value: Any) -> str:
+    """A question template: text where ``{prompt}`` is the only field (literal braces doubled: ``{{ }}``)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"vlm_judge: {key}={value!r} must be a non-empty string (the only field is {{prompt}})")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"vlm_judge: {key}={value!r} is not a valid template ({e}); write literal braces "
+                         "as {{ and }}") from e
+    bad = [f for f in fields if f != "prompt"]
+    if bad:
+        raise ValueError(f"vlm_judge: {key}={value!r} has the field {{{bad[0]}}}; the only field accepted is "
+                         "{prompt} (the image's prompt); write literal braces as {{ and }}")
+    return value
+
+
+def check_number(key: str, value: Any, low: float = 0.0, strict: bool = False, integer: bool = False) -> float:
+    """``value`` as a number ≥ ``low`` (> with ``strict``; an int with ``integer``), else a ValueError naming it."""
+    kind = int if integer else (int, float)
+    if (isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value)
+            or value < low or (strict and value == low)):
+        what = "an integer" if integer else "a number"
+        raise ValueError(f"vlm_judge: {key}={value!r} must be {what} {'>' if strict else '>='} {low:g}")
+    return value
+
+
+def check_range(value: Any) -> tuple[float, float]:
+    """``score_range`` as (low, high) with low < high."""
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+    if not ok or value[0] >= value[1]:
+        raise ValueError(f"vlm_judge: score_range={value!r} must be [low, high] with low < high, e.g. [1, 5]: "
+                         "the judge's scale, mapped to [0, 1]")
+    return float(value[0]), float(value[1])
+
+
+def check_pattern(value: Any) -> re.Pattern:
+    """``pattern`` compiled; its first group (or the whole match without groups) is the number."""
+    try:
+        return re.compile(value)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"vlm_judge: pattern={value!r} is not a regular expression ({e})") from e
+
+
+# ---- answers to scores -----------------------------------------------------------------------------------
+def yes_share(candidates: Sequence[tuple[str, float]]) -> float:
+    """P(yes) / (P(yes) + P(no)) from (token text, log-probability) pairs, a token's text read without case,
+    spaces or BPE space marks (``Yes``, `` yes``, ``ĠYES`` are yes); NaN when neither appears."""
+    mass = {"yes": 0.0, "no": 0.0}
+    for token, logprob in candidates:
+        word = token.strip().lstrip("Ġ▁").strip().lower()
+        if word in mass:
+            mass[word] += math.exp(logprob)
+    total = mass["yes"] + mass["no"]
+    return mass["yes"] / total if total > 0 else float("nan")
+
+
+def read_pattern(text: str, pattern: re.Pattern, low: float, high: float) -> tuple[float, str | None]:
+    """(score, None): the last match of ``pattern`` in ``text`` mapped from [low, high] to [0, 1] (clipped); or
+    (NaN, why) without a match, or when the match is not a number or not a finite one ("nan", "inf")."""
+    shown = (text or "")[:200]
+    matches = list(pattern.finditer(text or ""))
+    if not matches:
+        return float("nan"), f"no number matching pattern {pattern.pattern!r} in the answer {shown!r}"
+    m = matches[-1]
+    found = m.group(1) if pattern.groups else m.group(0)
+    try:
+        value = float(found)
+    except (TypeError, ValueError):
+        return float("nan"), f"pattern {pattern.pattern!r} matched {found!r}, not a number, in the answer {shown!r}"
+    if not math.isfinite(value):
+        return float("nan"), (f"pattern {pattern.pattern!r} matched {found!r}, not a finite number, in the answer "
+                              f"{shown!r}")
+    return min(1.0, max(0.0, (value - low) / (high - low))), None
+
+
+def pattern_score(text: str, pattern: re.Pattern, low: float, high: float) -> float:
+    """:func:`read_pattern`'s score alone."""
+    return read_pattern(text, pattern, low, high)[0]
+
+
+# ---- the reward ------------------------------------------------------------------------------------------
+class VlmJudge(Reward):
+    """A VLM's answer to ``question`` about each image as a score float32 [B] in [0, 1] (NaN: no score).
+
+    Settings (docs/rewards/vlm_judge.md): ``backend`` (``openai`` | ``transformers``), ``model`` (served name or
+    hub id / folder), ``question`` / ``system`` templates (``{prompt}`` filled in), ``score``
+    (``yes_probability`` | ``pattern``), ``pattern``, ``score_range``, ``max_tokens`` (default 1 for
+    yes_probability, 512 for pattern), ``top_logprobs``; served: ``url``, ``api_key`` / ``api_key_env``,
+    ``concurrency``, ``timeout``, ``retries``, ``backoff``, ``max_backoff``, ``on_error`` (``raise`` | ``nan``);
+    in process: ``processor``, ``device``, ``dtype``, ``batch_size``.
+    """
+
+    name = "vlm_judge"
+
+    def __init__(self, backend: str = "openai", model: str = DEFAULT_MODEL, question: str = DEFAULT_QUESTION,
+                 system: str | None = None, score: str = "yes_probability", pattern: str = DEFAULT_PATTERN,
+                 score_range: Sequence[float] = (1, 5), max_tokens: int | None = None, top_logprobs: int = 20,
+                 url: str = "http://127.0.0.1:8000", api_key: str | None = None, api_key_env: str | None = None,
+                 concurrency: int = 8, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
+                 max_backoff: float = 30.0, on_error: str = "raise", processor: str | None = None,
+                 device: str = "auto", dtype: str = "auto", batch_size: int = 8):
+        self.backend = check_choice("backend", backend, BACKENDS, " (openai: a served judge, e.g. by vLLM or "
+                                    "sglang; transformers: the judge in this process)")
+        self.mode = check_choice("score", score, SCORES)
+        self.question = check_template("question", question)
+        self.system = None if system is None else check_template("system", system)
+        self.pattern = check_pattern(pattern)
+        self.low, self.high = check_range(score_range)
+        if max_tokens is not None:
+            check_number("max_tokens", max_tokens, 1, integer=True)
+        self.max_tokens = max_tokens or (1 if self.mode == "yes_probability" else PATTERN_MAX_TOKENS)
+        self.top_logprobs = int(check_number("top_logprobs", top_logprobs, 1, integer=True))
+        self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"vlm_judge: model={model!r} must be the served model name or a hub id / folder")
+        self.model = model
+        self.failed = self.unscored = 0  # totals over the calls
+        self.served = self.local = None
+        if self.backend == "openai":
+            check_number("concurrency", concurrency, 1, integer=True)
+            check_number("retries", retries, 0, integer=True)
+            check_number("timeout", timeout, 0, strict=True)
+            check_number("backoff", backoff, 0)
+            check_number("max_backoff", max_backoff, 0)
+            self.served = ServedJudge(url, model, api_key_of(api_key, api_key_env), float(timeout), retries,
+                                      float(backoff), float(max_backoff), concurrency)
+        else:
+            from flowrl_rewards.judges.vlm_judge_local import LocalJudge
+
+            self.local = LocalJudge(model, processor or model, device, dtype, batch_size)
+
+    def check_ready(self) -> None:
+        """The served judge answers and serves ``model`` (the in-process one is loaded at build)."""
+        if self.served is not None:
+            self.served.check_ready()
+
+    def fill(self, prompts: Sequence[str]) -> tuple[list[str], list[str | None]]:
+        """The question and the system prompt (None without one) of every prompt."""
+        return ([self.question.format(prompt=p) for p in prompts],
+                [None if self.system is None else self.system.format(prompt=p) for p in prompts])
+
+    def score(self, images, prompts, meta):
+        """Scores float32 [B] in [0, 1] for images [B, 3, H, W] in [0, 1]; NaN where the judge gave no score."""
+        questions, systems = self.fill(prompts)
+        if self.served is not None:
+            scores, reasons, failures = self.score_served(images, questions, systems)
+        elif self.mode == "yes_probability":
+            scores, failures = self.local.yes_probability(images, questions, systems).tolist(), []
+            reasons = [None if math.isfinite(s) else "a non-finite yes/no probability" for s in scores]
+        else:
+            texts = self.local.generate(images, questions, systems, self.max_tokens)
+            scores, reasons = zip(*(self.from_text(t) for t in texts)) if texts else ((), ())
+            failures = []
+        self.record(meta, len(prompts), reasons, failures)
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def score_served(self, images, questions, systems) -> tuple[list[float], list[str | None], list[str]]:
+        """Scores, why each NaN score has none, and the failed requests' errors (``on_error="nan"``)."""
+        options = {"max_tokens": self.max_tokens}
+        if self.mode == "yes_probability":
+            options.update(logprobs=True, top_logprobs=self.top_logprobs)
+        payloads = [self.served.body(png, q, s, options) for png, q, s in zip(encode_png(images), questions, systems)]
+        try:
+            choices = self.served.ask_all(payloads, keep_going=self.on_error == "nan")
+        except RemoteRewardError as e:
+            raise RemoteRewardError(f"vlm_judge: {e}") from e
+        scores, reasons, failures = [], [], []
+        for choice in choices:
+            if isinstance(choice, str):
+                scores.append(float("nan"))
+                reasons.append(None)
+                failures.append(choice)
+                continue
+            try:
+                value, why = self.from_choice(choice)
+            except MalformedReply as e:
+                message = f"POST {self.served.chat_url}: malformed reply: {e}"
+                if self.on_error == "raise":
+                    raise RemoteRewardError(f"vlm_judge: {message}") from e
+                value, why = float("nan"), None
+                failures.append(message)
+            scores.append(value)
+            reasons.append(why)
+        return scores, reasons, failures
+
+    def from_choice(self, choice: dict) -> tuple[float, str | None]:
+        """(score, None) or (NaN, why) from a chat-completions choice."""
+        if self.mode == "pattern":
+            message = choice.get("message") or {}
+            return self.from_text(message.get("content") if isinstance(message, dict) else None)
+        candidates = first_token_candidates(choice, self.top_logprobs)
+        if candidates is None:
+            raise RuntimeError(
+                f"vlm_judge: the server at {self.served.chat_url} answered without log-probabilities "
+                "(choices[0].logprobs.content is empty), which score='yes_probability' needs; serve the judge "
+                f"with vLLM, which returns up to --max-logprobs (default 20, >= top_logprobs={self.top_logprobs}) "
+                "per token, or set score: pattern with a question that asks for a score")
+        value = yes_share(candidates)
+        if math.isnan(value):
+            return value, (f"neither 'yes' nor 'no' among the first answer token's top {len(candidates)} "
+                           f"log-probabilities (top: {[t for t, _ in candidates[:5]]})")
+        return value, None
+
+    def from_text(self, text: str | None) -> tuple[float, str | None]:
+        """(score, None) or (NaN, why) from an answer's text (pattern mode)."""
+        return read_pattern(text or "", self.pattern, self.low, self.high)
+
+    def record(self, meta: dict, n: int, reasons: Sequence[str | None], failures: Sequence[str]) -> None:
+        """Counts into ``meta`` (``<name>/failed``: requests masked after retries; ``<name>/unscored``: answers
+        without a score), the totals, and :attr:`last_error` saying why scores are NaN."""
+        unscored = [r for r in reasons if r]
+        why = []
+        if failures:
+            why.append(f"{len(failures)} of {n} requests failed ({failures[0]})")
+            log.warning("vlm_judge: %d of %d requests masked with NaN: %s", len(failures), n, failures[0])
+        if unscored:
+            why.append(f"{len(unscored)} of {n} answers had no score ({unscored[0]})")
+        self.last_error = "; ".join(why) or None
+        meta[f"{self.name}/failed"] = len(failures)
+        meta[f"{self.name}/unscored"] = len(unscored)
+        self.failed += len(failures)
+        self.unscored += len(unscored)

@@ -1,0 +1,118 @@
+"""The in-process backend of :mod:`flowrl_rewards.judges.vlm_judge`: a transformers image-text-to-text judge (Qwen2-VL /
+Qwen2.5-VL family, ``AutoModelForImageTextToText`` + ``AutoProcessor``, a hub id or a local folder).
+
+Every image and its question go through the processor's chat template (a user turn holding the image and the
+question, after an optional system turn; the generation prompt added), batched with **left** padding so the
+last position of every row is its own last prompt token: a score never depends on the rest of the batch.
+Images are rounded to 8 bits and go through the image processor's PIL backend (as the other model rewards).
+
+- yes/no: the next-token distribution after the prompt (softmax over the vocabulary); the score is the mass
+  of the "Yes"-like tokens over that of the "Yes"- and "No"-like ones, computed as
+  ``sigmoid(logsumexp(logits[yes]) − logsumexp(logits[no]))`` (the same ratio, without underflow);
+- text: ``generate`` with greedy decoding and ``max_new_tokens``, the new tokens decoded.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from flowrl_rewards.core._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil
+
+OWNER = "vlm_judge"
+YES_WORDS = ("Yes", " Yes", "yes", " yes", "YES", " YES")
+NO_WORDS = ("No", " No", "no", " no", "NO", " NO")
+
+
+def answer_token_ids(tokenizer: Any, words: Sequence[str]) -> list[int]:
+    """Ids of those ``words`` that the tokenizer encodes as one token (each id once, in order)."""
+    ids: list[int] = []
+    for word in words:
+        enc = tokenizer.encode(word, add_special_tokens=False)
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    return ids
+
+
+def load_processor(path: str) -> Any:
+    """``AutoProcessor`` of ``path`` with a chat template, left padding and the PIL image processor."""
+    from transformers import AutoProcessor
+
+    from flowrl_rewards.preference.pickscore import load_image_processor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"{OWNER}: cannot load a processor from processor={path!r} ({type(e).__name__}: {e}); give "
+                         "a hub id or a local folder saved with processor.save_pretrained") from e
+    if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
+        raise ValueError(f"{OWNER}: processor={path!r} has no chat template (or no tokenizer); give the processor "
+                         "of an instruction-tuned image-text-to-text model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'")
+    processor.image_processor = load_image_processor(path, OWNER)
+    processor.tokenizer.padding_side = "left"
+    return processor
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The ``AutoModelForImageTextToText`` of ``path`` in eval mode, no gradients, on ``device`` in ``dtype``."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    except Exception as e:
+        raise ValueError(f"{OWNER}: cannot load an image-text-to-text model from model={path!r} "
+                         f"({type(e).__name__}: {e}); give a hub id (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct') or a "
+                         "local folder saved with model.save_pretrained") from e
+    return model.to(device).eval().requires_grad_(False)
+
+
+class LocalJudge:
+    """A transformers judge: :meth:`yes_probability` (float32 [B]) and :meth:`generate` (B answers)."""
+
+    def __init__(self, model: str, processor: str, device: str = "auto", dtype: str = "auto", batch_size: int = 8):
+        self.device = resolve_device(device, OWNER)
+        self.dtype = resolve_dtype(dtype, self.device, OWNER)
+        self.batch_size = check_batch_size(batch_size, OWNER)
+        self.processor = load_processor(processor)
+        tokenizer = self.processor.tokenizer
+        self.yes_ids, self.no_ids = answer_token_ids(tokenizer, YES_WORDS), answer_token_ids(tokenizer, NO_WORDS)
+        if not self.yes_ids or not self.no_ids:
+            raise ValueError(f"{OWNER}: the tokenizer of processor={processor!r} has no single token for "
+                             f"{'Yes' if not self.yes_ids else 'No'} (tried {YES_WORDS + NO_WORDS}); "
+                             "score: yes_probability needs one, use score: pattern")
+        self.model = load_model(model, self.dtype, self.device)
+
+    def inputs(self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None]) -> Any:
+        """The model's inputs for images [b, 3, H, W] in [0, 1] and their questions, left-padded, on the device."""
+        texts = []
+        for question, system in zip(questions, systems):
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+            texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        batch = self.processor(text=texts, images=to_pil(images), padding=True, return_tensors="pt")
+        return batch.to(self.device)
+
+    @torch.no_grad()
+    def yes_probability(self, images: torch.Tensor, questions: Sequence[str],
+                        systems: Sequence[str | None]) -> torch.Tensor:
+        """P(yes) / (P(yes) + P(no)) of the first answer token: float32 [B] on the CPU."""
+        out = []
+        for sl in batches(images.shape[0], self.batch_size):
+            batch = self.inputs(images[sl], questions[sl], systems[sl])
+            logits = self.model(**batch, logits_to_keep=1).logits[:, -1].float()  # [b, V]
+            yes = torch.logsumexp(logits[:, self.yes_ids], dim=-1)
+            no = torch.logsumexp(logits[:, self.no_ids], dim=-1)
+            out.append(torch.sigmoid(yes - no).cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    @torch.no_grad()
+    def generate(self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None],
+                 max_new_tokens: int) -> list[str]:
+        """Greedy answers (at most ``max_new_tokens`` tokens each), decoded without special tokens."""
+        answers: list[str] = []
+        for sl in batches(images.shape[0], self.batch_size):
+            batch = self.inputs(images[sl], questions[sl], systems[sl])
+            ids = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+            new = ids[:, batch["input_ids"].shape[1]:]
+            answers += self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return answers

@@ -1,0 +1,1 @@
+"""Text rendering: OCR of the quoted target."""
