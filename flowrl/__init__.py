@@ -9,6 +9,7 @@ Three separate steps, each usable alone::
     trainer = flowrl.Trainer(flowrl.TrainConfig.from_yaml("configs/shapes/grpo.yaml"), model=model, reward="shapes")
     trainer.train()
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

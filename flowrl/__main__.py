@@ -1,4 +1,5 @@
 """``python -m flowrl``: the ``flowrl`` command (:mod:`flowrl.commands.main`)."""
+
 import sys
 
 from flowrl.commands.main import main

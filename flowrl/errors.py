@@ -1,4 +1,5 @@
 """Errors shown to users and how values appear in their messages."""
+
 from __future__ import annotations
 
 
@@ -16,7 +17,7 @@ def shown_path(value: object, limit: int = 120) -> str:
     """``repr(value)`` of a path (or a prompt spec) cut to ``limit`` characters keeping its end, so a long folder
     never hides the file's name."""
     text = repr(str(value))
-    return text if len(text) <= limit else f"'…{text[-(limit - 2):]}"
+    return text if len(text) <= limit else f"'…{text[-(limit - 2) :]}"
 
 
 def shown_message(text: str, limit: int = 300) -> str:

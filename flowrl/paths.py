@@ -7,6 +7,7 @@ files (:data:`CONFIG_DIR`), so ``flowrl train configs/sd35/flow_grpo_pickscore.y
 the package as ``flowrl/configs/`` (pyproject.toml maps ``flowrl.configs`` to ``configs``), read with
 :mod:`importlib.resources` when installed from a wheel.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ from importlib.resources import files
 from pathlib import Path
 
 PACKAGE_DIR = Path(os.fspath(files("flowrl")))
-REPO_ROOT = PACKAGE_DIR.parent  # a checkout's root (site-packages when installed): relative paths are also tried from here
+REPO_ROOT = (
+    PACKAGE_DIR.parent
+)  # a checkout's root (site-packages when installed): relative paths are also tried from here
 SHIPPED = "configs"  # the first part of a path that names a shipped file: configs/sd35/flow_grpo_pickscore.yaml
 
 

@@ -18,6 +18,7 @@ It sits beside the port (:mod:`flowrl_rewards.core.port`), below the rollout pla
 edit prompt's instruction text and source image, :func:`flowrl.rollout.scoring.components_of`) comes in as
 ``inputs``.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -31,8 +32,14 @@ Inputs = Callable[[Sequence[str], dict[str, Any], torch.Tensor], "tuple[list[str
 """``(prompts, meta, images) → (prompts, meta)``: what the rewards receive for the prompts of ``images``."""
 
 
-def _score_when_ready(scorer: Scorer, inputs: Inputs | None, images: torch.Tensor, prompts: list[str],
-                      meta: dict[str, Any], ready: "torch.cuda.Event | None") -> dict[str, torch.Tensor]:
+def _score_when_ready(
+    scorer: Scorer,
+    inputs: Inputs | None,
+    images: torch.Tensor,
+    prompts: list[str],
+    meta: dict[str, Any],
+    ready: "torch.cuda.Event | None",
+) -> dict[str, torch.Tensor]:
     """``scorer.components`` of images [B, 3, H, W] (videos [B, F, 3, H, W]) once their copies (``ready``; None: none
     in flight) have landed, the prompts and meta first through ``inputs``."""
     if ready is not None:
@@ -54,8 +61,9 @@ class BackgroundScorer:
 
     def __init__(self, reward: Scorer, enabled: bool | str = True, inputs: Inputs | None = None):
         if not isinstance(reward, Scorer):
-            raise TypeError(f"BackgroundScorer needs a flowrl_rewards.Reward (a flowrl_rewards.Scorer), got "
-                            f"{type(reward).__name__}")
+            raise TypeError(
+                f"BackgroundScorer needs a flowrl_rewards.Reward (a flowrl_rewards.Scorer), got {type(reward).__name__}"
+            )
         if enabled == "auto":
             enabled = torch.cuda.is_available()
         if not isinstance(enabled, bool):
@@ -64,8 +72,13 @@ class BackgroundScorer:
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scorer") if enabled else None
         self._closed = False
 
-    def submit(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None,
-               ready: "torch.cuda.Event | None" = None) -> "cf.Future[dict[str, torch.Tensor]]":
+    def submit(
+        self,
+        images: torch.Tensor,
+        prompts: Sequence[str],
+        meta: dict[str, Any] | None = None,
+        ready: "torch.cuda.Event | None" = None,
+    ) -> "cf.Future[dict[str, torch.Tensor]]":
         """Start scoring images [B, 3, H, W] (videos [B, F, 3, H, W]); a future of ``{name: float32 [B]}`` (the
         reward's exception, if it fails). ``ready``: an event the images wait for (copies still in flight,
         :func:`flowrl.rollout.decoding.decode_to_host`), waited for by the worker."""

@@ -5,10 +5,12 @@
 Parts (``PARTS``: name → function): ``ocr`` scores 512×512 images of rendered text (DejaVu Sans, one or two
 lines, 18 phrases) with the ``ocr`` reward at each ``--threads`` count (RapidOCR's onnxruntime intra-op
 threads); ``geneval`` times the GenEval reward's detector (full-size Mask2Former Swin-S, random weights) per
-image and its CLIP ViT-L/14 colour classifier per object, at each ``--threads`` count (torch threads). Each setting builds its reward (not timed), scores the batch once to warm up, then ``--repeats``
+image and its CLIP ViT-L/14 colour classifier per object, at each ``--threads`` count (torch threads). Each setting
+builds its reward (not timed), scores the batch once to warm up, then ``--repeats``
 times; the row gives the median time per image. To add a reward, write ``bench_<name>(args) -> list[Row]``
 and add it to ``PARTS``; ``--parts`` picks which run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +23,26 @@ from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-PHRASES = ["Grand Opening", "Hello World", "Open Late", "Sale Today", "Best Dad Ever", "Drive Safe", "Happy 40th",
-           "Fresh Coffee", "No Parking", "Welcome Home", "Spring Collection 2024", "Lost City Near",
-           "Try Our New Burger",
-           "Forever Yours", "Step Goal Achieved", "Blue Moon Cafe", "Exit Only", "Keep Calm"]
+PHRASES = [
+    "Grand Opening",
+    "Hello World",
+    "Open Late",
+    "Sale Today",
+    "Best Dad Ever",
+    "Drive Safe",
+    "Happy 40th",
+    "Fresh Coffee",
+    "No Parking",
+    "Welcome Home",
+    "Spring Collection 2024",
+    "Lost City Near",
+    "Try Our New Burger",
+    "Forever Yours",
+    "Step Goal Achieved",
+    "Blue Moon Cafe",
+    "Exit Only",
+    "Keep Calm",
+]
 
 
 class Row(NamedTuple):
@@ -42,7 +60,7 @@ def text_image(text: str, index: int, size: int = 512):
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (size, size), (235 - 7 * (index % 5), 230, 220))
-    lines = [text] if len(text) <= 12 else [text[:len(text) // 2].rstrip(), text[len(text) // 2:].lstrip()]
+    lines = [text] if len(text) <= 12 else [text[: len(text) // 2].rstrip(), text[len(text) // 2 :].lstrip()]
     draw = ImageDraw.Draw(image)
     for i, line in enumerate(lines):
         y = size // 2 + (i - (len(lines) - 1) / 2) * 64 + (index % 3 - 1) * 40
@@ -88,8 +106,15 @@ def bench_ocr(args: argparse.Namespace) -> list[Row]:
         meta: dict = {}
         per_image = seconds_per_image(lambda: reward(images, prompts, meta), len(images), args.repeats)
         exact = sum(t.replace(" ", "").lower() == p.replace(" ", "").lower() for t, p in zip(meta["ocr/text"], phrases))
-        rows.append(Row("ocr", f"rapidocr, threads={threads}", len(images), per_image,
-                        f"{exact}/{len(images)} read exactly, mean score {float(reward(images, prompts).mean()):.3f}"))
+        rows.append(
+            Row(
+                "ocr",
+                f"rapidocr, threads={threads}",
+                len(images),
+                per_image,
+                f"{exact}/{len(images)} read exactly, mean score {float(reward(images, prompts).mean()):.3f}",
+            )
+        )
     return rows
 
 
@@ -97,18 +122,34 @@ def save_mask2former_swin_small(folder: Path, shortest_edge: int) -> Path:
     """GenEval's detector architecture at full size with random weights (Mask2Former, Swin-S backbone: embed 96,
     depths 2-2-18-2, window 7; 100 queries, 6 encoder and 10 decoder layers; the 80 COCO classes), saved with an image
     processor resizing the shorter side to ``shortest_edge`` (no hub: the time depends only on the shapes)."""
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
 
     from flowrl_rewards.compositional.geneval_prompts import COCO_CLASSES
 
-    backbone = SwinConfig(embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], window_size=7,
-                          out_features=["stage1", "stage2", "stage3", "stage4"])
+    backbone = SwinConfig(
+        embed_dim=96,
+        depths=[2, 2, 18, 2],
+        num_heads=[3, 6, 12, 24],
+        window_size=7,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
     labels = dict(enumerate(COCO_CLASSES))
-    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, id2label=labels,
-                               label2id={v: k for k, v in labels.items()}, use_pretrained_backbone=False)
+    config = Mask2FormerConfig(
+        backbone_config=backbone,
+        num_labels=80,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+        use_pretrained_backbone=False,
+    )
     Mask2FormerForUniversalSegmentation(config).save_pretrained(folder)
-    Mask2FormerImageProcessor(size={"shortest_edge": shortest_edge, "longest_edge": 1333}, size_divisor=32
-                              ).save_pretrained(folder)
+    Mask2FormerImageProcessor(
+        size={"shortest_edge": shortest_edge, "longest_edge": 1333}, size_divisor=32
+    ).save_pretrained(folder)
     return folder
 
 
@@ -130,19 +171,38 @@ def bench_geneval(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         for edge in (384, 800):
             folder = save_mask2former_swin_small(Path(tmp) / f"m2f-{edge}", edge)
-            reward = build_reward("geneval", detector=str(folder), clip_model="ViT-L-14", clip_pretrained=None,
-                                  device="cpu", dtype="fp32", batch_size=4)
+            reward = build_reward(
+                "geneval",
+                detector=str(folder),
+                clip_model="ViT-L-14",
+                clip_pretrained=None,
+                device="cpu",
+                dtype="fp32",
+                batch_size=4,
+            )
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                rows.append(Row("geneval", f"detector, shorter side {edge}, threads={threads}", len(images),
-                                seconds_per_image(lambda: reward.detector(arr), len(images), args.repeats),
-                                "Mask2Former Swin-S, 80 classes, 100 queries"))
+                rows.append(
+                    Row(
+                        "geneval",
+                        f"detector, shorter side {edge}, threads={threads}",
+                        len(images),
+                        seconds_per_image(lambda: reward.detector(arr), len(images), args.repeats),
+                        "Mask2Former Swin-S, 80 classes, 100 queries",
+                    )
+                )
         crops = [rules.Found((64.0 + i, 64.0, 320.0, 320.0 + i), 0.9, mask=np.ones((512, 512), bool)) for i in range(8)]
         for threads in args.threads:
             torch.set_num_threads(threads)
-            rows.append(Row("geneval", f"colour of one object, threads={threads}", len(crops),
-                            seconds_per_image(lambda: reward.colors(arr[0], crops, "car"), len(crops), args.repeats),
-                            "CLIP ViT-L/14 on the masked crop; a GenEval image has 0-2 colour clauses"))
+            rows.append(
+                Row(
+                    "geneval",
+                    f"colour of one object, threads={threads}",
+                    len(crops),
+                    seconds_per_image(lambda: reward.colors(arr[0], crops, "car"), len(crops), args.repeats),
+                    "CLIP ViT-L/14 on the masked crop; a GenEval image has 0-2 colour clauses",
+                )
+            )
     torch.set_num_threads(1)
     return rows
 
@@ -152,8 +212,11 @@ PARTS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"ocr": bench_ocr,
 
 def table(rows: list[Row]) -> str:
     lines = ["| reward | setting | images | s/image | images/s | note |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.part} | {r.setting} | {r.images} | {r.seconds_per_image:.3f} | {1 / r.seconds_per_image:.1f} | "
-              f"{r.note} |" for r in rows]
+    lines += [
+        f"| {r.part} | {r.setting} | {r.images} | {r.seconds_per_image:.3f} | {1 / r.seconds_per_image:.1f} | "
+        f"{r.note} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

@@ -19,13 +19,15 @@ every row, so a kill leaves what was measured):
 - ``shapes``: the main job (configs/shapes/nft.yaml) and guidance distillation alone (``loss.reward_term=0``) at
   1,024 images per update (16 prompts × 64), as many updates as fit, seeds 0 and 1, held-out strict accuracy at
   guidance 1 (and 3) before and after;
-- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per batch.
+- ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per
+batch.
 
 ``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
 :func:`flowrl.models.random_init.tiny_arch`) and tiny settings in well under a minute (tests/test_gpu_check.py).
 On the GPU machine run it through scripts/gpu_check.sh, which first installs the carried wheels (diffusers,
 omegaconf) and the repository itself; docs/gpu.md has the exact command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +50,7 @@ from pathlib import Path
 STARTED = time.monotonic()  # --minutes counts from here, the imports included
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "scripts"):  # the checkout's flowrl when it is not installed (scripts/gpu_check.sh installs
-    if str(path) not in sys.path:    # it), and this script's own modules
+    if str(path) not in sys.path:  # it), and this script's own modules
         sys.path.insert(0, str(path))
 
 import gpu_profile  # noqa: E402
@@ -85,8 +87,13 @@ PRESETS = (  # weights ≈ expected seconds / 50 (docs/gpu.md, "The budget"): Fl
     Preset("flux1dev_nft_lora", "configs/flux/nft_pickscore.yaml", "flux1_dev", 2, 4, 1.2, 2.8),
 )
 FITTED = ["train.fit=auto", "model.compile=regional"]
-FIT_KEYS = {"rollout.max_batch": "batch", "train.micro_batch": "micro", "model.gradient_checkpointing": "ckpt",
-            "model.checkpoint_blocks": "ckpt blocks", "model.offload_encoders": "offload"}
+FIT_KEYS = {
+    "rollout.max_batch": "batch",
+    "train.micro_batch": "micro",
+    "model.gradient_checkpointing": "ckpt",
+    "model.checkpoint_blocks": "ckpt blocks",
+    "model.offload_encoders": "offload",
+}
 """The keys train.fit chooses, and their short names in the tables."""
 TINY_CAPACITY = 1.1
 """--tiny: the fit's device capacity, × the shipped settings' estimated peak: with train.memory_fraction 0.9 just
@@ -104,7 +111,7 @@ SHAPES_RUNS = (("main", []), ("distill", ["loss.reward_term=0"]))
 SHAPES_CONFIG = "configs/shapes/nft.yaml"
 MEASURED_PEAK_TFLOPS = 790.0
 """bf16 dense matmul measured on the lent H100 and H200 (8192³ products: 798 and 788 TFLOP/s)."""
-GiB = 2 ** 30
+GiB = 2**30
 
 
 class OutOfTime(Exception):
@@ -113,42 +120,93 @@ class OutOfTime(Exception):
 
 # ---- arguments ------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.split("\n\n")[0],
-                                epilog="docs/gpu.md, \"The GPU check\": the exact run on the lent GPU machine.")
-    p.add_argument("--out", default=None, help="folder for gpu_check.md and gpu_check.json (default: $OUT when set, "
-                                                 "else runs/gpu_check)")
-    p.add_argument("--minutes", type=float, default=9.0, help="time budget of the whole check (default 9); each part "
-                                                                "gets a share and stops cleanly when it is spent")
-    p.add_argument("--tiny", action="store_true", help="every part on the CPU with tiny pipelines and tiny settings "
-                                                       "(under a minute): the rehearsal the tests run")
-    p.add_argument("--parts", default=",".join(PARTS),
-                   help="comma-separated parts to run, in this order (default: all): presets (SD3.5-M Flow-GRPO and NFT, "
-                        "FLUX.1-dev NFT, LoRA, real size; shipped, then train.fit=auto + model.compile=regional), profile "
-                        "(torch.profiler of one SD3.5-M Flow-GRPO iteration), shapes (main job and distillation at 1,024 "
-                        "images per update), snr (--reward-only at 1,024 images per batch)")
-    p.add_argument("--peak-tflops", type=float, default=MEASURED_PEAK_TFLOPS,
-                   help=f"the card's bf16 peak the model FLOP/s are set against (default {MEASURED_PEAK_TFLOPS:g}, "
-                        "measured on the lent H100/H200)")
-    p.add_argument("--gpu", default=None, help="GPU class of the estimate (H100, H200, ...; default: from the device "
-                                               "name, H100 when it names neither)")
-    p.add_argument("--iterations", type=int, default=None, help="timed iterations per preset at most (default 3; "
-                                                                 "fewer when the estimate says they would not fit)")
+    p = argparse.ArgumentParser(
+        prog="scripts/gpu_check.py",
+        description=__doc__.split("\n\n")[0],
+        epilog='docs/gpu.md, "The GPU check": the exact run on the lent GPU machine.',
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for gpu_check.md and gpu_check.json (default: $OUT when set, else runs/gpu_check)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=9.0,
+        help="time budget of the whole check (default 9); each part gets a share and stops cleanly when it is spent",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="every part on the CPU with tiny pipelines and tiny settings "
+        "(under a minute): the rehearsal the tests run",
+    )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated parts to run, in this order (default: all): presets (SD3.5-M Flow-GRPO and NFT, "
+        "FLUX.1-dev NFT, LoRA, real size; shipped, then train.fit=auto + model.compile=regional), profile "
+        "(torch.profiler of one SD3.5-M Flow-GRPO iteration), shapes (main job and distillation at 1,024 "
+        "images per update), snr (--reward-only at 1,024 images per batch)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=MEASURED_PEAK_TFLOPS,
+        help=f"the card's bf16 peak the model FLOP/s are set against (default {MEASURED_PEAK_TFLOPS:g}, "
+        "measured on the lent H100/H200)",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU class of the estimate (H100, H200, ...; default: from the device name, H100 when it names neither)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="timed iterations per preset at most (default 3; fewer when the estimate says they would not fit)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before them (default 1)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of the shapes runs (default 0; 0 1 "
-                                                                       "with --tiny)")
-    p.add_argument("--shapes-prompts", type=int, default=None, help="prompts per update of the shapes runs (default 16)")
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="seeds of the shapes runs (default 0; 0 1 with --tiny)"
+    )
+    p.add_argument(
+        "--shapes-prompts", type=int, default=None, help="prompts per update of the shapes runs (default 16)"
+    )
     p.add_argument("--shapes-images", type=int, default=None, help="images per prompt of the shapes runs (default 64)")
-    p.add_argument("--shapes-max-batch", type=int, default=None, help="rows per forward of the shapes runs "
-                                                                       "(rollout.max_batch; default 512)")
-    p.add_argument("--snr-batches", type=int, default=None, help="gradient draws of the snr part at most (default 8; "
-                                                                  "at least 3, fewer when time is short)")
-    p.add_argument("--compile-backend", default=None, help="torch.compile backend of model.compile=regional in the "
-                                                            "fitted preset rows (default inductor; eager with --tiny)")
-    p.add_argument("--profile-stack", action="store_true", help="profile the iteration with Python stacks on the GPU "
-                   "too (default: only with --tiny; on the GPU the warm-up's synchronising call sites are recorded "
-                   "instead, and the profiled iteration keeps its timing)")
-    p.add_argument("--commit", default=None, help="the commit the copy was made from (the GPU machine's copy has no "
-                                                  ".git; default: git rev-parse HEAD when there is one)")
+    p.add_argument(
+        "--shapes-max-batch",
+        type=int,
+        default=None,
+        help="rows per forward of the shapes runs (rollout.max_batch; default 512)",
+    )
+    p.add_argument(
+        "--snr-batches",
+        type=int,
+        default=None,
+        help="gradient draws of the snr part at most (default 8; at least 3, fewer when time is short)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of model.compile=regional in the "
+        "fitted preset rows (default inductor; eager with --tiny)",
+    )
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="profile the iteration with Python stacks on the GPU "
+        "too (default: only with --tiny; on the GPU the warm-up's synchronising call sites are recorded "
+        "instead, and the profiled iteration keeps its timing)",
+    )
+    p.add_argument(
+        "--commit",
+        default=None,
+        help="the commit the copy was made from (the GPU machine's copy has no "
+        ".git; default: git rev-parse HEAD when there is one)",
+    )
     p.add_argument("--work", default=None, help="scratch folder for the runs (default: a new temporary folder)")
     return p
 
@@ -168,9 +226,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def fill_defaults(args: argparse.Namespace) -> None:
     """The sizes each mode uses unless given: the real check's, or --tiny's."""
     tiny = args.tiny
-    defaults = {"iterations": 1 if tiny else 3, "seeds": [0, 1] if tiny else [0], "shapes_prompts": 2 if tiny else 16, "shapes_images": 4 if tiny else 64,
-                "shapes_max_batch": 8 if tiny else 512, "snr_batches": 3 if tiny else 8,
-                "compile_backend": "eager" if tiny else "inductor"}
+    defaults = {
+        "iterations": 1 if tiny else 3,
+        "seeds": [0, 1] if tiny else [0],
+        "shapes_prompts": 2 if tiny else 16,
+        "shapes_images": 4 if tiny else 64,
+        "shapes_max_batch": 8 if tiny else 512,
+        "snr_batches": 3 if tiny else 8,
+        "compile_backend": "eager" if tiny else "inductor",
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -184,8 +248,11 @@ def missing_requirements(tiny: bool) -> list[str]:
     """What this machine lacks for the check: Python modules, and a CUDA GPU unless --tiny."""
     import importlib.util
 
-    missing = [m for m in ("torch", "diffusers", "transformers", "peft", "accelerate", "omegaconf")
-               if importlib.util.find_spec(m) is None]
+    missing = [
+        m
+        for m in ("torch", "diffusers", "transformers", "peft", "accelerate", "omegaconf")
+        if importlib.util.find_spec(m) is None
+    ]
     if not missing:
         try:  # flowrl and its rewards package, by whatever name flowrl imports it (the check never names it)
             from flowrl.config.build import build_rewards
@@ -193,8 +260,10 @@ def missing_requirements(tiny: bool) -> list[str]:
 
             build_rewards([RewardTerm(name="jpeg_compressibility")])
         except Exception as e:  # noqa: BLE001 - any failure here is something missing
-            missing.append(f"an importable flowrl with its rewards ({one_line(e)}: pip install --no-deps "
-                           "--no-build-isolation -e . first, as scripts/gpu_check.sh does)")
+            missing.append(
+                f"an importable flowrl with its rewards ({one_line(e)}: pip install --no-deps "
+                "--no-build-isolation -e . first, as scripts/gpu_check.sh does)"
+            )
     if not tiny and "torch" not in missing:
         import torch
 
@@ -259,35 +328,82 @@ def one_line(error: BaseException) -> str:
 
 # ---- the report -----------------------------------------------------------------------------------
 COLUMNS = {
-    "presets": [("preset", "name"), ("variant", "variant"), ("model", "model"), ("prompts × images", "batch"),
-                ("px / steps", "size"), ("settings", "settings_text"), ("s/iter", "seconds_per_iteration"),
-                ("rollout s", "rollout_seconds"), ("reward s", "reward_seconds"), ("update s", "update_seconds"),
-                ("estimate s/iter", "estimate_seconds"), ("model TFLOP/iter", "model_tflop_per_iteration"),
-                ("TFLOP/s", "model_tflops_per_second"), ("of peak", "fraction_of_peak"), ("peak GiB", "peak_memory_gib"),
-                ("estimate GiB", "estimate_peak_gib"), ("measured / estimate", "peak_ratio"),
-                ("images/s", "images_per_second"), ("fitted / shipped", "speedup"), ("build s", "build_seconds"),
-                ("warm-up s", "warmup_seconds")],
-    "profile": [("iteration", "name"), ("prompts × images", "batch"), ("s/iter profiled", "iteration_seconds"),
-                ("busy s", "busy_seconds"), ("idle s", "idle_seconds"), ("idle share", "idle_fraction"),
-                ("gaps", "gaps"), ("syncs", "syncs"), ("top op", "top_op"), ("stacks", "with_stack"),
-                ("trace MB", "trace_mb"), ("warm-up s", "warmup_seconds"), ("analysis s", "analysis_seconds")],
-    "shapes": [("run", "name"), ("seed", "seed"), ("images/update", "images_per_update"), ("updates", "updates"),
-               ("images", "images"), ("s/update", "seconds_per_update"), ("strict g1 before", "strict_g1_before"),
-               ("strict g1 after", "strict_g1_after"), ("Δ g1", "strict_g1_change"), ("strict g3 before", "strict_g3_before"),
-               ("strict g3 after", "strict_g3_after"), ("reward first → last", "reward_first_last")],
-    "snr": [("measure", "name"), ("batches", "batches"), ("images/batch", "samples_per_batch"),
-            ("signal / error", "signal_over_error"), ("mean pairwise cosine", "mean_pairwise_cosine"),
-            ("SNR per batch", "snr_per_batch"), ("images for SNR 1", "samples_for_snr_1"), ("s/batch", "seconds_per_batch")],
+    "presets": [
+        ("preset", "name"),
+        ("variant", "variant"),
+        ("model", "model"),
+        ("prompts × images", "batch"),
+        ("px / steps", "size"),
+        ("settings", "settings_text"),
+        ("s/iter", "seconds_per_iteration"),
+        ("rollout s", "rollout_seconds"),
+        ("reward s", "reward_seconds"),
+        ("update s", "update_seconds"),
+        ("estimate s/iter", "estimate_seconds"),
+        ("model TFLOP/iter", "model_tflop_per_iteration"),
+        ("TFLOP/s", "model_tflops_per_second"),
+        ("of peak", "fraction_of_peak"),
+        ("peak GiB", "peak_memory_gib"),
+        ("estimate GiB", "estimate_peak_gib"),
+        ("measured / estimate", "peak_ratio"),
+        ("images/s", "images_per_second"),
+        ("fitted / shipped", "speedup"),
+        ("build s", "build_seconds"),
+        ("warm-up s", "warmup_seconds"),
+    ],
+    "profile": [
+        ("iteration", "name"),
+        ("prompts × images", "batch"),
+        ("s/iter profiled", "iteration_seconds"),
+        ("busy s", "busy_seconds"),
+        ("idle s", "idle_seconds"),
+        ("idle share", "idle_fraction"),
+        ("gaps", "gaps"),
+        ("syncs", "syncs"),
+        ("top op", "top_op"),
+        ("stacks", "with_stack"),
+        ("trace MB", "trace_mb"),
+        ("warm-up s", "warmup_seconds"),
+        ("analysis s", "analysis_seconds"),
+    ],
+    "shapes": [
+        ("run", "name"),
+        ("seed", "seed"),
+        ("images/update", "images_per_update"),
+        ("updates", "updates"),
+        ("images", "images"),
+        ("s/update", "seconds_per_update"),
+        ("strict g1 before", "strict_g1_before"),
+        ("strict g1 after", "strict_g1_after"),
+        ("Δ g1", "strict_g1_change"),
+        ("strict g3 before", "strict_g3_before"),
+        ("strict g3 after", "strict_g3_after"),
+        ("reward first → last", "reward_first_last"),
+    ],
+    "snr": [
+        ("measure", "name"),
+        ("batches", "batches"),
+        ("images/batch", "samples_per_batch"),
+        ("signal / error", "signal_over_error"),
+        ("mean pairwise cosine", "mean_pairwise_cosine"),
+        ("SNR per batch", "snr_per_batch"),
+        ("images for SNR 1", "samples_for_snr_1"),
+        ("s/batch", "seconds_per_batch"),
+    ],
 }
-TITLES = {"presets": "Real presets, real size, random weights: shipped, and train.fit=auto + model.compile=regional",
-          "profile": "torch.profiler: one Flow-GRPO iteration",
-          "shapes": "Shapes: the main job and distillation alone, many images per update",
-          "snr": "The reward's gradient signal (flowrl snr --reward-only)"}
+TITLES = {
+    "presets": "Real presets, real size, random weights: shipped, and train.fit=auto + model.compile=regional",
+    "profile": "torch.profiler: one Flow-GRPO iteration",
+    "shapes": "Shapes: the main job and distillation alone, many images per update",
+    "snr": "The reward's gradient signal (flowrl snr --reward-only)",
+}
 
 
 def profile_tables(rows: list[dict]) -> list[str]:
     """The profile part's tables under its row (scripts/gpu_profile.py)."""
-    return [line for r in rows if r.get("profile") for line in gpu_profile.markdown(r["profile"], r.get("sync_sites"), fmt)]
+    return [
+        line for r in rows if r.get("profile") for line in gpu_profile.markdown(r["profile"], r.get("sync_sites"), fmt)
+    ]
 
 
 class Report(gpu_report.Report):
@@ -300,10 +416,16 @@ def commit_of(given: str | None) -> str:
     if given:
         return given
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return head + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown (no .git here: pass --commit)"
@@ -317,11 +439,23 @@ def environment(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
     memory = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
-    return {"device": device, "device_memory_gib": memory, "gpu_class": gpu_class_of(args, device), "tiny": args.tiny,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit_of(args.commit),
-            "started": now(), "minutes": args.minutes, "peak_tflops": args.peak_tflops, "parts": args.parts,
-            "argv": sys.argv[1:]}
+    return {
+        "device": device,
+        "device_memory_gib": memory,
+        "gpu_class": gpu_class_of(args, device),
+        "tiny": args.tiny,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": commit_of(args.commit),
+        "started": now(),
+        "minutes": args.minutes,
+        "peak_tflops": args.peak_tflops,
+        "parts": args.parts,
+        "argv": sys.argv[1:],
+    }
 
 
 def gpu_class_of(args: argparse.Namespace, device: str) -> str:
@@ -344,13 +478,30 @@ def preset_path(relative: str) -> str:
 def preset_overrides(preset: Preset, args: argparse.Namespace, name: str) -> list[str]:
     """The preset at its resolution and steps with a cheap reward, inline prompts and ``prompts`` × ``images``;
     --tiny: 64 px, 2 steps, 8 T5 tokens, 1 prompt × 2 images on the CPU."""
-    out = ["rewards=[{name: jpeg_compressibility}]", f"prompts.train={PROMPTS}", f"prompts.eval={PROMPTS}",
-           f"prompts.per_step={preset.prompts}", f"rollout.group_size={preset.images}", "train.log_with=none",
-           "train.progress=false", "train.overwrite=true", f"train.output_dir={args.work / 'runs'}",
-           f"train.name={name}", f"model.device={'cpu' if args.tiny else 'cuda'}"]
+    out = [
+        "rewards=[{name: jpeg_compressibility}]",
+        f"prompts.train={PROMPTS}",
+        f"prompts.eval={PROMPTS}",
+        f"prompts.per_step={preset.prompts}",
+        f"rollout.group_size={preset.images}",
+        "train.log_with=none",
+        "train.progress=false",
+        "train.overwrite=true",
+        f"train.output_dir={args.work / 'runs'}",
+        f"train.name={name}",
+        f"model.device={'cpu' if args.tiny else 'cuda'}",
+    ]
     if args.tiny:
-        out += ["prompts.per_step=1", "rollout.group_size=2", "rollout.max_batch=2", "rollout.steps=2",
-                "model.height=64", "model.width=64", "model.max_sequence_length=8", "train.num_threads=1"]
+        out += [
+            "prompts.per_step=1",
+            "rollout.group_size=2",
+            "rollout.max_batch=2",
+            "rollout.steps=2",
+            "model.height=64",
+            "model.width=64",
+            "model.max_sequence_length=8",
+            "train.num_threads=1",
+        ]
     return out
 
 
@@ -364,11 +515,17 @@ def preset_estimate(cfg, arch: dict, args: argparse.Namespace, gpu: str) -> dict
 
 def estimate_figures(e: dict) -> dict:
     """The figures of an estimate (:func:`flowrl.estimate.estimate`'s result) a preset row keeps."""
-    return {"peak_gib": e["memory_gib"]["peak"], "peak_phase": e["memory_gib"]["peak_phase"],
-            "static_gib": e["memory_gib"]["static"], "flops_per_iteration": e["flops"]["total"],
-            "flops_split": {k: e["flops"][k] for k in ("rollout", "decode", "update", "explore")},
-            "seconds_per_iteration": e["time"]["seconds_per_iteration"], "gpu": e["gpu"], "counts": e["counts"],
-            "shapes": e["shapes"]}
+    return {
+        "peak_gib": e["memory_gib"]["peak"],
+        "peak_phase": e["memory_gib"]["peak_phase"],
+        "static_gib": e["memory_gib"]["static"],
+        "flops_per_iteration": e["flops"]["total"],
+        "flops_split": {k: e["flops"][k] for k in ("rollout", "decode", "update", "explore")},
+        "seconds_per_iteration": e["time"]["seconds_per_iteration"],
+        "gpu": e["gpu"],
+        "counts": e["counts"],
+        "shapes": e["shapes"],
+    }
 
 
 def timed_iterations(seconds_left: float, per_iteration: float, args: argparse.Namespace, warmup: int) -> int:
@@ -383,16 +540,25 @@ def measured(bench: dict, est: dict, args: argparse.Namespace) -> dict:
     flops = est["flops_per_iteration"]
     on_gpu = "peak_memory_mb" in bench
     peak = (bench["peak_memory_mb"] if on_gpu else bench["peak_rss_mb"]) / 1024
-    return {"seconds_per_iteration": seconds, "rollout_seconds": bench["time/rollout"],
-            "reward_seconds": bench["time/reward"], "update_seconds": bench["time/update"],
-            "forward_seconds": bench["forward_seconds"], "backward_seconds": bench["backward_seconds"],
-            "overhead_seconds": bench["overhead_seconds"], "rollout_forwards": bench.get("rollout_forwards"),
-            "model_tflop_per_iteration": flops / 1e12, "model_tflops_per_second": flops / seconds / 1e12,
-            "fraction_of_peak": flops / seconds / (args.peak_tflops * 1e12), "peak_memory_gib": peak,
-            "peak_memory_source": "torch.cuda.max_memory_allocated" if on_gpu else "process peak RSS (CPU: not comparable)",
-            "estimate_peak_gib": est["peak_gib"], "peak_ratio": peak / est["peak_gib"],
-            "estimate_seconds": est["seconds_per_iteration"],
-            "within_estimated_time": est["seconds_per_iteration"][0] <= seconds <= est["seconds_per_iteration"][1]}
+    return {
+        "seconds_per_iteration": seconds,
+        "rollout_seconds": bench["time/rollout"],
+        "reward_seconds": bench["time/reward"],
+        "update_seconds": bench["time/update"],
+        "forward_seconds": bench["forward_seconds"],
+        "backward_seconds": bench["backward_seconds"],
+        "overhead_seconds": bench["overhead_seconds"],
+        "rollout_forwards": bench.get("rollout_forwards"),
+        "model_tflop_per_iteration": flops / 1e12,
+        "model_tflops_per_second": flops / seconds / 1e12,
+        "fraction_of_peak": flops / seconds / (args.peak_tflops * 1e12),
+        "peak_memory_gib": peak,
+        "peak_memory_source": "torch.cuda.max_memory_allocated" if on_gpu else "process peak RSS (CPU: not comparable)",
+        "estimate_peak_gib": est["peak_gib"],
+        "peak_ratio": peak / est["peak_gib"],
+        "estimate_seconds": est["seconds_per_iteration"],
+        "within_estimated_time": est["seconds_per_iteration"][0] <= seconds <= est["seconds_per_iteration"][1],
+    }
 
 
 ITERATION_GUESS = 1.5
@@ -424,17 +590,30 @@ def fitted_config(cfg, arch: dict, args: argparse.Namespace, gpu: str, shipped: 
     t0 = time.monotonic()
     fit = fit_config(cfg, gpu, arch=arch, target="cpu" if args.tiny else "cuda", capacity_gib=capacity)
     summary = fit.summary()
-    row["fit"] = {"settings": dict(fit.settings), "kept": list(fit.kept), "peak_gib": fit.peak_gib,
-                  "seconds_per_iteration": list(fit.seconds_per_iteration), "flops_per_iteration": fit.flops_per_iteration,
-                  "capacity_gib": capacity, "seconds": time.monotonic() - t0,
-                  "summary": summary.splitlines() if isinstance(summary, str) else list(summary)}
+    row["fit"] = {
+        "settings": dict(fit.settings),
+        "kept": list(fit.kept),
+        "peak_gib": fit.peak_gib,
+        "seconds_per_iteration": list(fit.seconds_per_iteration),
+        "flops_per_iteration": fit.flops_per_iteration,
+        "capacity_gib": capacity,
+        "seconds": time.monotonic() - t0,
+        "summary": summary.splitlines() if isinstance(summary, str) else list(summary),
+    }
     fitted = copy.deepcopy(fit.config)
     fitted.train.fit = "off"
     return fitted, estimate_figures(fit.estimate) if getattr(fit, "estimate", None) else None
 
 
-def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: str, row: dict, fitted: bool = False,
-               shipped: dict | None = None) -> dict:
+def preset_row(
+    preset: Preset,
+    args: argparse.Namespace,
+    seconds: float,
+    gpu: str,
+    row: dict,
+    fitted: bool = False,
+    shipped: dict | None = None,
+) -> dict:
     """Estimate, build on the device and bench one preset into ``row`` (what it holds when time runs out is kept):
     at its shipped settings, or ``fitted`` (:data:`FITTED`: train.fit=auto and regional compilation; ``shipped``:
     that preset's shipped row, for the ratio)."""
@@ -447,7 +626,9 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
 
     t0 = time.monotonic()
     name = preset.keys()[int(fitted)]
-    cfg = load_config(preset_path(preset.config), preset_overrides(preset, args, name) + (FITTED if fitted else []), gpu)
+    cfg = load_config(
+        preset_path(preset.config), preset_overrides(preset, args, name) + (FITTED if fitted else []), gpu
+    )
     arch = tiny_arch(preset.arch) if args.tiny else load_arch(preset.arch)
     row.update(name=name, variant="fit + compile" if fitted else "shipped", config=preset.config, model=arch["name"])
     est = None
@@ -455,15 +636,32 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
         cfg, est = fitted_config(cfg, arch, args, gpu, shipped, row)
     est = est or preset_estimate(cfg, arch, args, gpu)
     m = cfg.model
-    row.update({"status": "ok", "batch": f"{cfg.prompts.per_step} × {cfg.rollout.group_size}",
-                "size": f"{m.height} / {cfg.rollout.steps}", "fit_settings": fit_choices(cfg),
-                "settings_text": settings_text(fit_choices(cfg)),
-                "settings": {"height": m.height, "width": m.width, "steps": cfg.rollout.steps,
-                             "max_batch": cfg.rollout.max_batch, "micro_batch": cfg.train.micro_batch,
-                             "max_sequence_length": m.max_sequence_length, "dtype": m.dtype, "lora_rank": m.lora.rank,
-                             "gradient_checkpointing": m.gradient_checkpointing, "checkpoint_blocks": m.checkpoint_blocks,
-                             "offload_encoders": m.offload_encoders, "compile": m.compile, "objective": cfg.loss.objective},
-                "estimate": est, "estimate_seconds_taken": time.monotonic() - t0})
+    row.update(
+        {
+            "status": "ok",
+            "batch": f"{cfg.prompts.per_step} × {cfg.rollout.group_size}",
+            "size": f"{m.height} / {cfg.rollout.steps}",
+            "fit_settings": fit_choices(cfg),
+            "settings_text": settings_text(fit_choices(cfg)),
+            "settings": {
+                "height": m.height,
+                "width": m.width,
+                "steps": cfg.rollout.steps,
+                "max_batch": cfg.rollout.max_batch,
+                "micro_batch": cfg.train.micro_batch,
+                "max_sequence_length": m.max_sequence_length,
+                "dtype": m.dtype,
+                "lora_rank": m.lora.rank,
+                "gradient_checkpointing": m.gradient_checkpointing,
+                "checkpoint_blocks": m.checkpoint_blocks,
+                "offload_encoders": m.offload_encoders,
+                "compile": m.compile,
+                "objective": cfg.loss.objective,
+            },
+            "estimate": est,
+            "estimate_seconds_taken": time.monotonic() - t0,
+        }
+    )
     t1 = time.monotonic()
     model = random_model(m, "cpu" if args.tiny else "cuda", arch)
     row["build_seconds"] = time.monotonic() - t1
@@ -474,9 +672,14 @@ def preset_row(preset: Preset, args: argparse.Namespace, seconds: float, gpu: st
     iterations = timed_iterations(seconds - compiling - (time.monotonic() - t0), per_iteration, args, warmup)
     t2 = time.monotonic()
     bench = bench_iteration(cfg, iterations=iterations, warmup=warmup, model=model)
-    row.update(measured(bench, est, args), iterations=iterations, warmup=warmup, bench=bench,
-               warmup_seconds=time.monotonic() - t2 - iterations * bench["seconds_per_iteration"],
-               images_per_second=cfg.prompts.per_step * cfg.rollout.group_size / bench["seconds_per_iteration"])
+    row.update(
+        measured(bench, est, args),
+        iterations=iterations,
+        warmup=warmup,
+        bench=bench,
+        warmup_seconds=time.monotonic() - t2 - iterations * bench["seconds_per_iteration"],
+        images_per_second=cfg.prompts.per_step * cfg.rollout.group_size / bench["seconds_per_iteration"],
+    )
     if compiles:  # the fitted rows, and a preset that ships it (SD3.5-M NFT)
         row.update(compiled(model), backend=args.compile_backend)
     if fitted:
@@ -531,8 +734,15 @@ def run_presets(report: Report, budget: Budget, args: argparse.Namespace) -> Non
         for fitted, key in enumerate(preset.keys()):
             seconds = budget.allot(key)
             try:
-                row = guarded(report, budget, "presets", key, seconds, slack=1.5, run=lambda row: preset_row(
-                    preset, args, seconds, gpu, row, fitted=bool(fitted), shipped=shipped))
+                row = guarded(
+                    report,
+                    budget,
+                    "presets",
+                    key,
+                    seconds,
+                    slack=1.5,
+                    run=lambda row: preset_row(preset, args, seconds, gpu, row, fitted=bool(fitted), shipped=shipped),
+                )
             finally:
                 torch._dynamo.reset()  # the compiled blocks' graphs go with their model
             shipped = shipped or row
@@ -563,16 +773,25 @@ def profile_row(args: argparse.Namespace, gpu: str, row: dict) -> dict:
     row.update(warmup_seconds=time.monotonic() - t1, sync_sites=dict(sites))
     t2 = time.monotonic()
     step = functools.partial(trainer.train_step, 1)
-    summary = gpu_profile.profile_step(step, Path(args.out) / PROFILE_TRACE, args.work,
-                                       cuda=cuda, with_stack=args.tiny or args.profile_stack)
+    summary = gpu_profile.profile_step(
+        step, Path(args.out) / PROFILE_TRACE, args.work, cuda=cuda, with_stack=args.tiny or args.profile_stack
+    )
     del trainer
     gaps = summary["gaps"]
-    row.update(profile=summary, iteration_seconds=summary["iteration_seconds"], busy_seconds=gaps["busy_seconds"],
-               idle_seconds=gaps["idle_seconds"], idle_fraction=gaps["idle_fraction"], gaps=gaps["count"],
-               syncs=sum(r["count"] for r in summary["syncs"] if r["name"] != "aten::_local_scalar_dense"),
-               top_op=summary["top_ops"][0]["op"] if summary["top_ops"] else None, with_stack=summary["with_stack"],
-               trace_file=summary["trace_file"], trace_mb=summary["trace_mb"],
-               analysis_seconds=time.monotonic() - t2 - summary["iteration_seconds"])
+    row.update(
+        profile=summary,
+        iteration_seconds=summary["iteration_seconds"],
+        busy_seconds=gaps["busy_seconds"],
+        idle_seconds=gaps["idle_seconds"],
+        idle_fraction=gaps["idle_fraction"],
+        gaps=gaps["count"],
+        syncs=sum(r["count"] for r in summary["syncs"] if r["name"] != "aten::_local_scalar_dense"),
+        top_op=summary["top_ops"][0]["op"] if summary["top_ops"] else None,
+        with_stack=summary["with_stack"],
+        trace_file=summary["trace_file"],
+        trace_mb=summary["trace_mb"],
+        analysis_seconds=time.monotonic() - t2 - summary["iteration_seconds"],
+    )
     return row
 
 
@@ -587,13 +806,28 @@ def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: fl
     """configs/shapes/nft.yaml at --shapes-prompts × --shapes-images per update for ``minutes`` of training (evals
     excluded; --tiny: one update, 4 held-out prompts, 2 steps)."""
     batch = args.shapes_max_batch
-    out = [f"prompts.per_step={args.shapes_prompts}", f"rollout.group_size={args.shapes_images}",
-           f"rollout.max_batch={batch}", f"train.seed={seed}", "train.log_with=none",
-           "train.progress=false", "train.overwrite=true", "train.checkpoint_every=0",
-           f"train.output_dir={args.work / 'runs'}", f"train.name={name}"]
+    out = [
+        f"prompts.per_step={args.shapes_prompts}",
+        f"rollout.group_size={args.shapes_images}",
+        f"rollout.max_batch={batch}",
+        f"train.seed={seed}",
+        "train.log_with=none",
+        "train.progress=false",
+        "train.overwrite=true",
+        "train.checkpoint_every=0",
+        f"train.output_dir={args.work / 'runs'}",
+        f"train.name={name}",
+    ]
     if args.tiny:
-        return out + ["train.max_steps=1", "model.device=cpu", "train.num_threads=1", "eval.num_prompts=4",
-                      "eval.steps=2", "eval.images_per_prompt=1", "rollout.steps=2"]
+        return out + [
+            "train.max_steps=1",
+            "model.device=cpu",
+            "train.num_threads=1",
+            "eval.num_prompts=4",
+            "eval.steps=2",
+            "eval.images_per_prompt=1",
+            "rollout.steps=2",
+        ]
     return out + ["train.max_steps=1000000", f"train.max_minutes={max(minutes, 0.05):.3f}", "model.device=cuda"]
 
 
@@ -612,10 +846,17 @@ def shapes_summary(records: list[dict], name: str, seed: int, images_per_update:
     steps = [r for r in records if "reward_mean" in r]
     first, last = (evals[0], evals[-1]) if len(evals) >= 2 else (evals[0] if evals else {}, {})
     seconds = steps[-1].get("time/train_total", nan) if steps else nan
-    row = {"name": name, "seed": seed, "images_per_update": images_per_update, "updates": len(steps),
-           "images": len(steps) * images_per_update, "train_seconds": seconds,
-           "seconds_per_update": seconds / len(steps) if steps else nan,
-           "reward_first": steps[0]["reward_mean"] if steps else nan, "reward_last": steps[-1]["reward_mean"] if steps else nan}
+    row = {
+        "name": name,
+        "seed": seed,
+        "images_per_update": images_per_update,
+        "updates": len(steps),
+        "images": len(steps) * images_per_update,
+        "train_seconds": seconds,
+        "seconds_per_update": seconds / len(steps) if steps else nan,
+        "reward_first": steps[0]["reward_mean"] if steps else nan,
+        "reward_last": steps[-1]["reward_mean"] if steps else nan,
+    }
     for tag, prefix in (("g1", "eval"), ("g3", "eval_default")):
         key = f"{prefix}/{reward}_mean"
         row[f"strict_{tag}_before"], row[f"strict_{tag}_after"] = first.get(key, nan), last.get(key, nan)
@@ -657,8 +898,14 @@ def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None
             continue
         guess = overhead if overhead is not None else 0.3 * share
         minutes = max(share - guess, 0.0) / 60
-        row = guarded(report, budget, "shapes", f"{variant} seed {seed}", share,
-                      lambda row: shapes_row(args, variant, extra, seed, minutes))
+        row = guarded(
+            report,
+            budget,
+            "shapes",
+            f"{variant} seed {seed}",
+            share,
+            lambda row: shapes_row(args, variant, extra, seed, minutes),
+        )
         if row.get("status") == "ok" and math.isfinite(row.get("train_seconds", float("nan"))):
             overhead = 1.1 * max(row["wall_seconds"] - row["train_seconds"], 0.0)
 
@@ -675,18 +922,28 @@ def snr_row(args: argparse.Namespace, batches: int) -> dict:
     error = result["signal_error"]
     detected = bool(result["signal_detected"])
     needed = result["samples_for_snr_1"] if detected else result["samples_for_snr_1_at_least"]
-    return {"name": "--reward-only, shipped weights", "status": "ok", "batches": int(result["batches"]),
-            "samples_per_batch": int(result["samples_per_batch"]),
-            "signal_over_error": result["signal"] / error if error > 0 else float("nan"),
-            "mean_pairwise_cosine": result["mean_pairwise_cosine"], "snr_per_batch": result["snr_per_batch"],
-            "detected": detected, "samples_for_snr_1": f"{'≈' if detected else '≥'} {fmt(float(needed))}",
-            "seconds_per_batch": (time.monotonic() - t0) / batches, "result": result}
+    return {
+        "name": "--reward-only, shipped weights",
+        "status": "ok",
+        "batches": int(result["batches"]),
+        "samples_per_batch": int(result["samples_per_batch"]),
+        "signal_over_error": result["signal"] / error if error > 0 else float("nan"),
+        "mean_pairwise_cosine": result["mean_pairwise_cosine"],
+        "snr_per_batch": result["snr_per_batch"],
+        "detected": detected,
+        "samples_for_snr_1": f"{'≈' if detected else '≥'} {fmt(float(needed))}",
+        "seconds_per_batch": (time.monotonic() - t0) / batches,
+        "result": result,
+    }
 
 
 def run_snr(report: Report, budget: Budget, args: argparse.Namespace) -> None:
     seconds = budget.allot("snr")
-    per_update = [r["seconds_per_update"] for r in report.rows("shapes")
-                  if isinstance(r.get("seconds_per_update"), float) and math.isfinite(r["seconds_per_update"])]
+    per_update = [
+        r["seconds_per_update"]
+        for r in report.rows("shapes")
+        if isinstance(r.get("seconds_per_update"), float) and math.isfinite(r["seconds_per_update"])
+    ]
     guess = 1.5 * (sum(per_update) / len(per_update)) if per_update else 3.0  # a rollout and a backward per draw
     batches = max(3, min(args.snr_batches, int(0.8 * seconds / guess)))
     guarded(report, budget, "snr", f"reward only, {batches} batches", seconds, lambda row: snr_row(args, batches))
@@ -709,7 +966,9 @@ def quiet_libraries() -> None:
 
 def budget_weights(parts: list[str]) -> dict[str, float]:
     """The budget's keys and weights of ``parts``: two per preset (shipped, fitted), one per other part."""
-    weights = {k: w for p in PRESETS for k, w in zip(p.keys(), (p.weight, p.fitted_weight))} if "presets" in parts else {}
+    weights = (
+        {k: w for p in PRESETS for k, w in zip(p.keys(), (p.weight, p.fitted_weight))} if "presets" in parts else {}
+    )
     weights.update({k: v for k, v in PART_WEIGHTS.items() if k in parts})
     return weights
 
@@ -719,8 +978,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as flowrl's CLI: no OpenMP spinning on shared cores
     missing = missing_requirements(args.tiny)
     if missing:
-        print(f"gpu_check: cannot run here: missing {'; '.join(missing)}. Run it on the GPU machine through "
-              "scripts/gpu_check.sh (docs/gpu.md), or with --tiny on a CPU.", file=sys.stderr)
+        print(
+            f"gpu_check: cannot run here: missing {'; '.join(missing)}. Run it on the GPU machine through "
+            "scripts/gpu_check.sh (docs/gpu.md), or with --tiny on a CPU.",
+            file=sys.stderr,
+        )
         return 2
     quiet_libraries()
     import flowrl.commands.bench  # noqa: F401 - the libraries imported once, then frozen: their objects stay out of every
@@ -733,8 +995,11 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     budget = Budget(args.minutes * 60, budget_weights(args.parts), start=STARTED)
     report = Report(args.out, environment(args), args.parts)
-    print(f"[gpu_check] {report.data['meta']['device']}, {args.minutes:g} min, parts {','.join(args.parts)}; "
-          f"writing {report.out}/gpu_check.{{md,json}}", flush=True)
+    print(
+        f"[gpu_check] {report.data['meta']['device']}, {args.minutes:g} min, parts {','.join(args.parts)}; "
+        f"writing {report.out}/gpu_check.{{md,json}}",
+        flush=True,
+    )
     for part in args.parts:
         t0 = time.monotonic()
         error = None

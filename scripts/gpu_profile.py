@@ -15,6 +15,7 @@ trace made on the CPU: ``load_events`` → ``summarize`` → ``markdown``. What 
 With no device events (a CPU), the "device ops" of the gap table are the top-level aten ops of the iteration's
 thread, and a gap is host time spent outside any aten op (Python, the framework).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,22 +31,46 @@ ITERATION = "gpu_check_iteration"
 """``record_function`` name around the profiled iteration."""
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "user_annotation")
-SYNC_HOST = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-             "aten::item", "aten::_local_scalar_dense")
+SYNC_HOST = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
 """Host events that wait for the device (``cudaMemcpy``: the synchronous copy; ``aten::item`` and
 ``aten::_local_scalar_dense``: a tensor read back as a Python number)."""
 D2H = "Memcpy DtoH"
 """Prefix of a device-to-host copy's device event (the host waits for it unless it is non-blocking to pinned memory)."""
-LIBRARIES = ("torch/", "diffusers/", "transformers/", "peft/", "accelerate/", "<built-in", "threading.py",
-             "contextlib.py", "functools.py", "nn.Module:", "scripts/gpu_profile.py")
+LIBRARIES = (
+    "torch/",
+    "diffusers/",
+    "transformers/",
+    "peft/",
+    "accelerate/",
+    "<built-in",
+    "threading.py",
+    "contextlib.py",
+    "functools.py",
+    "nn.Module:",
+    "scripts/gpu_profile.py",
+)
 """Python frames skipped when naming a call site (the innermost frame of the project's own code is named)."""
-TRACE_LIMIT_BYTES = 15 * 2 ** 20
+TRACE_LIMIT_BYTES = 15 * 2**20
 """Largest gzipped trace written beside gpu_check.md (the device tool brings back files of at most 16 MiB)."""
 
 
 # ---- profiling ----------------------------------------------------------------------------------------------------
-def profile_step(step, trace_path: str | Path, scratch: str | Path, *, cuda: bool, with_stack: bool,
-                 limit_bytes: int = TRACE_LIMIT_BYTES) -> dict:
+def profile_step(
+    step,
+    trace_path: str | Path,
+    scratch: str | Path,
+    *,
+    cuda: bool,
+    with_stack: bool,
+    limit_bytes: int = TRACE_LIMIT_BYTES,
+) -> dict:
     """Run ``step()`` once under ``torch.profiler`` (CPU, and CUDA when ``cuda``; no shapes; stacks when
     ``with_stack``) inside a ``record_function(ITERATION)``, export its Chrome trace to the folder ``scratch``,
     summarise it and write it gzipped to ``trace_path`` (trimmed to ``limit_bytes``: :func:`write_trace`). Returns
@@ -70,7 +95,7 @@ def profile_step(step, trace_path: str | Path, scratch: str | Path, *, cuda: boo
     finally:
         raw.unlink(missing_ok=True)
     summary = summarize(trace["traceEvents"])
-    summary.update(with_stack=with_stack, trace_raw_mb=raw_bytes / 2 ** 20, **write_trace(trace, trace_path, limit_bytes))
+    summary.update(with_stack=with_stack, trace_raw_mb=raw_bytes / 2**20, **write_trace(trace, trace_path, limit_bytes))
     return summary
 
 
@@ -118,10 +143,10 @@ def short_path(filename: str) -> str:
     parts = Path(filename).parts
     for anchor in ("site-packages", "dist-packages"):
         if anchor in parts:
-            return "/".join(parts[parts.index(anchor) + 1:])
+            return "/".join(parts[parts.index(anchor) + 1 :])
     for package in ("flowrl", "scripts", "rewards", "flowrl_rewards"):
         if package in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(package):])
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(package) :])
     return os.path.basename(filename)
 
 
@@ -180,11 +205,16 @@ def summarize(events: list[dict], top: int = 15, largest: int = 10) -> dict:
     parents = nest(host)
     ops = [e for e in host if e["cat"] == "cpu_op"]
     by_id = {e["args"]["External id"]: e for e in ops if "External id" in e.get("args", {})}
-    return {"iteration_seconds": (end - start) / 1e6, "device_events": len(device), "host_events": len(host),
-            "cpu_ops": len(ops), "source": "device" if device else "host",
-            "top_ops": top_ops(ops, device, by_id, parents, top),
-            "gaps": gaps(device, ops, parents, thread, by_id, start, end, largest),
-            "syncs": syncs(host, device, by_id, parents)}
+    return {
+        "iteration_seconds": (end - start) / 1e6,
+        "device_events": len(device),
+        "host_events": len(host),
+        "cpu_ops": len(ops),
+        "source": "device" if device else "host",
+        "top_ops": top_ops(ops, device, by_id, parents, top),
+        "gaps": gaps(device, ops, parents, thread, by_id, start, end, largest),
+        "syncs": syncs(host, device, by_id, parents),
+    }
 
 
 def self_times(ops: list[dict], parents: dict) -> dict[int, float]:
@@ -226,7 +256,7 @@ def top_ops(ops: list[dict], device: list[dict], by_id: dict, parents: dict, n: 
 
 def short_kernel(name: str, width: int = 60) -> str:
     """A kernel's name cut to ``width`` characters (templated CUDA names run to hundreds)."""
-    return name if len(name) <= width else name[:width - 1] + "…"
+    return name if len(name) <= width else name[: width - 1] + "…"
 
 
 def busy_intervals(device: list[dict], ops: list[dict], parents: dict, thread) -> tuple[list[dict], str]:
@@ -234,8 +264,11 @@ def busy_intervals(device: list[dict], ops: list[dict], parents: dict, thread) -
     ops of the iteration's thread; and which of the two."""
     if device:
         return sorted(device, key=lambda e: e["ts"]), "device"
-    top = [e for e in ops if (thread is None or (e.get("pid"), e.get("tid")) == thread)
-           and not _has_cpu_op_parent(e, parents)]
+    top = [
+        e
+        for e in ops
+        if (thread is None or (e.get("pid"), e.get("tid")) == thread) and not _has_cpu_op_parent(e, parents)
+    ]
     return sorted(top, key=lambda e: e["ts"]), "host"
 
 
@@ -248,8 +281,9 @@ def _has_cpu_op_parent(e: dict, parents: dict) -> bool:
     return False
 
 
-def gaps(device: list[dict], ops: list[dict], parents: dict, thread, by_id: dict, start: float, end: float,
-         largest: int) -> dict:
+def gaps(
+    device: list[dict], ops: list[dict], parents: dict, thread, by_id: dict, start: float, end: float, largest: int
+) -> dict:
     """Idle time between consecutive busy intervals within the iteration: total seconds, its share of the
     iteration, how many gaps, and the ``largest`` ones, each with the op before it (``before``: the last to end) and
     the one that ended it (``after``)."""
@@ -257,15 +291,27 @@ def gaps(device: list[dict], ops: list[dict], parents: dict, thread, by_id: dict
     found, busy_end, last = [], None, None
     for e in items:
         if busy_end is not None and e["ts"] > busy_end:
-            found.append({"ms": (e["ts"] - busy_end) / 1e3, "at_ms": (busy_end - start) / 1e3,
-                          "before": label(last, by_id), "after": label(e, by_id)})
+            found.append(
+                {
+                    "ms": (e["ts"] - busy_end) / 1e3,
+                    "at_ms": (busy_end - start) / 1e3,
+                    "before": label(last, by_id),
+                    "after": label(e, by_id),
+                }
+            )
         if busy_end is None or e["ts"] + e["dur"] >= busy_end:
             busy_end, last = e["ts"] + e["dur"], e
     idle = sum(g["ms"] for g in found) / 1e3
     span = max(end - start, 1e-9) / 1e6
-    return {"source": source, "intervals": len(items), "count": len(found), "idle_seconds": idle,
-            "idle_fraction": idle / span, "busy_seconds": sum(e["dur"] for e in items) / 1e6,
-            "largest": sorted(found, key=lambda g: -g["ms"])[:largest]}
+    return {
+        "source": source,
+        "intervals": len(items),
+        "count": len(found),
+        "idle_seconds": idle,
+        "idle_fraction": idle / span,
+        "busy_seconds": sum(e["dur"] for e in items) / 1e6,
+        "largest": sorted(found, key=lambda g: -g["ms"])[:largest],
+    }
 
 
 def label(event: dict | None, by_id: dict) -> str:
@@ -293,11 +339,19 @@ def syncs(host: list[dict], device: list[dict], by_id: dict, parents: dict, site
         events = found.get(name, [])
         if not events:
             continue
-        counted = Counter(call_site(by_id.get(e.get("args", {}).get("External id")) if e["cat"] in DEVICE_CATS else e,
-                                    parents) for e in events)
+        counted = Counter(
+            call_site(by_id.get(e.get("args", {}).get("External id")) if e["cat"] in DEVICE_CATS else e, parents)
+            for e in events
+        )
         counted.pop(None, None)
-        rows.append({"name": name, "count": len(events), "ms": sum(e["dur"] for e in events) / 1e3,
-                     "sites": [f"{s} ×{n}" for s, n in counted.most_common(sites)]})
+        rows.append(
+            {
+                "name": name,
+                "count": len(events),
+                "ms": sum(e["dur"] for e in events) / 1e3,
+                "sites": [f"{s} ×{n}" for s, n in counted.most_common(sites)],
+            }
+        )
     return rows
 
 
@@ -320,11 +374,14 @@ def write_trace(trace: dict, path: str | Path, limit_bytes: int = TRACE_LIMIT_BY
     else also without nested aten ops, kernel launches and flow arrows; else its first part only. Returns the file's
     name, MB and what was left out (``trace_trimmed``: None when whole)."""
     events = trace["traceEvents"]
-    steps = [(None, events),
-             ("Python frames left out", [e for e in events if e.get("cat") != "python_function"])]
+    steps = [(None, events), ("Python frames left out", [e for e in events if e.get("cat") != "python_function"])]
     parents = nest(complete(steps[-1][1], HOST_CATS))
-    steps.append(("Python frames, nested aten ops, non-synchronising CUDA calls and flow arrows left out",
-                  [e for e in steps[-1][1] if keep_lean(e, parents)]))
+    steps.append(
+        (
+            "Python frames, nested aten ops, non-synchronising CUDA calls and flow arrows left out",
+            [e for e in steps[-1][1] if keep_lean(e, parents)],
+        )
+    )
     data, per_event = b"", 0.0
     for note, kept in steps:
         if per_event * len(kept) > 1.5 * limit_bytes and (note, kept) != steps[-1]:
@@ -341,7 +398,7 @@ def write_trace(trace: dict, path: str | Path, limit_bytes: int = TRACE_LIMIT_BY
         note += f"; only its first {100 * share:.0f} % of events (to {(cut - timed[0]['ts']) / 1e6:.2f} s)"
         data = gzip.compress(json.dumps({**trace, "traceEvents": kept}, separators=(",", ":")).encode(), 3)
     Path(path).write_bytes(data)
-    return {"trace_file": Path(path).name, "trace_mb": len(data) / 2 ** 20, "trace_trimmed": note}
+    return {"trace_file": Path(path).name, "trace_mb": len(data) / 2**20, "trace_trimmed": note}
 
 
 def keep_lean(event: dict, parents: dict) -> bool:
@@ -357,31 +414,65 @@ def keep_lean(event: dict, parents: dict) -> bool:
     return True
 
 
-# ---- the Markdown -----------------------------------------------------------------------------------------------------
-def markdown(summary: dict, sites: dict[str, int] | None = None, fmt=lambda v: "—" if v is None else str(v)) -> list[str]:
+# ---- the Markdown
+# -----------------------------------------------------------------------------------------------------
+def markdown(
+    summary: dict, sites: dict[str, int] | None = None, fmt=lambda v: "—" if v is None else str(v)
+) -> list[str]:
     """The profile's tables (top ops, gaps, synchronisations, and the synchronising call sites of the warm-up)."""
     g = summary["gaps"]
     cuda = summary["source"] == "device"
     what = "self CUDA time" if cuda else "self CPU time (no device events: a CPU)"
-    lines = [f"**Top {len(summary['top_ops'])} ops by {what}**, one iteration ({fmt(summary['iteration_seconds'])} s):", "",
-             "| op | calls | self CUDA ms | of busy device time | self CPU ms |", "|---|---|---|---|---|"]
-    lines += [f"| `{r['op']}` | {fmt(r['calls'])} | {fmt(r['self_cuda_ms'])} | {fmt(r['cuda_share'])} | "
-              f"{fmt(r['self_cpu_ms'])} |" for r in summary["top_ops"]]
-    between = "kernels and copies (all streams)" if g["source"] == "device" else "top-level aten ops of the iteration's thread"
-    lines += ["", f"**Gaps between {between}**: {fmt(g['count'])} gaps, {fmt(g['idle_seconds'])} s idle = "
-              f"{fmt(g['idle_fraction'])} of the iteration ({fmt(g['busy_seconds'])} s busy); the largest:", "",
-              "| gap ms | at ms | preceding op | next op |", "|---|---|---|---|"]
+    lines = [
+        f"**Top {len(summary['top_ops'])} ops by {what}**, one iteration ({fmt(summary['iteration_seconds'])} s):",
+        "",
+        "| op | calls | self CUDA ms | of busy device time | self CPU ms |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{r['op']}` | {fmt(r['calls'])} | {fmt(r['self_cuda_ms'])} | {fmt(r['cuda_share'])} | "
+        f"{fmt(r['self_cpu_ms'])} |"
+        for r in summary["top_ops"]
+    ]
+    between = (
+        "kernels and copies (all streams)"
+        if g["source"] == "device"
+        else "top-level aten ops of the iteration's thread"
+    )
+    lines += [
+        "",
+        f"**Gaps between {between}**: {fmt(g['count'])} gaps, {fmt(g['idle_seconds'])} s idle = "
+        f"{fmt(g['idle_fraction'])} of the iteration ({fmt(g['busy_seconds'])} s busy); the largest:",
+        "",
+        "| gap ms | at ms | preceding op | next op |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {fmt(r['ms'])} | {fmt(r['at_ms'])} | `{r['before']}` | `{r['after']}` |" for r in g["largest"]]
-    lines += ["", "**Synchronisations** (call sites from the trace's Python stacks" +
-              ("" if summary.get("with_stack") else ": none, profiled without stacks") + "):", "",
-              "| call | count | ms | call sites |", "|---|---|---|---|"]
-    lines += [f"| `{r['name']}` | {fmt(r['count'])} | {fmt(r['ms'])} | {'<br>'.join(r['sites']) or '—'} |"
-              for r in summary["syncs"]] or ["| none | 0 | — | — |"]
+    lines += [
+        "",
+        "**Synchronisations** (call sites from the trace's Python stacks"
+        + ("" if summary.get("with_stack") else ": none, profiled without stacks")
+        + "):",
+        "",
+        "| call | count | ms | call sites |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{r['name']}` | {fmt(r['count'])} | {fmt(r['ms'])} | {'<br>'.join(r['sites']) or '—'} |"
+        for r in summary["syncs"]
+    ] or ["| none | 0 | — | — |"]
     if sites is not None:
         lines += ["", "**Synchronising call sites of the warm-up iteration** (`torch.cuda.set_sync_debug_mode`):", ""]
-        lines += ["| call site | calls |", "|---|---|"] + [f"| `{s}` | {fmt(n)} |" for s, n in
-                                                          sorted(sites.items(), key=lambda kv: -kv[1])[:15]] \
-            if sites else ["none recorded" + ("" if cuda else " (no CUDA: nothing synchronises on a CPU)")]
-    lines += ["", f"Trace: `{summary.get('trace_file', '—')}` ({fmt(summary.get('trace_mb'))} MB gzipped"
-              + (f"; {summary['trace_trimmed']}" if summary.get("trace_trimmed") else "") + ")."]
+        lines += (
+            ["| call site | calls |", "|---|---|"]
+            + [f"| `{s}` | {fmt(n)} |" for s, n in sorted(sites.items(), key=lambda kv: -kv[1])[:15]]
+            if sites
+            else ["none recorded" + ("" if cuda else " (no CUDA: nothing synchronises on a CPU)")]
+        )
+    lines += [
+        "",
+        f"Trace: `{summary.get('trace_file', '—')}` ({fmt(summary.get('trace_mb'))} MB gzipped"
+        + (f"; {summary['trace_trimmed']}" if summary.get("trace_trimmed") else "")
+        + ").",
+    ]
     return lines

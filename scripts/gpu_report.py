@@ -1,6 +1,7 @@
 """The GPU check's report (scripts/gpu_check.py): ``gpu_check.json`` and ``gpu_check.md``, rewritten after every row
 so that a killed run leaves what it measured. The layout (a table per part, its columns and title, and any tables
 a part adds below its own) is the subclass's: :class:`Report`'s ``titles``, ``columns`` and ``extras``."""
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,11 @@ class Report:
     def __init__(self, out: str | Path, meta: dict, parts: list[str]):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.data = {"schema": 1, "meta": meta,
-                     "parts": {p: {"status": "pending", "seconds": 0.0, "allotted_seconds": 0.0, "rows": []} for p in parts}}
+        self.data = {
+            "schema": 1,
+            "meta": meta,
+            "parts": {p: {"status": "pending", "seconds": 0.0, "allotted_seconds": 0.0, "rows": []} for p in parts},
+        }
 
     def add(self, part: str, row: dict) -> None:
         self.data["parts"][part]["rows"].append(row)
@@ -63,8 +67,7 @@ class Report:
     def close_part(self, part: str, seconds: float, allotted: float, error: str | None = None) -> None:
         entry = self.data["parts"][part]
         statuses = {r.get("status") for r in entry["rows"]}
-        entry["status"] = ("failed" if error else "ok" if statuses == {"ok"} else
-                           "empty" if not statuses else "partial")
+        entry["status"] = "failed" if error else "ok" if statuses == {"ok"} else "empty" if not statuses else "partial"
         entry.update(seconds=round(seconds, 1), allotted_seconds=round(allotted, 1))
         if error:
             entry["error"] = error
@@ -72,24 +75,37 @@ class Report:
 
     def write(self) -> None:
         self.data["meta"]["written"] = now()
-        for name, text in (("gpu_check.json", json.dumps(self.data, indent=2, default=str, allow_nan=True)),
-                           ("gpu_check.md", self.markdown())):
+        for name, text in (
+            ("gpu_check.json", json.dumps(self.data, indent=2, default=str, allow_nan=True)),
+            ("gpu_check.md", self.markdown()),
+        ):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text + "\n")
             tmp.replace(self.out / name)
 
     def markdown(self) -> str:
         m = self.data["meta"]
-        lines = [f"# GPU check{' (--tiny, CPU)' if m['tiny'] else ''}", "",
-                 f"device: {m['device']}; torch {m['torch']} (CUDA {m['cuda']}); commit {m['commit']}; "
-                 f"started {m['started']}; budget {m['minutes']:g} min; bf16 peak taken as {m['peak_tflops']:g} TFLOP/s", ""]
+        lines = [
+            f"# GPU check{' (--tiny, CPU)' if m['tiny'] else ''}",
+            "",
+            f"device: {m['device']}; torch {m['torch']} (CUDA {m['cuda']}); commit {m['commit']}; "
+            f"started {m['started']}; budget {m['minutes']:g} min; bf16 peak taken as {m['peak_tflops']:g} TFLOP/s",
+            "",
+        ]
         if m["tiny"]:
-            lines += ["--tiny: the architectures shrunk, on the CPU; peak GiB is the process's peak RSS, not comparable "
-                      "with the estimate.", ""]
+            lines += [
+                "--tiny: the architectures shrunk, on the CPU; peak GiB is the process's peak RSS, not comparable "
+                "with the estimate.",
+                "",
+            ]
         for part, entry in self.data["parts"].items():
-            lines += [f"## {self.titles.get(part, part)}", "",
-                      f"status: {entry['status']}; {entry['seconds']:.0f} s of {entry['allotted_seconds']:.0f} s allotted"
-                      + (f"; {entry['error']}" if entry.get("error") else ""), ""]
+            lines += [
+                f"## {self.titles.get(part, part)}",
+                "",
+                f"status: {entry['status']}; {entry['seconds']:.0f} s of {entry['allotted_seconds']:.0f} s allotted"
+                + (f"; {entry['error']}" if entry.get("error") else ""),
+                "",
+            ]
             lines += table(entry["rows"], self.columns[part]) + [""]
             if part in self.extras:
                 lines += self.extras[part](entry["rows"]) + [""]

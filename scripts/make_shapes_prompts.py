@@ -5,6 +5,7 @@
 
 Deterministic: the same seed always writes the same bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     files = render_files(args.seed)
     if args.check:
-        stale = [n for n, text in files.items()
-                 if not (args.out / n).is_file() or (args.out / n).read_text() != text]
+        stale = [n for n, text in files.items() if not (args.out / n).is_file() or (args.out / n).read_text() != text]
         if stale:
             print(f"out of date in {args.out}: {', '.join(stale)} (run scripts/make_shapes_prompts.py)")
             return 1

@@ -29,6 +29,7 @@ Smoke test::
 
     python scripts/pretrain_shapes.py --minutes 0.3 --dataset-size 512 --eval-size 20 --out runs/smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,10 @@ from flowrl_rewards.compositional.shapes import ShapesReward  # noqa: E402
 
 # ----------------------------------------------------------------------------------------- helpers
 
+
 def render_batch(specs: list[world.Spec], rng: np.random.Generator) -> torch.Tensor:
     """Render specs → float images [B, 3, 32, 32] in [-1, 1] (the VAE's input range)."""
-    arr = np.stack([world.render(s, rng) for s in specs])              # uint8 [B, 32, 32, 3]
+    arr = np.stack([world.render(s, rng) for s in specs])  # uint8 [B, 32, 32, 3]
     x = torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return x.contiguous()
 
@@ -104,21 +106,26 @@ def atomic_save(pipe, out: Path, extra_json: dict[str, object], extra_files: dic
 
 def smooth(values: list[float], window: int) -> list[float]:
     """Means over consecutive windows of ``window`` values."""
-    return [float(np.mean(values[i:i + window])) for i in range(0, len(values), window)]
+    return [float(np.mean(values[i : i + window])) for i in range(0, len(values), window)]
 
 
-def save_curves(path_png: Path, path_json: Path, vae_losses: list[float], tr_losses: list[float],
-                quick_evals: list[dict]) -> None:
+def save_curves(
+    path_png: Path, path_json: Path, vae_losses: list[float], tr_losses: list[float], quick_evals: list[dict]
+) -> None:
     """Loss curves (per step, also smoothed) as JSON and a PNG with up to three panels."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path_json.write_text(json.dumps({"vae_loss": vae_losses, "transformer_loss": tr_losses,
-                                     "quick_evals": quick_evals}) + "\n")
+    path_json.write_text(
+        json.dumps({"vae_loss": vae_losses, "transformer_loss": tr_losses, "quick_evals": quick_evals}) + "\n"
+    )
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    for ax, losses, title in ((axes[0], vae_losses, "VAE loss (L1 + MSE + KL)"),
-                              (axes[1], tr_losses, "flow-matching loss")):
+    for ax, losses, title in (
+        (axes[0], vae_losses, "VAE loss (L1 + MSE + KL)"),
+        (axes[1], tr_losses, "flow-matching loss"),
+    ):
         if losses:
             w = max(1, len(losses) // 200)
             ax.plot(np.arange(len(losses)), losses, alpha=0.25, lw=0.5)
@@ -143,8 +150,13 @@ def save_run_curves(work: Path, history: dict, tr_losses: list[float], quick: li
     """Write this run's curves, continuing ``history`` (earlier runs, ``--init-from``), into ``work``;
     returns {file name: path} of the written files for :func:`atomic_save`."""
     files = {"loss_curves.png": work / "loss_curves.png", "loss_curves.json": work / "loss_curves.json"}
-    save_curves(files["loss_curves.png"], files["loss_curves.json"], history["vae_loss"],
-                history["transformer_loss"] + tr_losses, history["quick_evals"] + quick)
+    save_curves(
+        files["loss_curves.png"],
+        files["loss_curves.json"],
+        history["vae_loss"],
+        history["transformer_loss"] + tr_losses,
+        history["quick_evals"] + quick,
+    )
     return files
 
 
@@ -157,17 +169,19 @@ def save_grid(path: Path, images: torch.Tensor, ncol: int = 16) -> None:
     grid = torch.full((3, nrow * (h + 1) + 1, ncol * (w + 1) + 1), 0.3)
     for i in range(n):
         r, c = divmod(i, ncol)
-        grid[:, 1 + r * (h + 1):1 + r * (h + 1) + h, 1 + c * (w + 1):1 + c * (w + 1) + w] = images[i]
+        grid[:, 1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = images[i]
     arr = (grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     Image.fromarray(arr).save(path)
 
 
 # --------------------------------------------------------------------------------------- text path
 
+
 def tokenize(pipe, prompts: list[str]) -> torch.Tensor:
     """Token ids [B, CLIP_MAX_LENGTH] exactly as the SD3 pipeline makes them (pad to max length)."""
-    return pipe.tokenizer(prompts, padding="max_length", max_length=pipe.tokenizer_max_length,
-                          truncation=True, return_tensors="pt").input_ids
+    return pipe.tokenizer(
+        prompts, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
 
 
 def encode_ids(text_encoders, ids: torch.Tensor, max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,10 +205,16 @@ def make_pipe(template, transformer, text_encoder, text_encoder_2):
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=copy.deepcopy(template.scheduler), vae=template.vae,
-        text_encoder=text_encoder, tokenizer=template.tokenizer,
-        text_encoder_2=text_encoder_2, tokenizer_2=template.tokenizer_2,
-        text_encoder_3=None, tokenizer_3=None)
+        transformer=transformer,
+        scheduler=copy.deepcopy(template.scheduler),
+        vae=template.vae,
+        text_encoder=text_encoder,
+        tokenizer=template.tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=template.tokenizer_2,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -205,16 +225,24 @@ def generate(pipe, prompts: list[str], guidance: float, steps: int, seed: int, b
     generator seeded ``seed + i``, so results do not depend on ``batch``."""
     out = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
+        chunk = prompts[i : i + batch]
         gens = [torch.Generator().manual_seed(seed + i + j) for j in range(len(chunk))]
-        res = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance, height=world.CANVAS,
-                   width=world.CANVAS, max_sequence_length=MAX_SEQUENCE_LENGTH, generator=gens,
-                   output_type="pt")
+        res = pipe(
+            chunk,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            height=world.CANVAS,
+            width=world.CANVAS,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            generator=gens,
+            output_type="pt",
+        )
         out.append(res.images.float().clamp(0, 1))
     return torch.cat(out)
 
 
 # --------------------------------------------------------------------------------------- VAE stage
+
 
 def train_vae(vae, args, log: dict) -> list[float]:
     """Train ``vae`` in place on fresh renders; returns per-step losses.
@@ -229,7 +257,7 @@ def train_vae(vae, args, log: dict) -> list[float]:
     gen = torch.Generator().manual_seed(args.seed * 1000 + 11)
     check_rng = np.random.default_rng([args.seed, 12])
     check_specs = [world.sample_spec(check_rng) for _ in range(256)]
-    check_x = render_batch(check_specs, check_rng)                     # [256, 3, 32, 32] fixed set
+    check_x = render_batch(check_specs, check_rng)  # [256, 3, 32, 32] fixed set
     check_prompts = [world.to_prompt(s) for s in check_specs]
     reward = ShapesReward()
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
@@ -250,7 +278,7 @@ def train_vae(vae, args, log: dict) -> list[float]:
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         recon = vae.decode(z).sample
-        kl = post.kl().mean() / z[0].numel()                           # per latent element
+        kl = post.kl().mean() / z[0].numel()  # per latent element
         loss = F.l1_loss(recon, x) + F.mse_loss(recon, x) + args.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -301,16 +329,19 @@ def calibrate_and_check_vae(vae, eval_prompts: list[str], args, log: dict) -> No
 
     # Reconstructions of the held-out eval renders (decoded from the posterior mean).
     x = render_batch([world.parse(p) for p in eval_prompts], rng)
-    recon = torch.cat([vae.decode(vae.encode(x[i:i + 256]).latent_dist.mean).sample for i in range(0, len(x), 256)])
+    recon = torch.cat([vae.decode(vae.encode(x[i : i + 256]).latent_dist.mean).sample for i in range(0, len(x), 256)])
     reward = ShapesReward()
     log["vae_recon_mse"] = float(F.mse_loss(to_unit(recon), to_unit(x)))
     log["detector_on_renders"] = reward.evaluate(to_unit(x), eval_prompts)
     log["detector_on_vae_reconstructions"] = reward.evaluate(to_unit(recon), eval_prompts)
-    tqdm.write(f"VAE: latent mean {mean:.3f} std {std:.3f}; recon MSE {log['vae_recon_mse']:.5f}; detector on "
-               f"reconstructions {log['detector_on_vae_reconstructions']['accuracy']:.3f}")
+    tqdm.write(
+        f"VAE: latent mean {mean:.3f} std {std:.3f}; recon MSE {log['vae_recon_mse']:.5f}; detector on "
+        f"reconstructions {log['detector_on_vae_reconstructions']['accuracy']:.3f}"
+    )
 
 
 # ---------------------------------------------------------------------------------------- latents
+
 
 @torch.no_grad()
 def encode_dataset(vae, train_prompts: list[str], args, log: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -330,15 +361,18 @@ def encode_dataset(vae, train_prompts: list[str], args, log: dict) -> tuple[torc
         held = prompt_sets.held_out_pairs(args.seed)
         drawn = [noise.apply(specs[k], noise_rng, held) for k in idx]
         kinds = [kind for _, kind in drawn]
-        log["caption_noise"] = {"setting": asdict(noise), "images": len(drawn),
-                                "flipped": {k: kinds.count(k) for k in KINDS}}
+        log["caption_noise"] = {
+            "setting": asdict(noise),
+            "images": len(drawn),
+            "flipped": {k: kinds.count(k) for k in KINDS},
+        }
         drawn_specs = [spec for spec, _ in drawn]
     else:
         drawn_specs = [specs[k] for k in idx]
     means, stds = [], []
     bs = 256
     for i in tqdm(range(0, args.dataset_size, bs), desc="encode latents", mininterval=5, dynamic_ncols=True):
-        x = render_batch(drawn_specs[i:i + bs], rng)
+        x = render_batch(drawn_specs[i : i + bs], rng)
         post = vae.encode(x).latent_dist
         means.append(post.mean)
         stds.append(post.std)
@@ -346,6 +380,7 @@ def encode_dataset(vae, train_prompts: list[str], args, log: dict) -> tuple[torc
 
 
 # -------------------------------------------------------------------------------- transformer stage
+
 
 def lr_factor(step: int, progress: float, warmup: int, decay_frac: float) -> float:
     """Linear warm-up over ``warmup`` steps; constant; linear decay to 0.1 over the last
@@ -356,8 +391,9 @@ def lr_factor(step: int, progress: float, warmup: int, decay_frac: float) -> flo
     return warm * (0.1 + 0.9 * max(0.0, 1 - progress) / decay_frac)
 
 
-def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[str], args, log: dict,
-                      history: dict, work: Path) -> tuple[object, list[float], list[dict]]:
+def train_transformer(
+    pipe, data, train_prompts: list[str], eval_prompts: list[str], args, log: dict, history: dict, work: Path
+) -> tuple[object, list[float], list[dict]]:
     """Jointly train transformer + both text encoders; returns (EMA pipeline, losses, quick evals).
 
     ``history``: curves of earlier runs (``vae_loss``, ``transformer_loss``, ``quick_evals``) that the
@@ -366,11 +402,12 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
     step_offset = len(history["transformer_loss"])
     means, stds, prompt_idx = data
     shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
-    ids_all = tokenize(pipe, train_prompts)                             # [P, L]
-    ids_empty = tokenize(pipe, [""])                                    # [1, L]
+    ids_all = tokenize(pipe, train_prompts)  # [P, L]
+    ids_empty = tokenize(pipe, [""])  # [1, L]
 
-    modules = torch.nn.ModuleDict({"transformer": pipe.transformer, "te1": pipe.text_encoder,
-                                   "te2": pipe.text_encoder_2})
+    modules = torch.nn.ModuleDict(
+        {"transformer": pipe.transformer, "te1": pipe.text_encoder, "te2": pipe.text_encoder_2}
+    )
     ema = copy.deepcopy(modules).eval().requires_grad_(False)
     ema_pipe = make_pipe(pipe, ema["transformer"], ema["te1"], ema["te2"])
     params = [p for p in modules.parameters() if p.requires_grad]
@@ -382,8 +419,9 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
     with torch.no_grad():
         check = ["a red circle", "two blue squares", ""]
         pe, pooled = encode_ids([pipe.text_encoder, pipe.text_encoder_2], tokenize(pipe, check), MAX_SEQUENCE_LENGTH)
-        pe_ref, _, pooled_ref, _ = pipe.encode_prompt(check, check, None, do_classifier_free_guidance=False,
-                                                      max_sequence_length=MAX_SEQUENCE_LENGTH)
+        pe_ref, _, pooled_ref, _ = pipe.encode_prompt(
+            check, check, None, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH
+        )
         assert pe.shape == pe_ref.shape and torch.allclose(pe, pe_ref, atol=1e-6), "text path differs from pipeline"
         assert torch.allclose(pooled, pooled_ref, atol=1e-6), "pooled text path differs from pipeline"
 
@@ -407,7 +445,7 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
 
         b = torch.randint(n_data, (args.batch,), generator=gen)
         eps_post = torch.randn(means[b].shape, generator=gen)
-        x0 = (means[b] + stds[b] * eps_post - shift) * scale            # [B, 4, 16, 16], ~N(0, 1)
+        x0 = (means[b] + stds[b] * eps_post - shift) * scale  # [B, 4, 16, 16], ~N(0, 1)
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.sigmoid(torch.randn(args.batch, generator=gen) * args.logit_std + args.logit_mean)  # [B]
         xt = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * noise
@@ -415,8 +453,13 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
         ids = torch.where(drop[:, None], ids_empty, ids_all[prompt_idx[b]])
 
         prompt_embeds, pooled = encode_ids([pipe.text_encoder, pipe.text_encoder_2], ids, MAX_SEQUENCE_LENGTH)
-        v = pipe.transformer(hidden_states=xt, encoder_hidden_states=prompt_embeds, pooled_projections=pooled,
-                             timestep=t * 1000, return_dict=False)[0]
+        v = pipe.transformer(
+            hidden_states=xt,
+            encoder_hidden_states=prompt_embeds,
+            pooled_projections=pooled,
+            timestep=t * 1000,
+            return_dict=False,
+        )[0]
         loss = F.mse_loss(v, noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -434,49 +477,71 @@ def train_transformer(pipe, data, train_prompts: list[str], eval_prompts: list[s
             bar.n = min(round(now - start), bar.total)
             bar.set_postfix(step=step, loss=f"{np.mean(losses[-100:]):.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
         if now - last_eval >= args.eval_every * 60:
-            res = ShapesReward().evaluate(generate(ema_pipe, eval_prompts[:args.quick_eval_size], 1.0, 10,
-                                                   args.seed + 10_000), eval_prompts[:args.quick_eval_size])
+            res = ShapesReward().evaluate(
+                generate(ema_pipe, eval_prompts[: args.quick_eval_size], 1.0, 10, args.seed + 10_000),
+                eval_prompts[: args.quick_eval_size],
+            )
             res.update(step=step_offset + step, minutes=round((now - start) / 60, 2))
             quick.append(res)
-            tqdm.write(f"[{res['minutes']:.1f} min, step {step}] quick eval (g1, 10 steps, "
-                       f"{res['n']} prompts): strict {res['accuracy']:.3f}, colours {res['colors_found']:.3f}")
+            tqdm.write(
+                f"[{res['minutes']:.1f} min, step {step}] quick eval (g1, 10 steps, "
+                f"{res['n']} prompts): strict {res['accuracy']:.3f}, colours {res['colors_found']:.3f}"
+            )
             last_eval = time.time()
         if now - last_save >= args.save_every * 60:
             log["transformer_steps"], log["transformer_seconds"] = step, round(now - start, 1)
             log["status"] = "in progress (periodic save)"
-            atomic_save(ema_pipe, args.out, {"pretrain_report.json": log}, save_run_curves(work, history, losses, quick))
+            atomic_save(
+                ema_pipe, args.out, {"pretrain_report.json": log}, save_run_curves(work, history, losses, quick)
+            )
             last_save = time.time()
     bar.n = bar.total
     bar.close()
     log["transformer_steps"] = step
     log["transformer_seconds"] = round(time.time() - start, 1)
-    log["transformer_steps_total"] = step_offset + step   # including earlier runs (--init-from)
+    log["transformer_steps_total"] = step_offset + step  # including earlier runs (--init-from)
     log["transformer_final_loss_last500"] = float(np.mean(losses[-500:])) if losses else None
     return ema_pipe, losses, quick
 
 
 # ---------------------------------------------------------------------------------------------- main
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=Path("flowrl/shapes/weights"), help="saved pipeline folder")
     p.add_argument("--work", type=Path, default=Path("runs/pretrain_shapes"), help="scratch folder (logs, VAE stage)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--minutes", type=float, nargs="+", default=[5.0, 50.0],
-                   help="time budget: VAE TRANSFORMER (one value = both)")
+    p.add_argument(
+        "--minutes", type=float, nargs="+", default=[5.0, 50.0], help="time budget: VAE TRANSFORMER (one value = both)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--vae-from", type=Path, default=None,
-                   help="skip the VAE stage: take the calibrated VAE of this saved pipeline folder")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="continue training a saved pipeline folder (all weights; skips the VAE stage; "
-                        "fresh optimizer with warm-up, EMA starting from the loaded weights)")
+    p.add_argument(
+        "--vae-from",
+        type=Path,
+        default=None,
+        help="skip the VAE stage: take the calibrated VAE of this saved pipeline folder",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue training a saved pipeline folder (all weights; skips the VAE stage; "
+        "fresh optimizer with warm-up, EMA starting from the loaded weights)",
+    )
     # VAE
     p.add_argument("--vae-batch", type=int, default=32)
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-max-steps", type=int, default=1500)
-    p.add_argument("--kl-weight", type=float, default=1e-5, help="weight of the KL per latent element (weak: a KL summed over elements at 1e-5 collapsed 2 of the 4 "
-                        "channels to noise and slowed transformer training)")
+    p.add_argument(
+        "--kl-weight",
+        type=float,
+        default=1e-5,
+        help="weight of the KL per latent element (weak: a KL summed over elements at 1e-5 collapsed 2 of the 4 "
+        "channels to noise and slowed transformer training)",
+    )
     p.add_argument("--vae-check-every", type=int, default=100)
     p.add_argument("--vae-target-acc", type=float, default=0.995, help="detector accuracy on reconstructions")
     p.add_argument("--vae-target-mse", type=float, default=0.002, help="reconstruction MSE (images in [0, 1])")
@@ -484,9 +549,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calib-size", type=int, default=2048, help="renders used to measure latent mean/std")
     # data
     p.add_argument("--dataset-size", type=int, default=50_000, help="train renders encoded once")
-    p.add_argument("--caption-noise", default="", help="web-like caption noise: KIND=P,... with KIND in count, mirror, swap, "
-                   "drop (flowrl/shapes/caption_noise.py): that fraction of a task's images is drawn one fact wrong "
-                   "while the caption stays, e.g. count=0.7,mirror=0.7,swap=0.7,drop=0.5")
+    p.add_argument(
+        "--caption-noise",
+        default="",
+        help="web-like caption noise: KIND=P,... with KIND in count, mirror, swap, "
+        "drop (flowrl/shapes/caption_noise.py): that fraction of a task's images is drawn one fact wrong "
+        "while the caption stays, e.g. count=0.7,mirror=0.7,swap=0.7,drop=0.5",
+    )
     # transformer
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -524,16 +593,22 @@ def main(argv=None) -> None:
     t_start = time.time()
     train_prompts, eval_prompts = prompt_sets.prompt_sets(args.seed)
     if args.eval_size is not None:
-        eval_prompts = eval_prompts[:args.eval_size]
-    log: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                 "torch": torch.__version__, "threads": args.threads,
-                 "clip_max_length": CLIP_MAX_LENGTH, "max_sequence_length": MAX_SEQUENCE_LENGTH,
-                 "held_out_pairs": prompt_sets.held_out_pairs(args.seed),
-                 "n_train_prompts": len(train_prompts), "n_distinct_train_prompts": len(set(train_prompts)),
-                 "n_eval_prompts": len(eval_prompts)}
+        eval_prompts = eval_prompts[: args.eval_size]
+    log: dict = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "clip_max_length": CLIP_MAX_LENGTH,
+        "max_sequence_length": MAX_SEQUENCE_LENGTH,
+        "held_out_pairs": prompt_sets.held_out_pairs(args.seed),
+        "n_train_prompts": len(train_prompts),
+        "n_distinct_train_prompts": len(set(train_prompts)),
+        "n_eval_prompts": len(eval_prompts),
+    }
 
     if args.init_from is not None:
         from flowrl.shapes.pipeline import load_shapes_pipeline
+
         pipe = load_shapes_pipeline(args.init_from)
         for module in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
             module.requires_grad_(True)
@@ -542,10 +617,19 @@ def main(argv=None) -> None:
         if previous.is_file():
             log["init_from_report"] = json.loads(previous.read_text())
             # One line per earlier invocation, oldest first: where it started and how far it trained.
-            log["lineage"] = log["init_from_report"].get("lineage", []) + [{
-                key: log["init_from_report"].get(key) for key in
-                ("init_from", "vae_steps", "vae_seconds", "transformer_steps", "transformer_seconds",
-                 "total_minutes")}]
+            log["lineage"] = log["init_from_report"].get("lineage", []) + [
+                {
+                    key: log["init_from_report"].get(key)
+                    for key in (
+                        "init_from",
+                        "vae_steps",
+                        "vae_seconds",
+                        "transformer_steps",
+                        "transformer_seconds",
+                        "total_minutes",
+                    )
+                }
+            ]
     else:
         pipe = build_shapes_pipeline(seed=args.seed)
     log["vae_params"] = sum(p.numel() for p in pipe.vae.parameters())
@@ -556,6 +640,7 @@ def main(argv=None) -> None:
         pass  # the loaded pipeline's VAE, already calibrated
     elif args.vae_from is not None:
         from diffusers import AutoencoderKL
+
         pipe.vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").eval()
         log["vae_from"] = str(args.vae_from)
         pipe.register_modules(vae=pipe.vae)
@@ -584,13 +669,20 @@ def main(argv=None) -> None:
             log["caption_noise"] = saved["caption_noise"]
     else:
         data = encode_dataset(pipe.vae, train_prompts, args, log)
-        torch.save({"vae_id": vae_id, "mean": data[0], "std": data[1], "prompt_idx": data[2],
-                    "caption_noise": log.get("caption_noise")}, cache)
+        torch.save(
+            {
+                "vae_id": vae_id,
+                "mean": data[0],
+                "std": data[1],
+                "prompt_idx": data[2],
+                "caption_noise": log.get("caption_noise"),
+            },
+            cache,
+        )
     log["encode_seconds"] = round(time.time() - t0, 1)
 
     # 3. Transformer + text encoders
-    ema_pipe, tr_losses, quick = train_transformer(pipe, data, train_prompts, eval_prompts, args, log,
-                                                   history, work)
+    ema_pipe, tr_losses, quick = train_transformer(pipe, data, train_prompts, eval_prompts, args, log, history, work)
 
     # 4. Final held-out evaluation of the EMA pipeline through the plain diffusers call
     t0 = time.time()
@@ -602,9 +694,11 @@ def main(argv=None) -> None:
         res = reward.evaluate(images, eval_prompts)
         final[f"guidance{guidance:g}_steps{steps}"] = res
         grids.append(images[:64])
-        tqdm.write(f"final eval guidance {guidance:g}, {steps} steps: strict {res['accuracy']:.3f}, colours found "
-                   f"{res['colors_found']:.3f}, " + ", ".join(f"{t} {res.get('accuracy/' + t, float('nan')):.2f}"
-                                                             for t in world.TASKS))
+        tqdm.write(
+            f"final eval guidance {guidance:g}, {steps} steps: strict {res['accuracy']:.3f}, colours found "
+            f"{res['colors_found']:.3f}, "
+            + ", ".join(f"{t} {res.get('accuracy/' + t, float('nan')):.2f}" for t in world.TASKS)
+        )
     log["final_eval"] = final
     log["final_eval_seconds"] = round(time.time() - t0, 1)
     log["total_minutes"] = round((time.time() - t_start) / 60, 2)

@@ -1,7 +1,8 @@
 """Before/after table of eval metrics for one or more run folders.
 
-    python scripts/summarize_runs.py runs/shapes-grpo-s0 runs/shapes-grpo-s1 [--key eval/shapes/accuracy]
+python scripts/summarize_runs.py runs/shapes-grpo-s0 runs/shapes-grpo-s1 [--key eval/shapes/accuracy]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def main() -> None:
         train = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in l]
         seconds = sum(r.get("time/rollout", 0) + r.get("time/reward", 0) + r.get("time/update", 0) for r in train)
         print(f"\n{run}  (steps {first['step']} → {last['step']}, {seconds / 60:.1f} min in iterations)")
-        for key in sorted(k for k in last if k.startswith(args.prefix) and k in first and "/n/" not in k and not k.endswith("/n")):
+        for key in sorted(
+            k for k in last if k.startswith(args.prefix) and k in first and "/n/" not in k and not k.endswith("/n")
+        ):
             print(f"  {key:40s} {first[key]:.3f} → {last[key]:.3f}  ({last[key] - first[key]:+.3f})")
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny offline pipelines wrapped by the adapters (fresh per test: LoRA mutates them)."""
+
 from __future__ import annotations
 
 import os
@@ -148,13 +149,28 @@ def train_redness(tmp_path, name: str, overrides: list[str], steps: int = 6):
     from flowrl.training.trainer import Trainer
 
     wrapped = "rollout.plan=probed" in overrides  # a wrapping plan's steps are its inner plan's (in the overrides)
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", *([] if wrapped else [f"rollout.steps={steps}"]),
-        f"prompts.train={'|'.join(LEARN_PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "optim.lr=1e-2", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0",
-        f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
-        "train.checkpoint_every=0", "train.async_reward=false", *overrides,
-    ])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=4",
+            "model.lora.init=default",
+            *([] if wrapped else [f"rollout.steps={steps}"]),
+            f"prompts.train={'|'.join(LEARN_PROMPTS)}",
+            "prompts.per_step=4",
+            "prompts.eval=null",
+            "optim.lr=1e-2",
+            "loss.clip_low=0.2",
+            "loss.clip_high=0.2",
+            "loss.kl_ref=0",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.async_reward=false",
+            *overrides,
+        ],
+    )
     cfg.rewards[0].name = "redness"
     trainer = Trainer(cfg, model=make_model("sd3"))
     reward = trainer.reward.rewards[0]

@@ -2,12 +2,14 @@
 
 Trains the tiny SD3 pipeline for 2 iterations (adaptive prompt sampling, fed from every rank's groups)
 and writes, per rank, the world size, the prompts drawn, the advantages of its leaves, the global
-training metrics (2 optimizer steps per iteration), the prompt statistics and the final LoRA weights to ``OUT/rank<r>.pt``.
+training metrics (2 optimizer steps per iteration), the prompt statistics and the final LoRA weights to
+``OUT/rank<r>.pt``.
 
 ``distributed_worker.py eval OUT`` (run by tests/test_eval_reduce.py): the held-out eval of the shapes model on
 each prompt list of ``tests.test_eval_reduce.PROMPT_LISTS``, its metrics to ``OUT/<list>.rank<r>.json`` as each
 eval ends (so a later eval that hangs leaves the earlier ones to compare).
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,8 +26,15 @@ from tests.test_trainer import tiny_config  # noqa: E402
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
-    cfg = tiny_config(Path(out), "dist", "train.max_steps=2", "prompts.eval=null", "credit.scale=global",
-                      "prompts.sampling=adaptive", "train.updates_per_epoch=2")
+    cfg = tiny_config(
+        Path(out),
+        "dist",
+        "train.max_steps=2",
+        "prompts.eval=null",
+        "credit.scale=global",
+        "prompts.sampling=adaptive",
+        "train.updates_per_epoch=2",
+    )
     trainer = Trainer(cfg, model=make_model("sd3"))
     initial = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
     advantages, records, drawn = [], [], []
@@ -37,10 +46,20 @@ def main(out: str) -> None:
         advantages.append(forest.advantage[forest.leaves()].clone())
         records.append(trainer.update(forest, it))
     lora = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
-    torch.save({"world": trainer.world, "rank": trainer.rank, "advantages": advantages, "records": records, "lora": lora, "initial": initial,
-                "drawn": drawn, "prompt_stats": trainer.prompts.state_dict(),
-                "distributed_type": str(trainer.accelerator.distributed_type)},
-               Path(out) / f"rank{trainer.rank}.pt")
+    torch.save(
+        {
+            "world": trainer.world,
+            "rank": trainer.rank,
+            "advantages": advantages,
+            "records": records,
+            "lora": lora,
+            "initial": initial,
+            "drawn": drawn,
+            "prompt_stats": trainer.prompts.state_dict(),
+            "distributed_type": str(trainer.accelerator.distributed_type),
+        },
+        Path(out) / f"rank{trainer.rank}.pt",
+    )
 
 
 def main_eval(out: str) -> None:

@@ -1,6 +1,7 @@
 """torch's cuDNN attention kernel is off on CUDA unless model.cudnn_attention (its backward failed for FLUX.1-dev
 on an H200: flowrl/models/attention.py, docs/gpu.md), and a run that stops on non-finite gradients with it on
 says so."""
+
 from __future__ import annotations
 
 import pytest

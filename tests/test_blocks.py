@@ -1,5 +1,6 @@
 """The transformer's blocks one by one (flowrl/models/blocks.py): gradient checkpointing of the first N blocks and
 regional torch.compile, on tiny pipelines of every family."""
+
 from __future__ import annotations
 
 import copy
@@ -23,10 +24,12 @@ from tests.test_trainer import tiny_config
 def _sd3_inputs(transformer, batch: int = 3):
     g = torch.Generator().manual_seed(0)
     c = transformer.config
-    return dict(hidden_states=torch.randn(batch, c.in_channels, 8, 8, generator=g),
-                encoder_hidden_states=torch.randn(batch, 7, c.joint_attention_dim, generator=g),
-                pooled_projections=torch.randn(batch, c.pooled_projection_dim, generator=g),
-                timestep=torch.rand(batch, generator=g) * 1000)
+    return dict(
+        hidden_states=torch.randn(batch, c.in_channels, 8, 8, generator=g),
+        encoder_hidden_states=torch.randn(batch, 7, c.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(batch, c.pooled_projection_dim, generator=g),
+        timestep=torch.rand(batch, generator=g) * 1000,
+    )
 
 
 def _gradients(transformer) -> list[torch.Tensor]:
@@ -84,8 +87,10 @@ def test_the_transformers_own_checkpointing_is_replaced_by_the_blocks_count():
     assert not transformer.gradient_checkpointing and checkpointed_count(transformer) == 1
 
 
-@pytest.mark.parametrize("family,kinds", [("sd3", {"JointTransformerBlock"}),
-                                          ("flux", {"FluxTransformerBlock", "FluxSingleTransformerBlock"})])
+@pytest.mark.parametrize(
+    "family,kinds",
+    [("sd3", {"JointTransformerBlock"}), ("flux", {"FluxTransformerBlock", "FluxSingleTransformerBlock"})],
+)
 def test_block_kinds_cover_every_block_of_the_family(family, kinds):
     transformer = make_model(family).trainable
     found = block_lists(transformer)
@@ -104,8 +109,15 @@ def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recomp
 
     monkeypatch.setattr(blocks, "COMPILE_BACKEND", "eager")  # dynamo traces as with inductor, no C++ build
     torch._dynamo.reset()
-    cfg = tiny_config(tmp_path, "compiled", "model.compile=regional", "model.gradient_checkpointing=true",
-                      "model.checkpoint_blocks=1", "prompts.eval=null", "rollout.max_batch=6")
+    cfg = tiny_config(
+        tmp_path,
+        "compiled",
+        "model.compile=regional",
+        "model.gradient_checkpointing=true",
+        "model.checkpoint_blocks=1",
+        "prompts.eval=null",
+        "rollout.max_batch=6",
+    )
     trainer = Trainer(cfg, model=make_model("sd3"))
     stats = trainer.compiled
     kinds = {block_kind(b) for b in block_lists(trainer.model.trainable)}

@@ -1,6 +1,7 @@
 """Side jobs are callbacks (flowrl/training/callbacks.py): a user's callback adds metrics to every iteration's and
 eval's record (written to metrics.jsonl) and can stop a run after an iteration's record is written; the built-in
 ones (teacher share, failed-reward streak, eval guard) are ordinary callbacks in the same list."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,19 @@ def test_a_users_callback_adds_metrics_and_runs_after_the_built_in_ones(tmp_path
     from flowrl.training.trainer import Trainer
 
     mine = Counting()
-    trainer = Trainer(tiny_config(tmp_path, "cb", "train.max_steps=2", "prompts.eval=a red circle", "eval.every=0",
-                                  "eval.images_per_prompt=1", "eval.steps=2"),
-                      model=make_model("sd3"), callbacks=[mine])
+    trainer = Trainer(
+        tiny_config(
+            tmp_path,
+            "cb",
+            "train.max_steps=2",
+            "prompts.eval=a red circle",
+            "eval.every=0",
+            "eval.images_per_prompt=1",
+            "eval.steps=2",
+        ),
+        model=make_model("sd3"),
+        callbacks=[mine],
+    )
     kinds = [type(c) for c in trainer.callbacks]
     assert kinds == [TeacherShareMetrics, StopOnFailedRewards, GuardOnEval, Counting]
     trainer.train()
@@ -50,8 +61,11 @@ def test_a_users_callback_adds_metrics_and_runs_after_the_built_in_ones(tmp_path
 def test_a_callback_stops_the_run_after_the_iteration_is_written(tmp_path):
     from flowrl.training.trainer import Trainer
 
-    trainer = Trainer(tiny_config(tmp_path, "stop", "train.max_steps=3", "prompts.eval=null"),
-                      model=make_model("sd3"), callbacks=[Counting(stop_after=1)])
+    trainer = Trainer(
+        tiny_config(tmp_path, "stop", "train.max_steps=3", "prompts.eval=null"),
+        model=make_model("sd3"),
+        callbacks=[Counting(stop_after=1)],
+    )
     with pytest.raises(StopIteration, match="at step 1"):
         trainer.train()
     lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

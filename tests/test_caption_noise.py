@@ -1,4 +1,5 @@
 """Web-like caption noise for pretraining: each kind draws the image one fact wrong, the same way."""
+
 from __future__ import annotations
 
 import numpy as np

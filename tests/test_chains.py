@@ -1,16 +1,17 @@
 """Chains plan: closed-form NFE / trained-edge counts, seeds, determinism, replay == rollout."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.credit.group import GroupAdvantage
 from flowrl.models.base import LoraSpec
 from flowrl.objectives.replay import replay, replay_batches
 from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
-from flowrl.core.seeding import derive_seed, seeded_normal
 from tests.conftest import make_model
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -22,12 +23,15 @@ def window_steps(forest):
     return sorted({int(forest.step[forest.parent[e]]) for e in edges if forest.stochastic[e]})
 
 
-@pytest.mark.parametrize("window, expected_steps", [
-    (SDEWindow(mode="all"), list(range(5))),
-    (SDEWindow(mode="fixed", start=2, size=2), [2, 3]),
-    (SDEWindow(mode="progressive", start=0, size=2, stride=1, tau=3), None),
-    (SDEWindow(mode="random", size=2, range=[0, 4]), None),
-])
+@pytest.mark.parametrize(
+    "window, expected_steps",
+    [
+        (SDEWindow(mode="all"), list(range(5))),
+        (SDEWindow(mode="fixed", start=2, size=2), [2, 3]),
+        (SDEWindow(mode="progressive", start=0, size=2, stride=1, tau=3), None),
+        (SDEWindow(mode="random", size=2, range=[0, 4]), None),
+    ],
+)
 def test_counts_match_closed_form(sd3_model, window, expected_steps):
     plan = Chains(group_size=3, steps=6, kernel="flow_grpo", eta=0.7, window=window)
     for iteration in (0, 7):
@@ -56,8 +60,13 @@ def test_random_window_varies_with_iteration_and_is_seeded():
 
 
 def test_dpm2_post_solver_counts(sd3_model):
-    plan = Chains(group_size=2, steps=10, window=SDEWindow(mode="fixed", start=0, size=3), post_solver="dpm2",
-                  post_steps_ratio=0.4)
+    plan = Chains(
+        group_size=2,
+        steps=10,
+        window=SDEWindow(mode="fixed", start=0, size=3),
+        post_solver="dpm2",
+        post_steps_ratio=0.4,
+    )
     forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=0))
     # 3 window steps + round(0.4 * 7) = 3 DPM-Solver steps per chain
     assert forest.counters["forwards"] == plan.expected_counts(2)["forwards"] == 4 * (3 + 3)
@@ -91,7 +100,9 @@ def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start
     """With shared noise the ODE steps before the window run once per group; every chain still equals
     stepping that chain alone from its group's x_T with its own (group, chain, step) noise."""
     G, T = 3, 6
-    plan = Chains(group_size=G, steps=T, eta=0.7, shared_noise=True, window=SDEWindow(mode="fixed", start=start, size=2))
+    plan = Chains(
+        group_size=G, steps=T, eta=0.7, shared_noise=True, window=SDEWindow(mode="fixed", start=start, size=2)
+    )
     forest = plan.rollout(sd3_model, PROMPTS, RolloutContext(seed=4, iteration=1, max_batch=max_batch))
     expected = plan.expected_counts(len(PROMPTS), RolloutContext(seed=4, iteration=1))
     # a forward carries at most max_batch new edges (one parent's G branches when max_batch < G)
@@ -105,7 +116,7 @@ def test_shared_trunk_counts_and_equals_chain_by_chain_sampling(sd3_model, start
         g, j = k // G, k % G
         x = sd3_model.noise([derive_seed(4, 1, "root", g, 0)])
         for i in range(T):
-            v = sd3_model.velocity(x, sigmas[i:i + 1], cond.select(torch.tensor([g])), sd3_model.guidance)
+            v = sd3_model.velocity(x, sigmas[i : i + 1], cond.select(torch.tensor([g])), sd3_model.guidance)
             if start <= i < start + 2:
                 noise = seeded_normal(derive_seed(4, 1, "sde", g, j, i), sd3_model.latent_shape)[None]
                 x, _, _ = sde.step("flow_grpo", x, v, float(sigmas[i]), float(sigmas[i + 1]), 0.7, noise)
@@ -132,8 +143,14 @@ def test_eta_zero_is_the_ode(sd3_model):
     from flowrl.rollout.sampling import ode_sample
 
     leaves = forest.leaves()
-    ode = ode_sample(sd3_model, [forest.prompts[int(g)] for g in forest.group[leaves]], forest.seed[leaves].tolist(),
-                     4, decode=False, max_batch=64)
+    ode = ode_sample(
+        sd3_model,
+        [forest.prompts[int(g)] for g in forest.group[leaves]],
+        forest.seed[leaves].tolist(),
+        4,
+        decode=False,
+        max_batch=64,
+    )
     torch.testing.assert_close(forest.all_latents()[leaves], ode, rtol=1e-5, atol=1e-6)
 
 
@@ -153,9 +170,17 @@ def test_replay_equals_rollout(family, kernel, eta, reduction):
                 p.normal_(0, 0.05)
     guidances = (1.0, 2.5) if family == "sd3" else (3.5,)
     for guidance, shared in [(g, s) for g in guidances for s in (False, True)]:
-        plan = Chains(group_size=3, steps=5, kernel=kernel, eta=eta, shared_noise=shared,
-                      window=SDEWindow(mode="fixed", start=1, size=3))
-        forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=guidance, max_batch=4, reduction=reduction))
+        plan = Chains(
+            group_size=3,
+            steps=5,
+            kernel=kernel,
+            eta=eta,
+            shared_noise=shared,
+            window=SDEWindow(mode="fixed", start=1, size=3),
+        )
+        forest = plan.rollout(
+            model, PROMPTS, RolloutContext(seed=0, guidance=guidance, max_batch=4, reduction=reduction)
+        )
         assert forest.reduction == reduction
         forest.reward[forest.leaves()] = torch.arange(6, dtype=torch.float32)
         GroupAdvantage().assign(forest)

@@ -1,4 +1,5 @@
 """The command line end to end on a tiny SD3 pipeline saved to a local folder (the hub-loading path)."""
+
 from __future__ import annotations
 
 import json
@@ -23,19 +24,60 @@ def test_train_sample_eval_from_a_local_pipeline_folder(tmp_path, capsys, monkey
 
     folder = tmp_path / "tiny-sd3"
     tiny_sd3_pipeline().save_pretrained(folder)
-    common = [f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square",
-              "prompts.eval=a red circle|a green cat", "prompts.per_step=2", "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all",
-              "rewards=[{name: brightness}]", "eval.rewards=null", "eval.steps=3", "model.lora.rank=4"]
-    assert main(["train", "configs/shapes/grpo.yaml", *common, "train.max_steps=2", f"train.output_dir={tmp_path}", "train.name=cli",
-                 "train.progress=false"]) == 0
+    common = [
+        f"model.path={folder}",
+        "model.family=sd3",
+        "prompts.train=a red circle|a blue square",
+        "prompts.eval=a red circle|a green cat",
+        "prompts.per_step=2",
+        "rollout.group_size=4",
+        "rollout.steps=4",
+        "rollout.window.mode=all",
+        "rewards=[{name: brightness}]",
+        "eval.rewards=null",
+        "eval.steps=3",
+        "model.lora.rank=4",
+    ]
+    assert (
+        main(
+            [
+                "train",
+                "configs/shapes/grpo.yaml",
+                *common,
+                "train.max_steps=2",
+                f"train.output_dir={tmp_path}",
+                "train.name=cli",
+                "train.progress=false",
+            ]
+        )
+        == 0
+    )
     run = tmp_path / "cli"
     assert (run / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors").is_file()
     out = capsys.readouterr().out
     assert "eval/brightness_mean" in out and "run folder" in out
     assert len(closed) == 1
 
-    assert main(["sample", "--checkpoint", str(run), "--prompt", "a red circle", "--prompt", "a blue square",
-                 "--num", "2", "--steps", "3", "--out", str(tmp_path / "png")]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(run),
+                "--prompt",
+                "a red circle",
+                "--prompt",
+                "a blue square",
+                "--num",
+                "2",
+                "--steps",
+                "3",
+                "--out",
+                str(tmp_path / "png"),
+            ]
+        )
+        == 0
+    )
     pngs = sorted((tmp_path / "png").glob("0*.png"))
     assert len(pngs) == 4 and (tmp_path / "png" / "grid.png").is_file()
 
@@ -99,15 +141,35 @@ def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     tiny_sd3_pipeline().save_pretrained(folder)
 
     def args(name: str) -> list[str]:
-        return ["configs/shapes/grpo.yaml", f"model.path={folder}", "model.family=sd3",
-                "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2",
-                "rollout.group_size=4", "rollout.steps=4", "rollout.window.mode=all", "rewards=[{name: brightness}]",
-                "eval.rewards=null", "model.lora.rank=4", f"train.output_dir={tmp_path}", f"train.name={name}",
-                "train.progress=false", "train.num_threads=1"]
+        return [
+            "configs/shapes/grpo.yaml",
+            f"model.path={folder}",
+            "model.family=sd3",
+            "prompts.train=a red circle|a blue square",
+            "prompts.eval=null",
+            "prompts.per_step=2",
+            "rollout.group_size=4",
+            "rollout.steps=4",
+            "rollout.window.mode=all",
+            "rewards=[{name: brightness}]",
+            "eval.rewards=null",
+            "model.lora.rank=4",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            "train.progress=false",
+            "train.num_threads=1",
+        ]
 
     signums = ["SIGINT", "SIGTERM"]
-    procs = {s: subprocess.Popen([sys.executable, "-m", "flowrl", "train", *args(s), "train.max_steps=1000"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in signums}
+    procs = {
+        s: subprocess.Popen(
+            [sys.executable, "-m", "flowrl", "train", *args(s), "train.max_steps=1000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for s in signums
+    }
     steps, resumed = {}, {}
     try:
         for signum, proc in procs.items():
@@ -120,13 +182,26 @@ def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
             out, err = proc.communicate(timeout=240)
             assert proc.returncode == 130, (signum, err[-2000:])
             assert "saved a checkpoint" in out, signum
-            steps[signum] = [json.loads(l)["step"] for l in (tmp_path / signum / "metrics.jsonl").read_text().splitlines()]
+            steps[signum] = [
+                json.loads(l)["step"] for l in (tmp_path / signum / "metrics.jsonl").read_text().splitlines()
+            ]
             saved = sorted((tmp_path / signum / "checkpoints").iterdir())
             last = steps[signum][-1]
             assert [p.name for p in saved] == [f"step-{last}"] and 1 <= last < 1000, signum
-            resumed[signum] = subprocess.Popen([sys.executable, "-m", "flowrl", "train", *args(signum),
-                                                f"train.max_steps={last + 1}", "train.resume=latest"],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            resumed[signum] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "flowrl",
+                    "train",
+                    *args(signum),
+                    f"train.max_steps={last + 1}",
+                    "train.resume=latest",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         for signum, proc in resumed.items():
             _, err = proc.communicate(timeout=240)
             assert proc.returncode == 0, (signum, err[-2000:])
@@ -144,11 +219,29 @@ def test_tensorboard_logging_writes_events(tmp_path):
 
     folder = tmp_path / "tiny-sd3"
     tiny_sd3_pipeline().save_pretrained(folder)
-    assert main(["train", f"model.path={folder}", "model.family=sd3", "prompts.train=a red circle|a blue square",
-                 "prompts.eval=null", "prompts.per_step=2", "rollout.group_size=2", "rollout.steps=3",
-                 "rewards=[{name: brightness}]", "eval.rewards=null", "model.lora.rank=2",
-                 "train.max_steps=1", f"train.output_dir={tmp_path}", "train.name=tb", "train.log_with=tensorboard",
-                 "train.progress=false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                f"model.path={folder}",
+                "model.family=sd3",
+                "prompts.train=a red circle|a blue square",
+                "prompts.eval=null",
+                "prompts.per_step=2",
+                "rollout.group_size=2",
+                "rollout.steps=3",
+                "rewards=[{name: brightness}]",
+                "eval.rewards=null",
+                "model.lora.rank=2",
+                "train.max_steps=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=tb",
+                "train.log_with=tensorboard",
+                "train.progress=false",
+            ]
+        )
+        == 0
+    )
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
@@ -163,15 +256,26 @@ def test_eval_summary_shows_changes_and_counts_once():
     assert lines[1:] == ["  eval/shapes/accuracy: 0.5000 → 0.6250  (+0.1250)"]
 
 
-
 def test_eval_summary_sets_a_cfg_free_policy_against_the_guided_base():
     from flowrl.commands.summary import eval_summary
 
-    first = {"step": 0, "eval/shapes_mean": 0.385, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.569,
-             "eval_default/guidance": 3.0}
-    last = {"step": 150, "eval/shapes_mean": 0.6, "eval/guidance": 1.0, "eval_default/shapes_mean": 0.55,
-            "eval_default/guidance": 3.0}
-    assert eval_summary(first, last)[-1] == ("the aligned model at guidance 1 (one forward per step): shapes_mean 0.6000; "
-                                             "the base model at guidance 3: 0.5690  (+0.0310)")
+    first = {
+        "step": 0,
+        "eval/shapes_mean": 0.385,
+        "eval/guidance": 1.0,
+        "eval_default/shapes_mean": 0.569,
+        "eval_default/guidance": 3.0,
+    }
+    last = {
+        "step": 150,
+        "eval/shapes_mean": 0.6,
+        "eval/guidance": 1.0,
+        "eval_default/shapes_mean": 0.55,
+        "eval_default/guidance": 3.0,
+    }
+    assert eval_summary(first, last)[-1] == (
+        "the aligned model at guidance 1 (one forward per step): shapes_mean 0.6000; "
+        "the base model at guidance 3: 0.5690  (+0.0310)"
+    )
     same = {**last, "eval/guidance": 3.0}
     assert not any("aligned model" in line for line in eval_summary({**first, "eval/guidance": 3.0}, same))

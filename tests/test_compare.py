@@ -1,4 +1,5 @@
 """``flowrl compare``: budgets, seeds, resume, the table and plots, a failing config reported alone."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,11 @@ def test_budgets_turn_into_the_same_work_for_every_config():
 
 
 def test_read_run_tolerates_a_torn_last_line(tmp_path):
-    lines = [{"step": 0, "eval/x/accuracy": 0.5},
-             {"step": 1, "reward_mean": 0.2, "leaves": 4, "rollout_forwards": 12, "time/rollout": 1.0, "time/update": 0.5},
-             {"step": 1, "eval/x/accuracy": 0.75}]
+    lines = [
+        {"step": 0, "eval/x/accuracy": 0.5},
+        {"step": 1, "reward_mean": 0.2, "leaves": 4, "rollout_forwards": 12, "time/rollout": 1.0, "time/update": 0.5},
+        {"step": 1, "eval/x/accuracy": 0.75},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 2, "rew')
     run = read_run(tmp_path)
     assert run["metric"] == "eval/x/accuracy" and run["evals"] == [(0.0, 0.5), (4, 0.75)]
@@ -35,10 +38,12 @@ def test_read_run_tolerates_a_torn_last_line(tmp_path):
 def test_read_run_places_evals_on_the_trainers_clock(tmp_path):
     """Evals are placed at the images drawn and the training time (``time/train_total``, evals excluded) of
     the step they follow; the parts' sum stands in for runs logged before that key."""
-    lines = [{"step": 0, "eval/x/accuracy": 0.5},
-             {"step": 1, "reward_mean": 0.2, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 2.0},
-             {"step": 2, "reward_mean": 0.3, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 4.5},
-             {"step": 2, "eval/x/accuracy": 0.75}]
+    lines = [
+        {"step": 0, "eval/x/accuracy": 0.5},
+        {"step": 1, "reward_mean": 0.2, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 2.0},
+        {"step": 2, "reward_mean": 0.3, "leaves": 4, "time/rollout": 1.0, "time/update": 0.5, "time/train_total": 4.5},
+        {"step": 2, "eval/x/accuracy": 0.75},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     run = read_run(tmp_path)
     assert run["evals_by_time"] == [(0.0, 0.5), (4.5, 0.75)] and run["evals"] == [(0.0, 0.5), (8, 0.75)]
@@ -61,21 +66,51 @@ def pipeline_folder(tmp_path_factory):
 def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
     from flowrl.commands.main import main
 
-    common = [f"model.path={pipeline_folder}", "model.family=sd3", "model.lora.rank=2", "rollout.steps=2",
-              "rollout.group_size=2", "rollout.window.mode=all", "prompts.train=a red circle|a blue square",
-              "prompts.per_step=2", "prompts.eval=a red circle|a dog", "eval.steps=2", "eval.rewards=null",
-              "rewards=[{name: brightness}]"]
+    common = [
+        f"model.path={pipeline_folder}",
+        "model.family=sd3",
+        "model.lora.rank=2",
+        "rollout.steps=2",
+        "rollout.group_size=2",
+        "rollout.window.mode=all",
+        "prompts.train=a red circle|a blue square",
+        "prompts.per_step=2",
+        "prompts.eval=a red circle|a dog",
+        "eval.steps=2",
+        "eval.rewards=null",
+        "rewards=[{name: brightness}]",
+    ]
     good = tmp_path / "good.yaml"
     good.write_text("loss: {kl_ref: 0}\n")
     bad = tmp_path / "bad.yaml"
     bad.write_text("loss: {kl_ref: 0}\n")
     out = tmp_path / "cmp"
-    args = ["compare", str(good), f"broken={bad}", *common, "--set", "broken", "rewards=[{name: no_such_reward}]",
-            "--seeds", "0", "1", "--budget", "images=8", "--out", str(out), "--parallel", "2"]
+    args = [
+        "compare",
+        str(good),
+        f"broken={bad}",
+        *common,
+        "--set",
+        "broken",
+        "rewards=[{name: no_such_reward}]",
+        "--seeds",
+        "0",
+        "1",
+        "--budget",
+        "images=8",
+        "--out",
+        str(out),
+        "--parallel",
+        "2",
+    ]
     assert main(args) == 1  # the broken config's runs failed: reported, and the exit status says so
     status = json.loads((out / "status.json").read_text())
-    assert {k: v["state"] for k, v in status.items()} == {"good-s0": "done", "good-s1": "done",
-                                                           "broken-s0": "failed", "broken-s1": "failed"}
+    assert {k: v["state"] for k, v in status.items()} == {
+        "good-s0": "done",
+        "good-s1": "done",
+        "broken-s0": "failed",
+        "broken-s1": "failed",
+    }
     assert "no_such_reward" in " ".join(status["broken-s0"]["last_lines"])
     assert "train.max_steps=2" in status["good-s0"]["command"]  # what was run, for a later report
     table = (out / "results.md").read_text()

@@ -1,6 +1,7 @@
 """``flowrl compare`` reports the noise beside every mean (the eval's own standard error from its image count,
 the spread across seeds) and marks differences inside it; a comparison with a failed run exits non-zero after
 writing its table. Runs here are hand-made folders of metrics: nothing is trained."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ from flowrl.commands.main import main
 N = 480  # held-out images per eval
 
 
-def make_runs(out: Path, finals: dict[str, list[float]], metric: str = "eval/shapes/accuracy",
-              status: dict[str, str] | None = None) -> list[str]:
+def make_runs(
+    out: Path,
+    finals: dict[str, list[float]],
+    metric: str = "eval/shapes/accuracy",
+    status: dict[str, str] | None = None,
+) -> list[str]:
     """Config files and run folders under ``out`` whose final ``metric`` per seed is ``finals[label]``; returns
     the ``flowrl compare`` arguments that report them."""
     configs = []
@@ -27,14 +32,18 @@ def make_runs(out: Path, finals: dict[str, list[float]], metric: str = "eval/sha
             run = out / "runs" / f"{label}-s{seed}"
             run.mkdir(parents=True)
             count = {metric.replace("accuracy", "n"): N} if "accuracy" in metric else {}
-            lines = [{"step": 0, metric: 0.3, **count},
-                     {"step": 1, "reward_mean": 0.2, "leaves": 64, "time/train_total": 2.0},
-                     {"step": 2, "reward_mean": 0.3, "leaves": 64, "time/train_total": 4.0},
-                     {"step": 2, metric: final, **count}]
+            lines = [
+                {"step": 0, metric: 0.3, **count},
+                {"step": 1, "reward_mean": 0.2, "leaves": 64, "time/train_total": 2.0},
+                {"step": 2, "reward_mean": 0.3, "leaves": 64, "time/train_total": 4.0},
+                {"step": 2, metric: final, **count},
+            ]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     states = {f"{label}-s{seed}": {"state": "done"} for label, values in finals.items() for seed in range(len(values))}
     for key, state in (status or {}).items():
-        states[key] = {"state": state, "rc": 1, "log": "x.log", "last_lines": ["boom"]} if state == "failed" else {"state": state}
+        states[key] = (
+            {"state": state, "rc": 1, "log": "x.log", "last_lines": ["boom"]} if state == "failed" else {"state": state}
+        )
     (out / "status.json").write_text(json.dumps(states))
     seeds = [str(s) for s in range(max(len(v) for v in finals.values()))]
     return ["compare", *configs, "--seeds", *seeds, "--budget", "iterations=2", "--out", str(out), "--report-only"]
@@ -52,7 +61,7 @@ def test_the_noise_of_a_config_is_its_eval_error_and_its_seed_spread():
     assert st["mean"] == pytest.approx(0.41) and st["sd"] == pytest.approx(0.01)
     assert (st["lo"], st["hi"], st["k"], st["n"]) == (0.40, 0.42, 3, N)
     assert st["eval_se"] == pytest.approx(math.sqrt(sum(eval_se(p) ** 2 for p in finals) / 3))
-    assert st["se"] == pytest.approx(math.sqrt(sum(eval_se(p) ** 2 for p in finals) / 9 + 0.01 ** 2 / 3))
+    assert st["se"] == pytest.approx(math.sqrt(sum(eval_se(p) ** 2 for p in finals) / 9 + 0.01**2 / 3))
     one = noise([0.5], [N], binary=True)  # one seed: the eval's own error alone
     assert one["se"] == pytest.approx(eval_se(0.5)) and math.isnan(one["sd"])
     dense = noise([0.2, 0.3], [None, None], binary=False)  # not a pass rate: the seed spread alone

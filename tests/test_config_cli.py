@@ -1,4 +1,5 @@
 """Configuration schema and the command line: clear errors that name the key, help that lists keys."""
+
 from __future__ import annotations
 
 import re
@@ -42,22 +43,26 @@ def test_overrides_may_follow_options_and_unknown_options_still_fail():
 
 
 def test_overrides_apply_with_types():
-    cfg = TrainConfig.from_yaml(None, ["rollout.group_size=4", "optim.lr=1e-5", "rollout.window.range=[0,4]",
-                                       "model.lora.targets=[to_q,to_k]"])
+    cfg = TrainConfig.from_yaml(
+        None, ["rollout.group_size=4", "optim.lr=1e-5", "rollout.window.range=[0,4]", "model.lora.targets=[to_q,to_k]"]
+    )
     assert cfg.rollout.group_size == 4 and cfg.optim.lr == 1e-5
     assert cfg.rollout.window.range == [0, 4] and cfg.model.lora.targets == ["to_q", "to_k"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.grup_size=3", "did you mean 'rollout.group_size'"),
-    ("optim.lrr=1", "did you mean 'optim.lr'"),
-    ("trian.max_steps=3", "did you mean 'train.max_steps'"),
-    ("rollout.group_size=abc", "rollout.group_size"),
-    ("model.family=sd4", "model.family='sd4' is not supported (did you mean 'sd3'?)"),
-    ("credit.scale=std", "accepted"),
-    ("train.ema=1.5", "train.ema=1.5"),
-    ("rollout.group_size", "not of the form key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.grup_size=3", "did you mean 'rollout.group_size'"),
+        ("optim.lrr=1", "did you mean 'optim.lr'"),
+        ("trian.max_steps=3", "did you mean 'train.max_steps'"),
+        ("rollout.group_size=abc", "rollout.group_size"),
+        ("model.family=sd4", "model.family='sd4' is not supported (did you mean 'sd3'?)"),
+        ("credit.scale=std", "accepted"),
+        ("train.ema=1.5", "train.ema=1.5"),
+        ("rollout.group_size", "not of the form key=value"),
+    ],
+)
 def test_bad_config_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         TrainConfig.from_yaml(None, [override])
@@ -70,12 +75,15 @@ def test_bad_key_in_yaml_file(tmp_path):
         TrainConfig.from_yaml(path)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.kernel=euler", "rollout.kernel='euler'"),
-    ("rollout.window.mode=sliding", "rollout.window.mode='sliding'"),
-    ("loss.kl_form=reverse", "loss.kl_form='reverse'"),
-    ("credit.baseline=mode", "credit.baseline='mode'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.kernel=euler", "rollout.kernel='euler'"),
+        ("rollout.window.mode=sliding", "rollout.window.mode='sliding'"),
+        ("loss.kl_form=reverse", "loss.kl_form='reverse'"),
+        ("credit.baseline=mode", "credit.baseline='mode'"),
+    ],
+)
 def test_component_value_errors_fail_at_load_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_yaml(None, [override])
@@ -89,8 +97,9 @@ def test_cli_typo_exits_2_with_the_nearest_key(capsys):
 @pytest.mark.parametrize("command", ["train", "sample", "eval", "bench"])
 def test_help_explains_options(command, capsys):
     if command == "train":  # the module entry point, in a fresh interpreter (about 2 s of imports)
-        out = subprocess.run([sys.executable, "-m", "flowrl", command, "--help"], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "flowrl", command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
     else:  # the same parser in this process
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
@@ -121,12 +130,24 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
     from flowrl.training.trainer import Trainer
     from tests.conftest import make_model
 
-    overrides = ["model.lora.targets=null", "model.lora.rank=2", "model.full_finetune=false", "model.dtype=float32",
-                 "model.device=cpu", "model.gradient_checkpointing=false", "prompts.per_step=2",
-                 "prompts.train=a red circle|two blue squares", "prompts.eval=null", "rewards=[{name: brightness}]",
-                 "eval.rewards=null",
-                 "reward_normalize=none", "train.num_threads=1", "train.progress=false", "train.async_reward=false",
-                 f"train.output_dir={tmp_path}"]
+    overrides = [
+        "model.lora.targets=null",
+        "model.lora.rank=2",
+        "model.full_finetune=false",
+        "model.dtype=float32",
+        "model.device=cpu",
+        "model.gradient_checkpointing=false",
+        "prompts.per_step=2",
+        "prompts.train=a red circle|two blue squares",
+        "prompts.eval=null",
+        "rewards=[{name: brightness}]",
+        "eval.rewards=null",
+        "reward_normalize=none",
+        "train.num_threads=1",
+        "train.progress=false",
+        "train.async_reward=false",
+        f"train.output_dir={tmp_path}",
+    ]
     try:
         cfg = TrainConfig.from_yaml(path, overrides)
     except ConfigError as err:  # a GPU precision preset on a machine without that GPU
@@ -136,8 +157,9 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
     if cfg.rollout.plan == "offline":  # a stored set of rollouts to train on, written by the `flowrl rollouts` code
         from flowrl.commands.rollouts import write_rollouts
 
-        store = write_rollouts(cfg, tmp_path / "store", images_per_prompt=cfg.rollout.group_size, steps=2, model=model,
-                               verbose=False)
+        store = write_rollouts(
+            cfg, tmp_path / "store", images_per_prompt=cfg.rollout.group_size, steps=2, model=model, verbose=False
+        )
         cfg = TrainConfig.from_yaml(path, overrides + [f"rollout.source={store}"])
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
     trainer = Trainer(cfg, model=model)
@@ -147,14 +169,24 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
         assert record["first_step_abs_delta_logp"] == 0.0, record
 
 
-@pytest.mark.parametrize("overrides, key, why", [
-    (["loss.objective=nft", "rollout.plan=ode", "loss.optimality_form=linear", "loss.adv_scale=7"], "loss.adv_scale",
-     "optimality_form='linear'"),
-    (["loss.objective=raft", "rollout.plan=ode", "loss.old_decay=0.5"], "loss.old_decay", "RAFTLoss keeps no old copy"),
-    (["loss.objective=clipped", "loss.kl_ref=0", "loss.kl_form=flow_grpo"], "loss.kl_form", "kl_ref is 0"),
-    (["rollout.plan=tree", "credit.rule=tree", "credit.fusion_beta=2"], "credit.fusion_beta", "fusion='mean'"),
-    (["rollout.plan=tree", "credit.rule=tree", "credit.width_b=2"], "credit.width_b", "width_prune='none'"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, why",
+    [
+        (
+            ["loss.objective=nft", "rollout.plan=ode", "loss.optimality_form=linear", "loss.adv_scale=7"],
+            "loss.adv_scale",
+            "optimality_form='linear'",
+        ),
+        (
+            ["loss.objective=raft", "rollout.plan=ode", "loss.old_decay=0.5"],
+            "loss.old_decay",
+            "RAFTLoss keeps no old copy",
+        ),
+        (["loss.objective=clipped", "loss.kl_ref=0", "loss.kl_form=flow_grpo"], "loss.kl_form", "kl_ref is 0"),
+        (["rollout.plan=tree", "credit.rule=tree", "credit.fusion_beta=2"], "credit.fusion_beta", "fusion='mean'"),
+        (["rollout.plan=tree", "credit.rule=tree", "credit.width_b=2"], "credit.width_b", "width_prune='none'"),
+    ],
+)
 def test_a_key_nothing_reads_is_refused_for_objectives_and_credit_rules_alike(overrides, key, why):
     """One mechanism for every component kind (Checked.unread_fields → unread_keys, refused by the config check): a key
     set away from its default that the component's other settings leave unread fails at load, naming it and why."""
@@ -166,9 +198,11 @@ def test_a_key_nothing_reads_is_refused_for_objectives_and_credit_rules_alike(ov
 def test_an_out_of_tree_objective_declares_the_inherited_keys_it_never_reads(tmp_path):
     """A subclass reuses its base's keys by inheritance; those it does not read it declares, and they are refused."""
     plugin = tmp_path / "fixed_t.py"
-    plugin.write_text("from dataclasses import dataclass\n\nfrom flowrl.objectives.nft import NFTLoss\n\n\n"
-                      "@dataclass\nclass FixedT(NFTLoss):\n    def unread_fields(self):\n"
-                      "        return {**super().unread_fields(), 'draws': 'FixedT trains one point per leaf'}\n")
+    plugin.write_text(
+        "from dataclasses import dataclass\n\nfrom flowrl.objectives.nft import NFTLoss\n\n\n"
+        "@dataclass\nclass FixedT(NFTLoss):\n    def unread_fields(self):\n"
+        "        return {**super().unread_fields(), 'draws': 'FixedT trains one point per leaf'}\n"
+    )
     with pytest.raises(ConfigError, match=r"loss.draws is set but nothing reads it: FixedT trains one point per leaf"):
         TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode", "loss.draws=4"])
     assert TrainConfig.from_yaml(None, [f"loss.objective={plugin}:FixedT", "rollout.plan=ode"]).loss.draws == 2
@@ -190,7 +224,9 @@ def test_the_checks_change_nothing_and_the_config_carries_no_components(monkeypa
     assert vars(cfg) == vars(before)  # no built component kept beside the values
     built = []
     real = components.instantiate
-    monkeypatch.setattr(components, "instantiate", lambda kind, section: built.append(kind.section) or real(kind, section))
+    monkeypatch.setattr(
+        components, "instantiate", lambda kind, section: built.append(kind.section) or real(kind, section)
+    )
     cfg = TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode"])
     assert sorted(built) == ["credit", "loss", "rollout"]  # checked at load
     plan, credit, objective = chosen.build_components(cfg)

@@ -1,4 +1,5 @@
 """Centered Reward Distillation (loss.objective: crd; arXiv 2603.14128, as its authors ship it in Flow-Factory)."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,22 @@ from flowrl.objectives.forward import Rows
 from tests.conftest import make_model, perturb_lora, straight_and_resumed, update_gradient, with_lora
 from tests.test_dgpo import hand_made, scored_forest
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
-        "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]",
-        "loss.objective=crd", "loss.draws=2"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=ode",
+    "rollout.group_size=3",
+    "rollout.steps=3",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+    "loss.objective=crd",
+    "loss.draws=2",
+]
 
 
 def tiny(tmp_path, name, *extra):
@@ -79,7 +92,9 @@ def test_at_the_old_policy_the_gradient_pulls_good_samples_in_and_bad_ones_out()
     y = torch.zeros(2, 1, 1, 1)
     v = torch.full((2, 1, 1, 1), 0.5, requires_grad=True)
     *_, batch = hand_made((2,), 1)
-    loss, _ = crd_loss(CRDLoss(draws=1, adaptive_weight=False), v, v.detach().clone(), y, torch.tensor([1.0, -1.0]), batch)
+    loss, _ = crd_loss(
+        CRDLoss(draws=1, adaptive_weight=False), v, v.detach().clone(), y, torch.tensor([1.0, -1.0]), batch
+    )
     loss.backward()
     assert v.grad[0].item() > 0 and v.grad[1].item() < 0  # gradient descent moves v0 towards y = 0, v1 away
 
@@ -120,10 +135,26 @@ def test_a_group_cut_over_micro_batches_centres_as_one_forward():
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
     from flowrl.commands.main import main
 
-    assert main(["train", "configs/shapes/crd.yaml", "rollout.steps=2", "rollout.group_size=2", "prompts.per_step=2",
-                 "prompts.train=a red circle|two blue squares", "prompts.eval=null", "train.max_steps=1",
-                 "train.checkpoint_every=0", "train.progress=false", "train.num_threads=1",
-                 f"train.output_dir={tmp_path}", "train.name=run"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/shapes/crd.yaml",
+                "rollout.steps=2",
+                "rollout.group_size=2",
+                "prompts.per_step=2",
+                "prompts.train=a red circle|two blue squares",
+                "prompts.eval=null",
+                "train.max_steps=1",
+                "train.checkpoint_every=0",
+                "train.progress=false",
+                "train.num_threads=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=run",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "crd_loss" in r]
     assert len(trained) == 1 and trained[0]["trained_leaves"] == 4 and trained[0]["grad_norm"] > 0
@@ -131,22 +162,33 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1", "rollout.max_batch=2",
-                                             "loss.teacher={guidance: 3.0, anchor: 0.1}")
+    straight, resumed = straight_and_resumed(
+        lambda *o: tiny(tmp_path, *o),
+        "optim.lr=1e-2",
+        "train.checkpoint_every=1",
+        "rollout.max_batch=2",
+        "loss.teacher={guidance: 3.0, anchor: 0.1}",
+    )
     assert "crd_loss" in resumed and resumed == straight
 
 
 # ---- bad settings fail at load naming the key --------------------------------------------------------------
-@pytest.mark.parametrize("overrides, words", [
-    (["loss.beta=0"], ["loss.beta=0", "> 0"]),
-    (["loss.loss_form=l1"], ["loss.loss_form='l1'", "mse", "bce"]),
-    (["loss.old_decay_start=1.5"], ["loss.old_decay_start=1.5", "[0, 1)"]),
-    (["loss.old_decay_rate=0", "loss.old_decay_start=0.5"], ["loss.old_decay_start", "nothing reads it"]),
-    (["loss.teacher={guidance: 3.0, weighting: advantage}"], ["loss.teacher.weighting='advantage'", "loss.adaptive_kl"]),
-    (["loss.adaptive_kl=false"], ["loss.adaptive_kl", "nothing reads it"]),
-    (["model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
-    (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["loss.beta=0"], ["loss.beta=0", "> 0"]),
+        (["loss.loss_form=l1"], ["loss.loss_form='l1'", "mse", "bce"]),
+        (["loss.old_decay_start=1.5"], ["loss.old_decay_start=1.5", "[0, 1)"]),
+        (["loss.old_decay_rate=0", "loss.old_decay_start=0.5"], ["loss.old_decay_start", "nothing reads it"]),
+        (
+            ["loss.teacher={guidance: 3.0, weighting: advantage}"],
+            ["loss.teacher.weighting='advantage'", "loss.adaptive_kl"],
+        ),
+        (["loss.adaptive_kl=false"], ["loss.adaptive_kl", "nothing reads it"]),
+        (["model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
+        (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
+    ],
+)
 def test_bad_crd_settings_fail_at_load(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, "bad", *overrides)

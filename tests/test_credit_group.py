@@ -3,6 +3,7 @@ advantages are always finite; a zero-variance group gets zeros and its edges are
 
 Expected advantages are hand-computed from A_i = (r_i − b_g)/(scale + 1e-4).
 """
+
 from __future__ import annotations
 
 import math
@@ -11,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl_rewards import MultiReward, Reward
-
 from flowrl.credit.group import GroupAdvantage
 from flowrl.rollout.forest import Forest
+from flowrl_rewards import MultiReward, Reward
 
 EPS = 1e-4
 
@@ -26,21 +26,25 @@ def _np(t):
 # ---------------------------------------------------------------------------------------------
 # normalise on [P, G] tables
 # ---------------------------------------------------------------------------------------------
-TABLE = torch.tensor([
-    [1.0, 2.0, 3.0, 6.0],   # mean 3, deviations (−2, −1, 0, 3), var 14/4 = 3.5
-    [0.5, 0.5, 0.5, 0.5],   # zero variance
-    [4.0, 0.0, 2.0, 2.0],   # mean 2, deviations (2, −2, 0, 0), var 8/4 = 2
-])
+TABLE = torch.tensor(
+    [
+        [1.0, 2.0, 3.0, 6.0],  # mean 3, deviations (−2, −1, 0, 3), var 14/4 = 3.5
+        [0.5, 0.5, 0.5, 0.5],  # zero variance
+        [4.0, 0.0, 2.0, 2.0],  # mean 2, deviations (2, −2, 0, 0), var 8/4 = 2
+    ]
+)
 
 
 def test_mean_baseline_group_std():
     adv, zero_var, dropped = GroupAdvantage(baseline="mean", scale="group").normalise(TABLE)
     s0, s2 = math.sqrt(3.5), math.sqrt(2.0)  # ddof 0
-    expected = np.array([
-        [-2 / (s0 + EPS), -1 / (s0 + EPS), 0.0, 3 / (s0 + EPS)],
-        [0.0, 0.0, 0.0, 0.0],
-        [2 / (s2 + EPS), -2 / (s2 + EPS), 0.0, 0.0],
-    ])
+    expected = np.array(
+        [
+            [-2 / (s0 + EPS), -1 / (s0 + EPS), 0.0, 3 / (s0 + EPS)],
+            [0.0, 0.0, 0.0, 0.0],
+            [2 / (s2 + EPS), -2 / (s2 + EPS), 0.0, 0.0],
+        ]
+    )
     np.testing.assert_allclose(_np(adv), expected, rtol=1e-6, atol=1e-7)
     assert zero_var.tolist() == [False, True, False]
     assert not dropped.any(), "the mean baseline drops nothing"
@@ -66,25 +70,40 @@ def test_mean_baseline_global_std():
 def test_global_std_uses_gather():
     """``gather`` (all processes) widens the pool the global std is computed over."""
     other = torch.tensor([10.0, -10.0, 0.0, 0.0])
-    adv, _, _ = GroupAdvantage(baseline="mean", scale="global").normalise(
-        TABLE, gather=lambda t: torch.cat([t, other]))
+    adv, _, _ = GroupAdvantage(baseline="mean", scale="global").normalise(TABLE, gather=lambda t: torch.cat([t, other]))
     pool = np.concatenate([TABLE.numpy().ravel(), other.numpy()]).astype(np.float64)
     g = pool.std()
     np.testing.assert_allclose(_np(adv[0]), np.array([-2, -1, 0, 3]) / (g + EPS), rtol=1e-6)
 
 
 def test_median_baseline_mad_scale_drops_median_sample():
-    table = torch.tensor([
-        [1.0, 5.0, 2.0, 8.0, 3.0],   # median 3 (index 4); |r−3| = (2, 2, 1, 5, 0) → MAD 2
-        [2.0, 2.0, 2.0, 2.0, 2.0],   # zero variance
-        [0.0, 10.0, 4.0, 9.0, 7.0],  # median 7 (index 4); |r−7| = (7, 3, 3, 2, 0) → MAD 3
-    ])
+    table = torch.tensor(
+        [
+            [1.0, 5.0, 2.0, 8.0, 3.0],  # median 3 (index 4); |r−3| = (2, 2, 1, 5, 0) → MAD 2
+            [2.0, 2.0, 2.0, 2.0, 2.0],  # zero variance
+            [0.0, 10.0, 4.0, 9.0, 7.0],  # median 7 (index 4); |r−7| = (7, 3, 3, 2, 0) → MAD 3
+        ]
+    )
     adv, zero_var, dropped = GroupAdvantage(baseline="median", scale="mad").normalise(table)
-    expected = np.array([
-        [(1 - 3) / (2 + 1e-3 + EPS), (5 - 3) / (2 + 1e-3 + EPS), (2 - 3) / (2 + 1e-3 + EPS), (8 - 3) / (2 + 1e-3 + EPS), 0.0],
-        [0.0] * 5,
-        [(0 - 7) / (3 + 1e-3 + EPS), (10 - 7) / (3 + 1e-3 + EPS), (4 - 7) / (3 + 1e-3 + EPS), (9 - 7) / (3 + 1e-3 + EPS), 0.0],
-    ])
+    expected = np.array(
+        [
+            [
+                (1 - 3) / (2 + 1e-3 + EPS),
+                (5 - 3) / (2 + 1e-3 + EPS),
+                (2 - 3) / (2 + 1e-3 + EPS),
+                (8 - 3) / (2 + 1e-3 + EPS),
+                0.0,
+            ],
+            [0.0] * 5,
+            [
+                (0 - 7) / (3 + 1e-3 + EPS),
+                (10 - 7) / (3 + 1e-3 + EPS),
+                (4 - 7) / (3 + 1e-3 + EPS),
+                (9 - 7) / (3 + 1e-3 + EPS),
+                0.0,
+            ],
+        ]
+    )
     np.testing.assert_allclose(_np(adv), expected, rtol=1e-6, atol=1e-7)
     assert zero_var.tolist() == [False, True, False]
     assert dropped[0].tolist() == [False, False, False, False, True], "the median sample must be dropped"
@@ -97,7 +116,9 @@ def test_median_baseline_tied_median_drops_exactly_one():
     adv, _, dropped = GroupAdvantage(baseline="median", scale="group").normalise(table)
     assert int(dropped.sum()) == 1 and bool(dropped[0, 2] | dropped[0, 3])
     std = np.std([0.0, 10.0, 4.0, 4.0, 7.0])
-    np.testing.assert_allclose(_np(adv), [[-4 / (std + EPS), 6 / (std + EPS), 0, 0, 3 / (std + EPS)]], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        _np(adv), [[-4 / (std + EPS), 6 / (std + EPS), 0, 0, 3 / (std + EPS)]], rtol=1e-6, atol=1e-7
+    )
 
 
 def test_mad_scale_is_about_the_median_even_with_mean_baseline():
@@ -106,10 +127,13 @@ def test_mad_scale_is_about_the_median_even_with_mean_baseline():
     adv, _, _ = GroupAdvantage(baseline="mean", scale="mad").normalise(torch.tensor([r]))
     expected = (np.array(r) - 3.8) / (2.0 + 1e-3 + EPS)
     np.testing.assert_allclose(
-        _np(adv)[0], expected, rtol=1e-6,
+        _np(adv)[0],
+        expected,
+        rtol=1e-6,
         err_msg="SPEC MISMATCH (flowrl/credit/group.py normalise, scale='mad'): docs/algorithms.md defines "
-                "mad = median|r − median| + 1e-3, but the code uses median|r − baseline| so with "
-                "baseline='mean' it divides by the median absolute deviation about the MEAN (1.8 here, not 2)")
+        "mad = median|r − median| + 1e-3, but the code uses median|r − baseline| so with "
+        "baseline='mean' it divides by the median absolute deviation about the MEAN (1.8 here, not 2)",
+    )
 
 
 def test_scale_none():
@@ -123,14 +147,18 @@ def test_scale_none():
     assert dropped.tolist() == [[False, False, True]]
 
 
-@pytest.mark.parametrize("baseline,scale", [(b, s) for b in ("mean", "median") for s in ("group", "global", "mad", "none")])
+@pytest.mark.parametrize(
+    "baseline,scale", [(b, s) for b in ("mean", "median") for s in ("group", "global", "mad", "none")]
+)
 def test_all_finite_and_zero_variance_groups_zero(baseline, scale):
-    table = torch.tensor([
-        [1e6, 1e6, 1e6],             # zero variance, large values
-        [0.3, 0.3 + 2e-7, 0.3],      # numerically zero variance (spread 2e-7, not exactly 0)
-        [-1.0, 0.0, 1.0],
-        [5.0, 5.0, 5.0],
-    ])
+    table = torch.tensor(
+        [
+            [1e6, 1e6, 1e6],  # zero variance, large values
+            [0.3, 0.3 + 2e-7, 0.3],  # numerically zero variance (spread 2e-7, not exactly 0)
+            [-1.0, 0.0, 1.0],
+            [5.0, 5.0, 5.0],
+        ]
+    )
     adv, zero_var, _ = GroupAdvantage(baseline=baseline, scale=scale).normalise(table)
     assert torch.isfinite(adv).all()
     assert zero_var.tolist() == [True, True, False, True]
@@ -160,15 +188,51 @@ def chains_forest():
     f = Forest(prompts=["a red circle", "two blue squares"])
     roots = f.add_roots(torch.randn(6, 2, 4, 4), group=[0, 0, 0, 1, 1, 1], seed=[10, 11, 12, 13, 14, 15])
     b = f.new_batch_id()
-    s1a = f.add_children(roots[:3], torch.randn(3, 2, 4, 4), sigma=0.5, step=1, logp=torch.randn(3),
-                         std=torch.full((3,), 0.3), kernel="flow_grpo", eta=0.7, batch=b)
-    s1b = f.add_children(roots[3:], torch.randn(3, 2, 4, 4), sigma=0.5, step=1, logp=torch.zeros(3),
-                         std=torch.zeros(3), kernel="ode", eta=0.0, batch=b)
+    s1a = f.add_children(
+        roots[:3],
+        torch.randn(3, 2, 4, 4),
+        sigma=0.5,
+        step=1,
+        logp=torch.randn(3),
+        std=torch.full((3,), 0.3),
+        kernel="flow_grpo",
+        eta=0.7,
+        batch=b,
+    )
+    s1b = f.add_children(
+        roots[3:],
+        torch.randn(3, 2, 4, 4),
+        sigma=0.5,
+        step=1,
+        logp=torch.zeros(3),
+        std=torch.zeros(3),
+        kernel="ode",
+        eta=0.0,
+        batch=b,
+    )
     b = f.new_batch_id()
-    f.add_children(s1a, torch.randn(3, 2, 4, 4), sigma=0.0, step=2, logp=torch.zeros(3),
-                   std=torch.zeros(3), kernel="ode", eta=0.0, batch=b)
-    f.add_children(s1b, torch.randn(3, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(3),
-                   std=torch.full((3,), 0.2), kernel="dance", eta=0.3, batch=b)
+    f.add_children(
+        s1a,
+        torch.randn(3, 2, 4, 4),
+        sigma=0.0,
+        step=2,
+        logp=torch.zeros(3),
+        std=torch.zeros(3),
+        kernel="ode",
+        eta=0.0,
+        batch=b,
+    )
+    f.add_children(
+        s1b,
+        torch.randn(3, 2, 4, 4),
+        sigma=0.0,
+        step=2,
+        logp=torch.randn(3),
+        std=torch.full((3,), 0.2),
+        kernel="dance",
+        eta=0.3,
+        batch=b,
+    )
     return f
 
 
@@ -283,10 +347,28 @@ def test_assign_accepts_chains_below_a_shared_trunk():
     """A group's chains branching off one root (shared_noise): each edge still leads to one leaf."""
     f = Forest(prompts=["p"])
     root = f.add_roots(torch.randn(1, 2, 4, 4), group=[0], seed=[0])
-    kids = f.add_children(root.repeat(2), torch.randn(2, 2, 4, 4), sigma=0.5, step=1, logp=torch.randn(2),
-                          std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=0)
-    f.add_children(kids, torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
-                   std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
+    kids = f.add_children(
+        root.repeat(2),
+        torch.randn(2, 2, 4, 4),
+        sigma=0.5,
+        step=1,
+        logp=torch.randn(2),
+        std=torch.full((2,), 0.3),
+        kernel="dance",
+        eta=0.3,
+        batch=0,
+    )
+    f.add_children(
+        kids,
+        torch.randn(2, 2, 4, 4),
+        sigma=0.0,
+        step=2,
+        logp=torch.randn(2),
+        std=torch.full((2,), 0.3),
+        kernel="dance",
+        eta=0.3,
+        batch=1,
+    )
     GroupAdvantage(scale="group").assign(_scored(f, torch.tensor([1.0, 2.0])))
     assert f.advantage.tolist() == pytest.approx([0.0, -1.0, 1.0, -1.0, 1.0], abs=1e-3)
     assert f.weight.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0]  # the trunk (root) is not a chain node
@@ -296,10 +378,28 @@ def test_assign_accepts_chains_below_a_shared_trunk():
 def test_assign_refuses_a_branch_below_a_stochastic_edge():
     f = Forest(prompts=["p"])
     root = f.add_roots(torch.randn(1, 2, 4, 4), group=[0], seed=[0])
-    kid = f.add_children(root, torch.randn(1, 2, 4, 4), sigma=0.5, step=1, logp=torch.randn(1),
-                         std=torch.full((1,), 0.3), kernel="dance", eta=0.3, batch=0)
-    f.add_children(kid.repeat(2), torch.randn(2, 2, 4, 4), sigma=0.0, step=2, logp=torch.randn(2),
-                   std=torch.full((2,), 0.3), kernel="dance", eta=0.3, batch=1)
+    kid = f.add_children(
+        root,
+        torch.randn(1, 2, 4, 4),
+        sigma=0.5,
+        step=1,
+        logp=torch.randn(1),
+        std=torch.full((1,), 0.3),
+        kernel="dance",
+        eta=0.3,
+        batch=0,
+    )
+    f.add_children(
+        kid.repeat(2),
+        torch.randn(2, 2, 4, 4),
+        sigma=0.0,
+        step=2,
+        logp=torch.randn(2),
+        std=torch.full((2,), 0.3),
+        kernel="dance",
+        eta=0.3,
+        batch=1,
+    )
     with pytest.raises(ValueError, match="tree credit rule"):
         GroupAdvantage(scale="group").assign(_scored(f, torch.tensor([1.0, 2.0])))
 

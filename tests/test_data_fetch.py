@@ -1,5 +1,6 @@
 """``flowrl data fetch`` against a local fake hub: prompt files, count and checksum checks, atomic
 writing, the offline message. No network: every download function is replaced or a mirror is used."""
+
 from __future__ import annotations
 
 import argparse
@@ -148,6 +149,7 @@ def fake_hub(root: Path, calls: list):
         path = root / repo_id / filename
         if not path.is_file():
             from huggingface_hub.errors import LocalEntryNotFoundError
+
             raise LocalEntryNotFoundError("not cached and no connection")
         return str(path)
 
@@ -228,15 +230,21 @@ def test_present_files_are_not_fetched_again_unless_forced(tmp_path, monkeypatch
 
 
 def write_geneval(root: Path, n_test: int = 553, n_train: int = 1_010) -> None:
-    test = [{"tag": "single_object", "include": [{"class": f"obj{i}", "count": 1}], "prompt": f"a photo of obj{i}"}
-            for i in range(n_test)]
-    train = [{"tag": "counting", "include": [{"class": f"thing{i}", "count": 2}], "prompt": f"a photo of two thing{i}s"}
-             for i in range(n_train)]
+    test = [
+        {"tag": "single_object", "include": [{"class": f"obj{i}", "count": 1}], "prompt": f"a photo of obj{i}"}
+        for i in range(n_test)
+    ]
+    train = [
+        {"tag": "counting", "include": [{"class": f"thing{i}", "count": 2}], "prompt": f"a photo of two thing{i}s"}
+        for i in range(n_train)
+    ]
     train.insert(3, test[0])  # in the test set: dropped from train
     train.insert(9, train[0])  # a repeat: dropped
     train.insert(11, {"tag": "counting", "include": [], "prompt": "a  photo of\ttwo spaced things"})  # cleaned
-    for repo, path, rows in (("djghosh13/geneval", "prompts/evaluation_metadata.jsonl", test),
-                             ("yifan123/flow_grpo", "dataset/geneval/train_metadata.jsonl", train)):
+    for repo, path, rows in (
+        ("djghosh13/geneval", "prompts/evaluation_metadata.jsonl", test),
+        ("yifan123/flow_grpo", "dataset/geneval/train_metadata.jsonl", train),
+    ):
         (root / repo / path).parent.mkdir(parents=True, exist_ok=True)
         (root / repo / path).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -264,8 +272,10 @@ def test_geneval_over_https_keeps_metadata_aligned(tmp_path, monkeypatch):
     urls = fake_github(root, tmp_path, monkeypatch)
     out = tmp_path / "dataset"
     data.fetch("geneval", out, log=lambda _: None)
-    assert urls == ["https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/geneval/train_metadata.jsonl",
-                    "https://raw.githubusercontent.com/djghosh13/geneval/main/prompts/evaluation_metadata.jsonl"]
+    assert urls == [
+        "https://raw.githubusercontent.com/yifan123/flow_grpo/main/dataset/geneval/train_metadata.jsonl",
+        "https://raw.githubusercontent.com/djghosh13/geneval/main/prompts/evaluation_metadata.jsonl",
+    ]
     for split, n in (("test", 553), ("train", 1_011)):
         prompts = (out / "geneval" / f"{split}.txt").read_text().splitlines()
         meta = [json.loads(line) for line in (out / "geneval" / f"{split}_metadata.jsonl").read_text().splitlines()]
@@ -283,8 +293,10 @@ def test_drawbench_glob_and_pickscore_split_from_parquet(tmp_path, monkeypatch):
     root = tmp_path / "hub"
     (root / "Jialuo21/DrawBench/data").mkdir(parents=True)
     bench = [f"drawbench prompt {i}" for i in range(199)] + ["drawbench prompt 0"]  # a repeat is kept
-    pq.write_table(pa.table({"prompts": bench, "category": ["Colors"] * 200}),
-                   root / "Jialuo21/DrawBench/data/test-00000-of-00001.parquet")
+    pq.write_table(
+        pa.table({"prompts": bench, "category": ["Colors"] * 200}),
+        root / "Jialuo21/DrawBench/data/test-00000-of-00001.parquet",
+    )
     calls: list = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_hub(root, calls)[1])
     monkeypatch.delenv(data.SOURCE_ENV, raising=False)
@@ -353,8 +365,13 @@ def write_ocr(root: Path, test: list[str], train: list[str]) -> Path:
 def small_ocr(monkeypatch, test_count: int = 3, sha256: str | None = None) -> data.PromptSet:
     """The ocr set with a small test count (and checksum) and train floor, for tiny fake files."""
     spec = data.PROMPT_SETS["ocr"]
-    small = dataclasses.replace(spec, outputs=(dataclasses.replace(spec.outputs[0], min_count=2),
-                                               dataclasses.replace(spec.outputs[1], count=test_count, sha256=sha256)))
+    small = dataclasses.replace(
+        spec,
+        outputs=(
+            dataclasses.replace(spec.outputs[0], min_count=2),
+            dataclasses.replace(spec.outputs[1], count=test_count, sha256=sha256),
+        ),
+    )
     monkeypatch.setitem(data.PROMPT_SETS, "ocr", small)
     return small
 
@@ -370,7 +387,10 @@ def test_ocr_from_a_mirror_keeps_every_quoted_prompt_in_order(tmp_path, monkeypa
     out = tmp_path / "dataset"
     assert run(["fetch", "ocr", "--source", str(root), "--out", str(out)]) == 0
     assert (out / "ocr" / "test.txt").read_text().splitlines() == [
-        'A shop sign reading "Open Late"', 'A poster with "Sale Today" in red', 'A cake saying "Happy 40th"']
+        'A shop sign reading "Open Late"',
+        'A poster with "Sale Today" in red',
+        'A cake saying "Happy 40th"',
+    ]
     train = (out / "ocr" / "train.txt").read_text().splitlines()
     assert train == ['A mug printed with "Best Dad"', 'A billboard: "Drive Safe"', 'A mug printed with "Best Dad"']
     manifest = json.loads((out / "ocr" / "manifest.json").read_text())
@@ -398,8 +418,14 @@ def test_ocr_comes_from_the_pinned_flow_grpo_commit_and_its_test_split_is_checke
     assert spec.outputs[1].count == 1_018 and spec.outputs[1].sha256 == data_sets.OCR_TEST_SHA256  # the real split
     small_ocr(monkeypatch, sha256=spec.outputs[1].sha256)  # 3 fake lines cannot match the real file's checksum
     assert run(["fetch", "ocr", "--out", str(tmp_path / "dataset")]) == 2
-    assert urls == [f"https://raw.githubusercontent.com/{OCR_REPO}/{data_sets.OCR_REVISION}/dataset/ocr/{f}.txt"
-                    for f in ("train", "test")]
+    assert urls == [
+        f"https://raw.githubusercontent.com/{OCR_REPO}/{data_sets.OCR_REVISION}/dataset/ocr/{f}.txt"
+        for f in ("train", "test")
+    ]
     assert f"expected {data_sets.OCR_TEST_SHA256} for prompt set 'ocr'" in capsys.readouterr().err
-    assert sorted(data.used_by(spec)) == ["configs/sd35/crd_ocr.yaml", "configs/sd35/flow_grpo_ocr.yaml",
-                                          "configs/sd35/gdro_ocr.yaml", "configs/sd35/nft_ocr.yaml"]
+    assert sorted(data.used_by(spec)) == [
+        "configs/sd35/crd_ocr.yaml",
+        "configs/sd35/flow_grpo_ocr.yaml",
+        "configs/sd35/gdro_ocr.yaml",
+        "configs/sd35/nft_ocr.yaml",
+    ]

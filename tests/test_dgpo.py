@@ -1,4 +1,5 @@
 """DGPO (loss.objective: dgpo; arXiv 2510.08425) and the group-aligned forward process it shares with CRD."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,22 @@ from flowrl.objectives.dgpo import DGPOLoss, GroupedForward, GroupTable
 from flowrl.objectives.forward import Rows
 from tests.conftest import make_model, perturb_lora, spy_velocity, straight_and_resumed, update_gradient, with_lora
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
-        "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]",
-        "loss.objective=dgpo", "loss.draws=2"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=ode",
+    "rollout.group_size=3",
+    "rollout.steps=3",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+    "loss.objective=dgpo",
+    "loss.draws=2",
+]
 
 
 def tiny(tmp_path, name, *extra):
@@ -35,8 +48,14 @@ def hand_made(groups, D, seed=0):
     spans, start = {}, 0
     for g, n in enumerate(groups):
         spans[g], start = (start, start + n), start + n
-    table = GroupTable(torch.arange(L), torch.full((L * D,), 0.5), torch.zeros(shape), None, spans,
-                       {"teacher_cond": None, "anchor_weight": None})
+    table = GroupTable(
+        torch.arange(L),
+        torch.full((L * D,), 0.5),
+        torch.zeros(shape),
+        None,
+        spans,
+        {"teacher_cond": None, "anchor_weight": None},
+    )
     return v, v_ref, v_old, y, adv, table.batch(0, L, D)
 
 
@@ -93,8 +112,10 @@ def test_dgpo_gradient_is_the_group_preference_likelihoods_up_to_a_constant():
     v.grad = None
     e = ((v - y) ** 2).mean(dim=(1, 2, 3)).view(-1, D)
     e_ref = ((v_ref - y) ** 2).mean(dim=(1, 2, 3)).view(-1, D)
-    nll = sum(-torch.nn.functional.logsigmoid(-beta * (adv[a:b, None] * (e[a:b] - e_ref[a:b])).mean(0)).sum()
-              for a, b in ((0, n), (n, 2 * n)))
+    nll = sum(
+        -torch.nn.functional.logsigmoid(-beta * (adv[a:b, None] * (e[a:b] - e_ref[a:b])).mean(0)).sum()
+        for a, b in ((0, n), (n, 2 * n))
+    )
     nll.backward()
     assert torch.allclose(got, v.grad * n / (beta * 2 * n * D), atol=1e-7)
 
@@ -127,7 +148,9 @@ def scored_forest(model, prompts=("a red circle", "two blue squares"), group=3, 
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.chains import ODEChains
 
-    forest = ODEChains(group_size=group, steps=steps).rollout(model, list(prompts), RolloutContext(seed=seed, iteration=0))
+    forest = ODEChains(group_size=group, steps=steps).rollout(
+        model, list(prompts), RolloutContext(seed=seed, iteration=0)
+    )
     leaves = forest.leaves()
     forest.reward[leaves] = torch.rand(leaves.numel(), generator=torch.Generator().manual_seed(seed))
     GroupAdvantage(scale="group").assign(forest)
@@ -165,7 +188,9 @@ def test_a_group_cut_over_micro_batches_trains_as_one_forward(reference):
     cond = obj.encode(model, forest)
 
     whole, g_whole, diag = update_gradient(obj, model, forest, cond, 64)
-    split, g_split, _ = update_gradient(obj, model, forest, cond, 2)  # one leaf per forward: every group completed without gradient
+    split, g_split, _ = update_gradient(
+        obj, model, forest, cond, 2
+    )  # one leaf per forward: every group completed without gradient
     assert (whole, split) == (1, 8) and diag["group_weight"] != 0.5
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g_whole, g_split))
 
@@ -188,35 +213,60 @@ PRESETS = ["dgpo", "dgpo_guided_rollouts"]
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path, preset):
     from flowrl.commands.main import main
 
-    assert main(["train", f"configs/shapes/{preset}.yaml", "rollout.steps=2", "rollout.group_size=2",
-                 "prompts.per_step=2", "prompts.train=a red circle|two blue squares", "prompts.eval=null",
-                 "loss.draws=2", "train.max_steps=1", "train.checkpoint_every=0", "train.progress=false",
-                 "train.num_threads=1", f"train.output_dir={tmp_path}", "train.name=run"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                f"configs/shapes/{preset}.yaml",
+                "rollout.steps=2",
+                "rollout.group_size=2",
+                "prompts.per_step=2",
+                "prompts.train=a red circle|two blue squares",
+                "prompts.eval=null",
+                "loss.draws=2",
+                "train.max_steps=1",
+                "train.checkpoint_every=0",
+                "train.progress=false",
+                "train.num_threads=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=run",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "group_weight" in r]
     assert len(trained) == 1 and trained[0]["trained_leaves"] == 4 and trained[0]["grad_norm"] > 0
 
 
 def test_resume_equals_a_straight_run(tmp_path):  # old copy, split groups
-    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1", "loss.clip=0.05",
-                                             "rollout.max_batch=2")
+    straight, resumed = straight_and_resumed(
+        lambda *o: tiny(tmp_path, *o),
+        "optim.lr=1e-2",
+        "train.checkpoint_every=1",
+        "loss.clip=0.05",
+        "rollout.max_batch=2",
+    )
     assert "group_weight" in resumed and resumed == straight
 
 
 # ---- bad settings fail at load naming the key --------------------------------------------------------------
-@pytest.mark.parametrize("overrides, words", [
-    (["loss.beta=0"], ["loss.beta=0", "> 0"]),
-    (["loss.clip=-0.1"], ["loss.clip=-0.1", ">= 0"]),
-    (["loss.reference=teacher"], ["loss.reference='teacher'", "loss.teacher"]),
-    (["loss.reference=ema"], ["loss.reference='ema'", "initial", "teacher", "old"]),
-    (["loss.cfg=half"], ["loss.cfg='half'", "guided_rollouts"]),
-    (["model.guidance=1"], ["loss.cfg='guided_rollouts'", "model.guidance=1"]),
-    (["loss.cfg=free", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
-    (["loss.level_fraction=0"], ["loss.level_fraction=0", "(0, 1]"]),
-    (["loss.timesteps=uniform", "loss.level_fraction=0.3"], ["loss.level_fraction", "nothing reads it"]),
-    (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
-    (["loss.clip=0", "loss.reference=initial", "loss.old_decay=0.5"], ["loss.old_decay", "nothing reads it"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["loss.beta=0"], ["loss.beta=0", "> 0"]),
+        (["loss.clip=-0.1"], ["loss.clip=-0.1", ">= 0"]),
+        (["loss.reference=teacher"], ["loss.reference='teacher'", "loss.teacher"]),
+        (["loss.reference=ema"], ["loss.reference='ema'", "initial", "teacher", "old"]),
+        (["loss.cfg=half"], ["loss.cfg='half'", "guided_rollouts"]),
+        (["model.guidance=1"], ["loss.cfg='guided_rollouts'", "model.guidance=1"]),
+        (["loss.cfg=free", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
+        (["loss.level_fraction=0"], ["loss.level_fraction=0", "(0, 1]"]),
+        (["loss.timesteps=uniform", "loss.level_fraction=0.3"], ["loss.level_fraction", "nothing reads it"]),
+        (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
+        (["loss.clip=0", "loss.reference=initial", "loss.old_decay=0.5"], ["loss.old_decay", "nothing reads it"]),
+    ],
+)
 def test_bad_dgpo_settings_fail_at_load(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, "bad", *overrides)

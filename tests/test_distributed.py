@@ -1,4 +1,5 @@
 """Two CPU processes (gloo) give the same group statistics and the same LoRA as one process."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,22 @@ def test_two_processes_match_one(tmp_path):
     double.mkdir()
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(WORKER), str(single)], check=True, env=env, timeout=600)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(double)], env=env, timeout=600, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            str(double),
+        ],
+        env=env,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     one = torch.load(single / "rank0.pt")
     ranks = [torch.load(double / f"rank{r}.pt") for r in range(2)]
@@ -36,8 +51,18 @@ def test_two_processes_match_one(tmp_path):
         # the objective's diagnostics are reduced over the processes: both ranks log what one process
         # logs over all the edges (size-weighted means; ratio extremes by min/max)
         # (2 optimizer steps per iteration, so the second replays with ratios off 1)
-        for key in ("policy_loss", "approx_kl", "ratio_mean", "ratio_min", "ratio_max", "clipfrac_high",
-                    "clipfrac_low", "abs_delta_logp", "first_step_abs_delta_logp", "kl"):
+        for key in (
+            "policy_loss",
+            "approx_kl",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+            "clipfrac_high",
+            "clipfrac_low",
+            "abs_delta_logp",
+            "first_step_abs_delta_logp",
+            "kl",
+        ):
             a, b, single = ranks[0]["records"][it][key], ranks[1]["records"][it][key], one["records"][it][key]
             assert a == b, (key, a, b)
             # policy_loss is a mean of −A·ρ over group-centred advantages with ρ within 1e-3 of 1: its value

@@ -11,6 +11,7 @@ The design notes and the algorithms spec the code once cited (ALGORITHMS.md / DE
 section) are not part of the repository: no scanned file (nor README.md or docs/) may mention them or a bare
 section-sign number.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,7 +24,7 @@ SCANNED = ("flowrl", "rewards", "tests", "scripts")
 THIS = Path(__file__).resolve()
 
 # docs/<page>.md, then optionally `, "Title"` (or ` ("Title"`), then further `and "Title"` / `, "Title"`.
-POINTER = re.compile(r'docs/([\w./-]+?)\.md')
+POINTER = re.compile(r"docs/([\w./-]+?)\.md")
 FIRST_TITLE = re.compile(r'(?:,\s*|\s*\()"([^"\n]+)"')
 MORE_TITLES = re.compile(r'(?:,\s*|\s+and\s+)"([^"\n]+)"')
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
@@ -73,10 +74,17 @@ def headings(page: Path) -> set[str]:
 
 
 def test_the_scanner_reads_the_pointer_forms():
-    text = ('x (docs/a.md, "One") y docs/b.md z (docs/c.md,\n    "Two\n    words" and "Three").\n'
-            '# see docs/d.md, "Wrapped\n# title"\n"docs/e.md", "not a title"')
-    assert pointers(text) == [("a", ["One"]), ("b", []), ("c", ["Two words", "Three"]), ("d", ["Wrapped title"]),
-                              ("e", [])]
+    text = (
+        'x (docs/a.md, "One") y docs/b.md z (docs/c.md,\n    "Two\n    words" and "Three").\n'
+        '# see docs/d.md, "Wrapped\n# title"\n"docs/e.md", "not a title"'
+    )
+    assert pointers(text) == [
+        ("a", ["One"]),
+        ("b", []),
+        ("c", ["Two words", "Three"]),
+        ("d", ["Wrapped title"]),
+        ("e", []),
+    ]
     assert STALE.search("see ALGORITHMS.md") and STALE.search("(\u00a7 3)") and not STALE.search("docs/trees.md")
 
 
@@ -115,6 +123,7 @@ def test_nothing_cites_the_external_spec_or_numbered_sections(where):
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if STALE.search(line):
                 bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
-    assert not bad, ("these cite ALGORITHMS.md / DESIGN.md or a numbered section, which are not in the repository; "
-                     'point to the docs page and section instead, e.g. (docs/algorithms.md, "Group advantages"):\n'
-                     + "\n".join(bad))
+    assert not bad, (
+        "these cite ALGORITHMS.md / DESIGN.md or a numbered section, which are not in the repository; "
+        'point to the docs page and section instead, e.g. (docs/algorithms.md, "Group advantages"):\n' + "\n".join(bad)
+    )

@@ -28,6 +28,7 @@ CLI's own parser and its configuration (preset, overrides, ``--vs``/``--vs-set``
 lines with placeholders (``[CONFIG]``, ``OTHER``) are only parsed. Blocks with other commands (pip,
 accelerate, torchrun, python scripts) are not run.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -50,8 +51,8 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 @dataclass
 class Block:
-    file: str   # relative to the repository root
-    line: int   # line of the opening fence, 1-based
+    file: str  # relative to the repository root
+    line: int  # line of the opening fence, 1-based
     lang: str
     code: str
 
@@ -73,7 +74,7 @@ def extract_blocks(path: Path) -> list[Block]:
         j = i + 1
         while j < len(lines) and not lines[j].strip().startswith(fence):
             j += 1
-        body = [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[i + 1:j]]
+        body = [ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : j]]
         blocks.append(Block(str(path.relative_to(ROOT)), i + 1, lang, "\n".join(body) + "\n"))
         i = j + 1
     return blocks
@@ -85,21 +86,35 @@ BASH_BLOCKS = [b for b in ALL_BLOCKS if b.lang in ("bash", "sh", "shell", "conso
 
 # ---- substitutions: (regex, replacement, why); applied to every block, each must match somewhere -------------
 GPU_PRESET_OVERRIDES = [
-    "prompts.train=a photo of a cat|a red circle left of a blue square", "prompts.eval=null", "prompts.per_step=2",
-    "rollout.group_size=2", "rollout.steps=2", "rollout.max_batch=8", "train.max_steps=1", "train.log_with=none",
-    "train.checkpoint_every=0", "train.num_threads=1", "train.progress=false",
+    "prompts.train=a photo of a cat|a red circle left of a blue square",
+    "prompts.eval=null",
+    "prompts.per_step=2",
+    "rollout.group_size=2",
+    "rollout.steps=2",
+    "rollout.max_batch=8",
+    "train.max_steps=1",
+    "train.log_with=none",
+    "train.checkpoint_every=0",
+    "train.num_threads=1",
+    "train.progress=false",
 ]
 """A GPU preset cut to one tiny iteration on the tiny in-process pipeline (its own prompt files are a
 dataset download; everything else, the method, stays the preset's)."""
 
 SUBSTITUTIONS = [
-    (r'StableDiffusion3Pipeline\.from_pretrained\("[\w.-]+/[\w.-]+"[^)\n]*\)',
-     '__import__("flowrl.models.testing", fromlist=["_"]).tiny_sd3_pipeline()', "no hub: the tiny SD3 pipeline"),
+    (
+        r'StableDiffusion3Pipeline\.from_pretrained\("[\w.-]+/[\w.-]+"[^)\n]*\)',
+        '__import__("flowrl.models.testing", fromlist=["_"]).tiny_sd3_pipeline()',
+        "no hub: the tiny SD3 pipeline",
+    ),
     (r'device="cuda(:\d+)?"', 'device="cpu"', "no GPU"),
     (r"torch\.bfloat16", "torch.float32", "bf16 is slow on CPU"),
     (r'dtype="bf16"', 'dtype="fp32"', "bf16 is slow on CPU"),
-    (r'TrainConfig\.from_yaml\(("configs/(?:sd35|flux|sana)/[\w.]+\.yaml")\)',
-     r"TrainConfig.from_yaml(\1, GPU_PRESET_OVERRIDES)", "a GPU preset, cut to one tiny iteration"),
+    (
+        r'TrainConfig\.from_yaml\(("configs/(?:sd35|flux|sana)/[\w.]+\.yaml")\)',
+        r"TrainConfig.from_yaml(\1, GPU_PRESET_OVERRIDES)",
+        "a GPU preset, cut to one tiny iteration",
+    ),
 ]
 
 
@@ -126,41 +141,51 @@ STAND_INS = {"pickscore": lambda x: x.mean(dim=(1, 2, 3)), "hpsv2": lambda x: x.
 HUB_LEFT = re.compile(r'from_pretrained\("[\w.-]+/[\w.-]+"')
 
 # ---- fragments: (file, a snippet of the block) → code run before it -----------------------------------------
-_IMAGES = ("import torch\nimages = torch.rand(4, 3, 16, 16)\n"
-           "prompts = ['a red circle'] * 2 + ['two blue squares'] * 2\nmeta = {}\n")
+_IMAGES = (
+    "import torch\nimages = torch.rand(4, 3, 16, 16)\n"
+    "prompts = ['a red circle'] * 2 + ['two blue squares'] * 2\nmeta = {}\n"
+)
 PRELUDES = {
-    ("docs/rewards.md", "scores = reward(images, prompts, meta)"):
-        _IMAGES + "from flowrl_rewards import build_reward\nreward = build_reward('brightness')\n",
-    ("docs/rewards.md", "BackgroundScorer(multi_reward"):
-        _IMAGES + "from flowrl_rewards import MultiReward\nmulti_reward = MultiReward(['brightness', 'redness'])\n",
+    ("docs/rewards.md", "scores = reward(images, prompts, meta)"): _IMAGES
+    + "from flowrl_rewards import build_reward\nreward = build_reward('brightness')\n",
+    ("docs/rewards.md", "BackgroundScorer(multi_reward"): _IMAGES
+    + "from flowrl_rewards import MultiReward\nmulti_reward = MultiReward(['brightness', 'redness'])\n",
     ("docs/rewards.md", "m.components(images, prompts, meta)"): _IMAGES,
 }
 
 # ---- what a block's comments promise, checked after it: (file, snippet) → code -------------------------------
 CHECKS = {
-    ("README.md", 'flowrl.sample(model, ["a photo of a cat"]'):
-        "assert out.images.shape[0] == 8 and 0 <= out.images.min() and out.images.max() <= 1\n"
-        "assert trainer.step == 1\n",
-    ("README.md", "pipe.load_lora_weights(checkpoint)"):
-        "assert tuple(out.images.shape) == (4, 3, 32, 32)\n"
-        "assert (checkpoint / 'pytorch_lora_weights.safetensors').is_file()\n"
-        "assert image.size == (32, 32)\n"
-        # the LoRA loaded by plain diffusers is the trained policy: same transformer output as the trained model
-        "args = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 24, 128),\n"
-        "            pooled_projections=torch.randn(2, 64), timestep=torch.tensor([300.0, 700.0]))\n"
-        "with torch.no_grad():\n"
-        "    trained, loaded = model.pipe.transformer(**args).sample, pipe.transformer(**args).sample\n"
-        "assert torch.allclose(trained, loaded, atol=1e-5), (trained - loaded).abs().max()\n",
-    ("docs/explore.md", "Explore(inner={"):
-        "assert tuple(out.images.shape) == (16, 3, 32, 32)\nassert len(out.forest.roots()) == 16\n",
-    ("docs/trees.md", "flowrl.Tree(steps=20"):
-        "assert out.images.shape[0] == 32\nassert torch.isfinite(out.forest.advantage[out.forest.edges()]).all()\n",
-    ("docs/rewards.md", "scores = reward(images, prompts, meta)"):
-        "assert scores.dtype == torch.float32 and tuple(scores.shape) == (4,)\n",
-    ("docs/rewards.md", "class ColourMatch(Reward)"):
-        "s = ColourMatch()(torch.rand(2, 3, 8, 8), ['a', 'b'], {})\nassert tuple(s.shape) == (2,)\n",
-    ("docs/rewards.md", "BackgroundScorer(multi_reward"):
-        "assert set(components) == {'brightness', 'redness'}\n",
+    (
+        "README.md",
+        'flowrl.sample(model, ["a photo of a cat"]',
+    ): "assert out.images.shape[0] == 8 and 0 <= out.images.min() and out.images.max() <= 1\n"
+    "assert trainer.step == 1\n",
+    ("README.md", "pipe.load_lora_weights(checkpoint)"): "assert tuple(out.images.shape) == (4, 3, 32, 32)\n"
+    "assert (checkpoint / 'pytorch_lora_weights.safetensors').is_file()\n"
+    "assert image.size == (32, 32)\n"
+    # the LoRA loaded by plain diffusers is the trained policy: same transformer output as the trained model
+    "args = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 24, 128),\n"
+    "            pooled_projections=torch.randn(2, 64), timestep=torch.tensor([300.0, 700.0]))\n"
+    "with torch.no_grad():\n"
+    "    trained, loaded = model.pipe.transformer(**args).sample, pipe.transformer(**args).sample\n"
+    "assert torch.allclose(trained, loaded, atol=1e-5), (trained - loaded).abs().max()\n",
+    (
+        "docs/explore.md",
+        "Explore(inner={",
+    ): "assert tuple(out.images.shape) == (16, 3, 32, 32)\nassert len(out.forest.roots()) == 16\n",
+    (
+        "docs/trees.md",
+        "flowrl.Tree(steps=20",
+    ): "assert out.images.shape[0] == 32\nassert torch.isfinite(out.forest.advantage[out.forest.edges()]).all()\n",
+    (
+        "docs/rewards.md",
+        "scores = reward(images, prompts, meta)",
+    ): "assert scores.dtype == torch.float32 and tuple(scores.shape) == (4,)\n",
+    (
+        "docs/rewards.md",
+        "class ColourMatch(Reward)",
+    ): "s = ColourMatch()(torch.rand(2, 3, 8, 8), ['a', 'b'], {})\nassert tuple(s.shape) == (2,)\n",
+    ("docs/rewards.md", "BackgroundScorer(multi_reward"): "assert set(components) == {'brightness', 'redness'}\n",
 }
 
 
@@ -250,8 +275,11 @@ def flowrl_only(block: Block) -> bool:
     """Whether every command of a bash block is ``flowrl`` (or a variable assignment / a for loop)."""
     joined = re.sub(r"\\\n", " ", block.code)
     lines = [ln for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return bool(lines) and any(re.search(r"(^|\s)flowrl\s", ln) for ln in lines) and all(
-        _SHELL_WORD.match(ln) and not re.search(r"&&|\|\||;(?!\s*do)|\|", ln.split("#")[0]) for ln in lines)
+    return (
+        bool(lines)
+        and any(re.search(r"(^|\s)flowrl\s", ln) for ln in lines)
+        and all(_SHELL_WORD.match(ln) and not re.search(r"&&|\|\||;(?!\s*do)|\|", ln.split("#")[0]) for ln in lines)
+    )
 
 
 FLOWRL_BLOCKS = [b for b in BASH_BLOCKS if flowrl_only(b)]
@@ -264,8 +292,14 @@ BASH_NOT_RUN = {
     ("docs/gpu.md", "--num_machines M --machine_rank r"): "several machines",
     ("README.md", "pip install -e . && flowrl train"): "installs the package, trains the full job, runs the suite",
     ("README.md", "accelerate launch --config_file"): "several processes on GPUs / gloo: tests/test_distributed.py",
-    ("docs/rewards.md", "python -m flowrl_rewards.serving.serve imagereward"): "a reward server in another environment, on a GPU",
-    ("docs/rewards.md", "python -m flowrl_rewards.serving.serve NAME"): "the reward server's synopsis: tests/test_rewards_remote.py",
+    (
+        "docs/rewards.md",
+        "python -m flowrl_rewards.serving.serve imagereward",
+    ): "a reward server in another environment, on a GPU",
+    (
+        "docs/rewards.md",
+        "python -m flowrl_rewards.serving.serve NAME",
+    ): "the reward server's synopsis: tests/test_rewards_remote.py",
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
     ("docs/results.md", "time flowrl rollouts configs/shapes/gdro.yaml"): "a rollout store written, then replayed by "
     "its compare: tests/test_offline_plan.py and tests/test_gdro.py run both steps",
@@ -325,7 +359,8 @@ def test_every_bash_block_is_checked_or_listed():
     for block in BASH_BLOCKS:
         listed = [why for (f, snippet), why in BASH_NOT_RUN.items() if f == block.file and snippet in block.code]
         assert (block in FLOWRL_BLOCKS) + len(listed) == 1, (
-            f"{block.id}: a bash block is either only flowrl commands (checked) or listed in BASH_NOT_RUN")
+            f"{block.id}: a bash block is either only flowrl commands (checked) or listed in BASH_NOT_RUN"
+        )
     for f, snippet in [*BASH_NOT_RUN, *PAGE_FILES]:
         assert any(b.file == f and snippet in b.code for b in ALL_BLOCKS), f"{f}: {snippet!r} matches no block"
 

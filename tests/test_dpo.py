@@ -3,6 +3,7 @@ Flow-GRPO's ``train_sd3_dpo.py`` and Flow-Factory's ``dpo`` trainer run it): per
 worst leaf by advantage form a pair, noised at shared (t, ε); per point
 ℓ = −log σ(−β/2·[(e_θ(w) − e_ref(w)) − (e_θ(l) − e_ref(l))]) with e = mean‖v − (ε − x0)‖², averaged over draws
 and pairs. The references here are written out independently."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,21 @@ from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.dpo import DPOLoss
 from tests.conftest import make_model, straight_and_resumed, with_lora
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=3", "rollout.steps=3",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null", "train.progress=false",
-        "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]", "loss.objective=dpo"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=ode",
+    "rollout.group_size=3",
+    "rollout.steps=3",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+    "loss.objective=dpo",
+]
 
 
 def tiny(tmp_path, name, *extra):
@@ -83,7 +96,9 @@ def test_batches_and_loss_of_a_real_forest_equal_the_formula_written_out():
     from flowrl.rollout.chains import ODEChains
 
     model = with_lora(make_model("sd3"))
-    forest = ODEChains(group_size=3, steps=3).rollout(model, ["a red circle", "a dog", "two cats"], RolloutContext(seed=2))
+    forest = ODEChains(group_size=3, steps=3).rollout(
+        model, ["a red circle", "a dog", "two cats"], RolloutContext(seed=2)
+    )
     leaves = forest.leaves()
     forest.reward[leaves] = torch.arange(leaves.numel(), dtype=torch.float32)
     forest.advantage[leaves] = torch.tensor([0.1, -1.0, 1.0, 0.5, 0.5, 0.5, 2.0, -0.3, 0.0])  # group 1: no spread
@@ -137,9 +152,25 @@ def test_declared_copies_and_reward_free_point():
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
     from flowrl.commands.main import main
 
-    assert main(["train", "configs/shapes/dpo.yaml", "train.max_steps=1", "prompts.per_step=2", "rollout.group_size=3",
-                 "rollout.steps=4", "prompts.eval=null", "train.checkpoint_every=0", "train.progress=false",
-                 "train.num_threads=1", f"train.output_dir={tmp_path}", "train.name=dpo"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/shapes/dpo.yaml",
+                "train.max_steps=1",
+                "prompts.per_step=2",
+                "rollout.group_size=3",
+                "rollout.steps=4",
+                "prompts.eval=null",
+                "train.checkpoint_every=0",
+                "train.progress=false",
+                "train.num_threads=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=dpo",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
     record = next(r for r in records if "reward_mean" in r)
     assert record["trained_leaves"] % 2 == 0 and record["trained_leaves"] <= 4  # one pair per group at most
@@ -149,20 +180,24 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1",
-                                             "loss.kl_ref=0.1")
+    straight, resumed = straight_and_resumed(
+        lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1", "loss.kl_ref=0.1"
+    )
     assert resumed == straight
     assert straight["trained_leaves"] > 0
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
-    (["loss.beta=0"], ["loss.beta=0", "> 0"]),
-    (["loss.share_t=true"], ["loss.share_t is set but nothing reads it"]),
-    (["loss.old_decay=0.5"], ["loss.old_decay is set but nothing reads it", "no old copy"]),
-    (["loss.cfg=free", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
-    (["rollout.plan=chains", "credit.rule=turning_point"], ["credit.rule='turning_point'", "loss.objective='dpo'"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
+        (["loss.beta=0"], ["loss.beta=0", "> 0"]),
+        (["loss.share_t=true"], ["loss.share_t is set but nothing reads it"]),
+        (["loss.old_decay=0.5"], ["loss.old_decay is set but nothing reads it", "no old copy"]),
+        (["loss.cfg=free", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
+        (["rollout.plan=chains", "credit.rule=turning_point"], ["credit.rule='turning_point'", "loss.objective='dpo'"]),
+    ],
+)
 def test_refused_combinations_fail_at_load_naming_the_key(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, "bad", *overrides)
@@ -172,9 +207,11 @@ def test_refused_combinations_fail_at_load_naming_the_key(tmp_path, overrides, w
 
 def test_a_plan_with_one_leaf_per_group_is_refused(tmp_path):
     plugin = tmp_path / "plans.py"
-    plugin.write_text("from dataclasses import dataclass\nfrom flowrl.rollout.chains import ODEChains\n\n"
-                      "@dataclass\nclass Single(ODEChains):\n    def expected_counts(self, num_prompts, ctx=None):\n"
-                      "        return {**super().expected_counts(num_prompts, ctx), 'leaves': num_prompts}\n")
+    plugin.write_text(
+        "from dataclasses import dataclass\nfrom flowrl.rollout.chains import ODEChains\n\n"
+        "@dataclass\nclass Single(ODEChains):\n    def expected_counts(self, num_prompts, ctx=None):\n"
+        "        return {**super().expected_counts(num_prompts, ctx), 'leaves': num_prompts}\n"
+    )
     with pytest.raises(ConfigError, match=r"loss.objective='dpo' pairs .* gives 1 leaf per group"):
         tiny(tmp_path, "bad", f"rollout.plan={plugin}:Single")
 

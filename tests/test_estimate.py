@@ -2,6 +2,7 @@
 device with their LoRA, their shapes, an estimate for every GPU preset, and the estimator against what one
 training iteration of the tiny pipelines really allocates on this CPU (glibc's heap, sampled around every op);
 the tracer (allocations only), the autocast emulation and the bf16 static parts against what torch allocates."""
+
 from __future__ import annotations
 
 import ctypes
@@ -15,8 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl import estimate as E
-from flowrl.estimate.report import _seconds
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.estimate.report import _seconds
 from flowrl.paths import CONFIG_DIR, PACKAGE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,8 +88,11 @@ def test_stored_architecture_builds_on_meta_with_the_published_size(name):
         assert lo <= count <= hi, (spec_name, count)
     vae = E.build_vae(arch)
     assert (vae.config.get("latent_channels") or vae.config.get("z_dim")) == arch["vae"]["latent_channels"]
-    blocks = (vae.config.get("block_out_channels") or vae.config.get("decoder_block_out_channels")
-              or vae.config.get("dim_mult"))  # the Wan-style video VAEs: one downsampling per dim_mult step
+    blocks = (
+        vae.config.get("block_out_channels")
+        or vae.config.get("decoder_block_out_channels")
+        or vae.config.get("dim_mult")
+    )  # the Wan-style video VAEs: one downsampling per dim_mult step
     assert 2 ** (len(blocks) - 1) == arch["vae"]["scale_factor"]
     if "temporal_factor" in arch["vae"]:
         assert 2 ** sum(vae.config.temperal_downsample) == arch["vae"]["temporal_factor"]
@@ -105,9 +109,12 @@ def _lora_expected(module: nn.Module, targets: list[str], rank: int) -> tuple[in
     return layers, params
 
 
-@pytest.mark.parametrize("path", first_of_each(lambda cfg, arch: [cfg.model.lora.targets or
-                                                                   E.default_lora_targets(cfg.model.family),
-                                                                   cfg.model.lora.rank]))
+@pytest.mark.parametrize(
+    "path",
+    first_of_each(
+        lambda cfg, arch: [cfg.model.lora.targets or E.default_lora_targets(cfg.model.family), cfg.model.lora.rank]
+    ),
+)
 def test_every_gpu_preset_finds_its_lora_targets(path):
     cfg = preset(path)
     arch = E.arch_for_model(cfg.model)
@@ -130,9 +137,19 @@ def test_lora_targets_that_match_nothing_fail_naming_them():
         E.add_lora(module, 4, 8, ["no_such_layer"])
 
 
-@pytest.mark.parametrize("path", first_of_each(lambda cfg, arch: [arch["family"], cfg.model.height, cfg.model.width,
-                                                                   cfg.model.max_sequence_length, cfg.model.kwargs,
-                                                                   cfg.rollout.max_batch]))
+@pytest.mark.parametrize(
+    "path",
+    first_of_each(
+        lambda cfg, arch: [
+            arch["family"],
+            cfg.model.height,
+            cfg.model.width,
+            cfg.model.max_sequence_length,
+            cfg.model.kwargs,
+            cfg.rollout.max_batch,
+        ]
+    ),
+)
 def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     cfg = preset(path)
     arch = E.arch_for_model(cfg.model)
@@ -143,7 +160,13 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
     shapes = E.preset_shapes(arch, m.height, m.width, m.max_sequence_length, frames)
     f = arch["vae"]["scale_factor"] * (2 if family == "flux2" else 1)  # FLUX.2: the 2×2-patchified VAE latent
     assert shapes.latent[-2:] == (m.height // f, m.width // f)
-    patch = 1 if family == "flux2" else 2 if family in ("flux", "qwen_image") else arch["transformer"]["config"]["patch_size"]
+    patch = (
+        1
+        if family == "flux2"
+        else 2
+        if family in ("flux", "qwen_image")
+        else arch["transformer"]["config"]["patch_size"]
+    )
     if is_video(family):  # [C, F, h, w]: F = (frames − 1)/t + 1, tokens F·(h/2)·(w/2)
         latent_frames = (frames - 1) // arch["vae"]["temporal_factor"] + 1
         assert shapes.latent[1] == latent_frames
@@ -153,7 +176,9 @@ def test_preset_shapes_run_through_the_real_transformer_on_meta(path):
         assert len(shapes.latent) == 3
         assert shapes.image_tokens == (m.height // f // patch) * (m.width // f // patch)
     vision = E.vision_tokens(arch["text"]["vision"], m.height, m.width) if edit else 0
-    assert shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if family == "sd3" else 0) + vision
+    assert (
+        shapes.text_tokens == m.max_sequence_length + (arch["text"]["clip_tokens"] if family == "sd3" else 0) + vision
+    )
     assert shapes.source_tokens == (shapes.image_tokens if edit else 0)
     # the transformer takes rollout.max_batch rows (×2 with CFG) at these shapes and returns the velocity's shape
     module = E.build_transformer(arch)
@@ -215,23 +240,35 @@ def with_blocks(arch: dict, blocks: int = 2) -> dict:
 # Wan presets by `flowrl bench --estimate` with the transformer cut to 2 blocks
 # (test_bench_estimate_prints_every_new_family_preset). Run them with -m slow.
 SLOW_ESTIMATES = {
-    "configs/flux/branchgrpo_hps.yaml", "configs/flux/dance_grpo_hps.yaml", "configs/flux/mix_grpo.yaml",  # 720 px FLUX
-    "configs/flux/solrl_pickscore.yaml", "configs/sd35/nft_geneval.yaml", "configs/sd35/solrl_hps.yaml",
+    "configs/flux/branchgrpo_hps.yaml",
+    "configs/flux/dance_grpo_hps.yaml",
+    "configs/flux/mix_grpo.yaml",  # 720 px FLUX
+    "configs/flux/solrl_pickscore.yaml",
+    "configs/sd35/nft_geneval.yaml",
+    "configs/sd35/solrl_hps.yaml",
     "configs/qwen_image/nft_geneval.yaml",  # Qwen-Image: flow_grpo_pickscore covers the model
     # the task presets: SD3.5-M Flow-GRPO (flow_grpo_pickscore) and NFT (nft_geneval) with another reward
-    "configs/sd35/flow_grpo_geneval.yaml", "configs/sd35/flow_grpo_ocr.yaml", "configs/sd35/nft_ocr.yaml",
+    "configs/sd35/flow_grpo_geneval.yaml",
+    "configs/sd35/flow_grpo_ocr.yaml",
+    "configs/sd35/nft_ocr.yaml",
     "configs/sd35/flow_grpo_vlm_judge.yaml",
     # chains as SD3.5-M's, ode as FLUX.2's (15–40 s each; FLUX.1's trace takes about 1.5× FLUX.2's)
-    "configs/qwen_image/flow_grpo_pickscore.yaml", "configs/qwen_image_edit/flow_grpo_edit.yaml",
-    "configs/flux/nft_pickscore.yaml", "configs/wan/flow_grpo_1_3b.yaml",
+    "configs/qwen_image/flow_grpo_pickscore.yaml",
+    "configs/qwen_image_edit/flow_grpo_edit.yaml",
+    "configs/flux/nft_pickscore.yaml",
+    "configs/wan/flow_grpo_1_3b.yaml",
     # the peers' objectives on SD3.5-M: chains (grpo_guard) and ode (dpo, dgpo, crd, gdro) as the presets above
-    "configs/sd35/grpo_guard_pickscore.yaml", "configs/sd35/dpo_pickscore.yaml", "configs/sd35/dgpo_geneval.yaml",
-    "configs/sd35/crd_ocr.yaml", "configs/sd35/gdro_ocr.yaml",
+    "configs/sd35/grpo_guard_pickscore.yaml",
+    "configs/sd35/dpo_pickscore.yaml",
+    "configs/sd35/dgpo_geneval.yaml",
+    "configs/sd35/crd_ocr.yaml",
+    "configs/sd35/gdro_ocr.yaml",
 }
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_ESTIMATES else p
-                                  for p in GPU_PRESETS])
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_ESTIMATES else p for p in GPU_PRESETS]
+)
 def test_estimate_gives_memory_and_time_for_every_gpu_preset(path):
     r = estimate_of(path)
     mem, t, fl = r["memory_gib"], r["time"], r["flops"]
@@ -295,26 +332,35 @@ def test_the_prompt_cache_grows_with_the_run_unless_bounded():
     long = estimate_of("configs/flux/nft_pickscore.yaml", overrides=unbounded, blocks=2)
     assert short["memory_gib"]["peak"] == pytest.approx(long["memory_gib"]["peak"])
     assert long["memory_gib"]["prompt_cache_end_of_run"] > 10 * short["memory_gib"]["prompt_cache_end_of_run"]
-    bounded = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("model.prompt_cache_mb=512",),
-                          blocks=2)["memory_gib"]
+    bounded = estimate_of("configs/flux/nft_pickscore.yaml", overrides=("model.prompt_cache_mb=512",), blocks=2)[
+        "memory_gib"
+    ]
     assert 0.5 < bounded["prompt_cache_end_of_run"] <= 0.5 + bounded["prompt_cache"] + 1e-9
     assert bounded["peak_end_of_run"] < long["memory_gib"]["peak_end_of_run"] - 50
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p == "configs/qwen_image/nft_geneval.yaml"
-                                  else p for p in GPU_PRESETS
-                                  if Path(p).parts[1] in ("qwen_image", "qwen_image_edit", "flux2", "wan")])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p == "configs/qwen_image/nft_geneval.yaml" else p
+        for p in GPU_PRESETS
+        if Path(p).parts[1] in ("qwen_image", "qwen_image_edit", "flux2", "wan")
+    ],
+)
 def test_bench_estimate_prints_every_new_family_preset(path, capsys, monkeypatch):
     """``flowrl bench CONFIG --estimate`` on the Qwen-Image, FLUX.2 and Wan presets: the table names the model and
     the shapes (a video: latent [C, F, h, w] and F·(h/2)·(w/2) tokens), the JSON the same estimate. The transformer
     is cut to 2 blocks (what is checked here does not depend on depth; the full-size estimates of these presets are
     test_estimate_gives_memory_and_time_for_every_gpu_preset's, in the slow set)."""
     cut = []  # the architectures estimate() looked up, cut (patched where estimate() finds arch_for_model)
-    monkeypatch.setitem(E.estimate.__globals__, "arch_for_model",
-                        lambda section: cut.append(with_blocks(E.arch_for_model(section))) or cut[-1])
+    monkeypatch.setitem(
+        E.estimate.__globals__,
+        "arch_for_model",
+        lambda section: cut.append(with_blocks(E.arch_for_model(section))) or cut[-1],
+    )
     assert E.run_estimate(str(PACKAGE_DIR / path), [], gpu="H100") == 0
     out = capsys.readouterr().out
-    result = json.loads(out[out.index("\n{") + 1:])
+    result = json.loads(out[out.index("\n{") + 1 :])
     arch, sh = E.arch_for_model(preset(path).model), result["shapes"]
     assert [a["transformer"]["config"]["num_layers"] for a in cut] == [2]  # the cut transformer was estimated
     assert result["model"] == arch["name"] and result["family"] == arch["family"] and arch["name"] in out
@@ -333,14 +379,27 @@ def test_bench_estimate_prints_a_table_and_json(capsys):
     assert E.run_estimate(None, ["train.max_steps=5"], gpu="h200") == 0
     out = capsys.readouterr().out
     assert "H200" in out and "s/iteration" in out
-    result = json.loads(out[out.index("\n{") + 1:])
+    result = json.loads(out[out.index("\n{") + 1 :])
     assert result["memory_gib"]["peak"] > 0 and result["model"].startswith("shapes model")  # the shipped weights
 
 
 # ---- against one real training iteration on this CPU -----------------------------------------------
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                                "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_reader():
@@ -383,54 +442,103 @@ def _tiny_wan_pipeline():
 
     pipe = tiny_wan_pipeline(scheduler="euler")
     torch.manual_seed(0)
-    pipe.register_modules(transformer=WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=4, text_dim=32,
-        freq_dim=32, ffn_dim=1024, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32).eval())
+    pipe.register_modules(
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=64,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=1024,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ).eval()
+    )
     return pipe
 
 
 TINY = {  # pipeline builder, adapter keywords, config overrides: sizes where the transformer dominates
-    "sd3": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sd3_pipeline(sample_size=32),
-            dict(guidance=4.5, height=64, width=64, max_sequence_length=16),
-            ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=16"]),
-    "flux": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_flux_pipeline(),
-             dict(height=64, width=64, max_sequence_length=16),
-             ["model.height=64", "model.width=64", "model.max_sequence_length=16"]),
-    "sana": (lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sana_pipeline(scheduler="euler"),
-             dict(guidance=4.5, height=128, width=128, max_sequence_length=8),
-             ["model.guidance=4.5", "model.height=128", "model.width=128", "model.max_sequence_length=8"]),
-    "qwen_image": (lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_pipeline(
-                       num_layers=4),
-                   dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
-                   ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"]),
-    "flux2": (lambda: __import__("flowrl.models.testing_flux2", fromlist=["x"]).tiny_flux2_pipeline(),
-              dict(height=64, width=64, max_sequence_length=40),
-              ["model.height=64", "model.width=64", "model.max_sequence_length=40"]),
-    "qwen_image_edit": (lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_edit_pipeline(
-                            num_layers=4),
-                        dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
-                        ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"]),
-    "wan": (_tiny_wan_pipeline,
-            dict(guidance=4.5, height=32, width=48, num_frames=9, max_sequence_length=12),
-            ["model.guidance=4.5", "model.height=32", "model.width=48", "model.max_sequence_length=12",
-             "model.kwargs={num_frames: 9}"]),
+    "sd3": (
+        lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sd3_pipeline(sample_size=32),
+        dict(guidance=4.5, height=64, width=64, max_sequence_length=16),
+        ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=16"],
+    ),
+    "flux": (
+        lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_flux_pipeline(),
+        dict(height=64, width=64, max_sequence_length=16),
+        ["model.height=64", "model.width=64", "model.max_sequence_length=16"],
+    ),
+    "sana": (
+        lambda: __import__("flowrl.models.testing", fromlist=["x"]).tiny_sana_pipeline(scheduler="euler"),
+        dict(guidance=4.5, height=128, width=128, max_sequence_length=8),
+        ["model.guidance=4.5", "model.height=128", "model.width=128", "model.max_sequence_length=8"],
+    ),
+    "qwen_image": (
+        lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_pipeline(num_layers=4),
+        dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
+        ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"],
+    ),
+    "flux2": (
+        lambda: __import__("flowrl.models.testing_flux2", fromlist=["x"]).tiny_flux2_pipeline(),
+        dict(height=64, width=64, max_sequence_length=40),
+        ["model.height=64", "model.width=64", "model.max_sequence_length=40"],
+    ),
+    "qwen_image_edit": (
+        lambda: __import__("flowrl.models.testing_qwen", fromlist=["x"]).tiny_qwen_image_edit_pipeline(num_layers=4),
+        dict(guidance=4.5, height=64, width=64, max_sequence_length=32),
+        ["model.guidance=4.5", "model.height=64", "model.width=64", "model.max_sequence_length=32"],
+    ),
+    "wan": (
+        _tiny_wan_pipeline,
+        dict(guidance=4.5, height=32, width=48, num_frames=9, max_sequence_length=12),
+        [
+            "model.guidance=4.5",
+            "model.height=32",
+            "model.width=48",
+            "model.max_sequence_length=12",
+            "model.kwargs={num_frames: 9}",
+        ],
+    ),
 }
-NFT_DECODE_PEAK = ["loss.objective=nft", "rollout.max_batch=2", "loss.draws=1", "rollout.plan=ode",
-                   "rollout.group_size=4", "rollout.steps=4", "model.guidance=1"]
+NFT_DECODE_PEAK = [
+    "loss.objective=nft",
+    "rollout.max_batch=2",
+    "loss.draws=1",
+    "rollout.plan=ode",
+    "rollout.group_size=4",
+    "rollout.steps=4",
+    "model.guidance=1",
+]
 """DiffusionNFT, CFG-free, 2 states a micro-batch: the VAE decode of 2 latents is the iteration's peak."""
 CASES = {  # id → (pipeline, extra overrides)
     "sd3-lora-cfg-kl": ("sd3", []),
     "sd3-checkpointing": ("sd3", ["model.gradient_checkpointing=true"]),
-    "sd3-nft-full": ("sd3", ["loss.objective=nft", "rollout.max_batch=8", "rollout.plan=ode", "rollout.group_size=4",
-                             "rollout.steps=4", "model.guidance=1", "model.full_finetune=true"]),
+    "sd3-nft-full": (
+        "sd3",
+        [
+            "loss.objective=nft",
+            "rollout.max_batch=8",
+            "rollout.plan=ode",
+            "rollout.group_size=4",
+            "rollout.steps=4",
+            "model.guidance=1",
+            "model.full_finetune=true",
+        ],
+    ),
     "sd3-nft-decode-peak": ("sd3", NFT_DECODE_PEAK),
     "flux-lora": ("flux", []),
     "flux-checkpointing": ("flux", ["model.gradient_checkpointing=true", "loss.kl_ref=0"]),
     "sana-lora-cfg": ("sana", []),
     "qwen_image-lora-cfg": ("qwen_image", []),
     "qwen_image-nft-decode-peak": ("qwen_image", NFT_DECODE_PEAK),
-    "qwen_image_edit-lora-cfg": ("qwen_image_edit", []),  # twice the image tokens, the source's vision tokens in the text
+    "qwen_image_edit-lora-cfg": (
+        "qwen_image_edit",
+        [],
+    ),  # twice the image tokens, the source's vision tokens in the text
     "flux2-lora": ("flux2", []),
     "flux2-checkpointing": ("flux2", ["model.gradient_checkpointing=true"]),
     "wan-lora-cfg": ("wan", []),
@@ -440,8 +548,16 @@ CASES = {  # id → (pipeline, extra overrides)
 MEASURED_ERRORS: dict[str, float] = {}
 # Variants of a family an unmarked case measures (gradient checkpointing, NFT's decode peak; 4–6 s each): -m slow.
 # qwen_image-lora-cfg (15–20 s): qwen_image_edit-lora-cfg measures the same transformer, with the source's tokens too.
-SLOW_CASES = {"sd3-checkpointing", "flux-checkpointing", "sd3-nft-decode-peak", "qwen_image-nft-decode-peak",
-              "flux2-checkpointing", "wan-checkpointing", "wan-nft-decode-peak", "qwen_image-lora-cfg"}
+SLOW_CASES = {
+    "sd3-checkpointing",
+    "flux-checkpointing",
+    "sd3-nft-decode-peak",
+    "qwen_image-nft-decode-peak",
+    "flux2-checkpointing",
+    "wan-checkpointing",
+    "wan-nft-decode-peak",
+    "qwen_image-lora-cfg",
+}
 
 
 def _static_tensor_bytes(trainer) -> int:
@@ -476,8 +592,9 @@ def _static_tensor_bytes(trainer) -> int:
     return total
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
-                                  for c in sorted(CASES)])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in sorted(CASES)]
+)
 def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -497,14 +614,28 @@ def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
         edits = family_prompts(tmp_path, family, ["a red circle", "a blue square"])
         (tmp_path / "edits.txt").write_text("\n".join(edits))
         overrides = overrides + [f"prompts.train={tmp_path / 'edits.txt'}"]
-    cfg = TrainConfig.from_yaml(None, [
-        "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
-        "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}", "train.progress=false",
-        "train.async_reward=false", "train.ema=0.9", f"model.family={family}", "model.path=in-memory",
-    ] + overrides + extra)
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "prompts.train=a red circle|a blue square",
+            "prompts.eval=null",
+            "prompts.per_step=2",
+            "rollout.max_batch=8",
+            "rewards=[{name: brightness}]",
+            f"train.output_dir={tmp_path}",
+            "train.progress=false",
+            "train.async_reward=false",
+            "train.ema=0.9",
+            f"model.family={family}",
+            "model.path=in-memory",
+        ]
+        + overrides
+        + extra,
+    )
     pipe = build()
-    model = wrap(pipe, device="cpu", dtype=torch.float32,
-                 gradient_checkpointing=cfg.model.gradient_checkpointing, **adapter_kw)
+    model = wrap(
+        pipe, device="cpu", dtype=torch.float32, gradient_checkpointing=cfg.model.gradient_checkpointing, **adapter_kw
+    )
     trainer = Trainer(cfg, model=model)
     trainer.train_step(0)  # warm-up: prompt cache, optimizer state, one-time allocations
     gc.collect()
@@ -520,9 +651,11 @@ def test_estimate_within_20_percent_of_a_measured_cpu_iteration(case, tmp_path):
     predicted = mem["dynamic"] * 2**30
     error = predicted / heap.peak - 1
     MEASURED_ERRORS[case] = error
-    print(f"{case}: measured {heap.peak / 2**20:.2f} MiB, estimated {predicted / 2**20:.2f} MiB ({error:+.1%}; "
-          f"peak phase {mem['peak_phase']}); FLOPs measured {flops.get_total_flops():.4g}, "
-          f"estimated {result['flops']['total']:.4g}")
+    print(
+        f"{case}: measured {heap.peak / 2**20:.2f} MiB, estimated {predicted / 2**20:.2f} MiB ({error:+.1%}; "
+        f"peak phase {mem['peak_phase']}); FLOPs measured {flops.get_total_flops():.4g}, "
+        f"estimated {result['flops']['total']:.4g}"
+    )
     assert heap.peak > 2**20  # the iteration allocates megabytes: the comparison is not lost in noise
     assert abs(error) <= 0.20
     assert result["flops"]["total"] == pytest.approx(flops.get_total_flops(), rel=0.02)
@@ -596,6 +729,7 @@ def test_traced_update_of_a_real_cpu_model_is_what_its_heap_allocates():
         def run() -> None:
             x = torch.randn(64, 1024, device=next(model.parameters()).device)
             model(x).square().mean().backward()
+
         return run
 
     step(real)()  # warm-up
@@ -604,8 +738,10 @@ def test_traced_update_of_a_real_cpu_model_is_what_its_heap_allocates():
     with heap:
         step(real)()
     traced, traced_meta = E.trace(step(real), "cpu"), E.trace(step(meta), "cpu")
-    print(f"heap {heap.peak / 2**20:.2f} MiB, traced {traced.peak / 2**20:.2f} MiB "
-          f"(meta {traced_meta.peak / 2**20:.2f}), gradients {gradients / 2**20:.0f} MiB")
+    print(
+        f"heap {heap.peak / 2**20:.2f} MiB, traced {traced.peak / 2**20:.2f} MiB "
+        f"(meta {traced_meta.peak / 2**20:.2f}), gradients {gradients / 2**20:.0f} MiB"
+    )
     assert heap.peak < gradients / 4  # the gradients are not allocated again: the comparison can tell
     assert traced.peak == pytest.approx(heap.peak, rel=0.10)
     assert traced_meta.peak == traced.peak and traced.end == traced_meta.end == 0
@@ -632,6 +768,7 @@ def test_meta_autocast_allocates_what_torch_autocast_allocates_on_a_cpu():
                     y = model(x)
                 if grad:
                     y.float().square().mean().backward()
+
         return run
 
     cpu = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
@@ -651,11 +788,14 @@ def test_meta_autocast_allocates_what_torch_autocast_allocates_on_a_cpu():
     def update(model, region):
         def run() -> None:
             device = next(model.parameters()).device
-            x = {k: torch.ones(v.shape, dtype=v.dtype, device=device)
-                 for k, v in E.transformer_inputs(arch, shapes, 4, torch.float32).items()}
+            x = {
+                k: torch.ones(v.shape, dtype=v.dtype, device=device)
+                for k, v in E.transformer_inputs(arch, shapes, 4, torch.float32).items()
+            }
             with region():
                 out = model(**x, return_dict=False)[0]
             out.float().square().mean().backward()
+
         return run
 
     for checkpointing in (False, True):
@@ -663,8 +803,10 @@ def test_meta_autocast_allocates_what_torch_autocast_allocates_on_a_cpu():
             real.enable_gradient_checkpointing()
             meta.enable_gradient_checkpointing(autocast.checkpoint)
         a, b = E.trace(update(real, cpu), "cpu"), E.trace(update(meta, autocast), "cpu")
-        print(f"tiny SD3 update, checkpointing {checkpointing}: torch.autocast {a.peak / 2**20:.3f} MiB, "
-              f"MetaAutocast {b.peak / 2**20:.3f} MiB")
+        print(
+            f"tiny SD3 update, checkpointing {checkpointing}: torch.autocast {a.peak / 2**20:.3f} MiB, "
+            f"MetaAutocast {b.peak / 2**20:.3f} MiB"
+        )
         assert b.peak == pytest.approx(a.peak, rel=0.03) and b.flops == a.flops
 
 
@@ -687,12 +829,30 @@ def test_bf16_static_parts_are_what_training_holds(case, tmp_path):
     from flowrl.models.testing import tiny_sd3_pipeline
     from flowrl.training.trainer import Trainer
 
-    cfg = TrainConfig.from_yaml(None, [
-        "prompts.train=a red circle|a blue square", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
-        "rollout.group_size=4", "rollout.steps=2", "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}",
-        "train.progress=false", "train.async_reward=false", "train.ema=0.9", "model.family=sd3",
-        "model.path=in-memory", "model.dtype=bfloat16", "model.height=32", "model.width=32", "model.guidance=1",
-        "model.max_sequence_length=16"] + BF16_CASES[case])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "prompts.train=a red circle|a blue square",
+            "prompts.eval=null",
+            "prompts.per_step=2",
+            "rollout.max_batch=8",
+            "rollout.group_size=4",
+            "rollout.steps=2",
+            "rewards=[{name: brightness}]",
+            f"train.output_dir={tmp_path}",
+            "train.progress=false",
+            "train.async_reward=false",
+            "train.ema=0.9",
+            "model.family=sd3",
+            "model.path=in-memory",
+            "model.dtype=bfloat16",
+            "model.height=32",
+            "model.width=32",
+            "model.guidance=1",
+            "model.max_sequence_length=16",
+        ]
+        + BF16_CASES[case],
+    )
     pipe = tiny_sd3_pipeline()
     model = wrap(pipe, device="cpu", dtype=torch.bfloat16, height=32, width=32, max_sequence_length=16, guidance=1.0)
     trainer = Trainer(cfg, model=model)
@@ -704,18 +864,22 @@ def test_bf16_static_parts_are_what_training_holds(case, tmp_path):
     trainer.train_step(0)
     named = dict(transformer.named_parameters())
     copies = {name: getattr(trainer.objective, name, None) for name in ("_old", "_reference")}
-    frozen = {name: [*c.frozen.parameters(), *c.frozen.buffers()] if c is not None and c.frozen is not None else []
-              for name, c in copies.items()}
+    frozen = {
+        name: [*c.frozen.parameters(), *c.frozen.buffers()] if c is not None and c.frozen is not None else []
+        for name, c in copies.items()
+    }
     held = {
         "transformer_weights": _bytes(p for n, p in named.items() if "lora_" not in n),
         "transformer_buffers": _bytes(transformer.buffers()),
         "lora": _bytes(p for n, p in named.items() if "lora_" in n and ".default." in n),
         "gradients": sum(gradients.values()),
-        "optimizer_state": _bytes(v for s in trainer.optimizer.state.values() for v in s.values()
-                                  if torch.is_tensor(v) and v.numel() > 1),
+        "optimizer_state": _bytes(
+            v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
+        ),
         "ema": _bytes(trainer.updater.ema),
-        "old_policy": (_bytes(p for n, p in named.items() if "lora_" in n and ".default." not in n)
-                       + _bytes(frozen["_old"])),
+        "old_policy": (
+            _bytes(p for n, p in named.items() if "lora_" in n and ".default." not in n) + _bytes(frozen["_old"])
+        ),
         "reference": _bytes(frozen["_reference"]),
     }
     assert len(gradients) == len(trainable) and all(p.dtype == torch.float32 for p in trainable)
@@ -785,9 +949,15 @@ def test_an_out_of_tree_plan_is_estimated_from_what_it_declares():
     class Forked(RolloutPlan):  # 3 forwards and 4 trained edges per prompt, from 2 parents, after a pool of 5
         def expected_counts(self, num_prompts, ctx=None):
             it = 0 if ctx is None else ctx.iteration
-            return {"forwards": 3 * num_prompts, "trained_edges": 4 * num_prompts, "leaves": 4 * num_prompts,
-                    "replay_rows": 2 * num_prompts, "explore_forwards": 7 * num_prompts,
-                    "explore_decodes": 5 * num_prompts, "probes": (it % 2) * num_prompts}
+            return {
+                "forwards": 3 * num_prompts,
+                "trained_edges": 4 * num_prompts,
+                "leaves": 4 * num_prompts,
+                "replay_rows": 2 * num_prompts,
+                "explore_forwards": 7 * num_prompts,
+                "explore_decodes": 5 * num_prompts,
+                "probes": (it % 2) * num_prompts,
+            }
 
     counts = iteration_counts(Forked(), PolicyLoss(), num_prompts=3, max_steps=16)
     assert counts["train_rows"] == 6 and counts["trained_units"] == 12 and counts["forwards"] == 9

@@ -4,6 +4,7 @@ block with ``fully_shard`` and one AdamW step; the sharded parts against the DDP
 
 Run as a script under ``torch.distributed.run`` (``python -m torch.distributed.run --nproc_per_node 2
 tests/test_estimate_sharding.py OUT``) it is the worker: it writes each rank's bytes to ``OUT/rank<r>.json``."""
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,22 @@ CASES = {  # id → config overrides (besides BASE): LoRA (no reference copy; ra
     "full-bf16": ["model.full_finetune=true", "model.dtype=bfloat16"],
     "lora-bf16": ["model.lora.rank=3", "model.dtype=bfloat16"],  # fp32 LoRA on a bf16 base
 }
-BASE = [f"prompts.train={'|'.join(PROMPTS)}", "prompts.eval=null", "prompts.per_step=2", "rollout.max_batch=8",
-        "rollout.group_size=4", "rollout.steps=4", "rewards=[{name: brightness}]", "model.family=sd3",
-        "model.path=in-memory", "model.dtype=float32", "model.guidance=1", "model.height=16", "model.width=16",
-        "model.max_sequence_length=16"]
+BASE = [
+    f"prompts.train={'|'.join(PROMPTS)}",
+    "prompts.eval=null",
+    "prompts.per_step=2",
+    "rollout.max_batch=8",
+    "rollout.group_size=4",
+    "rollout.steps=4",
+    "rewards=[{name: brightness}]",
+    "model.family=sd3",
+    "model.path=in-memory",
+    "model.dtype=float32",
+    "model.guidance=1",
+    "model.height=16",
+    "model.width=16",
+    "model.max_sequence_length=16",
+]
 
 
 def tiny_config(*overrides: str) -> TrainConfig:
@@ -69,8 +82,8 @@ def measure(case: str, world: int) -> dict[str, int]:
     from conftest import make_model
 
     from flowrl.distributed.sharding import Sharding, compute_dtype
-    from flowrl.models.frozen import COPIES, frozen_copy
     from flowrl.models.dtypes import DTYPES, master_weights_fp32
+    from flowrl.models.frozen import COPIES, frozen_copy
     from flowrl.models.lora import LoraSpec
 
     cfg = tiny_config(*CASES[case]).model
@@ -80,8 +93,9 @@ def measure(case: str, world: int) -> dict[str, int]:
         model.trainable.requires_grad_(True)
         frozen_copy(model)
     else:
-        model.add_lora(LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.targets,
-                                init=cfg.lora.init))
+        model.add_lora(
+            LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.targets, init=cfg.lora.init)
+        )
     Sharding(model, world, torch.device("cpu"), cfg.shard_rollouts).shard(compute_dtype(model))
     transformer = model.trainable
     trainable = [p for p in transformer.parameters() if p.requires_grad]
@@ -91,9 +105,13 @@ def measure(case: str, world: int) -> dict[str, int]:
     optimizer.step()
     state = [v for p in trainable for k, v in optimizer.state[p].items() if k != "step"]
     copies = model.__dict__.get(COPIES, [])
-    return {"weights": local_bytes(transformer.parameters()), "buffers": local_bytes(transformer.buffers()),
-            "gradients": local_bytes(p.grad for p in trainable), "optimizer_state": local_bytes(state),
-            "reference": sum(local_bytes([*c.parameters(), *c.buffers()]) for c in copies)}
+    return {
+        "weights": local_bytes(transformer.parameters()),
+        "buffers": local_bytes(transformer.buffers()),
+        "gradients": local_bytes(p.grad for p in trainable),
+        "optimizer_state": local_bytes(state),
+        "reference": sum(local_bytes([*c.parameters(), *c.buffers()]) for c in copies),
+    }
 
 
 def worker(out: str) -> None:
@@ -112,8 +130,22 @@ def worker(out: str) -> None:
 # sharded parts without processes: test_fsdp_halves_the_sharded_parts_and_adds_the_gathers below
 def test_fsdp_estimate_matches_what_two_cpu_processes_hold(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tmp_path)], env=env, timeout=300, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            str(tmp_path),
+        ],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1] and [r["world"] for r in ranks] == [2, 2]
@@ -122,10 +154,16 @@ def test_fsdp_estimate_matches_what_two_cpu_processes_hold(tmp_path):
         cfg = tiny_config(*overrides)
         mem = E.estimate(cfg, arch=arch, processes=2, shard="fsdp", target="cpu")["memory_gib"]
         whole = E.estimate(cfg, arch=arch, processes=2, shard="ddp", target="cpu")["memory_gib"]
-        predicted = {k: int(round(v * E.GiB)) for k, v in {
-            "weights": mem["transformer_weights"] + mem["lora"], "buffers": mem["transformer_buffers"],
-            "gradients": mem["gradients"], "optimizer_state": mem["optimizer_state"], "reference": mem["reference"],
-        }.items()}
+        predicted = {
+            k: int(round(v * E.GiB))
+            for k, v in {
+                "weights": mem["transformer_weights"] + mem["lora"],
+                "buffers": mem["transformer_buffers"],
+                "gradients": mem["gradients"],
+                "optimizer_state": mem["optimizer_state"],
+                "reference": mem["reference"],
+            }.items()
+        }
         assert (predicted["reference"] > 0) == cfg.model.full_finetune
         for part, estimate in predicted.items():
             held = [r[case][part] for r in ranks]
@@ -151,12 +189,17 @@ SHARDED = ("transformer_weights", "lora", "gradients", "optimizer_state", "ema",
 REPLICATED = ("transformer_buffers", "text_encoders", "vae", "reward_models", "explorer", "prompt_cache")
 
 
-@pytest.mark.parametrize("overrides", [
-    pytest.param(["train.ema=0.9", "loss.objective=nft", "rollout.plan=ode"], id="lora-nft-ema"),
-    pytest.param(["train.ema=0.9", "model.full_finetune=true", "loss.objective=nft", "rollout.plan=ode"],
-                 id="full-nft-ema-old-copy"),
-    pytest.param(["model.full_finetune=true", "loss.kl_ref=0.1"], id="full-clipped-reference"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["train.ema=0.9", "loss.objective=nft", "rollout.plan=ode"], id="lora-nft-ema"),
+        pytest.param(
+            ["train.ema=0.9", "model.full_finetune=true", "loss.objective=nft", "rollout.plan=ode"],
+            id="full-nft-ema-old-copy",
+        ),
+        pytest.param(["model.full_finetune=true", "loss.kl_ref=0.1"], id="full-clipped-reference"),
+    ],
+)
 def test_fsdp_halves_the_sharded_parts_and_adds_the_gathers(overrides):
     arch = tiny_arch(num_layers=4)
     cfg = tiny_config(*overrides)
@@ -165,9 +208,16 @@ def test_fsdp_halves_the_sharded_parts_and_adds_the_gathers(overrides):
     assert (ddp["shard"], fsdp["shard"]) == ("ddp", "fsdp")
     d, f = ddp["memory_gib"], fsdp["memory_gib"]
     assert (d["sharded_over"], f["sharded_over"]) == (1, 2)
-    lora = None if cfg.model.full_finetune else (cfg.model.lora.rank, cfg.model.lora.alpha,
-                                                 tuple(cfg.model.lora.targets or E.default_lora_targets("sd3")),
-                                                 cfg.model.lora.init)
+    lora = (
+        None
+        if cfg.model.full_finetune
+        else (
+            cfg.model.lora.rank,
+            cfg.model.lora.alpha,
+            tuple(cfg.model.lora.targets or E.default_lora_targets("sd3")),
+            cfg.model.lora.init,
+        )
+    )
     module, _ = E.model_with_lora(arch["key"], cfg.model.dtype, lora)
     padding = one_row_each(module.parameters()) / E.GiB  # at most one row per tensor beyond half
     assert sum(d[k] > 0 for k in SHARDED) >= 4  # the config exercises most sharded parts
@@ -258,7 +308,7 @@ def test_bench_estimate_gpus_and_shard_flags(capsys):
     def run(*flags: str) -> dict:
         assert main(["bench", SHAPES_NFT, "--estimate", *flags]) == 0
         out = capsys.readouterr().out
-        return {"text": out[:out.index("\n{")], **json.loads(out[out.index("\n{") + 1:])}
+        return {"text": out[: out.index("\n{")], **json.loads(out[out.index("\n{") + 1 :])}
 
     ddp, fsdp = run("--gpus", "2"), run("--gpus", "2", "--shard", "fsdp")
     assert (fsdp["processes"], fsdp["shard"], ddp["shard"]) == (2, "fsdp", "ddp")

@@ -2,6 +2,7 @@
 reported — a warning naming the reward and the count, ``eval/<name>_failed`` in metrics.jsonl, a line in
 ``flowrl train``'s closing summary — and ``flowrl eval`` exits with status 3 (it used to end with status 0 and
 "eval/nanr_mean: nan → nan (+nan)")."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 from flowrl.commands.main import main
 from tests.test_faults import tiny_args, tiny_folder  # noqa: F401 (tiny_folder: a fixture)
 
-PLUGIN = '''
+PLUGIN = """
 import torch
 from flowrl_rewards.core.base import Reward
 
@@ -31,7 +32,7 @@ class FirstNan(Reward):
         out = images.mean(dim=(1, 2, 3)).clone()
         out[0] = float("nan")
         return out
-'''
+"""
 
 
 @pytest.fixture
@@ -41,11 +42,24 @@ def plugin(tmp_path) -> Path:
     return path
 
 
-def test_a_train_whose_eval_reward_always_fails_says_so_in_the_log_and_the_summary(tiny_folder, tmp_path, plugin,  # noqa: F811
-                                                                                  capsys):
+def test_a_train_whose_eval_reward_always_fails_says_so_in_the_log_and_the_summary(
+    tiny_folder,
+    tmp_path,
+    plugin,  # noqa: F811
+    capsys,
+):
     with pytest.warns(RuntimeWarning) as warned:
-        assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1",
-                                         f"eval.rewards=[{{name: '{plugin}:NanR'}}]")]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    *tiny_args(
+                        tiny_folder, tmp_path, "run", "train.max_steps=1", f"eval.rewards=[{{name: '{plugin}:NanR'}}]"
+                    ),
+                ]
+            )
+            == 0
+        )
     said = [str(w.message) for w in warned if "eval reward 'nanr'" in str(w.message)]
     assert len(said) == 2 and all("failed or was not finite (NaN or ±inf) for 4 of 4 images" in m for m in said)
     assert "at the eval of step 0" in said[0] and "at the eval of step 1" in said[1]
@@ -69,5 +83,14 @@ def test_flowrl_eval_exits_3_when_an_eval_reward_fails_for_every_image(tiny_fold
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["eval/nanr_failed"] == 4  # still written
     # some images failing: warned with the count, and the eval still ends with 0
     with pytest.warns(RuntimeWarning, match="'firstnan'.*for 1 of 4 images"):
-        assert main([*evaluate, "eval.images_per_prompt=2", "rollout.max_batch=4",
-                     f"eval.rewards=[{{name: '{plugin}:FirstNan'}}]"]) == 0
+        assert (
+            main(
+                [
+                    *evaluate,
+                    "eval.images_per_prompt=2",
+                    "rollout.max_batch=4",
+                    f"eval.rewards=[{{name: '{plugin}:FirstNan'}}]",
+                ]
+            )
+            == 0
+        )

@@ -2,6 +2,7 @@
 (the same seeds per prompt, count-weighted means, counts added, also when a task or every prompt is missing
 on a rank), ``flowrl eval`` gives the trainer's :class:`HeldOutEval` numbers, and one function says which
 guidance each pass samples at."""
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,17 @@ from flowrl.paths import CONFIG_DIR
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
 CONFIG = CONFIG_DIR / "shapes" / "nft.yaml"
-SETTINGS = ["eval.steps=4", "eval.images_per_prompt=2", "eval.guidance=1", "rollout.max_batch=4", "eval.grid_prompts=2",
-            "train.progress=false"]
+SETTINGS = [
+    "eval.steps=4",
+    "eval.images_per_prompt=2",
+    "eval.guidance=1",
+    "rollout.max_batch=4",
+    "eval.grid_prompts=2",
+    "train.progress=false",
+]
 EVAL_PROMPTS = [line for line in (CONFIG_DIR / "shapes/prompts/eval.txt").read_text().splitlines() if line][:10]
-# rank r of 2 evaluates prompts r, r+2, …; the shapes eval prompts cycle single, two_objects, counting, color_attr, position
+# rank r of 2 evaluates prompts r, r+2, …; the shapes eval prompts cycle single, two_objects, counting, color_attr,
+# position
 PROMPT_LISTS = {
     "all_tasks": EVAL_PROMPTS[:10],  # every task on both ranks, 5 prompts each
     "missing_task": EVAL_PROMPTS[:7],  # rank 0: 4 prompts, no color_attr; rank 1: 3, no counting or position
@@ -69,7 +77,9 @@ def two_processes(tmp_path_factory):
         written = all(len(ranks) == 2 for ranks in found.values())
         if not (written and ended is not None and ended != 0 and TEARDOWN_ABORT in log) or attempt:
             return found, ended, log
-        warnings.warn(f"the 2-process eval aborted at teardown after writing its metrics; launched again:\n{log[-800:]}")
+        warnings.warn(
+            f"the 2-process eval aborted at teardown after writing its metrics; launched again:\n{log[-800:]}"
+        )
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"
@@ -78,9 +88,24 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 def _launch_eval(out: Path):
     """One 2-process launch of the worker's evals into ``out``: (found metrics, return code or None, output tail)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(WORKER), "eval", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER),
+            "eval",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log, ended = proc.communicate(timeout=SPAWN_TIMEOUT)[0], proc.returncode
     except subprocess.TimeoutExpired:
@@ -119,8 +144,13 @@ def test_two_processes_eval_like_one_with_counts_summed(two_processes, one_proce
     metrics = one_process_metrics["all_tasks"]
     for prefix in ("eval", "eval_default"):  # eval.guidance=1 against the model's default 3
         assert metrics[f"{prefix}/shapes/n"] == 20  # 10 prompts × 2 images, over both ranks
-        assert sum(metrics[f"{prefix}/shapes/n/{t}"] for t in ("single", "two_objects", "counting", "color_attr",
-                                                               "position")) == 20
+        assert (
+            sum(
+                metrics[f"{prefix}/shapes/n/{t}"]
+                for t in ("single", "two_objects", "counting", "color_attr", "position")
+            )
+            == 20
+        )
     assert (metrics["eval/guidance"], metrics["eval_default/guidance"]) == (1.0, 3.0)
     assert 0 < metrics["eval_default/shapes/accuracy"] < 1  # numbers that can disagree
 
@@ -142,8 +172,10 @@ def test_flowrl_eval_gives_the_held_out_eval_numbers(tmp_path, one_process_metri
     from flowrl.commands.main import main
 
     prompts = PROMPT_LISTS["missing_task"]
-    assert main(["eval", "--config", str(CONFIG), *SETTINGS, f"prompts.eval={'|'.join(prompts)}",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["eval", "--config", str(CONFIG), *SETTINGS, f"prompts.eval={'|'.join(prompts)}", "--out", str(tmp_path)])
+        == 0
+    )
     metrics = json.loads((tmp_path / "eval.json").read_text())
     assert metrics.pop("num_prompts") == len(prompts)
     assert (tmp_path / "grid.png").is_file()
@@ -152,8 +184,12 @@ def test_flowrl_eval_gives_the_held_out_eval_numbers(tmp_path, one_process_metri
     every = one_process_metrics["all_tasks"]
     for prefix in ("eval", "eval_default"):  # eval.guidance=1 against the model's default 3
         assert every[f"{prefix}/shapes/n"] == 20  # 10 prompts × 2 images
-        assert sum(every[f"{prefix}/shapes/n/{t}"] for t in ("single", "two_objects", "counting", "color_attr",
-                                                             "position")) == 20
+        assert (
+            sum(
+                every[f"{prefix}/shapes/n/{t}"] for t in ("single", "two_objects", "counting", "color_attr", "position")
+            )
+            == 20
+        )
     assert (every["eval/guidance"], every["eval_default/guidance"]) == (1.0, 3.0)
     assert 0 < every["eval_default/shapes/accuracy"] < 1  # numbers that can disagree
     assert metrics["eval/shapes/n/position"] == 2 and metrics["eval/shapes/n/single"] == 4
@@ -183,8 +219,9 @@ def test_guidance_precedence():
 def test_reduce_means_weights_means_and_adds_counts():
     """One process's reduction: weights of 0 drop a key, a key without a weight is a count."""
     group = one_process()
-    out = group.reduce_means({"acc": 0.5, "acc/x": 1.0, "n": 4.0, "gone": float("nan")},
-                             {"acc": 4.0, "acc/x": 1.0, "gone": 0.0})
+    out = group.reduce_means(
+        {"acc": 0.5, "acc/x": 1.0, "n": 4.0, "gone": float("nan")}, {"acc": 4.0, "acc/x": 1.0, "gone": 0.0}
+    )
     assert out == {"acc": 0.5, "acc/x": 1.0, "n": 4.0}
     with pytest.raises(ValueError, match="__weight:"):
         group.reduce_means({"__weight:acc": 1.0}, {})

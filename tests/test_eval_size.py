@@ -1,6 +1,7 @@
 """``eval.height`` / ``eval.width`` (issue 45, item 2): the eval, its grids, ``flowrl sample`` and the benchmarks draw
 at another resolution than the rollouts, for a transformer that accepts both (the tiny SD3 pipeline: 16 px rollouts,
 a position table of 64 px a side); a size it cannot take is refused at the start, naming the keys."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,9 @@ def test_the_eval_draws_at_its_own_size_and_the_rollouts_keep_theirs(tiny_model)
     assert (model.height, model.width) == before[:2]
 
 
-@pytest.mark.parametrize("size, words", [((128, 16), ["128×16", "at most 64 pixels a side"]),
-                                         ((17, 16), ["17×16", "multiples of"])])
+@pytest.mark.parametrize(
+    "size, words", [((128, 16), ["128×16", "at most 64 pixels a side"]), ((17, 16), ["17×16", "multiples of"])]
+)
 def test_a_size_the_transformer_cannot_take_is_refused_naming_the_keys(tiny_model, size, words):
     with pytest.raises(ConfigError) as e:
         with tiny_model.sized(*size):
@@ -44,8 +46,8 @@ def test_a_size_the_transformer_cannot_take_is_refused_naming_the_keys(tiny_mode
 
 
 def test_a_run_evaluates_at_eval_height_and_width(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
-    import flowrl.training.evaluation as evaluation
     import flowrl.rollout.scoring as scoring
+    import flowrl.training.evaluation as evaluation
 
     seen = {"eval": set(), "rollout": set()}
     score_images, decode = evaluation.score_images, scoring.decode
@@ -61,8 +63,20 @@ def test_a_run_evaluates_at_eval_height_and_width(tiny_folder, tmp_path, monkeyp
 
     monkeypatch.setattr(evaluation, "score_images", eval_spy)
     monkeypatch.setattr(scoring, "decode", rollout_spy)
-    assert main(["train", *tiny_args(tiny_folder, tmp_path), "train.max_steps=1", "eval.height=32", "eval.width=48",
-                 "eval.default_guidance=false", "train.checkpoint_every=0"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *tiny_args(tiny_folder, tmp_path),
+                "train.max_steps=1",
+                "eval.height=32",
+                "eval.width=48",
+                "eval.default_guidance=false",
+                "train.checkpoint_every=0",
+            ]
+        )
+        == 0
+    )
     assert seen == {"eval": {(32, 48)}, "rollout": {(16, 16)}}
     assert (tmp_path / "run" / "samples" / "after.png").is_file()
 
@@ -76,7 +90,26 @@ def test_a_run_refuses_an_eval_size_the_model_cannot_take_before_training(tiny_f
 
 def test_sample_draws_at_the_eval_size(tiny_folder, tmp_path):  # noqa: F811
     out = tmp_path / "out"
-    assert main(["sample", "--config", "configs/shapes/grpo.yaml", "--num", "1", "--steps", "2", "--prompt",
-                 "a red circle", "--out", str(out), f"model.path={tiny_folder}", "model.family=sd3",
-                 "eval.height=32", "eval.width=48"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--config",
+                "configs/shapes/grpo.yaml",
+                "--num",
+                "1",
+                "--steps",
+                "2",
+                "--prompt",
+                "a red circle",
+                "--out",
+                str(out),
+                f"model.path={tiny_folder}",
+                "model.family=sd3",
+                "eval.height=32",
+                "eval.width=48",
+            ]
+        )
+        == 0
+    )
     assert Image.open(out / "000-a_red_circle.png").size == (48, 32)

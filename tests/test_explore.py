@@ -1,5 +1,6 @@
 """Sol-RL's explore plan (flowrl/rollout/explore.py): selection, seed-exact regeneration, what reaches the
 loss, the explorer following the weights inside the loop, diagnostics, config, and a learning run."""
+
 from __future__ import annotations
 
 import math
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 from flowrl.config.schema import TrainConfig
+from flowrl.core.seeding import derive_seed
 from flowrl.errors import ConfigError
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.explore import Explore, kendall, select_seeds, spearman
 from flowrl.rollout.explorer import make_explorer
-from flowrl.core.seeding import derive_seed
 from flowrl.training.trainer import Trainer
 from tests.conftest import make_model
 
@@ -30,15 +31,33 @@ def plan(**kw) -> Explore:
 
 
 def tiny_config(tmp_path, name="explore", *extra: str) -> TrainConfig:
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=4", "model.lora.init=default",
-        "rollout.plan=explore", f"rollout.inner={INNER_YAML}", "rollout.pool=8", "rollout.preview_steps=2",
-        "rollout.backend=int8", "rollout.min_params=0", "rollout.max_batch=16",
-        f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=2", "prompts.eval=null",
-        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0",
-        "train.max_steps=2", f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
-        *extra,
-    ])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=4",
+            "model.lora.init=default",
+            "rollout.plan=explore",
+            f"rollout.inner={INNER_YAML}",
+            "rollout.pool=8",
+            "rollout.preview_steps=2",
+            "rollout.backend=int8",
+            "rollout.min_params=0",
+            "rollout.max_batch=16",
+            f"prompts.train={'|'.join(PROMPTS)}",
+            "prompts.per_step=2",
+            "prompts.eval=null",
+            "optim.lr=3e-3",
+            "loss.clip_low=0.2",
+            "loss.clip_high=0.2",
+            "loss.kl_ref=0",
+            "train.max_steps=2",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            "train.progress=false",
+            *extra,
+        ],
+    )
     cfg.rewards[0].name = "brightness"
     return cfg
 
@@ -64,7 +83,7 @@ def test_selection_returns_exactly_the_extremes_on_hand_made_rewards():
 
 def test_rank_correlations_on_known_cases():
     a = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert spearman(a, a * 10) == pytest.approx(1.0) and kendall(a, a ** 3) == pytest.approx(1.0)
+    assert spearman(a, a * 10) == pytest.approx(1.0) and kendall(a, a**3) == pytest.approx(1.0)
     assert spearman(a, -a) == pytest.approx(-1.0) and kendall(a, -a) == pytest.approx(-1.0)
     b = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0])  # two adjacent swaps: 8 concordant, 2 discordant pairs
     assert kendall(a, b) == pytest.approx(0.6)
@@ -80,8 +99,26 @@ def test_kept_seeds_are_the_previews_extremes_and_roots_rebuild_bit_identically(
     same tensors the explorer previewed from and that model.noise rebuilds from the seeds."""
     p = plan(backend="int8", min_params=0)
     p.setup(sd3_model, "brightness")
-    hand = torch.tensor([0.3, 0.8, 0.1, 0.9, 0.5, 0.0, 0.7, 0.2,   # group 0: best 3, 1; worst 5, 2
-                         0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])  # group 1: best 7, 6; worst 0, 1
+    hand = torch.tensor(
+        [
+            0.3,
+            0.8,
+            0.1,
+            0.9,
+            0.5,
+            0.0,
+            0.7,
+            0.2,  # group 0: best 3, 1; worst 5, 2
+            0.0,
+            0.1,
+            0.2,
+            0.3,
+            0.4,
+            0.5,
+            0.6,
+            0.7,
+        ]
+    )  # group 1: best 7, 6; worst 0, 1
     monkeypatch.setattr(p, "_score_pool", lambda images, prompts, groups: hand)
     seen = {}
     explorer_noise = p.explorer.model.noise
@@ -113,7 +150,9 @@ def test_inner_chains_take_given_roots_and_are_unchanged_without_them(sd3_model)
     own = [[derive_seed(1, 2, "root", g, j) for j in range(3)] for g in range(2)]
     given = chains.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=1, iteration=2, root_seeds=own))
     assert torch.equal(plain.all_latents(), given.all_latents()) and torch.equal(plain.logp_old, given.logp_old)
-    other = chains.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=1, iteration=2, root_seeds=[[7, 8, 9], [10, 11, 12]]))
+    other = chains.rollout(
+        sd3_model, PROMPTS[:2], RolloutContext(seed=1, iteration=2, root_seeds=[[7, 8, 9], [10, 11, 12]])
+    )
     assert other.seed[other.roots()].tolist() == [7, 8, 9, 10, 11, 12]
     with pytest.raises(ValueError, match="3 seed"):
         chains.rollout(sd3_model, PROMPTS[:2], RolloutContext(root_seeds=[[1, 2], [3, 4]]))
@@ -170,9 +209,17 @@ def test_only_regenerated_samples_reach_credit_and_loss(tmp_path):
     assert forest.counters["forwards"] == counts["forwards"] == 2 * 4 * 4
     assert forest.counters["explore_forwards"] == counts["explore_forwards"] == 2 * 8 * 2
     stats = p.metrics(forest)
-    for key in ("explore/spearman", "explore/kendall", "explore/separation", "explore/top_half_hit_rate",
-                "explore/explorer_speedup", "time/explore_preview", "time/explore_score", "time/explore_regenerate",
-                "time/explore_sync"):
+    for key in (
+        "explore/spearman",
+        "explore/kendall",
+        "explore/separation",
+        "explore/top_half_hit_rate",
+        "explore/explorer_speedup",
+        "time/explore_preview",
+        "time/explore_score",
+        "time/explore_regenerate",
+        "time/explore_sync",
+    ):
         assert key in stats and math.isfinite(stats[key]), key
     trainer.credit.assign(forest)
     trained = forest.edges()
@@ -212,15 +259,27 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     from flowrl_rewards import MultiReward
 
     reward = MultiReward(["brightness"])
-    p = plan(inner={"plan": "chains", "group_size": 4, "steps": 4, "eta": 1e-4, "window": {"mode": "fixed", "start": 0, "size": 1}},
-             preview_steps=4, backend="same")
+    p = plan(
+        inner={
+            "plan": "chains",
+            "group_size": 4,
+            "steps": 4,
+            "eta": 1e-4,
+            "window": {"mode": "fixed", "start": 0, "size": 1},
+        },
+        preview_steps=4,
+        backend="same",
+    )
     p.setup(sd3_model, reward)
     forest = p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, max_batch=16))
     nodes, x0 = forest.score_requests()
     from flowrl.rollout.decoding import decode
     from flowrl.rollout.scoring import components_of
 
-    forest.record_scores(nodes, components_of(reward, decode(sd3_model, x0, 16), [forest.prompts[int(g)] for g in forest.group[nodes]], {}))
+    forest.record_scores(
+        nodes,
+        components_of(reward, decode(sd3_model, x0, 16), [forest.prompts[int(g)] for g in forest.group[nodes]], {}),
+    )
     forest.combine_scores(reward.combine)
     stats = p.metrics(forest)
     assert stats["explore/spearman_in_group"] == pytest.approx(1.0)
@@ -232,7 +291,9 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
 
 # ---- configuration --------------------------------------------------------------------------
 def test_inner_plan_keys_are_checked_against_its_own_fields():
-    with pytest.raises(ConfigError, match=r"'grup_size' is not a key of rollout.plan='chains' \(did you mean 'group_size'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"'grup_size' is not a key of rollout.plan='chains' \(did you mean 'group_size'\?\)"
+    ):
         TrainConfig.from_yaml(None, ["rollout.plan=explore", "rollout.inner={plan: chains, grup_size: 4}"])
     with pytest.raises(ConfigError, match="rollout.kernel"):
         plan(inner={"plan": "chains", "kernel": "euler"})
@@ -281,19 +342,34 @@ def test_explore_raises_a_dense_reward_on_the_shapes_model(tmp_path):
     from flowrl.training.evaluation import eval_seeds
 
     prompts = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
-    cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "solrl.yaml", [
-        f"prompts.train={'|'.join(prompts)}", "prompts.per_step=4", "prompts.eval=null", "model.guidance=1",
-        "rollout.inner={plan: chains, group_size: 4, steps: 6, eta: 1.0, window: {mode: fixed, start: 0, size: 2}}",
-        "rollout.pool=16", "rollout.preview_steps=3", "optim.lr=3e-3", "rewards=[{name: redness}]",
-        "train.num_threads=1", "train.max_steps=8", f"train.output_dir={tmp_path}", "train.name=learn",
-        "train.progress=false", "train.checkpoint_every=0",
-    ])
+    cfg = TrainConfig.from_yaml(
+        CONFIG_DIR / "shapes" / "solrl.yaml",
+        [
+            f"prompts.train={'|'.join(prompts)}",
+            "prompts.per_step=4",
+            "prompts.eval=null",
+            "model.guidance=1",
+            "rollout.inner={plan: chains, group_size: 4, steps: 6, eta: 1.0, window: {mode: fixed, start: 0, size: 2}}",
+            "rollout.pool=16",
+            "rollout.preview_steps=3",
+            "optim.lr=3e-3",
+            "rewards=[{name: redness}]",
+            "train.num_threads=1",
+            "train.max_steps=8",
+            f"train.output_dir={tmp_path}",
+            "train.name=learn",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+        ],
+    )
     trainer = Trainer(cfg)
     reward = trainer.reward.rewards[0]
 
     def mean_reward(seed: int) -> float:
         batch = [p for p in prompts for _ in range(8)]
-        return float(reward(ode_sample(trainer.model, batch, eval_seeds(seed, len(batch)), steps=6, guidance=1.0), batch).mean())
+        return float(
+            reward(ode_sample(trainer.model, batch, eval_seeds(seed, len(batch)), steps=6, guidance=1.0), batch).mean()
+        )
 
     before = [mean_reward(s) for s in (101, 202)]
     records = [trainer.train_step(it) for it in range(cfg.train.max_steps)]

@@ -1,4 +1,5 @@
-"""The newer families (Qwen-Image, Qwen-Image-Edit, FLUX.2, Wan text-to-video) end to end through ``flowrl train`` with a YAML,
+"""The newer families (Qwen-Image, Qwen-Image-Edit, FLUX.2, Wan text-to-video) end to end through ``flowrl train`` with
+a YAML,
 as a user runs them: each tiny pipeline saved to a folder and loaded by path (``model.path``), prompts from files,
 a cheap reward (Wan: brightness averaged over every 2nd frame, plus temporal consistency; Qwen-Image-Edit: prompts
 ``[image: PATH] INSTRUCTION`` on source PNGs, brightness plus fidelity to the source).
@@ -9,6 +10,7 @@ loads into the plain diffusers pipeline (``<Pipeline>.from_pretrained(folder)`` 
 by :func:`flowrl.models.wrap`, gives the velocities and the ODE sample of the run's model as flowrl's own loader
 builds it (``flowrl sample``'s :func:`flowrl.run.model.model_from_run`); (3) 1 iteration + ``train.resume=latest``
 to 2 logs every non-``time/`` metric equal to a straight 2-iteration run. CPU only, one thread."""
+
 from __future__ import annotations
 
 import json
@@ -23,16 +25,30 @@ from tests.conftest import without_wall_clock
 
 FAMILIES = {
     # family: (pipeline class, tiny builder "module:function", model keys, training rewards)
-    "qwen_image": ("QwenImagePipeline", "flowrl.models.testing_qwen:tiny_qwen_image_pipeline",
-                   dict(height=32, width=32, max_sequence_length=12), [{"name": "brightness"}]),
-    "qwen_image_edit": ("QwenImageEditPipeline", "flowrl.models.testing_qwen:tiny_qwen_image_edit_pipeline",
-                        dict(height=32, width=32, max_sequence_length=16),
-                        [{"name": "brightness"}, {"name": "source_fidelity", "kwargs": {"size": 8}}]),
-    "flux2": ("Flux2Pipeline", "flowrl.models.testing_flux2:tiny_flux2_pipeline",
-              dict(height=16, width=16, max_sequence_length=40), [{"name": "brightness"}]),
-    "wan": ("WanPipeline", "flowrl.models.testing_wan:tiny_wan_pipeline",
-            dict(height=32, width=48, max_sequence_length=12, kwargs={"num_frames": 5}),
-            [{"name": "brightness", "kwargs": {"frame_stride": 2}}, {"name": "temporal_consistency"}]),
+    "qwen_image": (
+        "QwenImagePipeline",
+        "flowrl.models.testing_qwen:tiny_qwen_image_pipeline",
+        dict(height=32, width=32, max_sequence_length=12),
+        [{"name": "brightness"}],
+    ),
+    "qwen_image_edit": (
+        "QwenImageEditPipeline",
+        "flowrl.models.testing_qwen:tiny_qwen_image_edit_pipeline",
+        dict(height=32, width=32, max_sequence_length=16),
+        [{"name": "brightness"}, {"name": "source_fidelity", "kwargs": {"size": 8}}],
+    ),
+    "flux2": (
+        "Flux2Pipeline",
+        "flowrl.models.testing_flux2:tiny_flux2_pipeline",
+        dict(height=16, width=16, max_sequence_length=40),
+        [{"name": "brightness"}],
+    ),
+    "wan": (
+        "WanPipeline",
+        "flowrl.models.testing_wan:tiny_wan_pipeline",
+        dict(height=32, width=48, max_sequence_length=12, kwargs={"num_frames": 5}),
+        [{"name": "brightness", "kwargs": {"frame_stride": 2}}, {"name": "temporal_consistency"}],
+    ),
 }
 TRAIN_PROMPTS = ["a red circle", "two blue square", "a green cat", "a small dog"]
 EVAL_PROMPTS = ["a red circle", "a big house"]
@@ -84,18 +100,40 @@ def write_config(tmp_path: Path, folder: Path, family: str, objective: str) -> P
     sizes, rewards = FAMILIES[family][2], FAMILIES[family][3]
     policy = objective == "policy"
     cfg = {
-        "model": {"family": family, "path": str(folder), "guidance": 2.0 if policy else 1.0, **sizes,
-                  "lora": {"rank": 4, "alpha": 8, "init": "default"}},
-        "rollout": ({"plan": "chains", "group_size": 2, "steps": 3, "kernel": "flow_grpo", "eta": 0.7,
-                     "window": {"mode": "fixed", "start": 0, "size": 2}, "max_batch": 8} if policy else
-                    {"plan": "ode", "group_size": 2, "steps": 3, "max_batch": 8}),
+        "model": {
+            "family": family,
+            "path": str(folder),
+            "guidance": 2.0 if policy else 1.0,
+            **sizes,
+            "lora": {"rank": 4, "alpha": 8, "init": "default"},
+        },
+        "rollout": (
+            {
+                "plan": "chains",
+                "group_size": 2,
+                "steps": 3,
+                "kernel": "flow_grpo",
+                "eta": 0.7,
+                "window": {"mode": "fixed", "start": 0, "size": 2},
+                "max_batch": 8,
+            }
+            if policy
+            else {"plan": "ode", "group_size": 2, "steps": 3, "max_batch": 8}
+        ),
         "rewards": rewards,
         "loss": ({"clip_low": 0.2, "clip_high": 0.2, "kl_ref": 0.01} if policy else {"objective": "nft"}),
         "optim": {"lr": 3e-3 if policy else 1e-2},
         "prompts": {"train": str(tmp_path / "train.txt"), "eval": str(tmp_path / "eval.txt"), "per_step": 2},
         "eval": {"steps": 2, "images_per_prompt": 1, "grid_prompts": 2, "default_guidance": False},
-        "train": {"name": f"{family}-{objective}", "output_dir": str(tmp_path / "runs"), "max_steps": 2,
-                  "checkpoint_every": 1, "progress": False, "num_threads": 1, "async_reward": False},
+        "train": {
+            "name": f"{family}-{objective}",
+            "output_dir": str(tmp_path / "runs"),
+            "max_steps": 2,
+            "checkpoint_every": 1,
+            "progress": False,
+            "num_threads": 1,
+            "async_reward": False,
+        },
     }
     path = tmp_path / f"{family}-{objective}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -213,6 +251,8 @@ def test_resume_equals_a_straight_run(tmp_path, saved, family, objective):
         assert a == b, (a["step"], sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)))
     from safetensors.torch import load_file
 
-    a, b = (load_file(tmp_path / "runs" / name / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors")
-            for name in ("straight", "resumed"))
+    a, b = (
+        load_file(tmp_path / "runs" / name / "checkpoints" / "step-2" / "pytorch_lora_weights.safetensors")
+        for name in ("straight", "resumed")
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same trained LoRA

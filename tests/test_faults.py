@@ -2,6 +2,7 @@
 changed settings, torn metrics, stale temporary folders, a full disk, misbehaving reward plugins and
 servers, and kill -9 at random points. Every user-facing failure is one message (no traceback) naming the
 key, file or value, and nothing a failure did not mean to write is left under the output folder."""
+
 from __future__ import annotations
 
 import errno
@@ -25,8 +26,10 @@ BAD_CONFIGS = [
     # issue 54, round four: each names what is wrong with it
     (["eval.guard.max_drop=inf"], ["eval.guard.max_drop=inf", "finite number"]),
     (["eval.rewards=[{name: shapes},{name: shapes}]"], ["eval.rewards (", "unique", "label"]),
-    (["configs/sd35/grpo_guard_pickscore.yaml", "rollout.plan=ode"],
-     ["rollout.plan=ode (on the command line) has no key 'rollout.kernel'", "grpo_guard_pickscore.yaml", "reads:"]),
+    (
+        ["configs/sd35/grpo_guard_pickscore.yaml", "rollout.plan=ode"],
+        ["rollout.plan=ode (on the command line) has no key 'rollout.kernel'", "grpo_guard_pickscore.yaml", "reads:"],
+    ),
     (["optim.grad_clip=-1"], ["optim.grad_clip=-1", "> 0"]),
     (["optim.grad_clip=0"], ["optim.grad_clip=0", "> 0"]),
     (["optim.lr=0"], ["optim.lr=0", "> 0"]),
@@ -149,12 +152,28 @@ def tiny_folder(tmp_path_factory):
 
 
 def tiny_args(folder: Path, out: Path, name: str = "run", *extra: str) -> list[str]:
-    return ["configs/shapes/grpo.yaml", f"model.path={folder}", "model.family=sd3",
-            "prompts.train=a red circle|a blue square", "prompts.eval=a red circle|a green square", "prompts.per_step=2",
-            "rollout.group_size=4", "rollout.steps=3", "rollout.window.mode=all", "rewards=[{name: brightness}]",
-            "eval.rewards=null", "eval.steps=2", "model.lora.rank=2", "train.checkpoint_every=1",
-            "train.async_reward=false", f"train.output_dir={out}", f"train.name={name}", "train.progress=false",
-            "train.num_threads=1", *extra]
+    return [
+        "configs/shapes/grpo.yaml",
+        f"model.path={folder}",
+        "model.family=sd3",
+        "prompts.train=a red circle|a blue square",
+        "prompts.eval=a red circle|a green square",
+        "prompts.per_step=2",
+        "rollout.group_size=4",
+        "rollout.steps=3",
+        "rollout.window.mode=all",
+        "rewards=[{name: brightness}]",
+        "eval.rewards=null",
+        "eval.steps=2",
+        "model.lora.rank=2",
+        "train.checkpoint_every=1",
+        "train.async_reward=false",
+        f"train.output_dir={out}",
+        f"train.name={name}",
+        "train.progress=false",
+        "train.num_threads=1",
+        *extra,
+    ]
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -181,18 +200,39 @@ def test_resume_names_changed_settings_and_refuses_a_shape_change(tiny_folder, t
     assert main(["train", *tiny_args(tiny_folder, tmp_path), "train.max_steps=1"]) == 0
     capsys.readouterr()
     with pytest.warns(RuntimeWarning, match=r"optim\.lr: 0\.001 → 0\.002.*rollout\.group_size: 4 → 2"):
-        assert main(["train", *tiny_args(tiny_folder, tmp_path), "train.max_steps=2", "train.resume=latest",
-                     "optim.lr=2e-3", "rollout.group_size=2"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    *tiny_args(tiny_folder, tmp_path),
+                    "train.max_steps=2",
+                    "train.resume=latest",
+                    "optim.lr=2e-3",
+                    "rollout.group_size=2",
+                ]
+            )
+            == 0
+        )
     before = snapshot(tmp_path / "run")
     capsys.readouterr()
-    assert main(["train", *tiny_args(tiny_folder, tmp_path), "train.max_steps=3", "train.resume=latest",
-                 "model.lora.rank=4"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *tiny_args(tiny_folder, tmp_path),
+                "train.max_steps=3",
+                "train.resume=latest",
+                "model.lora.rank=4",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "model.lora.rank" in err and "2 → 4" in err and "Traceback" not in err
     assert snapshot(tmp_path / "run") == before
 
 
-REWARD_PLUGIN = '''
+REWARD_PLUGIN = """
 import torch
 from flowrl_rewards.core.base import Reward
 
@@ -209,16 +249,27 @@ class Raises(Reward):
 
     def score(self, images, prompts, meta):
         raise KeyError("no_such_column")
-'''
+"""
 
 
-@pytest.mark.parametrize("cls, words", [("Short", ["'short'", "3 scores for 8 images"]),
-                                        ("Raises", ["'raises'", "KeyError", "no_such_column"])])
-def test_a_misbehaving_reward_is_one_message_and_a_failed_start_writes_nothing(tiny_folder, tmp_path, capsys, cls, words):
+@pytest.mark.parametrize(
+    "cls, words",
+    [("Short", ["'short'", "3 scores for 8 images"]), ("Raises", ["'raises'", "KeyError", "no_such_column"])],
+)
+def test_a_misbehaving_reward_is_one_message_and_a_failed_start_writes_nothing(
+    tiny_folder, tmp_path, capsys, cls, words
+):
     plugin = tmp_path / "plugin_reward.py"
     plugin.write_text(REWARD_PLUGIN)
-    rc = main(["train", *tiny_args(tiny_folder, tmp_path / "runs"), f"rewards=[{{name: '{plugin}:{cls}'}}]",
-               "train.max_steps=2", "eval.at_start=false"])
+    rc = main(
+        [
+            "train",
+            *tiny_args(tiny_folder, tmp_path / "runs"),
+            f"rewards=[{{name: '{plugin}:{cls}'}}]",
+            "train.max_steps=2",
+            "eval.at_start=false",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
     for w in words:
@@ -238,8 +289,13 @@ def test_a_plugin_that_raises_on_import_names_its_file_and_line(tiny_folder, tmp
 
 def test_an_unreachable_reward_server_fails_before_any_model_time(tiny_folder, tmp_path, capsys):
     url = "http://127.0.0.1:9/score"  # the discard port: nothing listens
-    rc = main(["train", *tiny_args(tiny_folder, tmp_path / "runs"),
-               f"rewards=[{{name: remote, kwargs: {{url: '{url}', timeout: 2, retries: 0}}}}]"])
+    rc = main(
+        [
+            "train",
+            *tiny_args(tiny_folder, tmp_path / "runs"),
+            f"rewards=[{{name: remote, kwargs: {{url: '{url}', timeout: 2, retries: 0}}}}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "health check" in err and "127.0.0.1:9" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
@@ -324,8 +380,11 @@ def test_kill_9_at_random_points_resumes_to_the_uninterrupted_metrics(tiny_folde
     # the uninterrupted reference runs in its own folder beside the killed one (one thread each: on two cores
     # it costs no extra wall time); its metrics are compared once both are done
     with open(tmp_path / "reference.err", "w") as reference_err:
-        reference = subprocess.Popen(command + tiny_args(tiny_folder, tmp_path, "reference", f"train.max_steps={steps}"),
-                                     stdout=subprocess.DEVNULL, stderr=reference_err)
+        reference = subprocess.Popen(
+            command + tiny_args(tiny_folder, tmp_path, "reference", f"train.max_steps={steps}"),
+            stdout=subprocess.DEVNULL,
+            stderr=reference_err,
+        )
     request.addfinalizer(lambda: reference.poll() is None and (reference.kill(), reference.wait()))
 
     rng = random.Random(24)
@@ -333,16 +392,23 @@ def test_kill_9_at_random_points_resumes_to_the_uninterrupted_metrics(tiny_folde
     kills, finished = 0, False
     for attempt in range(8):
         extra = ["train.resume=latest"] if attempt else []
-        proc = subprocess.Popen(command + tiny_args(tiny_folder, tmp_path, "killed", f"train.max_steps={steps}", *extra),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            command + tiny_args(tiny_folder, tmp_path, "killed", f"train.max_steps={steps}", *extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if kills < 3:
             # wait for a random number of logged records, then a random part of an iteration (rollout, update or
             # checkpoint write), and kill without warning
             have = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             target = have + rng.randint(1, 5)  # new progress past the last resume
             deadline = time.time() + 120
-            while proc.poll() is None and time.time() < deadline and (
-                    not metrics.exists() or len(metrics.read_text().splitlines()) < target):
+            while (
+                proc.poll() is None
+                and time.time() < deadline
+                and (not metrics.exists() or len(metrics.read_text().splitlines()) < target)
+            ):
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.05))  # about one iteration with its checkpoint write
             if proc.poll() is None:

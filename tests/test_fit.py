@@ -1,6 +1,7 @@
 """``train.fit: auto`` (flowrl/estimate/fit.py): settings chosen from the estimate within the memory budget, kept
 keys winning, a config that cannot fit refused with remedies; ``perf/tflops`` and ``perf/mfu``; ``flowrl bench
 --estimate --json``."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,15 @@ from flowrl.estimate import estimate, load_config
 from flowrl.estimate.fit import fit_config, settings_of
 from flowrl.estimate.gpus import GPUS, gpu_class_of_device
 
-GPU_PRESETS = ["configs/sd35/flow_grpo_pickscore.yaml", "configs/sd35/nft_geneval.yaml", "configs/flux/nft_pickscore.yaml",
-               "configs/flux/dance_grpo_hps.yaml", "configs/sana/solrl.yaml", "configs/qwen_image/nft_geneval.yaml",
-               "configs/wan/flow_grpo_1_3b.yaml"]
+GPU_PRESETS = [
+    "configs/sd35/flow_grpo_pickscore.yaml",
+    "configs/sd35/nft_geneval.yaml",
+    "configs/flux/nft_pickscore.yaml",
+    "configs/flux/dance_grpo_hps.yaml",
+    "configs/sana/solrl.yaml",
+    "configs/qwen_image/nft_geneval.yaml",
+    "configs/wan/flow_grpo_1_3b.yaml",
+]
 """One GPU preset per family and kind of objective (policy replay, forward process, explorer; image and video):
 the presets of scripts/fit_table.py (docs/gpu.md); the others differ from one of these in keys fit does not read."""
 
@@ -42,7 +49,9 @@ def test_fit_fills_the_budget_with_batches_before_checkpointing():
     assert tighter.settings["train.micro_batch"] < tight.settings["train.micro_batch"]
     assert not any(f.settings["model.offload_encoders"] for f in (roomy, tight, tighter))  # not needed here
     lines = roomy.summary()
-    assert "predicted peak" in lines[0] and any("train.micro_batch = 128" in line and "chosen" in line for line in lines)
+    assert "predicted peak" in lines[0] and any(
+        "train.micro_batch = 128" in line and "chosen" in line for line in lines
+    )
 
 
 def test_explicit_keys_win_and_are_said_to():
@@ -74,9 +83,17 @@ def test_a_config_that_cannot_fit_is_refused_with_its_peak_the_capacity_and_reme
     assert "model.full_finetune=false (LoRA)" in text and "model.shard=fsdp over 2 GPUs" in text and "(fits)" in text
 
 
-@pytest.mark.parametrize("name,key", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
-                                      ("NVIDIA GeForce RTX 4090", "4090"), ("NVIDIA A100-SXM4-80GB", "A100"),
-                                      ("NVIDIA L40S", "L40S"), ("Tesla T4", None)])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA GeForce RTX 4090", "4090"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA L40S", "L40S"),
+        ("Tesla T4", None),
+    ],
+)
 def test_a_cuda_device_is_matched_to_its_gpu_class(name, key):
     assert gpu_class_of_device(name) == key
 
@@ -120,8 +137,18 @@ def test_bench_estimate_json_is_one_object_with_the_fit(capsys):
 
 
 def test_flowrl_train_fits_before_loading_and_logs_perf(tmp_path, capsys):
-    code = main(["train", "train.fit=auto", "train.max_steps=1", "prompts.eval=null", "rollout.max_batch=16",
-                 f"train.output_dir={tmp_path}", "train.name=fit", "train.progress=false"])
+    code = main(
+        [
+            "train",
+            "train.fit=auto",
+            "train.max_steps=1",
+            "prompts.eval=null",
+            "rollout.max_batch=16",
+            f"train.output_dir={tmp_path}",
+            "train.name=fit",
+            "train.progress=false",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "train.fit=auto for this CPU" in out and "rollout.max_batch = 16  — set explicitly: it wins" in out

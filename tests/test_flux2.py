@@ -2,6 +2,7 @@
 noise, Mistral chat-template prompts padded to a fixed length and cached, the distilled guidance embedding,
 exactness of sampling and decoding against the pipeline, replay == rollout, LoRA I/O, bf16 on CPU and one trainer
 iteration per objective kind. CPU only."""
+
 from __future__ import annotations
 
 import logging
@@ -34,10 +35,17 @@ def test_family_is_registered_and_wrap_picks_the_adapter(tmp_path):
     assert (MODEL_FAMILIES["flux2"].pipeline, type(model), model.family) == ("Flux2Pipeline", Flux2FlowModel, "flux2")
     assert (model.latent_shape, model.image_seq_len, model.vae_scale_factor) == ((16, 4, 4), 16, 2 * 2)
     default = wrap(tiny_flux2_pipeline())  # the pipeline's defaults: 128 latent cells of its VAE (factor 2)
-    assert (default.guidance, default.height, default.width, default.max_sequence_length,
-            default.text_encoder_out_layers) == (4.0, 256, 256, 512, (10, 20, 30))
-    for bad, message in (({"height": 18}, "multiples of 2 × the pipeline's vae_scale_factor = 4"),
-                         ({"text_encoder_out_layers": (10, 20, 31)}, "31 hidden states")):
+    assert (
+        default.guidance,
+        default.height,
+        default.width,
+        default.max_sequence_length,
+        default.text_encoder_out_layers,
+    ) == (4.0, 256, 256, 512, (10, 20, 30))
+    for bad, message in (
+        ({"height": 18}, "multiples of 2 × the pipeline's vae_scale_factor = 4"),
+        ({"text_encoder_out_layers": (10, 20, 31)}, "31 hidden states"),
+    ):
         with pytest.raises(ValueError, match=message):
             wrap(pipe, **{**SIZE, **bad})
     pipe.save_pretrained(tmp_path)
@@ -72,8 +80,13 @@ def test_chat_template_and_words_are_single_tokens():
     tok = pipe.tokenizer.tokenizer
     for word in TINY_VOCAB:
         assert len(tok(f"a {word}", add_special_tokens=False).input_ids) == 2, word
-    ids = pipe.tokenizer.apply_chat_template(format_input(["a red circle"]), tokenize=True, return_dict=True,
-                                             add_generation_prompt=False, return_tensors="pt")["input_ids"]
+    ids = pipe.tokenizer.apply_chat_template(
+        format_input(["a red circle"]),
+        tokenize=True,
+        return_dict=True,
+        add_generation_prompt=False,
+        return_tensors="pt",
+    )["input_ids"]
     tokens = tok.convert_ids_to_tokens(ids[0].tolist())
     assert tokens[:3] == ["<s>", "[SYSTEM_PROMPT]", "You"]
     assert tokens[-5:] == ["[INST]", "a", "Ġred", "Ġcircle", "[/INST]"]
@@ -85,8 +98,9 @@ def test_encode_caches_pads_to_a_fixed_length_and_ignores_batch_companions(caplo
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records reach caplog
     caplog.set_level(logging.WARNING, logger="transformers")  # as a fresh process has it (the CLI quiets it to ERROR)
     shapes = []  # of every text-encoder call
-    pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
-                                                with_kwargs=True)
+    pipe.text_encoder.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     a, b = model.encode(PROMPTS + PROMPTS[:1]), model.encode(PROMPTS[1:2], 3.0)
     assert shapes == [(1, 40)] * 3  # each string once, alone, padded to 40 tokens; no negative prompt (no CFG)
     assert not [r for r in caplog.records if "processor_kwargs" in r.getMessage()]  # transformers' notice dropped
@@ -100,7 +114,7 @@ def test_encode_caches_pads_to_a_fixed_length_and_ignores_batch_companions(caplo
     embeds, _ = pipe.encode_prompt(PROMPTS, max_sequence_length=40)
     torch.testing.assert_close(a.cond["prompt_embeds"][:3], embeds, rtol=1e-5, atol=1e-6)
     # the padding rows are the pad token's hidden states (the pipeline attends to them): not zero
-    assert a.cond["prompt_embeds"][0, FIXED + 3:].abs().sum(-1).min() > 0
+    assert a.cond["prompt_embeds"][0, FIXED + 3 :].abs().sum(-1).min() > 0
     other = dict(max_sequence_length=40, text_encoder_out_layers=(1, 2, 30))  # hidden states 1 and 2 instead of 10, 20
     layers = wrap(pipe, **{**SIZE, **other}).encode(PROMPTS[:1]).cond["prompt_embeds"]
     assert torch.equal(layers, pipe.encode_prompt(PROMPTS[:1], **other)[0])
@@ -115,15 +129,23 @@ def test_guidance_is_the_embedding_in_one_forward_as_the_pipeline_calls_the_tran
     x, s, prompts = inputs(model)
     cond = model.encode(prompts)
     guidances = []  # of every transformer call
-    hook = model.trainable.register_forward_pre_hook(lambda m, a, kw: guidances.append(kw["guidance"].tolist()),
-                                                     with_kwargs=True)
+    hook = model.trainable.register_forward_pre_hook(
+        lambda m, a, kw: guidances.append(kw["guidance"].tolist()), with_kwargs=True
+    )
     with torch.no_grad():
         v4, v1 = model.velocity(x, s, cond), model.velocity(x, s, cond, guidance=1.0)
         assert guidances == [[4.0] * 3, [1.0] * 3] and not model.uses_cfg(4.0) and not torch.allclose(v4, v1, atol=1e-4)
         embeds, text_ids = pipe.encode_prompt(prompts, max_sequence_length=40)
         tokens, ids = pipe.prepare_latents(3, 4, 16, 16, torch.float32, "cpu", None, latents=x)
-        out = pipe.transformer(hidden_states=tokens, timestep=s, guidance=torch.full([3], 4.0), txt_ids=text_ids,
-                               encoder_hidden_states=embeds, img_ids=ids, return_dict=False)[0]
+        out = pipe.transformer(
+            hidden_states=tokens,
+            timestep=s,
+            guidance=torch.full([3], 4.0),
+            txt_ids=text_ids,
+            encoder_hidden_states=embeds,
+            img_ids=ids,
+            return_dict=False,
+        )[0]
         torch.testing.assert_close(v4, pipe._unpack_latents_with_ids(out, ids), rtol=1e-5, atol=1e-5)
         alone = model.velocity(x[1:2], s[1:2], cond.select([1]))  # same row in another batch: GEMM rounding only
         torch.testing.assert_close(alone, v4[1:2], rtol=1e-5, atol=1e-5)
@@ -144,8 +166,14 @@ def test_euler_ode_and_decode_reproduce_the_pipeline():
     for g, steps in ((4.0, 3), (1.5, 5)):
         pipe, model = make(guidance=g)
         x = ode_sample(model, ["a green tree"], [11], steps, decode=False)
-        common = dict(prompt="a green tree", guidance_scale=g, num_inference_steps=steps, height=16, width=16,
-                      max_sequence_length=40)
+        common = dict(
+            prompt="a green tree",
+            guidance_scale=g,
+            num_inference_steps=steps,
+            height=16,
+            width=16,
+            max_sequence_length=40,
+        )
         with torch.no_grad():
             ref = pipe(output_type="latent", generator=torch.Generator().manual_seed(11), **common).images
             image = pipe(output_type="pt", latents=model.noise([11]), **common).images
@@ -182,11 +210,17 @@ def test_lora_targets_cover_both_streams_and_load_into_a_fresh_pipeline(tmp_path
     _, model = make()
     model.add_lora(LoraSpec(rank=2))
     wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.trainable.named_parameters() if ".lora_A" in n}
-    double = [*(f"attn.{t}" for t in model.default_lora_targets[:8]), "ff.linear_in", "ff.linear_out",
-              "ff_context.linear_in", "ff_context.linear_out"]
+    double = [
+        *(f"attn.{t}" for t in model.default_lora_targets[:8]),
+        "ff.linear_in",
+        "ff.linear_out",
+        "ff_context.linear_in",
+        "ff_context.linear_out",
+    ]
     single = ["attn.to_qkv_mlp_proj", "attn.to_out"]
     assert wrapped == {f"transformer_blocks.0.{t}" for t in double} | {
-        f"single_transformer_blocks.0.{t}" for t in single}
+        f"single_transformer_blocks.0.{t}" for t in single
+    }
     monkeypatch.setattr(models_tests, "make", lambda kind, **kw: make(**kw))
     models_tests.test_lora_saved_by_the_adapter_loads_into_a_fresh_pipeline("flux2", tmp_path)
     models_tests.test_reference_context_gives_the_base_model_exactly("flux2")
@@ -236,12 +270,21 @@ def test_one_trainer_iteration_per_objective_kind(tmp_path, objective):
     from tests.test_trainer import tiny_config
 
     if objective == "policy":
-        cfg = tiny_config(tmp_path, "flux2", "model.family=flux2", "train.max_steps=1", "prompts.eval=null",
-                          "rollout.group_size=2", "rollout.steps=3", "rollout.window.size=2")
+        cfg = tiny_config(
+            tmp_path,
+            "flux2",
+            "model.family=flux2",
+            "train.max_steps=1",
+            "prompts.eval=null",
+            "rollout.group_size=2",
+            "rollout.steps=3",
+            "rollout.window.size=2",
+        )
         expected = {"first_step_abs_delta_logp": 0.0, "ratio_mean": 1.0, "trained_edges": 2 * 2 * 2}
     else:
-        cfg = tiny(tmp_path, "flux2_nft", "model.family=flux2", "loss.objective=nft", "train.max_steps=1",
-                   "optim.lr=1e-2")
+        cfg = tiny(
+            tmp_path, "flux2_nft", "model.family=flux2", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2"
+        )
         expected = {"trained_leaves": 4.0}
     trainer = Trainer(cfg, model=make(guidance=2.0 if objective == "policy" else 1.0)[1])
     assert trainer.guidance == (2.0 if objective == "policy" else 1.0)

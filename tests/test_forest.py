@@ -1,4 +1,5 @@
 """The trajectory forest's structure helpers on a hand-built branched tree (trees must fit as-is)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,12 @@ def tree() -> Forest:
     f = Forest(prompts=["p"])
     x = lambda n: torch.full((n, 1, 2, 2), 0.5)
     f.add_roots(x(1), [0], [11])
-    f.add_children(torch.tensor([0, 0]), x(2), 0.5, 1, torch.tensor([-1.0, -2.0]), torch.tensor([0.3, 0.3]), "dance", 0.3, 0)
-    f.add_children(torch.tensor([1, 1]), x(2), 0.0, 2, torch.tensor([-0.5, -0.25]), torch.tensor([0.2, 0.2]), "dance", 0.3, 1)
+    f.add_children(
+        torch.tensor([0, 0]), x(2), 0.5, 1, torch.tensor([-1.0, -2.0]), torch.tensor([0.3, 0.3]), "dance", 0.3, 0
+    )
+    f.add_children(
+        torch.tensor([1, 1]), x(2), 0.0, 2, torch.tensor([-0.5, -0.25]), torch.tensor([0.2, 0.2]), "dance", 0.3, 1
+    )
     f.add_children(torch.tensor([2]), x(1), 0.0, 2, torch.zeros(1), torch.zeros(1), "ode", 0.0, 2)
     return f
 

@@ -1,4 +1,5 @@
 """Forward-process objectives (DiffusionNFT, AWM), the ODE plan and the objective contract (issue 22)."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,20 @@ from flowrl.objectives.awm import AWMLoss
 from flowrl.objectives.nft import NFTLoss
 from tests.conftest import make_model, spy_velocity, with_lora, without_wall_clock
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2", "rollout.steps=3",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
-        "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=ode",
+    "rollout.group_size=2",
+    "rollout.steps=3",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+]
 
 
 def tiny(tmp_path, name, *extra):
@@ -67,7 +79,9 @@ def test_nft_adaptive_weight_is_x0_space_error_over_its_detached_scale():
 def test_awm_ratio_is_clipped_only_where_it_would_push_further():
     awm = AWMLoss(clip=0.2)
     err = torch.tensor([1.0, 1.0, 1.0, 1.0], requires_grad=True)
-    err_old = torch.tensor([1.0 + torch.log(torch.tensor(1.5)).item(), 1.0 + torch.log(torch.tensor(1.5)).item(), 1.0, 1.0])
+    err_old = torch.tensor(
+        [1.0 + torch.log(torch.tensor(1.5)).item(), 1.0 + torch.log(torch.tensor(1.5)).item(), 1.0, 1.0]
+    )
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     obj, ratio = awm.clipped(err, err_old, adv)
     assert ratio.tolist() == pytest.approx([1.5, 1.5, 1.0, 1.0])
@@ -135,8 +149,10 @@ def test_forward_process_objective_trains_without_replay(tmp_path, monkeypatch, 
         raise AssertionError("a forward-process objective must not replay edges")
 
     monkeypatch.setattr(flowrl.objectives.policy, "replay", no_replay)
-    trainer = Trainer(tiny(tmp_path, objective, f"loss.objective={objective}", "train.max_steps=2", "optim.lr=1e-2"),
-                      model=make_model("sd3"))
+    trainer = Trainer(
+        tiny(tmp_path, objective, f"loss.objective={objective}", "train.max_steps=2", "optim.lr=1e-2"),
+        model=make_model("sd3"),
+    )
     before = [p.detach().clone() for p in trainer.params]
     records = [r for r in trainer.train() if "reward_mean" in r]
     assert [r["trained_leaves"] for r in records] == [4.0, 4.0]
@@ -149,16 +165,20 @@ def test_forward_process_objective_trains_from_yaml_alone_through_the_cli(tmp_pa
     from flowrl.commands.main import main
 
     yaml = tmp_path / "nft.yaml"
-    yaml.write_text("\n".join([
-        "model: {family: shapes, full_finetune: true}",
-        "rollout: {plan: ode, group_size: 2, steps: 2}",
-        "rewards: [{name: shapes, kwargs: {mode: geneval}}]",
-        "credit: {rule: group, scale: group}",
-        "loss: {objective: nft, cfg: free, beta: 1.0, draws: 1}",
-        "prompts: {train: 'a red circle|two blue squares', eval: 'a red circle', per_step: 2}",
-        "eval: {steps: 2, images_per_prompt: 2, rewards: [{name: shapes, kwargs: {mode: strict}}]}",
-        f"train: {{name: y, output_dir: {tmp_path}, max_steps: 2, progress: false, num_threads: 1}}",
-    ]))
+    yaml.write_text(
+        "\n".join(
+            [
+                "model: {family: shapes, full_finetune: true}",
+                "rollout: {plan: ode, group_size: 2, steps: 2}",
+                "rewards: [{name: shapes, kwargs: {mode: geneval}}]",
+                "credit: {rule: group, scale: group}",
+                "loss: {objective: nft, cfg: free, beta: 1.0, draws: 1}",
+                "prompts: {train: 'a red circle|two blue squares', eval: 'a red circle', per_step: 2}",
+                "eval: {steps: 2, images_per_prompt: 2, rewards: [{name: shapes, kwargs: {mode: strict}}]}",
+                f"train: {{name: y, output_dir: {tmp_path}, max_steps: 2, progress: false, num_threads: 1}}",
+            ]
+        )
+    )
     assert main(["train", str(yaml)]) == 0
     records = [json.loads(line) for line in (tmp_path / "y" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/guidance" in r]
@@ -178,7 +198,9 @@ def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
     def run(mode):
         model = make_model("sd3", guidance=4.5)
         seen = spy_velocity(model)
-        trainer = Trainer(tiny(tmp_path, mode, f"loss.objective=nft", f"loss.cfg={mode}", "train.max_steps=1"), model=model)
+        trainer = Trainer(
+            tiny(tmp_path, mode, "loss.objective=nft", f"loss.cfg={mode}", "train.max_steps=1"), model=model
+        )
         trainer.train()
         return seen
 
@@ -192,7 +214,9 @@ def test_cfg_free_trains_the_conditional_velocity_only(tmp_path):
 def test_policy_objective_still_replays_with_ratio_one(tmp_path):
     from flowrl.training.trainer import Trainer
 
-    cfg = tiny(tmp_path, "pol", "rollout.plan=chains", "rollout.window.mode=all", "loss.kl_ref=0.04", "train.max_steps=1")
+    cfg = tiny(
+        tmp_path, "pol", "rollout.plan=chains", "rollout.window.mode=all", "loss.kl_ref=0.04", "train.max_steps=1"
+    )
     records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
     assert records[0]["first_step_abs_delta_logp"] == 0.0 and records[0]["trained_edges"] > 0
 
@@ -203,7 +227,9 @@ def test_resume_restores_the_old_policy(tmp_path):
     common = ["loss.objective=nft", "optim.lr=1e-2", "train.checkpoint_every=1"]
     straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
     Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
-    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
+    resumed = Trainer(
+        tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")
+    ).train()
     drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1])  # old_drift, losses, rewards: the same third iteration
 
@@ -241,17 +267,20 @@ def test_explore_feeds_the_ode_plan(sd3_model):
 
 
 # ---- bad settings fail at load -------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, words", [
-    (["loss.objective=nft", "loss.beta=0"], ["loss.beta=0", "> 0"]),
-    (["loss.objective=nft", "loss.beta=-1"], ["loss.beta=-1", "> 0"]),
-    (["loss.objective=nft", "loss.old_decay=1.0"], ["loss.old_decay=1.0", "[0, 1)"]),
-    (["loss.objective=awm", "loss.old_decay=-0.1"], ["loss.old_decay=-0.1", "[0, 1)"]),
-    (["loss.objective=nft", "loss.cfg=half"], ["loss.cfg='half'", "free", "guided"]),
-    (["loss.objective=nft", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
-    (["loss.objective=awm", "loss.t_range=[0.5,0.2]"], ["loss.t_range"]),
-    (["loss.objective=clipped"], ["rollout.plan='ode'", "loss.objective='clipped'"]),
-    (["rollout.solver=rk4"], ["rollout.solver='rk4'", "euler"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["loss.objective=nft", "loss.beta=0"], ["loss.beta=0", "> 0"]),
+        (["loss.objective=nft", "loss.beta=-1"], ["loss.beta=-1", "> 0"]),
+        (["loss.objective=nft", "loss.old_decay=1.0"], ["loss.old_decay=1.0", "[0, 1)"]),
+        (["loss.objective=awm", "loss.old_decay=-0.1"], ["loss.old_decay=-0.1", "[0, 1)"]),
+        (["loss.objective=nft", "loss.cfg=half"], ["loss.cfg='half'", "free", "guided"]),
+        (["loss.objective=nft", "model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
+        (["loss.objective=awm", "loss.t_range=[0.5,0.2]"], ["loss.t_range"]),
+        (["loss.objective=clipped"], ["rollout.plan='ode'", "loss.objective='clipped'"]),
+        (["rollout.solver=rk4"], ["rollout.solver='rk4'", "euler"]),
+    ],
+)
 def test_bad_forward_process_settings_fail_at_load(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, "bad", "loss.objective=nft", *overrides)
@@ -261,8 +290,10 @@ def test_bad_forward_process_settings_fail_at_load(tmp_path, overrides, words):
 
 def test_a_plan_without_clean_latents_is_refused_for_a_forward_process_objective(tmp_path):
     plugin = tmp_path / "plans.py"
-    plugin.write_text("from dataclasses import dataclass\nfrom flowrl.rollout.chains import Chains\n\n"
-                      "@dataclass\nclass Noisy(Chains):\n    @property\n    def keeps_clean_latents(self):\n        return False\n")
+    plugin.write_text(
+        "from dataclasses import dataclass\nfrom flowrl.rollout.chains import Chains\n\n"
+        "@dataclass\nclass Noisy(Chains):\n    @property\n    def keeps_clean_latents(self):\n        return False\n"
+    )
     with pytest.raises(ConfigError, match="keeps none"):
         tiny(tmp_path, "bad", f"rollout.plan={plugin}:Noisy", "loss.objective=nft")
 
@@ -280,11 +311,24 @@ def test_forward_process_objective_learns_on_the_shapes_model(tmp_path, preset):
     from tests.test_shapes_learning import PROMPTS, train_and_check_gain
 
     torch.set_num_threads(2)
-    cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", [
-        f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null", "rollout.group_size=8",
-        "train.max_steps=12", "optim.lr=1e-3", "rewards=[{name: redness}]", f"train.output_dir={tmp_path}",
-        f"train.name={preset}", "train.progress=false", "train.checkpoint_every=0", "train.num_threads=2",
-        "loss.teacher=null"])
+    cfg = TrainConfig.from_yaml(
+        f"configs/shapes/{preset}.yaml",
+        [
+            f"prompts.train={'|'.join(PROMPTS)}",
+            "prompts.per_step=4",
+            "prompts.eval=null",
+            "rollout.group_size=8",
+            "train.max_steps=12",
+            "optim.lr=1e-3",
+            "rewards=[{name: redness}]",
+            f"train.output_dir={tmp_path}",
+            f"train.name={preset}",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.num_threads=2",
+            "loss.teacher=null",
+        ],
+    )
     train_and_check_gain(Trainer(cfg))
 
 
@@ -301,9 +345,20 @@ def test_a_tree_feeds_a_forward_process_objective(tmp_path):
     from flowrl.training.trainer import Trainer
 
     chains_only = ("rollout.group_size", "rollout.plan")
-    cfg = TrainConfig.from_yaml(None, [*(o for o in TINY if not o.startswith(chains_only)), "rollout.plan=tree",
-                                       "credit.rule=tree", "rollout.split_steps=[0,1]", "rollout.kernel=dance",
-                                       "rollout.eta=0.5", "loss.objective=nft", "train.max_steps=1",
-                                       f"train.output_dir={tmp_path}", "train.name=tree"])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            *(o for o in TINY if not o.startswith(chains_only)),
+            "rollout.plan=tree",
+            "credit.rule=tree",
+            "rollout.split_steps=[0,1]",
+            "rollout.kernel=dance",
+            "rollout.eta=0.5",
+            "loss.objective=nft",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path}",
+            "train.name=tree",
+        ],
+    )
     records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
     assert records[0]["trained_leaves"] == records[0]["leaves"] == 2 * 4  # 2 prompts × 2² leaves, no replay

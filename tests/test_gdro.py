@@ -1,5 +1,6 @@
 """GDRO (issue 45; arXiv 2601.02036): the loss and its gradient against the paper's formula written out by hand, the
 group draws, one CLI iteration of the shapes preset on a stored set, resume, refused settings, the corrected score."""
+
 from __future__ import annotations
 
 import argparse
@@ -161,17 +162,44 @@ def tiny_store(tmp_path_factory):
     from flowrl_rewards import MultiReward
 
     out = tmp_path_factory.mktemp("gdro") / "store"
-    write_store(out, make_model("sd3"), PROMPTS, MultiReward([{"name": "redness"}]), images_per_prompt=4, steps=3,
-                guidance=1.0, seed=0, max_batch=8, model_info={"family": "sd3"})
+    write_store(
+        out,
+        make_model("sd3"),
+        PROMPTS,
+        MultiReward([{"name": "redness"}]),
+        images_per_prompt=4,
+        steps=3,
+        guidance=1.0,
+        seed=0,
+        max_batch=8,
+        model_info={"family": "sd3"},
+    )
     return out
 
 
 def tiny(tmp_path, store, name, *extra):
-    return TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=2", "rollout.plan=offline", f"rollout.source={store}",
-        "rollout.group_size=3", f"prompts.train={store}/prompts.txt", "prompts.per_step=2", "prompts.eval=null",
-        "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]",
-        "loss.objective=gdro", "optim.lr=1e-2", f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
+    return TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=2",
+            "rollout.plan=offline",
+            f"rollout.source={store}",
+            "rollout.group_size=3",
+            f"prompts.train={store}/prompts.txt",
+            "prompts.per_step=2",
+            "prompts.eval=null",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.async_reward=false",
+            "rewards=[{name: redness}]",
+            "loss.objective=gdro",
+            "optim.lr=1e-2",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            *extra,
+        ],
+    )
 
 
 def test_resume_equals_a_straight_run(tmp_path, tiny_store):
@@ -191,8 +219,9 @@ def test_resume_equals_a_straight_run(tmp_path, tiny_store):
     common = ["train.checkpoint_every=1"]
     straight = Trainer(tiny(tmp_path, tiny_store, "a", *common, "train.max_steps=3"), model=sampling_refused()).train()
     Trainer(tiny(tmp_path, tiny_store, "b", *common, "train.max_steps=2"), model=sampling_refused()).train()
-    resumed = Trainer(tiny(tmp_path, tiny_store, "b", *common, "train.max_steps=3", "train.resume=latest"),
-                      model=sampling_refused()).train()
+    resumed = Trainer(
+        tiny(tmp_path, tiny_store, "b", *common, "train.max_steps=3", "train.resume=latest"), model=sampling_refused()
+    ).train()
     drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1])
     last = straight[-1]
@@ -206,18 +235,51 @@ def test_one_cli_iteration_of_the_shapes_preset_on_a_written_store(tmp_path):
     parser = argparse.ArgumentParser()
     rollouts.add_parser(parser.add_subparsers(dest="command"), "")
     store = tmp_path / "store"
-    args = parser.parse_args(["rollouts", "configs/shapes/gdro.yaml", "prompts.train=a red circle|two blue squares",
-                              "train.num_threads=1", "--out", str(store), "--images-per-prompt", "3", "--steps", "2"])
+    args = parser.parse_args(
+        [
+            "rollouts",
+            "configs/shapes/gdro.yaml",
+            "prompts.train=a red circle|two blue squares",
+            "train.num_threads=1",
+            "--out",
+            str(store),
+            "--images-per-prompt",
+            "3",
+            "--steps",
+            "2",
+        ]
+    )
     assert args.func(args) == 0
     meta = json.loads((store / "rollouts.json").read_text())
     assert meta["sampler"]["guidance"] == 1.0 and meta["model"]["family"] == "shapes" and meta["rows"] == 6
-    corrected = ("{name: gdro_corrected, kwargs: {reward: {name: shapes, kwargs: "
-                 "{mode: strict}}, quality: [brightness, saturation]}}")
-    assert main(["train", "configs/shapes/gdro.yaml", f"rollout.source={store}", f"prompts.train={store}/prompts.txt",
-                 "rollout.group_size=3", "prompts.per_step=2", "prompts.eval=a red circle", "eval.steps=2",
-                 "eval.images_per_prompt=1", "eval.default_guidance=false", "eval.grid_prompts=1",
-                 f"eval.rewards=[{{name: shapes, kwargs: {{mode: strict}}}}, {corrected}]", "train.max_steps=1",
-                 f"train.output_dir={tmp_path}", "train.name=g", "train.progress=false", "train.num_threads=1"]) == 0
+    corrected = (
+        "{name: gdro_corrected, kwargs: {reward: {name: shapes, kwargs: "
+        "{mode: strict}}, quality: [brightness, saturation]}}"
+    )
+    assert (
+        main(
+            [
+                "train",
+                "configs/shapes/gdro.yaml",
+                f"rollout.source={store}",
+                f"prompts.train={store}/prompts.txt",
+                "rollout.group_size=3",
+                "prompts.per_step=2",
+                "prompts.eval=a red circle",
+                "eval.steps=2",
+                "eval.images_per_prompt=1",
+                "eval.default_guidance=false",
+                "eval.grid_prompts=1",
+                f"eval.rewards=[{{name: shapes, kwargs: {{mode: strict}}}}, {corrected}]",
+                "train.max_steps=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=g",
+                "train.progress=false",
+                "train.num_threads=1",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "reward_mean" in r)
     assert step["leaves"] == 6 and step["rollout_forwards"] == 0 and step["offline/reward_drift"] == 0
@@ -227,20 +289,23 @@ def test_one_cli_iteration_of_the_shapes_preset_on_a_written_store(tmp_path):
 
 
 # ---- refused settings --------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, words", [
-    (["loss.beta=0"], ["loss.beta=0", "> 0"]),
-    (["loss.tau=-1"], ["loss.tau=-1", ">= 0"]),
-    (["loss.gamma=-0.5"], ["loss.gamma=-0.5"]),
-    (["loss.norm=l1"], ["loss.norm='l1'", "sum", "mean"]),
-    (["loss.teacher={guidance: 3.0}"], ["loss.teacher", "gdro"]),
-    (["loss.adv_clip=3"], ["loss.adv_clip", "nothing reads it"]),
-    (["loss.old_decay=0.5"], ["loss.old_decay", "nothing reads it"]),
-    (["loss.timesteps=sampler"], ["loss.timesteps='sampler'", "rollout.plan='offline'"]),
-    (["loss.objective=clipped"], ["rollout.plan='offline'", "loss.objective='clipped'"]),
-    (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
-    (["rollout.source=/nowhere/store"], ["rollout.source='/nowhere/store'", "not a folder"]),
-    (["model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["loss.beta=0"], ["loss.beta=0", "> 0"]),
+        (["loss.tau=-1"], ["loss.tau=-1", ">= 0"]),
+        (["loss.gamma=-0.5"], ["loss.gamma=-0.5"]),
+        (["loss.norm=l1"], ["loss.norm='l1'", "sum", "mean"]),
+        (["loss.teacher={guidance: 3.0}"], ["loss.teacher", "gdro"]),
+        (["loss.adv_clip=3"], ["loss.adv_clip", "nothing reads it"]),
+        (["loss.old_decay=0.5"], ["loss.old_decay", "nothing reads it"]),
+        (["loss.timesteps=sampler"], ["loss.timesteps='sampler'", "rollout.plan='offline'"]),
+        (["loss.objective=clipped"], ["rollout.plan='offline'", "loss.objective='clipped'"]),
+        (["rollout.group_size=1"], ["rollout.group_size=1", ">= 2"]),
+        (["rollout.source=/nowhere/store"], ["rollout.source='/nowhere/store'", "not a folder"]),
+        (["model.guidance=3"], ["loss.cfg='free'", "model.guidance=3"]),
+    ],
+)
 def test_refused_settings_fail_at_load_naming_the_key(tmp_path, tiny_store, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, tiny_store, "bad", *overrides)
@@ -275,8 +340,10 @@ def test_the_corrected_score_is_reward_times_quality_above_three_plus_a_fifth():
     assert summary["n"] == 5 and summary["quality"] == pytest.approx(float(u.mean()), rel=1e-5)
     on_scale = CorrectedScore(reward="redness", quality="brightness", quality_range=None)
     assert torch.allclose(on_scale(images, prompts), r * (Brightness()(images, prompts) - 3) + 0.2, atol=1e-6)
-    for kwargs, words in (({"quality": []}, "at least one"), ({"quality": "brightness", "quality_range": [1, 1]},
-                                                                "quality_range"),
-                          ({"quality": {"nome": "x"}}, r"quality\[0\].*unknown keys")):
+    for kwargs, words in (
+        ({"quality": []}, "at least one"),
+        ({"quality": "brightness", "quality_range": [1, 1]}, "quality_range"),
+        ({"quality": {"nome": "x"}}, r"quality\[0\].*unknown keys"),
+    ):
         with pytest.raises(ValueError, match=words):
             CorrectedScore(reward="redness", **kwargs)

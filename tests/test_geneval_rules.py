@@ -1,5 +1,7 @@
-"""GenEval's scoring rules (rewards/compositional/geneval_rules.py) on hand-made detections, GenEval's templates, and the shapes
+"""GenEval's scoring rules (rewards/compositional/geneval_rules.py) on hand-made detections, GenEval's templates, and
+the shapes
 world's reward scored through the same rules."""
+
 import json
 
 import numpy as np
@@ -8,7 +10,14 @@ import pytest
 from flowrl.shapes import world
 from flowrl_rewards.compositional import geneval_rules as rules
 from flowrl_rewards.compositional.geneval_prompts import COCO_CLASSES, TaskBook, parse_prompt
-from flowrl_rewards.compositional.shapes import ShapesReward, geneval_objects, geneval_task, requirements, shapes_relation, to_uint8_hwc
+from flowrl_rewards.compositional.shapes import (
+    ShapesReward,
+    geneval_objects,
+    geneval_task,
+    requirements,
+    shapes_relation,
+    to_uint8_hwc,
+)
 from flowrl_rewards.compositional.shapes_detector import detect_batch
 
 F = rules.Found
@@ -24,17 +33,38 @@ def task(line: dict) -> rules.Task:
 
 
 SINGLE = task({"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"})
-TWO = task({"tag": "two_object", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1}],
-            "prompt": "a photo of a cat and a dog"})
-COUNT = task({"tag": "counting", "include": [{"class": "pizza", "count": 3}], "exclude": [{"class": "pizza", "count": 4}],
-              "prompt": "a photo of three pizzas"})
-COLOR = task({"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a photo of a red car"})
-POSITION = task({"tag": "position", "include": [{"class": "dog", "count": 1},
-                                                {"class": "cat", "count": 1, "position": ["left of", 0]}],
-                 "prompt": "a photo of a cat left of a dog"})
-ATTR = task({"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
-                                              {"class": "bench", "count": 1, "color": "blue"}],
-             "prompt": "a photo of a red car and a blue bench"})
+TWO = task(
+    {
+        "tag": "two_object",
+        "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1}],
+        "prompt": "a photo of a cat and a dog",
+    }
+)
+COUNT = task(
+    {
+        "tag": "counting",
+        "include": [{"class": "pizza", "count": 3}],
+        "exclude": [{"class": "pizza", "count": 4}],
+        "prompt": "a photo of three pizzas",
+    }
+)
+COLOR = task(
+    {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a photo of a red car"}
+)
+POSITION = task(
+    {
+        "tag": "position",
+        "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+        "prompt": "a photo of a cat left of a dog",
+    }
+)
+ATTR = task(
+    {
+        "tag": "color_attr",
+        "include": [{"class": "car", "count": 1, "color": "red"}, {"class": "bench", "count": 1, "color": "blue"}],
+        "prompt": "a photo of a red car and a blue bench",
+    }
+)
 
 
 # ---- each task: a pass and each way to fail ---------------------------------------------------------------
@@ -97,7 +127,10 @@ def test_a_colour_clause_needs_classified_detections():
 
 # ---- GenEval's detection settings and relation -----------------------------------------------------------
 def test_keep_applies_thresholds_order_limit_and_overlap():
-    raw = {"dog": [box(10, 10, score=0.31), box(30, 30, score=0.8), box(50, 50, score=0.3)], "cat": [box(1, 1, score=0.2)]}
+    raw = {
+        "dog": [box(10, 10, score=0.31), box(30, 30, score=0.8), box(50, 50, score=0.3)],
+        "cat": [box(1, 1, score=0.2)],
+    }
     kept = rules.keep(raw, "two_object")
     assert [f.score for f in kept["dog"]] == [0.8, 0.31] and "cat" not in kept  # strictly above 0.3
     assert "dog" not in rules.keep(raw, "counting")  # counting prompts keep > 0.9 only
@@ -126,13 +159,18 @@ def test_metadata_round_trip_and_errors():
     with pytest.raises(ValueError, match=r"include\[0\].count=0"):
         rules.Task.from_metadata({"tag": "counting", "prompt": "x", "include": [{"class": "a", "count": 0}]})
     with pytest.raises(ValueError, match="refers to clause 1"):
-        rules.Task.from_metadata({"tag": "position", "prompt": "x",
-                                  "include": [{"class": "a", "count": 1, "position": ["above", 1]}]})
+        rules.Task.from_metadata(
+            {"tag": "position", "prompt": "x", "include": [{"class": "a", "count": 1, "position": ["above", 1]}]}
+        )
 
 
 def test_task_scores_and_geneval_summary_layout():
-    v = [rules.Verdict("single_object", True, True, 1.0), rules.Verdict("single_object", False, False, 0.0),
-         rules.Verdict("counting", True, True, 1.0), rules.Verdict("counting", True, True, 1.0)]
+    v = [
+        rules.Verdict("single_object", True, True, 1.0),
+        rules.Verdict("single_object", False, False, 0.0),
+        rules.Verdict("counting", True, True, 1.0),
+        rules.Verdict("counting", True, True, 1.0),
+    ]
     s = rules.task_scores(v, prompts=["a", "a", "b", "c"])
     assert s["single_object"] == 0.5 and s["counting"] == 1.0 and s["overall"] == 0.75
     assert s["images"] == 0.75 and s["prompts"] == 1.0 and s["n/counting"] == 2
@@ -146,8 +184,10 @@ def test_templates_give_each_tasks_metadata():
     for t in (SINGLE, TWO, COUNT, COLOR, POSITION, ATTR):
         assert parse_prompt(t.prompt) == t
     assert parse_prompt("a photo of an orange parking meter and a white teddy bear") == rules.Task(
-        "color_attr", "a photo of an orange parking meter and a white teddy bear",
-        (rules.Clause("parking meter", 1, "orange"), rules.Clause("teddy bear", 1, "white")))
+        "color_attr",
+        "a photo of an orange parking meter and a white teddy bear",
+        (rules.Clause("parking meter", 1, "orange"), rules.Clause("teddy bear", 1, "white")),
+    )
     assert parse_prompt("a photo of four buses").include == (rules.Clause("bus", 4),)
     assert parse_prompt("a photo of a cat") is not None and parse_prompt("a painting of a cat") is None
     assert parse_prompt("a photo of a unicorn") is None
@@ -155,7 +195,11 @@ def test_templates_give_each_tasks_metadata():
 
 def test_task_book_prefers_metadata_and_names_a_bad_line(tmp_path):
     meta = tmp_path / "m.jsonl"
-    record = {"tag": "colors", "include": [{"class": "giraffe", "count": 1, "color": "blue"}], "prompt": "a blue giraffe"}
+    record = {
+        "tag": "colors",
+        "include": [{"class": "giraffe", "count": 1, "color": "blue"}],
+        "prompt": "a blue giraffe",
+    }
     meta.write_text(json.dumps(record) + "\n\n")
     book = TaskBook([meta])
     assert book("a  blue giraffe").include[0].color == "blue"  # whitespace folded
@@ -163,7 +207,7 @@ def test_task_book_prefers_metadata_and_names_a_bad_line(tmp_path):
     with pytest.raises(ValueError, match="not a GenEval prompt"):
         book("a blue unicorn")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(record) + "\n{\"tag\": \"x\"}\n")
+    bad.write_text(json.dumps(record) + '\n{"tag": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl, line 2"):
         TaskBook([bad])
     assert len(COCO_CLASSES) == 80

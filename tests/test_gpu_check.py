@@ -2,6 +2,7 @@
 every part on the CPU and writes the Markdown tables and the JSON that docs/gpu.md describes ("gpu_check.json"),
 with every row measured; a row whose time runs out is recorded as such; without a GPU and without ``--tiny`` it
 stops with one line naming what is missing; ``--help`` documents every flag."""
+
 from __future__ import annotations
 
 import functools
@@ -62,7 +63,7 @@ def check_like(actual, documented, path: str, nullable: bool = False) -> None:
         assert math.isfinite(actual), f"{path} = {actual!r}"
     elif isinstance(documented, list):
         assert isinstance(actual, list), f"{path} = {actual!r}"
-        for i, item in enumerate(actual[:len(documented)]):
+        for i, item in enumerate(actual[: len(documented)]):
             check_like(item, documented[i] if i < len(documented) else documented[-1], f"{path}[{i}]", nullable)
     else:
         assert isinstance(actual, str), f"{path} = {actual!r}, not a string"
@@ -80,11 +81,23 @@ def run_tiny(out: Path, parts: str) -> dict:
     """One ``--tiny --parts parts`` run as a user starts it, its folder given by $OUT as on the GPU machine."""
     env = {**os.environ, "OUT": str(out)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--parts", parts, "--work", str(out / "work"),
-                           "--commit", "test"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--parts", parts, "--work", str(out / "work"), "--commit", "test"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"out": out, "wall": time.monotonic() - t0, "json": json.loads((out / "gpu_check.json").read_text()),
-            "md": (out / "gpu_check.md").read_text(), "stdout": proc.stdout, "parts": parts.split(",")}
+    return {
+        "out": out,
+        "wall": time.monotonic() - t0,
+        "json": json.loads((out / "gpu_check.json").read_text()),
+        "md": (out / "gpu_check.md").read_text(),
+        "stdout": proc.stdout,
+        "parts": parts.split(","),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +143,9 @@ def test_tiny_preset_rows_are_measured_and_consistent(tiny_presets):
     for r in presets:
         assert r["seconds_per_iteration"] > 0 and r["estimate"]["flops_per_iteration"] > 0
         assert r["rollout_seconds"] + r["update_seconds"] <= r["seconds_per_iteration"] * 1.05
-        assert r["model_tflops_per_second"] == pytest.approx(r["model_tflop_per_iteration"] / r["seconds_per_iteration"])
+        assert r["model_tflops_per_second"] == pytest.approx(
+            r["model_tflop_per_iteration"] / r["seconds_per_iteration"]
+        )
         assert r["fraction_of_peak"] == pytest.approx(r["model_tflops_per_second"] / 790.0)
         assert r["peak_ratio"] == pytest.approx(r["peak_memory_gib"] / r["estimate_peak_gib"])
         assert r["images_per_second"] == pytest.approx(2 / r["seconds_per_iteration"])  # 1 prompt × 2 images
@@ -147,8 +162,11 @@ def test_tiny_fitted_rows_choose_their_settings_and_compile(tiny_presets):
         fit = fitted["fit"]
         assert fitted["fit_settings"] != shipped["fit_settings"], (shipped["fit_settings"], fitted["fit_settings"])
         for key, value in fit["settings"].items():  # the micro-batch: None (a policy objective's) → its effective one
-            assert fitted["fit_settings"][key] == (value if value is not None or key != "train.micro_batch"
-                                                   else fitted["fit_settings"]["rollout.max_batch"]), key
+            assert fitted["fit_settings"][key] == (
+                value
+                if value is not None or key != "train.micro_batch"
+                else fitted["fit_settings"]["rollout.max_batch"]
+            ), key
         assert fit["capacity_gib"] == pytest.approx(1.1 * shipped["estimate_peak_gib"])
         assert fit["peak_gib"] <= 0.9 * fit["capacity_gib"] + 1e-12
         assert fit["peak_gib"] < shipped["estimate_peak_gib"]
@@ -178,12 +196,20 @@ def test_tiny_profile_has_its_tables_and_a_small_trace(tiny_rest):
     syncs = {r["name"]: r for r in profile["syncs"]}
     assert syncs["aten::item"]["count"] > 0 and any("flowrl/" in s for s in syncs["aten::item"]["sites"])
     trace = tiny_rest["out"] / row["trace_file"]
-    assert trace.is_file() and trace.stat().st_size < 5 * 2 ** 20 and row["trace_mb"] > 0
+    assert trace.is_file() and trace.stat().st_size < 5 * 2**20 and row["trace_mb"] > 0
     assert sorted(p.name for p in tiny_rest["out"].iterdir() if p.is_file()) == [
-        "gpu_check.json", "gpu_check.md", "gpu_check_profile.json.gz"]  # the raw trace stayed in the scratch folder
+        "gpu_check.json",
+        "gpu_check.md",
+        "gpu_check_profile.json.gz",
+    ]  # the raw trace stayed in the scratch folder
     md = tiny_rest["md"]
-    for heading in ("**Top 15 ops by self CPU time", "**Gaps between top-level aten ops", "**Synchronisations**",
-                    "**Synchronising call sites of the warm-up iteration**", "Trace: `gpu_check_profile.json.gz`"):
+    for heading in (
+        "**Top 15 ops by self CPU time",
+        "**Gaps between top-level aten ops",
+        "**Synchronisations**",
+        "**Synchronising call sites of the warm-up iteration**",
+        "Trace: `gpu_check_profile.json.gz`",
+    ):
         assert heading in md, heading
     assert f"| `{profile['top_ops'][0]['op']}` |" in md and "| `aten::item` |" in md
 
@@ -195,7 +221,9 @@ def test_tiny_shapes_and_snr_rows(tiny_rest):
     assert [(r["name"], r["seed"]) for r in shapes] == [("main", 0), ("distill", 0), ("main", 1), ("distill", 1)]
     for r in shapes:
         assert r["updates"] == 1 and r["images"] == r["images_per_update"] == 8
-        assert all(0 <= r[k] <= 1 for k in ("strict_g1_before", "strict_g1_after", "strict_g3_before", "strict_g3_after"))
+        assert all(
+            0 <= r[k] <= 1 for k in ("strict_g1_before", "strict_g1_after", "strict_g3_before", "strict_g3_after")
+        )
     assert shapes[1]["overrides"] == ["loss.reward_term=0"] and shapes[0]["overrides"] == []
     snr = parts["snr"]["rows"][0]
     assert snr["batches"] == 3 and snr["samples_per_batch"] == 8 and -1 <= snr["mean_pairwise_cosine"] <= 1
@@ -221,11 +249,20 @@ def test_tiny_markdown_has_every_part_and_row(tiny):
 
 def test_a_row_out_of_time_is_recorded_with_the_files(tmp_path):
     script = load_script()
-    meta = {"device": "cpu", "torch": "x", "cuda": None, "commit": "c", "started": "s", "minutes": 1.0,
-            "peak_tflops": 790.0, "tiny": True}
+    meta = {
+        "device": "cpu",
+        "torch": "x",
+        "cuda": None,
+        "commit": "c",
+        "started": "s",
+        "minutes": 1.0,
+        "peak_tflops": 790.0,
+        "tiny": True,
+    }
     report = script.Report(tmp_path, meta, ["snr"])
     budget = script.Budget(100.0, {"snr": 1.0})
     t0 = time.monotonic()
+
     def sleeper(row: dict) -> dict:
         row["measured_before"] = 1.0  # what a row had measured when its time ran out is kept
         time.sleep(30)
@@ -297,22 +334,40 @@ def test_profile_tables_of_a_gpu_shaped_trace():
     gp = load_profile_module()
 
     def x(cat, name, ts, dur, ext=None, tid=1, pid=1):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
-                "args": {} if ext is None else {"External id": ext}}
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "pid": pid,
+            "tid": tid,
+            "args": {} if ext is None else {"External id": ext},
+        }
 
-    events = [x("user_annotation", gp.ITERATION, 0, 1000), x("python_function", "flowrl/training/updater.py(10): _step", 10, 500),
-              x("python_function", "torch/_tensor.py(5): item", 95, 210),
-              x("cpu_op", "aten::mm", 20, 30, 1), x("cuda_runtime", "cudaLaunchKernel", 25, 5, 1),
-              x("cpu_op", "aten::item", 100, 200, 2), x("cpu_op", "aten::_local_scalar_dense", 105, 190, 3),
-              x("cuda_runtime", "cudaMemcpyAsync", 110, 5, 3), x("cuda_runtime", "cudaStreamSynchronize", 120, 170, 3),
-              x("cpu_op", "aten::add", 390, 10, 4), x("kernel", "sm90_xmma_gemm_bf16", 30, 60, 1, tid=7, pid=0),
-              x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 115, 5, 3, tid=7, pid=0),
-              x("kernel", "vectorized_elementwise_kernel", 400, 50, 4, tid=7, pid=0), {"ph": "s", "name": "arrow", "ts": 25}]
+    events = [
+        x("user_annotation", gp.ITERATION, 0, 1000),
+        x("python_function", "flowrl/training/updater.py(10): _step", 10, 500),
+        x("python_function", "torch/_tensor.py(5): item", 95, 210),
+        x("cpu_op", "aten::mm", 20, 30, 1),
+        x("cuda_runtime", "cudaLaunchKernel", 25, 5, 1),
+        x("cpu_op", "aten::item", 100, 200, 2),
+        x("cpu_op", "aten::_local_scalar_dense", 105, 190, 3),
+        x("cuda_runtime", "cudaMemcpyAsync", 110, 5, 3),
+        x("cuda_runtime", "cudaStreamSynchronize", 120, 170, 3),
+        x("cpu_op", "aten::add", 390, 10, 4),
+        x("kernel", "sm90_xmma_gemm_bf16", 30, 60, 1, tid=7, pid=0),
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 115, 5, 3, tid=7, pid=0),
+        x("kernel", "vectorized_elementwise_kernel", 400, 50, 4, tid=7, pid=0),
+        {"ph": "s", "name": "arrow", "ts": 25},
+    ]
     summary = gp.summarize(events)
     assert summary["source"] == "device" and summary["device_events"] == 3 and summary["iteration_seconds"] == 1e-3
     top = {r["op"]: r for r in summary["top_ops"]}
     assert [r["op"] for r in summary["top_ops"]][:3] == ["aten::mm", "aten::add", "aten::_local_scalar_dense"]
-    assert top["aten::mm"]["self_cuda_ms"] == pytest.approx(0.06) and top["aten::mm"]["cuda_share"] == pytest.approx(60 / 115)
+    assert top["aten::mm"]["self_cuda_ms"] == pytest.approx(0.06) and top["aten::mm"]["cuda_share"] == pytest.approx(
+        60 / 115
+    )
     assert "aten::item" not in top  # no device time of its own: its copy is its nested op's
     ops = gp.complete(events, ("cpu_op",))
     own = gp.self_times(ops, gp.nest(gp.complete(events, gp.HOST_CATS)))
@@ -321,7 +376,9 @@ def test_profile_tables_of_a_gpu_shaped_trace():
     assert gaps["source"] == "device" and gaps["count"] == 2 and gaps["idle_seconds"] == pytest.approx(305e-6)
     assert gaps["idle_fraction"] == pytest.approx(0.305) and gaps["busy_seconds"] == pytest.approx(115e-6)
     largest = gaps["largest"][0]
-    assert largest["ms"] == pytest.approx(0.28) and largest["before"].startswith("aten::_local_scalar_dense → Memcpy DtoH")
+    assert largest["ms"] == pytest.approx(0.28) and largest["before"].startswith(
+        "aten::_local_scalar_dense → Memcpy DtoH"
+    )
     assert largest["after"] == "aten::add → vectorized_elementwise_kernel"
     syncs = {r["name"]: r for r in summary["syncs"]}
     assert set(syncs) == {"cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense", "Memcpy DtoH"}
@@ -358,8 +415,13 @@ def test_sync_sites_name_the_calling_frame():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_without_gpu_or_tiny_it_names_what_is_missing(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "a CUDA GPU" in lines[0] and "--tiny" in lines[0], proc.stderr
@@ -375,12 +437,17 @@ def test_help_documents_every_flag():
         for option in action.option_strings:
             assert option in text
     assert {"--out", "--minutes", "--tiny", "--parts", "--peak-tflops", "--commit"} <= {
-        o for a in parser._actions for o in a.option_strings}
+        o for a in parser._actions for o in a.option_strings
+    }
 
 
-@pytest.mark.parametrize("name, sequence, tokens, pooled, transformer", [
-    ("sd35_medium", 256, 77 + 256, 2048, 2_243_171_520),  # configs/sd35/*: 77 CLIP + 256 T5 tokens
-    ("flux1_dev", 512, 512, 768, 11_901_408_320)])  # configs/flux/nft_pickscore.yaml: 512 T5 tokens
+@pytest.mark.parametrize(
+    "name, sequence, tokens, pooled, transformer",
+    [
+        ("sd35_medium", 256, 77 + 256, 2048, 2_243_171_520),  # configs/sd35/*: 77 CLIP + 256 T5 tokens
+        ("flux1_dev", 512, 512, 768, 11_901_408_320),
+    ],
+)  # configs/flux/nft_pickscore.yaml: 512 T5 tokens
 def test_real_size_random_pipeline_wires_as_the_gpu_run_does(name, sequence, tokens, pooled, transformer):
     """The real-size pipeline the GPU check builds on ``cuda``, built on the meta device (no memory): the stored
     architecture's parameters (the estimate's counts, docs/estimate.md), a T5-XXL among the text encoders, all in
@@ -399,7 +466,10 @@ def test_real_size_random_pipeline_wires_as_the_gpu_run_does(name, sequence, tok
     assert {p.dtype for m in modules.values() for p in m.parameters()} == {torch.bfloat16}
     model = wrap(pipe, device="meta", dtype=torch.bfloat16, height=512, width=512, max_sequence_length=sequence)
     cond = model.encode(["a photo of a cat", "a dog"])
-    assert tuple(cond.cond["prompt_embeds"].shape) == (2, tokens, 4096) and tuple(cond.cond["pooled"].shape) == (2, pooled)
+    assert tuple(cond.cond["prompt_embeds"].shape) == (2, tokens, 4096) and tuple(cond.cond["pooled"].shape) == (
+        2,
+        pooled,
+    )
     sigma = torch.full((2,), 0.5, device="meta")
     velocity = model.velocity(torch.zeros(2, *model.latent_shape, device="meta"), sigma, cond)
     assert tuple(velocity.shape) == (2, 16, 64, 64)

@@ -1,5 +1,6 @@
 """GradientReducer (flowrl/distributed/process_group.py): two gloo processes average a tiny Linear's gradients once per
 optimizer step, overlapping the backward that ends an accumulation, and equal the mean of the ranks' grads."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ def worker(rank: int, port: int, queue) -> None:
             return dist.all_reduce(t, **kw)
 
         # 24-byte buckets: each parameter in its own, launched as the final backward readies them
-        reducer = GradientReducer(list(model.parameters()), WORLD, torch.device("cpu"), bucket_bytes=24,
-                                  all_reduce=counting_all_reduce)
+        reducer = GradientReducer(
+            list(model.parameters()), WORLD, torch.device("cpu"), bucket_bytes=24, all_reduce=counting_all_reduce
+        )
         out = []
         for step in range(2):
             model.zero_grad(set_to_none=True)
@@ -107,8 +109,12 @@ def test_two_processes_reduce_mean_once_per_step():
 
 def test_single_process_has_no_hooks():
     model = make_model()
-    reducer = GradientReducer(list(model.parameters()), 1, torch.device("cpu"),
-                              all_reduce=lambda *a, **k: (_ for _ in ()).throw(AssertionError("reduced")))
+    reducer = GradientReducer(
+        list(model.parameters()),
+        1,
+        torch.device("cpu"),
+        all_reduce=lambda *a, **k: (_ for _ in ()).throw(AssertionError("reduced")),
+    )
     assert reducer.handles == []
     with reducer.final():
         model(torch.randn(2, 5)).sum().backward()

@@ -1,5 +1,6 @@
 """Gradient signal-to-noise (``flowrl snr``): the estimator on known mixtures, and the measured
 gradient is exactly the one the first update steps along."""
+
 from __future__ import annotations
 
 import pytest
@@ -83,7 +84,10 @@ def test_policy_gradient_is_the_first_update_gradient_and_leaves_weights_alone(t
 
     stepped = []
     trainer.optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: stepped.append(torch.cat([p.grad.detach().reshape(-1).clone() for p in trainer.params])))
+        lambda opt, args, kwargs: stepped.append(
+            torch.cat([p.grad.detach().reshape(-1).clone() for p in trainer.params])
+        )
+    )
     cfg.optim.grad_clip = 1e9  # compare unclipped gradients
     forest, _ = trainer.rollout(0)
     trainer.credit.assign(forest)
@@ -119,7 +123,9 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
     import flowrl.config.build as build
 
     monkeypatch.setattr(build, "build_model", lambda *a, **k: make_model("sd3"))
-    cfg = tiny_config(tmp_path, "snr3", "loss.kl_ref=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null")
+    cfg = tiny_config(
+        tmp_path, "snr3", "loss.kl_ref=0", "train.max_steps=2", "train.checkpoint_every=2", "prompts.eval=null"
+    )
     Trainer(cfg).train()
     seen = []
 
@@ -128,7 +134,9 @@ def test_checkpoint_measures_the_iterations_the_run_would_do_next(tmp_path, monk
         return torch.randn(10), 8
 
     monkeypatch.setattr(Trainer, "policy_gradient", fake_gradient)
-    gradient_snr(tiny_config(tmp_path, "snr3", "loss.kl_ref=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False)
+    gradient_snr(
+        tiny_config(tmp_path, "snr3", "loss.kl_ref=0"), batches=3, checkpoint=str(tmp_path / "snr3"), progress=False
+    )
     assert seen == [2, 3, 4]
 
 
@@ -139,9 +147,16 @@ def test_snr_runs_on_every_kind_of_plan(tmp_path, monkeypatch, preset):
 
     model = make_model("sd3")
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
-    cfg = TrainConfig.from_yaml(f"configs/shapes/{preset}.yaml", ["prompts.per_step=2", f"train.output_dir={tmp_path}",
-                                                                  "train.num_threads=1", "model.full_finetune=false",
-                                                                  "model.lora.rank=2"])
+    cfg = TrainConfig.from_yaml(
+        f"configs/shapes/{preset}.yaml",
+        [
+            "prompts.per_step=2",
+            f"train.output_dir={tmp_path}",
+            "train.num_threads=1",
+            "model.full_finetune=false",
+            "model.lora.rank=2",
+        ],
+    )
     out = gradient_snr(cfg, batches=3, progress=False)
     assert out["batches"] == 3 and out["samples_per_batch"] > 0 and out["noise"] > 0
 
@@ -161,7 +176,8 @@ class SharpNFT(NFTLoss):
 
 
 def test_reward_only_takes_any_objective_that_declares_a_reward_free_point(tmp_path, monkeypatch):
-    """``flowrl snr --reward-only`` asks the objective (its description's reward-free overrides, moving there): a subclass
+    """``flowrl snr --reward-only`` asks the objective (its description's reward-free overrides, moving there): a
+    subclass
     of NFT loaded from a file is measured, its old copy put at the weights and its teacher and kl_ref switched off; an
     objective that declares no such point is refused naming loss.objective."""
     import flowrl.config.build as build
@@ -173,19 +189,39 @@ def test_reward_only_takes_any_objective_that_declares_a_reward_free_point(tmp_p
     model = make_model("sd3")
     monkeypatch.setattr(build, "build_model", lambda *a, **k: model)
     moved = []
-    monkeypatch.setattr(NFTLoss, "move_to_reward_free_point", lambda self: moved.append(type(self).__name__)
-                        or self._old.copy_from_policy())
+    monkeypatch.setattr(
+        NFTLoss,
+        "move_to_reward_free_point",
+        lambda self: moved.append(type(self).__name__) or self._old.copy_from_policy(),
+    )
     from tests.test_forward_process import tiny
 
-    cfg = tiny(tmp_path, "sub", f"loss.objective={plugin}:SharpNFT", "loss.kl_ref=0.5",
-               "loss.teacher={guidance: 3.0, anchor: 1.0}")
+    cfg = tiny(
+        tmp_path,
+        "sub",
+        f"loss.objective={plugin}:SharpNFT",
+        "loss.kl_ref=0.5",
+        "loss.teacher={guidance: 3.0, anchor: 1.0}",
+    )
     out = gradient_snr(cfg, batches=3, progress=False, reward_only=True)
     assert moved == ["SharpNFT"] and out["batches"] == 3
     assert cfg.loss.kl_ref == 0.0 and cfg.loss.teacher is None  # the objective's own reward-free overrides
     with pytest.raises(ConfigError, match=r"loss.objective='clipped' has no such point: PolicyLoss declares none"):
-        gradient_snr(tiny_config(tmp_path, "clip", "loss.objective=clipped"), batches=3, progress=False, reward_only=True)
+        gradient_snr(
+            tiny_config(tmp_path, "clip", "loss.objective=clipped"), batches=3, progress=False, reward_only=True
+        )
     from tests.test_forward_process import tiny as nft_config
 
     with pytest.raises(ConfigError, match=r"loss.center='teacher': centred on the teacher"):
-        gradient_snr(nft_config(tmp_path, "centre", "loss.objective=nft", "loss.center=teacher",
-                                "loss.teacher={guidance: 3.0, anchor: 1.0}"), batches=3, progress=False, reward_only=True)
+        gradient_snr(
+            nft_config(
+                tmp_path,
+                "centre",
+                "loss.objective=nft",
+                "loss.center=teacher",
+                "loss.teacher={guidance: 3.0, anchor: 1.0}",
+            ),
+            batches=3,
+            progress=False,
+            reward_only=True,
+        )

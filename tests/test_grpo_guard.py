@@ -4,6 +4,7 @@ transition std, L = mean_e w_e·δ_e·max(−A_e·r̃_e, −A_e·clip(r̃_e, 1�
 δ_e = 1/|dt_e|. The reference below writes that form out in float64 (Gaussian log-densities with constants), not the
 ξ·Δμ form the class computes.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,22 @@ from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.objectives.grpo_guard import GRPOGuardLoss
 from tests.conftest import make_model, perturb_lora, straight_and_resumed, with_lora
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=chains", "rollout.group_size=2", "rollout.steps=3",
-        "rollout.window.mode=all",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null", "train.progress=false",
-        "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]", "loss.objective=grpo_guard"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=chains",
+    "rollout.group_size=2",
+    "rollout.steps=3",
+    "rollout.window.mode=all",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+    "loss.objective=grpo_guard",
+]
 
 
 def tiny(tmp_path, name, *extra):
@@ -66,15 +79,28 @@ def test_loss_and_gradient_equal_the_published_normalised_ratio(reweight, reduct
     obj = GRPOGuardLoss(clip_low=1e-3, clip_high=2e-3, kl_ref=0.04, reweight=reweight)
 
     ref_mean = (mean_old + drift).requires_grad_(True)
-    expected, ref_log_r = published_loss(ref_mean, mean_old, x, s, dt, adv, kl, w, reweight, reduction, 1e-3, 2e-3, 0.04)
+    expected, ref_log_r = published_loss(
+        ref_mean, mean_old, x, s, dt, adv, kl, w, reweight, reduction, 1e-3, 2e-3, 0.04
+    )
     (expected_grad,) = torch.autograd.grad(expected, ref_mean)
 
     mean = (mean_old + drift).float().requires_grad_(True)
-    loss, diag = obj.guarded(mean, mean_old.float(), x.float(), s.float(), dt.float(), adv.float(), kl.float(),
-                             w.float(), reduction=reduction)
+    loss, diag = obj.guarded(
+        mean,
+        mean_old.float(),
+        x.float(),
+        s.float(),
+        dt.float(),
+        adv.float(),
+        kl.float(),
+        w.float(),
+        reduction=reduction,
+    )
     loss.backward()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(mean.grad.double(), expected_grad, rtol=1e-4, atol=1e-7 * expected_grad.abs().max().item())
+    torch.testing.assert_close(
+        mean.grad.double(), expected_grad, rtol=1e-4, atol=1e-7 * expected_grad.abs().max().item()
+    )
     r = torch.exp(ref_log_r)
     assert 0 < float(diag["clipfrac_high"] + diag["clipfrac_low"]) < 1  # the data reaches both regimes
     assert float(diag["clipfrac_high"]) == pytest.approx(float((r > 1 + 2e-3).double().mean()))
@@ -92,8 +118,9 @@ def test_normalisation_removes_the_bias_and_the_per_step_scale_of_the_raw_ratio(
     for s in (0.1, 0.4):
         std = torch.full((N,), s)
         x = s * torch.randn(N, *shape, generator=g)  # μ_old = 0
-        raw = gauss_logp(x.double(), drift.double(), std.double().view(-1, 1, 1), "mean") - \
-            gauss_logp(x.double(), torch.zeros_like(x).double(), std.double().view(-1, 1, 1), "mean")
+        raw = gauss_logp(x.double(), drift.double(), std.double().view(-1, 1, 1), "mean") - gauss_logp(
+            x.double(), torch.zeros_like(x).double(), std.double().view(-1, 1, 1), "mean"
+        )
         bias = float((drift[0] ** 2).mean()) / (2 * s * s)
         assert float(raw.mean()) == pytest.approx(-bias, rel=0.1)
         normed = obj.normalised_log_ratio(drift, torch.zeros_like(x), x, std)
@@ -122,7 +149,9 @@ def test_the_rollout_weights_give_mu_old_after_an_optimizer_step():
     batch = obj.batches(forest)[0]
     seen = {}
     guarded = obj.guarded
-    obj.guarded = lambda mean, mean_old, *a, **k: seen.update(mean_old=mean_old.clone()) or guarded(mean, mean_old, *a, **k)
+    obj.guarded = lambda mean, mean_old, *a, **k: (
+        seen.update(mean_old=mean_old.clone()) or guarded(mean, mean_old, *a, **k)
+    )
     _, diag = obj.loss(model, forest, batch, cond)
     assert float(diag["abs_delta_logp"]) == 0.0
     rollout_mean = replay(model, forest, cond, batch.index).mean.detach()
@@ -147,9 +176,25 @@ def test_frozen_copies_are_declared():
 def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
     from flowrl.commands.main import main
 
-    assert main(["train", "configs/shapes/grpo_guard.yaml", "train.max_steps=1", "train.inner_epochs=2",
-                 "prompts.per_step=2", "rollout.group_size=2", "prompts.eval=null", "train.checkpoint_every=0",
-                 "train.progress=false", "train.num_threads=1", f"train.output_dir={tmp_path}", "train.name=guard"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/shapes/grpo_guard.yaml",
+                "train.max_steps=1",
+                "train.inner_epochs=2",
+                "prompts.per_step=2",
+                "rollout.group_size=2",
+                "prompts.eval=null",
+                "train.checkpoint_every=0",
+                "train.progress=false",
+                "train.num_threads=1",
+                f"train.output_dir={tmp_path}",
+                "train.name=guard",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()]
     record = next(r for r in records if "reward_mean" in r)
     assert record["first_step_abs_delta_logp"] == 0.0 and record["trained_edges"] > 0
@@ -157,18 +202,26 @@ def test_the_shapes_preset_trains_one_iteration_through_the_cli(tmp_path):
 
 
 def test_resume_equals_a_straight_run(tmp_path):
-    straight, resumed = straight_and_resumed(lambda *o: tiny(tmp_path, *o), "optim.lr=1e-2", "train.checkpoint_every=1",
-                                             "train.inner_epochs=2", "loss.kl_ref=0.04")
+    straight, resumed = straight_and_resumed(
+        lambda *o: tiny(tmp_path, *o),
+        "optim.lr=1e-2",
+        "train.checkpoint_every=1",
+        "train.inner_epochs=2",
+        "loss.kl_ref=0.04",
+    )
     assert resumed == straight
     assert straight["abs_delta_logp"] > 0  # the second inner epoch replayed at moved weights
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["rollout.plan=ode"], ["loss.objective='grpo_guard'", "rollout.plan='ode'", "deterministic ODE"]),
-    (["loss.reweight=sigma"], ["loss.reweight='sigma'", "accepted", "dt", "none"]),
-    (["loss.clip_low=0"], ["loss.clip_low=0"]),
-    (["loss.kl_ref=0", "loss.kl_form=flow_grpo"], ["loss.kl_form is set but nothing reads it"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rollout.plan=ode"], ["loss.objective='grpo_guard'", "rollout.plan='ode'", "deterministic ODE"]),
+        (["loss.reweight=sigma"], ["loss.reweight='sigma'", "accepted", "dt", "none"]),
+        (["loss.clip_low=0"], ["loss.clip_low=0"]),
+        (["loss.kl_ref=0", "loss.kl_form=flow_grpo"], ["loss.kl_form is set but nothing reads it"]),
+    ],
+)
 def test_refused_combinations_fail_at_load_naming_the_key(tmp_path, overrides, words):
     chains_only = ["rollout.window.mode=all"] if "rollout.plan=ode" in overrides else []  # the ODE plan has no window
     with pytest.raises(ConfigError) as err:

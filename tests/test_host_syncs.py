@@ -10,6 +10,7 @@ boolean tensors outside the forest's structure walks; integer tensors and the ma
 helpers (forest.py, forest_paths.py) are the forest's host-side bookkeeping (node, group and batch indices live on
 the host by design) and are not counted.
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,8 +23,15 @@ import torch
 from flowrl.config.schema import TrainConfig
 from tests.conftest import make_model
 
-HOT_PATH = ("flowrl/rollout/", "flowrl/credit/", "flowrl/objectives/", "flowrl/training/updater.py",
-            "flowrl/training/scoring.py", "flowrl/training/trainer.py", "flowrl/models/prompt_cache.py")
+HOT_PATH = (
+    "flowrl/rollout/",
+    "flowrl/credit/",
+    "flowrl/objectives/",
+    "flowrl/training/updater.py",
+    "flowrl/training/scoring.py",
+    "flowrl/training/trainer.py",
+    "flowrl/models/prompt_cache.py",
+)
 STRUCTURE = ("flowrl/rollout/forest.py", "flowrl/rollout/forest_paths.py")  # walks over host index columns
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
@@ -48,10 +56,11 @@ class HostReads:
         def counting(tensor, *args, **kwargs):
             frame = sys._getframe(1)
             file = frame.f_code.co_filename.replace("\\", "/")
-            here = next((file[file.rindex(p):] for p in HOT_PATH if p in file), None)
+            here = next((file[file.rindex(p) :] for p in HOT_PATH if p in file), None)
             if here is not None and self._counted(tensor, here):
                 self.sites[(here, frame.f_lineno, method)] += 1
             return original(tensor, *args, **kwargs)
+
         return counting
 
     @contextlib.contextmanager
@@ -81,12 +90,28 @@ def second_iteration_reads(tmp_path, objective: str, steps: int, groups: int) ->
     per forward: as many micro-batches as forwards)."""
     from flowrl.training.trainer import Trainer
 
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=2", f"rollout.steps={steps}", "rollout.group_size=4",
-        "rollout.max_batch=4", "prompts.train=a red circle|two blue squares|a green cat|one tree",
-        f"prompts.per_step={groups}", "prompts.eval=null", "train.progress=false", "train.checkpoint_every=0",
-        "train.async_reward=false", "rewards=[{name: redness}]", "train.max_steps=2", "train.updates_per_epoch=2",
-        f"train.output_dir={tmp_path}", f"train.name={objective}-{steps}", *OBJECTIVES[objective]])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=2",
+            f"rollout.steps={steps}",
+            "rollout.group_size=4",
+            "rollout.max_batch=4",
+            "prompts.train=a red circle|two blue squares|a green cat|one tree",
+            f"prompts.per_step={groups}",
+            "prompts.eval=null",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.async_reward=false",
+            "rewards=[{name: redness}]",
+            "train.max_steps=2",
+            "train.updates_per_epoch=2",
+            f"train.output_dir={tmp_path}",
+            f"train.name={objective}-{steps}",
+            *OBJECTIVES[objective],
+        ],
+    )
     trainer = Trainer(cfg, model=make_model("sd3"))
     trainer.train_step(0)
     reads = HostReads()
@@ -99,8 +124,11 @@ def second_iteration_reads(tmp_path, objective: str, steps: int, groups: int) ->
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 def test_host_reads_per_iteration_do_not_grow_with_steps_groups_or_micro_batches(tmp_path, objective):
     small, large = (second_iteration_reads(tmp_path, objective, *SIZES[s]) for s in ("small", "large"))
-    grown = {k: (small.sites[k], large.sites[k]) for k in small.sites.keys() | large.sites.keys()
-             if small.sites[k] != large.sites[k]}
+    grown = {
+        k: (small.sites[k], large.sites[k])
+        for k in small.sites.keys() | large.sites.keys()
+        if small.sites[k] != large.sites[k]
+    }
     assert not grown, f"host reads that grow with the iteration's size (file, line, method): (small, large) {grown}"
     assert large.total <= 20, f"{large.total} host reads in one iteration: {dict(large.sites)}"
 
@@ -147,7 +175,10 @@ def test_device_sums_fold_like_the_host_and_read_back_once():
         code = compile("out = host_values(parts)", "flowrl/training/updater.py", "exec")
         scope = {"host_values": host_values, "parts": [sums, other]}
         exec(code, scope)
-    assert scope["out"] == [{"loss": 5.0, "ratio_min": pytest.approx(0.8), "ratio_max": pytest.approx(1.1)}, {"aux": 2.0}]
+    assert scope["out"] == [
+        {"loss": 5.0, "ratio_min": pytest.approx(0.8), "ratio_max": pytest.approx(1.1)},
+        {"aux": 2.0},
+    ]
     assert reads.total == 1  # one tolist for every value of every part
 
 
@@ -157,8 +188,17 @@ def test_the_forest_settles_edge_values_on_first_read(sd3_model):
 
     f = Forest(prompts=["a"])
     roots = f.add_roots(torch.zeros(3, 1, 2, 2), [0, 0, 0], [1, 2, 3])
-    kids = f.add_children(roots, torch.ones(3, 1, 2, 2), 0.5, 1, torch.tensor([-1.0, -2.0, -3.0]),
-                          torch.tensor([0.1, 0.0, 0.2]), "flow_grpo", 0.7, 0)
+    kids = f.add_children(
+        roots,
+        torch.ones(3, 1, 2, 2),
+        0.5,
+        1,
+        torch.tensor([-1.0, -2.0, -3.0]),
+        torch.tensor([0.1, 0.0, 0.2]),
+        "flow_grpo",
+        0.7,
+        0,
+    )
     assert f._pending and f._logp_old[kids].eq(0).all()
     assert torch.equal(f.logp_old[kids], torch.tensor([-1.0, -2.0, -3.0])) and not f._pending
     assert torch.equal(f.std[kids], torch.tensor([0.1, 0.0, 0.2]))
@@ -172,7 +212,16 @@ def test_replay_batches_are_the_rollout_forwards_in_order():
     f = Forest(prompts=["a"])
     roots = f.add_roots(torch.zeros(6, 1, 2, 2), [0] * 6, list(range(6)))
     for rows, batch in ((slice(0, 2), 1), (slice(2, 6), 0)):
-        f.add_children(roots[rows], torch.ones(rows.stop - rows.start, 1, 2, 2), 0.5, 1,
-                       torch.zeros(rows.stop - rows.start), torch.ones(rows.stop - rows.start), "flow_grpo", 0.7, batch)
+        f.add_children(
+            roots[rows],
+            torch.ones(rows.stop - rows.start, 1, 2, 2),
+            0.5,
+            1,
+            torch.zeros(rows.stop - rows.start),
+            torch.ones(rows.stop - rows.start),
+            "flow_grpo",
+            0.7,
+            batch,
+        )
     edges = torch.tensor([11, 6, 9, 7, 8])
     assert [b.tolist() for b in replay_batches(f, edges)] == [[11, 9, 8], [6, 7]]

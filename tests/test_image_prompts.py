@@ -2,6 +2,7 @@
 instruction, and the source in ``meta["source_images"]``), the ``source_fidelity`` reward, and the refusals at load
 (an edit prompt without its image, an image prompt on a text model, a reward needing sources on text prompts, a
 missing image) naming the key, the line and what is accepted. CPU only, no model."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,6 @@ import torch
 from PIL import Image
 
 from flowrl.errors import ConfigError
-from flowrl.prompts.checks import check_prompt_images
 from flowrl.models.image_prompts import (
     image_prompt,
     load_source_image,
@@ -18,6 +18,7 @@ from flowrl.models.image_prompts import (
     reward_inputs,
     split_image_prompt,
 )
+from flowrl.prompts.checks import check_prompt_images
 from flowrl.rollout.scoring import components_of
 from flowrl_rewards import MultiReward, Reward, build_reward
 
@@ -52,7 +53,10 @@ def test_an_image_prompt_is_one_string_that_splits_back_exactly():
 
 
 def test_rewards_receive_the_instruction_and_the_source_resized_to_the_samples(tmp_path):
-    red, blue = write_image(tmp_path / "red.png", (255, 0, 0), (20, 12)), write_image(tmp_path / "blue.png", (0, 0, 255))
+    red, blue = (
+        write_image(tmp_path / "red.png", (255, 0, 0), (20, 12)),
+        write_image(tmp_path / "blue.png", (0, 0, 255)),
+    )
     prompts = [image_prompt("make it green", red), image_prompt("make it pink", blue)]
     images = torch.rand(2, 3, 8, 10)
     texts, meta = reward_inputs(prompts, {"specs": 1}, images)
@@ -101,24 +105,39 @@ def test_prompts_that_do_not_fit_the_model_fail_at_load_naming_key_line_and_form
     check_prompt_images("a red circle|a blue square", "prompts.train", edits=False, family="sd3")
     mixed = tmp_path / "mixed.txt"
     mixed.write_text(f"[image: {dog}] make the dog blue\nmake it red\n")
-    with pytest.raises(ConfigError, match=r"^prompts.train=.*mixed.txt.*, line 2: 'make it red' has no source image, "
-                                          r"but model.family='qwen_image_edit' edits an image; accepted: "
-                                          r"'\[image: PATH\] INSTRUCTION'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^prompts.train=.*mixed.txt.*, line 2: 'make it red' has no source image, "
+        r"but model.family='qwen_image_edit' edits an image; accepted: "
+        r"'\[image: PATH\] INSTRUCTION'",
+    ):
         check_prompt_images(str(mixed), "prompts.train", edits=True, family="qwen_image_edit")
-    with pytest.raises(ConfigError, match=r"^prompts.eval=.*, line 2: .* carries a source image, but "
-                                          r"model.family='sd3' generates from text; .*model.family=qwen_image_edit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^prompts.eval=.*, line 2: .* carries a source image, but "
+        r"model.family='sd3' generates from text; .*model.family=qwen_image_edit",
+    ):
         check_prompt_images(str(good), "prompts.eval", edits=False, family="sd3")
-    with pytest.raises(ConfigError, match=r"prompt 1: 'a red circle': reward 'source_fidelity' compares the sample "
-                                          r"with the prompt's source image, and this prompt has none"):
-        check_prompt_images("a red circle|two dogs", "prompts.train", edits=False, family="sd3",
-                            rewards=[build_reward("source_fidelity")])
+    with pytest.raises(
+        ConfigError,
+        match=r"prompt 1: 'a red circle': reward 'source_fidelity' compares the sample "
+        r"with the prompt's source image, and this prompt has none",
+    ):
+        check_prompt_images(
+            "a red circle|two dogs",
+            "prompts.train",
+            edits=False,
+            family="sd3",
+            rewards=[build_reward("source_fidelity")],
+        )
     missing = tmp_path / "missing.txt"
     missing.write_text(f"[image: {dog}] ok\n[image: {tmp_path}/nope.png] make it blue\n")
     with pytest.raises(ConfigError, match=r"line 2: .*no such image '.*nope.png' \(looked in the working directory"):
         check_prompt_images(str(missing), "prompts.train", edits=True, family="qwen_image_edit")
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(ConfigError, match=r"prompt 1: .*cannot open the image '.*broken.png'"):
-        check_prompt_images(f"[image: {tmp_path}/broken.png] make it blue", "prompts.train", edits=True,
-                            family="qwen_image_edit")
+        check_prompt_images(
+            f"[image: {tmp_path}/broken.png] make it blue", "prompts.train", edits=True, family="qwen_image_edit"
+        )
     with pytest.raises(ConfigError, match=r"prompt 1: .*the instruction is empty"):
         check_prompt_images(f"[image: {dog}]  |[image: {dog}] x", "prompts.train", edits=True, family="qwen_image_edit")

@@ -2,6 +2,7 @@
 at module level, inside a function (a function-level import only hides a cycle until it runs) or under
 ``if TYPE_CHECKING:`` (a type-only import still makes the two modules depend on each other: break the cycle
 instead, e.g. by taking the object duck-typed)."""
+
 from __future__ import annotations
 
 import ast
@@ -117,13 +118,16 @@ def test_the_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
 def test_the_checker_sees_a_cycle_through_a_type_only_import(tmp_path):
     """flowrl.config.schema called flowrl.config.checks inside a method while config_checks imported TrainConfig
     under ``if TYPE_CHECKING:`` for its annotations: a cycle all the same."""
-    graph = _graph_of(tmp_path, {
-        "config.py": "class TrainConfig:\n    def validate(self):\n        from pkg.checks import check\n"
-                     "        check(self)\n",
-        "checks.py": "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
-                     "if TYPE_CHECKING:\n    from pkg.config import TrainConfig\n\n"
-                     "def check(cfg: TrainConfig) -> None:\n    pass\n",
-    })
+    graph = _graph_of(
+        tmp_path,
+        {
+            "config.py": "class TrainConfig:\n    def validate(self):\n        from pkg.checks import check\n"
+            "        check(self)\n",
+            "checks.py": "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from pkg.config import TrainConfig\n\n"
+            "def check(cfg: TrainConfig) -> None:\n    pass\n",
+        },
+    )
     assert graph["pkg.checks"] == {"pkg.config"}
     assert cycles(graph) == [["pkg.checks", "pkg.config"]]
 
@@ -131,13 +135,20 @@ def test_the_checker_sees_a_cycle_through_a_type_only_import(tmp_path):
 def test_no_import_cycle_in_flowrl_and_rewards():
     graph = import_graph()
     # the rewards folder's modules are seen by their import name: flowrl's imports of them are edges
-    assert "flowrl_rewards" in graph["flowrl.config.build"] and "flowrl.shapes.world" in graph["flowrl_rewards.compositional.shapes"]
+    assert (
+        "flowrl_rewards" in graph["flowrl.config.build"]
+        and "flowrl.shapes.world" in graph["flowrl_rewards.compositional.shapes"]
+    )
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
 
 
 def test_no_module_of_flowrl_or_rewards_is_over_400_lines():
     """Small modules with one job each (issues 25, 35): a module past 400 lines is doing more than one."""
-    long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
     assert not long, long

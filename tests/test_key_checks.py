@@ -1,6 +1,7 @@
 """Every key checked at load by one path (issue 53, items 2 and 5): reward settings, ``model.kwargs`` and the keys of
 wrapped plans are refused when the config loads, naming the key, the value and the accepted keys, with no model loaded
 and no reward built."""
+
 from __future__ import annotations
 
 import textwrap
@@ -23,8 +24,8 @@ def _refuse(*args, **kwargs):
 def nothing_built(monkeypatch):
     """Any model load, and the shapes/OCR rewards' constructors, raise: a check that reaches them fails the test."""
     from flowrl import models
-    from flowrl_rewards.text.ocr import OcrReward
     from flowrl_rewards.compositional.shapes import ShapesReward
+    from flowrl_rewards.text.ocr import OcrReward
 
     monkeypatch.setattr(ModelFamily, "load", _refuse)
     monkeypatch.setattr(models, "load_model", _refuse)
@@ -43,23 +44,33 @@ def test_a_misspelt_reward_setting_is_refused_at_load_naming_key_value_and_setti
     with pytest.raises(ConfigError) as e:
         load("rewards=[{name: shapes, kwargs: {mdoe: strict}}]")
     assert time.perf_counter() - start < 1.0
-    assert str(e.value) == ("rewards[0].kwargs.mdoe='strict' is not a setting of reward 'shapes' (ShapesReward) (did "
-                            "you mean 'mode'?); accepted: ['mode', 'frame_stride']")
-    with pytest.raises(ConfigError, match=r"eval.rewards\[1\].kwargs.thread=2 is not a setting of reward 'ocr' "
-                                          r"\(OcrReward\) \(did you mean 'threads'\?\); accepted: \['engine', "
-                                          r"'threads', 'min_confidence', 'frame_stride'\]"):
+    assert str(e.value) == (
+        "rewards[0].kwargs.mdoe='strict' is not a setting of reward 'shapes' (ShapesReward) (did "
+        "you mean 'mode'?); accepted: ['mode', 'frame_stride']"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"eval.rewards\[1\].kwargs.thread=2 is not a setting of reward 'ocr' "
+        r"\(OcrReward\) \(did you mean 'threads'\?\); accepted: \['engine', "
+        r"'threads', 'min_confidence', 'frame_stride'\]",
+    ):
         load("eval.rewards=[{name: shapes}, {name: ocr, kwargs: {thread: 2}}]")
 
 
 def test_the_combiners_frame_stride_and_the_rewards_own_settings_pass(nothing_built):
-    cfg = load("rewards=[{name: shapes, kwargs: {mode: precise, frame_stride: 2}}]",
-               "eval.rewards=[{name: ocr, kwargs: {engine: paddleocr, min_confidence: 0.2}}]")
+    cfg = load(
+        "rewards=[{name: shapes, kwargs: {mode: precise, frame_stride: 2}}]",
+        "eval.rewards=[{name: ocr, kwargs: {engine: paddleocr, min_confidence: 0.2}}]",
+    )
     assert cfg.rewards[0].kwargs == {"mode": "precise", "frame_stride": 2}
 
 
 def test_a_required_setting_left_out_is_refused_at_load():
-    with pytest.raises(ConfigError, match=r"rewards\[0\].kwargs.url must be set: reward 'remote' \(RemoteReward\) has "
-                                          r"no default for it; its settings: \['url', 'timeout'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rewards\[0\].kwargs.url must be set: reward 'remote' \(RemoteReward\) has "
+        r"no default for it; its settings: \['url', 'timeout'",
+    ):
         load("rewards=[{name: remote}]")
 
 
@@ -68,7 +79,7 @@ def test_an_unknown_reward_name_is_refused_at_load_naming_its_key():
         load("rewards=[{name: shapez}]")
 
 
-PLUGIN = '''
+PLUGIN = """
 import dataclasses
 
 from flowrl_rewards import Reward
@@ -108,7 +119,7 @@ class Declared(Reward):
 
     def score(self, images, prompts, meta):
         return images.mean(dim=(1, 2, 3))
-'''
+"""
 
 
 @pytest.fixture
@@ -121,15 +132,21 @@ def plugin(tmp_path):
 def test_a_plugin_rewards_settings_are_checked_at_load_with_its_class_imported_not_built(plugin, nothing_built):
     from flowrl.core.plugins import import_file
 
-    with pytest.raises(ConfigError, match=rf"rewards\[0\].kwargs.colour=1 is not a setting of reward "
-                                          rf"'{plugin}:Tinted' \(Tinted\); accepted: \['channel', 'factor', "
-                                          rf"'frame_stride'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"rewards\[0\].kwargs.colour=1 is not a setting of reward "
+        rf"'{plugin}:Tinted' \(Tinted\); accepted: \['channel', 'factor', "
+        rf"'frame_stride'\]",
+    ):
         load(f"rewards=[{{name: '{plugin}:Tinted', kwargs: {{colour: 1}}}}]")
     load(f"rewards=[{{name: '{plugin}:Tinted', kwargs: {{channel: 2}}}}]")
     load(f"rewards=[{{name: '{plugin}:Open', kwargs: {{anything: 1}}}}]")  # **options: any key
-    with pytest.raises(ConfigError, match=r"rewards\[0\].kwargs.threshhold=0.1 is not a setting of reward .*Declared"
-                                          r"\) \(did you mean 'threshold'\?\); accepted: \['threshold', 'labels', "
-                                          r"'frame_stride'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rewards\[0\].kwargs.threshhold=0.1 is not a setting of reward .*Declared"
+        r"\) \(did you mean 'threshold'\?\); accepted: \['threshold', 'labels', "
+        r"'frame_stride'\]",
+    ):
         load(f"rewards=[{{name: '{plugin}:Declared', kwargs: {{threshhold: 0.1}}}}]")
     assert import_file(str(plugin), "reward plugin file").BUILT == []  # imported, never built
 
@@ -145,20 +162,29 @@ def test_the_settings_are_derived_once_per_class_with_defaults_and_annotations()
 def test_build_reward_refuses_with_the_same_message():
     from flowrl_rewards import build_reward
 
-    with pytest.raises(ConfigError, match=r"^mdoe='x' is not a setting of reward 'shapes' \(ShapesReward\) \(did you "
-                                          r"mean 'mode'\?\); accepted: \['mode'\]$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^mdoe='x' is not a setting of reward 'shapes' \(ShapesReward\) \(did you "
+        r"mean 'mode'\?\); accepted: \['mode'\]$",
+    ):
         build_reward("shapes", mdoe="x")
 
 
 # ---- model.kwargs -------------------------------------------------------------------------------------------------
 def test_a_misspelt_model_kwarg_is_refused_at_load_from_the_adapters_signature(nothing_built):
-    with pytest.raises(ConfigError, match=r"^model.kwargs.negative_promt='blurry' is not a keyword of the "
-                                          r"model.family='shapes' adapter \(did you mean 'negative_prompt'\?\); "
-                                          r"accepted: \['negative_prompt'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.kwargs.negative_promt='blurry' is not a keyword of the "
+        r"model.family='shapes' adapter \(did you mean 'negative_prompt'\?\); "
+        r"accepted: \['negative_prompt'\]",
+    ):
         load("model.kwargs={negative_promt: blurry}")
-    with pytest.raises(ConfigError, match=r"model.kwargs.complex_human_instructions=.* model.family='sana' adapter "
-                                          r"\(did you mean 'complex_human_instruction'\?\); accepted: "
-                                          r"\['pipeline_kwargs', 'complex_human_instruction', 'negative_prompt'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs.complex_human_instructions=.* model.family='sana' adapter "
+        r"\(did you mean 'complex_human_instruction'\?\); accepted: "
+        r"\['pipeline_kwargs', 'complex_human_instruction', 'negative_prompt'\]",
+    ):
         load("model.family=sana", "model.path=some/folder", "model.kwargs={complex_human_instructions: [a]}")
     with pytest.raises(ConfigError, match="model.kwargs.height has its own key: set model.height instead"):
         load("model.kwargs={height: 64}")
@@ -180,21 +206,39 @@ def test_adapter_keywords_read_the_loader_and_the_adapters_options():
 
 
 # ---- wrapped plans ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.plan=explore", "rollout.pol=8"], "unknown config key 'rollout.pol'; did you mean 'rollout.pool'?"),
-    (["rollout.plan=probed", "rollout.prob=x0_projection"],
-     "unknown config key 'rollout.prob'; did you mean 'rollout.probe'?"),
-    (["rollout.plan=explore", "rollout.min_params=8"],
-     ("rollout.min_params is set but nothing reads it: it chooses the layers a low-precision backend converts, and "
-      "rollout.backend: same converts none")),
-    (["rollout.plan=probed", "rollout.inner={plan: chains, stpes: 5}"],
-     ("rollout.inner: 'stpes' is not a key of rollout.plan='chains' (did you mean 'steps'?); its keys: "
-      "['group_size', 'steps'")),
-    (["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
-     "rollout.inner.post_steps_ratio is set but nothing reads it"),
-    (["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
-     "rollout.inner.post_steps_ratio is set but nothing reads it"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.plan=explore", "rollout.pol=8"], "unknown config key 'rollout.pol'; did you mean 'rollout.pool'?"),
+        (
+            ["rollout.plan=probed", "rollout.prob=x0_projection"],
+            "unknown config key 'rollout.prob'; did you mean 'rollout.probe'?",
+        ),
+        (
+            ["rollout.plan=explore", "rollout.min_params=8"],
+            (
+                "rollout.min_params is set but nothing reads it: it chooses the layers a low-precision backend "
+                "converts, and "
+                "rollout.backend: same converts none"
+            ),
+        ),
+        (
+            ["rollout.plan=probed", "rollout.inner={plan: chains, stpes: 5}"],
+            (
+                "rollout.inner: 'stpes' is not a key of rollout.plan='chains' (did you mean 'steps'?); its keys: "
+                "['group_size', 'steps'"
+            ),
+        ),
+        (
+            ["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
+            "rollout.inner.post_steps_ratio is set but nothing reads it",
+        ),
+        (
+            ["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.5}"],
+            "rollout.inner.post_steps_ratio is set but nothing reads it",
+        ),
+    ],
+)
 def test_a_wrapped_plans_own_keys_and_its_inner_plans_are_checked_at_load(overrides, message, nothing_built):
     with pytest.raises(ConfigError) as e:
         load(*overrides)
@@ -216,7 +260,7 @@ def test_train_help_lists_the_running_configs_reward_settings_with_defaults(caps
     with pytest.raises(SystemExit):
         main(["train", "rewards=[{name: ocr, kwargs: {threads: 2}}]", "--help"])
     out = capsys.readouterr().out
-    settings = out[out.index("reward settings (the keys of rewards[i].kwargs"):]
+    settings = out[out.index("reward settings (the keys of rewards[i].kwargs") :]
     assert "rewards[0] ocr (flowrl_rewards.text.ocr.OcrReward):" in settings
     assert "    min_confidence: 0.5  # float\n" in settings
     assert "    threads: 1  # int; set in this config\n" in settings

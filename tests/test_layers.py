@@ -3,7 +3,8 @@ what)::
 
     core      flowrl (the package: its public names are imported lazily, so it imports nothing), flowrl/errors.py,
               flowrl/paths.py, flowrl/core/ (seeding, the registry, the choices)
-    models    flowrl/models/           the adapters, the FlowModel contract, the stored architectures, the image-prompt form
+    models    flowrl/models/           the adapters, the FlowModel contract, the stored architectures, the image-prompt
+    form
     shapes    flowrl/shapes/           the embedded world and its model (an SD3 adapter of models/)
     rewards   rewards/ (flowrl_rewards) the Scorer port, the rewards, the background scorer (the shapes reward reads
                                        the world; rewards use models' dtypes)
@@ -26,6 +27,7 @@ importing it lazily. Every module must sit in a layer (:func:`test_every_module_
 move that removes it; an entry that no longer climbs fails :func:`test_the_moves_not_yet_made_are_still_needed` until it
 is deleted, so the list only shrinks.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,9 +51,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 without ``.*`` is that module alone."""
 
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("flowrl.objectives.teacher", "flowrl.run.checkpoint"):
-        "the teacher's weights read from a run's checkpoint by the loop and handed to the objective (owner: the "
-        "objective contract's rewrite)",
+    (
+        "flowrl.objectives.teacher",
+        "flowrl.run.checkpoint",
+    ): "the teacher's weights read from a run's checkpoint by the loop and handed to the objective (owner: the "
+    "objective contract's rewrite)",
 }
 """(importing module, imported module) → the move that removes the upward import (see the module docstring)."""
 
@@ -67,8 +71,10 @@ class Climb(NamedTuple):
     imported_layer: str
 
     def __str__(self) -> str:
-        return (f"{self.file}:{self.line}: {self.module} (layer {self.layer!r}) imports {self.imported} (layer "
-                f"{self.imported_layer!r}, above it)")
+        return (
+            f"{self.file}:{self.line}: {self.module} (layer {self.layer!r}) imports {self.imported} (layer "
+            f"{self.imported_layer!r}, above it)"
+        )
 
 
 def _in(module: str, pattern: str) -> bool:
@@ -121,16 +127,22 @@ def _package(tmp_path: Path, files: dict[str, str]) -> list[Path]:
 
 def test_the_checker_names_an_upward_import_in_a_function_and_under_type_checking(tmp_path, monkeypatch):
     monkeypatch.setattr(graph, "ROOT", tmp_path)
-    files = _package(tmp_path, {
-        "low.py": "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\n"
-                  "if TYPE_CHECKING:\n    from pkg.high import High\n\n\n"
-                  "def make() -> High:\n    from pkg import high\n    return high.High()\n",
-        "high.py": "from pkg.low import make\n\n\nclass High:\n    pass\n",
-        "mid.py": "import pkg.low\n",
-    })
+    files = _package(
+        tmp_path,
+        {
+            "low.py": "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\n"
+            "if TYPE_CHECKING:\n    from pkg.high import High\n\n\n"
+            "def make() -> High:\n    from pkg import high\n    return high.High()\n",
+            "high.py": "from pkg.low import make\n\n\nclass High:\n    pass\n",
+            "mid.py": "import pkg.low\n",
+        },
+    )
     layers = [("low", ("pkg", "pkg.low")), ("mid", ("pkg.mid",)), ("high", ("pkg.high",))]
     found = climbs(files, layers)
-    assert [(c.file, c.line, c.imported) for c in found] == [("pkg/low.py", 5, "pkg.high"), ("pkg/low.py", 9, "pkg.high")]
+    assert [(c.file, c.line, c.imported) for c in found] == [
+        ("pkg/low.py", 5, "pkg.high"),
+        ("pkg/low.py", 9, "pkg.high"),
+    ]
     assert str(found[0]) == "pkg/low.py:5: pkg.low (layer 'low') imports pkg.high (layer 'high', above it)"
     assert layer_of("pkg", layers) == 0 and layer_of("pkg.other", layers) is None  # "pkg": the package alone
 

@@ -1,10 +1,12 @@
-"""Independent tests of flowrl/objectives/policy.py against docs/algorithms.md, "The clipped objective" (and the adaptive clip
+"""Independent tests of flowrl/objectives/policy.py against docs/algorithms.md, "The clipped objective" (and the
+adaptive clip
 of docs/trees.md, "Dynamic-TreeRPO's loss").
 
 Reference: L = mean_e w_e·max(−A_e·r_e, −A_e·clip(r_e, 1−ε_low, 1+ε_high)) + β·mean_e w_e·KL_e with
 A clipped to ±adv_clip, computed here in float64 numpy. (Edge weights default to 1; the spec's
 "mean over trained edges" is the plain mean when all weights are 1.)
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +53,9 @@ def test_default_loss_matches_reference_with_advantage_clipping():
     unclipped = ref_loss(_f64(logp), _f64(logp_old), _f64(adv), _f64(kl), adv_clip=1e9)
     assert abs(unclipped - expected) > 1e-2
     assert float(diag["kl"]) == pytest.approx(float(kl.double().mean()), rel=1e-6)
-    assert float(diag["policy_loss"]) == pytest.approx(ref_loss(_f64(logp), _f64(logp_old), _f64(adv)), rel=1e-6, abs=1e-6)
+    assert float(diag["policy_loss"]) == pytest.approx(
+        ref_loss(_f64(logp), _f64(logp_old), _f64(adv)), rel=1e-6, abs=1e-6
+    )
 
 
 def test_beta_times_mean_kl_is_added():
@@ -155,7 +159,8 @@ def test_adaptive_clip_widens_bound_with_advantage():
     """Adaptive clip (docs/trees.md, "Dynamic-TreeRPO's loss"):
     ε_high(A) = ε·(1 + κ·max(A,0)/adv_clip), ε_low(A) = ε·(1 + κ·max(−A,0)/adv_clip)."""
     eps, kappa, adv_clip = 0.1, 1.0, 5.0
-    # A = 5 → ε_high 0.2: r = 1.15 is inside; A = −5 → ε_low 0.2: r = 0.85 inside; A = 2.5 → ε_high 0.15: r = 1.18 clipped
+    # A = 5 → ε_high 0.2: r = 1.15 is inside; A = −5 → ε_low 0.2: r = 0.85 inside; A = 2.5 → ε_high 0.15: r = 1.18
+    # clipped
     # last edge: A = −5 with r = 1.15 (the non-binding side: the high bound stays ε, so it counts as clipped high)
     r = np.array([1.15, 0.85, 1.18, 0.85, 1.15])
     a = np.array([5.0, -5.0, 2.5, -1.0, -5.0])
@@ -178,23 +183,27 @@ def test_adaptive_clip_widens_bound_with_advantage():
     assert float(diag["clipfrac_high"]) == pytest.approx(0.4) and float(diag["clipfrac_low"]) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"clip_low": 0.0}, "clip_low"),
-    ({"clip_low": -1e-4}, "clip_low"),
-    ({"clip_high": 0.0}, "clip_high"),
-    ({"clip_high": -0.2}, "clip_high"),
-    ({"kl_form": "reverse"}, "kl_form"),
-    ({"kl_ref": -0.1}, "kl_ref"),
-    ({"reduction": "max"}, "reduction"),
-    ({"adaptive_kappa": -2.0}, "adaptive_kappa"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"clip_low": 0.0}, "clip_low"),
+        ({"clip_low": -1e-4}, "clip_low"),
+        ({"clip_high": 0.0}, "clip_high"),
+        ({"clip_high": -0.2}, "clip_high"),
+        ({"kl_form": "reverse"}, "kl_form"),
+        ({"kl_ref": -0.1}, "kl_ref"),
+        ({"reduction": "max"}, "reduction"),
+        ({"adaptive_kappa": -2.0}, "adaptive_kappa"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         PolicyLoss(**kwargs)
 
 
 def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
-    """The LayerTuning term (value and LoRA gradient) does not depend on ``micro_batch`` (rows per forward: ``rollout.max_batch``); a prompt group
+    """The LayerTuning term (value and LoRA gradient) does not depend on ``micro_batch`` (rows per forward:
+    ``rollout.max_batch``); a prompt group
     whose leaves all score the same has weight 0 and adds nothing."""
     from conftest import make_model, with_lora
 
@@ -204,7 +213,8 @@ def test_layer_tuning_term_is_the_same_in_any_chunking_and_skips_flat_groups():
 
     model = with_lora(make_model("sd3"))
     forest = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.5).rollout(
-        model, ["a red circle", "two blue squares"], RolloutContext(seed=0))
+        model, ["a red circle", "two blue squares"], RolloutContext(seed=0)
+    )
     leaves = forest.leaves()
     forest.reward[leaves] = torch.tensor([0.1, 0.9, 0.3, 0.2, 0.5, 0.5, 0.5, 0.5])  # group 1 is flat
     cond = model.encode(forest.prompts, forest.guidance)
@@ -239,7 +249,8 @@ def test_layer_tuning_regresses_the_conditional_velocity_at_any_guidance():
 
     model = with_lora(make_model("sd3"))
     forest = Tree(steps=4, split_steps=[0, 1], kernel="dance", eta=0.5).rollout(
-        model, ["a red circle", "two blue squares"], RolloutContext(seed=0))
+        model, ["a red circle", "two blue squares"], RolloutContext(seed=0)
+    )
     forest.reward[forest.leaves()] = torch.tensor([0.1, 0.9, 0.3, 0.2, 0.5, 0.1, 0.5, 0.8])
     terms = {}
     for g in (1.0, 3.0):

@@ -9,6 +9,7 @@ the replay at unchanged weights bit-equal to the rollout (first inner step: |Δl
 Run as a script (``python tests/test_low_precision.py OUT``, under ``accelerate launch``) it is the worker of
 :func:`test_accelerate_launch_bf16_two_processes`.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,18 @@ def low_model(family: str, dtype: torch.dtype | None):
 
 def low_config(tmp_path: Path, name: str, family: str, dtype: str, *extra: str):
     """tests/test_trainer.py's tiny LoRA config, smaller: 2 prompts × 2 chains × 3 steps (2 SDE), EMA on."""
-    return tiny_config(tmp_path, name, f"model.family={family}", f"model.dtype={dtype}", "prompts.eval=null",
-                       "rollout.group_size=2", "rollout.steps=3", "rollout.window.size=2", "train.ema=0.5", *extra)
+    return tiny_config(
+        tmp_path,
+        name,
+        f"model.family={family}",
+        f"model.dtype={dtype}",
+        "prompts.eval=null",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        "rollout.window.size=2",
+        "train.ema=0.5",
+        *extra,
+    )
 
 
 def trained(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -75,8 +86,9 @@ def check_iteration(record: dict) -> None:
 def test_lora_trains_checkpoints_and_resumes_in_low_precision(tmp_path, family, dtype):
     """Base weights in ``dtype``, LoRA in fp32: 2 iterations replay with ratio exactly 1, the LoRA moves and
     stays finite, step-2 is written, and 2 + resume to 3 equals 3 straight iterations bit for bit."""
-    straight = Trainer(low_config(tmp_path, "straight", family, dtype, "train.max_steps=3"),
-                       model=low_model(family, DTYPES[dtype]))
+    straight = Trainer(
+        low_config(tmp_path, "straight", family, dtype, "train.max_steps=3"), model=low_model(family, DTYPES[dtype])
+    )
     before = trained(straight)
     assert {p.dtype for p in straight.params} == {torch.float32}  # LoRA fp32 ...
     base = [p for n, p in straight.model.trainable.named_parameters() if "base_layer.weight" in n]
@@ -89,13 +101,16 @@ def test_lora_trains_checkpoints_and_resumes_in_low_precision(tmp_path, family, 
     assert all(torch.isfinite(p).all() for p in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
-    first = Trainer(low_config(tmp_path, "resumed", family, dtype, "train.max_steps=2"),
-                    model=low_model(family, DTYPES[dtype]))
+    first = Trainer(
+        low_config(tmp_path, "resumed", family, dtype, "train.max_steps=2"), model=low_model(family, DTYPES[dtype])
+    )
     first.train()
     checkpoint = tmp_path / "resumed" / "checkpoints" / "step-2"
     assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
-    second = Trainer(low_config(tmp_path, "resumed", family, dtype, "train.max_steps=3", "train.resume=latest"),
-                     model=low_model(family, DTYPES[dtype]))
+    second = Trainer(
+        low_config(tmp_path, "resumed", family, dtype, "train.max_steps=3", "train.resume=latest"),
+        model=low_model(family, DTYPES[dtype]),
+    )
     second.train()
     a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in b] == [1, 2, 3]
@@ -163,11 +178,28 @@ def test_nft_old_policy_adapter_is_fp32_in_bf16(tmp_path):
     (θ_old ← d·θ_old + (1 − d)·θ) is not rounded to bf16; two iterations train with finite weights."""
     from flowrl.config.schema import TrainConfig
 
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.dtype=bfloat16", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=2",
-        "rollout.steps=3", "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
-        "loss.objective=nft", "loss.draws=1", "train.max_steps=2", "train.progress=false", "train.async_reward=false",
-        "rewards=[{name: brightness}]", f"train.output_dir={tmp_path}", "train.name=nft"])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.dtype=bfloat16",
+            "model.lora.rank=2",
+            "rollout.plan=ode",
+            "rollout.group_size=2",
+            "rollout.steps=3",
+            "prompts.train=a red circle|two blue squares",
+            "prompts.per_step=2",
+            "prompts.eval=null",
+            "loss.objective=nft",
+            "loss.draws=1",
+            "train.max_steps=2",
+            "train.progress=false",
+            "train.async_reward=false",
+            "rewards=[{name: brightness}]",
+            f"train.output_dir={tmp_path}",
+            "train.name=nft",
+        ],
+    )
     trainer = Trainer(cfg, model=low_model("sd3", torch.bfloat16))
     old = [old for old, _ in trainer.objective._old.pairs]
     assert old and {p.dtype for p in old} == {torch.float32}
@@ -182,12 +214,22 @@ def test_full_finetune_keeps_fp32_master_weights_under_bf16_autocast(tmp_path):
     from flowrl.models.testing import tiny_sd3_pipeline
 
     tiny_sd3_pipeline().save_pretrained(tmp_path / "pipe")
-    cfg = low_config(tmp_path, "full", "sd3", "bfloat16", "train.max_steps=2", f"model.path={tmp_path / 'pipe'}",
-                     "model.full_finetune=true", "optim.lr=1e-4")
+    cfg = low_config(
+        tmp_path,
+        "full",
+        "sd3",
+        "bfloat16",
+        "train.max_steps=2",
+        f"model.path={tmp_path / 'pipe'}",
+        "model.full_finetune=true",
+        "optim.lr=1e-4",
+    )
     trainer = Trainer(cfg)
     model = trainer.model
     assert model.autocast == torch.bfloat16 and model.dtype == torch.float32
-    assert {p.dtype for p in trainer.params} == {torch.float32} and len(trainer.params) == len(list(model.trainable.parameters()))
+    assert {p.dtype for p in trainer.params} == {torch.float32} and len(trainer.params) == len(
+        list(model.trainable.parameters())
+    )
     before = trained(trainer)
     records = trainer.train()
     for record in records:
@@ -207,18 +249,35 @@ def _worker(out: str) -> None:
     from tests.conftest import make_model
 
     torch.set_num_threads(1)
-    cfg = tiny_config(Path(out), "mp", "train.max_steps=2", "prompts.eval=null", "rollout.group_size=2",
-                      "rollout.steps=3", "rollout.window.size=2", "credit.scale=global")
+    cfg = tiny_config(
+        Path(out),
+        "mp",
+        "train.max_steps=2",
+        "prompts.eval=null",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        "rollout.window.size=2",
+        "credit.scale=global",
+    )
     trainer = Trainer(cfg, model=make_model("sd3"))
     seen = set()
     linear = next(m for m in trainer.model.trainable.modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, i, o: seen.add(str(o.dtype)))
     records = trainer.train()
-    torch.save({"world": trainer.world, "rank": trainer.rank, "mixed_precision": trainer.accelerator.mixed_precision,
-                "distributed_type": str(trainer.accelerator.distributed_type),
-                "autocast": str(autocast_dtype(trainer.model)), "linear_out": sorted(seen), "records": records,
-                "lora": trained(trainer), "param_dtypes": sorted({str(p.dtype) for p in trainer.params})},
-               Path(out) / f"rank{trainer.rank}.pt")
+    torch.save(
+        {
+            "world": trainer.world,
+            "rank": trainer.rank,
+            "mixed_precision": trainer.accelerator.mixed_precision,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "autocast": str(autocast_dtype(trainer.model)),
+            "linear_out": sorted(seen),
+            "records": records,
+            "lora": trained(trainer),
+            "param_dtypes": sorted({str(p.dtype) for p in trainer.params}),
+        },
+        Path(out) / f"rank{trainer.rank}.pt",
+    )
 
 
 @pytest.mark.slow  # three processes started on two cores (8–12 s): `pytest -m slow`, run by .ci/run
@@ -232,10 +291,27 @@ def test_accelerate_launch_bf16_two_processes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no", "--main_process_port", str(port),
-           str(Path(__file__).resolve()), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        str(Path(__file__).resolve()),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, env=env, timeout=600, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2] and [r["rank"] for r in ranks] == [0, 1]  # two ranks really ran

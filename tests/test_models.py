@@ -1,4 +1,5 @@
 """Model adapters (SD3, FLUX) on tiny offline pipelines: contract, exactness and LoRA I/O. CPU only."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -127,8 +128,14 @@ def test_sd3_schedule_with_dynamic_shifting_is_the_pipelines():
     with torch.no_grad():
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i], cond)
-        ref = pipe(prompt, guidance_scale=1.0, num_inference_steps=steps, max_sequence_length=16,
-                   latents=x_T, output_type="latent").images
+        ref = pipe(
+            prompt,
+            guidance_scale=1.0,
+            num_inference_steps=steps,
+            max_sequence_length=16,
+            latents=x_T,
+            output_type="latent",
+        ).images
     assert torch.equal(sigmas, pipe.scheduler.sigmas)  # what the pipeline's call set
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
 
@@ -189,12 +196,26 @@ def test_euler_ode_with_the_adapter_reproduces_the_pipeline(kind):
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i], cond)
         if kind == "flux":
-            ref = pipe(prompt, negative_prompt="", true_cfg_scale=2.5, num_inference_steps=steps,
-                       max_sequence_length=16, latents=model.pack(x_T), output_type="latent", **FLUX_SIZE).images
+            ref = pipe(
+                prompt,
+                negative_prompt="",
+                true_cfg_scale=2.5,
+                num_inference_steps=steps,
+                max_sequence_length=16,
+                latents=model.pack(x_T),
+                output_type="latent",
+                **FLUX_SIZE,
+            ).images
             ref = model.unpack(ref)
         else:
-            ref = pipe(prompt, guidance_scale=2.5, num_inference_steps=steps, max_sequence_length=16,
-                       latents=x_T, output_type="latent").images
+            ref = pipe(
+                prompt,
+                guidance_scale=2.5,
+                num_inference_steps=steps,
+                max_sequence_length=16,
+                latents=x_T,
+                output_type="latent",
+            ).images
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -235,8 +256,9 @@ def test_cfg_composes_both_branches_in_one_forward(kind):
     _, model = make(kind, **cfg_kw(kind, 3.0))
     x, s, prompts = inputs(model)
     rows = []
-    hook = model.trainable.register_forward_hook(lambda m, args, kw, out: rows.append(kw["hidden_states"].shape[0]),
-                                                 with_kwargs=True)
+    hook = model.trainable.register_forward_hook(
+        lambda m, args, kw, out: rows.append(kw["hidden_states"].shape[0]), with_kwargs=True
+    )
     cond = model.encode(prompts)
     v = model.velocity(x, s, cond)
     assert rows == [6]  # [uncond; cond] in one call

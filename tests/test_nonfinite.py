@@ -1,5 +1,6 @@
 """Non-finite values never reach the weights: ±inf rewards count as failed, a non-finite gradient skips its
 optimizer step, several in a row stop the run (issue 24, item 1)."""
+
 from __future__ import annotations
 
 import math
@@ -25,19 +26,39 @@ class InfiniteOnFirst(Redness):
 
 def config(tmp_path, name, *extra):
     window = [] if "rollout.plan=ode" in extra else ["rollout.window.mode=all"]  # the ODE plan has no window
-    return TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=2", "model.lora.init=default", "rollout.group_size=4", "rollout.steps=3",
-        *window, "prompts.train=a red circle|two blue squares", "prompts.per_step=2",
-        "prompts.eval=null", "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false",
-        "rewards=[{name: redness}]", "optim.lr=1e-2", f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
+    return TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=2",
+            "model.lora.init=default",
+            "rollout.group_size=4",
+            "rollout.steps=3",
+            *window,
+            "prompts.train=a red circle|two blue squares",
+            "prompts.per_step=2",
+            "prompts.eval=null",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.async_reward=false",
+            "rewards=[{name: redness}]",
+            "optim.lr=1e-2",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            *extra,
+        ],
+    )
 
 
-@pytest.mark.parametrize("objective", [["loss.objective=clipped", "loss.kl_ref=0"], ["rollout.plan=ode", "loss.objective=nft"]])
+@pytest.mark.parametrize(
+    "objective", [["loss.objective=clipped", "loss.kl_ref=0"], ["rollout.plan=ode", "loss.objective=nft"]]
+)
 def test_infinite_rewards_are_failed_rewards_not_poison(tmp_path, objective):
     from flowrl.training.trainer import Trainer
 
-    trainer = Trainer(config(tmp_path, "inf", "train.max_steps=2", *objective), model=make_model("sd3"),
-                      reward=InfiniteOnFirst())
+    trainer = Trainer(
+        config(tmp_path, "inf", "train.max_steps=2", *objective), model=make_model("sd3"), reward=InfiniteOnFirst()
+    )
     records = [r for r in trainer.train() if "reward_mean" in r]
     assert [r["reward_failed"] for r in records] == [2.0, 2.0]  # one batch per iteration: its first two images
     assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["grad_norm"]) for r in records)
@@ -85,7 +106,9 @@ def test_resume_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage):
 
         f = newest / "pytorch_lora_weights.safetensors"
         save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(f).items()}, f)
-    trainer = Trainer(config(tmp_path, "run", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3"))
+    trainer = Trainer(
+        config(tmp_path, "run", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")
+    )
     with pytest.warns(RuntimeWarning, match="step-2 is damaged"):
         trainer.train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

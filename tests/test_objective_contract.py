@@ -2,6 +2,7 @@
 trainer (begin_iteration, batches, losses, optimizer steps, after_update), an objective changes only the attributes it
 declares in ``state_attributes``; its micro-batches and losses change nothing at all; its guided teacher changes only
 its declared counters. And ``describe()`` is one value the tools read."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,10 @@ from tests.test_trainer import tiny_config
 CASES = {  # objective → (its tiny run's config, settings); every case trains two optimizer steps per iteration
     "grpo_guard": (tiny_config, ["loss.objective=grpo_guard", "loss.kl_ref=0.0"]),
     "dpo": (tiny, ["loss.objective=dpo", "loss.teacher={guidance: 3.0, anchor: 1.0}"]),
-    "nft_teacher": (tiny, ["loss.objective=nft", "loss.teacher={guidance: 3.0, anchor: 1.0}", "rollout.teacher_share=1"]),
+    "nft_teacher": (
+        tiny,
+        ["loss.objective=nft", "loss.teacher={guidance: 3.0, anchor: 1.0}", "rollout.teacher_share=1"],
+    ),
     "clipped": (tiny_config, ["loss.objective=clipped"]),
 }
 
@@ -30,8 +34,11 @@ def snapshot(obj) -> dict:
 def changed(before: dict, after: dict) -> set[str]:
     """The attributes added, removed, rebound or (plain values) changed between two :func:`snapshot`s."""
     keys = set(before) | set(after)
-    return {k for k in keys if k not in before or k not in after or before[k][0] is not after[k][0]
-            and before[k][1] != after[k][1]}
+    return {
+        k
+        for k in keys
+        if k not in before or k not in after or before[k][0] is not after[k][0] and before[k][1] != after[k][1]
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -39,8 +46,9 @@ def test_an_update_changes_only_the_declared_state(tmp_path, case):
     from flowrl.training.trainer import Trainer
 
     config, settings = CASES[case]
-    trainer = Trainer(config(tmp_path, case, "train.updates_per_epoch=2", "prompts.eval=null", *settings),
-                      model=make_model("sd3"))
+    trainer = Trainer(
+        config(tmp_path, case, "train.updates_per_epoch=2", "prompts.eval=null", *settings), model=make_model("sd3")
+    )
     objective = trainer.objective
     forest, _ = trainer.rollout(0)
     trainer.credit.assign(forest, gather=trainer.group.gather)
@@ -85,7 +93,10 @@ def test_describe_is_one_value_the_tools_read():
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.trains_on = "edges"  # type: ignore[misc]
     assert (facts.trains_on, facts.rows_per_unit, facts.micro_batch) == ("leaves", 3, 12)
-    assert facts.frozen_copies == ("old", "reference") and facts.reward_free_overrides == {"teacher": None, "kl_ref": 0.0}
+    assert facts.frozen_copies == ("old", "reference") and facts.reward_free_overrides == {
+        "teacher": None,
+        "kl_ref": 0.0,
+    }
     counts = {"leaves": 16, "groups": 4, "replay_rows": 40}
     assert facts.train_rows(counts) == 48 and not facts.training_cfg(True)
     assert DPOLoss(draws=2).describe().train_rows(counts) == 2 * 4 * 2  # a pair per group
@@ -97,14 +108,17 @@ def test_describe_is_one_value_the_tools_read():
 def test_micro_batch_is_a_declared_field_not_a_loss_key():
     """Every objective declares ``micro_batch`` (set from train.micro_batch / rollout.max_batch at build), and no
     ``loss`` section accepts it as a key."""
-    from flowrl.core import components
     from flowrl.config.chosen import build_loss
     from flowrl.config.schema import ConfigError, TrainConfig
+    from flowrl.core import components
 
     assert "micro_batch" in {f.name for f in dataclasses.fields(Objective)}
-    assert "micro_batch" not in {f.name for f in components.component_fields(components.resolve(components.LOSS, "nft"))}
-    cfg = TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode", "rollout.max_batch=6",
-                                       "train.micro_batch=4"])
+    assert "micro_batch" not in {
+        f.name for f in components.component_fields(components.resolve(components.LOSS, "nft"))
+    }
+    cfg = TrainConfig.from_yaml(
+        None, ["loss.objective=nft", "rollout.plan=ode", "rollout.max_batch=6", "train.micro_batch=4"]
+    )
     assert build_loss(cfg).micro_batch == 4
     with pytest.raises(ConfigError, match="micro_batch"):
         TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode", "loss.micro_batch=4"])

@@ -1,5 +1,6 @@
 """The rollout store and ``rollout.plan: offline`` (issue 45, GDRO's offline mode): the store written once, replayed
 exactly, never sampled from, the same draws in any layout, and a missing, damaged or foreign store refused."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,19 @@ def store(tmp_path_factory):
     """A store of 3 prompts × 4 samples of the tiny SD3 pipeline, in two part files."""
     out = tmp_path_factory.mktemp("stores") / "store"
     model = make_model("sd3")
-    write_store(out, model, PROMPTS, redness(), images_per_prompt=4, steps=3, guidance=1.0, seed=7, max_batch=8,
-                model_info={"family": "sd3"}, part_bytes=2 * 4 * 4 * 8 * 8 * 4)  # two prompts per part
+    write_store(
+        out,
+        model,
+        PROMPTS,
+        redness(),
+        images_per_prompt=4,
+        steps=3,
+        guidance=1.0,
+        seed=7,
+        max_batch=8,
+        model_info={"family": "sd3"},
+        part_bytes=2 * 4 * 4 * 8 * 8 * 4,
+    )  # two prompts per part
     return out
 
 
@@ -85,8 +97,19 @@ def test_scored_replays_give_back_the_stored_rewards(store):
     plan = Offline(source=str(store), group_size=0)
     plan.setup(model)
     prompts = build_prompt_source(PromptsSection(train="|".join(PROMPTS), eval=None, per_step=3), 0)
-    runner = RolloutRunner(plan, model, redness(), prompts, One(), seed=0, guidance=1.0, max_batch=8, chunks=2,
-                           reduction="mean", async_reward=False)
+    runner = RolloutRunner(
+        plan,
+        model,
+        redness(),
+        prompts,
+        One(),
+        seed=0,
+        guidance=1.0,
+        max_batch=8,
+        chunks=2,
+        reduction="mean",
+        async_reward=False,
+    )
     forest, _ = runner.run(0)
     stats = plan.metrics(forest)
     assert forest.leaves().numel() == 12 and stats["offline/reward_drift"] < 1e-5
@@ -96,8 +119,9 @@ def test_scored_replays_give_back_the_stored_rewards(store):
 def test_draws_are_seeded_by_iteration_and_global_group_whatever_the_layout(store):
     plan = Offline(source=str(store), group_size=2)
     whole = plan.picks(PROMPTS, RolloutContext(seed=3, iteration=5))
-    parts = plan.picks(PROMPTS[:1], RolloutContext(seed=3, iteration=5)) + \
-        plan.picks(PROMPTS[1:], RolloutContext(seed=3, iteration=5, group_offset=1))
+    parts = plan.picks(PROMPTS[:1], RolloutContext(seed=3, iteration=5)) + plan.picks(
+        PROMPTS[1:], RolloutContext(seed=3, iteration=5, group_offset=1)
+    )
     assert whole == parts  # chunks and processes see the same samples
     assert whole == plan.picks(PROMPTS, RolloutContext(seed=3, iteration=5))  # and a resume
     others = [plan.picks(PROMPTS, RolloutContext(seed=3, iteration=i)) for i in range(6)]
@@ -148,8 +172,18 @@ def test_a_store_of_another_model_or_prompt_is_refused(store):
 
 def test_a_resume_on_another_store_is_refused(store, tmp_path):
     other = tmp_path / "other"
-    write_store(other, make_model("sd3"), PROMPTS, None, images_per_prompt=2, steps=2, guidance=1.0, seed=0,
-                max_batch=8, model_info={"family": "sd3"})
+    write_store(
+        other,
+        make_model("sd3"),
+        PROMPTS,
+        None,
+        images_per_prompt=2,
+        steps=2,
+        guidance=1.0,
+        seed=0,
+        max_batch=8,
+        model_info={"family": "sd3"},
+    )
     state = Offline(source=str(store), group_size=2).state_dict()
     Offline(source=str(store), group_size=2).load_state_dict(state)  # the same store: accepted
     with pytest.raises(ConfigError, match="holds other samples"):
@@ -159,5 +193,15 @@ def test_a_resume_on_another_store_is_refused(store, tmp_path):
 
 def test_the_writer_never_replaces_a_store(store):
     with pytest.raises(ConfigError, match="earlier flowrl rollouts"):
-        write_store(store, make_model("sd3"), PROMPTS, None, images_per_prompt=2, steps=2, guidance=1.0, seed=0,
-                    max_batch=8, model_info={"family": "sd3"})
+        write_store(
+            store,
+            make_model("sd3"),
+            PROMPTS,
+            None,
+            images_per_prompt=2,
+            steps=2,
+            guidance=1.0,
+            seed=0,
+            max_batch=8,
+            model_info={"family": "sd3"},
+        )

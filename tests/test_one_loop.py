@@ -1,5 +1,6 @@
 """One loop for every objective (issue 35): the credit → objective contract, one spread statistic, the
 config's help and keys."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,22 @@ from flowrl.objectives.policy import PolicyLoss
 from flowrl.rollout.forest import Forest
 from tests.conftest import make_model
 
-TINY = ["model.family=sd3", "model.lora.rank=2", "rollout.plan=ode", "rollout.group_size=4", "rollout.steps=3",
-        "prompts.train=a red circle|two blue squares", "prompts.per_step=2", "prompts.eval=null",
-        "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false", "rewards=[{name: redness}]",
-        "loss.objective=nft", "train.max_steps=1"]
+TINY = [
+    "model.family=sd3",
+    "model.lora.rank=2",
+    "rollout.plan=ode",
+    "rollout.group_size=4",
+    "rollout.steps=3",
+    "prompts.train=a red circle|two blue squares",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
+    "rewards=[{name: redness}]",
+    "loss.objective=nft",
+    "train.max_steps=1",
+]
 
 HALF_RULE = '''from dataclasses import dataclass
 import torch
@@ -40,8 +53,17 @@ def chains(rewards: list[list[float]]) -> Forest:
     sizes = [len(r) for r in rewards]
     groups = torch.arange(len(rewards)).repeat_interleave(torch.tensor(sizes))
     roots = f.add_roots(torch.zeros(sum(sizes), 1, 2, 2), groups, torch.arange(sum(sizes)))
-    leaves = f.add_children(roots, torch.randn(sum(sizes), 1, 2, 2), 0.0, 1, torch.zeros(sum(sizes)),
-                            torch.ones(sum(sizes)), "flow_grpo", 1.0, 0)
+    leaves = f.add_children(
+        roots,
+        torch.randn(sum(sizes), 1, 2, 2),
+        0.0,
+        1,
+        torch.zeros(sum(sizes)),
+        torch.ones(sum(sizes)),
+        "flow_grpo",
+        1.0,
+        0,
+    )
     f.reward[leaves] = torch.tensor([r for g in rewards for r in g])
     return f
 
@@ -98,8 +120,16 @@ def test_width_pruned_chains_are_not_trained_by_a_leaf_objective():
 @pytest.mark.parametrize("objective", ["nft", "awm"])
 def test_step_level_credit_with_a_leaf_objective_is_refused_at_load(tmp_path, rule, objective):
     with pytest.raises(ConfigError) as err:
-        TrainConfig.from_yaml(None, [*TINY, f"train.output_dir={tmp_path}", "rollout.plan=chains",
-                                     f"credit.rule={rule}", f"loss.objective={objective}"])
+        TrainConfig.from_yaml(
+            None,
+            [
+                *TINY,
+                f"train.output_dir={tmp_path}",
+                "rollout.plan=chains",
+                f"credit.rule={rule}",
+                f"loss.objective={objective}",
+            ],
+        )
     msg = str(err.value)
     assert f"credit.rule={rule!r}" in msg and "edges" in msg and f"loss.objective={objective!r}" in msg
 
@@ -137,8 +167,9 @@ def test_column_buffers_grow_by_doubling_and_keep_whole_column_writes():
     f = Forest(prompts=["p"])
     nodes = f.add_roots(torch.zeros(1, 1, 2, 2), [0], [0])
     for k in range(200):
-        nodes = f.add_children(nodes, torch.full((1, 1, 2, 2), float(k)), 0.5, k + 1, torch.zeros(1), torch.ones(1),
-                               "flow_grpo", 0.7, k)
+        nodes = f.add_children(
+            nodes, torch.full((1, 1, 2, 2), float(k)), 0.5, k + 1, torch.zeros(1), torch.ones(1), "flow_grpo", 0.7, k
+        )
     assert f.num_nodes == 201 and f.step.tolist() == list(range(201)) and f.parent.tolist() == [-1] + list(range(200))
     assert f._buffers["step"].shape[0] < 4 * 201  # amortised: capacity within a factor of the size
     f.advantage = torch.arange(201.0)  # a credit rule replaces a column wholesale, then the forest grows
@@ -151,7 +182,9 @@ def test_probe_and_leaf_latents_share_the_forests_device():
     """The device is declared (a rollout's forest: its model's); latents and probes computed elsewhere move to it."""
     f = Forest(prompts=["p"], device="meta")
     roots = f.add_roots(torch.zeros(2, 1, 2, 2, device="meta"), [0, 0], [0, 1])
-    mids = f.add_children(roots, torch.zeros(2, 1, 2, 2, device="meta"), 0.5, 1, torch.zeros(2), torch.ones(2), "dance", 0.5, 0)
+    mids = f.add_children(
+        roots, torch.zeros(2, 1, 2, 2, device="meta"), 0.5, 1, torch.zeros(2), torch.ones(2), "dance", 0.5, 0
+    )
     f.add_children(mids, torch.zeros(2, 1, 2, 2, device="meta"), 0.0, 2, torch.zeros(2), torch.zeros(2), "ode", 0.0, 1)
     f.add_probe(mids, torch.zeros(2, 1, 2, 2))  # a clean estimate computed on the CPU
     assert f.device == torch.device("meta") and f.probe_latents().device == torch.device("meta")
@@ -212,12 +245,15 @@ def test_train_help_lists_the_main_jobs_keys_with_the_objectives_own():
     assert "clip_low" in grpo and "draws" not in grpo
 
 
-@pytest.mark.parametrize("override, words", [
-    ("rollout.eta=0.5", ["rollout.eta"]),
-    ("rollout.window.mode=random", ["rollout.window"]),
-    ("rollout.post_solver=dpm2", ["rollout.post_solver"]),
-    ("rollout.kernel=flow_grpo", ["rollout.kernel"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.eta=0.5", ["rollout.eta"]),
+        ("rollout.window.mode=random", ["rollout.window"]),
+        ("rollout.post_solver=dpm2", ["rollout.post_solver"]),
+        ("rollout.kernel=flow_grpo", ["rollout.kernel"]),
+    ],
+)
 def test_the_ode_plan_refuses_the_keys_it_does_not_read(tmp_path, override, words):
     with pytest.raises(ConfigError) as err:
         TrainConfig.from_yaml(None, [*TINY, f"train.output_dir={tmp_path}", override])
@@ -226,8 +262,9 @@ def test_the_ode_plan_refuses_the_keys_it_does_not_read(tmp_path, override, word
 
 def test_chains_with_the_ode_kernel_is_refused_for_the_ode_plan(tmp_path):
     with pytest.raises(ConfigError, match="rollout.plan: ode"):
-        TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "rollout.plan=chains", "rollout.kernel=ode",
-                                     "loss.objective=nft"])
+        TrainConfig.from_yaml(
+            None, [f"train.output_dir={tmp_path}", "rollout.plan=chains", "rollout.kernel=ode", "loss.objective=nft"]
+        )
 
 
 # ---- one owner per setting ----------------------------------------------------------------------------
@@ -236,8 +273,9 @@ def test_the_reference_kl_is_kl_ref_for_every_objective(tmp_path, objective):
     from flowrl.config import build
 
     plan = "rollout.plan=chains" if objective == "clipped" else "rollout.plan=ode"
-    cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", plan, f"loss.objective={objective}",
-                                       "loss.kl_ref=0.25"])
+    cfg = TrainConfig.from_yaml(
+        None, [f"train.output_dir={tmp_path}", plan, f"loss.objective={objective}", "loss.kl_ref=0.25"]
+    )
     assert build.build_loss(cfg).kl_ref == 0.25
 
 
@@ -245,8 +283,9 @@ def test_the_old_keys_say_where_they_went(tmp_path):
     with pytest.raises(ConfigError, match="loss.kl_ref"):
         TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=clipped", "loss.beta=0.04"])
     with pytest.raises(ConfigError, match="rollout.max_batch"):
-        TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "rollout.plan=ode", "loss.objective=nft",
-                                     "loss.batch_size=8"])
+        TrainConfig.from_yaml(
+            None, [f"train.output_dir={tmp_path}", "rollout.plan=ode", "loss.objective=nft", "loss.batch_size=8"]
+        )
     for key in ("eval.batch_size=8", "loss.layer_batch=8"):  # folded into the one micro-batch key as well
         with pytest.raises(ConfigError, match=r"is gone; use rollout.max_batch"):
             TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=layer_tuning", key])
@@ -255,8 +294,16 @@ def test_the_old_keys_say_where_they_went(tmp_path):
 def test_one_micro_batch_key_sizes_the_forward_process_micro_batches(tmp_path):
     from flowrl.config import build
 
-    cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "rollout.plan=ode", "loss.objective=nft",
-                                       "rollout.max_batch=6", "loss.draws=2"])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            f"train.output_dir={tmp_path}",
+            "rollout.plan=ode",
+            "loss.objective=nft",
+            "rollout.max_batch=6",
+            "loss.draws=2",
+        ],
+    )
     objective = build.build_loss(cfg)
     f = chains([[1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 5.0]])
     GroupAdvantage(scale="group").assign(f)
@@ -271,26 +318,44 @@ def test_model_kwargs_reach_the_adapter_from_yaml_alone(tmp_path):
 
     tiny_sana_pipeline().save_pretrained(tmp_path / "sana")
     yaml = tmp_path / "sana.yaml"
-    yaml.write_text(f"model: {{family: sana, path: {tmp_path / 'sana'}, max_sequence_length: 8, device: cpu,\n"
-                    "        kwargs: {complex_human_instruction: ['Rewrite the prompt:'], negative_prompt: blurry}}\n")
+    yaml.write_text(
+        f"model: {{family: sana, path: {tmp_path / 'sana'}, max_sequence_length: 8, device: cpu,\n"
+        "        kwargs: {complex_human_instruction: ['Rewrite the prompt:'], negative_prompt: blurry}}\n"
+    )
     cfg = TrainConfig.from_yaml(yaml, [f"train.output_dir={tmp_path}"])
     model = build.build_model(cfg.model)
     assert model.complex_human_instruction == ["Rewrite the prompt:"] and model.negative_prompt == "blurry"
-    plain = build.build_model(TrainConfig.from_yaml(None, [f"model.path={tmp_path / 'sana'}", "model.family=sana",
-                                                           "model.max_sequence_length=8", "model.device=cpu"]).model)
+    plain = build.build_model(
+        TrainConfig.from_yaml(
+            None,
+            [f"model.path={tmp_path / 'sana'}", "model.family=sana", "model.max_sequence_length=8", "model.device=cpu"],
+        ).model
+    )
     assert plain.complex_human_instruction is None and plain.negative_prompt == ""
-    with pytest.raises(ConfigError, match=r"model.kwargs.instruction='x' is not a keyword of the model.family='sana' "
-                                          r"adapter \(did you mean 'complex_human_instruction'\?\); accepted: \["):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.kwargs.instruction='x' is not a keyword of the model.family='sana' "
+        r"adapter \(did you mean 'complex_human_instruction'\?\); accepted: \[",
+    ):
         TrainConfig.from_yaml(yaml, ["model.kwargs={instruction: x}"])  # at load (tests/test_key_checks.py)
     with pytest.raises(ConfigError, match="set model.guidance"):
         build.build_model(TrainConfig.from_yaml(yaml, ["model.kwargs={guidance: 2.0}"]).model)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["rollout.plan=chains", "rollout.post_steps_ratio=0.5"], "rollout.post_steps_ratio"),
-    (["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"], "rollout.inner.post_steps_ratio"),
-    (["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"], "rollout.inner.post_steps_ratio"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout.plan=chains", "rollout.post_steps_ratio=0.5"], "rollout.post_steps_ratio"),
+        (
+            ["rollout.plan=probed", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"],
+            "rollout.inner.post_steps_ratio",
+        ),
+        (
+            ["rollout.plan=explore", "rollout.inner={plan: chains, post_steps_ratio: 0.6}"],
+            "rollout.inner.post_steps_ratio",
+        ),
+    ],
+)
 def test_a_key_that_nothing_reads_is_refused(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match="nothing reads it") as err:
         TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=clipped", *overrides])
@@ -300,8 +365,15 @@ def test_a_key_that_nothing_reads_is_refused(tmp_path, overrides, key):
 def test_the_inner_plan_is_one_nested_mapping(tmp_path):
     from flowrl.config import build
 
-    cfg = TrainConfig.from_yaml(None, [f"train.output_dir={tmp_path}", "loss.objective=clipped", "rollout.plan=explore",
-                                       "rollout.inner={plan: chains, group_size: 4, window: {mode: fixed, size: 2}}"])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            f"train.output_dir={tmp_path}",
+            "loss.objective=clipped",
+            "rollout.plan=explore",
+            "rollout.inner={plan: chains, group_size: 4, window: {mode: fixed, size: 2}}",
+        ],
+    )
     plan = build.build_plan(cfg.rollout)
     assert (plan.inner_plan.group_size, plan.inner_plan.window.mode, plan.inner_plan.window.size) == (4, "fixed", 2)
 
@@ -316,5 +388,9 @@ def test_a_wrapping_plan_has_no_keys_of_its_inner_plan():
     from flowrl.rollout.chains import Chains, ODEChains
 
     assert not issubclass(ODEChains, Chains)
-    assert {f.name for f in __import__("dataclasses").fields(ODEChains)} == {"group_size", "steps", "solver",
-                                                                               "teacher_share"}
+    assert {f.name for f in __import__("dataclasses").fields(ODEChains)} == {
+        "group_size",
+        "steps",
+        "solver",
+        "teacher_share",
+    }

@@ -1,5 +1,6 @@
 """The core's doors: components by name from YAML, rewards on forest nodes, the plan lifecycle, one
 owner per setting (the loss's reduction), one reward-combination path (MultiReward)."""
+
 from __future__ import annotations
 
 import json
@@ -95,7 +96,9 @@ def test_plugin_sections_are_checked_against_the_plugins_own_fields(tmp_path, ti
 def test_unknown_component_names_list_the_registered_ones(plugin):
     with pytest.raises(ConfigError, match=r"rollout.plan='chanis' is not registered \(did you mean 'chains'\?\)"):
         TrainConfig.from_yaml(None, ["rollout.plan=chanis"])
-    with pytest.raises(ConfigError, match=r"credit.rule='grop' is not registered \(did you mean 'group'\?\); accepted: \['group'"):
+    with pytest.raises(
+        ConfigError, match=r"credit.rule='grop' is not registered \(did you mean 'group'\?\); accepted: \['group'"
+    ):
         TrainConfig.from_yaml(None, ["credit.rule=grop"])
     with pytest.raises(ConfigError, match="loss.objective"):
         TrainConfig.from_yaml(None, ["loss.objective=nope"])
@@ -112,9 +115,9 @@ def test_help_lists_the_keys_of_the_chosen_components(tmp_path, tiny_folder, plu
     with pytest.raises(SystemExit):
         main(["train", str(path), "--help"])
     out = capsys.readouterr().out
-    rollout = out[out.index("\nrollout:"):out.index("\nrewards:")]
+    rollout = out[out.index("\nrollout:") : out.index("\nrewards:")]
     assert "events:" in rollout and "group_size: 3" in rollout and "kernel:" not in rollout
-    assert "scale: 2.0" in out[out.index("\ncredit:"):]
+    assert "scale: 2.0" in out[out.index("\ncredit:") :]
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
@@ -134,7 +137,10 @@ def test_batch_normalised_rewards_reach_credit(tmp_path):
     """MultiReward(normalize="batch") is the one combination path: the leaves' reward is the weighted
     sum of batch z-scores, not of raw scores."""
     cfg = tiny_config(tmp_path, "norm", "reward_normalize=batch")
-    cfg.rewards = [type(cfg.rewards[0])(name="brightness", weight=1.0), type(cfg.rewards[0])(name="redness", weight=0.5)]
+    cfg.rewards = [
+        type(cfg.rewards[0])(name="brightness", weight=1.0),
+        type(cfg.rewards[0])(name="redness", weight=0.5),
+    ]
     trainer = Trainer(cfg, model=make_model("sd3"))
     forest, _ = trainer.rollout(0)
     leaves = forest.leaves()
@@ -148,7 +154,9 @@ def test_merge_keeps_outcomes_components_and_probes():
     def part(reward_value: float) -> Forest:
         f = Forest(prompts=["p"])
         root = f.add_roots(torch.randn(1, 2, 2, 2), group=[0], seed=[1])
-        kid = f.add_children(root, torch.randn(1, 2, 2, 2), 0.5, 1, torch.zeros(1), torch.full((1,), 0.3), "dance", 0.3, 0)
+        kid = f.add_children(
+            root, torch.randn(1, 2, 2, 2), 0.5, 1, torch.zeros(1), torch.full((1,), 0.3), "dance", 0.3, 0
+        )
         leaf = f.add_children(kid, torch.randn(1, 2, 2, 2), 0.0, 2, torch.zeros(1), torch.zeros(1), "ode", 0.0, 1)
         f.add_probe(kid, torch.full((1, 2, 2, 2), reward_value))
         f.value[kid] = 0.25  # written during rollout: never wiped
@@ -179,9 +187,9 @@ def test_probe_x0_scores_states_reached_by_sde_steps_without_extra_forwards(sd3_
     reached = torch.nonzero(probed.stochastic).flatten()  # states after SDE steps 1 and 2, per chain
     assert sorted(probed.probe_node.tolist()) == sorted(reached.tolist()) and reached.numel() == 4
     n = int(probed.probe_node[0])
-    x = probed.all_latents()[n:n + 1]
+    x = probed.all_latents()[n : n + 1]
     sigma = float(probed.sigma[n])
-    cond = sd3_model.encode(probed.prompts, probed.guidance).select(probed.group[n:n + 1])
+    cond = sd3_model.encode(probed.prompts, probed.guidance).select(probed.group[n : n + 1])
     v = sd3_model.velocity(x, torch.full((1,), sigma), cond, probed.guidance)
     torch.testing.assert_close(probed.probe_latents()[:1], x - sigma * v, rtol=1e-5, atol=1e-5)
     nodes, _ = probed.score_requests()
@@ -200,7 +208,7 @@ def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
         def auxiliary(self, model, forest, cond):
             calls.append(forest.num_nodes)
             p = next(q for q in model.trainable.parameters() if q.requires_grad)
-            return (p ** 2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
+            return (p**2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
 
     trainer = Trainer(tiny_config(tmp_path, "aux", "train.updates_per_epoch=2"), model=make_model("sd3"))
     trainer.objective = WithAux(**{k: getattr(trainer.objective, k) for k in ("clip_low", "clip_high", "kl_ref")})

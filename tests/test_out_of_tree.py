@@ -3,6 +3,7 @@ alone (``path/file.py:Name`` in ``model.family``, ``rollout.kernel``, ``rollout.
 exact (docs/extending.md); so does an objective of its own (``loss.objective: path/file.py:Class`` with its own
 keys); and a model family written on the :class:`~flowrl.models.base.FlowModel` base alone (no adapter
 subclassed), registered with ``register_model_family`` from its own file, samples and trains."""
+
 from __future__ import annotations
 
 import json
@@ -103,7 +104,9 @@ def test_out_of_tree_adapter_kernel_and_wrapping_plan_train_from_yaml(tiny_folde
     (tmp_path / "my_adapter.py").write_text(ADAPTER)
     (tmp_path / "my_kernel.py").write_text(KERNEL)
     (tmp_path / "my_plan.py").write_text(PLAN)
-    records = _train(tmp_path, textwrap.dedent(f"""
+    records = _train(
+        tmp_path,
+        textwrap.dedent(f"""
         model:
           family: "{tmp_path}/my_adapter.py:CountingSD3"
           path: "{tiny_folder}"
@@ -112,7 +115,9 @@ def test_out_of_tree_adapter_kernel_and_wrapping_plan_train_from_yaml(tiny_folde
           plan: "{tmp_path}/my_plan.py:Logged"
           inner: {{plan: chains, group_size: 4, steps: 3, eta: 1.0, kernel: "{tmp_path}/my_kernel.py:half_noise",
                   window: {{mode: all}}}}
-        """) + COMMON.format())
+        """)
+        + COMMON.format(),
+    )
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -130,7 +135,10 @@ def test_bad_out_of_tree_names_fail_at_load_naming_the_key(tiny_folder, tmp_path
     (tmp_path / "my_kernel.py").write_text(KERNEL)
     for overrides, words in [
         ([f"model.family={tmp_path}/nowhere.py:X", f"model.path={tiny_folder}"], ["model.family", "nowhere.py"]),
-        ([f"model.family={tmp_path}/my_kernel.py:half_noise", f"model.path={tiny_folder}"], ["model.family", "FlowModel"]),
+        (
+            [f"model.family={tmp_path}/my_kernel.py:half_noise", f"model.path={tiny_folder}"],
+            ["model.family", "FlowModel"],
+        ),
         ([f"rollout.kernel={tmp_path}/my_kernel.py:no_such", "loss.objective=clipped"], ["rollout.kernel", "no_such"]),
     ]:
         config = "configs/shapes/grpo.yaml" if "rollout.kernel" in overrides[0] else "configs/shapes/nft.yaml"
@@ -202,13 +210,17 @@ train: {{max_steps: {steps}, checkpoint_every: 0, progress: false, async_reward:
 
 def test_out_of_tree_objective_with_its_own_keys_trains_the_shapes_model_from_yaml(tmp_path):
     (tmp_path / "my_objective.py").write_text(OBJECTIVE)
-    records = _train(tmp_path, SHAPES_RUN.format(family="shapes", steps=2) + textwrap.dedent(f"""
+    records = _train(
+        tmp_path,
+        SHAPES_RUN.format(family="shapes", steps=2)
+        + textwrap.dedent(f"""
         loss:
           objective: "{tmp_path}/my_objective.py:WeightedFlowMatching"
           t: 0.3
           adv_weight: 2.0
           tag: mine
-        """))
+        """),
+    )
     objective = import_file(str(tmp_path / "my_objective.py"), "test")
     assert objective.SEEN and all(s == {"t": 0.3, "adv_weight": 2.0, "tag": "mine"} for s in objective.SEEN)
     steps = [r for r in records if "reward_mean" in r]
@@ -223,8 +235,10 @@ def test_out_of_tree_objective_with_its_own_keys_trains_the_shapes_model_from_ya
 def test_a_misspelled_key_of_an_out_of_tree_objective_names_its_keys(tmp_path, capsys):
     (tmp_path / "my_objective.py").write_text(OBJECTIVE)
     config = tmp_path / "config.yaml"
-    config.write_text(SHAPES_RUN.format(family="shapes", steps=1)
-                      + f'loss: {{objective: "{tmp_path}/my_objective.py:WeightedFlowMatching", adv_wieght: 2.0}}\n')
+    config.write_text(
+        SHAPES_RUN.format(family="shapes", steps=1)
+        + f'loss: {{objective: "{tmp_path}/my_objective.py:WeightedFlowMatching", adv_wieght: 2.0}}\n'
+    )
     rc = main(["train", str(config), f"train.output_dir={tmp_path / 'runs'}"])
     err = capsys.readouterr().err
     assert rc == 2 and "loss.adv_wieght" in err and "adv_weight" in err, err
@@ -329,8 +343,11 @@ def test_a_family_written_on_the_flowmodel_base_samples_and_trains_once_register
     assert torch.equal(model.velocity(x, 0.7, cond, 3.0), same)
 
     direct_family.CALLS.clear()
-    records = _train(tmp_path, SHAPES_RUN.format(family="direct_shapes", steps=1)
-                     + "loss: {clip_low: 1.0e-3, clip_high: 1.0e-3, kl_ref: 0.0}\n")
+    records = _train(
+        tmp_path,
+        SHAPES_RUN.format(family="direct_shapes", steps=1)
+        + "loss: {clip_low: 1.0e-3, clip_high: 1.0e-3, kl_ref: 0.0}\n",
+    )
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1]
     assert steps[0]["first_step_abs_delta_logp"] == 0.0  # replay through its velocity is exact

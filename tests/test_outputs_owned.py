@@ -3,6 +3,7 @@ a path a user names creates a new folder or adds to its own (its marker, or a ru
 files to any folder without replacing one), refuses an existing path it did not write with one message naming it
 (status 2, nothing changed), never writes inside a run folder's entries, and makes the names it writes (compare's
 labels) one folder each, inside ``--out``."""
+
 from __future__ import annotations
 
 import json
@@ -55,12 +56,15 @@ def user(tmp_path) -> Path:
 # ---- export ------------------------------------------------------------------------------------------------------
 def test_export_refuses_a_folder_a_file_dot_and_the_run_and_never_moves_them_aside(run, user, capsys, monkeypatch):
     before = _tree(user)
-    _refused(capsys, ["export", str(run), "--out", str(user / "mine")], str(user / "mine"), "not written by flowrl export")
+    _refused(
+        capsys, ["export", str(run), "--out", str(user / "mine")], str(user / "mine"), "not written by flowrl export"
+    )
     _refused(capsys, ["export", str(run), "--out", str(user / "notes.txt")], "notes.txt", "existing file")
     monkeypatch.chdir(user)
     _refused(capsys, ["export", str(run), "--out", "."], "--out='.'", "working directory")
-    _refused(capsys, ["export", str(run), "--out", str(run / "checkpoints" / "x")], "inside the run folder",
-             "checkpoints/")
+    _refused(
+        capsys, ["export", str(run), "--out", str(run / "checkpoints" / "x")], "inside the run folder", "checkpoints/"
+    )
     _refused(capsys, ["export", str(run), "--out", str(run)], "run folder")
     assert _tree(user) == before  # nothing deleted, renamed to .NAME.old-PID or added
     assert not (run / "checkpoints" / "x").exists()
@@ -82,8 +86,9 @@ def test_export_writes_a_new_or_empty_folder_and_replaces_only_its_own(run, tmp_
 SAMPLE = ["--prompt", "a red circle", "--num", "1", "--steps", "2"]
 
 
-def test_sample_adds_to_a_folder_without_replacing_and_refuses_files_dot_and_run_entries(run, user, capsys,
-                                                                                        monkeypatch):
+def test_sample_adds_to_a_folder_without_replacing_and_refuses_files_dot_and_run_entries(
+    run, user, capsys, monkeypatch
+):
     mine = user / "mine"
     before = _tree(mine)
     assert main(["sample", "--checkpoint", str(run), *SAMPLE, "--out", str(mine)]) == 0
@@ -91,8 +96,12 @@ def test_sample_adds_to_a_folder_without_replacing_and_refuses_files_dot_and_run
     assert {k: v for k, v in after.items() if k in before} == before  # the user's files untouched
     assert sorted(set(after) - set(before)) == ["000-a_red_circle.png", "grid.png"]  # added; no marker in theirs
     _refused(capsys, ["sample", "--checkpoint", str(run), *SAMPLE, "--out", str(user / "notes.txt")], "existing file")
-    _refused(capsys, ["sample", "--checkpoint", str(run), *SAMPLE, "--out", str(run / "samples")],
-             "inside the run folder", "samples/")
+    _refused(
+        capsys,
+        ["sample", "--checkpoint", str(run), *SAMPLE, "--out", str(run / "samples")],
+        "inside the run folder",
+        "samples/",
+    )
     monkeypatch.chdir(user)
     _refused(capsys, ["sample", "--checkpoint", str(run), *SAMPLE, "--out", "."], "working directory")
     assert main(["sample", "--checkpoint", str(run), *SAMPLE, "--out", "new"]) == 0
@@ -123,8 +132,10 @@ def test_benchmark_out_is_a_new_or_empty_folder_only(user, capsys):
     earlier.mkdir()
     (earlier / MARKER).write_text(json.dumps({"command": "flowrl eval --benchmark"}))
     (earlier / "summary.json").write_text("{}")
-    for folder, words in ((earlier, ["holds an earlier flowrl eval --benchmark"]),
-                          (user / "mine", ["not written by flowrl eval --benchmark"])):
+    for folder, words in (
+        (earlier, ["holds an earlier flowrl eval --benchmark"]),
+        (user / "mine", ["not written by flowrl eval --benchmark"]),
+    ):
         before = _tree(folder)
         _refused(capsys, ["eval", "--benchmark", "ocr", "--out", str(folder)], str(folder), *words)
         assert _tree(folder) == before
@@ -139,8 +150,19 @@ def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsy
     work = tmp_path / "w" / "x" / "y"
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
-    rc = main(["compare", "../../escaped=configs/shapes/grpo.yaml", "--seeds", "0", "--budget", "iterations=1",
-               "--out", "a/b", "rewards=[{name: no_such_reward}]"])  # the run fails at once: what matters is where
+    rc = main(
+        [
+            "compare",
+            "../../escaped=configs/shapes/grpo.yaml",
+            "--seeds",
+            "0",
+            "--budget",
+            "iterations=1",
+            "--out",
+            "a/b",
+            "rewards=[{name: no_such_reward}]",
+        ]
+    )  # the run fails at once: what matters is where
     assert rc == 1
     outside = [p for p in (tmp_path / "w").rglob("*") if p.is_file() and not p.is_relative_to(work / "a" / "b")]
     assert outside == []
@@ -151,8 +173,13 @@ def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsy
     for path in (a, b):
         path.parent.mkdir()
         path.write_text("loss: {kl_ref: 0}\n")
-    runs = plan_runs([(Path(p).stem, str(p), []) for p in (a, b)] + [("x/../../y" * 20, str(a), [])], [0],
-                     ("iterations", 1), tmp_path / "cmp", 1)
+    runs = plan_runs(
+        [(Path(p).stem, str(p), []) for p in (a, b)] + [("x/../../y" * 20, str(a), [])],
+        [0],
+        ("iterations", 1),
+        tmp_path / "cmp",
+        1,
+    )
     folders = [r.folder for r in runs]
     assert len(set(folders)) == 3 and all(f.parent == tmp_path / "cmp" / "runs" for f in folders)
     assert [r.label for r in runs][:2] == ["grpo", "grpo-2"] and len(runs[2].label) <= 40
@@ -160,8 +187,11 @@ def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsy
 
 def test_compare_refuses_a_folder_it_did_not_write(user, capsys):
     before = _tree(user)
-    _refused(capsys, ["compare", "configs/shapes/grpo.yaml", "--seeds", "0", "--out", str(user / "mine")],
-             "not written by flowrl compare")
+    _refused(
+        capsys,
+        ["compare", "configs/shapes/grpo.yaml", "--seeds", "0", "--out", str(user / "mine")],
+        "not written by flowrl compare",
+    )
     assert _tree(user) == before
 
 
@@ -190,15 +220,24 @@ def test_data_fetch_refuses_a_set_folder_it_did_not_write(tmp_path, capsys, monk
 
 def test_train_refuses_a_folder_that_is_no_run_and_an_output_dir_inside_a_run(run, tiny_folder, user, capsys):  # noqa: F811
     before = _tree(user)
-    _refused(capsys, ["train", *tiny_args(tiny_folder, user, "mine", "train.max_steps=1")], "train.name='mine'",
-             "not written by flowrl train")
-    _refused(capsys, ["train", *tiny_args(tiny_folder, user / "notes.txt", "x", "train.max_steps=1")],
-             "notes.txt is a file")
+    _refused(
+        capsys,
+        ["train", *tiny_args(tiny_folder, user, "mine", "train.max_steps=1")],
+        "train.name='mine'",
+        "not written by flowrl train",
+    )
+    _refused(
+        capsys, ["train", *tiny_args(tiny_folder, user / "notes.txt", "x", "train.max_steps=1")], "notes.txt is a file"
+    )
     assert _tree(user) == before
     inside = run / "checkpoints"
     before = _tree(run)
-    _refused(capsys, ["train", *tiny_args(tiny_folder, inside, "x", "train.max_steps=1")], "inside the run folder",
-             "checkpoints/")
+    _refused(
+        capsys,
+        ["train", *tiny_args(tiny_folder, inside, "x", "train.max_steps=1")],
+        "inside the run folder",
+        "checkpoints/",
+    )
     assert _tree(run) == before
 
 
@@ -224,4 +263,3 @@ def test_no_command_that_writes_skips_the_rule():
         assert "check_output" in text or "check_export_target" in text, path.name
     assert "check_output" in (root / "run" / "folder.py").read_text()  # train's run folder
     assert "check_export_target(target" in (root / "run" / "checkpoint.py").read_text()  # write_export itself
-

@@ -2,6 +2,7 @@
 names pyproject gives (``flowrl``, ``flowrl_rewards``; the top-level ``configs/`` as ``flowrl/configs/``), and shipped
 files are found from any directory. (.ci/run also installs the wheel into a fresh environment outside the repository
 and runs ``flowrl train`` there.)"""
+
 from __future__ import annotations
 
 import glob
@@ -41,15 +42,19 @@ def folder_of(package: str) -> str:
 def test_every_folder_of_modules_is_a_listed_package():
     folders = {str(Path(f).parent) for f in tracked("flowrl", "rewards", PRESETS) if f.endswith(".py")}
     listed = {folder_of(name) for name in PYPROJECT["packages"]} - {PRESETS}
-    assert folders == listed, f"pyproject packages: missing {sorted(folders - listed)}, extra {sorted(listed - folders)}"
+    assert folders == listed, (
+        f"pyproject packages: missing {sorted(folders - listed)}, extra {sorted(listed - folders)}"
+    )
 
 
 def test_configs_sit_at_the_top_and_pyproject_ships_every_file_in_them():
     presets = tracked(PRESETS)
-    assert "configs/shapes/nft.yaml" in presets and not tracked("flowrl/configs"), \
+    assert "configs/shapes/nft.yaml" in presets and not tracked("flowrl/configs"), (
         "the presets belong in the repository's top-level configs/ (README.md, Layout)"
-    assert "flowrl.configs" in PYPROJECT["packages"] and folder_of("flowrl.configs") == PRESETS, \
+    )
+    assert "flowrl.configs" in PYPROJECT["packages"] and folder_of("flowrl.configs") == PRESETS, (
         "pyproject.toml must ship configs/ inside the package: packages lists flowrl.configs, package-dir maps it"
+    )
     globs = PYPROJECT.get("package-data", {}).get("flowrl.configs", [])
     shipped = {f"{PRESETS}/{m}" for g in globs for m in glob.glob(g, root_dir=ROOT / PRESETS, recursive=True)}
     missing = sorted(set(presets) - shipped)
@@ -74,13 +79,17 @@ def built_wheel(tmp_path_factory) -> tuple[zipfile.ZipFile, list[str]]:
     """The wheel built from a copy of the tracked files, and the files copied: the checkout's build/ may hold files
     since moved or deleted, which setuptools would put in the wheel."""
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
-    copied = [name for name in tracked("pyproject.toml", "README.md", "flowrl", "rewards", PRESETS)
-              if (ROOT / name).is_file()]  # not a tracked file deleted in the working tree
+    copied = [
+        name for name in tracked("pyproject.toml", "README.md", "flowrl", "rewards", PRESETS) if (ROOT / name).is_file()
+    ]  # not a tracked file deleted in the working tree
     for name in copied:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("flowrl_align-*.whl")
     return zipfile.ZipFile(path), copied
 

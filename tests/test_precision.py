@@ -1,5 +1,7 @@
-"""Explorer copies (flowrl/rollout/explorer.py, flowrl/rollout/precision.py): closeness to full precision per backend this machine runs, the
+"""Explorer copies (flowrl/rollout/explorer.py, flowrl/rollout/precision.py): closeness to full precision per backend
+this machine runs, the
 documented error for the others, skip lists and layer sizes, and following the weights after updates."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +56,11 @@ def test_backends_here_are_close_to_full_precision_and_the_others_raise(backend)
     model = lora_model()
     if unavailable_reason(backend, "cpu") is not None:
         here = available_backends("cpu")
-        with pytest.raises(ConfigError, match=rf"backend='{backend}' cannot run on cpu: .*backends this machine can run: "
-                                              + repr(here).replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(
+            ConfigError,
+            match=rf"backend='{backend}' cannot run on cpu: .*backends this machine can run: "
+            + repr(here).replace("[", r"\[").replace("]", r"\]"),
+        ):
             make_explorer(model, backend)
         return
     explorer = make_explorer(model, backend, min_params=0)
@@ -82,7 +87,9 @@ def test_gpu_backends_fail_at_config_load_naming_what_runs_here():
     for backend in ("fp8", "nvfp4"):
         with pytest.raises(ConfigError, match=rf"rollout.backend='{backend}' cannot run on cpu.*can run: \['same'"):
             TrainConfig.from_yaml(None, ["rollout.plan=explore", f"rollout.backend={backend}"])
-    with pytest.raises(ConfigError, match=r"rollout.backend='int4' is not supported \(did you mean 'int8'\?\); accepted"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.backend='int4' is not supported \(did you mean 'int8'\?\); accepted"
+    ):
         check_backend("int4")
     assert {"same", "bf16", "fp16", "int8"} <= set(available_backends("cpu"))
     assert "torchao" in unavailable_reason("fp8", "cpu") or "CUDA" in unavailable_reason("fp8", "cpu")
@@ -110,9 +117,12 @@ def test_sync_follows_an_optimizer_step_requantizing_only_lora_layers():
     scratch from the updated model, and frozen quantized layers were not rebuilt (same module objects)."""
     model = lora_model()
     explorer = make_explorer(model, "int8", min_params=0)
-    lora_targets = {n for n in explorer.quantized if n.split(".")[-1] in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
-                                                                           "add_v_proj", "to_add_out")
-                    or n.endswith("to_out.0")}
+    lora_targets = {
+        n
+        for n in explorer.quantized
+        if n.split(".")[-1] in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+        or n.endswith("to_out.0")
+    }
     frozen = {n: explorer.transformer.get_submodule(n) for n in explorer.quantized if n not in lora_targets}
     assert frozen and lora_targets
     before = velocities(explorer.model)

@@ -1,5 +1,6 @@
 """The prompt-embedding cache is bounded (``model.prompt_cache_mb``), least recently used first, and a bound
 changes no number a run produces."""
+
 from __future__ import annotations
 
 import json
@@ -41,11 +42,11 @@ def test_a_bounded_adapter_returns_the_same_embeddings_and_stays_in_budget():
     model.prompt_cache.max_bytes = 3 * per_prompt
     misses = model.prompt_cache.misses
     for start in range(0, 6, 2):
-        batch = prompts[start:start + 2] * 2
+        batch = prompts[start : start + 2] * 2
         cond = model.encode(batch).cond
         for i, p in enumerate(batch):
             for k, v in reference[p].items():
-                assert torch.equal(cond[k][i:i + 1], v), (p, k)
+                assert torch.equal(cond[k][i : i + 1], v), (p, k)
         assert model.prompt_cache.bytes <= 3 * per_prompt
     assert model.prompt_cache.misses - misses == 6 + 1  # every prompt once, and the negative prompt (CFG)
     model.encode(prompts[:1])  # evicted long ago: encoded again
@@ -56,7 +57,7 @@ def test_the_config_key_sets_the_budget_and_is_checked():
     from flowrl.config.build import build_model
 
     cfg = TrainConfig.from_yaml(None, ["model.prompt_cache_mb=2"])
-    assert build_model(cfg.model).prompt_cache.max_bytes == 2 * 2 ** 20
+    assert build_model(cfg.model).prompt_cache.max_bytes == 2 * 2**20
     assert build_model(TrainConfig.from_yaml(None, ["model.prompt_cache_mb=null"]).model).prompt_cache.max_bytes is None
     with pytest.raises(ConfigError, match=r"model.prompt_cache_mb=0.* must be > 0"):
         TrainConfig.from_yaml(None, ["model.prompt_cache_mb=0"])
@@ -68,10 +69,22 @@ def test_a_tiny_budget_changes_no_metric(tmp_path):
     from flowrl.training.trainer import Trainer
 
     def run(name: str, *extra: str) -> list[dict]:
-        cfg = TrainConfig.from_yaml(None, [
-            "prompts.per_step=2", "rollout.group_size=2", "train.max_steps=2", "eval.every=0", "prompts.eval=null",
-            "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false",
-            f"train.output_dir={tmp_path}", f"train.name={name}", *extra])
+        cfg = TrainConfig.from_yaml(
+            None,
+            [
+                "prompts.per_step=2",
+                "rollout.group_size=2",
+                "train.max_steps=2",
+                "eval.every=0",
+                "prompts.eval=null",
+                "train.progress=false",
+                "train.checkpoint_every=0",
+                "train.async_reward=false",
+                f"train.output_dir={tmp_path}",
+                f"train.name={name}",
+                *extra,
+            ],
+        )
         Trainer(cfg).train()
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if "time" not in k and not k.endswith("_s")} for r in rows]

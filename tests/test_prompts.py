@@ -1,4 +1,5 @@
 """Prompt sources: seeded epochs, difficulty-adaptive sampling, its config keys and its resume state."""
+
 from __future__ import annotations
 
 import json
@@ -105,7 +106,9 @@ def test_adaptive_state_round_trip_draws_the_same_prompts():
     b.batch(5)  # a stale draw is forgotten on load
     b.load_state_dict(a.state_dict())
     assert feed(b, range(5, 12)) == feed(a, range(5, 12))  # with feedback after the resume
-    other = AdaptivePromptSource(EASY + [p.upper() for p in HARD], per_step=4, seed=0, key=lambda p: p.split()[0].lower())
+    other = AdaptivePromptSource(
+        EASY + [p.upper() for p in HARD], per_step=4, seed=0, key=lambda p: p.split()[0].lower()
+    )
     with pytest.raises(ValueError, match="other prompts or keys"):  # same keys, other prompts
         other.load_state_dict(a.state_dict())
 
@@ -120,6 +123,7 @@ def test_group_reward_std_per_group():
 
 def test_group_reward_std_counts_only_leaves_and_follows_merge():
     """A tree: the root and the internal node carry no reward; after a merge the groups are renumbered."""
+
     def tree(leaf_rewards):
         f = Forest(prompts=["p"])
         root = f.add_roots(torch.zeros(1, 1), group=[0], seed=[0])
@@ -137,28 +141,43 @@ def test_group_reward_std_counts_only_leaves_and_follows_merge():
 def test_config_keys_and_errors(tmp_path):
     cfg = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=shapes_task"])
     src = build_prompt_source(cfg.prompts, seed=0)
-    assert isinstance(src, AdaptivePromptSource) and src.keys == sorted(["single", "two_objects", "counting",
-                                                                         "color_attr", "position"])
+    assert isinstance(src, AdaptivePromptSource) and src.keys == sorted(
+        ["single", "two_objects", "counting", "color_attr", "position"]
+    )
     assert shapes_task("three green triangles") == "counting"
     with pytest.raises(ConfigError, match=r"prompts.sampling='adaptiv'.*did you mean 'adaptive'"):
         TrainConfig.from_yaml(None, ["prompts.sampling=adaptiv"])
     with pytest.raises(ConfigError, match=r"prompts.adaptive_floor=0.0 must be in \(0, 1\]"):
         TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.adaptive_floor=0"])
     bad = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=task"])
-    with pytest.raises(ConfigError, match=r"prompts.difficulty_key='task' is not supported; accepted: \['prompt', 'shapes_task'\]"):
+    with pytest.raises(
+        ConfigError, match=r"prompts.difficulty_key='task' is not supported; accepted: \['prompt', 'shapes_task'\]"
+    ):
         build_prompt_source(bad.prompts, seed=0)
-    odd = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", "prompts.difficulty_key=shapes_task",
-                                       "prompts.train=a red circle|a purple dog"])
+    odd = TrainConfig.from_yaml(
+        None,
+        ["prompts.sampling=adaptive", "prompts.difficulty_key=shapes_task", "prompts.train=a red circle|a purple dog"],
+    )
     with pytest.raises(ConfigError, match="fails on prompt 'a purple dog'"):
         build_prompt_source(odd.prompts, seed=0)
     plugin = tmp_path / "keys.py"
     plugin.write_text("def first_word(prompt):\n    return prompt.split()[0]\n")
-    own = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", f"prompts.difficulty_key={plugin}:first_word",
-                                       "prompts.train=a red circle|two blue squares|a dog"])
+    own = TrainConfig.from_yaml(
+        None,
+        [
+            "prompts.sampling=adaptive",
+            f"prompts.difficulty_key={plugin}:first_word",
+            "prompts.train=a red circle|two blue squares|a dog",
+        ],
+    )
     assert build_prompt_source(own.prompts, seed=0).keys == ["a", "two"]
-    for target, message in [(f"{plugin}:last_word", r"has no function 'last_word' \(functions in it: \['first_word'\]\)"),
-                            (f"{tmp_path}/nope.py:f", "no such file"), ("json:nofn", "has no function 'nofn'"),
-                            ("shapes", r"did you mean 'shapes_task'"), (":f", "is not supported")]:
+    for target, message in [
+        (f"{plugin}:last_word", r"has no function 'last_word' \(functions in it: \['first_word'\]\)"),
+        (f"{tmp_path}/nope.py:f", "no such file"),
+        ("json:nofn", "has no function 'nofn'"),
+        ("shapes", r"did you mean 'shapes_task'"),
+        (":f", "is not supported"),
+    ]:
         cfg = TrainConfig.from_yaml(None, ["prompts.sampling=adaptive", f"prompts.difficulty_key={target}"])
         with pytest.raises(ConfigError, match=message):
             build_prompt_source(cfg.prompts, seed=0)
@@ -174,8 +193,9 @@ def test_trainer_feeds_spreads_back_and_resumes_the_same_prompts(tmp_path):
     straight.train()
     assert straight.prompts.seen.any()
     Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=2", *extra), model=make_model("sd3")).train()
-    second = Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=4", "train.resume=latest", *extra),
-                     model=make_model("sd3"))
+    second = Trainer(
+        tiny_config(tmp_path, "resumed", "train.max_steps=4", "train.resume=latest", *extra), model=make_model("sd3")
+    )
     second.train()
     read = lambda name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     a = [r for r in read("straight") if "reward_mean" in r]
@@ -183,8 +203,9 @@ def test_trainer_feeds_spreads_back_and_resumes_the_same_prompts(tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert ra["reward_mean"] == rb["reward_mean"], (ra["step"], ra, rb)
-        assert {k: v for k, v in ra.items() if k.startswith("prompts/p/")} == \
-               {k: v for k, v in rb.items() if k.startswith("prompts/p/")}
+        assert {k: v for k, v in ra.items() if k.startswith("prompts/p/")} == {
+            k: v for k, v in rb.items() if k.startswith("prompts/p/")
+        }
     assert "groups_without_spread" in a[0] and any(k.startswith("prompts/p/") for k in a[-1])
     assert torch.equal(straight.prompts.cursor, second.prompts.cursor)
     assert a[-1]["prompts/p/a"] != pytest.approx(0.5)  # the observed spreads moved the draw weights
@@ -193,8 +214,14 @@ def test_trainer_feeds_spreads_back_and_resumes_the_same_prompts(tmp_path):
 def test_resume_across_sampling_modes_is_explained(tmp_path):
     Trainer(tiny_config(tmp_path, "epoch", "train.max_steps=1"), model=make_model("sd3")).train()
     with pytest.raises(ValueError, match="written with prompts.sampling=epoch.*resume it with prompts.sampling=epoch"):
-        Trainer(tiny_config(tmp_path, "epoch", "train.max_steps=2", "train.resume=latest", "prompts.sampling=adaptive"),
-                model=make_model("sd3")).train()
-    Trainer(tiny_config(tmp_path, "adaptive", "train.max_steps=1", "prompts.sampling=adaptive"), model=make_model("sd3")).train()
+        Trainer(
+            tiny_config(tmp_path, "epoch", "train.max_steps=2", "train.resume=latest", "prompts.sampling=adaptive"),
+            model=make_model("sd3"),
+        ).train()
+    Trainer(
+        tiny_config(tmp_path, "adaptive", "train.max_steps=1", "prompts.sampling=adaptive"), model=make_model("sd3")
+    ).train()
     with pytest.warns(UserWarning, match="holds adaptive prompt statistics but prompts.sampling=epoch"):
-        Trainer(tiny_config(tmp_path, "adaptive", "train.max_steps=2", "train.resume=latest"), model=make_model("sd3")).train()
+        Trainer(
+            tiny_config(tmp_path, "adaptive", "train.max_steps=2", "train.resume=latest"), model=make_model("sd3")
+        ).train()

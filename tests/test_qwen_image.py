@@ -1,6 +1,7 @@
 """Qwen-Image adapter on a tiny offline QwenImagePipeline: text template and cache, true CFG as the pipeline
 combines it, exactness of sampling and decoding against the pipeline, replay == rollout, LoRA I/O, bf16 on CPU
 and one trainer iteration per objective kind. CPU only."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,7 @@ def test_template_prefix_is_the_dropped_tokens_and_words_are_single_tokens():
         assert len(ids) == 2, word
     drop = pipe.prompt_template_encode_start_idx
     full = tok(TEMPLATE.format("a red circle")).input_ids
-    assert tok.convert_ids_to_tokens(full[drop - 3:drop + 1]) == ["<|im_start|>", "user", "Ċ", "a"]
+    assert tok.convert_ids_to_tokens(full[drop - 3 : drop + 1]) == ["<|im_start|>", "user", "Ċ", "a"]
     embeds, mask = pipe.encode_prompt(["a red circle"], max_sequence_length=64)
     assert embeds.shape[1] == len(full) - drop == 3 + SUFFIX and mask is None
 
@@ -87,7 +88,7 @@ def test_encode_caches_pads_to_a_fixed_length_and_ignores_batch_companions(monke
     assert torch.equal(a.cond["prompt_embeds_mask"][:3], mask)
     assert torch.equal(a.cond["prompt_embeds"][0, 8:], torch.zeros(4, 32))  # zero padding beyond the prompt
     neg, _ = original([" "], max_sequence_length=12)
-    assert torch.equal(a.uncond["prompt_embeds"][2, :neg.shape[1]], neg[0])
+    assert torch.equal(a.uncond["prompt_embeds"][2, : neg.shape[1]], neg[0])
     assert a.uncond["prompt_embeds_mask"][0].sum() == neg.shape[1] == 1 + SUFFIX  # " " is one token
     seq = torch.stack([model.encode([f"a {w}"]).cond["prompt_embeds"][0] for w in TINY_VOCAB])
     assert len({tuple(r.flatten().tolist()) for r in seq}) == len(TINY_VOCAB)  # every word changes the embedding
@@ -99,8 +100,9 @@ def test_true_cfg_in_one_forward_equals_the_pipelines_combination():
     pipe, model = make(guidance=3.0)
     x, s, prompts = inputs(model)
     rows = []
-    hook = model.trainable.register_forward_hook(lambda m, a, kw, out: rows.append(kw["hidden_states"].shape[0]),
-                                                 with_kwargs=True)
+    hook = model.trainable.register_forward_hook(
+        lambda m, a, kw, out: rows.append(kw["hidden_states"].shape[0]), with_kwargs=True
+    )
     cond = model.encode(prompts)
     with torch.no_grad():
         v = model.velocity(x, s, cond)
@@ -108,9 +110,14 @@ def test_true_cfg_in_one_forward_equals_the_pipelines_combination():
         # the pipeline's two calls, each on the unpadded embeddings of one prompt (mask None), then its combination
         pipe_v = []
         for i, p in enumerate(prompts):
-            run = lambda e: pipe.transformer(hidden_states=model.pack(x[i:i + 1]), timestep=s[i:i + 1],
-                                             encoder_hidden_states=e, encoder_hidden_states_mask=None,
-                                             img_shapes=[[(1, 4, 4)]], return_dict=False)[0]
+            run = lambda e: pipe.transformer(
+                hidden_states=model.pack(x[i : i + 1]),
+                timestep=s[i : i + 1],
+                encoder_hidden_states=e,
+                encoder_hidden_states_mask=None,
+                img_shapes=[[(1, 4, 4)]],
+                return_dict=False,
+            )[0]
             noise_pred = run(pipe.encode_prompt([p], max_sequence_length=12)[0])
             neg_noise_pred = run(pipe.encode_prompt([" "], max_sequence_length=12)[0])
             comb = neg_noise_pred + 3.0 * (noise_pred - neg_noise_pred)
@@ -136,8 +143,15 @@ def test_euler_ode_and_decode_reproduce_the_pipeline():
     for g in (2.5, 1.0):
         pipe, model = make(guidance=g)
         x = ode_sample(model, ["a green tree"], [11], 3, decode=False)
-        common = dict(negative_prompt=model.negative_prompt, true_cfg_scale=g, num_inference_steps=3, height=32,
-                      width=32, max_sequence_length=12, latents=model.pack(model.noise([11])))
+        common = dict(
+            negative_prompt=model.negative_prompt,
+            true_cfg_scale=g,
+            num_inference_steps=3,
+            height=32,
+            width=32,
+            max_sequence_length=12,
+            latents=model.pack(model.noise([11])),
+        )
         with torch.no_grad():
             ref = pipe("a green tree", output_type="latent", **common).images
             image = pipe("a green tree", output_type="pt", **common).images
@@ -168,7 +182,8 @@ def test_lora_targets_cover_attention_and_mlps_and_load_into_a_fresh_pipeline(tm
     wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.trainable.named_parameters() if ".lora_A" in n}
     assert len(wrapped) == 2 * 12  # 2 blocks × (8 attention projections + 4 MLP linears)
     assert {n.split(".", 2)[2] for n in wrapped} == {f"attn.{t}" for t in model.default_lora_targets[:8]} | {
-        t for t in model.default_lora_targets[8:]}
+        t for t in model.default_lora_targets[8:]
+    }
     x, s, prompts = inputs(model)
     cond = model.encode(prompts)
     model.velocity(x, s, cond).square().mean().backward()  # one SGD step on the LoRA
@@ -211,8 +226,10 @@ def test_bf16_runs_on_cpu_close_to_fp32():
     grads = {n: p.grad for n, p in bf16.trainable.named_parameters() if p.requires_grad}
     # the last block's text queries and text-stream outputs never reach the image: no gradient (as in fp32)
     dead = {n.split(".lora_")[0] for n, g in grads.items() if g is None or not g.abs().sum() > 0}
-    assert dead == {f"transformer_blocks.1.{m}" for m in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj",
-                                                         "txt_mlp.net.2")}
+    assert dead == {
+        f"transformer_blocks.1.{m}"
+        for m in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+    }
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values() if g is not None)
 
 
@@ -221,8 +238,16 @@ def test_policy_objective_iteration_replays_with_ratio_one(tmp_path):
     from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, "qwen", "model.family=qwen_image", "train.max_steps=1", "prompts.eval=null",
-                      "rollout.group_size=2", "rollout.steps=3", "rollout.window.size=2")
+    cfg = tiny_config(
+        tmp_path,
+        "qwen",
+        "model.family=qwen_image",
+        "train.max_steps=1",
+        "prompts.eval=null",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        "rollout.window.size=2",
+    )
     trainer = Trainer(cfg, model=make(guidance=2.0)[1])
     assert trainer.guidance == 2.0  # rollouts with true CFG
     before = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
@@ -237,8 +262,9 @@ def test_nft_objective_iteration_trains_the_lora(tmp_path):
     from flowrl.training.trainer import Trainer
     from tests.test_forward_process import tiny
 
-    cfg = tiny(tmp_path, "qwen_nft", "model.family=qwen_image", "loss.objective=nft", "train.max_steps=1",
-               "optim.lr=1e-2")
+    cfg = tiny(
+        tmp_path, "qwen_nft", "model.family=qwen_image", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2"
+    )
     trainer = Trainer(cfg, model=make(guidance=1.0)[1])
     before = [p.detach().clone() for p in trainer.params]
     records = [r for r in trainer.train() if "reward_mean" in r]

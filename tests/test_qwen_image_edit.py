@@ -2,6 +2,7 @@
 image, the conditioning cached per (instruction, image), the negative prompt on the same source, sampling and
 decoding equal to the pipeline's, replay ratio exactly 1, the LoRA in a fresh pipeline, bf16 on CPU, one policy and
 one NFT iteration, and an edit prompt without its image refused at load. CPU only."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,9 @@ from PIL import Image
 
 from flowrl.errors import ConfigError
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
+from flowrl.models.image_prompts import image_prompt
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
-from flowrl.models.image_prompts import image_prompt
 from tests.conftest import assert_lora_reloads, perturb_lora
 
 SIZE = dict(height=32, width=32, max_sequence_length=16)
@@ -50,10 +51,17 @@ def test_family_is_registered_and_loads_from_a_folder(tmp_path, sources):
     loaded = load_model("qwen_image_edit", tmp_path, guidance=2.0, **SIZE)
     x, s, prompts = model.noise([1, 2]), torch.tensor([0.8, 0.4]), prompts_of(sources, 2)
     with torch.no_grad():
-        torch.testing.assert_close(model.velocity(x, s, model.encode(prompts)),
-                                   loaded.velocity(x, s, loaded.encode(prompts)), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"edits an image, and the prompt 'make it red' carries none; "
-                                         r"accepted: '\[image: PATH\] INSTRUCTION'"):
+        torch.testing.assert_close(
+            model.velocity(x, s, model.encode(prompts)),
+            loaded.velocity(x, s, loaded.encode(prompts)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"edits an image, and the prompt 'make it red' carries none; "
+        r"accepted: '\[image: PATH\] INSTRUCTION'",
+    ):
         model.encode(["make it red"])
 
 
@@ -61,11 +69,21 @@ def test_conditioning_is_cached_per_instruction_and_image_and_carries_the_source
     pipe, model = make(guidance=3.0)
     calls = []
     original = pipe.encode_prompt
-    monkeypatch.setattr(pipe, "encode_prompt",
-                        lambda prompt, image=None, **k: calls.append((prompt[0], image.size)) or original(prompt, image=image, **k))
+    monkeypatch.setattr(
+        pipe,
+        "encode_prompt",
+        lambda prompt, image=None, **k: calls.append((prompt[0], image.size)) or original(prompt, image=image, **k),
+    )
     prompts = prompts_of(sources)
     a = model.encode(prompts + prompts[:1])
-    assert [c[0] for c in calls] == ["make it red", "add a blue dog", "make it red", " ", " ", " "]  # negative per image
+    assert [c[0] for c in calls] == [
+        "make it red",
+        "add a blue dog",
+        "make it red",
+        " ",
+        " ",
+        " ",
+    ]  # negative per image
     assert all(size == (32, 32) for _, size in calls)  # the source at the generated size
     b = model.encode(prompts[2:])
     assert len(calls) == 6  # cached: the same (instruction, image) is not encoded again
@@ -77,8 +95,9 @@ def test_conditioning_is_cached_per_instruction_and_image_and_carries_the_source
     assert torch.equal(cond["prompt_embeds"][2], b.cond["prompt_embeds"][0])  # independent of batch companions
     # the source latent is the pipeline's own: argmax of the VAE posterior, normalised, packed
     pixels = pipe.image_processor.preprocess(Image.open(sources[1]).convert("RGB"), 32, 32).unsqueeze(2)
-    torch.testing.assert_close(cond["image_latents"][1:2], pipe._pack_latents(pipe._encode_vae_image(pixels, None), 1, 4, 8, 8))
-
+    torch.testing.assert_close(
+        cond["image_latents"][1:2], pipe._pack_latents(pipe._encode_vae_image(pixels, None), 1, 4, 8, 8)
+    )
 
 
 def test_a_prompt_longer_than_max_sequence_length_is_refused_naming_its_text_tokens(sources):
@@ -89,12 +108,16 @@ def test_a_prompt_longer_than_max_sequence_length_is_refused_naming_its_text_tok
     text_tokens = int(model.encode([prompt]).cond["prompt_embeds_mask"].sum()) - IMAGE_TOKENS
     assert 2 < text_tokens <= SIZE["max_sequence_length"]
     short = wrap(tiny_qwen_image_edit_pipeline(), **{**SIZE, "max_sequence_length": text_tokens - 1})
-    with pytest.raises(ValueError, match=rf"model.max_sequence_length={text_tokens - 1}: the prompt .* takes "
-                                         rf"{text_tokens} tokens besides its image's; raise it"):
+    with pytest.raises(
+        ValueError,
+        match=rf"model.max_sequence_length={text_tokens - 1}: the prompt .* takes "
+        rf"{text_tokens} tokens besides its image's; raise it",
+    ):
         short.encode([prompt])
     exact = wrap(tiny_qwen_image_edit_pipeline(), **{**SIZE, "max_sequence_length": text_tokens}).encode([prompt])
     assert exact.cond["prompt_embeds_mask"].shape == (1, text_tokens + IMAGE_TOKENS)
     assert bool(exact.cond["prompt_embeds_mask"].all())  # no padding left at the exact length
+
 
 def test_euler_ode_and_decode_reproduce_the_pipeline(sources, monkeypatch):
     """The source tokens after the latent's, both shapes in img_shapes, the output cut to the latent's tokens, true
@@ -110,8 +133,16 @@ def test_euler_ode_and_decode_reproduce_the_pipeline(sources, monkeypatch):
         pipe, model = make(guidance=g)
         prompt = image_prompt("make it red", sources[0])
         x = ode_sample(model, [prompt], [11], 3, decode=False)
-        common = dict(image=source, prompt="make it red", negative_prompt=" ", true_cfg_scale=g, num_inference_steps=3,
-                      height=32, width=32, latents=model.pack(model.noise([11])))
+        common = dict(
+            image=source,
+            prompt="make it red",
+            negative_prompt=" ",
+            true_cfg_scale=g,
+            num_inference_steps=3,
+            height=32,
+            width=32,
+            latents=model.pack(model.noise([11])),
+        )
         with torch.no_grad():
             ref = pipe(output_type="latent", **common).images
             image = pipe(output_type="pt", **common).images
@@ -147,16 +178,30 @@ def edit_config(tmp_path, sources, name, *overrides, nft=False):
     from tests.test_trainer import tiny_config
 
     (tmp_path / "edits.txt").write_text("\n".join(prompts_of(sources)) + "\n")
-    return (tiny if nft else tiny_config)(tmp_path, name, "model.family=qwen_image_edit", f"prompts.train={tmp_path / 'edits.txt'}",
-                       "prompts.eval=null", "rewards=[{name: brightness}, {name: source_fidelity, kwargs: {size: 8}}]",
-                       *overrides)
+    return (tiny if nft else tiny_config)(
+        tmp_path,
+        name,
+        "model.family=qwen_image_edit",
+        f"prompts.train={tmp_path / 'edits.txt'}",
+        "prompts.eval=null",
+        "rewards=[{name: brightness}, {name: source_fidelity, kwargs: {size: 8}}]",
+        *overrides,
+    )
 
 
 def test_policy_iteration_replays_with_ratio_one_and_scores_against_the_source(tmp_path, sources):
     from flowrl.training.trainer import Trainer
 
-    cfg = edit_config(tmp_path, sources, "edit", "train.max_steps=1", "rollout.group_size=2", "rollout.steps=3",
-                      "rollout.window.size=2", "train.async_reward=false")
+    cfg = edit_config(
+        tmp_path,
+        sources,
+        "edit",
+        "train.max_steps=1",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        "rollout.window.size=2",
+        "train.async_reward=false",
+    )
     trainer = Trainer(cfg, model=make(guidance=2.0)[1])
     before = {n: p.detach().clone() for n, p in trainer.model.trainable.named_parameters() if p.requires_grad}
     (record,) = [r for r in trainer.train() if "reward_mean" in r]
@@ -169,8 +214,9 @@ def test_policy_iteration_replays_with_ratio_one_and_scores_against_the_source(t
 def test_nft_iteration_trains_the_lora(tmp_path, sources):
     from flowrl.training.trainer import Trainer
 
-    cfg = edit_config(tmp_path, sources, "edit_nft", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
-                      nft=True)
+    cfg = edit_config(
+        tmp_path, sources, "edit_nft", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2", nft=True
+    )
     trainer = Trainer(cfg, model=make(guidance=1.0)[1])
     before = [p.detach().clone() for p in trainer.params]
     (record,) = [r for r in trainer.train() if "reward_mean" in r]
@@ -182,10 +228,14 @@ def test_an_edit_prompt_without_its_image_fails_at_load_before_the_model(tmp_pat
     from tests.test_trainer import tiny_config
 
     (tmp_path / "bad.txt").write_text(f"{prompts_of(sources)[0]}\nmake it blue\n")
-    cfg = tiny_config(tmp_path, "bad", "model.family=qwen_image_edit", f"prompts.train={tmp_path / 'bad.txt'}",
-                      "prompts.eval=null")
-    with pytest.raises(ConfigError, match=r"^prompts.train=.*bad.txt.*, line 2: 'make it blue' has no source image, "
-                                          r"but model.family='qwen_image_edit' edits an image; accepted: "):
+    cfg = tiny_config(
+        tmp_path, "bad", "model.family=qwen_image_edit", f"prompts.train={tmp_path / 'bad.txt'}", "prompts.eval=null"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^prompts.train=.*bad.txt.*, line 2: 'make it blue' has no source image, "
+        r"but model.family='qwen_image_edit' edits an image; accepted: ",
+    ):
         Trainer(cfg)  # model.path is unset: the prompts fail first
     cfg = tiny_config(tmp_path, "text", "model.family=sd3", f"prompts.train={tmp_path / 'edits.txt'}")
     (tmp_path / "edits.txt").write_text("\n".join(prompts_of(sources)) + "\n")
@@ -203,12 +253,26 @@ def test_flowrl_sample_takes_edit_prompts_and_refuses_one_without_its_image(tmp_
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, make(guidance=2.0)[1], None))
 
     def sample(*prompts):
-        args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=list(prompts),
-                                  num=1, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
+        args = argparse.Namespace(
+            command="sample",
+            checkpoint=None,
+            config=None,
+            overrides=[],
+            prompt=list(prompts),
+            num=1,
+            seed=0,
+            guidance=None,
+            steps=None,
+            out=str(tmp_path / "out"),
+            scale=1,
+        )
         return cli_sample.run(args)
 
     assert sample(image_prompt("make it red", sources[0])) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000-make_it_red_source0.png.png", "grid.png"]
-    with pytest.raises(ConfigError, match=r"^--prompt 'make it blue' has no source image, but "
-                                          r"model.family='qwen_image_edit' edits an image"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--prompt 'make it blue' has no source image, but "
+        r"model.family='qwen_image_edit' edits an image",
+    ):
         sample("make it blue")

@@ -1,5 +1,6 @@
 """One Registry class behind every kind of named thing, and one mechanism for a key's accepted values: choices
 declared in a dataclass field's metadata, checked at config load and on direct construction alike."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,10 @@ import pytest
 
 import flowrl_rewards
 from flowrl import models
+from flowrl.config.schema import TrainConfig
 from flowrl.core import components
 from flowrl.core.choices import Checked, check_choices, choice, choices_of
 from flowrl.core.registry import NotRegistered, Registry
-from flowrl.config.schema import TrainConfig
 from flowrl.credit.group import BASELINES, GroupAdvantage
 from flowrl.errors import ConfigError
 from flowrl.rollout import sde
@@ -25,22 +26,58 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # kind → (its registry, a registered name, what it resolves to, a typo and its nearest name, a plugin file's source)
 KINDS = {
-    "rollout.plan": (components.PLAN.registry, "chains", Chains, "chanis", "chains",
-                     "from dataclasses import dataclass\nfrom flowrl.rollout.chains import Chains\n\n"
-                     "@dataclass\nclass Plugged(Chains):\n    extra: int = 1\n"),
-    "credit.rule": (components.CREDIT.registry, "group", GroupAdvantage, "grop", "group",
-                    "from dataclasses import dataclass\nfrom flowrl.credit.group import GroupAdvantage\n\n"
-                    "@dataclass\nclass Plugged(GroupAdvantage):\n    extra: int = 1\n"),
-    "loss.objective": (components.LOSS.registry, "clipped", None, "clipd", "clipped",
-                       "from dataclasses import dataclass\nfrom flowrl.objectives.policy import PolicyLoss\n\n"
-                       "@dataclass\nclass Plugged(PolicyLoss):\n    extra: int = 1\n"),
-    "reward": (flowrl_rewards.REGISTRY, "brightness", None, "brightnes", "brightness",
-               "from flowrl_rewards import Reward\n\nclass Plugged(Reward):\n"
-               "    def score(self, images, prompts, meta):\n        return images.mean(dim=(1, 2, 3))\n"),
-    "rollout.kernel": (sde.KERNEL_FUNCTIONS, "dance", None, "dnce", "dance",
-                       "def Plugged(x, v, s, s_next, e):\n    return x + v * (s_next - s), 0 * s\n"),
-    "model.family": (models.MODEL_FAMILIES, "sd3", None, "sd4", "sd3",
-                     "from flowrl.models.sd3 import SD3FlowModel\n\nclass Plugged(SD3FlowModel):\n    pass\n"),
+    "rollout.plan": (
+        components.PLAN.registry,
+        "chains",
+        Chains,
+        "chanis",
+        "chains",
+        "from dataclasses import dataclass\nfrom flowrl.rollout.chains import Chains\n\n"
+        "@dataclass\nclass Plugged(Chains):\n    extra: int = 1\n",
+    ),
+    "credit.rule": (
+        components.CREDIT.registry,
+        "group",
+        GroupAdvantage,
+        "grop",
+        "group",
+        "from dataclasses import dataclass\nfrom flowrl.credit.group import GroupAdvantage\n\n"
+        "@dataclass\nclass Plugged(GroupAdvantage):\n    extra: int = 1\n",
+    ),
+    "loss.objective": (
+        components.LOSS.registry,
+        "clipped",
+        None,
+        "clipd",
+        "clipped",
+        "from dataclasses import dataclass\nfrom flowrl.objectives.policy import PolicyLoss\n\n"
+        "@dataclass\nclass Plugged(PolicyLoss):\n    extra: int = 1\n",
+    ),
+    "reward": (
+        flowrl_rewards.REGISTRY,
+        "brightness",
+        None,
+        "brightnes",
+        "brightness",
+        "from flowrl_rewards import Reward\n\nclass Plugged(Reward):\n"
+        "    def score(self, images, prompts, meta):\n        return images.mean(dim=(1, 2, 3))\n",
+    ),
+    "rollout.kernel": (
+        sde.KERNEL_FUNCTIONS,
+        "dance",
+        None,
+        "dnce",
+        "dance",
+        "def Plugged(x, v, s, s_next, e):\n    return x + v * (s_next - s), 0 * s\n",
+    ),
+    "model.family": (
+        models.MODEL_FAMILIES,
+        "sd3",
+        None,
+        "sd4",
+        "sd3",
+        "from flowrl.models.sd3 import SD3FlowModel\n\nclass Plugged(SD3FlowModel):\n    pass\n",
+    ),
 }
 
 
@@ -102,8 +139,13 @@ def test_register_checks_the_name_and_the_target():
     with pytest.raises(TypeError, match="not a subclass of flowrl_rewards.Reward"):
         registry.register("bad", object)
     registry.register("lazy", "flowrl_rewards.heuristics.image_stats:Brightness")
-    assert registry["lazy"] == "flowrl_rewards.heuristics.image_stats:Brightness" and registry.resolve("lazy").__name__ == "Brightness"
-    assert registry.names() == ["lazy"] and dict(registry) == {"lazy": "flowrl_rewards.heuristics.image_stats:Brightness"}
+    assert (
+        registry["lazy"] == "flowrl_rewards.heuristics.image_stats:Brightness"
+        and registry.resolve("lazy").__name__ == "Brightness"
+    )
+    assert registry.names() == ["lazy"] and dict(registry) == {
+        "lazy": "flowrl_rewards.heuristics.image_stats:Brightness"
+    }
     assert registry.pop("lazy") and "lazy" not in registry and len(registry) == 0
 
 
@@ -153,6 +195,10 @@ LEFT = {"flowrl/config/checks.py"}
 
 
 def test_no_hand_written_choice_raise_is_left():
-    found = sorted(str(p.relative_to(ROOT)) for package in ("flowrl", "rewards") for p in (ROOT / package).rglob("*.py")
-                   if "is not supported; accepted" in p.read_text())
+    found = sorted(
+        str(p.relative_to(ROOT))
+        for package in ("flowrl", "rewards")
+        for p in (ROOT / package).rglob("*.py")
+        if "is not supported; accepted" in p.read_text()
+    )
     assert sorted(set(found) - LEFT) == [], textwrap.fill(f"use flowrl.config.choices.choice()/choose() in {found}")

@@ -2,6 +2,7 @@
 before the first checkpoint refuses (status 2, naming ``train.overwrite``) instead of starting at step 0 over the
 logged records; every resume prints one line naming the checkpoint and the step, on the main process only (two
 processes with FSDP included)."""
+
 from __future__ import annotations
 
 import json
@@ -57,18 +58,26 @@ def test_resume_after_kill_9_before_the_first_checkpoint_refuses_and_erases_noth
 def test_every_resume_says_the_checkpoint_and_step_it_continues_from(tiny_folder, tmp_path, capsys):  # noqa: F811
     common = ["prompts.eval=null"]
     capsys.readouterr()
-    assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1", "train.resume=latest",
-                                     *common)]) == 0
+    assert (
+        main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1", "train.resume=latest", *common)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"train.resume=latest: no checkpoint in {tmp_path / 'run' / 'checkpoints'}; starting at step 0" in out
     assert "resuming from" not in out
-    assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=2", "train.resume=latest",
-                                     *common)]) == 0  # unchanged settings: it used to print nothing
+    assert (
+        main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=2", "train.resume=latest", *common)])
+        == 0
+    )  # unchanged settings: it used to print nothing
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming from")]
     assert said == [f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-1'} at step 1"]
     step_2 = tmp_path / "run" / "checkpoints" / "step-2"
-    assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", f"train.resume={step_2}",
-                                     *common)]) == 0
+    assert (
+        main(
+            ["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", f"train.resume={step_2}", *common)]
+        )
+        == 0
+    )
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming from")]
     assert said == [f"resuming from {step_2} at step 2"]
 
@@ -80,8 +89,15 @@ def test_a_comparison_starts_again_a_run_stopped_before_its_first_checkpoint(tmp
     from flowrl.run.outputs import unfinished_start
 
     out = tmp_path / "cmp"
-    runs = [compare.Run("a", seed, [sys.executable, "-m", "flowrl", "train", "train.resume=latest",
-                                    "train.num_threads=1"], out / "runs" / f"a-s{seed}") for seed in (0, 1, 2)]
+    runs = [
+        compare.Run(
+            "a",
+            seed,
+            [sys.executable, "-m", "flowrl", "train", "train.resume=latest", "train.num_threads=1"],
+            out / "runs" / f"a-s{seed}",
+        )
+        for seed in (0, 1, 2)
+    ]
     runs[0].folder.mkdir(parents=True)
     (runs[0].folder / "metrics.jsonl").write_text('{"step": 0, "eval/x_mean": 0.5}\n')  # killed before step-1
     (runs[1].folder / "checkpoints" / "step-1").mkdir(parents=True)  # has a checkpoint: resumed
@@ -90,8 +106,11 @@ def test_a_comparison_starts_again_a_run_stopped_before_its_first_checkpoint(tmp
     commands = []
     monkeypatch.setattr(compare.subprocess, "call", lambda command, **kw: commands.append(command) or 0)
     compare.run_all(runs, out)
-    assert [("train.overwrite=true" in c, "train.resume=latest" in c) for c in commands] == \
-        [(True, False), (False, True), (False, True)]
+    assert [("train.overwrite=true" in c, "train.resume=latest" in c) for c in commands] == [
+        (True, False),
+        (False, True),
+        (False, True),
+    ]
 
 
 @pytest.mark.slow
@@ -99,13 +118,25 @@ def test_a_resume_under_two_processes_with_fsdp_prints_one_line(tmp_path):
     """tests/sharded_worker.py on 2 CPU processes (gloo), ``model.shard=fsdp``: only the main process says it."""
     worker = Path(__file__).with_name("sharded_worker.py")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-              str(tmp_path), "fsdp", "lora"]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(tmp_path),
+        "fsdp",
+        "lora",
+    ]
     outputs = []
     for extra in (["train.max_steps=1"], ["train.max_steps=2", "train.resume=latest"]):
         proc = subprocess.run(launch + extra, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         outputs.append(proc.stdout + proc.stderr)
     said = [line for line in outputs[1].splitlines() if "resuming from" in line]
-    assert len(said) == 1 and said[0].endswith(f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-1'} at step 1"), said
+    assert len(said) == 1 and said[0].endswith(
+        f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-1'} at step 1"
+    ), said
     assert sum("starting at step 0" in line for line in outputs[0].splitlines()) == 0  # no resume asked: nothing said

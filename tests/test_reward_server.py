@@ -3,6 +3,7 @@ body / depth / image limits, batching across requests, and load (200 concurrent 
 
 Most tests share one server (a token, a 1 MiB body limit, batches of 8 images, a reward that takes 0.3 s a call so
 concurrent requests meet in the queue). The checks and the batching are also tested without a server."""
+
 import base64
 import http.client
 import json
@@ -95,8 +96,9 @@ def _payload(images=None, prompts=None, meta=None) -> bytes:
 
 def _post(url, body: bytes, headers=None, timeout=60.0):
     """(status, parsed reply, raw reply, headers) of one POST."""
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -132,10 +134,24 @@ def server():
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     from flowrl_rewards.serving.serve_process import RewardServerProcess
 
-    proc = RewardServerProcess(f"{__file__}:ProbeReward", {"delay": 0.3},
-                               args=["--token-env", TOKEN_ENV, "--max-body-mb", "1", "--batch-size", "8",
-                                     "--batch-timeout", "0.05", "--max-image-pixels", str(2048 * 2048)],
-                               env=dict(os.environ, **{TOKEN_ENV: TOKEN}), cwd=ROOT)
+    proc = RewardServerProcess(
+        f"{__file__}:ProbeReward",
+        {"delay": 0.3},
+        args=[
+            "--token-env",
+            TOKEN_ENV,
+            "--max-body-mb",
+            "1",
+            "--batch-size",
+            "8",
+            "--batch-timeout",
+            "0.05",
+            "--max-image-pixels",
+            str(2048 * 2048),
+        ],
+        env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
+        cwd=ROOT,
+    )
     yield proc
     proc.close()
     proc.remove_log()
@@ -205,12 +221,19 @@ def test_check_authorization_and_token_values():
 def test_a_body_over_the_limit_gets_413_with_a_message(server):
     big = json.dumps({"images": [], "prompts": [], "meta": {"pad": "x" * (2 << 20)}}).encode()
     status, reply, _, _ = _post(server.url, big, AUTH)
-    assert status == 413 and "exceeds the limit of 1048576 bytes" in reply["error"] and "--max-body-mb" in reply["error"]
+    assert (
+        status == 413 and "exceeds the limit of 1048576 bytes" in reply["error"] and "--max-body-mb" in reply["error"]
+    )
     # without a Content-Length (chunked): read up to the limit, then the same reply
     host, port = server.base_url.split("//")[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/score", body=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
-                 headers={"Content-Type": "application/json", **AUTH}, encode_chunked=True)
+    conn.request(
+        "POST",
+        "/score",
+        body=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]),
+        headers={"Content-Type": "application/json", **AUTH},
+        encode_chunked=True,
+    )
     resp = conn.getresponse()
     assert resp.status == 413 and "exceeds the limit" in json.loads(resp.read())["error"]
     conn.close()
@@ -254,8 +277,12 @@ def test_bad_requests_get_400_naming_what_is_wrong(server):
         (json.dumps({"images": [], "prompts": ["a"]}).encode(), "one prompt string per image"),
         (json.dumps({"images": [], "prompts": [], "meta": [1]}).encode(), "'meta' must be an object"),
         (_payload(_images(9)), "9 images in one request; this server scores at most 8"),
-        (json.dumps({"images": encode_png(_images(1)) + encode_png(_images(1, 8, 8)),
-                     "prompts": ["a", "b"]}).encode(), "must have one size"),
+        (
+            json.dumps(
+                {"images": encode_png(_images(1)) + encode_png(_images(1, 8, 8)), "prompts": ["a", "b"]}
+            ).encode(),
+            "must have one size",
+        ),
     ]
     for body, match in cases:
         status, reply, _, _ = _post(server.url, body, AUTH)
@@ -287,12 +314,12 @@ def test_three_concurrent_12000_pixel_pngs_are_refused_at_the_header(server, bom
 def test_three_concurrent_large_images_are_scored_without_a_traceback(server):
     ramp = torch.linspace(0, 1, 2048)
     x = torch.stack([ramp.view(1, 1, -1).expand(3, 2048, 2048) * (i + 1) / 3 for i in range(3)])
-    bodies = [_payload(x[i:i + 1]) for i in range(3)]
+    bodies = [_payload(x[i : i + 1]) for i in range(3)]
     assert all(len(b) < 1 << 20 for b in bodies)
     results = _concurrently(3, lambda i: _post(server.url, bodies[i], AUTH))
     for i, result in enumerate(results):
         status, reply, _, _ = result
-        assert status == 200 and reply["scores"][0] == pytest.approx(_quantised_mean(x[i:i + 1]).item(), abs=1e-6)
+        assert status == 200 and reply["scores"][0] == pytest.approx(_quantised_mean(x[i : i + 1]).item(), abs=1e-6)
     _no_traceback(server)
 
 
@@ -312,7 +339,7 @@ def test_concurrent_requests_are_scored_together(server):
     x = _images(n, seed=1)
 
     def one(i):
-        body = _payload(x[i:i + 1], [f"p{i}"], {"ids": [i], "step": 7})
+        body = _payload(x[i : i + 1], [f"p{i}"], {"ids": [i], "step": 7})
         return _post(server.url, body, AUTH, timeout=60)
 
     results = _concurrently(n, one)
@@ -320,7 +347,7 @@ def test_concurrent_requests_are_scored_together(server):
     for i, result in enumerate(results):
         status, reply, _, _ = result
         assert status == 200, reply
-        assert reply["scores"][0] == pytest.approx(_quantised_mean(x[i:i + 1]).item(), abs=1e-6)
+        assert reply["scores"][0] == pytest.approx(_quantised_mean(x[i : i + 1]).item(), abs=1e-6)
         assert reply["meta"]["probe/prompts"] == [f"p{i}"] and reply["meta"]["probe/ids"] == [i]  # split back
         sizes.append(reply["meta"]["probe/call_size"])
     assert max(sizes) > 1 and max(sizes) <= 8  # requests met in one reward call, never more than --batch-size
@@ -355,10 +382,12 @@ def test_groups_merge_compatible_requests_only():
 
 def test_score_requests_merges_splits_and_isolates_failures():
     reward = ProbeReward()
-    reqs = [_request(2, meta={"ids": [0, 1]}, value=0.2, prompt="a"),
-            _request(1, meta={"ids": [2]}, value=0.6, prompt="b"),
-            _request(1, meta={"ids": [3]}, value=0.4, prompt="boom"),  # breaks the reward
-            Reply(400, {"error": "refused before"})]
+    reqs = [
+        _request(2, meta={"ids": [0, 1]}, value=0.2, prompt="a"),
+        _request(1, meta={"ids": [2]}, value=0.6, prompt="b"),
+        _request(1, meta={"ids": [3]}, value=0.4, prompt="boom"),  # breaks the reward
+        Reply(400, {"error": "refused before"}),
+    ]
     replies = score_requests(reward, reqs, max_images=8)
     assert [r.status for r in replies] == [200, 200, 500, 400]
     assert replies[0].body["scores"] == pytest.approx([0.2, 0.2], abs=1 / 255)
@@ -374,7 +403,7 @@ def test_score_requests_merges_splits_and_isolates_failures():
 def test_a_request_whose_image_does_not_decode_fails_alone():
     noise = [base64.b64decode(s) for s in encode_png(_images(2, 32, 32))]
     good = ScoreRequest(noise[:1], (32, 32), ["a"], {})
-    broken = ScoreRequest([noise[1][:len(noise[1]) // 2]], (32, 32), ["b"], {})  # a header, half the pixels
+    broken = ScoreRequest([noise[1][: len(noise[1]) // 2]], (32, 32), ["b"], {})  # a header, half the pixels
     replies = score_requests(ProbeReward(), [good, broken], max_images=8)
     assert [r.status for r in replies] == [200, 400]
     assert "images[0] does not decode" in replies[1].body["error"]
@@ -403,12 +432,14 @@ def test_serve_refuses_bad_flags_clearly(monkeypatch, capsys):
 
     monkeypatch.delenv("FLOWRL_NO_SUCH_TOKEN", raising=False)
     monkeypatch.setenv("FLOWRL_BAD_TOKEN", "s3cret-value\n")
-    cases = [(["--token-env", "FLOWRL_NO_SUCH_TOKEN"], "FLOWRL_NO_SUCH_TOKEN is not set"),
-             (["--token-env", "FLOWRL_BAD_TOKEN"], "whitespace or control characters"),
-             (["--host", "10.1.2.3"], "--host '10.1.2.3' cannot be served; use one of 127.0.0.1, 0.0.0.0, ::"),
-             (["--port", "80"], "--port 80 is not served"),
-             (["--batch-size", "0"], "must be a positive finite number (images per reward call)"),
-             (["--max-body-mb", "nan"], "must be a positive finite number (MiB)")]
+    cases = [
+        (["--token-env", "FLOWRL_NO_SUCH_TOKEN"], "FLOWRL_NO_SUCH_TOKEN is not set"),
+        (["--token-env", "FLOWRL_BAD_TOKEN"], "whitespace or control characters"),
+        (["--host", "10.1.2.3"], "--host '10.1.2.3' cannot be served; use one of 127.0.0.1, 0.0.0.0, ::"),
+        (["--port", "80"], "--port 80 is not served"),
+        (["--batch-size", "0"], "must be a positive finite number (images per reward call)"),
+        (["--max-body-mb", "nan"], "must be a positive finite number (MiB)"),
+    ]
     for flags, message in cases:
         with pytest.raises(SystemExit) as info:
             main(["brightness", *flags])
@@ -477,8 +508,9 @@ def test_200_concurrent_clients_are_all_answered():
 
     n = 200
     x = _images(n, 64, 64, seed=2)
-    bodies = [_payload(x[i:i + 1]) for i in range(n)]
+    bodies = [_payload(x[i : i + 1]) for i in range(n)]
     with RewardServerProcess("brightness", cwd=ROOT) as server:
+
         def one(i):
             t = time.monotonic()
             reply = json.loads(post_json(server.url, bodies[i], timeout=60))  # the remote reward's default
@@ -504,8 +536,9 @@ def test_three_concurrent_12000_pixel_images_decoded_one_at_a_time(bomb_12000):
     from flowrl_rewards.serving.serve_process import RewardServerProcess
 
     body = json.dumps({"images": [_b64(bomb_12000)], "prompts": ["a"]}).encode()
-    with RewardServerProcess("brightness", args=["--max-image-pixels", "150000000", "--batch-size", "1"],
-                             cwd=ROOT) as server:
+    with RewardServerProcess(
+        "brightness", args=["--max-image-pixels", "150000000", "--batch-size", "1"], cwd=ROOT
+    ) as server:
         results = _concurrently(3, lambda i: json.loads(post_json(server.url, body, timeout=300)))
         assert all(not isinstance(r, Exception) and r["scores"] == [0.0] for r in results), results
         _no_traceback(server)

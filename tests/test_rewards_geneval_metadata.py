@@ -1,6 +1,7 @@
 """GenEval metadata checked at load (issue 54): a class the detector does not know, a count it can never reach, a
 colour outside GenEval's ten (and its case) and a folder given for a file are refused before any model loads, naming
 the file, line and field and what is accepted."""
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,43 @@ def clause(**fields):
     return {"tag": "counting", "include": [{"class": "cat", "count": 2, **fields}], "prompt": "a photo of two cats"}
 
 
-@pytest.mark.parametrize("bad, match", [
-    (clause(**{"class": "unicorn"}), r"line 2: include\[0\].class='unicorn' is not a class the detector knows; "
-                                     r"accepted: GenEval's 80 COCO class names"),
-    (clause(**{"class": "mouse"}), r"include\[0\].class='mouse' .*did you mean 'computer mouse'\?"),
-    (clause(count=1000000000), r"line 2: include\[0\].count=1000000000 is above max_objects=16, the most detections "
-                               r"GenEval keeps per class, so it could never pass; accepted: 1 to 16"),
-    (clause(count=1e9), r"line 2: include\[0\].count=1000000000.0 must be an integer >= 1"),
-    (clause(color="magenta"), r"line 2: include\[0\].color='magenta' is not one of GenEval's ten colours \('red', "
-                              r"'orange', 'yellow', 'green', 'blue', 'purple', 'pink', 'brown', 'black', 'white'\) "
-                              r"\(lower case\)"),
-    (clause(color="Red"), r"line 2: include\[0\].color='Red' is not one of GenEval's ten colours .*GenEval's colours "
-                          r"are lower case: write 'red'"),
-    ({"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "unicorn", "count": 3}],
-      "prompt": "x"}, r"exclude\[0\].class='unicorn'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            clause(**{"class": "unicorn"}),
+            r"line 2: include\[0\].class='unicorn' is not a class the detector knows; "
+            r"accepted: GenEval's 80 COCO class names",
+        ),
+        (clause(**{"class": "mouse"}), r"include\[0\].class='mouse' .*did you mean 'computer mouse'\?"),
+        (
+            clause(count=1000000000),
+            r"line 2: include\[0\].count=1000000000 is above max_objects=16, the most detections "
+            r"GenEval keeps per class, so it could never pass; accepted: 1 to 16",
+        ),
+        (clause(count=1e9), r"line 2: include\[0\].count=1000000000.0 must be an integer >= 1"),
+        (
+            clause(color="magenta"),
+            r"line 2: include\[0\].color='magenta' is not one of GenEval's ten colours \('red', "
+            r"'orange', 'yellow', 'green', 'blue', 'purple', 'pink', 'brown', 'black', 'white'\) "
+            r"\(lower case\)",
+        ),
+        (
+            clause(color="Red"),
+            r"line 2: include\[0\].color='Red' is not one of GenEval's ten colours .*GenEval's colours "
+            r"are lower case: write 'red'",
+        ),
+        (
+            {
+                "tag": "counting",
+                "include": [{"class": "cat", "count": 2}],
+                "exclude": [{"class": "unicorn", "count": 3}],
+                "prompt": "x",
+            },
+            r"exclude\[0\].class='unicorn'",
+        ),
+    ],
+)
 def test_a_record_geneval_can_never_pass_is_refused_naming_the_line_and_field(tmp_path, bad, match):
     path = metadata(tmp_path, GOOD, bad)
     with pytest.raises(ValueError, match=rf"meta.jsonl, {match}" if match.startswith("line") else match):
@@ -60,8 +83,11 @@ def test_counts_are_held_to_the_rewards_max_objects(tmp_path):
 def test_metadata_naming_a_folder_says_it_is_a_folder(tmp_path):
     folder = tmp_path / "geneval"
     folder.mkdir()
-    with pytest.raises(IsADirectoryError, match=rf"GenEval metadata '{folder}' is a folder \({folder}\), not a file: "
-                                                r"metadata takes JSONL files, .*it holds no .jsonl file") as e:
+    with pytest.raises(
+        IsADirectoryError,
+        match=rf"GenEval metadata '{folder}' is a folder \({folder}\), not a file: "
+        r"metadata takes JSONL files, .*it holds no .jsonl file",
+    ) as e:
         read_metadata([folder])
     assert "does not exist" not in str(e.value)
     metadata(tmp_path, GOOD, name="geneval/test_metadata.jsonl")

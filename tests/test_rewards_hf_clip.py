@@ -1,4 +1,5 @@
 """pickscore and aesthetic on a tiny random transformers CLIP saved to disk and loaded through the rewards."""
+
 import pytest
 import torch
 
@@ -22,17 +23,35 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfclip")
     tok = build_clip_tokenizer(WORDS, model_max_length=16)
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=16, logit_scale_init_value=3.0)
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+        logit_scale_init_value=3.0,
+    )
     torch.manual_seed(0)
     model = CLIPModel(cfg).eval()
     model.save_pretrained(root / "model")
-    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                            crop_size={"height": 32, "width": 32}), tokenizer=tok)
+    proc = CLIPProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tok,
+    )
     proc.save_pretrained(root / "processor")
     proc.save_pretrained(root / "model")  # the aesthetic reward reads the processor beside the model by default
     for w in WORDS:  # each word one token, so different prompts encode differently
@@ -49,8 +68,14 @@ def _reference_pixels(images):
     import torchvision.transforms as T
     from PIL import Image
 
-    tf = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor(),
-                    T.Normalize(OPENAI_MEAN, OPENAI_STD)])
+    tf = T.Compose(
+        [
+            T.Resize(32, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(32),
+            T.ToTensor(),
+            T.Normalize(OPENAI_MEAN, OPENAI_STD),
+        ]
+    )
     arr = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return torch.stack([tf(Image.fromarray(a)) for a in arr])
 
@@ -61,8 +86,13 @@ def _feats(out):
 
 @pytest.fixture(scope="module")
 def pick(tiny):
-    return build_reward("pickscore", model=str(tiny["root"] / "model"), processor=str(tiny["root"] / "processor"),
-                        device="cpu", dtype="auto")
+    return build_reward(
+        "pickscore",
+        model=str(tiny["root"] / "model"),
+        processor=str(tiny["root"] / "processor"),
+        device="cpu",
+        dtype="auto",
+    )
 
 
 def test_pickscore_is_logit_scale_times_cosine(tiny, pick):
@@ -103,7 +133,7 @@ def test_pickscore_preprocessing_is_published(pick):
     assert torch.allclose(pick.pixels(gray)[0].mean(dim=(1, 2)), expect, atol=1e-5)
     x = _images(b=1)
     y, z = x.clone(), x.clone()
-    y[..., :8] = 1 - y[..., :8]        # outside the centre crop
+    y[..., :8] = 1 - y[..., :8]  # outside the centre crop
     z[..., 30:34] = 1 - z[..., 30:34]  # inside
     sx, sy, sz = pick(torch.cat([x, y, z]), ["a red cat"] * 3)
     assert sx == sy and sx != sz
@@ -113,8 +143,13 @@ def test_pickscore_divide_by_and_batching(tiny, pick):
     x = _images(b=5)
     prompts = PROMPTS + ["a dog"]
     raw = pick(x, prompts)
-    r = build_reward("pickscore", model=str(tiny["root"] / "model"), processor=str(tiny["root"] / "processor"),
-                     divide_by=26, batch_size=2)
+    r = build_reward(
+        "pickscore",
+        model=str(tiny["root"] / "model"),
+        processor=str(tiny["root"] / "processor"),
+        divide_by=26,
+        batch_size=2,
+    )
     assert torch.allclose(r(x, prompts), raw / 26, atol=1e-5)
     with pytest.raises(ValueError, match="divide_by=0"):
         build_reward("pickscore", divide_by=0)
@@ -123,8 +158,9 @@ def test_pickscore_divide_by_and_batching(tiny, pick):
 
 
 def test_pickscore_bf16(tiny):
-    r = build_reward("pickscore", model=str(tiny["root"] / "model"), processor=str(tiny["root"] / "processor"),
-                     dtype="bf16")
+    r = build_reward(
+        "pickscore", model=str(tiny["root"] / "model"), processor=str(tiny["root"] / "processor"), dtype="bf16"
+    )
     assert r.model.dtype == torch.bfloat16
     s = r(_images(), PROMPTS)
     assert s.dtype == torch.float32 and torch.isfinite(s).all()
@@ -154,8 +190,16 @@ def test_aesthetic_is_mlp_of_normalised_clip_embedding(tiny, mlp_weights):
     assert torch.equal(s, r(x, ["other"] * 5))  # deterministic, prompts ignored
     assert len(set(s.tolist())) == 5
     assert torch.allclose(r.pixels(x), _reference_pixels(x), atol=1e-6)
-    assert [type(m).__name__ for m in r.mlp.layers] == ["Linear", "Dropout", "Linear", "Dropout", "Linear",
-                                                       "Dropout", "Linear", "Linear"]
+    assert [type(m).__name__ for m in r.mlp.layers] == [
+        "Linear",
+        "Dropout",
+        "Linear",
+        "Dropout",
+        "Linear",
+        "Dropout",
+        "Linear",
+        "Linear",
+    ]
 
 
 def test_aesthetic_weights_from_hub_cache_and_errors(tiny, mlp_weights, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """Model-free rewards: JPEG size, brightness, saturation, redness."""
+
 import io
 
 import numpy as np
@@ -32,8 +33,9 @@ def test_jpeg_noise_is_less_compressible_than_flat():
     noise = _imgs(b=1, h=32, w=32)
     r = build_reward("jpeg_compressibility")
     assert r(flat, ["a"]) > r(noise, ["a"])
-    assert build_reward("jpeg_incompressibility", quality=50)(noise, ["a"]) < \
-        build_reward("jpeg_incompressibility")(noise, ["a"])
+    assert build_reward("jpeg_incompressibility", quality=50)(noise, ["a"]) < build_reward("jpeg_incompressibility")(
+        noise, ["a"]
+    )
 
 
 def test_jpeg_quality_is_validated():

@@ -1,5 +1,6 @@
 """imagereward: the clear error when the extra is missing, and the batched scoring against a stand-in
 ``ImageReward`` package whose model has the real package's attributes and per-image ``score()``."""
+
 import sys
 import textwrap
 
@@ -11,7 +12,7 @@ from flowrl_rewards import build_reward
 # A stand-in for the image-reward package (it cannot be installed beside transformers 5): same load()
 # signature, same model attributes (blip.tokenizer / visual_encoder / text_encoder, mlp, mean, std,
 # preprocess) and the package's per-image score() formula, on a tiny random BLIP-like network.
-FAKE_PACKAGE = textwrap.dedent('''
+FAKE_PACKAGE = textwrap.dedent("""
     import os
     import torch
     from torch import nn
@@ -91,7 +92,7 @@ FAKE_PACKAGE = textwrap.dedent('''
         elif name != "ImageReward-v1.0":
             raise RuntimeError(f"Model {name} not found")
         return model.to(device).eval()
-''')
+""")
 
 PROMPTS = ["a red cat", "a blue dog", "a red cat", "two birds", "a cat"]
 
@@ -111,14 +112,17 @@ def fake_package(tmp_path, monkeypatch):
 
 def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ImageReward", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match=r"optional extra 'imagereward'.*flowrl-align\[imagereward\].*flowrl_rewards.serving.serve"):
+    with pytest.raises(
+        ImportError, match=r"optional extra 'imagereward'.*flowrl-align\[imagereward\].*flowrl_rewards.serving.serve"
+    ):
         build_reward("imagereward")
 
 
 def test_batched_scores_equal_the_package_per_image_score(fake_package, tmp_path):
     r = build_reward("imagereward", batch_size=2, med_config="med.json", download_root=str(tmp_path))
-    assert fake_package.CALLS[-1] == dict(name="ImageReward-v1.0", device="cpu", download_root=str(tmp_path),
-                                          med_config="med.json")
+    assert fake_package.CALLS[-1] == dict(
+        name="ImageReward-v1.0", device="cpu", download_root=str(tmp_path), med_config="med.json"
+    )
     x = torch.rand(5, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     s = r(x, PROMPTS)
     assert s.shape == (5,) and s.dtype == torch.float32

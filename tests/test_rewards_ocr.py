@@ -2,6 +2,7 @@
 score's definition, the prompt check (a prompt file without quoted targets fails at load naming its line), the
 errors, the eval summary, and one ``flowrl train`` iteration of each OCR preset (configs/sd35/flow_grpo_ocr.yaml,
 configs/sd35/nft_ocr.yaml) on a tiny SD3 pipeline scored by the real engine."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,10 @@ from flowrl.prompts.checks import check_prompts
 from flowrl_rewards import build_reward
 from flowrl_rewards.text.ocr import edit_distance, quoted_target, text_score
 
-needs_engine = pytest.mark.skipif(importlib.util.find_spec("rapidocr_onnxruntime") is None,
-                                  reason="needs rapidocr-onnxruntime (pip install 'flowrl-align[ocr]')")
+needs_engine = pytest.mark.skipif(
+    importlib.util.find_spec("rapidocr_onnxruntime") is None,
+    reason="needs rapidocr-onnxruntime (pip install 'flowrl-align[ocr]')",
+)
 SIGN = 'a neon sign that says "Helloworld"'  # a 10-letter target
 
 
@@ -99,11 +102,13 @@ def test_evaluate_gives_the_exact_read_accuracy_and_reuses_the_last_scores(ocr, 
 
 # ---- prompts -------------------------------------------------------------------------------------------
 @needs_engine
-@pytest.mark.parametrize("prompt", ["a sign without quotes", 'a sign with one " quote', 'an empty "" pair',
-                                    'a blank "   " pair'])
+@pytest.mark.parametrize(
+    "prompt", ["a sign without quotes", 'a sign with one " quote', 'an empty "" pair', 'a blank "   " pair']
+)
 def test_prompt_without_a_quoted_target_is_refused(ocr, prompt):
-    with pytest.raises(ValueError, match='accepted: a prompt with the target text between double quotes, '
-                                         'e.g. a sign that says "OPEN"'):
+    with pytest.raises(
+        ValueError, match='accepted: a prompt with the target text between double quotes, e.g. a sign that says "OPEN"'
+    ):
         ocr.check_prompt(prompt)
     with pytest.raises(ValueError, match="accepted"):
         ocr(torch.ones(1, 3, 64, 64), [prompt])
@@ -114,22 +119,31 @@ def test_prompt_without_a_quoted_target_is_refused(ocr, prompt):
 def test_a_prompt_file_without_quotes_fails_at_load_naming_the_line(ocr, tmp_path):
     path = tmp_path / "ocr.txt"
     path.write_text('a sign that says "OPEN"\n# a comment\na sign that says nothing\n')
-    with pytest.raises(ConfigError, match=r"prompts.train=.*ocr.txt.*, line 3: 'a sign that says nothing' cannot be "
-                                          "scored: .*no pair of double quotes; accepted"):
+    with pytest.raises(
+        ConfigError,
+        match=r"prompts.train=.*ocr.txt.*, line 3: 'a sign that says nothing' cannot be "
+        "scored: .*no pair of double quotes; accepted",
+    ):
         check_prompts(str(path), "prompts.train", ocr.check_prompt)
 
 
 # ---- errors --------------------------------------------------------------------------------------------
 def test_unknown_engine_and_bad_settings_name_the_key_and_the_accepted_values():
-    with pytest.raises(ValueError, match=r"engine='tesseract' is not an OCR engine; accepted: \['rapidocr', "
-                                         r"'paddleocr'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine='tesseract' is not an OCR engine; accepted: \['rapidocr', "
+        r"'paddleocr'\]",
+    ):
         build_reward("ocr", engine="tesseract")
     with pytest.raises(ValueError, match="threads=0 must be an integer >= 1"):
         build_reward("ocr", threads=0)
     with pytest.raises(ValueError, match=r"min_confidence=1.5 must be a number in \[0, 1\]"):
         build_reward("ocr", min_confidence=1.5)
-    with pytest.raises(ConfigError, match=r"batch_size=8 is not a setting of reward 'ocr' \(OcrReward\); accepted: "
-                                         r"\['engine', 'threads', 'min_confidence'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_size=8 is not a setting of reward 'ocr' \(OcrReward\); accepted: "
+        r"\['engine', 'threads', 'min_confidence'\]",
+    ):
         build_reward("ocr", batch_size=8)
 
 
@@ -138,8 +152,11 @@ def test_a_missing_engine_fails_when_built_naming_what_to_install(monkeypatch):
     with pytest.raises(ImportError, match=r"engine='rapidocr' is not installed .*pip install 'flowrl-align\[ocr\]'"):
         build_reward("ocr")
     monkeypatch.setitem(sys.modules, "paddleocr", None)
-    with pytest.raises(ImportError, match=r"engine='paddleocr' is not installed .*pip install 'paddleocr<3' "
-                                          "paddlepaddle"):
+    with pytest.raises(
+        ImportError,
+        match=r"engine='paddleocr' is not installed .*pip install 'paddleocr<3' "
+        "paddlepaddle",
+    ):
         build_reward("ocr", engine="paddleocr")
 
 
@@ -156,13 +173,31 @@ def tiny_sd3(tmp_path_factory):
 def preset_overrides(folder, tmp_path, train: str, name: str) -> list[str]:
     """An OCR preset (configs/sd35/*_ocr.yaml) cut down to the tiny pipeline: 32 px, groups of 2, 3 steps,
     1 iteration."""
-    return [f"model.path={folder}", "model.dtype=float32", "model.height=32", "model.width=32",
-            "model.max_sequence_length=8", "model.lora.rank=4", "model.gradient_checkpointing=false",
-            "rollout.group_size=2", "rollout.steps=3", f"prompts.train={train}", f"prompts.eval={train}",
-            "prompts.per_step=2", "eval.steps=2", "eval.grid_prompts=2",
-            "eval.default_guidance=false", "train.max_steps=1", f"train.output_dir={tmp_path}", f"train.name={name}",
-            "train.progress=false", "train.log_with=none", "train.num_threads=1", "train.async_reward=false",
-            "train.checkpoint_every=0"]
+    return [
+        f"model.path={folder}",
+        "model.dtype=float32",
+        "model.height=32",
+        "model.width=32",
+        "model.max_sequence_length=8",
+        "model.lora.rank=4",
+        "model.gradient_checkpointing=false",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        f"prompts.train={train}",
+        f"prompts.eval={train}",
+        "prompts.per_step=2",
+        "eval.steps=2",
+        "eval.grid_prompts=2",
+        "eval.default_guidance=false",
+        "train.max_steps=1",
+        f"train.output_dir={tmp_path}",
+        f"train.name={name}",
+        "train.progress=false",
+        "train.log_with=none",
+        "train.num_threads=1",
+        "train.async_reward=false",
+        "train.checkpoint_every=0",
+    ]
 
 
 @needs_engine
@@ -172,8 +207,12 @@ def test_one_iteration_of_each_ocr_preset_logs_the_ocr_reward(tiny_sd3, tmp_path
 
     prompts = tmp_path / "ocr.txt"
     prompts.write_text('a red sign that says "OPEN"\na blue card with "hello" on it\n')
-    assert main(["train", f"configs/sd35/{preset}.yaml", *preset_overrides(tiny_sd3, tmp_path, str(prompts), "ocr"),
-                 *extra]) == 0
+    assert (
+        main(
+            ["train", f"configs/sd35/{preset}.yaml", *preset_overrides(tiny_sd3, tmp_path, str(prompts), "ocr"), *extra]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "ocr" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1]
@@ -190,8 +229,10 @@ def test_flowrl_train_refuses_a_prompt_file_without_quoted_targets(tiny_sd3, tmp
 
     prompts = tmp_path / "bad.txt"
     prompts.write_text('a sign that says "OPEN"\na sign that says nothing\n')
-    assert main(["train", "configs/sd35/flow_grpo_ocr.yaml",
-                 *preset_overrides(tiny_sd3, tmp_path, str(prompts), "bad")]) == 2
+    assert (
+        main(["train", "configs/sd35/flow_grpo_ocr.yaml", *preset_overrides(tiny_sd3, tmp_path, str(prompts), "bad")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "bad.txt" in err and "line 2: 'a sign that says nothing' cannot be scored" in err
     assert "no pair of double quotes" in err and not (tmp_path / "bad" / "metrics.jsonl").exists()
@@ -216,8 +257,23 @@ def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_pa
     out = tmp_path / "bench"
     overrides = preset_overrides(tiny_sd3, tmp_path, str(prompts), "bench")
     capsys.readouterr()
-    assert main(["eval", "--benchmark", "ocr", "--config", "configs/sd35/flow_grpo_ocr.yaml", "--prompts", str(prompts),
-                 "--out", str(out), *overrides]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--benchmark",
+                "ocr",
+                "--config",
+                "configs/sd35/flow_grpo_ocr.yaml",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                *overrides,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == list(targets) and rows[0]["score"] == 1.0
@@ -230,11 +286,16 @@ def test_benchmark_ocr_scores_every_prompt_and_reports_the_mean(tiny_sd3, tmp_pa
 
 # ---- round four (issue 54): invisible targets, non-finite images, degenerate sizes ---------------------------
 @needs_engine
-@pytest.mark.parametrize("target, named", [
-    ("\t", "U+0009 (a control character)"), ("\u00a0", "U+00A0 (NO-BREAK SPACE)"),
-    ("\u200b", "U+200B (ZERO WIDTH SPACE)"), ("\u200f", "U+200F (RIGHT-TO-LEFT MARK)"),
-    ("\u200b \u00a0\t", "U+200B (ZERO WIDTH SPACE), U+0020 (SPACE), U+00A0 (NO-BREAK SPACE)"),
-])
+@pytest.mark.parametrize(
+    "target, named",
+    [
+        ("\t", "U+0009 (a control character)"),
+        ("\u00a0", "U+00A0 (NO-BREAK SPACE)"),
+        ("\u200b", "U+200B (ZERO WIDTH SPACE)"),
+        ("\u200f", "U+200F (RIGHT-TO-LEFT MARK)"),
+        ("\u200b \u00a0\t", "U+200B (ZERO WIDTH SPACE), U+0020 (SPACE), U+00A0 (NO-BREAK SPACE)"),
+    ],
+)
 def test_a_target_without_a_visible_character_is_refused_at_load_naming_the_prompt(ocr, tmp_path, target, named):
     prompt = f'a sign that says "{target}"'
     with pytest.raises(ValueError, match="has no visible character") as e:
@@ -269,7 +330,10 @@ def test_an_image_with_non_finite_values_scores_nan_not_zero(ocr, bad):
 @needs_engine
 @pytest.mark.parametrize("height, width", [(1, 4000), (4000, 1)])
 def test_a_degenerate_image_size_is_a_clear_error_naming_the_size(ocr, height, width):
-    with pytest.raises(RuntimeError, match=rf"the rapidocr engine failed on image 0 of {height} × {width} pixels "
-                                           r"\(height × width\): ResizeImgError.*resize_w or resize_h is less than or "
-                                           r"equal to 0.*this thin.*closer to square"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"the rapidocr engine failed on image 0 of {height} × {width} pixels "
+        r"\(height × width\): ResizeImgError.*resize_w or resize_h is less than or "
+        r"equal to 0.*this thin.*closer to square",
+    ):
         ocr(torch.ones(1, 3, height, width), [SIGN])

@@ -1,4 +1,5 @@
 """clip_score and hpsv2 on a tiny random open_clip model saved to disk and loaded through the rewards."""
+
 import json
 
 import pytest
@@ -19,10 +20,14 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("openclip")
     folder = root / "tiny"
     folder.mkdir()
-    cfg = {"model_cfg": {"embed_dim": 16,
-                         "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-                         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}},
-           "preprocess_cfg": {}}
+    cfg = {
+        "model_cfg": {
+            "embed_dim": 16,
+            "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+            "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+        },
+        "preprocess_cfg": {},
+    }
     (folder / "open_clip_config.json").write_text(json.dumps(cfg))
     config_only = root / "config_only"
     config_only.mkdir()
@@ -47,8 +52,14 @@ def _reference_pixels(images):
     """The published open_clip / CLIP validation transform, built independently on PIL images."""
     import torchvision.transforms as T
 
-    tf = T.Compose([T.Resize(32, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(32), T.ToTensor(),
-                    T.Normalize(OPENAI_MEAN, OPENAI_STD)])
+    tf = T.Compose(
+        [
+            T.Resize(32, interpolation=T.InterpolationMode.BICUBIC),
+            T.CenterCrop(32),
+            T.ToTensor(),
+            T.Normalize(OPENAI_MEAN, OPENAI_STD),
+        ]
+    )
     from PIL import Image
 
     arr = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()

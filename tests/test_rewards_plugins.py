@@ -1,4 +1,5 @@
 """Custom reward plugins (module path, file path, errors), MultiReward and BackgroundScorer."""
+
 import sys
 import textwrap
 import threading
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards import REGISTRY, MultiReward, Reward, RewardSpec, build_reward, register
+from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards.core.registry import resolve_reward_class
 
 PLUGIN = textwrap.dedent('''
@@ -73,8 +74,11 @@ def test_plugin_errors_are_clear(plugin_dir):
         build_reward(f"{path}:NotAReward")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_reward(f"{plugin_dir}/nope.py:MyReward")
-    with pytest.raises(ConfigError, match=r"colour=1 is not a setting of reward 'flowrl_test_plugin_mod:MyReward' "
-                                         r"\(MyReward\); accepted: \['channel', 'factor'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"colour=1 is not a setting of reward 'flowrl_test_plugin_mod:MyReward' "
+        r"\(MyReward\); accepted: \['channel', 'factor'\]",
+    ):
         build_reward("flowrl_test_plugin_mod:MyReward", colour=1)
     with pytest.raises(KeyError, match="did you mean 'brightness'"):
         build_reward("brightnes")
@@ -96,15 +100,27 @@ def test_register_validates():
         register("bad", object)
     with pytest.raises(ValueError):
         register("bad", "no_colon")
-    for name in ("clip_score", "pickscore", "hpsv2", "imagereward", "aesthetic", "remote",
-                 "jpeg_compressibility", "jpeg_incompressibility"):
+    for name in (
+        "clip_score",
+        "pickscore",
+        "hpsv2",
+        "imagereward",
+        "aesthetic",
+        "remote",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+    ):
         assert name in REGISTRY
 
 
 def test_multireward_weights_labels_and_normalisation():
-    m = MultiReward([{"name": "brightness", "weight": 2.0},
-                     RewardSpec("redness", weight=-1.0),
-                     {"name": "jpeg_incompressibility", "weight": 0.5, "kwargs": {"quality": 80}, "label": "jpeg80"}])
+    m = MultiReward(
+        [
+            {"name": "brightness", "weight": 2.0},
+            RewardSpec("redness", weight=-1.0),
+            {"name": "jpeg_incompressibility", "weight": 0.5, "kwargs": {"quality": 80}, "label": "jpeg80"},
+        ]
+    )
     x = _x(4)
     comps = m.components(x, ["a"] * 4)
     assert list(comps) == ["brightness", "redness", "jpeg80"]
@@ -126,8 +142,10 @@ def test_multireward_weights_labels_and_normalisation():
         MultiReward([{"name": "brightness", "wieght": 2}])
     single = MultiReward.from_config({"name": "saturation", "kwargs": {}})
     assert [r.name for r in single.rewards] == ["saturation"]
-    assert [r.name for r in MultiReward.from_config(["brightness", {"name": "redness"}]).rewards] == \
-        ["brightness", "redness"]
+    assert [r.name for r in MultiReward.from_config(["brightness", {"name": "redness"}]).rewards] == [
+        "brightness",
+        "redness",
+    ]
 
 
 class Slow(Reward):

@@ -2,6 +2,7 @@
 
 The real server (LitServe, the `serve` extra) runs in a child process, one per reward for the module; the
 server's own limits, token and batching are in tests/test_reward_server.py."""
+
 import json
 import os
 import socket
@@ -206,12 +207,15 @@ def test_4xx_is_not_retried():
         server.server_close()
 
 
-@pytest.mark.parametrize("body,match", [
-    (b"<html>garbage</html>", "malformed reply: reply is not JSON"),
-    (b'{"score": [1]}', "no 'scores' list"),
-    (b'{"scores": [1.0]}', "list of 2 numbers, got 1 scores"),
-    (b'{"scores": [1.0, "high"]}', r"scores\[1\] = 'high' is not a number"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        (b"<html>garbage</html>", "malformed reply: reply is not JSON"),
+        (b'{"score": [1]}', "no 'scores' list"),
+        (b'{"scores": [1.0]}', "list of 2 numbers, got 1 scores"),
+        (b'{"scores": [1.0, "high"]}', r"scores\[1\] = 'high' is not a number"),
+    ],
+)
 def test_malformed_replies_fail_clearly_without_retry(body, match):
     server, url, count = _fake_server(lambda h: _send(h, 200, body))
     try:
@@ -243,8 +247,7 @@ def test_non_http_garbage_is_a_clear_error():
     threading.Thread(target=babble, daemon=True).start()
     try:
         with pytest.raises(RemoteRewardError, match="malformed HTTP reply"):
-            RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/score", retries=0, timeout=2)(
-                _images(1), ["a"])
+            RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/score", retries=0, timeout=2)(_images(1), ["a"])
     finally:
         listener.close()
 
@@ -263,13 +266,29 @@ def test_bad_remote_kwargs():
 def test_serve_cli_end_to_end():
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "flowrl_rewards.serving.serve", "jpeg_incompressibility", "--port", "0",
-                             "--kwargs", '{"quality": 50}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=str(ROOT))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowrl_rewards.serving.serve",
+            "jpeg_incompressibility",
+            "--port",
+            "0",
+            "--kwargs",
+            '{"quality": 50}',
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+    )
     try:
         line = proc.stdout.readline()
-        assert line.startswith("serving jpeg_incompressibility on http://127.0.0.1:"), (line, proc.stderr.read()
-                                                                                         if proc.poll() else "")
+        assert line.startswith("serving jpeg_incompressibility on http://127.0.0.1:"), (
+            line,
+            proc.stderr.read() if proc.poll() else "",
+        )
         url = line.split(" on ")[1].strip()
         x = _images(3)
         remote = RemoteReward(url, timeout=30)

@@ -1,6 +1,7 @@
 """The ``remote`` reward's credentials (issue 54): its ``headers`` never follow a redirect to another scheme, host or
 port (refused, naming the URL and the Location), a redirect within the origin is followed with the POST's body, and a
 header value with control characters or whitespace at an end is refused at load without being shown."""
+
 from __future__ import annotations
 
 import json
@@ -78,12 +79,18 @@ def test_a_redirect_to_another_port_is_refused_and_the_headers_never_reach_it(se
     elsewhere = servers(lambda h, body: send(h, 200, scores_for(body)))
     hop = servers(lambda h, body: send(h, status, headers=[("Location", elsewhere.url + h.path)]))
     remote = RemoteReward(hop.url + "/score", headers=HEADERS, retries=0, timeout=5)
-    with pytest.raises(RemoteRewardError, match=rf"{hop.url}/score answered HTTP {status} redirecting to Location: "
-                                                rf"{elsewhere.url}/score; not followed: .*credentials") as e:
+    with pytest.raises(
+        RemoteRewardError,
+        match=rf"{hop.url}/score answered HTTP {status} redirecting to Location: "
+        rf"{elsewhere.url}/score; not followed: .*credentials",
+    ) as e:
         remote(torch.rand(1, 3, 8, 8), ["a"])
     assert "s3cret" not in str(e.value) and "k3y" not in str(e.value)
-    with pytest.raises(RemoteRewardError, match=rf"health check {hop.url}/health failed.*Location: "
-                                                rf"{elsewhere.url}/health; not followed"):
+    with pytest.raises(
+        RemoteRewardError,
+        match=rf"health check {hop.url}/health failed.*Location: "
+        rf"{elsewhere.url}/health; not followed",
+    ):
         remote.health()
     assert elsewhere.seen == []  # neither the POST nor the health check reached it
     assert [s[:2] for s in hop.seen] == [("POST", "/score"), ("GET", "/health")]
@@ -91,7 +98,9 @@ def test_a_redirect_to_another_port_is_refused_and_the_headers_never_reach_it(se
 
 def test_a_redirect_to_another_host_or_scheme_is_refused_too(servers):
     for target in ("http://localhost:{port}/score", "https://127.0.0.1:{port}/score"):
-        hop = servers(lambda h, body, t=target: send(h, 307, headers=[("Location", t.format(port=h.server.server_address[1]))]))
+        hop = servers(
+            lambda h, body, t=target: send(h, 307, headers=[("Location", t.format(port=h.server.server_address[1]))])
+        )
         with pytest.raises(RemoteRewardError, match="not followed: it leads to another scheme, host or port"):
             RemoteReward(hop.url + "/score", headers=HEADERS, retries=0, timeout=5)(torch.rand(1, 3, 8, 8), ["a"])
         assert len(hop.seen) == 1
@@ -106,25 +115,35 @@ def test_a_redirect_within_the_origin_is_followed_with_the_body(servers, status)
             send(h, 200, scores_for(body))
 
     server = servers(answer)
-    scores = RemoteReward(server.url + "/old", headers=HEADERS, retries=0, timeout=5)(torch.rand(2, 3, 8, 8), ["a", "b"])
+    scores = RemoteReward(server.url + "/old", headers=HEADERS, retries=0, timeout=5)(
+        torch.rand(2, 3, 8, 8), ["a", "b"]
+    )
     assert scores.tolist() == [0.5, 0.5]
     (m1, p1, _, b1), (m2, p2, h2, b2) = server.seen
-    assert (m1, p1, m2, p2) == ("POST", "/old", "POST", "/score") and b1 == b2 and h2["Authorization"] == "Bearer s3cret"
+    assert (
+        (m1, p1, m2, p2) == ("POST", "/old", "POST", "/score") and b1 == b2 and h2["Authorization"] == "Bearer s3cret"
+    )
 
 
 def test_a_302_of_a_post_within_the_origin_is_refused_naming_why(servers):
     server = servers(lambda h, body: send(h, 302, headers=[("Location", "/elsewhere")]))
-    with pytest.raises(RemoteRewardError, match=r"HTTP 302 redirecting to Location: http://127.0.0.1:\d+/elsewhere; "
-                                                r"not followed: a 302 turns the POST into a GET without its body"):
+    with pytest.raises(
+        RemoteRewardError,
+        match=r"HTTP 302 redirecting to Location: http://127.0.0.1:\d+/elsewhere; "
+        r"not followed: a 302 turns the POST into a GET without its body",
+    ):
         RemoteReward(server.url + "/score", retries=0, timeout=5)(torch.rand(1, 3, 8, 8), ["a"])
     assert [s[:2] for s in server.seen] == [("POST", "/score")]
 
 
-@pytest.mark.parametrize("value, what", [
-    ("Bearer s3cret\n", r"a newline \(U\+000A\) at its end"),
-    ("Bearer s3cret\r\nX-Evil: 1", r"a carriage return \(U\+000D\) at character 14"),
-    (" Bearer s3cret", r"a space \(U\+0020\) at its start"),
-])
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        ("Bearer s3cret\n", r"a newline \(U\+000A\) at its end"),
+        ("Bearer s3cret\r\nX-Evil: 1", r"a carriage return \(U\+000D\) at character 14"),
+        (" Bearer s3cret", r"a space \(U\+0020\) at its start"),
+    ],
+)
 def test_a_header_value_with_control_characters_is_refused_at_load_without_showing_it(value, what):
     with pytest.raises(ValueError, match=rf"remote: headers\['Authorization'\] holds {what}") as e:
         RemoteReward("http://127.0.0.1:1/score", headers={"Authorization": value})

@@ -1,5 +1,6 @@
 """vlm_judge: a served judge against a real chat-completions server on 127.0.0.1 (and servers that hang, fail,
 omit log-probabilities or serve another model), the in-process judge on a tiny random Qwen2-VL, bad settings."""
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,8 @@ import torch
 
 from flowrl_rewards import build_reward
 from flowrl_rewards.core._common import to_uint8
-from flowrl_rewards.serving.remote import RemoteRewardError
 from flowrl_rewards.judges.vlm_judge import DEFAULT_QUESTION, VlmJudge, check_pattern, pattern_score, yes_share
+from flowrl_rewards.serving.remote import RemoteRewardError
 
 FAST = dict(timeout=5.0, retries=2, backoff=0.01, max_backoff=0.05)
 YES_LP, NO_LP = -0.1, -2.4
@@ -99,12 +100,23 @@ def serve():
 def completion(content, top=None, asked=20):
     """A chat-completions reply: ``content``, and with ``top`` [(token, logprob), ...] the first token's log-probs,
     padded to the ``asked`` alternatives a server returns with unlikely tokens (neither yes nor no)."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop",
-              "logprobs": None}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": content},
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
     if top is not None:
         top = list(top) + [(f"<filler{i}>", -30.0) for i in range(asked - len(top))]
-        choice["logprobs"] = {"content": [{"token": top[0][0], "logprob": top[0][1],
-                                           "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}]}
+        choice["logprobs"] = {
+            "content": [
+                {
+                    "token": top[0][0],
+                    "logprob": top[0][1],
+                    "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top],
+                }
+            ]
+        }
     return 200, {"id": "c", "object": "chat.completion", "model": "judge", "choices": [choice]}
 
 
@@ -151,14 +163,19 @@ def test_request_carries_model_image_and_question_and_the_score_is_the_yes_share
     assert (np.asarray(png) == to_uint8(x)[0]).all()  # the image itself, as 8 bits
 
 
-@pytest.mark.parametrize("top, expected", [
-    ([("Yes", -0.1), ("No", -2.4)], P_YES),
-    ([(" yes", -1.0), ("Yes", -1.0), ("no", -0.5), ("Maybe", -0.2)],
-     2 * math.exp(-1) / (2 * math.exp(-1) + math.exp(-0.5))),
-    ([("YES", -0.3), ("ĠNo", -0.3)], 0.5),
-    ([("No", -0.01)], 0.0),
-    ([("Maybe", -0.1), ("Yesterday", -1.0)], float("nan")),
-])
+@pytest.mark.parametrize(
+    "top, expected",
+    [
+        ([("Yes", -0.1), ("No", -2.4)], P_YES),
+        (
+            [(" yes", -1.0), ("Yes", -1.0), ("no", -0.5), ("Maybe", -0.2)],
+            2 * math.exp(-1) / (2 * math.exp(-1) + math.exp(-0.5)),
+        ),
+        ([("YES", -0.3), ("ĠNo", -0.3)], 0.5),
+        ([("No", -0.01)], 0.0),
+        ([("Maybe", -0.1), ("Yesterday", -1.0)], float("nan")),
+    ],
+)
 def test_yes_share_counts_every_yes_like_and_no_like_token(top, expected):
     got = yes_share(top)
     assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, abs=1e-12)
@@ -173,8 +190,12 @@ def test_no_yes_or_no_among_the_top_logprobs_is_nan_counted_and_explained(serve)
 
 
 def test_pattern_mode_maps_the_final_score_and_counts_answers_without_one(serve):
-    answers = {"good": "Sharp and faithful.\nFinal Score: 4", "silent": "I cannot tell.", "half": "Final Score: 2.5",
-               "twice": "Final Score: 2 ... on reflection Final Score: 5"}
+    answers = {
+        "good": "Sharp and faithful.\nFinal Score: 4",
+        "silent": "I cannot tell.",
+        "half": "Final Score: 2.5",
+        "twice": "Final Score: 2 ... on reflection Final Score: 5",
+    }
     server = serve(lambda req: completion(answers[question_of(req).split()[-1]]))
     reward = judge(server.url, score="pattern", question="Rate the image for: {prompt}", score_range=[1, 5])
     meta = {}
@@ -269,28 +290,36 @@ def test_health_check_against_nothing_listening_names_the_url_key():
 
 def test_health_check_names_the_models_a_server_serves(serve):
     server = serve(lambda req: completion("Yes"), models=["Qwen/Qwen2.5-VL-7B-Instruct", "UnifiedReward"])
-    with pytest.raises(RuntimeError, match=r"serves the models \['Qwen/Qwen2.5-VL-7B-Instruct', 'UnifiedReward'\], "
-                                           r"not model='judge'; set model"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"serves the models \['Qwen/Qwen2.5-VL-7B-Instruct', 'UnifiedReward'\], "
+        r"not model='judge'; set model",
+    ):
         judge(server.url).check_ready()
 
 
 # ---- bad settings ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    ({"backend": "vllm"}, r"backend='vllm' is not one of \('openai', 'transformers'\)"),
-    ({"score": "logits"}, r"score='logits' is not one of \('yes_probability', 'pattern'\)"),
-    ({"question": "Is {subject} in the image?"},
-     r"question=.*has the field \{subject\}; the only field accepted is \{prompt\}"),
-    ({"question": "Does it show {}?"}, r"question=.*has the field \{\}"),
-    ({"system": "Judge {prompt} by {rubric}"}, r"system=.*has the field \{rubric\}"),
-    ({"question": "Does it show {prompt?"}, r"question=.*is not a valid template"),
-    ({"score_range": [5, 1]}, r"score_range=\[5, 1\] must be \[low, high\]"),
-    ({"pattern": "Final Score: ("}, r"pattern='Final Score: \(' is not a regular expression"),
-    ({"on_error": "skip"}, r"on_error='skip' is not one of \('raise', 'nan'\)"),
-    ({"url": "127.0.0.1:8000"}, r"url='127.0.0.1:8000' must start with http://"),
-    ({"concurrency": 0}, r"concurrency=0 must be an integer >= 1"),
-    ({"timeout": 0}, r"timeout=0 must be a number > 0"),
-    ({"api_key_env": "NO_SUCH_JUDGE_KEY_VAR"}, r"api_key_env='NO_SUCH_JUDGE_KEY_VAR'.*not set"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backend": "vllm"}, r"backend='vllm' is not one of \('openai', 'transformers'\)"),
+        ({"score": "logits"}, r"score='logits' is not one of \('yes_probability', 'pattern'\)"),
+        (
+            {"question": "Is {subject} in the image?"},
+            r"question=.*has the field \{subject\}; the only field accepted is \{prompt\}",
+        ),
+        ({"question": "Does it show {}?"}, r"question=.*has the field \{\}"),
+        ({"system": "Judge {prompt} by {rubric}"}, r"system=.*has the field \{rubric\}"),
+        ({"question": "Does it show {prompt?"}, r"question=.*is not a valid template"),
+        ({"score_range": [5, 1]}, r"score_range=\[5, 1\] must be \[low, high\]"),
+        ({"pattern": "Final Score: ("}, r"pattern='Final Score: \(' is not a regular expression"),
+        ({"on_error": "skip"}, r"on_error='skip' is not one of \('raise', 'nan'\)"),
+        ({"url": "127.0.0.1:8000"}, r"url='127.0.0.1:8000' must start with http://"),
+        ({"concurrency": 0}, r"concurrency=0 must be an integer >= 1"),
+        ({"timeout": 0}, r"timeout=0 must be a number > 0"),
+        ({"api_key_env": "NO_SUCH_JUDGE_KEY_VAR"}, r"api_key_env='NO_SUCH_JUDGE_KEY_VAR'.*not set"),
+    ],
+)
 def test_bad_settings_fail_at_build_naming_the_key(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_reward("vlm_judge", **kwargs)
@@ -303,39 +332,93 @@ def test_a_template_without_prompt_and_with_escaped_braces_is_accepted():
 
 
 # ---- the in-process judge on a tiny random Qwen2-VL ------------------------------------------------------
-WORDS = ["Does", "this", "figure", "show", "Please", "answer", "yes", "no", "Yes", "No", "Final", "Score", "red",
-         "circle", "cat", "a", "two"]
+WORDS = [
+    "Does",
+    "this",
+    "figure",
+    "show",
+    "Please",
+    "answer",
+    "yes",
+    "no",
+    "Yes",
+    "No",
+    "Final",
+    "Score",
+    "red",
+    "circle",
+    "cat",
+    "a",
+    "two",
+]
 CHAT_TEMPLATE = (  # Qwen's chat layout: turns between <|im_start|> and <|im_end|>, the image as its vision tokens
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory):
     """A folder with a random 2-layer Qwen2-VL (hidden 32, a 1-block vision tower, 2 px patches, merge 1) and its
     processor: flowrl's offline byte-level BPE tokenizer (every word of WORDS one token) and a chat template."""
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     from flowrl.models.testing_qwen import EDIT_PIXELS, tiny_qwen_tokenizer
 
     tokenizer = tiny_qwen_tokenizer(WORDS, edit=True)
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, **EDIT_PIXELS)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**vision), tokenizer=tokenizer,
-                                 video_processor=Qwen2VLVideoProcessor(**vision), chat_template=CHAT_TEMPLATE)
-    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in [
-        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end")]}
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**vision),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**vision),
+        chat_template=CHAT_TEMPLATE,
+    )
+    ids = {
+        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>")
+        for name, token in [
+            ("image", "image_pad"),
+            ("video", "video_pad"),
+            ("vision_start", "vision_start"),
+            ("vision_end", "vision_end"),
+        ]
+    }
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=0,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=1, num_heads=2, patch_size=2,
-                           temporal_patch_size=1, spatial_merge_size=1),
-        **ids))
+    model = Qwen2VLForConditionalGeneration(
+        Qwen2VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=2048,
+                bos_token_id=None,
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            ),
+            vision_config=dict(
+                depth=1,
+                embed_dim=16,
+                hidden_size=32,
+                mlp_ratio=1,
+                num_heads=2,
+                patch_size=2,
+                temporal_patch_size=1,
+                spatial_merge_size=1,
+            ),
+            **ids,
+        )
+    )
     path = tmp_path_factory.mktemp("tiny_qwen2_vl")
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -355,7 +438,7 @@ def test_local_yes_probability_is_in_range_and_does_not_depend_on_the_batch(loca
     batched = local_judge(x, PROMPTS)
     assert batched.dtype == torch.float32 and batched.shape == (4,)
     assert ((batched > 0) & (batched < 1)).all() and batched.std() > 0  # a random judge: different, unsaturated
-    alone = torch.cat([local_judge(x[i:i + 1], PROMPTS[i:i + 1]) for i in range(4)])
+    alone = torch.cat([local_judge(x[i : i + 1], PROMPTS[i : i + 1]) for i in range(4)])
     assert torch.allclose(batched, alone, atol=1e-5)  # left padding: the last position is every row's own
     reordered = local_judge(x.flip(0), PROMPTS[::-1])
     assert torch.allclose(reordered.flip(0), batched, atol=1e-5)
@@ -370,8 +453,10 @@ def test_local_yes_probability_equals_the_softmax_mass_of_yes_over_yes_and_no(lo
     no = [tok.convert_tokens_to_ids(t) for t in ("No", "ĠNo", "no", "Ġno")]
     assert sorted(local_judge.local.yes_ids) == sorted(yes) and sorted(local_judge.local.no_ids) == sorted(no)
     x = images(1, 16, 16, seed=2)
-    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Does this figure show \"a red circle\"? "
-            "Please answer yes or no.<|im_end|>\n<|im_start|>assistant\n")
+    text = (
+        '<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Does this figure show "a red circle"? '
+        "Please answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
+    )
     inputs = processor(text=[text], images=[Image.fromarray(to_uint8(x)[0])], return_tensors="pt")
     with torch.no_grad():
         probs = model(**inputs).logits[0, -1].double().softmax(-1)
@@ -380,8 +465,9 @@ def test_local_yes_probability_equals_the_softmax_mass_of_yes_over_yes_and_no(lo
 
 
 def test_local_pattern_mode_decodes_a_greedy_answer(tiny_vlm):
-    reward = build_reward("vlm_judge", backend="transformers", model=tiny_vlm, device="cpu", score="pattern",
-                          max_tokens=5, batch_size=2)
+    reward = build_reward(
+        "vlm_judge", backend="transformers", model=tiny_vlm, device="cpu", score="pattern", max_tokens=5, batch_size=2
+    )
     tok = reward.local.processor.tokenizer
     ids = tok.encode("Final Score: 4", add_special_tokens=False)
     # steer the random model's greedy answer to exactly "Final Score: 4": each token after its predecessor
@@ -446,12 +532,16 @@ def test_a_redirect_to_another_origin_is_refused_and_the_key_never_leaves(serve,
     hop = redirector(status, lambda path: elsewhere.url + path)  # another port: another origin
     monkeypatch.setenv("JUDGE_KEY", "s3cret")
     reward = judge(hop.url, api_key_env="JUDGE_KEY", retries=0)
-    with pytest.raises(RemoteRewardError, match=rf"{hop.url}/v1/chat/completions answered HTTP {status} redirecting "
-                                                rf"to Location: {elsewhere.url}/v1/chat/completions; not followed") as e:
+    with pytest.raises(
+        RemoteRewardError,
+        match=rf"{hop.url}/v1/chat/completions answered HTTP {status} redirecting "
+        rf"to Location: {elsewhere.url}/v1/chat/completions; not followed",
+    ) as e:
         reward(images(1), ["a cat"])
     assert "credentials" in str(e.value) and "s3cret" not in str(e.value)
-    with pytest.raises(RuntimeError, match=rf"refused GET {hop.url}/v1/models.*Location: {elsewhere.url}/v1/models"
-                       ) as e:
+    with pytest.raises(
+        RuntimeError, match=rf"refused GET {hop.url}/v1/models.*Location: {elsewhere.url}/v1/models"
+    ) as e:
         reward.check_ready()
     assert "no judge server answers" not in str(e.value)
     assert elsewhere.paths == [] and elsewhere.headers == []  # nothing reached the other server, key or not
@@ -474,7 +564,7 @@ def test_a_redirect_within_the_origin_keeps_the_post_and_its_body(serve, status)
             holder.setdefault("hits", 0)
             holder["hits"] += 1
             handler.send_response(status)
-            handler.send_header("Location", handler.path[len("/old"):])
+            handler.send_header("Location", handler.path[len("/old") :])
             handler.send_header("Content-Length", "0")
             handler.end_headers()
             return
@@ -487,16 +577,20 @@ def test_a_redirect_within_the_origin_keeps_the_post_and_its_body(serve, status)
     assert question_of(server.requests[-1]) == DEFAULT_QUESTION.format(prompt="a cat")  # the body came along
 
 
-@pytest.mark.parametrize("value, what", [
-    ("s3cret-key\n", r"a newline \(U\+000A\) at its end \(character 11 of 11\)"),
-    (" s3cret-key", r"a space \(U\+0020\) at its start"),
-    ("s3cret key", r"a space \(U\+0020\) at character 7"),
-    ("s3cret\x07key", r"a control character \(U\+0007\) at character 7"),
-])
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        ("s3cret-key\n", r"a newline \(U\+000A\) at its end \(character 11 of 11\)"),
+        (" s3cret-key", r"a space \(U\+0020\) at its start"),
+        ("s3cret key", r"a space \(U\+0020\) at character 7"),
+        ("s3cret\x07key", r"a control character \(U\+0007\) at character 7"),
+    ],
+)
 def test_a_key_with_whitespace_or_control_characters_is_refused_at_build_without_showing_it(monkeypatch, value, what):
     monkeypatch.setenv("JUDGE_KEY", value)
-    with pytest.raises(ValueError, match=rf"the key in the environment variable JUDGE_KEY \(api_key_env\) holds {what}"
-                       ) as e:
+    with pytest.raises(
+        ValueError, match=rf"the key in the environment variable JUDGE_KEY \(api_key_env\) holds {what}"
+    ) as e:
         build_reward("vlm_judge", api_key_env="JUDGE_KEY")
     assert "s3cret" not in str(e.value) and "no judge server answers" not in str(e.value)
     with pytest.raises(ValueError, match=rf"the key in api_key holds {what}") as e:
@@ -506,33 +600,53 @@ def test_a_key_with_whitespace_or_control_characters_is_refused_at_build_without
 
 def first_token(top, token=("Yes", -0.1)):
     """A reply whose first answer token is ``token`` and whose ``top_logprobs`` is ``top`` as given."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": token[0]}, "finish_reason": "stop",
-              "logprobs": {"content": [{"token": token[0], "logprob": token[1], "top_logprobs": top}]}}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": token[0]},
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"token": token[0], "logprob": token[1], "top_logprobs": top}]},
+    }
     return 200, {"id": "c", "object": "chat.completion", "model": "judge", "choices": [choice]}
 
 
 def padded(*pairs):
-    return [{"token": t, "logprob": lp} for t, lp in pairs] + [{"token": f"<f{i}>", "logprob": -30.0}
-                                                               for i in range(20 - len(pairs))]
+    return [{"token": t, "logprob": lp} for t, lp in pairs] + [
+        {"token": f"<f{i}>", "logprob": -30.0} for i in range(20 - len(pairs))
+    ]
 
 
-@pytest.mark.parametrize("reply, match", [
-    (first_token(padded(("Yes", 0.5), ("No", -2.0)), ("Yes", 0.5)),
-     r"logprob=0.5 \(token 'Yes'\) is not a log-probability: one is finite and at most 0"),
-    (first_token(padded(("Yes", 1e9), ("No", -2.0)), ("Yes", 1e9)), r"logprob=1000000000.0 \(token 'Yes'\) is not a"),
-    (first_token(padded(("Yes", float("nan")), ("No", -2.0)), ("Yes", float("nan"))),
-     r"top_logprobs\[0\].logprob is NaN \(token 'Yes'\)"),
-    (first_token(padded(("Yes", -0.1), ("No", float("-inf")))), r"top_logprobs\[1\].logprob=-inf \(token 'No'\)"),
-    (first_token({"Yes": -0.1, "No": -2.0}),
-     r"top_logprobs is dict, not a list of \{token, logprob\}; the reply held \{\"token\": \"Yes\""),
-    (first_token([]), r"top_logprobs holds 0 alternatives, fewer than the top_logprobs=20 asked for"),
-    (first_token(padded(("Yes", -0.1))[:3]), r"holds 3 alternatives, fewer than the top_logprobs=20"),
-    (first_token(padded(("Yes", "-0.1"))), r"top_logprobs\[0\].logprob='-0.1' \(token 'Yes'\) is not a number"),
-])
+@pytest.mark.parametrize(
+    "reply, match",
+    [
+        (
+            first_token(padded(("Yes", 0.5), ("No", -2.0)), ("Yes", 0.5)),
+            r"logprob=0.5 \(token 'Yes'\) is not a log-probability: one is finite and at most 0",
+        ),
+        (
+            first_token(padded(("Yes", 1e9), ("No", -2.0)), ("Yes", 1e9)),
+            r"logprob=1000000000.0 \(token 'Yes'\) is not a",
+        ),
+        (
+            first_token(padded(("Yes", float("nan")), ("No", -2.0)), ("Yes", float("nan"))),
+            r"top_logprobs\[0\].logprob is NaN \(token 'Yes'\)",
+        ),
+        (first_token(padded(("Yes", -0.1), ("No", float("-inf")))), r"top_logprobs\[1\].logprob=-inf \(token 'No'\)"),
+        (
+            first_token({"Yes": -0.1, "No": -2.0}),
+            r"top_logprobs is dict, not a list of \{token, logprob\}; the reply held \{\"token\": \"Yes\"",
+        ),
+        (first_token([]), r"top_logprobs holds 0 alternatives, fewer than the top_logprobs=20 asked for"),
+        (first_token(padded(("Yes", -0.1))[:3]), r"holds 3 alternatives, fewer than the top_logprobs=20"),
+        (first_token(padded(("Yes", "-0.1"))), r"top_logprobs\[0\].logprob='-0.1' \(token 'Yes'\) is not a number"),
+    ],
+)
 def test_log_probabilities_that_cannot_be_are_a_named_failure_raised_or_counted(serve, reply, match):
     server = serve(lambda req: reply)
-    with pytest.raises(RemoteRewardError, match=rf"vlm_judge: POST {server.url}/v1/chat/completions: malformed "
-                                                rf"reply: .*{match}"):
+    with pytest.raises(
+        RemoteRewardError,
+        match=rf"vlm_judge: POST {server.url}/v1/chat/completions: malformed "
+        rf"reply: .*{match}",
+    ):
         judge(server.url)(images(1), ["a cat"])
     reward, meta = judge(server.url, on_error="nan"), {}
     scores = reward(images(2), ["a cat", "a dog"], meta)
@@ -541,7 +655,12 @@ def test_log_probabilities_that_cannot_be_are_a_named_failure_raised_or_counted(
 
 
 def test_pattern_mode_refuses_non_finite_numbers(serve):
-    answers = {"nan": "Final Score: nan", "inf": "Final Score: inf", "big": "Final Score: 1e999", "ok": "Final Score: 4"}
+    answers = {
+        "nan": "Final Score: nan",
+        "inf": "Final Score: inf",
+        "big": "Final Score: 1e999",
+        "ok": "Final Score: 4",
+    }
     server = serve(lambda req: completion(answers[question_of(req).split()[-1]]))
     reward = judge(server.url, score="pattern", question="Rate {prompt}", pattern=r"Final Score:\s*(\S+)")
     meta = {}
@@ -580,7 +699,7 @@ class Dripper:
             conn.recv(1 << 20)
             if self.phase == "body":
                 conn.sendall(head)
-            for byte in (head if self.phase == "headers" else b" " * 10000):
+            for byte in head if self.phase == "headers" else b" " * 10000:
                 if self.stop.wait(self.every):
                     break
                 conn.sendall(bytes([byte]) if isinstance(byte, int) else byte)

@@ -1,6 +1,7 @@
 """One owner per run folder, names that are one folder, overwrite that only replaces a run, starts that are
 stopped leaving nothing, and checkpoints verified against their manifest (docs/reliability.md, "Run
 ownership and checkpoint manifests"). The tiny SD3 runs of tests/test_faults.py, through ``flowrl``."""
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,16 @@ def test_a_second_process_is_refused_naming_the_holder_and_kill_9_releases_the_f
     naming the holder's pid and host, whatever train.resume / train.overwrite say, and changes nothing; the
     first one's metrics and checkpoints stay its own. ``kill -9`` of the holder frees the folder."""
     run = tmp_path / "run"
-    holder = subprocess.Popen(CLI + tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1000", "train.keep_last=0"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        CLI + tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1000", "train.keep_last=0"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and '"reward_mean"' in (run / "metrics.jsonl").read_text(), holder)
+        _wait_for(
+            lambda: (run / "metrics.jsonl").exists() and '"reward_mean"' in (run / "metrics.jsonl").read_text(), holder
+        )
         for extra in (["train.overwrite=true"], ["train.resume=latest"], []):
             capsys.readouterr()
             assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=2", *extra)]) == 2
@@ -77,8 +84,22 @@ def test_a_second_process_is_refused_naming_the_holder_and_kill_9_releases_the_f
     # the killed holder's lock file is left behind with its pid, but the kernel let go of the lock
     assert str(holder.pid) in (run / ".flowrl.lock").read_text()
     last = saved[-1][0]
-    assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", f"train.max_steps={last + 1}",
-                                     "train.resume=latest", "train.keep_last=0")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *tiny_args(
+                    tiny_folder,
+                    tmp_path,
+                    "run",
+                    f"train.max_steps={last + 1}",
+                    "train.resume=latest",
+                    "train.keep_last=0",
+                ),
+            ]
+        )
+        == 0
+    )
     assert [r["step"] for r in _records(run / "metrics.jsonl") if "reward_mean" in r][-1] == last + 1
     assert not (run / ".flowrl.lock").exists()  # released (and removed) when the run ended
 
@@ -113,12 +134,17 @@ def test_overwrite_refuses_to_delete_a_folder_that_is_not_a_run(tiny_folder, tmp
     before = _tree(tmp_path)
     assert main(["train", *tiny_args(tiny_folder, tmp_path, "notes", "train.overwrite=true", "train.max_steps=1")]) == 2
     err = capsys.readouterr().err
-    assert "train.overwrite=true" in err and str(notes) in err and "not a flowrl run" in err and "nothing was deleted" in err
+    assert (
+        "train.overwrite=true" in err
+        and str(notes) in err
+        and "not a flowrl run" in err
+        and "nothing was deleted" in err
+    )
     assert _tree(tmp_path) == before  # nothing deleted, no lock file left
 
 
 # ---- a start that is stopped leaves nothing ---------------------------------------------------------
-SLOW_REWARD = '''
+SLOW_REWARD = """
 import os
 import time
 
@@ -136,7 +162,7 @@ class Slow(Reward):
         for _ in range(1200):
             time.sleep(0.1)
         return torch.zeros(len(prompts))
-'''
+"""
 
 
 def test_a_start_stopped_before_its_first_iteration_leaves_no_folder(tiny_folder, tmp_path):
@@ -148,11 +174,19 @@ def test_a_start_stopped_before_its_first_iteration_leaves_no_folder(tiny_folder
     try:
         for how in ("SIGTERM in the first eval", "Ctrl-C twice in the first iteration"):
             case = tmp_path / how.split()[0]
-            extra = ["eval.at_start=true"] if how.startswith("SIGTERM") else ["eval.at_start=false", "prompts.eval=null"]
-            procs[how] = case, subprocess.Popen(
-                CLI + tiny_args(tiny_folder, case / "runs", "run", f"rewards=[{{name: '{plugin}:Slow'}}]", *extra),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env={**os.environ, "FLOWRL_TEST_MARKER": str(tmp_path / f"{case.name}.scoring")})
+            extra = (
+                ["eval.at_start=true"] if how.startswith("SIGTERM") else ["eval.at_start=false", "prompts.eval=null"]
+            )
+            procs[how] = (
+                case,
+                subprocess.Popen(
+                    CLI + tiny_args(tiny_folder, case / "runs", "run", f"rewards=[{{name: '{plugin}:Slow'}}]", *extra),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "FLOWRL_TEST_MARKER": str(tmp_path / f"{case.name}.scoring")},
+                ),
+            )
         for how, (case, proc) in procs.items():
             # scoring: the eval before training, or the first iteration's rewards
             _wait_for((tmp_path / f"{case.name}.scoring").exists, proc)
@@ -197,27 +231,42 @@ def _damage(step: Path, how: str) -> Path:
         return step
     data = bytearray(weights.read_bytes())
     if how == "truncated weights":
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     else:  # zeroed bytes in the middle of the tensors (past the safetensors header): finite numbers, wrong ones
         start = 8 + int.from_bytes(data[:8], "little")
         mid = start + (len(data) - start) // 2 // 4 * 4
-        assert any(data[mid: mid + 256])
-        data[mid: mid + 256] = bytes(256)
+        assert any(data[mid : mid + 256])
+        data[mid : mid + 256] = bytes(256)
     weights.write_bytes(bytes(data))
     return weights
 
 
 @pytest.mark.parametrize("how", ["folder replaced by a file", "truncated weights", "zeroed bytes"])
-def test_a_damaged_checkpoint_is_refused_for_sampling_and_resume_falls_back(trained_run, tiny_folder, tmp_path, capsys, how):
+def test_a_damaged_checkpoint_is_refused_for_sampling_and_resume_falls_back(
+    trained_run, tiny_folder, tmp_path, capsys, how
+):
     run = _copy(trained_run, tmp_path)
     named = _damage(run / "checkpoints" / "step-2", how)
     if how == "zeroed bytes":  # finite weights of the right shapes: only the manifest tells
         from safetensors.torch import load_file
 
         assert all(bool(torch.isfinite(t).all()) for t in load_file(named).values())
-    for argv in (["sample", "--checkpoint", str(run), "--prompt", "a red circle", "--num", "1", "--steps", "2",
-                  "--out", str(tmp_path / "png")],
-                 ["eval", "--checkpoint", str(run / "checkpoints" / "step-2"), "prompts.eval=a red circle"]):
+    for argv in (
+        [
+            "sample",
+            "--checkpoint",
+            str(run),
+            "--prompt",
+            "a red circle",
+            "--num",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "png"),
+        ],
+        ["eval", "--checkpoint", str(run / "checkpoints" / "step-2"), "prompts.eval=a red circle"],
+    ):
         capsys.readouterr()
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -225,11 +274,23 @@ def test_a_damaged_checkpoint_is_refused_for_sampling_and_resume_falls_back(trai
     assert not (tmp_path / "png").exists()
 
     with pytest.warns(RuntimeWarning) as warned:
-        assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", "prompts.eval=null",
-                                         "train.resume=latest")]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    *tiny_args(
+                        tiny_folder, tmp_path, "run", "train.max_steps=3", "prompts.eval=null", "train.resume=latest"
+                    ),
+                ]
+            )
+            == 0
+        )
     fallback = [str(w.message) for w in warned if "is damaged" in str(w.message)]
     assert len(fallback) == 1 and str(run / "checkpoints" / "step-2") in fallback[0], fallback
-    assert str(named) in fallback[0] and f"falling back to the one before it, {run / 'checkpoints' / 'step-1'}" in fallback[0]
+    assert (
+        str(named) in fallback[0]
+        and f"falling back to the one before it, {run / 'checkpoints' / 'step-1'}" in fallback[0]
+    )
     steps = [r["step"] for r in _records(run / "metrics.jsonl") if "reward_mean" in r]
     assert steps == [1, 2, 3]  # continued from step 1: its step 2 again, then 3
     assert (run / "checkpoints" / "step-3" / "manifest.json").is_file()
@@ -241,8 +302,14 @@ def test_resume_refuses_to_start_afresh_when_every_checkpoint_is_damaged(trained
     _damage(run / "checkpoints" / "step-1", "zeroed bytes")
     before = _tree(run)
     with pytest.warns(RuntimeWarning, match="is damaged"):
-        rc = main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", "prompts.eval=null",
-                                       "train.resume=latest")])
+        rc = main(
+            [
+                "train",
+                *tiny_args(
+                    tiny_folder, tmp_path, "run", "train.max_steps=3", "prompts.eval=null", "train.resume=latest"
+                ),
+            ]
+        )
     err = capsys.readouterr().err
     assert rc == 2 and "every checkpoint" in err and "is damaged" in err, err
     assert _tree(run) == before
@@ -256,8 +323,24 @@ def test_a_checkpoint_written_before_manifests_loads_with_a_notice(trained_run, 
         state.pop("manifest", None)
         torch.save(state, step / "trainer_state.pt")
     with pytest.warns(RuntimeWarning, match=r"step-2 has no manifest\.json \(written before manifests\)") as warned:
-        assert main(["sample", "--checkpoint", str(run), "--prompt", "a red circle", "--num", "1", "--steps", "2",
-                     "--out", str(tmp_path / "png")]) == 0
+        assert (
+            main(
+                [
+                    "sample",
+                    "--checkpoint",
+                    str(run),
+                    "--prompt",
+                    "a red circle",
+                    "--num",
+                    "1",
+                    "--steps",
+                    "2",
+                    "--out",
+                    str(tmp_path / "png"),
+                ]
+            )
+            == 0
+        )
     assert len([w for w in warned if "no manifest.json" in str(w.message)]) == 1  # one notice, not one per read
     assert (tmp_path / "png" / "grid.png").is_file()
 
@@ -265,7 +348,23 @@ def test_a_checkpoint_written_before_manifests_loads_with_a_notice(trained_run, 
     run2 = _copy(trained_run, tmp_path / "b")
     (run2 / "checkpoints" / "step-2" / "manifest.json").unlink()
     capsys.readouterr()
-    assert main(["sample", "--checkpoint", str(run2), "--prompt", "a red circle", "--num", "1", "--steps", "2",
-                 "--out", str(tmp_path / "png2")]) == 2
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(run2),
+                "--prompt",
+                "a red circle",
+                "--num",
+                "1",
+                "--steps",
+                "2",
+                "--out",
+                str(tmp_path / "png2"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "is damaged" in err and str(run2 / "checkpoints" / "step-2" / "manifest.json") in err and "is missing" in err

@@ -1,6 +1,7 @@
 """``flowrl sample``'s grid shows each image's prompt and, with ``--reward``, its score (PASS/FAIL for a 0/1 reward),
 the scores also in ``scores.json``; a reward that cannot score a prompt (or cannot be built) is refused before the
 model loads; a video model's grid is a labelled GIF. The base shapes model, 2 prompts × 2 images, a few steps."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,26 @@ def prompt_text_under(path, i: int, ncol: int) -> int:
     img = np.asarray(Image.open(path).convert("L"))
     r, c = divmod(i, ncol)
     x0, y0 = PAD + c * (CELL + PAD), PAD + r * (CELL + TEXT + PAD) + CELL
-    return int((img[y0 + 13:y0 + TEXT, x0:x0 + CELL] < 100).sum())
+    return int((img[y0 + 13 : y0 + TEXT, x0 : x0 + CELL] < 100).sum())
 
 
 def sample(out, *extra: str) -> int:
-    return main(["sample", "--prompt", "a red circle", "--prompt", "two blue squares", "--num", "2", "--steps", "6",
-                 "--out", str(out), *extra])
+    return main(
+        [
+            "sample",
+            "--prompt",
+            "a red circle",
+            "--prompt",
+            "two blue squares",
+            "--num",
+            "2",
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_the_grid_marks_each_image_with_its_score_and_scores_json_lists_them(tmp_path, capsys):
@@ -57,18 +72,26 @@ def test_without_a_reward_the_grid_shows_the_prompts_and_a_score_reward_its_numb
     assert sample(scored, "--reward", "brightness") == 0  # not pass/fail: the score, in black
     values = [i["score"] for i in json.loads((scored / "scores.json").read_text())["images"]]
     assert all(0 < v < 1 for v in values) and _marks(scored / "grid.png", 4, ncol=2) == [""] * 4
-    band = np.asarray(Image.open(scored / "grid.png").convert("L"))[PAD + CELL:PAD + CELL + 12, PAD:PAD + CELL]
+    band = np.asarray(Image.open(scored / "grid.png").convert("L"))[PAD + CELL : PAD + CELL + 12, PAD : PAD + CELL]
     assert (band < 100).sum() > 10  # the first image's score printed under it
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--reward", "shapes", "--prompt", "one green sausage"], ["--prompt 'one green sausage'", "--reward='shapes'",
-                                                               "cannot be scored"]),
-    (["--reward", "shapez"], ["--reward='shapez'", "not registered", "'shapes'"]),
-    (["--reward", "shapes", "--reward-kwargs", "{mode: strict}"], ["--reward-kwargs='{mode: strict}'", "JSON object"]),
-    (["--reward", "shapes", "--reward-kwargs", '{"mod": "strict"}'], ["--reward='shapes'", "['mod']", "['mode']"]),
-    (["--reward-kwargs", '{"mode": "strict"}'], ["--reward-kwargs=", "needs --reward NAME"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (
+            ["--reward", "shapes", "--prompt", "one green sausage"],
+            ["--prompt 'one green sausage'", "--reward='shapes'", "cannot be scored"],
+        ),
+        (["--reward", "shapez"], ["--reward='shapez'", "not registered", "'shapes'"]),
+        (
+            ["--reward", "shapes", "--reward-kwargs", "{mode: strict}"],
+            ["--reward-kwargs='{mode: strict}'", "JSON object"],
+        ),
+        (["--reward", "shapes", "--reward-kwargs", '{"mod": "strict"}'], ["--reward='shapes'", "['mod']", "['mode']"]),
+        (["--reward-kwargs", '{"mode": "strict"}'], ["--reward-kwargs=", "needs --reward NAME"]),
+    ],
+)
 def test_a_reward_that_cannot_score_is_refused_before_the_model_loads(extra, words, tmp_path, capsys, monkeypatch):
     from flowrl.commands import sample as cli_sample
 
@@ -93,9 +116,21 @@ def test_a_video_models_grid_is_a_labelled_gif_with_its_scores(tmp_path, monkeyp
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "eval.steps=2"])
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, wan_model(), None))
-    args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=["a red circle"],
-                              num=2, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1,
-                              reward="brightness", reward_kwargs=None)
+    args = argparse.Namespace(
+        command="sample",
+        checkpoint=None,
+        config=None,
+        overrides=[],
+        prompt=["a red circle"],
+        num=2,
+        seed=0,
+        guidance=None,
+        steps=None,
+        out=str(tmp_path / "out"),
+        scale=1,
+        reward="brightness",
+        reward_kwargs=None,
+    )
     assert cli_sample.run(args) == 0
     listed = json.loads((tmp_path / "out" / "scores.json").read_text())["images"]
     assert [i["file"] for i in listed] == ["000-a_red_circle.gif", "001-a_red_circle.gif"]
@@ -103,4 +138,4 @@ def test_a_video_models_grid_is_a_labelled_gif_with_its_scores(tmp_path, monkeyp
         assert gif.n_frames == SIZE["num_frames"]
         assert gif.size == (2 * (CELL + PAD) + PAD, 32 + TEXT + 2 * PAD)  # 48×32 videos in 128 px cells, labelled
         frame = np.asarray(gif.convert("L"))
-    assert (frame[PAD + 32 + 13:PAD + 32 + TEXT, PAD:PAD + CELL] < 100).sum() > 20  # the prompt on every frame
+    assert (frame[PAD + 32 + 13 : PAD + 32 + TEXT, PAD : PAD + CELL] < 100).sum() > 20  # the prompt on every frame

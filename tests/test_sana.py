@@ -1,5 +1,6 @@
 """SANA adapter on a tiny offline SanaPipeline: contract, exactness against the pipeline, replay == rollout,
 save/load, LoRA I/O and a short learning run through the trainer. CPU only."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,18 @@ def test_euler_ode_with_the_adapter_reproduces_the_pipeline():
 
     pipe, model = make("euler", guidance=2.5)
     x = ode_sample(model, ["a green tree"], [11], 3, decode=False)
-    ref = pipe("a green tree", guidance_scale=2.5, num_inference_steps=3, latents=model.noise([11]), output_type="latent",
-               use_resolution_binning=False, complex_human_instruction=None, height=32, width=32, **SEQ).images
+    ref = pipe(
+        "a green tree",
+        guidance_scale=2.5,
+        num_inference_steps=3,
+        latents=model.noise([11]),
+        output_type="latent",
+        use_resolution_binning=False,
+        complex_human_instruction=None,
+        height=32,
+        width=32,
+        **SEQ,
+    ).images
     assert torch.equal(model.schedule(3), pipe.scheduler.sigmas)
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
 
@@ -65,8 +76,9 @@ def test_negative_prompt_is_encoded_without_the_instruction():
     a, b = plain.encode(PROMPTS[:2]), chi.encode(PROMPTS[:2])
     assert not torch.equal(a.cond["prompt_embeds"], b.cond["prompt_embeds"])
     assert torch.equal(a.uncond["prompt_embeds"], b.uncond["prompt_embeds"])
-    emb, mask, neg, neg_mask = pipe.encode_prompt(PROMPTS[:2], do_classifier_free_guidance=True, negative_prompt="",
-                                                  complex_human_instruction=instruction, **SEQ)
+    emb, mask, neg, neg_mask = pipe.encode_prompt(
+        PROMPTS[:2], do_classifier_free_guidance=True, negative_prompt="", complex_human_instruction=instruction, **SEQ
+    )
     assert torch.equal(b.cond["prompt_embeds"], emb) and torch.equal(b.cond["prompt_attention_mask"], mask)
     assert torch.equal(b.uncond["prompt_embeds"], neg) and torch.equal(b.uncond["prompt_attention_mask"], neg_mask)
     assert not torch.equal(a.cond["prompt_embeds"][0], a.cond["prompt_embeds"][1])
@@ -84,9 +96,13 @@ def test_learned_sigma_output_keeps_the_velocity_half():
     x = model.noise([1, 2])
     with torch.no_grad():
         v = model.velocity(x, 0.5, model.encode(PROMPTS[:2]))
-        full = pipe.transformer(hidden_states=x, encoder_hidden_states=model.encode(PROMPTS[:2]).cond["prompt_embeds"],
-                                encoder_attention_mask=model.encode(PROMPTS[:2]).cond["prompt_attention_mask"],
-                                timestep=torch.full((2,), 500.0), return_dict=False)[0]
+        full = pipe.transformer(
+            hidden_states=x,
+            encoder_hidden_states=model.encode(PROMPTS[:2]).cond["prompt_embeds"],
+            encoder_attention_mask=model.encode(PROMPTS[:2]).cond["prompt_attention_mask"],
+            timestep=torch.full((2,), 500.0),
+            return_dict=False,
+        )[0]
     assert v.shape == x.shape and torch.equal(v, full[:, :4])
 
 

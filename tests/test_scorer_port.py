@@ -1,7 +1,9 @@
-"""The reward port (:class:`flowrl_rewards.core.port.Scorer`, issue 53 item 1): a plain reward and a MultiReward of it answer
+"""The reward port (:class:`flowrl_rewards.core.port.Scorer`, issue 53 item 1): a plain reward and a MultiReward of it
+answer
 ``terms``, ``components``, ``combine``, ``failures``, ``evaluate`` and ``normalize`` alike, so the code that once asked
 a reward what it has (the eval's summaries, the guard's names, the failed-reward streak, the video check, the rollout
 store's combined reward, the background scorer) gives the same result for either."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -133,7 +135,9 @@ def test_the_background_scorer_gives_the_components_of_either():
     images = _images()
     with BackgroundScorer(Tally(), enabled=False) as alone, BackgroundScorer(MultiReward([Tally()])) as multi:
         assert alone.submit(images, PROMPTS).result().keys() == {"tally"}
-        assert torch.equal(alone.submit(images, PROMPTS).result()["tally"], multi.submit(images, PROMPTS).result()["tally"])
+        assert torch.equal(
+            alone.submit(images, PROMPTS).result()["tally"], multi.submit(images, PROMPTS).result()["tally"]
+        )
     seen = []
 
     def inputs(prompts, meta, images):

@@ -3,6 +3,7 @@
 Every expected value is computed here from the formulas in the spec, in float64 numpy, never by
 calling back into the implementation.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,8 +94,9 @@ def test_kernel_matches_table_per_sample_sigma_and_eta(kernel):
     np.testing.assert_allclose(_np(std), std_ref, rtol=2e-5, atol=1e-6, err_msg=f"{kernel}: std")
     np.testing.assert_allclose(_np(mean), mean_ref, rtol=2e-5, atol=2e-5, err_msg=f"{kernel}: mean")
     expected_next = _np(mean) + std_ref.reshape(B, 1, 1, 1) * _np(noise)
-    np.testing.assert_allclose(_np(x_next), expected_next, rtol=2e-5, atol=2e-5,
-                               err_msg=f"{kernel}: x_next must be mean + std·noise")
+    np.testing.assert_allclose(
+        _np(x_next), expected_next, rtol=2e-5, atol=2e-5, err_msg=f"{kernel}: x_next must be mean + std·noise"
+    )
     assert torch.isfinite(x_next).all() and torch.isfinite(std).all()
 
 
@@ -328,8 +330,10 @@ def test_kl_exact_and_flow_grpo_form():
     np.testing.assert_allclose(_np(k), exact, rtol=1e-5, atol=1e-7)
     # the exact Gaussian KL of N(μa, s²I) ‖ N(μb, s²I), averaged over elements
     for b in (0, 2, 3):
-        kd = torch.distributions.kl_divergence(torch.distributions.Normal(ma[b].double(), float(std[b])),
-                                               torch.distributions.Normal(mb[b].double(), float(std[b]))).mean()
+        kd = torch.distributions.kl_divergence(
+            torch.distributions.Normal(ma[b].double(), float(std[b])),
+            torch.distributions.Normal(mb[b].double(), float(std[b])),
+        ).mean()
         assert float(k[b]) == pytest.approx(float(kd), rel=1e-5)
     kf = sde.kl(ma, mb, std, form="flow_grpo", dt=dt)
     np.testing.assert_allclose(_np(kf), exact * np.abs(_np(dt)), rtol=1e-5, atol=1e-8)
@@ -441,8 +445,9 @@ def test_dpm2_second_order_convergence_on_gaussian_pf_ode():
         prev_x0 = prev_s = None
         for i in range(N):
             v = _velocity(x.double(), float(sig[i])).float()
-            x, x0 = sde.dpm2_step(x, v, float(sig[i]), float(sig[i + 1]),
-                                  prev_x0 if second else None, prev_s if second else None)
+            x, x0 = sde.dpm2_step(
+                x, v, float(sig[i]), float(sig[i + 1]), prev_x0 if second else None, prev_s if second else None
+            )
             prev_x0, prev_s = x0, float(sig[i])
         mu, var = _marginal(sig[-1])
         return float((x.double() - (mu + math.sqrt(var) * u)).abs().max())

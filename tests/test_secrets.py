@@ -1,6 +1,7 @@
 """Secrets never stored (issue 54): a reward setting holding a key is redacted in config.yaml, every checkpoint, the
 trackers' hparams and --help; a run's saved config used again asks for it instead of sending the placeholder; run
 names given on the command line are strings as written."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,18 +32,31 @@ class Keyed(Reward):
 def keyed_config(tmp_path, name: str, *extra: str) -> TrainConfig:
     plugin = tmp_path / "keyed.py"
     plugin.write_text(PLUGIN)
-    term = (f"[{{name: '{plugin}:Keyed', kwargs: {{api_key: {KEY}, headers: {{Authorization: 'Bearer {KEY}', "
-            "X-Team: vision}}}]")
+    term = (
+        f"[{{name: '{plugin}:Keyed', kwargs: {{api_key: {KEY}, headers: {{Authorization: 'Bearer {KEY}', "
+        "X-Team: vision}}}]"
+    )
     cfg = tiny_config(tmp_path, name, "train.max_steps=1", "prompts.eval=null", *extra)
     return TrainConfig.from_yaml(None, [f"{k}={v}" for k, v in _flat_overrides(cfg).items()] + [f"rewards={term}"])
 
 
 def _flat_overrides(cfg: TrainConfig) -> dict:
     """The tiny config's own overrides, re-applied (rewards replaced by the keyed plugin)."""
-    return {"model.family": "sd3", "model.lora.rank": 4, "rollout.group_size": 4, "rollout.steps": 4,
-            "rollout.max_batch": 8, "prompts.train": cfg.prompts.train, "prompts.per_step": 2, "prompts.eval": "null",
-            "train.max_steps": 1, "train.output_dir": cfg.train.output_dir, "train.name": cfg.train.name,
-            "train.progress": "false", "train.checkpoint_every": 1}
+    return {
+        "model.family": "sd3",
+        "model.lora.rank": 4,
+        "rollout.group_size": 4,
+        "rollout.steps": 4,
+        "rollout.max_batch": 8,
+        "prompts.train": cfg.prompts.train,
+        "prompts.per_step": 2,
+        "prompts.eval": "null",
+        "train.max_steps": 1,
+        "train.output_dir": cfg.train.output_dir,
+        "train.name": cfg.train.name,
+        "train.progress": "false",
+        "train.checkpoint_every": 1,
+    }
 
 
 def test_a_run_stores_no_secret_and_its_saved_config_asks_for_it_again(tmp_path):
@@ -66,10 +80,24 @@ def test_a_run_stores_no_secret_and_its_saved_config_asks_for_it_again(tmp_path)
 
 
 def test_headers_keep_their_names_and_only_secret_named_settings_are_hidden():
-    out = redact_kwargs({"api_key": KEY, "api_key_env": "JUDGE_KEY", "url": "http://judge:8000", "timeout": 3,
-                         "headers": {"Authorization": f"Bearer {KEY}"}, "token": None})
-    assert out == {"api_key": REDACTED, "api_key_env": "JUDGE_KEY", "url": "http://judge:8000", "timeout": 3,
-                   "headers": {"Authorization": REDACTED}, "token": None}
+    out = redact_kwargs(
+        {
+            "api_key": KEY,
+            "api_key_env": "JUDGE_KEY",
+            "url": "http://judge:8000",
+            "timeout": 3,
+            "headers": {"Authorization": f"Bearer {KEY}"},
+            "token": None,
+        }
+    )
+    assert out == {
+        "api_key": REDACTED,
+        "api_key_env": "JUDGE_KEY",
+        "url": "http://judge:8000",
+        "timeout": 3,
+        "headers": {"Authorization": REDACTED},
+        "token": None,
+    }
 
 
 @pytest.mark.parametrize("name", ["off", "no", "0x10", "1e3", "'007'"])

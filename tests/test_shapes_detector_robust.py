@@ -5,6 +5,7 @@ downsampling, so edges are anti-aliased), optionally blurred (Gaussian, σ 0.5�
 position and size jittered by up to ±1 px (continuous, sizes kept in 7–11 px) from the world's
 layout, keeping the world's layout rules (MIN_GAP, RELATION_GAP) on the jittered boxes.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,20 +17,28 @@ import torch
 from flowrl.shapes import world
 from flowrl.shapes.world import COLORS, TASKS, ObjectSpec, Spec, parse, recolor, sample_spec, to_prompt
 from flowrl_rewards import build_reward
-from flowrl_rewards.compositional.shapes import MODES, Detection, ShapesReward, detect_batch, geneval_subscores, precision
+from flowrl_rewards.compositional.shapes import (
+    MODES,
+    Detection,
+    ShapesReward,
+    detect_batch,
+    geneval_subscores,
+    precision,
+)
 
 SUPERSAMPLE = 8
-Box = tuple[float, float, float]   # x0, y0, size (px, continuous)
+Box = tuple[float, float, float]  # x0, y0, size (px, continuous)
 
 
 # ------------------------------------------------------------------------------------ test renderer
+
 
 def _coverage(shape: str, box: Box) -> tuple[np.ndarray, int, int]:
     """Area coverage in [0, 1] of ``shape`` in ``box``: (float [h, w] patch, patch x0, patch y0)."""
     x0, y0, s = box
     px0, py0 = int(np.floor(x0)), int(np.floor(y0))
     px1, py1 = int(np.ceil(x0 + s)), int(np.ceil(y0 + s))
-    sub = lambda n, start: (np.arange(n * SUPERSAMPLE) + 0.5) / SUPERSAMPLE + start   # box-relative
+    sub = lambda n, start: (np.arange(n * SUPERSAMPLE) + 0.5) / SUPERSAMPLE + start  # box-relative
     x, y = np.meshgrid(sub(px1 - px0, px0 - x0), sub(py1 - py0, py0 - y0))
     inside = (x >= 0) & (x <= s) & (y >= 0) & (y <= s)
     if shape == "circle":
@@ -42,13 +51,15 @@ def _coverage(shape: str, box: Box) -> tuple[np.ndarray, int, int]:
 
 
 def _apart(a: Box, b: Box, gap: float) -> bool:
-    return (a[0] + a[2] + gap <= b[0] or b[0] + b[2] + gap <= a[0] or
-            a[1] + a[2] + gap <= b[1] or b[1] + b[2] + gap <= a[1])
+    return (
+        a[0] + a[2] + gap <= b[0] or b[0] + b[2] + gap <= a[0] or a[1] + a[2] + gap <= b[1] or b[1] + b[2] + gap <= a[1]
+    )
 
 
 def _relation_ok(a: Box, b: Box, relation: str) -> bool:
-    axis, first, second = {"left of": (0, a, b), "right of": (0, b, a),
-                           "above": (1, a, b), "below": (1, b, a)}[relation]
+    axis, first, second = {"left of": (0, a, b), "right of": (0, b, a), "above": (1, a, b), "below": (1, b, a)}[
+        relation
+    ]
     return first[axis] + first[2] + world.RELATION_GAP <= second[axis]
 
 
@@ -61,7 +72,7 @@ def _jittered_layout(spec: Spec, rng: np.random.Generator) -> list[tuple[str, st
             x, y = (float(np.clip(v + rng.uniform(-1, 1), 0, world.CANVAS - s)) for v in (x0, y0))
             placed.append((shape, color, (x, y, s)))
         boxes = [b for _, _, b in placed]
-        ok = all(_apart(a, b, world.MIN_GAP) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        ok = all(_apart(a, b, world.MIN_GAP) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
         if ok and (spec.task != "position" or _relation_ok(boxes[0], boxes[1], spec.relation)):
             return placed
     raise RuntimeError(f"no jittered layout for {to_prompt(spec)!r}")
@@ -82,7 +93,7 @@ def _compose(objects: list[tuple[str, str, Box]], sigma: float = 0.0) -> np.ndar
     for shape, color, box in objects:
         patch, x0, y0 = _coverage(shape, box)
         h, w = patch.shape
-        image[y0:y0 + h, x0:x0 + w] += patch[..., None] * np.array(COLORS[color])
+        image[y0 : y0 + h, x0 : x0 + w] += patch[..., None] * np.array(COLORS[color])
     if sigma > 0:
         image = _blur(image, sigma)
     return np.clip(np.round(image), 0, 255).astype(np.uint8)
@@ -96,8 +107,7 @@ def render_aa(spec: Spec, rng: np.random.Generator, sigma: float = 0.0) -> np.nd
 def robust_batch(specs: list[Spec], seed: int) -> np.ndarray:
     """uint8 [n, 32, 32, 3]: ``specs`` by :func:`render_aa`, odd ones blurred with σ ~ U(0.5, 0.7)."""
     rng = np.random.default_rng(seed)
-    return np.stack([render_aa(s, rng, float(rng.uniform(0.5, 0.7)) if i % 2 else 0.0)
-                     for i, s in enumerate(specs)])
+    return np.stack([render_aa(s, rng, float(rng.uniform(0.5, 0.7)) if i % 2 else 0.0) for i, s in enumerate(specs)])
 
 
 def _specs(n: int, seed: int, tasks: tuple[str, ...] = TASKS) -> list[Spec]:
@@ -119,17 +129,18 @@ def _draw(objects: list[tuple[str, str, int, int]], size: int = 9) -> np.ndarray
     """uint8 [32, 32, 3] with (shape, colour, x0, y0) objects drawn the world's way at fixed places."""
     image = np.zeros((32, 32, 3), dtype=np.uint8)
     for shape, color, x0, y0 in objects:
-        image[y0:y0 + size, x0:x0 + size][world.shape_mask(shape, size)] = COLORS[color]
+        image[y0 : y0 + size, x0 : x0 + size][world.shape_mask(shape, size)] = COLORS[color]
     return image
 
 
 # ------------------------------------------------------------------------------ faithful robust renders
 
+
 def test_faithful_robust_renders_score_at_least_098_strict():
     specs = _specs(500, seed=2024)
     strict = _score([to_prompt(s) for s in specs], robust_batch(specs, seed=1))
     assert strict.mean() >= 0.98
-    assert strict[0::2].mean() >= 0.98 and strict[1::2].mean() >= 0.98     # sharp, blurred
+    assert strict[0::2].mean() >= 0.98 and strict[1::2].mean() >= 0.98  # sharp, blurred
     tasks = np.array([s.task for s in specs])
     for task in TASKS:
         assert strict[tasks == task].mean() >= 0.96, task
@@ -141,9 +152,13 @@ def test_small_objects_at_any_subpixel_offset_keep_their_shape(sigma):
     detector read 6–9 % of these circles as triangles or squares)."""
     rng = np.random.default_rng(7)
     for shape in world.SHAPES:
-        images = [_compose([(shape, list(COLORS)[k % len(COLORS)],
-                             (rng.uniform(1, 23), rng.uniform(1, 23), rng.uniform(7, 8)))], sigma)
-                  for k in range(120)]
+        images = [
+            _compose(
+                [(shape, list(COLORS)[k % len(COLORS)], (rng.uniform(1, 23), rng.uniform(1, 23), rng.uniform(7, 8)))],
+                sigma,
+            )
+            for k in range(120)
+        ]
         right = [len(d) == 1 and d[0].shape == shape for d in detect_batch(np.stack(images))]
         assert np.mean(right) >= 0.98, (shape, np.mean(right))
 
@@ -180,8 +195,9 @@ def _change(spec: Spec, field: str, rng: np.random.Generator) -> Spec:
     i = int(rng.integers(len(spec.objects)))
     objects = list(spec.objects)
     values = world.SHAPES if field == "shape" else tuple(COLORS)
-    options = [v for v in values if v != getattr(objects[i], field)
-               and replace(objects[i], **{field: v}) not in objects]
+    options = [
+        v for v in values if v != getattr(objects[i], field) and replace(objects[i], **{field: v}) not in objects
+    ]
     objects[i] = replace(objects[i], **{field: options[int(rng.integers(len(options)))]})
     return _with_objects(spec, tuple(objects))
 
@@ -205,7 +221,7 @@ def _mirror(spec: Spec, rng: np.random.Generator) -> Spec:
     return replace(spec, relation=OPPOSITE[spec.relation])
 
 
-WRONG = {   # kind → (tasks it applies to, spec → what gets drawn instead)
+WRONG = {  # kind → (tasks it applies to, spec → what gets drawn instead)
     "count_off_by_one": (("counting",), _count_off),
     "relation_mirrored": (("position",), _mirror),
     "colors_swapped": (("color_attr",), _swap_colors),
@@ -223,7 +239,7 @@ def test_one_fact_wrong_scores_zero_strict(kind):
     images = robust_batch([wrong(s, rng) for s in specs], seed=5)
     prompts = [to_prompt(s) for s in specs]
     assert _score(prompts, images).sum() == 0
-    assert (_score(prompts, images, "geneval") < 1).all()     # every fact costs geneval credit too
+    assert (_score(prompts, images, "geneval") < 1).all()  # every fact costs geneval credit too
 
 
 def test_blank_white_and_noise_score_zero():
@@ -237,6 +253,7 @@ def test_blank_white_and_noise_score_zero():
 
 
 # ---------------------------------------------------------------------------------------- geneval
+
 
 def _det(shape: str, color: str, x: float = 10.0, y: float = 10.0) -> Detection:
     return Detection(shape, color, (x, y), area=50, bbox=(int(x) - 4, int(y) - 4, int(x) + 4, int(y) + 4))
@@ -269,11 +286,12 @@ def test_geneval_count_off_by_one_earns_one_minus_one_over_n(prompt):
     spec = parse(prompt)
     n = spec.objects[0].count
     rng = np.random.default_rng(n)
-    off = [_with_objects(spec, (replace(spec.objects[0], count=k),))
-           for k in (n - 1, n + 1) if 1 <= k <= world.MAX_COUNT]
+    off = [
+        _with_objects(spec, (replace(spec.objects[0], count=k),)) for k in (n - 1, n + 1) if 1 <= k <= world.MAX_COUNT
+    ]
     images = np.stack([world.render(s, rng) for s in off])
     assert _score([prompt] * len(images), images, "geneval") == pytest.approx(1 - 1 / n)
-    assert _score([prompt] * len(images), images, "precise") == pytest.approx(0.75)   # 3 of 4 requirements
+    assert _score([prompt] * len(images), images, "precise") == pytest.approx(0.75)  # 3 of 4 requirements
 
 
 def test_geneval_mirrored_relation_earns_zero():
@@ -291,13 +309,16 @@ def test_geneval_perfect_image_earns_one():
     assert (_score(prompts, robust_batch(specs, seed=3), "geneval") == 1.0).mean() >= 0.98
 
 
-@pytest.mark.parametrize("prompt, objects", [
-    ("a red circle", [("circle", "red", 2, 2)]),
-    ("a red circle and a red square", [("circle", "red", 2, 2), ("square", "red", 22, 2)]),
-    ("two green triangles", [("triangle", "green", 2, 2), ("triangle", "green", 22, 2)]),
-    ("a red square and a green circle", [("square", "red", 2, 2), ("circle", "green", 22, 2)]),
-    ("a red circle left of a blue square", [("circle", "red", 2, 2), ("square", "blue", 22, 2)]),
-])
+@pytest.mark.parametrize(
+    "prompt, objects",
+    [
+        ("a red circle", [("circle", "red", 2, 2)]),
+        ("a red circle and a red square", [("circle", "red", 2, 2), ("square", "red", 22, 2)]),
+        ("two green triangles", [("triangle", "green", 2, 2), ("triangle", "green", 22, 2)]),
+        ("a red square and a green circle", [("square", "red", 2, 2), ("circle", "green", 22, 2)]),
+        ("a red circle left of a blue square", [("circle", "red", 2, 2), ("square", "blue", 22, 2)]),
+    ],
+)
 def test_geneval_spraying_extra_objects_lowers_the_score(prompt, objects):
     extras = [("triangle", "cyan", 2, 22), ("square", "yellow", 22, 22), ("circle", "magenta", 12, 12)]
     images = np.stack([_draw(objects + extras[:k], size=8) for k in range(len(extras) + 1)])
@@ -309,7 +330,7 @@ def test_geneval_spraying_extra_objects_lowers_the_score(prompt, objects):
 def test_geneval_mode_registry_and_details_column():
     reward = build_reward("shapes", mode="geneval")
     assert isinstance(reward, ShapesReward) and reward.mode == "geneval" and "geneval" in MODES
-    image = _draw([("circle", "red", 2, 2), ("square", "blue", 20, 2)])   # the blue circle is missing
+    image = _draw([("circle", "red", 2, 2), ("square", "blue", 20, 2)])  # the blue circle is missing
     d = reward.details(image[None], ["a red circle and a blue circle"])
     # presence 1/2 (one circle of two), color 1/2 (the red circle), precision 1/2 (the square is extra)
     assert d["geneval"].dtype == np.float32 and d["geneval"].tolist() == [0.25]

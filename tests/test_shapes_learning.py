@@ -5,6 +5,7 @@ loads into the shipped pipeline with plain diffusers and reproduces the trainer'
 The reward is ``redness`` (a dense pixel statistic): on the shipped model the compositional shapes
 reward does not rise within a CI budget (docs/shapes.md, "Aligning it"), and a test that only
 passes by luck would assert nothing. Sampled without CFG to keep it short."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,12 +46,23 @@ def train_and_check_gain(trainer) -> tuple[list[float], list[float]]:
 # default set (tests/test_trainer.py, tests/test_models.py)
 def test_grpo_raises_reward_on_the_shapes_model(tmp_path):
     torch.set_num_threads(2)
-    cfg = TrainConfig.from_yaml(CONFIG_DIR / "shapes" / "grpo.yaml", [
-        f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null",
-        "rollout.group_size=8", "train.max_steps=12", "optim.lr=1e-3", "model.guidance=1",
-        "rewards=[{name: redness}]",
-        f"train.output_dir={tmp_path}", "train.name=learn", "train.progress=false", "train.checkpoint_every=0",
-    ])
+    cfg = TrainConfig.from_yaml(
+        CONFIG_DIR / "shapes" / "grpo.yaml",
+        [
+            f"prompts.train={'|'.join(PROMPTS)}",
+            "prompts.per_step=4",
+            "prompts.eval=null",
+            "rollout.group_size=8",
+            "train.max_steps=12",
+            "optim.lr=1e-3",
+            "model.guidance=1",
+            "rewards=[{name: redness}]",
+            f"train.output_dir={tmp_path}",
+            "train.name=learn",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+        ],
+    )
     trainer = Trainer(cfg)
     train_and_check_gain(trainer)
 
@@ -68,7 +80,15 @@ def test_grpo_raises_reward_on_the_shapes_model(tmp_path):
     # and the plain diffusers call draws the same picture as the adapter's Euler ODE
     gen = torch.Generator().manual_seed(1)
     latents = fresh.noise([1])
-    out = pipe(PROMPTS[0], latents=latents.to(pipe.dtype), num_inference_steps=10, guidance_scale=1.0,
-               max_sequence_length=d["max_sequence_length"], height=d["height"], width=d["width"],
-               output_type="pt", generator=gen).images
+    out = pipe(
+        PROMPTS[0],
+        latents=latents.to(pipe.dtype),
+        num_inference_steps=10,
+        guidance_scale=1.0,
+        max_sequence_length=d["max_sequence_length"],
+        height=d["height"],
+        width=d["width"],
+        output_type="pt",
+        generator=gen,
+    ).images
     torch.testing.assert_close(out.float().clamp(0, 1), a[:1], rtol=0, atol=2e-3)

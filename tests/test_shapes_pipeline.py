@@ -1,5 +1,6 @@
 """The embedded shapes pipeline: builds offline, the shipped weights load with plain diffusers and
 generate the requested colours far more often than an untrained pipeline."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,15 @@ import pytest
 import torch
 
 from flowrl.shapes import prompt_sets, world
-from flowrl.shapes.pipeline import (CLIP_MAX_LENGTH, CONFIG_FILE, MAX_SEQUENCE_LENGTH, SHIPPED_DIR,
-                                    build_shapes_pipeline, generation_defaults, load_shapes_pipeline)
+from flowrl.shapes.pipeline import (
+    CLIP_MAX_LENGTH,
+    CONFIG_FILE,
+    MAX_SEQUENCE_LENGTH,
+    SHIPPED_DIR,
+    build_shapes_pipeline,
+    generation_defaults,
+    load_shapes_pipeline,
+)
 from flowrl_rewards.compositional.shapes import ShapesReward
 
 # Single-object prompts: every colour, on two shapes (includes held-out colour-shape pairs).
@@ -35,8 +43,16 @@ def untrained():
 
 def _generate(pipe, prompts, guidance, seed=0, steps=20, output_type="pt"):
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
-    return pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, height=32, width=32,
-                max_sequence_length=MAX_SEQUENCE_LENGTH, generator=gens, output_type=output_type).images
+    return pipe(
+        prompts,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        height=32,
+        width=32,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        generator=gens,
+        output_type=output_type,
+    ).images
 
 
 def test_tokenizer_one_token_per_word(untrained, shipped):
@@ -46,10 +62,10 @@ def test_tokenizer_one_token_per_word(untrained, shipped):
         ids = {}
         for word in world.vocabulary():
             enc = tok(word).input_ids
-            assert len(enc) == 3, f"{word!r} → {enc}"          # BOS, word, EOS
+            assert len(enc) == 3, f"{word!r} → {enc}"  # BOS, word, EOS
             assert enc[1] != tok.unk_token_id
             ids[word] = enc[1]
-        assert len(set(ids.values())) == len(ids)                # distinct words, distinct tokens
+        assert len(set(ids.values())) == len(ids)  # distinct words, distinct tokens
     # Longest prompt form still fits (BOS + 8 words + EOS ≤ CLIP_MAX_LENGTH).
     longest = max(prompt_sets.prompt_sets(0)[0], key=lambda p: len(p.split()))
     assert len(pipe.tokenizer(longest).input_ids) <= CLIP_MAX_LENGTH
@@ -57,12 +73,16 @@ def test_tokenizer_one_token_per_word(untrained, shipped):
 
 def test_build_encodes_with_short_sequence(untrained):
     pipe = untrained
-    embeds, _, pooled, _ = pipe.encode_prompt(["a red circle", "two blue squares"], None, None,
-                                              do_classifier_free_guidance=False,
-                                              max_sequence_length=MAX_SEQUENCE_LENGTH)
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        ["a red circle", "two blue squares"],
+        None,
+        None,
+        do_classifier_free_guidance=False,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+    )
     assert embeds.shape == (2, CLIP_MAX_LENGTH + MAX_SEQUENCE_LENGTH, pipe.transformer.config.joint_attention_dim)
     assert pooled.shape == (2, pipe.transformer.config.pooled_projection_dim)
-    assert not torch.allclose(embeds[0], embeds[1])              # prompts are told apart
+    assert not torch.allclose(embeds[0], embeds[1])  # prompts are told apart
     # Same seed, same weights.
     again = build_shapes_pipeline(seed=0)
     for module in ("transformer", "text_encoder", "text_encoder_2", "vae"):

@@ -1,4 +1,5 @@
 """The shapes reward: detector accuracy, zero for wrong images, partial credit, diagnostics."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,7 @@ def _draw(objects: list[tuple[str, str, int, int]], size: int = 9) -> np.ndarray
     """uint8 [32, 32, 3] with (shape, colour, x0, y0) objects of side ``size`` drawn at fixed places."""
     image = np.zeros((32, 32, 3), dtype=np.uint8)
     for shape, color, x0, y0 in objects:
-        image[y0:y0 + size, x0:x0 + size][world.shape_mask(shape, size)] = COLORS[color]
+        image[y0 : y0 + size, x0 : x0 + size][world.shape_mask(shape, size)] = COLORS[color]
     return image
 
 
@@ -36,6 +37,7 @@ def _score(prompts: list[str], images: np.ndarray, mode: str = "strict") -> np.n
 
 
 # ------------------------------------------------------------------------------------------ detector
+
 
 def test_detector_accuracy_on_2000_fresh_renders():
     images, prompts, _ = _batch(2000, seed=1234)
@@ -67,8 +69,10 @@ def test_render_detect_recovers_the_spec(task):
 def test_detector_works_at_other_sizes_and_under_blur():
     images, prompts, _ = _batch(200, seed=11)
     x = _as_tensor(images)
-    for big in (torch.nn.functional.interpolate(x, scale_factor=3, mode="nearest"),
-                torch.nn.functional.interpolate(x, size=(48, 48), mode="bilinear", align_corners=False)):
+    for big in (
+        torch.nn.functional.interpolate(x, scale_factor=3, mode="nearest"),
+        torch.nn.functional.interpolate(x, size=(48, 48), mode="bilinear", align_corners=False),
+    ):
         assert evaluate(big, prompts)["accuracy"] >= 0.99
     blurred = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"), 3, 1)
     assert evaluate(blurred, prompts)["accuracy"] >= 0.97
@@ -77,11 +81,11 @@ def test_detector_works_at_other_sizes_and_under_blur():
 
 def test_label_components_uses_4_connectivity_and_merges_u_shapes():
     c = np.full((1, 6, 7), -1, dtype=np.int8)
-    c[0, 0:5, 0] = c[0, 0:5, 4] = c[0, 4, 0:5] = 2     # a U: its two arms meet only at the bottom
-    c[0, 5, 5] = c[0, 4, 6] = 3                         # diagonal neighbours: two components
-    c[0, 0, 6] = 2                                      # isolated pixel of the U's colour
+    c[0, 0:5, 0] = c[0, 0:5, 4] = c[0, 4, 0:5] = 2  # a U: its two arms meet only at the bottom
+    c[0, 5, 5] = c[0, 4, 6] = 3  # diagonal neighbours: two components
+    c[0, 0, 6] = 2  # isolated pixel of the U's colour
     labels = label_components(c)[0]
-    assert len(np.unique(labels[c[0] == 2])) == 2      # the U and the lone pixel
+    assert len(np.unique(labels[c[0] == 2])) == 2  # the U and the lone pixel
     assert labels[0, 0] == labels[0, 4] == labels[4, 2]
     assert labels[5, 5] != labels[4, 6]
     assert (labels[c[0] < 0] == -1).all()
@@ -89,16 +93,17 @@ def test_label_components_uses_4_connectivity_and_merges_u_shapes():
 
 def test_detect_filters_small_and_huge_blobs_and_unknown_colours():
     img = np.zeros((32, 32, 3), dtype=np.uint8)
-    img[2:5, 2:5] = COLORS["red"]          # 9 px: too small
-    img[10:20, 10:20] = (255, 255, 255)    # white: not a palette colour
-    img[22:30, 22:30] = (255, 128, 0)      # orange: halfway between red and yellow
+    img[2:5, 2:5] = COLORS["red"]  # 9 px: too small
+    img[10:20, 10:20] = (255, 255, 255)  # white: not a palette colour
+    img[22:30, 22:30] = (255, 128, 0)  # orange: halfway between red and yellow
     assert detect(img) == []
-    assert detect(np.full((32, 32, 3), COLORS["red"], dtype=np.uint8)) == []   # fills the canvas
+    assert detect(np.full((32, 32, 3), COLORS["red"], dtype=np.uint8)) == []  # fills the canvas
     with pytest.raises(ValueError, match="uint8"):
         detect_batch(img.astype(np.float32)[None])
 
 
 # ----------------------------------------------------------------------------------- zero for wrong
+
 
 def test_zero_for_blank_white_and_noise():
     _, prompts, _ = _batch(300, seed=21)
@@ -119,7 +124,7 @@ def test_zero_for_wrong_colours():
         spec = sample_spec(rng)
         used = sorted({o.color for o in spec.objects})
         spare = [c for c in COLORS if c not in used]
-        mapping = dict(zip(used, [str(c) for c in rng.permutation(spare)]))   # every colour → an unrequested one
+        mapping = dict(zip(used, [str(c) for c in rng.permutation(spare)]))  # every colour → an unrequested one
         prompts.append(to_prompt(spec))
         images.append(render(recolor(spec, mapping), rng))
     meta: dict = {}
@@ -136,7 +141,7 @@ def test_swapped_colours_fail_color_attr_but_not_two_objects():
     prompts = [to_prompt(spec)] * 2
     assert _score(prompts, np.stack([correct, swapped])).tolist() == [1.0, 0.0]
     partial = _score(prompts, np.stack([correct, swapped]), "partial")
-    assert partial[0] == 1.0 and partial[1] == pytest.approx(4 / 7)   # colours and shapes, no binding
+    assert partial[0] == 1.0 and partial[1] == pytest.approx(4 / 7)  # colours and shapes, no binding
     # a leaked extra (a green square beside the right pair) breaks the binding; an unrelated extra does not
     right_pair = [("square", "red", 2, 2), ("circle", "green", 20, 2)]
     leak = _draw(right_pair + [("square", "green", 2, 20)])
@@ -148,12 +153,17 @@ def test_swapped_colours_fail_color_attr_but_not_two_objects():
 
 # --------------------------------------------------------------------------------- partial credit
 
+
 def test_partial_gives_intermediate_values_for_half_correct_images():
     rng = np.random.default_rng(51)
-    for prompt in ("a red circle and a blue circle", "a red circle and a red square",
-                   "a yellow triangle and a cyan square", "a red circle left of a blue square"):
+    for prompt in (
+        "a red circle and a blue circle",
+        "a red circle and a red square",
+        "a yellow triangle and a cyan square",
+        "a red circle left of a blue square",
+    ):
         spec = parse(prompt)
-        half = render(world.Spec("single", spec.objects[:1]), rng)   # only the first object drawn
+        half = render(world.Spec("single", spec.objects[:1]), rng)  # only the first object drawn
         full = render(spec, rng)
         strict = _score([prompt] * 2, np.stack([half, full]))
         partial = _score([prompt] * 2, np.stack([half, full]), "partial")
@@ -166,8 +176,9 @@ def test_precise_mode_does_not_pay_for_spraying_extra_objects():
     as to a clean one; precise scales it by the fraction of detections that were requested."""
     prompt = "a red circle"
     clean = _draw([("circle", "red", 2, 2)])
-    sprayed = _draw([("circle", "red", 2, 2), ("square", "cyan", 20, 2), ("triangle", "green", 2, 20),
-                     ("circle", "blue", 20, 20)])
+    sprayed = _draw(
+        [("circle", "red", 2, 2), ("square", "cyan", 20, 2), ("triangle", "green", 2, 20), ("circle", "blue", 20, 20)]
+    )
     wrong_only = _draw([("square", "cyan", 20, 2), ("triangle", "green", 2, 20)])
     images = np.stack([clean, sprayed, wrong_only])
     partial = _score([prompt] * 3, images, "partial")
@@ -200,6 +211,7 @@ def test_wrong_relation_fails_position():
 
 # ------------------------------------------------------------------------------------------- API
 
+
 def test_registry_meta_and_evaluate():
     reward = build_reward("shapes", mode="partial")
     assert isinstance(reward, ShapesReward) and reward.name == "shapes"
@@ -210,7 +222,7 @@ def test_registry_meta_and_evaluate():
     assert meta["shapes/task"] == [s.task for s in specs]
     for key in ("shapes/strict", "shapes/partial", "shapes/colors_found"):
         assert meta[key].dtype == np.float32 and meta[key].shape == (10,)
-    result = reward.evaluate(images, prompts)   # uint8 [B, H, W, 3] is accepted too
+    result = reward.evaluate(images, prompts)  # uint8 [B, H, W, 3] is accepted too
     assert result["accuracy"] == pytest.approx(float(meta["shapes/strict"].mean()))
     assert {"accuracy", "partial", "colors_found"} <= set(result)
 

@@ -1,4 +1,5 @@
 """The shapes world: grammar round trips, parse errors, rendering rules, prompt sets."""
+
 from __future__ import annotations
 
 import subprocess
@@ -32,6 +33,7 @@ PROMPT_DIR = CONFIG_DIR / "shapes" / "prompts"
 
 
 # ------------------------------------------------------------------------------------------ grammar
+
 
 def test_vocabulary_is_the_23_lower_case_words():
     vocab = vocabulary()
@@ -72,39 +74,45 @@ def test_examples_parse_to_the_documented_specs():
     assert to_prompt(pos) == "a yellow square left of a blue circle"
 
 
-@pytest.mark.parametrize("prompt, named", [
-    ("a purple circle", "'purple'"),
-    ("a red blob", "'blob'"),
-    ("two red circle", "'circle'"),
-    ("a red circles", "'circles'"),
-    ("five red circles", "'five'"),
-    ("a red circle near a blue square", "'near'"),
-    ("a red circle left a blue square", "'left'"),
-    ("a red circle and two blue squares", "'two'"),
-    ("two red circles and a blue square", "'and'"),
-    ("a red circle and a blue square please", "'please'"),
-    ("a red circle and", "end of the prompt"),
-    ("a red circle and a red circle", "red circle"),
-    ("a red circle above a red circle", "red circle"),
-    ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "prompt, named",
+    [
+        ("a purple circle", "'purple'"),
+        ("a red blob", "'blob'"),
+        ("two red circle", "'circle'"),
+        ("a red circles", "'circles'"),
+        ("five red circles", "'five'"),
+        ("a red circle near a blue square", "'near'"),
+        ("a red circle left a blue square", "'left'"),
+        ("a red circle and two blue squares", "'two'"),
+        ("two red circles and a blue square", "'and'"),
+        ("a red circle and a blue square please", "'please'"),
+        ("a red circle and", "end of the prompt"),
+        ("a red circle and a red circle", "red circle"),
+        ("a red circle above a red circle", "red circle"),
+        ("", "empty"),
+    ],
+)
 def test_parse_errors_name_the_word(prompt, named):
     with pytest.raises(ValueError) as err:
         parse(prompt)
     assert named in str(err.value)
 
 
-@pytest.mark.parametrize("spec, named", [
-    (Spec("single", (ObjectSpec("circle", "purple"),)), "'purple'"),
-    (Spec("single", (ObjectSpec("hexagon", "red"),)), "'hexagon'"),
-    (Spec("counting", (ObjectSpec("circle", "red", 5),)), "5"),
-    (Spec("single", (ObjectSpec("circle", "red", 2),)), "count 1"),
-    (Spec("sorting", (ObjectSpec("circle", "red"),)), "'sorting'"),
-    (Spec("two_objects", (ObjectSpec("circle", "red"), ObjectSpec("square", "blue"))), "color_attr"),
-    (Spec("color_attr", (ObjectSpec("circle", "red"), ObjectSpec("square", "red"))), "two_objects"),
-    (Spec("position", (ObjectSpec("circle", "red"), ObjectSpec("square", "red")), "near"), "'near'"),
-    (Spec("single", (ObjectSpec("circle", "red"),), "above"), "no relation"),
-])
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        (Spec("single", (ObjectSpec("circle", "purple"),)), "'purple'"),
+        (Spec("single", (ObjectSpec("hexagon", "red"),)), "'hexagon'"),
+        (Spec("counting", (ObjectSpec("circle", "red", 5),)), "5"),
+        (Spec("single", (ObjectSpec("circle", "red", 2),)), "count 1"),
+        (Spec("sorting", (ObjectSpec("circle", "red"),)), "'sorting'"),
+        (Spec("two_objects", (ObjectSpec("circle", "red"), ObjectSpec("square", "blue"))), "color_attr"),
+        (Spec("color_attr", (ObjectSpec("circle", "red"), ObjectSpec("square", "red"))), "two_objects"),
+        (Spec("position", (ObjectSpec("circle", "red"), ObjectSpec("square", "red")), "near"), "'near'"),
+        (Spec("single", (ObjectSpec("circle", "red"),), "above"), "no relation"),
+    ],
+)
 def test_invalid_specs_are_rejected(spec, named):
     with pytest.raises(ValueError) as err:
         to_prompt(spec)
@@ -127,6 +135,7 @@ def test_sample_spec_is_deterministic_and_respects_exclude():
 
 # ---------------------------------------------------------------------------------------- rendering
 
+
 def test_render_is_deterministic_and_uses_only_the_palette():
     spec = parse("a yellow square left of a blue circle")
     img = render(spec, np.random.default_rng(3))
@@ -145,12 +154,16 @@ def test_layouts_keep_sizes_gaps_and_relations():
         for i, (_s, _c, x0, y0, size) in enumerate(boxes):
             assert world.MIN_SIZE <= size <= world.MAX_SIZE
             assert 0 <= x0 and x0 + size <= CANVAS and 0 <= y0 and y0 + size <= CANVAS
-            for _s2, _c2, x1, y1, size1 in boxes[i + 1:]:
+            for _s2, _c2, x1, y1, size1 in boxes[i + 1 :]:
                 assert world._boxes_apart((x0, y0, size), (x1, y1, size1), world.MIN_GAP)
         if spec.task == "position":
             (_, _, ax, ay, asz), (_, _, bx, by, bsz) = boxes
-            gap = {"left of": bx - (ax + asz), "right of": ax - (bx + bsz),
-                   "above": by - (ay + asz), "below": ay - (by + bsz)}[spec.relation]
+            gap = {
+                "left of": bx - (ax + asz),
+                "right of": ax - (bx + bsz),
+                "above": by - (ay + asz),
+                "below": ay - (by + bsz),
+            }[spec.relation]
             assert gap >= world.RELATION_GAP
 
 
@@ -163,6 +176,7 @@ def test_shape_masks_have_the_expected_fill():
 
 
 # -------------------------------------------------------------------------------------- prompt sets
+
 
 def _pairs_in(prompt: str) -> set[tuple[str, str]]:
     return {(o.shape, o.color) for o in parse(prompt).objects}

@@ -2,6 +2,7 @@
 process and of the unsharded (DDP) run, each process holding half of the parameters and AdamW state; a run killed
 with ``kill -9`` resumes to the uninterrupted run's metrics; the consolidated export loads in a plain diffusers
 pipeline and samples what the sharded model samples; bad settings fail at load, naming the setting."""
+
 from __future__ import annotations
 
 import json
@@ -20,20 +21,30 @@ from flowrl.run.sharded_checkpoint import merge_sharded, split_sharded
 from tests.conftest import without_wall_clock
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-       "FLOWRL_COMPILE_BACKEND": "eager"}  # model.compile=regional: dynamo's tracing, no C++ build
+ENV = {
+    **os.environ,
+    "ACCELERATE_USE_CPU": "1",
+    "OMP_NUM_THREADS": "1",
+    "FLOWRL_COMPILE_BACKEND": "eager",
+}  # model.compile=regional: dynamo's tracing, no C++ build
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 # Sol-RL's plan on the main job: an int8 explorer copy previews a pool, the chosen ones regenerated in full precision
-EXPLORE = ("config=configs/shapes/solrl_nft.yaml", "rollout.inner={plan: ode, group_size: 2, steps: 4}", "rollout.pool=4",
-           "rollout.preview_steps=2", "train.max_steps=2")
+EXPLORE = (
+    "config=configs/shapes/solrl_nft.yaml",
+    "rollout.inner={plan: ode, group_size: 2, steps: 4}",
+    "rollout.pool=4",
+    "rollout.preview_steps=2",
+    "train.max_steps=2",
+)
 
 
 def launch(out: Path, shard: str, tune: str, processes: int, *extra: str) -> list[dict]:
     """Run tests/sharded_worker.py in ``processes`` processes; the per-rank results."""
     out.mkdir(parents=True, exist_ok=True)
     prefix = [*LAUNCH[:-1], str(processes)] if processes > 1 else [sys.executable]
-    proc = subprocess.run(prefix + [str(WORKER), str(out), shard, tune, *extra], env=ENV, timeout=600,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        prefix + [str(WORKER), str(out), shard, tune, *extra], env=ENV, timeout=600, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(processes)]
 
@@ -42,16 +53,30 @@ def launch(out: Path, shard: str, tune: str, processes: int, *extra: str) -> lis
 def runs(tmp_path_factory):
     """The shapes job, full fine-tuning and LoRA: one process, two unsharded (DDP) and two sharded."""
     root = tmp_path_factory.mktemp("sharding")
-    variants = {"per_block": ("model.shard_rollouts=per_block", "model.gradient_checkpointing=true"),
-                "bf16": ("model.dtype=bfloat16",), "explore": EXPLORE,
-                "compiled": ("model.compile=regional", "model.gradient_checkpointing=true", "model.checkpoint_blocks=2")}
+    variants = {
+        "per_block": ("model.shard_rollouts=per_block", "model.gradient_checkpointing=true"),
+        "bf16": ("model.dtype=bfloat16",),
+        "explore": EXPLORE,
+        "compiled": ("model.compile=regional", "model.gradient_checkpointing=true", "model.checkpoint_blocks=2"),
+    }
     out = {}
-    for shard, tune, n, *variant in [("ddp", "full", 1), ("ddp", "full", 2), ("fsdp", "full", 2), ("ddp", "lora", 1),
-                                     ("fsdp", "lora", 2), ("fsdp", "full", 2, "per_block"), ("fsdp", "lora", 2, "bf16"),
-                                     ("ddp", "full", 2, "explore"), ("fsdp", "full", 2, "explore"),
-                                     ("fsdp", "full", 2, "compiled")]:
+    for shard, tune, n, *variant in [
+        ("ddp", "full", 1),
+        ("ddp", "full", 2),
+        ("fsdp", "full", 2),
+        ("ddp", "lora", 1),
+        ("fsdp", "lora", 2),
+        ("fsdp", "full", 2, "per_block"),
+        ("fsdp", "lora", 2, "bf16"),
+        ("ddp", "full", 2, "explore"),
+        ("fsdp", "full", 2, "explore"),
+        ("fsdp", "full", 2, "compiled"),
+    ]:
         folder = root / "-".join([shard, tune, str(n), *variant])
-        out[(shard, tune, n, *variant)] = (launch(folder, shard, tune, n, *variants[variant[0]] if variant else ()), folder)
+        out[(shard, tune, n, *variant)] = (
+            launch(folder, shard, tune, n, *variants[variant[0]] if variant else ()),
+            folder,
+        )
     return out
 
 
@@ -97,7 +122,9 @@ def test_block_by_block_sampling_and_gradient_checkpointing_compose_with_shardin
     blockwise, _ = runs[("fsdp", "full", 2, "per_block")]
     assert max_diff(blockwise[0]["weights"], blockwise[1]["weights"]) == 0.0
     assert max_diff(blockwise[0]["weights"], whole_run[0]["weights"]) < 2e-6
-    assert [r.get("reward_mean") for r in blockwise[0]["records"]] == [r.get("reward_mean") for r in whole_run[0]["records"]]
+    assert [r.get("reward_mean") for r in blockwise[0]["records"]] == [
+        r.get("reward_mean") for r in whole_run[0]["records"]
+    ]
 
 
 @pytest.mark.slow
@@ -122,7 +149,12 @@ def test_a_sharded_run_follows_its_weights_in_the_explorers_low_precision_copy(r
     sharded, _ = runs[("fsdp", "full", 2, "explore")]
     assert max_diff(sharded[0]["weights"], sharded[1]["weights"]) == 0.0
     assert len(sharded[0]["records"]) == 3  # 2 iterations, the second previewed by the re-synced explorer
-    for key in ("reward_mean", "explore/pool_reward_mean", "explore/kept_preview_mean", "explore/kept_regenerated_mean"):
+    for key in (
+        "reward_mean",
+        "explore/pool_reward_mean",
+        "explore/kept_preview_mean",
+        "explore/kept_regenerated_mean",
+    ):
         assert [r.get(key) for r in sharded[0]["records"]] == [r.get(key) for r in ddp["records"]], key
     assert sharded[0]["records"][1]["time/explore_sync"] > 0
     assert max_diff(sharded[0]["weights"], ddp["weights"]) < 2e-6
@@ -183,8 +215,13 @@ def test_the_export_loads_in_a_plain_diffusers_pipeline_and_samples_what_the_sha
 @pytest.mark.slow
 def test_export_command_consolidates_a_sharded_checkpoint_in_one_process(runs, tmp_path):
     sharded, folder = runs[("fsdp", "full", 2)]
-    proc = subprocess.run([sys.executable, "-m", "flowrl", "export", str(folder / "run"), "--out", str(tmp_path / "x")],
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "export", str(folder / "run"), "--out", str(tmp_path / "x")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     from safetensors.torch import load_file
 
@@ -284,9 +321,16 @@ def test_bad_shard_settings_fail_at_load_naming_the_setting(tmp_path):
         Trainer(shapes_config(tmp_path, "fsdp", "full", "model.dtype=float16"), accelerator=FakeAccelerator(2))
     with pytest.raises(ConfigError, match=r"model\.shard.*zero3.*fsdp"):
         shapes_config(tmp_path, "zero3", "full")
-    with pytest.raises(ConfigError, match=r"loss\.objective=layer_tuning adds an auxiliary loss term.*model\.shard=ddp"):
-        Trainer(TrainConfig.from_yaml(str(CONFIG_DIR / "shapes" / "dynamic_treerpo.yaml"),
-                                      ["model.shard=fsdp", f"train.output_dir={tmp_path}"]), accelerator=FakeAccelerator(2))
+    with pytest.raises(
+        ConfigError, match=r"loss\.objective=layer_tuning adds an auxiliary loss term.*model\.shard=ddp"
+    ):
+        Trainer(
+            TrainConfig.from_yaml(
+                str(CONFIG_DIR / "shapes" / "dynamic_treerpo.yaml"),
+                ["model.shard=fsdp", f"train.output_dir={tmp_path}"],
+            ),
+            accelerator=FakeAccelerator(2),
+        )
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
@@ -314,16 +358,42 @@ def test_the_fsdp_launch_file_shards_through_accelerate(tmp_path):
     becomes fsdp, so the checkpoint is sharded and the run exports consolidated weights."""
     from flowrl.paths import CONFIG_DIR
 
-    args = ["rollout.group_size=2", "rollout.steps=2", "prompts.per_step=2", "eval.num_prompts=2", "eval.steps=2",
-            "eval.images_per_prompt=1", "eval.grid_prompts=0", "train.max_steps=1", "train.num_threads=1",
-            "train.progress=false", f"train.output_dir={tmp_path}", "train.name=run"]
+    args = [
+        "rollout.group_size=2",
+        "rollout.steps=2",
+        "prompts.per_step=2",
+        "eval.num_prompts=2",
+        "eval.steps=2",
+        "eval.images_per_prompt=1",
+        "eval.grid_prompts=0",
+        "train.max_steps=1",
+        "train.num_threads=1",
+        "train.progress=false",
+        f"train.output_dir={tmp_path}",
+        "train.name=run",
+    ]
     text = (CONFIG_DIR / "accelerate" / "fsdp.yaml").read_text()
     assert "\nuse_cpu: false\n" in text
     launch_file = tmp_path / "fsdp_cpu.yaml"  # the file itself, on CPUs (accelerate's --cpu flag drops the FSDP plugin)
     launch_file.write_text(text.replace("\nuse_cpu: false\n", "\nuse_cpu: true\n"))
-    proc = subprocess.run(["accelerate", "launch", "--config_file", str(launch_file),
-                           "--num_processes", "2", "-m", "flowrl", "train", *args],
-                          env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "accelerate",
+            "launch",
+            "--config_file",
+            str(launch_file),
+            "--num_processes",
+            "2",
+            "-m",
+            "flowrl",
+            "train",
+            *args,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "sharded" / ".metadata").is_file()
     assert (tmp_path / "run" / "export" / "transformer" / "config.json").is_file()  # the main job fine-tunes fully

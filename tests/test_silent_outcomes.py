@@ -1,6 +1,7 @@
 """No silent outcome: file names made from prompts stay inside --out and are written as they are drawn; a
 run whose every reward fails stops (exit 3) naming the reward; a hung reward times out into reward_failed;
 a prompt set smaller than one iteration's draw warns; numeric flags are range-checked by name."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from test_faults import tiny_args, tiny_folder  # noqa: F401 — the module-scop
 
 from flowrl.commands.main import main
 
-PLUGIN = '''
+PLUGIN = """
 import time
 
 import torch
@@ -39,7 +40,7 @@ class Hang(Reward):
 
     def __init__(self, always: bool = True):
         self.always = always
-'''
+"""
 
 
 @pytest.fixture
@@ -60,8 +61,22 @@ SAMPLE = ["--config", "configs/shapes/grpo.yaml", "--num", "1", "--steps", "2"]
 
 def test_prompts_with_separators_are_sampled_into_out(tiny_folder, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "deep" / "out"
-    rc = main(["sample", *SAMPLE, "--prompt", "a red/blue circle", "--prompt", "../escaped", "--prompt", "/etc/x",
-               "--out", str(out), f"model.path={tiny_folder}", "model.family=sd3"])
+    rc = main(
+        [
+            "sample",
+            *SAMPLE,
+            "--prompt",
+            "a red/blue circle",
+            "--prompt",
+            "../escaped",
+            "--prompt",
+            "/etc/x",
+            "--out",
+            str(out),
+            f"model.path={tiny_folder}",
+            "model.family=sd3",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     written = sorted(p.name for p in out.iterdir())
     assert written == ["000-a_red_blue_circle.png", "001-escaped.png", "002-etc_x.png", "grid.png"]
@@ -69,8 +84,18 @@ def test_prompts_with_separators_are_sampled_into_out(tiny_folder, tmp_path, cap
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["out"]  # nothing beside --out
 
     # a second sample into the same folder never overwrites what is there: its names get a counter
-    rc = main(["sample", *SAMPLE, "--prompt", "../escaped", "--out", str(out), f"model.path={tiny_folder}",
-               "model.family=sd3"])
+    rc = main(
+        [
+            "sample",
+            *SAMPLE,
+            "--prompt",
+            "../escaped",
+            "--out",
+            str(out),
+            f"model.path={tiny_folder}",
+            "model.family=sd3",
+        ]
+    )
     assert rc == 0 and (out / "000-escaped.png").is_file() and (out / "grid-2.png").is_file()
 
 
@@ -87,8 +112,21 @@ def test_sample_writes_each_batch_as_it_is_drawn(tiny_folder, tmp_path, capsys, 
 
     monkeypatch.setattr(sampling, "ode_batches", second_batch_fails)
     out = tmp_path / "out"
-    rc = main(["sample", *SAMPLE, "--prompt", "a red circle", "--prompt", "a blue square", "--out", str(out),
-               f"model.path={tiny_folder}", "model.family=sd3", "rollout.max_batch=1"])
+    rc = main(
+        [
+            "sample",
+            *SAMPLE,
+            "--prompt",
+            "a red circle",
+            "--prompt",
+            "a blue square",
+            "--out",
+            str(out),
+            f"model.path={tiny_folder}",
+            "model.family=sd3",
+            "rollout.max_batch=1",
+        ]
+    )
     assert rc == 1 and "out of memory" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["000-a_red_circle.png"]  # the first image survives
 
@@ -96,8 +134,16 @@ def test_sample_writes_each_batch_as_it_is_drawn(tiny_folder, tmp_path, capsys, 
 # ---- every reward failed: stop, named --------------------------------------------------------------------------
 def test_a_run_whose_every_reward_fails_stops_with_status_3_naming_the_reward(tiny_folder, tmp_path, plugin, capsys):  # noqa: F811
     runs = tmp_path / "runs"
-    rc = main(["train", *tiny_args(tiny_folder, runs), f"rewards=[{{name: '{plugin}:NanReward'}}]",
-               "train.max_steps=6", "eval.at_start=false", "prompts.eval=null"])
+    rc = main(
+        [
+            "train",
+            *tiny_args(tiny_folder, runs),
+            f"rewards=[{{name: '{plugin}:NanReward'}}]",
+            "train.max_steps=6",
+            "eval.at_start=false",
+            "prompts.eval=null",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 3, err
     assert "'nan_reward'" in err and "non-finite" in err and "3 iterations in a row" in err and "Traceback" not in err
@@ -114,8 +160,16 @@ def test_a_run_whose_every_reward_fails_stops_with_status_3_naming_the_reward(ti
 def test_a_hanging_reward_times_out_into_reward_failed(tiny_folder, tmp_path, plugin, capsys):  # noqa: F811
     runs = tmp_path / "runs"
     with pytest.warns(RuntimeWarning, match=r"'hang'.*timeout of 0\.3 s.*NaN"):
-        rc = main(["train", *tiny_args(tiny_folder, runs), f"rewards=[{{name: '{plugin}:Hang', timeout: 0.3}}]",
-                   "train.max_steps=1", "eval.at_start=false", "prompts.eval=null"])
+        rc = main(
+            [
+                "train",
+                *tiny_args(tiny_folder, runs),
+                f"rewards=[{{name: '{plugin}:Hang', timeout: 0.3}}]",
+                "train.max_steps=1",
+                "eval.at_start=false",
+                "prompts.eval=null",
+            ]
+        )
     assert rc == 0, capsys.readouterr().err
     (record,) = _iterations(runs / "run")
     assert record["reward_failed"] == record["leaves"] == 8
@@ -154,22 +208,25 @@ def test_a_prompt_set_smaller_than_one_draw_warns_once_with_both_numbers():
 
 
 # ---- numeric flags ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv, words", [
-    (["sample", "--prompt", "x", "--num", "0"], ["--num=0", ">= 1"]),
-    (["sample", "--prompt", "x", "--steps", "0"], ["--steps=0", ">= 1"]),
-    (["sample", "--prompt", "x", "--guidance", "-1"], ["--guidance=-1.0", ">= 0"]),
-    (["sample", "--prompt", "x", "--guidance", "nan"], ["--guidance=nan"]),
-    (["sample", "--prompt", "x", "--scale", "0"], ["--scale=0", "[1, 64]"]),
-    (["sample", "--prompt", "x", "--seed", "-3"], ["--seed=-3"]),
-    (["bench", "--iterations", "0"], ["--iterations=0", ">= 1"]),
-    (["bench", "--warmup", "-1"], ["--warmup=-1", ">= 0"]),
-    (["bench", "--estimate", "--processes", "0"], ["--processes=0"]),
-    (["snr", "--batches", "2"], ["--batches=2", ">= 3"]),
-    (["compare", "a.yaml", "--parallel", "0"], ["--parallel=0"]),
-    (["compare", "a.yaml", "--threads", "0"], ["--threads=0"]),
-    (["compare", "a.yaml", "--seeds", "0", "-1"], ["--seeds=-1"]),
-    (["compare", "a.yaml", "--seeds", "1", "1"], ["--seeds 1 1", "twice"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["sample", "--prompt", "x", "--num", "0"], ["--num=0", ">= 1"]),
+        (["sample", "--prompt", "x", "--steps", "0"], ["--steps=0", ">= 1"]),
+        (["sample", "--prompt", "x", "--guidance", "-1"], ["--guidance=-1.0", ">= 0"]),
+        (["sample", "--prompt", "x", "--guidance", "nan"], ["--guidance=nan"]),
+        (["sample", "--prompt", "x", "--scale", "0"], ["--scale=0", "[1, 64]"]),
+        (["sample", "--prompt", "x", "--seed", "-3"], ["--seed=-3"]),
+        (["bench", "--iterations", "0"], ["--iterations=0", ">= 1"]),
+        (["bench", "--warmup", "-1"], ["--warmup=-1", ">= 0"]),
+        (["bench", "--estimate", "--processes", "0"], ["--processes=0"]),
+        (["snr", "--batches", "2"], ["--batches=2", ">= 3"]),
+        (["compare", "a.yaml", "--parallel", "0"], ["--parallel=0"]),
+        (["compare", "a.yaml", "--threads", "0"], ["--threads=0"]),
+        (["compare", "a.yaml", "--seeds", "0", "-1"], ["--seeds=-1"]),
+        (["compare", "a.yaml", "--seeds", "1", "1"], ["--seeds 1 1", "twice"]),
+    ],
+)
 def test_numeric_flags_are_range_checked_by_name(argv, words, capsys, tmp_path):
     assert main([*argv, *(["--out", str(tmp_path / "out")] if argv[0] in ("sample", "compare") else [])]) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Step-level credit (docs/step_credit.md): the ``probed`` plan (ODE completions, x̂0 projections), TP-GRPO's
 turning points (``credit.rule: turning_point``) and VGPO's value anchoring (``credit.rule: value_anchor``)
 on chains and on hand-built branching forests; forward counts, the pure-ODE reference, replay, learning."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ import torch
 from conftest import make_model, train_redness, with_lora
 
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.credit.turning_point import (
     TurningPoint,
     balance_signs,
@@ -24,7 +26,6 @@ from flowrl.rollout.chains import Chains, SDEWindow
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.probes import Probed, decision_states, state_values
 from flowrl.rollout.sampling import ode_sample
-from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -38,28 +39,31 @@ def z(values: list[float], eps: float = 1e-4) -> torch.Tensor:
 
 
 # ---- turning points on hand-written reward sequences ----------------------------------------------
-@pytest.mark.parametrize("R, tie_eps, expected_tp, expected_r", [
-    # first step: d_0 and R_n − R_1 agree → turning point, r_0 = R_n − R_0 = Δ; the last step never is one
-    ([0.0, 1.0, 2.0], 0.0, [True, False], [2.0, 1.0]),
-    # first step against the rest of the path (R_n − R_1 < 0): no turning point, r = d
-    ([0.0, 1.0, 0.5], 0.0, [False, False], [1.0, -0.5]),
-    # a flip against a rising path (Δ > 0): step 1 turns the trend, and the rest agrees → r_1 = R_n − R_1
-    ([0.0, -1.0, 1.0, 2.0], 0.0, [False, True, False], [-1.0, 3.0, 1.0]),
-    # the same flip on a falling path (Δ < 0): r_1 = R_n − R_1 < 0
-    ([0.0, 1.0, -1.0, -2.0], 0.0, [False, True, False], [1.0, -3.0, -1.0]),
-    # a flip the rest of the path undoes (R_n − R_2 < 0 while d_1 > 0): not a turning point
-    ([0.0, -1.0, 1.0, 0.5], 0.0, [False, False, False], [-1.0, 2.0, -0.5]),
-    # an exact tie d_0 = 0: s_0 = 0 is not < 0, so step 1 is no turning point
-    ([0.0, 0.0, 1.0, 2.0], 0.0, [False, False, False], [0.0, 1.0, 1.0]),
-    # a near-tie d_0 = −0.005: a turning point at step 1 with tie_eps 0 ...
-    ([0.0, -0.005, 1.0, 2.0], 0.0, [False, True, False], [-0.005, 2.005, 1.0]),
-    # ... and none with tie_eps 0.01 (|d_0| < ε counts as 0)
-    ([0.0, -0.005, 1.0, 2.0], 0.01, [False, False, False], [-0.005, 1.005, 1.0]),
-    # Δ = 0: no step agrees with the overall trend, and the first step disagrees with the rest
-    ([0.0, -1.0, 1.0, 0.0], 0.0, [False, False, False], [-1.0, 2.0, -1.0]),
-    # first-step turning point, a dip, then a flip on the last step (never a turning point: R_n − R_n = 0)
-    ([0.0, 1.0, -1.0, 2.0], 0.0, [True, False, False], [2.0, -2.0, 3.0]),
-])
+@pytest.mark.parametrize(
+    "R, tie_eps, expected_tp, expected_r",
+    [
+        # first step: d_0 and R_n − R_1 agree → turning point, r_0 = R_n − R_0 = Δ; the last step never is one
+        ([0.0, 1.0, 2.0], 0.0, [True, False], [2.0, 1.0]),
+        # first step against the rest of the path (R_n − R_1 < 0): no turning point, r = d
+        ([0.0, 1.0, 0.5], 0.0, [False, False], [1.0, -0.5]),
+        # a flip against a rising path (Δ > 0): step 1 turns the trend, and the rest agrees → r_1 = R_n − R_1
+        ([0.0, -1.0, 1.0, 2.0], 0.0, [False, True, False], [-1.0, 3.0, 1.0]),
+        # the same flip on a falling path (Δ < 0): r_1 = R_n − R_1 < 0
+        ([0.0, 1.0, -1.0, -2.0], 0.0, [False, True, False], [1.0, -3.0, -1.0]),
+        # a flip the rest of the path undoes (R_n − R_2 < 0 while d_1 > 0): not a turning point
+        ([0.0, -1.0, 1.0, 0.5], 0.0, [False, False, False], [-1.0, 2.0, -0.5]),
+        # an exact tie d_0 = 0: s_0 = 0 is not < 0, so step 1 is no turning point
+        ([0.0, 0.0, 1.0, 2.0], 0.0, [False, False, False], [0.0, 1.0, 1.0]),
+        # a near-tie d_0 = −0.005: a turning point at step 1 with tie_eps 0 ...
+        ([0.0, -0.005, 1.0, 2.0], 0.0, [False, True, False], [-0.005, 2.005, 1.0]),
+        # ... and none with tie_eps 0.01 (|d_0| < ε counts as 0)
+        ([0.0, -0.005, 1.0, 2.0], 0.01, [False, False, False], [-0.005, 1.005, 1.0]),
+        # Δ = 0: no step agrees with the overall trend, and the first step disagrees with the rest
+        ([0.0, -1.0, 1.0, 0.0], 0.0, [False, False, False], [-1.0, 2.0, -1.0]),
+        # first-step turning point, a dip, then a flip on the last step (never a turning point: R_n − R_n = 0)
+        ([0.0, 1.0, -1.0, 2.0], 0.0, [True, False, False], [2.0, -2.0, 3.0]),
+    ],
+)
 def test_turning_points_and_step_rewards_on_hand_written_sequences(R, tie_eps, expected_tp, expected_r):
     seq = torch.tensor([R])
     indicator, d, delta = turning_points(seq, tie_eps)
@@ -98,11 +102,29 @@ def chain_forest(chains: list[list[float]], groups: list[int], x0_probes: bool =
     nodes = forest.add_roots(torch.zeros(len(chains), 1, 1, 1), groups, list(range(len(chains))))
     states = [nodes]
     for k in range(n):
-        nodes = forest.add_children(nodes, torch.zeros(len(chains), 1, 1, 1), 1.0 - (k + 1) / (n + 1), k + 1,
-                                    torch.zeros(len(chains)), torch.ones(len(chains)), "flow_grpo", 0.7, k)
+        nodes = forest.add_children(
+            nodes,
+            torch.zeros(len(chains), 1, 1, 1),
+            1.0 - (k + 1) / (n + 1),
+            k + 1,
+            torch.zeros(len(chains)),
+            torch.ones(len(chains)),
+            "flow_grpo",
+            0.7,
+            k,
+        )
         states.append(nodes)
-    leaves = forest.add_children(nodes, torch.zeros(len(chains), 1, 1, 1), 0.0, n + 1, torch.zeros(len(chains)),
-                                 torch.zeros(len(chains)), "ode", 0.0, n)
+    leaves = forest.add_children(
+        nodes,
+        torch.zeros(len(chains), 1, 1, 1),
+        0.0,
+        n + 1,
+        torch.zeros(len(chains)),
+        torch.zeros(len(chains)),
+        "ode",
+        0.0,
+        n,
+    )
     table = torch.tensor(chains)
     probed = states[1:] if x0_probes else states[:-1]
     for k, s in enumerate(probed):
@@ -117,8 +139,12 @@ def tree_forest(x0_probes: bool) -> tuple[Forest, dict[str, int]]:
     forest = Forest(prompts=["p"], meta={"probe_x0": x0_probes})
     one = torch.zeros(1, 1, 1, 1)
     root = forest.add_roots(one, [0], [0])
-    ab = forest.add_children(root.repeat(2), torch.zeros(2, 1, 1, 1), 0.66, 1, torch.zeros(2), torch.ones(2), "dance", 0.3, 0)
-    cs = forest.add_children(ab.repeat_interleave(2), torch.zeros(4, 1, 1, 1), 0.33, 2, torch.zeros(4), torch.ones(4), "dance", 0.3, 1)
+    ab = forest.add_children(
+        root.repeat(2), torch.zeros(2, 1, 1, 1), 0.66, 1, torch.zeros(2), torch.ones(2), "dance", 0.3, 0
+    )
+    cs = forest.add_children(
+        ab.repeat_interleave(2), torch.zeros(4, 1, 1, 1), 0.33, 2, torch.zeros(4), torch.ones(4), "dance", 0.3, 1
+    )
     ls = forest.add_children(cs, torch.zeros(4, 1, 1, 1), 0.0, 3, torch.zeros(4), torch.zeros(4), "ode", 0.0, 2)
     names = {"root": int(root[0]), "a": int(ab[0]), "b": int(ab[1])}
     names.update({f"c{i + 1}": int(c) for i, c in enumerate(cs)})
@@ -127,11 +153,14 @@ def tree_forest(x0_probes: bool) -> tuple[Forest, dict[str, int]]:
 
 
 def test_turning_point_credit_on_chains_with_balancing_and_a_zero_variance_group():
-    chains = [[0.0, 1.0, 3.0],     # TP at step 0, Δ = 3: kept;  r = [3, 2]
-              [0.0, 1.0, 2.0],     # TP at step 0, Δ = 2: dropped by balancing → r_0 = d_0 = 1;  r = [1, 1]
-              [0.0, -1.0, -1.5],   # TP at step 0, Δ = −1.5: kept;  r = [−1.5, −0.5]
-              [0.0, 1.0, 0.5],     # no TP;  r = [1, −0.5]
-              [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # group 1: no variance anywhere → skipped
+    chains = [
+        [0.0, 1.0, 3.0],  # TP at step 0, Δ = 3: kept;  r = [3, 2]
+        [0.0, 1.0, 2.0],  # TP at step 0, Δ = 2: dropped by balancing → r_0 = d_0 = 1;  r = [1, 1]
+        [0.0, -1.0, -1.5],  # TP at step 0, Δ = −1.5: kept;  r = [−1.5, −0.5]
+        [0.0, 1.0, 0.5],  # no TP;  r = [1, −0.5]
+        [0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0],
+    ]  # group 1: no variance anywhere → skipped
     forest = chain_forest(chains, [0, 0, 0, 0, 1, 1])
     stats = TurningPoint().assign(forest)
     step1 = forest.step == 1  # the edges of SDE step 0 lead to step-1 states
@@ -223,8 +252,9 @@ def test_value_anchor_on_a_branching_forest_averages_q_and_omega_over_the_leaves
     q_a, q_b = 1.5, -1.25
     w_a, w_b = (1 + 1.001 / 0.501) / 2, (1 + 0.001 / 0.751) / 2
     zab = z([q_a, q_b])
-    torch.testing.assert_close(forest.advantage[[n["a"], n["b"]]],
-                               torch.tensor([w_a * (zab[0] + 0.1 * q_a), w_b * (zab[1] + 0.1 * q_b)]))
+    torch.testing.assert_close(
+        forest.advantage[[n["a"], n["b"]]], torch.tensor([w_a * (zab[0] + 0.1 * q_a), w_b * (zab[1] + 0.1 * q_b)])
+    )
     w_c = torch.tensor([1.0, 0.001 / 0.501, 1.0, 1.501 / 0.751])
     torch.testing.assert_close(forest.advantage[[n["c1"], n["c2"], n["c3"], n["c4"]]], w_c * z([2.0, 0.0, -2.0, 1.0]))
 
@@ -270,7 +300,9 @@ def test_vgpo_probes_add_no_transformer_forward(sd3_model):
     counts = plan.expected_counts(len(PROMPTS), RolloutContext(seed=2))
     assert counts["forwards"] == plain.counters["forwards"] and counts["probes"] == reached.numel() == 2 * 3 * 3
     metrics = plan.metrics(probed)
-    assert metrics["probe/extra_forwards"] == 0 and metrics["probe/decodes"] == 18 and metrics["probe/reward_calls"] == 24
+    assert (
+        metrics["probe/extra_forwards"] == 0 and metrics["probe/decodes"] == 18 and metrics["probe/reward_calls"] == 24
+    )
 
 
 @pytest.mark.parametrize("guidance", [1.0, 2.5])
@@ -292,7 +324,9 @@ def test_pure_ode_reference_starts_from_the_chains_own_x_T(sd3_model, guidance):
 @pytest.mark.parametrize("probe, rule", [("ode_completion", TurningPoint()), ("x0_projection", ValueAnchor())])
 def test_replay_ratio_is_one_on_the_trained_edges(probe, rule):
     model = with_lora(make_model("sd3"))
-    plan = Probed(inner_plan=Chains(group_size=3, steps=5, window=SDEWindow(mode="fixed", start=0, size=3)), probe=probe)
+    plan = Probed(
+        inner_plan=Chains(group_size=3, steps=5, window=SDEWindow(mode="fixed", start=0, size=3)), probe=probe
+    )
     forest = plan.rollout(model, PROMPTS, RolloutContext(seed=0, guidance=2.0, max_batch=4))
     nodes, x0 = forest.score_requests()
     forest.record_scores(nodes, {"r": x0.mean(dim=(1, 2, 3))})
@@ -309,7 +343,9 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
     from flowrl_rewards import MultiReward
 
     win = SDEWindow(mode="fixed", start=0, size=2)
-    forest = Probed(inner_plan=Chains(group_size=2, steps=4, window=win), probe="x0_projection").rollout(sd3_model, PROMPTS[:1], RolloutContext())
+    forest = Probed(inner_plan=Chains(group_size=2, steps=4, window=win), probe="x0_projection").rollout(
+        sd3_model, PROMPTS[:1], RolloutContext()
+    )
     forest.value[forest.probe_node] = 0.5
     forest.reward[forest.leaves()] = 1.0
     with pytest.raises(ValueError, match="ode_completion"):  # R_0 (the root) is not probed by x0 projections
@@ -354,9 +390,17 @@ def test_probed_wraps_any_inner_plan_and_passes_the_lifecycle_on(sd3_model):
     forest = wrapped.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     assert inner.calls == ["setup", "after_update"]
     assert wrapped.metrics(forest)["inner/leaves"] == 4.0
-    own = Probed(inner_plan=Chains(group_size=2, steps=4, window=win)).rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
-    by_name = Probed(inner={"plan": "flowrl.rollout.chains:Chains",  # the same nested form as explore's inner
-                            "group_size": 2, "steps": 4, "window": {"mode": "fixed", "start": 0, "size": 2}})
+    own = Probed(inner_plan=Chains(group_size=2, steps=4, window=win)).rollout(
+        sd3_model, PROMPTS, RolloutContext(seed=5)
+    )
+    by_name = Probed(
+        inner={
+            "plan": "flowrl.rollout.chains:Chains",  # the same nested form as explore's inner
+            "group_size": 2,
+            "steps": 4,
+            "window": {"mode": "fixed", "start": 0, "size": 2},
+        }
+    )
     named = by_name.rollout(sd3_model, PROMPTS, RolloutContext(seed=5))
     for other in (own, named):
         assert torch.equal(other.all_latents(), forest.all_latents())
@@ -382,13 +426,33 @@ class MiniTree(RolloutPlan):
         nodes = forest.add_roots(model.noise(seeds), torch.arange(len(prompts)), seeds, sigma=float(sigmas[0]))
         cond = model.encode(prompts, guidance)
         for i in range(self.steps):
+
             def noise_for(parents, branch, i=i):
-                return torch.stack([seeded_normal(derive_seed(ctx.seed, ctx.iteration, "sde", int(p), int(b), i),
-                                                  model.latent_shape) for p, b in zip(parents, branch)])
+                return torch.stack(
+                    [
+                        seeded_normal(
+                            derive_seed(ctx.seed, ctx.iteration, "sde", int(p), int(b), i), model.latent_shape
+                        )
+                        for p, b in zip(parents, branch)
+                    ]
+                )
+
             split = i < 2
-            nodes = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1, "dance" if split else "ode",
-                            0.3 if split else 0.0, noise_for, guidance, ctx.max_batch, fanout=2 if split else 1,
-                            observers=ctx.observers)
+            nodes = advance(
+                forest,
+                model,
+                nodes,
+                cond,
+                float(sigmas[i + 1]),
+                i + 1,
+                "dance" if split else "ode",
+                0.3 if split else 0.0,
+                noise_for,
+                guidance,
+                ctx.max_batch,
+                fanout=2 if split else 1,
+                observers=ctx.observers,
+            )
         return forest
 
 
@@ -416,10 +480,15 @@ def test_step_credit_composes_with_a_tree_plan(probe, rule):
         assert torch.equal(replay(model, forest, cond, b).logp.detach(), forest.logp_old[b])
 
 
-@pytest.mark.parametrize("path, plan, rule", [
-    ("shapes/tp_grpo.yaml", "probed", "turning_point"), ("shapes/vgpo.yaml", "probed", "value_anchor"),
-    ("sd35/tp_grpo_pickscore.yaml", "probed", "turning_point"), ("sd35/vgpo_geneval.yaml", "probed", "value_anchor"),
-])
+@pytest.mark.parametrize(
+    "path, plan, rule",
+    [
+        ("shapes/tp_grpo.yaml", "probed", "turning_point"),
+        ("shapes/vgpo.yaml", "probed", "value_anchor"),
+        ("sd35/tp_grpo_pickscore.yaml", "probed", "turning_point"),
+        ("sd35/vgpo_geneval.yaml", "probed", "value_anchor"),
+    ],
+)
 def test_presets_load(path, plan, rule):
     from flowrl.config import build
 
@@ -440,12 +509,21 @@ def test_presets_load(path, plan, rule):
 def test_step_credit_raises_a_dense_reward_through_the_trainer(tmp_path, method):
     """Ten seeded iterations on the tiny SD3 pipeline with ``redness``: the mean reward of fixed-seed ODE
     samples rises by well above the spread between two seed sets of the same model."""
-    extra = (["rollout.probe=ode_completion", "credit.rule=turning_point"] if method == "tp_grpo"
-             else ["rollout.probe=x0_projection", "credit.rule=value_anchor"])
-    before, after, train = train_redness(tmp_path, method, [
-        "rollout.plan=probed", *extra,
-        "rollout.inner={plan: chains, steps: 6, group_size: 6, window: {mode: fixed, start: 0, size: 3}}",
-        "train.max_steps=10"])
+    extra = (
+        ["rollout.probe=ode_completion", "credit.rule=turning_point"]
+        if method == "tp_grpo"
+        else ["rollout.probe=x0_projection", "credit.rule=value_anchor"]
+    )
+    before, after, train = train_redness(
+        tmp_path,
+        method,
+        [
+            "rollout.plan=probed",
+            *extra,
+            "rollout.inner={plan: chains, steps: 6, group_size: 6, window: {mode: fixed, start: 0, size: 3}}",
+            "train.max_steps=10",
+        ],
+    )
     gain = sum(after) / 2 - sum(before) / 2
     assert gain > max(3 * abs(before[0] - before[1]), 0.01), f"before {before}, after {after}"
     assert all(r["first_step_abs_delta_logp"] == 0.0 for r in train)
@@ -486,8 +564,9 @@ def test_turning_point_logs_the_same_keys_when_a_process_rewards_fail(sd3_model)
     plan = Chains(group_size=3, steps=4, kernel="flow_grpo", eta=0.7, window=SDEWindow(mode="fixed", start=0, size=2))
 
     def keys(nan_rewards: bool) -> list[str]:
-        forest = _scored_for_step_credit(plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=0)),
-                                         nan_rewards=nan_rewards)
+        forest = _scored_for_step_credit(
+            plan.rollout(sd3_model, ["a red circle"], RolloutContext(seed=0)), nan_rewards=nan_rewards
+        )
         return sorted(TurningPoint().assign(forest))
 
     assert keys(False) == keys(True)

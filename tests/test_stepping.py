@@ -1,6 +1,7 @@
 """One stepping engine (issue 35): every chunked model forward goes through ``velocity_in_chunks``, every step
 over forest nodes through ``advance`` (Euler, SDE kernels, DPM-Solver++(2M)), states outside a forest through
 ``euler_ode`` (ODE completions, plain samples). The numbers are those of the hand-written steps."""
+
 from __future__ import annotations
 
 import math
@@ -30,13 +31,28 @@ def roots(model, n: int, steps: int, guidance: float = 1.0) -> tuple[Forest, tor
 def test_one_forward_per_max_batch_rows(sd3_model, n, max_batch):
     forest, nodes, cond, sigmas = roots(sd3_model, n, 3)
     x = forest.latents_of(nodes)
-    chunks = list(velocity_in_chunks(sd3_model, x, float(sigmas[0]), cond, 1.0, max_batch,
-                                     cond_rows=forest.group[nodes], count_on=forest))
+    chunks = list(
+        velocity_in_chunks(
+            sd3_model, x, float(sigmas[0]), cond, 1.0, max_batch, cond_rows=forest.group[nodes], count_on=forest
+        )
+    )
     assert len(chunks) == forest.counters["model_calls"] == math.ceil(n / max_batch)
     assert forest.counters["forwards"] == n and [r.start for r, _, _ in chunks] == list(range(0, n, max_batch))
     assert torch.equal(torch.cat([xb for _, xb, _ in chunks]), x)
-    children = advance(forest, sd3_model, nodes, cond, float(sigmas[1]), 1, "dance", 0.5,
-                       lambda p, b: torch.randn(p.shape[0], *sd3_model.latent_shape), 1.0, max_batch, fanout=2)
+    children = advance(
+        forest,
+        sd3_model,
+        nodes,
+        cond,
+        float(sigmas[1]),
+        1,
+        "dance",
+        0.5,
+        lambda p, b: torch.randn(p.shape[0], *sd3_model.latent_shape),
+        1.0,
+        max_batch,
+        fanout=2,
+    )
     per_forward = max(1, max_batch // 2)  # a forward carries at most max_batch new edges
     assert forest.counters["model_calls"] == math.ceil(n / max_batch) + math.ceil(n / per_forward)
     assert children.numel() == 2 * n and torch.unique(forest.batch[children]).numel() == math.ceil(n / per_forward)
@@ -61,7 +77,9 @@ def test_advance_with_dpm2_is_the_multistep_solver_by_hand(sd3_model, max_batch)
         outs, x0s = [], []
         for c in range(0, x.shape[0], max_batch):  # the same chunks as the engine
             rows = slice(c, c + max_batch)
-            v = sd3_model.velocity(x[rows], torch.full((x[rows].shape[0],), s), cond.select(forest.group[nodes][rows]), 1.0)
+            v = sd3_model.velocity(
+                x[rows], torch.full((x[rows].shape[0],), s), cond.select(forest.group[nodes][rows]), 1.0
+            )
             x_next, x0 = sde.dpm2_step(x[rows], v, s, s_next, None if prev[0] is None else prev[0][rows], prev[1])
             outs.append(x_next)
             x0s.append(x0)
@@ -98,11 +116,19 @@ def test_an_ode_step_of_advance_is_an_euler_step_of_euler_ode(sd3_model, guidanc
 @pytest.mark.parametrize("guidance", [1.0, 2.5])
 def test_a_roots_completion_is_its_ode_sample(sd3_model, guidance):
     forest = Chains(group_size=2, steps=4, window=SDEWindow(mode="fixed", start=0, size=2)).rollout(
-        sd3_model, PROMPTS, RolloutContext(seed=5, guidance=guidance))
+        sd3_model, PROMPTS, RolloutContext(seed=5, guidance=guidance)
+    )
     root = forest.roots()
     x0 = ode_complete(sd3_model, forest, root, 4, max_batch=64)
-    expected = ode_sample(sd3_model, [PROMPTS[int(g)] for g in forest.group[root]], forest.seed[root].tolist(), 4,
-                          guidance, max_batch=64, decode=False)
+    expected = ode_sample(
+        sd3_model,
+        [PROMPTS[int(g)] for g in forest.group[root]],
+        forest.seed[root].tolist(),
+        4,
+        guidance,
+        max_batch=64,
+        decode=False,
+    )
     assert torch.equal(x0, expected)  # one batch of the same rows, the same conditioning rows: bit-exact
 
 

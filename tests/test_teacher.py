@@ -1,5 +1,6 @@
 """A guided teacher for forward-process objectives (issue 33): the anchor, teacher samples, schedules,
 DiffusionNFT's published settings, best-of-N distillation, and bad settings refused at load."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,15 @@ TEACHER = "loss.teacher={guidance: 3.0, anchor: 1.0}"
 # ---- the anchor on hand-made tensors --------------------------------------------------------------
 def rows_of(v: torch.Tensor, v_teacher: torch.Tensor) -> Rows:
     """A micro-batch's rows holding only what the anchor reads: the policy's and the teacher's velocities."""
-    return Rows(v=v, v_old=None, v_ref=None, v_teacher=v_teacher, target=torch.zeros_like(v_teacher),
-                t=torch.zeros(v.shape[0]), adv=torch.zeros(v.shape[0]))
+    return Rows(
+        v=v,
+        v_old=None,
+        v_ref=None,
+        v_teacher=v_teacher,
+        target=torch.zeros_like(v_teacher),
+        t=torch.zeros(v.shape[0]),
+        adv=torch.zeros(v.shape[0]),
+    )
 
 
 @pytest.mark.parametrize("weight", [0.5, 2.0])
@@ -45,8 +53,9 @@ def test_anchor_gradient_is_zero_at_the_teacher_and_pulls_towards_it(weight):
 def test_reward_term_zero_leaves_the_anchor_alone():
     nft = NFTLoss(draws=1, teacher=TeacherSpec(anchor=1.0), reward_term=0.0)
     v = torch.ones(2, 1, requires_grad=True)
-    out, _ = nft.total(torch.tensor([5.0, 7.0]), rows_of(v, torch.zeros(2, 1)),
-                       Batch(torch.arange(2), 2, {"anchor": torch.ones(2)}))
+    out, _ = nft.total(
+        torch.tensor([5.0, 7.0]), rows_of(v, torch.zeros(2, 1)), Batch(torch.arange(2), 2, {"anchor": torch.ones(2)})
+    )
     assert out.item() == 1.0  # the NFT term (5, 7) weighted by 0; the anchor's error 1 per leaf
 
 
@@ -75,8 +84,9 @@ def test_old_decay_follows_the_published_rate_schedule():
 
 def test_linear_optimality_is_the_public_codes_half_plus_a_tenth():
     nft = NFTLoss(optimality_form="linear", adv_clip=5.0)
-    assert torch.allclose(nft.optimality(torch.tensor([-9.0, -1.0, 0.0, 2.0, 5.0])),
-                          torch.tensor([0.0, 0.4, 0.5, 0.7, 1.0]))
+    assert torch.allclose(
+        nft.optimality(torch.tensor([-9.0, -1.0, 0.0, 2.0, 5.0])), torch.tensor([0.0, 0.4, 0.5, 0.7, 1.0])
+    )
 
 
 # ---- the teacher through the trainer -------------------------------------------------------------
@@ -99,8 +109,10 @@ def test_teacher_runs_at_its_guidance_and_is_never_updated(tmp_path, full):
 
     model = make_model("sd3")
     extra = ["model.full_finetune=true"] if full else []
-    trainer = Trainer(tiny(tmp_path, f"t{full}", TEACHER, "loss.objective=nft", "train.max_steps=2", "optim.lr=1e-2",
-                           *extra), model=model)
+    trainer = Trainer(
+        tiny(tmp_path, f"t{full}", TEACHER, "loss.objective=nft", "train.max_steps=2", "optim.lr=1e-2", *extra),
+        model=model,
+    )
     teacher = trainer.objective.teacher_model
     frozen = [p.detach().clone() for p in teacher._copy.frozen.parameters()] if full else None
     seen = _spy(model)
@@ -159,8 +171,15 @@ def test_teacher_samples_are_credited_in_their_group(sd3_model):
 def test_share_schedule_gives_the_teacher_fewer_chains_as_training_goes(tmp_path):
     from flowrl.training.trainer import Trainer
 
-    cfg = tiny(tmp_path, "sched", "loss.teacher={guidance: 3.0, anchor: 0.0, share_schedule: 'linear:2'}",
-               "loss.objective=nft", "rollout.teacher_share=2", "rollout.group_size=2", "train.max_steps=3")
+    cfg = tiny(
+        tmp_path,
+        "sched",
+        "loss.teacher={guidance: 3.0, anchor: 0.0, share_schedule: 'linear:2'}",
+        "loss.objective=nft",
+        "rollout.teacher_share=2",
+        "rollout.group_size=2",
+        "train.max_steps=3",
+    )
     records = [r for r in Trainer(cfg, model=make_model("sd3")).train() if "reward_mean" in r]
     # share 2 · (1, 0.5, 0): 2 then 1 then no teacher chain per group (2 groups, 3 steps each)
     assert [r.get("rollout_teacher_forwards", 0) for r in records] == [12, 6, 0]
@@ -189,7 +208,7 @@ def test_sampler_timesteps_are_distinct_levels_of_the_rollout_schedule(tmp_path)
     t = nft.batches(forest, iteration=0, seed=0)[0].extra["t"]
     levels = set(model.schedule(4)[:4].clamp(1e-4, 1 - 1e-4).tolist())  # σ_0 = 1 kept just inside (0, 1)
     assert all(any(abs(x - lv) < 1e-6 for lv in levels) for x in t.tolist())
-    assert all(len(set(t[i:i + 3].tolist())) == 3 for i in (0, 3))  # distinct per leaf
+    assert all(len(set(t[i : i + 3].tolist())) == 3 for i in (0, 3))  # distinct per leaf
     with pytest.raises(ValueError, match="loss.draws=5"):
         NFTLoss(timesteps="sampler", draws=5).batches(forest)
 
@@ -198,27 +217,38 @@ def test_sampler_timesteps_are_distinct_levels_of_the_rollout_schedule(tmp_path)
 def test_resume_with_a_teacher_is_exact(tmp_path):
     from flowrl.training.trainer import Trainer
 
-    common = [TEACHER, "loss.objective=nft", "rollout.teacher_share=1", "optim.lr=1e-2", "train.checkpoint_every=1",
-              "model.full_finetune=true"]
+    common = [
+        TEACHER,
+        "loss.objective=nft",
+        "rollout.teacher_share=1",
+        "optim.lr=1e-2",
+        "train.checkpoint_every=1",
+        "model.full_finetune=true",
+    ]
     straight = Trainer(tiny(tmp_path, "a", *common, "train.max_steps=3"), model=make_model("sd3")).train()
     Trainer(tiny(tmp_path, "b", *common, "train.max_steps=2"), model=make_model("sd3")).train()
-    resumed = Trainer(tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")).train()
+    resumed = Trainer(
+        tiny(tmp_path, "b", *common, "train.max_steps=3", "train.resume=latest"), model=make_model("sd3")
+    ).train()
     drop = without_wall_clock
     assert drop(resumed[-1]) == drop(straight[-1]) and "anchor_error" in resumed[-1]
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["loss.teacher={guidance: 0.5}"], ["loss.teacher.guidance=0.5", ">= 1"]),
-    (["loss.teacher={schedule: 'linear:abc'}"], ["loss.teacher.schedule='linear:abc'", "linear:N"]),
-    (["loss.teacher={schedule: 'sometimes'}"], ["loss.teacher.schedule='sometimes'", "off_after:N"]),
-    (["loss.teacher={weighting: loud}"], ["loss.teacher.weighting='loud'", "advantage"]),
-    (["loss.teacher={anchor: -1}"], ["loss.teacher.anchor=-1", ">= 0"]),
-    ([TEACHER, "rollout.teacher_share=3"], ["rollout.teacher_share=3", "rollout.group_size=2"]),
-    (["rollout.teacher_share=1"], ["rollout.teacher_share=1", "loss.teacher"]),
-    (["loss.center=teacher"], ["loss.center='teacher'", "loss.teacher"]),
-    (["loss.reward_term=0"], ["loss.reward_term=0", "loss.teacher.anchor"]),
-    (["loss.timesteps=sometimes"], ["loss.timesteps='sometimes'", "sampler"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["loss.teacher={guidance: 0.5}"], ["loss.teacher.guidance=0.5", ">= 1"]),
+        (["loss.teacher={schedule: 'linear:abc'}"], ["loss.teacher.schedule='linear:abc'", "linear:N"]),
+        (["loss.teacher={schedule: 'sometimes'}"], ["loss.teacher.schedule='sometimes'", "off_after:N"]),
+        (["loss.teacher={weighting: loud}"], ["loss.teacher.weighting='loud'", "advantage"]),
+        (["loss.teacher={anchor: -1}"], ["loss.teacher.anchor=-1", ">= 0"]),
+        ([TEACHER, "rollout.teacher_share=3"], ["rollout.teacher_share=3", "rollout.group_size=2"]),
+        (["rollout.teacher_share=1"], ["rollout.teacher_share=1", "loss.teacher"]),
+        (["loss.center=teacher"], ["loss.center='teacher'", "loss.teacher"]),
+        (["loss.reward_term=0"], ["loss.reward_term=0", "loss.teacher.anchor"]),
+        (["loss.timesteps=sometimes"], ["loss.timesteps='sometimes'", "sampler"]),
+    ],
+)
 def test_bad_teacher_settings_fail_at_load(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as err:
         tiny(tmp_path, "bad", "loss.objective=nft", *overrides)
@@ -246,8 +276,10 @@ def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):
     with torch.no_grad():
         trained = first.model.velocity(x, torch.full((1,), 0.5), first.model.encode(["a dog"], 3.0), 3.0)
     ckpt, _ = find_checkpoint(tmp_path / "first")
-    second = Trainer(tiny(tmp_path, "second", "loss.objective=nft", f"loss.teacher={{path: '{ckpt}'}}", *full),
-                     model=make_model("sd3"))
+    second = Trainer(
+        tiny(tmp_path, "second", "loss.objective=nft", f"loss.teacher={{path: '{ckpt}'}}", *full),
+        model=make_model("sd3"),
+    )
     model = second.model
     with torch.no_grad():
         v = second.objective.teacher_model.velocity(x, torch.full((1,), 0.5), model.encode(["a dog"], 3.0))
@@ -259,9 +291,21 @@ def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):
 def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
     from flowrl.commands.main import main
 
-    args = ["train", f"configs/shapes/{preset}.yaml", *extra, "train.max_steps=1", "prompts.per_step=2", "rollout.group_size=4",
-            "rollout.steps=2", "eval.num_prompts=2", "eval.steps=2", f"train.output_dir={tmp_path}", "train.name=p",
-            "train.progress=false", "train.num_threads=1"]
+    args = [
+        "train",
+        f"configs/shapes/{preset}.yaml",
+        *extra,
+        "train.max_steps=1",
+        "prompts.per_step=2",
+        "rollout.group_size=4",
+        "rollout.steps=2",
+        "eval.num_prompts=2",
+        "eval.steps=2",
+        f"train.output_dir={tmp_path}",
+        "train.name=p",
+        "train.progress=false",
+        "train.num_threads=1",
+    ]
     assert main(args) == 0
     records = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in records if "reward_mean" in r][0]
@@ -272,9 +316,19 @@ def test_teacher_presets_train_from_yaml_alone(tmp_path, preset, extra):
 def test_eval_ema_warms_up_as_diffusion_nft_does(tmp_path, warmup, decay):
     from flowrl.training.trainer import Trainer
 
-    trainer = Trainer(tiny(tmp_path, f"ema{warmup}", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
-                           "train.ema=0.9", f"train.ema_warmup={str(warmup).lower()}", "prompts.eval=null"),
-                      model=make_model("sd3"))
+    trainer = Trainer(
+        tiny(
+            tmp_path,
+            f"ema{warmup}",
+            "loss.objective=nft",
+            "train.max_steps=1",
+            "optim.lr=1e-2",
+            "train.ema=0.9",
+            f"train.ema_warmup={str(warmup).lower()}",
+            "prompts.eval=null",
+        ),
+        model=make_model("sd3"),
+    )
     start = [p.detach().clone() for p in trainer.params]
     trainer.train()
     # after optimizer step s = 0 the decay is min((1 + 0)/(10 + 0), 0.9) = 0.1 with the warm-up, else 0.9
@@ -286,14 +340,18 @@ def test_eval_ema_warms_up_as_diffusion_nft_does(tmp_path, warmup, decay):
 def test_the_progress_bar_shows_the_objectives_own_keys(tmp_path, capsys):
     from flowrl.training.trainer import Trainer
 
-    Trainer(tiny(tmp_path, "bar", "loss.objective=nft", TEACHER, "train.max_steps=1", "train.progress=true"),
-            model=make_model("sd3")).train()
+    Trainer(
+        tiny(tmp_path, "bar", "loss.objective=nft", TEACHER, "train.max_steps=1", "train.progress=true"),
+        model=make_model("sd3"),
+    ).train()
     bar = capsys.readouterr().err.splitlines()[-1]
     assert "fm=" in bar and "anchor=" in bar and "clip=" not in bar and "kl=" not in bar
     from flowrl.objectives.policy import PolicyLoss
 
     assert PolicyLoss().describe().progress({"approx_kl": 0.002, "clipfrac_high": 0.25, "clipfrac_low": 0.5}) == {
-        "kl": "2.0e-03", "clip": "0.75"}
+        "kl": "2.0e-03",
+        "clip": "0.75",
+    }
 
 
 @pytest.mark.slow
@@ -317,10 +375,22 @@ def test_the_main_job_distils_its_guided_teacher_on_the_shapes_model(tmp_path):
         return sum(out)
 
     def run(name, *extra):
-        cfg = TrainConfig.from_yaml("configs/shapes/nft.yaml", [
-            f"prompts.train={'|'.join(PROMPTS)}", "prompts.per_step=4", "prompts.eval=null", "rollout.group_size=4",
-            "train.max_steps=8", f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
-            "train.checkpoint_every=0", "train.num_threads=2", *extra])
+        cfg = TrainConfig.from_yaml(
+            "configs/shapes/nft.yaml",
+            [
+                f"prompts.train={'|'.join(PROMPTS)}",
+                "prompts.per_step=4",
+                "prompts.eval=null",
+                "rollout.group_size=4",
+                "train.max_steps=8",
+                f"train.output_dir={tmp_path}",
+                f"train.name={name}",
+                "train.progress=false",
+                "train.checkpoint_every=0",
+                "train.num_threads=2",
+                *extra,
+            ],
+        )
         trainer = Trainer(cfg)
         before = distance(trainer)
         trainer.train()
@@ -361,9 +431,19 @@ def test_snr_reward_only_measures_nothing_when_the_reward_gives_no_advantage(tmp
 def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
     from flowrl.training.trainer import Trainer
 
-    Trainer(tiny(tmp_path, "evalbar", "loss.objective=nft", "train.max_steps=1", "train.progress=true",
-                 "prompts.eval=a red circle|two blue squares|a dog", "eval.images_per_prompt=2", "eval.steps=2"),
-            model=make_model("sd3")).train()
+    Trainer(
+        tiny(
+            tmp_path,
+            "evalbar",
+            "loss.objective=nft",
+            "train.max_steps=1",
+            "train.progress=true",
+            "prompts.eval=a red circle|two blue squares|a dog",
+            "eval.images_per_prompt=2",
+            "eval.steps=2",
+        ),
+        model=make_model("sd3"),
+    ).train()
     err = capsys.readouterr().err
     assert "eval at guidance 1:" in err and "/6 [" in err and "image/s" in err  # a bar over 3 prompts × 2 images
 
@@ -371,9 +451,11 @@ def test_the_held_out_eval_shows_a_progress_bar_of_its_images(tmp_path, capsys):
 @pytest.mark.parametrize("teacher", [True, False])
 def test_a_run_with_a_teacher_and_one_without_take_the_same_declared_path(tmp_path, monkeypatch, teacher):
     """The loop asks the objective for its sampling teacher once (Objective.sampling_teacher: a Teacher or None), hands
-    that to every rollout context, and logs the teacher's share through one callback (flowrl.training.callbacks); nothing else of the trainer
+    that to every rollout context, and logs the teacher's share through one callback (flowrl.training.callbacks);
+    nothing else of the trainer
     knows whether there is a teacher."""
-    from flowrl.objectives import base, teacher as teacher_module
+    from flowrl.objectives import base
+    from flowrl.objectives import teacher as teacher_module
     from flowrl.rollout import runner as runner_module
     from flowrl.rollout.base import RolloutContext
     from flowrl.training.trainer import Trainer
@@ -390,11 +472,16 @@ def test_a_run_with_a_teacher_and_one_without_take_the_same_declared_path(tmp_pa
 
     monkeypatch.setattr(runner_module.RolloutContext, "__init__", record_context)
     original_metrics = teacher_module.teacher_share_metrics
-    monkeypatch.setattr(teacher_module, "teacher_share_metrics",
-                        lambda forest, group: metrics.append(original_metrics(forest, group)) or metrics[-1])
+    monkeypatch.setattr(
+        teacher_module,
+        "teacher_share_metrics",
+        lambda forest, group: metrics.append(original_metrics(forest, group)) or metrics[-1],
+    )
     extra = [TEACHER, "rollout.teacher_share=2"] if teacher else []
-    trainer = Trainer(tiny(tmp_path, f"path{teacher}", "loss.objective=nft", "train.max_steps=2", "prompts.eval=null",
-                           *extra), model=make_model("sd3"))
+    trainer = Trainer(
+        tiny(tmp_path, f"path{teacher}", "loss.objective=nft", "train.max_steps=2", "prompts.eval=null", *extra),
+        model=make_model("sd3"),
+    )
     records = trainer.train()
     assert len(asked) == 1 and (asked[0] is not None) == teacher and asked[0] is trainer.objective.teacher_model
     assert len(contexts) >= 2 and all(c is asked[0] for c, _ in contexts)  # every rollout context carries that teacher

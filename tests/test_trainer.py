@@ -1,4 +1,5 @@
 """The training loop on tiny SD3 / FLUX pipelines: learning, checkpoints, resume, outputs."""
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,34 @@ PROMPTS = "a red circle|two blue squares|a green cat|a small dog"
 
 
 def tiny_config(tmp_path: Path, name: str = "run", *extra: str) -> TrainConfig:
-    cfg = TrainConfig.from_yaml(None, [
-        "model.family=sd3", "model.lora.rank=4", "model.lora.init=default",
-        "rollout.group_size=4", "rollout.steps=6", "rollout.window.mode=fixed", "rollout.window.start=0",
-        "rollout.window.size=3", "rollout.max_batch=8",
-        f"prompts.train={PROMPTS}", "prompts.per_step=2", "prompts.eval=a red circle|a small dog",
-        "eval.steps=4", "eval.grid_prompts=2",
-        "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0.01",
-        "train.max_steps=3", f"train.output_dir={tmp_path}", f"train.name={name}", "train.progress=false",
-        *extra,
-    ])
+    cfg = TrainConfig.from_yaml(
+        None,
+        [
+            "model.family=sd3",
+            "model.lora.rank=4",
+            "model.lora.init=default",
+            "rollout.group_size=4",
+            "rollout.steps=6",
+            "rollout.window.mode=fixed",
+            "rollout.window.start=0",
+            "rollout.window.size=3",
+            "rollout.max_batch=8",
+            f"prompts.train={PROMPTS}",
+            "prompts.per_step=2",
+            "prompts.eval=a red circle|a small dog",
+            "eval.steps=4",
+            "eval.grid_prompts=2",
+            "optim.lr=3e-3",
+            "loss.clip_low=0.2",
+            "loss.clip_high=0.2",
+            "loss.kl_ref=0.01",
+            "train.max_steps=3",
+            f"train.output_dir={tmp_path}",
+            f"train.name={name}",
+            "train.progress=false",
+            *extra,
+        ],
+    )
     cfg.rewards[0].name = "brightness"
     return cfg
 
@@ -52,8 +71,10 @@ def test_training_changes_lora_and_improves_the_objective(tmp_path, family):
         assert stats["first_step_abs_delta_logp"] == 0.0
         cond = trainer.model.encode(forest.prompts, forest.guidance)
         with torch.no_grad():
-            gain = sum(float((forest.advantage[b] * (replay(trainer.model, forest, cond, b).logp - forest.logp_old[b])).sum())
-                       for b in replay_batches(forest, edges))
+            gain = sum(
+                float((forest.advantage[b] * (replay(trainer.model, forest, cond, b).logp - forest.logp_old[b])).sum())
+                for b in replay_batches(forest, edges)
+            )
         assert gain > 0, f"iteration {it}: the update lowered the objective ({gain})"
     after = lora_state(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -72,7 +93,15 @@ def test_run_outputs_and_lora_loads_into_a_fresh_pipeline(tmp_path):
     assert lines[0]["step"] == 0 and "eval/brightness_mean" in lines[0]
     assert "eval/brightness_mean" in lines[-1]
     assert records[-1] == lines[-1]
-    for key in ("approx_kl", "clipfrac_high", "clipfrac_low", "ratio_mean", "grad_norm", "rollout_forwards", "trained_edges"):
+    for key in (
+        "approx_kl",
+        "clipfrac_high",
+        "clipfrac_low",
+        "ratio_mean",
+        "grad_norm",
+        "rollout_forwards",
+        "trained_edges",
+    ):
         assert key in lines[1]
     assert lines[1]["rollout_forwards"] == 2 * 4 * 6 and lines[1]["trained_edges"] == 2 * 4 * 3
     assert (run / "reward_curve.png").stat().st_size > 0
@@ -96,8 +125,10 @@ def test_resume_continues_the_same_run(tmp_path):
     straight.train()
     first = Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=2", "train.ema=0.5"), model=make_model("sd3"))
     first.train()
-    second = Trainer(tiny_config(tmp_path, "resumed", "train.max_steps=4", "train.ema=0.5", "train.resume=latest"),
-                     model=make_model("sd3"))
+    second = Trainer(
+        tiny_config(tmp_path, "resumed", "train.max_steps=4", "train.ema=0.5", "train.resume=latest"),
+        model=make_model("sd3"),
+    )
     assert second.step == 0
     second.train()
     read = lambda name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -152,8 +183,10 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
     """rollout.chunks splits the iteration's prompt groups; scoring runs on a thread meanwhile. The
     merged forest has the same draws (seeds are addressed by global group) and the same rewards."""
     one = Trainer(tiny_config(tmp_path, "one", "prompts.per_step=4"), model=make_model("sd3"))
-    two = Trainer(tiny_config(tmp_path, "two", "prompts.per_step=4", "rollout.chunks=2", "train.async_reward=true"),
-                  model=make_model("sd3"))
+    two = Trainer(
+        tiny_config(tmp_path, "two", "prompts.per_step=4", "rollout.chunks=2", "train.async_reward=true"),
+        model=make_model("sd3"),
+    )
     assert two.runner.scorer.enabled
     fa, _ = one.rollout(0)
     fb, _ = two.rollout(0)
@@ -162,7 +195,9 @@ def test_chunked_rollout_with_background_scoring_matches_one_piece(tmp_path):
     assert torch.equal(fa.group[la], fb.group[lb]) and torch.equal(fa.seed[la], fb.seed[lb])
     torch.testing.assert_close(fa.all_latents()[la], fb.all_latents()[lb], rtol=1e-4, atol=1e-5)
     assert [fb.depth(int(l)) for l in lb] == [fa.depth(int(l)) for l in la]
-    torch.testing.assert_close(fa.reward_components["brightness"][la], fb.reward_components["brightness"][lb], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        fa.reward_components["brightness"][la], fb.reward_components["brightness"][lb], rtol=1e-4, atol=1e-5
+    )
     torch.testing.assert_close(fa.reward[la], fb.reward[lb], rtol=1e-4, atol=1e-5)  # combined after the last part
     assert not torch.isnan(fb.reward[lb]).any() and fb.counters["scored"] == lb.numel()
     assert fb.counters["forwards"] == fa.counters["forwards"] == 4 * 4 * 6

@@ -7,6 +7,7 @@ edge (SD3 with and without CFG, FLUX, shapes), chunking and process layouts draw
 ``flowrl.sample`` with a tree, the trainer's per-iteration metrics, presets, and a seeded learning test.
 Expected values are computed here by hand or from the closed forms, never read back from the code
 under test."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import torch
 from conftest import make_model, train_redness, with_lora
 
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.credit.tree import TreeAdvantage
 from flowrl.objectives.replay import replay, replay_batches
 from flowrl.paths import CONFIG_DIR
@@ -25,7 +27,6 @@ from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest
-from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.rollout.tree import Tree
 
 PROMPTS = ["a red circle", "two blue squares"]
@@ -44,25 +45,44 @@ def prune_window(T: int, splits: list[int], size: int, every: int, iteration: in
     return set(range(start, min(start + size, T + 1)))
 
 
-def closed_form(T: int, K: int, splits: list[int], mode: str = "sde", mix_window: int = 4, window: tuple | None = None,
-                prune: int = 0, every: int = 30, iteration: int = 0, kernel: str = "dance") -> dict[str, int]:
+def closed_form(
+    T: int,
+    K: int,
+    splits: list[int],
+    mode: str = "sde",
+    mix_window: int = 4,
+    window: tuple | None = None,
+    prune: int = 0,
+    every: int = 30,
+    iteration: int = 0,
+    kernel: str = "dance",
+) -> dict[str, int]:
     """Per prompt: forwards, trained edges (after depth pruning), depth-pruned edges, leaves."""
     if mode == "window":  # l + (K^d − 1)/(K − 1) + K^d·(T − l − d) forwards; Σ_{k=1..d} K^k edges
         l, d = window
-        return {"forwards": l + (K ** d - 1) // (K - 1) + K ** d * (T - l - d),
-                "trained_edges": sum(K ** k for k in range(1, d + 1)), "depth_pruned_edges": 0, "leaves": K ** d}
+        return {
+            "forwards": l + (K**d - 1) // (K - 1) + K**d * (T - l - d),
+            "trained_edges": sum(K**k for k in range(1, d + 1)),
+            "depth_pruned_edges": 0,
+            "leaves": K**d,
+        }
     n = [K ** sum(1 for s in splits if s < i) for i in range(T + 1)]  # n(i) = K^{#splits < i}
     stochastic = list(range(T)) if mode == "sde" else sorted(set(splits) | set(range(min(mix_window, T))))
     if kernel == "cps":  # std σ_T·sin(·) = 0 on the last step: not stochastic
         stochastic = [i for i in stochastic if i < T - 1]
     pruned_steps = prune_window(T, splits, prune, every, iteration)
     pruned = sum(n[i + 1] for i in stochastic if i + 1 in pruned_steps)
-    return {"forwards": sum(n[:T]), "trained_edges": sum(n[i + 1] for i in stochastic) - pruned,
-            "depth_pruned_edges": pruned, "leaves": n[T]}
+    return {
+        "forwards": sum(n[:T]),
+        "trained_edges": sum(n[i + 1] for i in stochastic) - pruned,
+        "depth_pruned_edges": pruned,
+        "leaves": n[T],
+    }
 
 
 def test_closed_forms_reproduce_the_published_numbers():
-    """docs/trees.md, "Cost: closed forms": T 20, K 2, splits (0, 3, 6, 9): 203 forwards (12.7 per leaf), 218 edges, 16 leaves
+    """docs/trees.md, "Cost: closed forms": T 20, K 2, splits (0, 3, 6, 9): 203 forwards (12.7 per leaf), 218 edges, 16
+    leaves
     (vs 320 / 320 for 16 chains); the presets' comments: 154 edges with the 4-depth prune, 34 with Mix."""
     c = closed_form(20, 2, [0, 3, 6, 9])
     assert (c["forwards"], c["trained_edges"], c["leaves"]) == (203, 218, 16)
@@ -70,12 +90,18 @@ def test_closed_forms_reproduce_the_published_numbers():
     assert closed_form(20, 2, [0, 3, 6, 9], prune=4)["trained_edges"] == 218 - 4 * 16 == 154
     assert closed_form(20, 2, [0, 3, 6, 9], mode="mix")["trained_edges"] == 2 + 2 + 2 + 4 + 8 + 16 == 34
     # window mode (Dynamic-TreeRPO), d = 4: 2^{d+1} − 2 = 30 edges; l = 0: 15 + 16·16 forwards
-    assert closed_form(20, 2, [], mode="window", window=(0, 4)) == {"forwards": 15 + 256, "trained_edges": 30,
-                                                                    "depth_pruned_edges": 0, "leaves": 16}
+    assert closed_form(20, 2, [], mode="window", window=(0, 4)) == {
+        "forwards": 15 + 256,
+        "trained_edges": 30,
+        "depth_pruned_edges": 0,
+        "leaves": 16,
+    }
     for plan in (Tree(), Tree(depth_prune_size=4), Tree(mode="mix")):  # the plan's own closed forms agree
         mine = closed_form(20, 2, [0, 3, 6, 9], mode=plan.mode, prune=plan.depth_prune_size)
         assert closed(plan.expected_counts(1)) == mine
-    assert Tree().expected_counts(1)["replay_rows"] == sum(2 ** sum(s < i for s in (0, 3, 6, 9)) for i in range(20)) == 203
+    assert (
+        Tree().expected_counts(1)["replay_rows"] == sum(2 ** sum(s < i for s in (0, 3, 6, 9)) for i in range(20)) == 203
+    )
 
 
 # ---- 1. counts observed on real rollouts ---------------------------------------------------------------
@@ -84,9 +110,13 @@ def observed(forest: Forest) -> dict[str, int]:
     evaluates: siblings share their parent's velocity)."""
     stochastic = (forest.parent >= 0) & forest.stochastic
     trained = stochastic & (forest.trainable > 0)
-    return {"forwards": forest.counters["forwards"], "trained_edges": int(trained.sum()),
-            "depth_pruned_edges": int((stochastic & (forest.trainable == 0)).sum()), "leaves": forest.leaves().numel(),
-            "replay_rows": int(torch.unique(forest.parent[trained]).numel())}
+    return {
+        "forwards": forest.counters["forwards"],
+        "trained_edges": int(trained.sum()),
+        "depth_pruned_edges": int((stochastic & (forest.trainable == 0)).sum()),
+        "leaves": forest.leaves().numel(),
+        "replay_rows": int(torch.unique(forest.parent[trained]).numel()),
+    }
 
 
 def closed(counts: dict[str, int]) -> dict[str, int]:
@@ -98,14 +128,29 @@ COUNT_CASES = [  # (plan kwargs, iterations)
     (dict(steps=6, branch=2, split_steps=[0, 2]), [0]),
     (dict(steps=8, branch=3, split_steps=[1, 3], depth_prune_size=2, depth_prune_every=2), [0, 3, 10]),
     (dict(steps=20, branch=2, split_steps=[0, 3, 6, 9], depth_prune_size=4, depth_prune_every=30), [0, 60, 400]),
-    (dict(steps=7, branch=2, split_steps=[0, 4], kernel="cps", eta=0.8, depth_prune_size=3, depth_prune_every=1), [0, 9]),
+    (
+        dict(steps=7, branch=2, split_steps=[0, 4], kernel="cps", eta=0.8, depth_prune_size=3, depth_prune_every=1),
+        [0, 9],
+    ),
     (dict(steps=7, branch=2, split_steps=[0, 4], kernel="flow_grpo", eta=0.7, split_noise="independent_scaled"), [0]),
     (dict(mode="mix", steps=8, branch=2, split_steps=[0, 3], mix_window=2), [0]),
     (dict(mode="mix", steps=20, branch=2, split_steps=[0, 3, 6, 9], mix_window=4, depth_prune_size=4), [0]),
     (dict(mode="window", steps=8, branch=2, window=SDEWindow(mode="fixed", start=1, size=3), beta_noise=0.5), [0]),
-    (dict(mode="window", steps=10, branch=2, window=SDEWindow(mode="progressive", start=0, size=3, stride=2, tau=2)),
-     [0, 3, 100]),
-    (dict(mode="window", steps=6, branch=3, kernel="flow_grpo", eta=0.7, window=SDEWindow(mode="fixed", start=0, size=2)), [0]),
+    (
+        dict(mode="window", steps=10, branch=2, window=SDEWindow(mode="progressive", start=0, size=3, stride=2, tau=2)),
+        [0, 3, 100],
+    ),
+    (
+        dict(
+            mode="window",
+            steps=6,
+            branch=3,
+            kernel="flow_grpo",
+            eta=0.7,
+            window=SDEWindow(mode="fixed", start=0, size=2),
+        ),
+        [0],
+    ),
     (dict(mode="window", steps=10, branch=2, window=SDEWindow(mode="random", size=2, range=[0, 6])), [0, 1, 2]),
 ]
 
@@ -128,8 +173,17 @@ def test_counts_on_real_rollouts_equal_the_closed_forms(sd3_model, kwargs, itera
             form = closed_form(T, K, [], mode="window", window=(l, w.size))
             splits = list(range(l, l + w.size))
         else:
-            form = closed_form(T, K, plan.split_steps, mode=plan.mode, mix_window=plan.mix_window,
-                               prune=plan.depth_prune_size, every=plan.depth_prune_every, iteration=it, kernel=plan.kernel)
+            form = closed_form(
+                T,
+                K,
+                plan.split_steps,
+                mode=plan.mode,
+                mix_window=plan.mix_window,
+                prune=plan.depth_prune_size,
+                every=plan.depth_prune_every,
+                iteration=it,
+                kernel=plan.kernel,
+            )
             splits = plan.split_steps
         expected = {k: P * v for k, v in form.items()}
         assert closed(observed(forest)) == expected, (it, observed(forest), expected)
@@ -264,7 +318,8 @@ def test_correlated_split_is_the_documented_combination_of_the_addressed_draws(s
 
 def test_independent_scaled_split_widens_the_edge_std_and_evaluates_the_log_prob_there(sd3_model):
     """``independent_scaled``: x_b = μ + s·std·η_b; the stored std is s·std and logp_old is the Gaussian
-    log-density at s·std (not at the kernel's std: ours; docs/trees.md, "What one iteration does"); siblings independent."""
+    log-density at s·std (not at the kernel's std: ours; docs/trees.md, "What one iteration does"); siblings
+    independent."""
     s, P, K = 3.0, 64, 2
     plan = Tree(steps=3, branch=K, split_steps=[0], split_noise="independent_scaled", split_scale=s)
     xi, forest, children, mean, std = split_residuals(sd3_model, plan, P)
@@ -282,15 +337,20 @@ def test_independent_scaled_split_widens_the_edge_std_and_evaluates_the_log_prob
     # by hand for one child, mean reduction: −mean((x−μ)²)/(2(s·std)²) − log(s·std) − ½·log 2π
     d2 = float(((x[0] - mu[0]) ** 2).mean())
     sd = float(s * std[0])
-    assert float(forest.logp_old[kids[0]]) == pytest.approx(-d2 / (2 * sd * sd) - math.log(sd) - 0.5 * math.log(2 * math.pi),
-                                                            rel=1e-5)
+    assert float(forest.logp_old[kids[0]]) == pytest.approx(
+        -d2 / (2 * sd * sd) - math.log(sd) - 0.5 * math.log(2 * math.pi), rel=1e-5
+    )
     # by hand: the dance kernel's std is η·sqrt(σ_i − σ_{i+1}); the split edges carry s times it, the
     # unsplit step below keeps it
     sig = sd3_model.schedule(3).double()
     assert float(forest.std[kids[0]]) == pytest.approx(s * 0.3 * math.sqrt(sig[0] - sig[1]), rel=1e-5)
     later = torch.nonzero(forest.step == 2).flatten()
-    torch.testing.assert_close(forest.std[later].double(), torch.full((later.numel(),), 0.3 * math.sqrt(sig[1] - sig[2]),
-                                                                      dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        forest.std[later].double(),
+        torch.full((later.numel(),), 0.3 * math.sqrt(sig[1] - sig[2]), dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 # ---- 3. fusion and depth-wise advantages on hand-built forests -----------------------------------
@@ -298,9 +358,20 @@ def two_level_tree(forest: Forest, group: int, logp: dict[str, float], reward: d
     """root →(split) a, b →(split) a1, a2 under a and b1, b2 under b; all edges stochastic (dance)."""
     z = lambda n: torch.zeros(n, 1, 1, 1)
     root = forest.add_roots(z(1), [group], [group])
-    ab = forest.add_children(root.repeat(2), z(2), 0.5, 1, torch.tensor([logp["a"], logp["b"]]), torch.ones(2), "dance", 0.3, 0)
-    leaves = forest.add_children(ab.repeat_interleave(2), z(4), 0.0, 2,
-                                 torch.tensor([logp[k] for k in ("a1", "a2", "b1", "b2")]), torch.ones(4), "dance", 0.3, 1)
+    ab = forest.add_children(
+        root.repeat(2), z(2), 0.5, 1, torch.tensor([logp["a"], logp["b"]]), torch.ones(2), "dance", 0.3, 0
+    )
+    leaves = forest.add_children(
+        ab.repeat_interleave(2),
+        z(4),
+        0.0,
+        2,
+        torch.tensor([logp[k] for k in ("a1", "a2", "b1", "b2")]),
+        torch.ones(4),
+        "dance",
+        0.3,
+        1,
+    )
     names = {"root": int(root[0]), "a": int(ab[0]), "b": int(ab[1])}
     names.update({k: int(n) for k, n in zip(("a1", "a2", "b1", "b2"), leaves)})
     for k in ("a1", "a2", "b1", "b2"):
@@ -340,8 +411,8 @@ def test_fusion_and_depth_wise_advantages_by_hand(fusion, beta, scope):
     if fusion == "mean":  # r̄ = mean of the leaves below
         wa, wb, wroot = [1, 1], [1, 1], [1, 1, 1, 1]
     else:  # softmax of β·(path log-prob below the node): e^{β ln 3} = 3^β, e^{β ln 2} = 2^β
-        wa, wb = [3 ** beta, 1], [1, 3 ** beta]
-        wroot = [3 ** beta, 1, 2 ** beta, 6 ** beta]  # paths a→a1, a→a2, b→b1, b→b2
+        wa, wb = [3**beta, 1], [1, 3**beta]
+        wroot = [3**beta, 1, 2**beta, 6**beta]  # paths a→a1, a→a2, b→b1, b→b2
     fa = (wa[0] * r["a1"] + wa[1] * r["a2"]) / sum(wa)
     fb = (wb[0] * r["b1"] + wb[1] * r["b2"]) / sum(wb)
     rule = TreeAdvantage(fusion=fusion, fusion_beta=beta, depth_norm_scope=scope)
@@ -436,8 +507,12 @@ def test_vectorised_credit_equals_a_loop_over_the_nodes_on_a_real_forest(sd3_mod
     value, ent = loop_fusion(forest, 1.0)
     adv = loop_advantages(forest, value, scope)
     edges = torch.nonzero(forest.parent >= 0).flatten().tolist()
-    torch.testing.assert_close(forest.advantage[edges].double(), torch.tensor([adv[n] for n in edges], dtype=torch.float64),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        forest.advantage[edges].double(),
+        torch.tensor([adv[n] for n in edges], dtype=torch.float64),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     branching = [n for n in range(forest.num_nodes) if forest.descendant_leaves(n).numel() > 1]
     assert stats["fusion_entropy"] == pytest.approx(sum(ent[n] for n in branching) / len(branching), rel=1e-6)
 
@@ -445,6 +520,7 @@ def test_vectorised_credit_equals_a_loop_over_the_nodes_on_a_real_forest(sd3_mod
 def test_batch_scope_over_two_processes_equals_one_process():
     """``depth_norm_scope: batch`` gathers per-depth statistics: two 'processes' (threads with a gather that
     concatenates, as accelerate's does) holding one tree each give the one-process advantages."""
+
     def forests():
         a, b, both = Forest(prompts=["p"]), Forest(prompts=["q"]), Forest(prompts=["p", "q"])
         two_level_tree(a, 0, LOGP, REWARD)
@@ -466,9 +542,12 @@ def test_batch_scope_over_two_processes_equals_one_process():
             out = torch.cat([slots[0], slots[1]])
             barrier.wait()
             return out
+
         return gather
 
-    threads = [threading.Thread(target=rule.assign, args=(f,), kwargs={"gather": make_gather(r)}) for r, f in enumerate((a, b))]
+    threads = [
+        threading.Thread(target=rule.assign, args=(f,), kwargs={"gather": make_gather(r)}) for r, f in enumerate((a, b))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -512,13 +591,31 @@ def chain_tree(forest: Forest, group: int, splits: list[int], length: int, rewar
     nodes = forest.add_roots(z(1), [group], [group])
     shared = []
     for k, fan in enumerate(splits):
-        nodes = forest.add_children(nodes.repeat_interleave(fan), z(nodes.numel() * fan), 0.5, k + 1,
-                                    torch.zeros(nodes.numel() * fan), torch.ones(nodes.numel() * fan), "dance", 0.3, k)
+        nodes = forest.add_children(
+            nodes.repeat_interleave(fan),
+            z(nodes.numel() * fan),
+            0.5,
+            k + 1,
+            torch.zeros(nodes.numel() * fan),
+            torch.ones(nodes.numel() * fan),
+            "dance",
+            0.3,
+            k,
+        )
         shared.append(nodes)
     chains = [[int(n)] for n in nodes]
     for j in range(length - 1):
-        nodes = forest.add_children(nodes, z(nodes.numel()), 0.1, len(splits) + j + 1, torch.zeros(nodes.numel()),
-                                    torch.ones(nodes.numel()), "dance", 0.3, len(splits) + j)
+        nodes = forest.add_children(
+            nodes,
+            z(nodes.numel()),
+            0.1,
+            len(splits) + j + 1,
+            torch.zeros(nodes.numel()),
+            torch.ones(nodes.numel()),
+            "dance",
+            0.3,
+            len(splits) + j,
+        )
         for c, n in zip(chains, nodes.tolist()):
             c.append(n)
     forest.reward[nodes] = torch.tensor(rewards)
@@ -538,7 +635,10 @@ def test_width_parent_top1_keeps_the_better_sibling_chain():
     for j, chain in enumerate(t["chains"]):
         assert w[chain].tolist() == [kept[j]] * 2, j
     assert stats["pruned_width_edges"] == 4 and stats["pruned_edges"] == 4
-    assert forest.flat[lone["chains"][0]].tolist() == [1.0, 1.0]  # one node per depth: flat (no comparison), not width-pruned
+    assert forest.flat[lone["chains"][0]].tolist() == [
+        1.0,
+        1.0,
+    ]  # one node per depth: flat (no comparison), not width-pruned
     assert w[lone["chains"][0]].tolist() == [1.0, 1.0]
     assert stats["skipped_edges"] == 2  # the lone tree's two edges
 
@@ -578,8 +678,9 @@ def test_width_extremes_b_keeps_the_best_and_worst_chains_per_tree(b):
 TREE_PLANS = {
     "sde": dict(steps=5, split_steps=[0, 2], kernel="dance", eta=0.3, depth_prune_size=1),
     "mix": dict(mode="mix", steps=5, split_steps=[1, 3], mix_window=1, kernel="flow_grpo", eta=0.7),
-    "window": dict(mode="window", steps=5, window=SDEWindow(mode="fixed", start=1, size=2), beta_noise=0.5,
-                   kernel="cps", eta=0.8),
+    "window": dict(
+        mode="window", steps=5, window=SDEWindow(mode="fixed", start=1, size=2), beta_noise=0.5, kernel="cps", eta=0.8
+    ),
 }
 
 
@@ -636,7 +737,9 @@ def row_by_row(model):
     velocity = model.velocity
 
     def per_row(x, sigma, cond, guidance):
-        return torch.cat([velocity(x[i:i + 1], sigma[i:i + 1], cond.select([i]), guidance) for i in range(x.shape[0])])
+        return torch.cat(
+            [velocity(x[i : i + 1], sigma[i : i + 1], cond.select([i]), guidance) for i in range(x.shape[0])]
+        )
 
     model.velocity = per_row
     return model
@@ -660,9 +763,14 @@ def test_chunked_and_split_rollouts_draw_the_same_numbers(mode):
         "max_batch 1": plan.rollout(model, prompts, RolloutContext(seed=5, iteration=2, max_batch=1, guidance=2.0)),
         "max_batch 3": plan.rollout(model, prompts, RolloutContext(seed=5, iteration=2, max_batch=3, guidance=2.0)),
         # two processes: rank 0 holds group 0, rank 1 groups 1–2 (group_offset 1)
-        "two ranks": Forest.merge([
-            plan.rollout(model, prompts[:1], RolloutContext(seed=5, iteration=2, group_offset=0, guidance=2.0)),
-            plan.rollout(model, prompts[1:], RolloutContext(seed=5, iteration=2, group_offset=1, max_batch=5, guidance=2.0))]),
+        "two ranks": Forest.merge(
+            [
+                plan.rollout(model, prompts[:1], RolloutContext(seed=5, iteration=2, group_offset=0, guidance=2.0)),
+                plan.rollout(
+                    model, prompts[1:], RolloutContext(seed=5, iteration=2, group_offset=1, max_batch=5, guidance=2.0)
+                ),
+            ]
+        ),
     }
     for name, forest in layouts.items():
         assert forest.num_nodes == whole.num_nodes
@@ -724,12 +832,28 @@ def test_sample_with_a_tree_returns_the_leaves_images_and_the_forest(sd3_model):
 
 # ---- 9. the trainer's metrics -------------------------------------------------------------------
 TREE_OVERRIDES = [
-    "model.family=sd3", "model.lora.rank=4", "model.lora.init=default", "rollout.plan=tree", "credit.rule=tree",
-    "rollout.steps=4", "rollout.split_steps=[0,1]", "rollout.branch=2", "rollout.depth_prune_size=1",
-    "rollout.depth_prune_every=1", "rollout.max_batch=8", "credit.fusion=mean",
-    "prompts.train=a red circle|two blue squares|a green cat|a small dog", "prompts.per_step=2", "prompts.eval=null",
-    "optim.lr=3e-3", "loss.clip_low=0.2", "loss.clip_high=0.2", "loss.kl_ref=0.01",
-    "train.progress=false", "train.checkpoint_every=0", "train.async_reward=false",
+    "model.family=sd3",
+    "model.lora.rank=4",
+    "model.lora.init=default",
+    "rollout.plan=tree",
+    "credit.rule=tree",
+    "rollout.steps=4",
+    "rollout.split_steps=[0,1]",
+    "rollout.branch=2",
+    "rollout.depth_prune_size=1",
+    "rollout.depth_prune_every=1",
+    "rollout.max_batch=8",
+    "credit.fusion=mean",
+    "prompts.train=a red circle|two blue squares|a green cat|a small dog",
+    "prompts.per_step=2",
+    "prompts.eval=null",
+    "optim.lr=3e-3",
+    "loss.clip_low=0.2",
+    "loss.clip_high=0.2",
+    "loss.kl_ref=0.01",
+    "train.progress=false",
+    "train.checkpoint_every=0",
+    "train.async_reward=false",
 ]
 
 
@@ -790,12 +914,21 @@ def test_trainer_logs_the_plans_metrics_per_iteration(tmp_path):
 
 # ---- 10. presets and config errors ----------------------------------------------------------------
 PRESETS = {
-    "shapes/branchgrpo.yaml": dict(mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)),
-    "shapes/branchgrpo_mix.yaml": dict(mode="mix", fusion="path_softmax", loss="PolicyLoss", prune=0, per_prompt=(203, 34)),
-    "shapes/dynamic_treerpo.yaml": dict(mode="window", fusion="mean", loss="LayerTuningLoss", prune=0,
-                                        per_prompt=(0 + 15 + 16 * 16, 30)),
-    "flux/branchgrpo_hps.yaml": dict(mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)),
-    "sd35/branchgrpo_pickscore.yaml": dict(mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)),
+    "shapes/branchgrpo.yaml": dict(
+        mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)
+    ),
+    "shapes/branchgrpo_mix.yaml": dict(
+        mode="mix", fusion="path_softmax", loss="PolicyLoss", prune=0, per_prompt=(203, 34)
+    ),
+    "shapes/dynamic_treerpo.yaml": dict(
+        mode="window", fusion="mean", loss="LayerTuningLoss", prune=0, per_prompt=(0 + 15 + 16 * 16, 30)
+    ),
+    "flux/branchgrpo_hps.yaml": dict(
+        mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)
+    ),
+    "sd35/branchgrpo_pickscore.yaml": dict(
+        mode="sde", fusion="path_softmax", loss="PolicyLoss", prune=4, per_prompt=(203, 154)
+    ),
 }
 
 
@@ -825,20 +958,23 @@ def test_presets_load_with_the_intended_plan_credit_and_loss(path):
         assert loss.adaptive_kappa is None
 
 
-@pytest.mark.parametrize("override, named", [
-    ("rollout.split_step=[0,3]", "rollout.split_steps"),  # a typo: the nearest key is suggested
-    ("credit.fusion_bta=2", "credit.fusion_beta"),
-    ("rollout.mode=branch", "rollout.mode"),
-    ("rollout.split_noise=scaled", "rollout.split_noise"),
-    ("rollout.split_steps=[0,19]", "rollout.split_steps"),
-    ("rollout.branch=1", "rollout.branch"),
-    ("credit.fusion=softmax", "credit.fusion"),
-    ("credit.depth_norm_scope=group", "credit.depth_norm_scope"),
-    ("credit.width_prune=top1", "credit.width_prune"),
-    ("credit.width_b=0", "credit.width_b"),
-    ("rollout.depth_prune_every=0", "rollout.depth_prune_every"),
-    ("rollout.window.mode=all", "rollout.window.mode"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("rollout.split_step=[0,3]", "rollout.split_steps"),  # a typo: the nearest key is suggested
+        ("credit.fusion_bta=2", "credit.fusion_beta"),
+        ("rollout.mode=branch", "rollout.mode"),
+        ("rollout.split_noise=scaled", "rollout.split_noise"),
+        ("rollout.split_steps=[0,19]", "rollout.split_steps"),
+        ("rollout.branch=1", "rollout.branch"),
+        ("credit.fusion=softmax", "credit.fusion"),
+        ("credit.depth_norm_scope=group", "credit.depth_norm_scope"),
+        ("credit.width_prune=top1", "credit.width_prune"),
+        ("credit.width_b=0", "credit.width_b"),
+        ("rollout.depth_prune_every=0", "rollout.depth_prune_every"),
+        ("rollout.window.mode=all", "rollout.window.mode"),
+    ],
+)
 def test_bad_tree_keys_fail_naming_the_key(override, named):
     extra = ["rollout.mode=window"] if override.startswith("rollout.window") else []
     with pytest.raises(ConfigError) as e:
@@ -860,9 +996,19 @@ def test_branchgrpo_raises_a_dense_reward_through_the_trainer(tmp_path):
     """Twenty seeded BranchGRPO iterations (tiny SD3, splits at 0, 1, 2 → 8 leaves per prompt, path-softmax
     fusion, depth-wise advantages) with ``redness``: the mean reward of fixed-seed ODE samples rises by well
     above the spread between two seed sets of the same model."""
-    before, after, train = train_redness(tmp_path, "tree-learn", [
-        "rollout.plan=tree", "credit.rule=tree", "rollout.split_steps=[0,1,2]", "rollout.kernel=dance",
-        "rollout.eta=0.3", "credit.fusion=path_softmax", "train.max_steps=20"])
+    before, after, train = train_redness(
+        tmp_path,
+        "tree-learn",
+        [
+            "rollout.plan=tree",
+            "credit.rule=tree",
+            "rollout.split_steps=[0,1,2]",
+            "rollout.kernel=dance",
+            "rollout.eta=0.3",
+            "credit.fusion=path_softmax",
+            "train.max_steps=20",
+        ],
+    )
     gain = sum(after) / 2 - sum(before) / 2
     assert gain > max(3 * abs(before[0] - before[1]), 0.01), f"before {before}, after {after}"
     assert all(r["first_step_abs_delta_logp"] == 0.0 for r in train)
@@ -888,18 +1034,31 @@ def test_tree_presets_raise_redness_on_the_shapes_model(tmp_path, preset):
     from flowrl.training.trainer import Trainer
 
     prompts = ["a blue square", "a green triangle", "a cyan circle", "two yellow squares"]
-    cfg = TrainConfig.from_yaml(CONFIGS / f"shapes/{preset}.yaml", [
-        "rollout.steps=10", "model.guidance=1", "rewards=[{name: redness}]", *SHAPES_LEARNING[preset],
-        f"prompts.train={'|'.join(prompts)}", "prompts.per_step=4", "prompts.eval=null",
-        f"train.output_dir={tmp_path}", f"train.name={preset}", "train.progress=false", "train.checkpoint_every=0",
-        "train.num_threads=2",
-    ])
+    cfg = TrainConfig.from_yaml(
+        CONFIGS / f"shapes/{preset}.yaml",
+        [
+            "rollout.steps=10",
+            "model.guidance=1",
+            "rewards=[{name: redness}]",
+            *SHAPES_LEARNING[preset],
+            f"prompts.train={'|'.join(prompts)}",
+            "prompts.per_step=4",
+            "prompts.eval=null",
+            f"train.output_dir={tmp_path}",
+            f"train.name={preset}",
+            "train.progress=false",
+            "train.checkpoint_every=0",
+            "train.num_threads=2",
+        ],
+    )
     trainer = Trainer(cfg)
     reward = trainer.reward.rewards[0]
     many = [p for p in prompts for _ in range(16)]
 
     def mean_reward(seed: int) -> float:
-        return float(reward(ode_sample(trainer.model, many, eval_seeds(seed, len(many)), steps=10, guidance=1.0), many).mean())
+        return float(
+            reward(ode_sample(trainer.model, many, eval_seeds(seed, len(many)), steps=10, guidance=1.0), many).mean()
+        )
 
     before = [mean_reward(s) for s in (101, 202)]
     trainer.train()

@@ -1,6 +1,7 @@
 """Video through the whole loop (issue 37): image rewards score a video's frames (every ``frame_stride``-th) and
 average them, video rewards take it whole (the temporal-consistency reward), a video reward on an image model fails
 at load, the trainer's rollouts, evals (animated GIF grids) and ``flowrl sample`` on the tiny Wan pipeline. CPU only."""
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,11 @@ def test_temporal_consistency_ranks_a_flickering_video_below_a_steady_one():
     assert float(temporal(levels(0.3), ["a"])) == 1.0  # one frame: nothing flickers
     temporal.frame_stride = 2  # frames 0, 2, 4 of an on/off video are all alike
     assert float(temporal(levels(0.0, 1.0, 0.0, 1.0, 0.0), ["a"])) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match=r"reward 'temporal_consistency' \(TemporalConsistency\) scores videos "
-                                         r"\[B, F, 3, H, W\] only \(modality 'video'\), got images of shape \(1, 3, 8, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward 'temporal_consistency' \(TemporalConsistency\) scores videos "
+        r"\[B, F, 3, H, W\] only \(modality 'video'\), got images of shape \(1, 3, 8, 8\)",
+    ):
         temporal(still[:, 0], ["a"])
 
 
@@ -90,8 +94,11 @@ def test_a_video_reward_with_an_image_model_fails_at_load_naming_it(tmp_path):
     from tests.test_trainer import tiny_config
 
     cfg = tiny_config(tmp_path, "image", "rewards=[{name: brightness}, {name: temporal_consistency, label: steady}]")
-    with pytest.raises(ConfigError, match=r"^rewards: reward 'steady' \(TemporalConsistency\) scores videos .* only "
-                                          r"\(modality 'video'\), but model family 'sd3' samples images"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^rewards: reward 'steady' \(TemporalConsistency\) scores videos .* only "
+        r"\(modality 'video'\), but model family 'sd3' samples images",
+    ):
         Trainer(cfg, model=make_model("sd3"))
     cfg = tiny_config(tmp_path, "image_eval", "eval.rewards=[{name: temporal_consistency}]")
     with pytest.raises(ConfigError, match=r"^eval.rewards: reward 'temporal_consistency'"):
@@ -106,22 +113,36 @@ def test_one_policy_iteration_on_wan_logs_both_terms_and_writes_animated_eval_gr
     from flowrl.training.trainer import Trainer
     from tests.test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, "wan", "model.family=wan", "train.max_steps=1", "rollout.group_size=2",
-                      "rollout.steps=3", "rollout.window.size=2", "eval.steps=2", "train.async_reward=false",
-                      "rewards=[{name: brightness, kwargs: {frame_stride: 2}}, {name: temporal_consistency}]")
+    cfg = tiny_config(
+        tmp_path,
+        "wan",
+        "model.family=wan",
+        "train.max_steps=1",
+        "rollout.group_size=2",
+        "rollout.steps=3",
+        "rollout.window.size=2",
+        "eval.steps=2",
+        "train.async_reward=false",
+        "rewards=[{name: brightness, kwargs: {frame_stride: 2}}, {name: temporal_consistency}]",
+    )
     trainer = Trainer(cfg, model=wan_model())
-    assert [(r.name, r.frame_stride) for r in trainer.reward.rewards] == [("brightness", 2),
-                                                                        ("temporal_consistency", 1)]
+    assert [(r.name, r.frame_stride) for r in trainer.reward.rewards] == [
+        ("brightness", 2),
+        ("temporal_consistency", 1),
+    ]
     before = [p.detach().clone() for p in trainer.params]
     records = trainer.train()
     (record,) = [r for r in records if "reward_mean" in r]
     assert record["first_step_abs_delta_logp"] == 0.0 and record["trained_edges"] == 2 * 2 * 2
     assert 0.0 <= record["reward/brightness"] <= 1.0 and 0.0 <= record["reward/temporal_consistency"] <= 1.0
-    assert record["reward_mean"] == pytest.approx(record["reward/brightness"] + record["reward/temporal_consistency"],
-                                                  rel=1e-5)
+    assert record["reward_mean"] == pytest.approx(
+        record["reward/brightness"] + record["reward/temporal_consistency"], rel=1e-5
+    )
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.params))
     lines = [json.loads(line) for line in (tmp_path / "wan" / "metrics.jsonl").read_text().splitlines()]
-    assert {"eval/brightness_mean", "eval/temporal_consistency_mean"} <= set(lines[0]) and "reward/brightness" in lines[1]
+    assert {"eval/brightness_mean", "eval/temporal_consistency_mean"} <= set(lines[0]) and "reward/brightness" in lines[
+        1
+    ]
     for tag in ("before", "after"):
         assert not (tmp_path / "wan" / "samples" / f"{tag}.png").exists()
         with Image.open(tmp_path / "wan" / "samples" / f"{tag}.gif") as gif:
@@ -132,8 +153,15 @@ def test_one_nft_iteration_on_wan_moves_the_lora(tmp_path):
     from flowrl.training.trainer import Trainer
     from tests.test_forward_process import tiny
 
-    cfg = tiny(tmp_path, "wan_nft", "model.family=wan", "loss.objective=nft", "train.max_steps=1", "optim.lr=1e-2",
-               "rewards=[{name: redness}, {name: temporal_consistency}]")
+    cfg = tiny(
+        tmp_path,
+        "wan_nft",
+        "model.family=wan",
+        "loss.objective=nft",
+        "train.max_steps=1",
+        "optim.lr=1e-2",
+        "rewards=[{name: redness}, {name: temporal_consistency}]",
+    )
     trainer = Trainer(cfg, model=wan_model(guidance=1.0))
     before = [p.detach().clone() for p in trainer.params]
     (record,) = [r for r in trainer.train() if "reward_mean" in r]
@@ -145,14 +173,15 @@ def test_one_nft_iteration_on_wan_moves_the_lora(tmp_path):
 def test_layer_tuning_noises_each_video_row_at_its_own_sigma(monkeypatch):
     """``LayerTuningLoss.auxiliary`` on 5-D latents: row i is (1 − σ_i)·x0 + σ_i·ε_i. 2 groups × 2 σ = 4 rows, as
     many as the latent channels: a [N, 1, 1, 1] σ broadcast silently over the channel axis instead."""
+    from flowrl.core.seeding import derive_seed, seeded_normal
     from flowrl.objectives.policy import LayerTuningLoss
     from flowrl.rollout.base import RolloutContext
-    from flowrl.core.seeding import derive_seed, seeded_normal
     from flowrl.rollout.tree import Tree
 
     model = wan_model(guidance=1.0)
     forest = Tree(steps=2, split_steps=[0], kernel="dance", eta=0.5).rollout(
-        model, ["a red circle", "two blue squares"], RolloutContext(seed=0))
+        model, ["a red circle", "two blue squares"], RolloutContext(seed=0)
+    )
     leaves = forest.leaves()
     forest.reward[leaves] = torch.rand(len(leaves), generator=torch.Generator().manual_seed(0))
     seen = []
@@ -187,8 +216,19 @@ def test_flowrl_sample_writes_animated_gifs_for_a_video_model(tmp_path, monkeypa
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "eval.steps=2"])
     monkeypatch.setattr(cli_sample, "model_from_run", lambda *a: (cfg, wan_model(), None))
-    args = argparse.Namespace(command="sample", checkpoint=None, config=None, overrides=[], prompt=["a red circle"],
-                              num=2, seed=0, guidance=None, steps=None, out=str(tmp_path / "out"), scale=1)
+    args = argparse.Namespace(
+        command="sample",
+        checkpoint=None,
+        config=None,
+        overrides=[],
+        prompt=["a red circle"],
+        num=2,
+        seed=0,
+        guidance=None,
+        steps=None,
+        out=str(tmp_path / "out"),
+        scale=1,
+    )
     assert cli_sample.run(args) == 0
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["000-a_red_circle.gif", "001-a_red_circle.gif", "grid.gif"], files
@@ -196,4 +236,7 @@ def test_flowrl_sample_writes_animated_gifs_for_a_video_model(tmp_path, monkeypa
         with Image.open(tmp_path / "out" / name) as gif:
             assert gif.n_frames == SIZE["num_frames"]
             size = gif.size
-    assert size == (2 * (128 + 6) + 6, 32 + 38 + 2 * 6)  # grid.gif: the two videos in one row, each in a labelled 128 px cell
+    assert size == (
+        2 * (128 + 6) + 6,
+        32 + 38 + 2 * 6,
+    )  # grid.gif: the two videos in one row, each in a labelled 128 px cell

@@ -2,6 +2,7 @@
 the frames check, UMT5 prompts zero-padded to a fixed length and cached, CFG in one forward as the pipeline combines
 its two calls, exactness of Euler sampling and video decoding against the pipeline, Wan 2.1's UniPC schedule, replay
 == rollout on 5-D latents, LoRA I/O and bf16 on CPU. CPU only."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,23 +32,45 @@ def test_family_is_registered_and_wrap_picks_the_adapter(tmp_path):
 
     pipe, model = make(guidance=2.0)
     assert (MODEL_FAMILIES["wan"].pipeline, type(model), model.family) == ("WanPipeline", WanFlowModel, "wan")
-    assert (model.latent_shape, model.image_seq_len, model.vae_scale_factor, model.latent_frames) == ((4, 2, 4, 6), 12,
-                                                                                                      8, 2)
+    assert (model.latent_shape, model.image_seq_len, model.vae_scale_factor, model.latent_frames) == (
+        (4, 2, 4, 6),
+        12,
+        8,
+        2,
+    )
     default = wrap(tiny_wan_pipeline())  # the pipeline's defaults
-    assert (default.guidance, default.height, default.width, default.num_frames, default.max_sequence_length,
-            default.negative_prompt) == (5.0, 480, 832, 81, 512, "")
+    assert (
+        default.guidance,
+        default.height,
+        default.width,
+        default.num_frames,
+        default.max_sequence_length,
+        default.negative_prompt,
+    ) == (5.0, 480, 832, 81, 512, "")
     assert default.latent_shape == (4, 21, 60, 104)
     with pytest.raises(ValueError, match="multiples of the VAE's spatial factor × the transformer's patch size = 16"):
         wrap(pipe, **{**SIZE, "height": 40})
     pipe.save_pretrained(tmp_path)  # loaded back through the config (model.kwargs.num_frames), as a run loads it
-    section = lambda frames: ModelSection(family="wan", path=str(tmp_path), guidance=2.0, height=32, width=48,
-                                          max_sequence_length=12, kwargs={"num_frames": frames})
+    section = lambda frames: ModelSection(
+        family="wan",
+        path=str(tmp_path),
+        guidance=2.0,
+        height=32,
+        width=48,
+        max_sequence_length=12,
+        kwargs={"num_frames": frames},
+    )
     loaded, (x, s, prompts) = build_model(section(5), device=torch.device("cpu")), inputs(model)
     with torch.no_grad():
-        assert type(loaded) is WanFlowModel and torch.equal(*(m.velocity(x, s, m.encode(prompts)) for m in (model, loaded)))
+        assert type(loaded) is WanFlowModel and torch.equal(
+            *(m.velocity(x, s, m.encode(prompts)) for m in (model, loaded))
+        )
     # frames the VAE cannot compress (num_frames − 1 not a multiple of 4) fail at construction, naming the key
-    with pytest.raises(ConfigError, match=r"num_frames \(model.kwargs.num_frames\) must be 4·k \+ 1 — 1, 5, 9, …, 81"
-                                          r".*got 6"):
+    with pytest.raises(
+        ConfigError,
+        match=r"num_frames \(model.kwargs.num_frames\) must be 4·k \+ 1 — 1, 5, 9, …, 81"
+        r".*got 6",
+    ):
         build_model(section(6), device=torch.device("cpu"))
     for bad in (0, 8, 4.5, True):
         with pytest.raises(ValueError, match="num_frames"):
@@ -101,12 +124,14 @@ def test_cfg_in_one_forward_equals_the_pipelines_combination():
         cond = model.encode(prompts)
         # the pipeline's two calls (cond, then uncond) at timestep σ·1000, and its combination
         embeds, negative = pipe.encode_prompt(prompts, negative_prompt="", max_sequence_length=12)
-        run = lambda e: pipe.transformer(hidden_states=x, timestep=s * 1000, encoder_hidden_states=e,
-                                         return_dict=False)[0]
+        run = lambda e: pipe.transformer(
+            hidden_states=x, timestep=s * 1000, encoder_hidden_states=e, return_dict=False
+        )[0]
         noise_pred, noise_uncond = run(embeds), run(negative)
         batches = []  # rows of each transformer call of the adapter
-        hook = model.trainable.register_forward_pre_hook(lambda m, a, kw: batches.append(len(kw["hidden_states"])),
-                                                         with_kwargs=True)
+        hook = model.trainable.register_forward_pre_hook(
+            lambda m, a, kw: batches.append(len(kw["hidden_states"])), with_kwargs=True
+        )
         v, v_cond = model.velocity(x, s, cond), model.velocity(x, s, cond, guidance=1.0)
         alone = model.velocity(x[1:2], s[1:2], cond.select([1]))  # same rows in another batch: GEMM rounding only
         hook.remove()
@@ -160,7 +185,9 @@ def test_schedule_is_wans_unipc_schedule_from_sigma_one():
         shifted = lambda t: 3 * t / (1 + 2 * t)
         ref = shifted(torch.linspace(1, 1 / 1000, steps + 1, dtype=torch.float64)[:-1])
         torch.testing.assert_close(sigmas[:-1].double(), ref, rtol=0, atol=1e-6)
-        assert ((sigmas[:-1] * 1000 - scheduler.timesteps).abs() <= 1).all() and scheduler.timesteps.dtype == torch.int64
+        assert (
+            (sigmas[:-1] * 1000 - scheduler.timesteps).abs() <= 1
+        ).all() and scheduler.timesteps.dtype == torch.int64
 
 
 # ---- rollout / replay (5-D latents through forest, kernels, log-probs) ------------------------------
@@ -198,7 +225,9 @@ def test_bf16_runs_on_cpu_close_to_fp32():
     from flowrl.rollout.sampling import ode_sample
 
     fp32, bf16 = (make(guidance=2.0, dtype=dtype)[1] for dtype in (torch.float32, torch.bfloat16))
-    assert bf16.trainable.dtype == torch.bfloat16 and bf16.pipe.vae.dtype == bf16.pipe.text_encoder.dtype == torch.float32
+    assert (
+        bf16.trainable.dtype == torch.bfloat16 and bf16.pipe.vae.dtype == bf16.pipe.text_encoder.dtype == torch.float32
+    )
     assert bf16.trainable.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # _keep_in_fp32
     x, s, prompts = inputs(fp32)
 

@@ -11,6 +11,7 @@ the ratios CONFIG / OTHER. Peak memory is then measured per run: CUDA max alloca
 started, or on CPU the largest resident set sampled every 20 ms while it ran (``rss_at_start_mb`` says
 how much the process already held: torch's CPU allocator keeps some of the first run's memory).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,15 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     try:
         for i in range(warmup, warmup + iterations):
             rec = trainer.train_step(i)
-            for k in ("time/rollout", "time/reward", "time/update", "rollout_forwards", "rollout_nfe", "trained_edges",
-                      "trained_leaves"):
+            for k in (
+                "time/rollout",
+                "time/reward",
+                "time/update",
+                "rollout_forwards",
+                "rollout_nfe",
+                "trained_edges",
+                "trained_leaves",
+            ):
                 if k in rec:  # an objective trains edges (policy) or leaves (forward-process)
                     sums[k] = sums.get(k, 0.0) + rec[k]
     finally:
@@ -170,8 +178,11 @@ def bench_versus(cfg: TrainConfig, other: TrainConfig, iterations: int = 1, warm
             out.pop("peak_rss_mb", None)
         results[name] = out
         del model
-    ratio = {k: results["config"][k] / results["vs"][k] for k in results["config"]
-             if k in results["vs"] and isinstance(results["vs"][k], (int, float)) and results["vs"][k]}
+    ratio = {
+        k: results["config"][k] / results["vs"][k]
+        for k in results["config"]
+        if k in results["vs"] and isinstance(results["vs"][k], (int, float)) and results["vs"][k]
+    }
     return {**results, "ratio": ratio}
 
 
@@ -183,37 +194,74 @@ def versus_table(result: dict, names: tuple[str, str] = ("CONFIG", "OTHER")) -> 
         if key not in result["config"] or key not in result["vs"]:
             continue
         x, y = result["config"][key], result["vs"][key]
-        fmt = (lambda v: f"{v:.0f}") if key in ("rollout_forwards", "trained_edges", "trained_leaves", "peak_memory_mb") else (lambda v: f"{v:.3f}")
+        fmt = (
+            (lambda v: f"{v:.0f}")
+            if key in ("rollout_forwards", "trained_edges", "trained_leaves", "peak_memory_mb")
+            else (lambda v: f"{v:.3f}")
+        )
         r = result["ratio"].get(key)
         lines.append(f"| {label} | {fmt(x)} | {fmt(y)} | {'' if r is None else f'{r:.2f}'} |")
     return "\n".join(lines)
 
+
 # ---- the command ----------------------------------------------------------------------------------
-FLAGS: list[Flag] = [("--iterations", 1, None, "timed iterations"), ("--warmup", 0, None, "untimed iterations first"),
-                     ("--processes", 1, None, "processes sharing prompts.per_step")]
+FLAGS: list[Flag] = [
+    ("--iterations", 1, None, "timed iterations"),
+    ("--warmup", 0, None, "untimed iterations first"),
+    ("--processes", 1, None, "processes sharing prompts.per_step"),
+]
 
 
 def add_parser(sub, epilog: str) -> None:
     """``flowrl bench`` under ``flowrl``'s sub-parsers."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("bench", help="time iterations: rollout, reward, update, model-forward overhead, peak memory",
-                       epilog=epilog, formatter_class=fmt)
+    p = sub.add_parser(
+        "bench",
+        help="time iterations: rollout, reward, update, model-forward overhead, peak memory",
+        epilog=epilog,
+        formatter_class=fmt,
+    )
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--vs", metavar="OTHER", help="a second config to run in the same process on CONFIG's model and "
-                                                 "reward; prints both side by side with the ratios CONFIG / OTHER")
-    p.add_argument("--vs-set", action="append", metavar="KEY=VALUE",
-                   help="an override of OTHER's config (repeat for several); positional overrides apply to CONFIG")
-    p.add_argument("--estimate", action="store_true",
-                   help="predict peak GPU memory and s/iteration without running anything (meta device; docs/estimate.md)")
+    p.add_argument(
+        "--vs",
+        metavar="OTHER",
+        help="a second config to run in the same process on CONFIG's model and "
+        "reward; prints both side by side with the ratios CONFIG / OTHER",
+    )
+    p.add_argument(
+        "--vs-set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an override of OTHER's config (repeat for several); positional overrides apply to CONFIG",
+    )
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="predict peak GPU memory and s/iteration without running anything (meta device; docs/estimate.md)",
+    )
     p.add_argument("--gpu", default="H100", help="GPU class of --estimate: H100, H200, A100, L40S, 4090 (default H100)")
-    p.add_argument("--json", action="store_true", help="--estimate: print one JSON object only (peak_gib, "
-                                                       "seconds_per_iteration, flops_per_iteration, settings, fit)")
-    p.add_argument("--processes", "--gpus", dest="processes", type=int, default=1,
-                   help="--estimate: processes (GPUs) sharing prompts.per_step")
-    p.add_argument("--shard", choices=("ddp", "fsdp"), default=None,
-                   help="--estimate: ddp (a whole copy per GPU) or fsdp (FSDP2, split over --gpus); default: model.shard")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="--estimate: print one JSON object only (peak_gib, "
+        "seconds_per_iteration, flops_per_iteration, settings, fit)",
+    )
+    p.add_argument(
+        "--processes",
+        "--gpus",
+        dest="processes",
+        type=int,
+        default=1,
+        help="--estimate: processes (GPUs) sharing prompts.per_step",
+    )
+    p.add_argument(
+        "--shard",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="--estimate: ddp (a whole copy per GPU) or fsdp (FSDP2, split over --gpus); default: model.shard",
+    )
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
 
@@ -226,8 +274,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--estimate predicts one config; drop --vs")
         from flowrl.estimate import run_estimate
 
-        return run_estimate(config, overrides, gpu=args.gpu, processes=args.processes, shard=args.shard,
-                            as_json=args.json)
+        return run_estimate(
+            config, overrides, gpu=args.gpu, processes=args.processes, shard=args.shard, as_json=args.json
+        )
     if args.json:
         raise ConfigError("--json goes with --estimate (flowrl bench prints its JSON anyway)")
     cfg = load_config(config, overrides)

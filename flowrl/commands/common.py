@@ -1,5 +1,6 @@
 """What every ``flowrl`` subcommand shares: the help text of overrides, the config a command line names, and the range
 checks of numeric flags (each command module declares its own ``FLAGS``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,10 +9,12 @@ import math
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import DEFAULT_CONFIG, find_file, shipped_name
 
-OVERRIDES_HELP = ("key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
-                  "every key with its value in the config that runs is listed below")
+OVERRIDES_HELP = (
+    "key=value overrides of the config, e.g. rollout.group_size=4 optim.lr=1e-4 train.max_steps=20; "
+    "every key with its value in the config that runs is listed below"
+)
 
-SEED_MAX = 2 ** 62  # seeds go to torch.Generator.manual_seed (and seed + i must stay below 2**64)
+SEED_MAX = 2**62  # seeds go to torch.Generator.manual_seed (and seed + i must stay below 2**64)
 
 Flag = tuple[str, float, "float | None", str] | tuple[str, float, "float | None", str, float]
 """``(flag, least, most (None: no bound), what it is[, limit])`` of a numeric flag; a flag left at None (its default)
@@ -27,13 +30,21 @@ def defaults_epilog(argv: list[str] | None = None) -> str:
     config = next((w for w in words if "=" not in w and is_file(w)), None)
     overrides = [w for w in words if "=" in w]
     shown_config = config or shipped_name(DEFAULT_CONFIG)
-    other = ("\n\nanother plan, credit rule or objective has its own keys: name its config to list them, e.g. "
-             "`flowrl train configs/shapes/grpo.yaml --help`.")
+    other = (
+        "\n\nanother plan, credit rule or objective has its own keys: name its config to list them, e.g. "
+        "`flowrl train configs/shapes/grpo.yaml --help`."
+    )
     try:
-        return (f"every config key, with its value in {shown_config}{' and the overrides' if overrides else ''}:\n\n"
-                + load_config(config, overrides).to_yaml() + other)
+        return (
+            f"every config key, with its value in {shown_config}{' and the overrides' if overrides else ''}:\n\n"
+            + load_config(config, overrides).to_yaml()
+            + other
+        )
     except (ConfigError, OSError) as e:
-        return f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n" + TrainConfig().to_yaml()
+        return (
+            f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n"
+            + TrainConfig().to_yaml()
+        )
 
 
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
@@ -96,5 +107,7 @@ def check_memory(flag: str, value: int, need: int, what: str) -> None:
     spare; else a ConfigError naming the flag, both sizes and what to change, before any work starts."""
     have = available_memory()
     if have is not None and need > 0.75 * have:
-        raise ConfigError(f"{flag}={value}: {what} take {need / 2**30:,.1f} GiB, more than this machine can hold "
-                          f"({have / 2**30:,.1f} GiB available); accepted: a smaller {flag}")
+        raise ConfigError(
+            f"{flag}={value}: {what} take {need / 2**30:,.1f} GiB, more than this machine can hold "
+            f"({have / 2**30:,.1f} GiB available); accepted: a smaller {flag}"
+        )

@@ -14,6 +14,7 @@ s/iteration, images, rollout forwards; each pair of configs' difference marked "
 noise"; the exact commands), ``curves.png`` (training reward against wall time, the held-out
 metric against images drawn and against training wall time; every seed drawn thin and the mean thick), ``commands.sh``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ BUDGETS = ("iterations", "images", "minutes")
 @dataclass
 class Run:
     """One (config, seed) of a comparison."""
+
     label: str
     seed: int
     command: list[str]
@@ -75,8 +77,9 @@ def budget_overrides(cfg: TrainConfig, kind: str, value: float) -> list[str]:
     return [f"train.max_minutes={value:g}", "train.max_steps=1000000"]
 
 
-def plan_runs(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: tuple[str, float], out: Path,
-              threads: int) -> list[Run]:
+def plan_runs(
+    entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: tuple[str, float], out: Path, threads: int
+) -> list[Run]:
     """The runs of a comparison: ``entries`` are (label, config path, overrides); each is loaded (so a bad
     config fails here, naming it) to turn the budget into its own overrides. A label becomes one folder name of
     at most 40 characters, distinct from the others' (:func:`~flowrl.run.filenames.unique_names`): never a path."""
@@ -88,10 +91,22 @@ def plan_runs(entries: list[tuple[str, str, list[str]]], seeds: list[int], budge
     for seed in seeds:  # every config's first seed first: a cut-short comparison still compares
         for label, path, overrides, cfg, extra, every in loaded:
             folder = out / "runs" / f"{label}-s{seed}"
-            command = [sys.executable, "-m", "flowrl", "train", path, *overrides, *extra,
-                       f"train.seed={seed}", f"train.output_dir={out / 'runs'}", f"train.name={label}-s{seed}",
-                       "train.resume=latest", "train.progress=false", f"train.num_threads={threads}",
-                       f"train.checkpoint_every={cfg.train.checkpoint_every or every}"]
+            command = [
+                sys.executable,
+                "-m",
+                "flowrl",
+                "train",
+                path,
+                *overrides,
+                *extra,
+                f"train.seed={seed}",
+                f"train.output_dir={out / 'runs'}",
+                f"train.name={label}-s{seed}",
+                "train.resume=latest",
+                "train.progress=false",
+                f"train.num_threads={threads}",
+                f"train.checkpoint_every={cfg.train.checkpoint_every or every}",
+            ]
             runs.append(Run(label, seed, command, folder))
     return runs
 
@@ -107,8 +122,10 @@ def run_all(runs: list[Run], out: Path, parallel: int = 1) -> dict[str, dict]:
         log = out / "logs" / f"{run.key}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(_threads(run.command))}
-        command = ["train.overwrite=true" if c == "train.resume=latest" and unfinished_start(run.folder) else c
-                   for c in run.command]  # stopped before its first checkpoint (a resume refuses): start it again
+        command = [
+            "train.overwrite=true" if c == "train.resume=latest" and unfinished_start(run.folder) else c
+            for c in run.command
+        ]  # stopped before its first checkpoint (a resume refuses): start it again
         with log.open("a") as f:
             rc = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc == 0:
@@ -158,11 +175,20 @@ def read_run(folder: Path, metric: str | None = None) -> dict:
             evals_by_time.append((elapsed, r[metric]))
             final_n = r.get(n_key) if n_key else None
     n = len(train)
-    return {"metric": metric, "train": train, "evals": evals, "evals_by_time": evals_by_time,
-            "final": evals[-1][1] if evals else float("nan"), "first": evals[0][1] if evals else float("nan"),
-            "iterations": n, "minutes": seconds / 60, "seconds_per_iteration": seconds / n if n else float("nan"),
-            "images": images, "forwards": forwards,
-            "final_n": final_n if final_n is not None or n_key is None or not evals else _eval_images(folder)}
+    return {
+        "metric": metric,
+        "train": train,
+        "evals": evals,
+        "evals_by_time": evals_by_time,
+        "final": evals[-1][1] if evals else float("nan"),
+        "first": evals[0][1] if evals else float("nan"),
+        "iterations": n,
+        "minutes": seconds / 60,
+        "seconds_per_iteration": seconds / n if n else float("nan"),
+        "images": images,
+        "forwards": forwards,
+        "final_n": final_n if final_n is not None or n_key is None or not evals else _eval_images(folder),
+    }
 
 
 def count_key(metric: str) -> str | None:
@@ -172,7 +198,7 @@ def count_key(metric: str) -> str | None:
     if "accuracy" not in parts:
         return None
     i = len(parts) - 1 - parts[::-1].index("accuracy")
-    return "/".join(parts[:i] + ["n"] + parts[i + 1:])
+    return "/".join(parts[:i] + ["n"] + parts[i + 1 :])
 
 
 def _eval_images(folder: Path) -> float | None:
@@ -198,18 +224,28 @@ def noise(finals: list[float], counts: list[float | None], binary: bool) -> dict
     nan = float("nan")
     if not k:
         return {"mean": nan, "eval_se": nan, "n": nan, "sd": nan, "lo": nan, "hi": nan, "se": nan, "k": 0}
-    ses = [math.sqrt(min(max(p, 0.0), 1.0) * (1 - min(max(p, 0.0), 1.0)) / n) if binary and n else nan
-           for p, n in zip(finals, counts)]
+    ses = [
+        math.sqrt(min(max(p, 0.0), 1.0) * (1 - min(max(p, 0.0), 1.0)) / n) if binary and n else nan
+        for p, n in zip(finals, counts)
+    ]
     sd = statistics.stdev(finals) if k > 1 else nan
-    parts = [sum(s * s for s in ses) / k ** 2 if all(s == s for s in ses) else nan, sd * sd / k if k > 1 else nan]
+    parts = [sum(s * s for s in ses) / k**2 if all(s == s for s in ses) else nan, sd * sd / k if k > 1 else nan]
     known = [v for v in parts if v == v]
-    return {"mean": statistics.fmean(finals), "eval_se": math.sqrt(statistics.fmean(s * s for s in ses)),
-            "n": _mean(n or nan for n in counts), "sd": sd, "lo": min(finals), "hi": max(finals),
-            "se": math.sqrt(sum(known)) if known else nan, "k": k}
+    return {
+        "mean": statistics.fmean(finals),
+        "eval_se": math.sqrt(statistics.fmean(s * s for s in ses)),
+        "n": _mean(n or nan for n in counts),
+        "sd": sd,
+        "lo": min(finals),
+        "hi": max(finals),
+        "se": math.sqrt(sum(known)) if known else nan,
+        "k": k,
+    }
 
 
 def verdict(a: dict[str, float], b: dict[str, float]) -> tuple[float, float, str]:
-    """(Δ = b − a of the means, the noise band 2·√(se_a² + se_b²), "within noise" | "beyond noise" | "noise unknown")."""
+    """(Δ = b − a of the means, the noise band 2·√(se_a² + se_b²), "within noise" | "beyond noise" | "noise
+    unknown")."""
     delta = b["mean"] - a["mean"]
     band = 2.0 * math.sqrt(a["se"] ** 2 + b["se"] ** 2)
     if band != band or delta != delta:
@@ -232,40 +268,61 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
     data = {r.key: read_run(r.folder, metric) for r in runs}
     metric = metric or next((d["metric"] for d in data.values() if d["metric"]), "eval metric")
     binary = count_key(metric) is not None
-    lines = [f"# Comparison ({metric}, final held-out value per seed)", "",
-             "| config | seeds: start → final | mean final | eval s.e. per run (images) | seed std (min–max) | "
-             "s.e. of the mean | mean change | training min | s/iteration | images | rollout forwards |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Comparison ({metric}, final held-out value per seed)",
+        "",
+        "| config | seeds: start → final | mean final | eval s.e. per run (images) | seed std (min–max) | "
+        "s.e. of the mean | mean change | training min | s/iteration | images | rollout forwards |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     stats = {}
     for label in labels:
         mine = [r for r in runs if r.label == label]
         ok = [data[r.key] for r in mine if status.get(r.key, {}).get("state") == "done"]
-        per_seed = ", ".join(f"s{r.seed}: " + (f"{data[r.key]['first']:.3f} → {data[r.key]['final']:.3f}"
-                                                if status.get(r.key, {}).get("state") == "done"
-                                                else status.get(r.key, {}).get("state", "not run"))
-                             for r in mine)
+        per_seed = ", ".join(
+            f"s{r.seed}: "
+            + (
+                f"{data[r.key]['first']:.3f} → {data[r.key]['final']:.3f}"
+                if status.get(r.key, {}).get("state") == "done"
+                else status.get(r.key, {}).get("state", "not run")
+            )
+            for r in mine
+        )
         done = [d for d in ok if d["final"] == d["final"]]
         stats[label] = st = noise([d["final"] for d in done], [d["final_n"] for d in done], binary)
         changes = [d["final"] - d["first"] for d in ok]
         eval_se = f"±{st['eval_se']:.3f} ({st['n']:.0f})" if st["eval_se"] == st["eval_se"] else "n/a"
         spread = f"{st['sd']:.3f} ({st['lo']:.3f}–{st['hi']:.3f})" if st["k"] > 1 else ("one seed" if st["k"] else "—")
-        lines.append(f"| {label} | {per_seed} | {st['mean']:.3f} | {eval_se} | {spread} | "
-                     f"{'±%.3f' % st['se'] if st['se'] == st['se'] else 'n/a'} | "
-                     f"{(statistics.fmean(changes) if changes else float('nan')):+.3f} | "
-                     f"{_mean(d['minutes'] for d in ok):.1f} | {_mean(d['seconds_per_iteration'] for d in ok):.2f} | {_mean(d['images'] for d in ok):.0f} | "
-                     f"{_mean(d['forwards'] for d in ok):.0f} |")
-    lines += ["", "eval s.e.: √(p(1−p)/n) of a pass rate p over the eval's n images (n/a for a metric that is not one); "
-              "s.e. of the mean: √(Σ eval s.e.²/k² + seed std²/k) over the k finished seeds."]
-    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:] if stats[a]["k"] and stats[b]["k"]]
+        lines.append(
+            f"| {label} | {per_seed} | {st['mean']:.3f} | {eval_se} | {spread} | "
+            f"{'±%.3f' % st['se'] if st['se'] == st['se'] else 'n/a'} | "
+            f"{(statistics.fmean(changes) if changes else float('nan')):+.3f} | "
+            f"{_mean(d['minutes'] for d in ok):.1f} | {_mean(d['seconds_per_iteration'] for d in ok):.2f} | "
+            f"{_mean(d['images'] for d in ok):.0f} | "
+            f"{_mean(d['forwards'] for d in ok):.0f} |"
+        )
+    lines += [
+        "",
+        "eval s.e.: √(p(1−p)/n) of a pass rate p over the eval's n images (n/a for a metric that is not one); "
+        "s.e. of the mean: √(Σ eval s.e.²/k² + seed std²/k) over the k finished seeds.",
+    ]
+    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if stats[a]["k"] and stats[b]["k"]]
     if pairs:
-        lines += ["", "Differences of the mean final value; within noise when |Δ| < 2·√(se_a² + se_b²):", "",
-                  "| pair | Δ mean | 2·√(se_a² + se_b²) | verdict |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Differences of the mean final value; within noise when |Δ| < 2·√(se_a² + se_b²):",
+            "",
+            "| pair | Δ mean | 2·√(se_a² + se_b²) | verdict |",
+            "|---|---|---|---|",
+        ]
         for a, b in pairs:
             delta, band, word = verdict(stats[a], stats[b])
             lines.append(f"| {b} − {a} | {delta:+.3f} | {band:.3f} | {word} |")
     failed = {k: v for k, v in status.items() if v.get("state") == "failed"}
     if failed:
-        lines += ["", "Failed runs:"] + [f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()]
+        lines += ["", "Failed runs:"] + [
+            f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()
+        ]
     commands = [shlex.join(status.get(r.key, {}).get("command") or r.command) for r in runs]  # as run (status.json)
     lines += ["", "Commands:", "", "```bash"] + commands + ["```"]
     text = "\n".join(lines) + "\n"
@@ -298,7 +355,7 @@ def _plot(runs: list[Run], data: dict, labels: list[str], metric: str, path: Pat
             if d["train"]:
                 xs, ys = zip(*d["train"])
                 w = max(1, len(ys) // 15)
-                smooth = [statistics.fmean(ys[max(0, j - w + 1):j + 1]) for j in range(len(ys))]
+                smooth = [statistics.fmean(ys[max(0, j - w + 1) : j + 1]) for j in range(len(ys))]
                 reward_ax.plot([x / 60 for x in xs], smooth, color=colour, lw=0.8, alpha=0.45)
         _seeds_and_mean(images_ax, [d["evals"] for d in mine], colour, label)
         _seeds_and_mean(time_ax, [[(x / 60, y) for x, y in d["evals_by_time"]] for d in mine], colour, label)
@@ -329,12 +386,20 @@ def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, flo
     seed's last point (its final eval). With equal counts that is every point; evals on a wall-time schedule
     can give a seed one more eval just before the budget's end, which is left out."""
     m = min(len(c) for c in curves)
-    aligned = [c[:m - 1] + [c[-1]] for c in curves]
+    aligned = [c[: m - 1] + [c[-1]] for c in curves]
     return [(statistics.fmean(c[j][0] for c in aligned), statistics.fmean(c[j][1] for c in aligned)) for j in range(m)]
 
 
-def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget: str, out: str | Path,
-            parallel: int = 1, threads: int = 1, metric: str | None = None, run: bool = True) -> tuple[str, list[str]]:
+def compare(
+    entries: list[tuple[str, str, list[str]]],
+    seeds: list[int],
+    budget: str,
+    out: str | Path,
+    parallel: int = 1,
+    threads: int = 1,
+    metric: str | None = None,
+    run: bool = True,
+) -> tuple[str, list[str]]:
     """Plan, run (resuming; ``run=False``: only report what is there) and report a comparison; returns the
     Markdown table and the keys (``label-sSEED``) of the runs that failed. ``out``: new, or a comparison's."""
     out = Path(out)
@@ -345,33 +410,48 @@ def compare(entries: list[tuple[str, str, list[str]]], seeds: list[int], budget:
     failed = [r.key for r in runs if status.get(r.key, {}).get("state") == "failed"]
     return report(runs, status, out, metric), failed
 
+
 # ---- the command ----------------------------------------------------------------------------------
-FLAGS: list[Flag] = [("--seeds", 0, SEED_MAX, "training seeds"), ("--parallel", 1, None, "runs at once"),
-                     ("--threads", 1, None, "torch threads per run")]
+FLAGS: list[Flag] = [
+    ("--seeds", 0, SEED_MAX, "training seeds"),
+    ("--parallel", 1, None, "runs at once"),
+    ("--threads", 1, None, "torch threads per run"),
+]
 
 
 def add_parser(sub, epilog: str) -> None:
     """``flowrl compare`` under ``flowrl``'s sub-parsers (``epilog``: unused, it lists config keys)."""
-    p = sub.add_parser("compare", help="several configs × seeds under one budget: plots, a table, the commands",
-                       description="Run each CONFIG (or LABEL=CONFIG) with every seed under the same budget, each "
-                                   "run a `flowrl train` process; resumable (OUT/status.json). key=value overrides "
-                                   "apply to every config; --set LABEL key=value to one.")
+    p = sub.add_parser(
+        "compare",
+        help="several configs × seeds under one budget: plots, a table, the commands",
+        description="Run each CONFIG (or LABEL=CONFIG) with every seed under the same budget, each "
+        "run a `flowrl train` process; resumable (OUT/status.json). key=value overrides "
+        "apply to every config; --set LABEL key=value to one.",
+    )
     p.add_argument("items", nargs="+", metavar="CONFIG|LABEL=CONFIG|key=value")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--budget", default="iterations=150", help="iterations=N | images=N | minutes=N (default iterations=150)")
-    p.add_argument("--out", default="runs/compare", help="output folder: new, or an earlier comparison's (default runs/compare)")
+    p.add_argument(
+        "--budget", default="iterations=150", help="iterations=N | images=N | minutes=N (default iterations=150)"
+    )
+    p.add_argument(
+        "--out", default="runs/compare", help="output folder: new, or an earlier comparison's (default runs/compare)"
+    )
     p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--metric", default=None, help="held-out metric key (default: the first eval/*/accuracy)")
     p.add_argument("--set", nargs=2, action="append", metavar=("LABEL", "KEY=VALUE"), help="an override of one config")
-    p.add_argument("--report-only", action="store_true", help="write the table and plots from the runs there, run nothing")
+    p.add_argument(
+        "--report-only", action="store_true", help="write the table and plots from the runs there, run nothing"
+    )
     p.set_defaults(func=run, flags=FLAGS)
 
 
 # ---- compare ----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     if len(set(args.seeds)) != len(args.seeds):
-        raise ConfigError(f"--seeds {' '.join(map(str, args.seeds))} names a seed twice; each seed is one run per config")
+        raise ConfigError(
+            f"--seeds {' '.join(map(str, args.seeds))} names a seed twice; each seed is one run per config"
+        )
     configs = [w for w in args.items if w.endswith((".yaml", ".yml"))]
     overrides = [w for w in args.items if w not in configs]
     if not configs:
@@ -387,14 +467,26 @@ def run(args: argparse.Namespace) -> int:
         label, _, path = spec.rpartition("=") if "=" in spec else (Path(spec).stem, "", spec)
         entries.append((label, path, overrides + per_label.pop(label, [])))
     if per_label:
-        raise ConfigError(f"--set names labels {sorted(per_label)} that are not among the configs' labels "
-                          f"{[e[0] for e in entries]}")
-    text, failed = compare(entries, args.seeds, args.budget, args.out, parallel=args.parallel, threads=args.threads,
-                           metric=args.metric, run=not args.report_only)
+        raise ConfigError(
+            f"--set names labels {sorted(per_label)} that are not among the configs' labels {[e[0] for e in entries]}"
+        )
+    text, failed = compare(
+        entries,
+        args.seeds,
+        args.budget,
+        args.out,
+        parallel=args.parallel,
+        threads=args.threads,
+        metric=args.metric,
+        run=not args.report_only,
+    )
     print(text)
     print(f"plots and table in {args.out} (results.md, curves.png, commands.sh)")
     if failed:  # the table is written; the exit status still says that not every run finished
-        print(f"flowrl compare: {len(failed)} of {len(entries) * len(args.seeds)} runs failed ({', '.join(failed)}); "
-              f"their logs' last lines are in {Path(args.out) / 'results.md'}", file=sys.stderr)
+        print(
+            f"flowrl compare: {len(failed)} of {len(entries) * len(args.seeds)} runs failed ({', '.join(failed)}); "
+            f"their logs' last lines are in {Path(args.out) / 'results.md'}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -1,5 +1,6 @@
 """``flowrl data fetch NAME... | list``: the prompt sets the GPU presets name (:mod:`flowrl.prompts.fetch` fetches
 them, :mod:`flowrl.prompts.sets` says what each is)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,12 @@ FLAGS: list[Flag] = []
 def add_parser(sub, epilog: str) -> None:
     """``flowrl data`` (``data fetch NAME...``, ``data list``) under ``flowrl``'s sub-parsers (``epilog``: unused)."""
     names = ", ".join(sorted(PROMPT_SETS))
-    p = sub.add_parser("data", help=f"fetch the prompt sets the GPU presets name ({names})",
-                       description="Fetch prompt sets into DIR/<name>/ (train.txt, test.txt): download, "
-                                   "convert, check counts and checksums, write atomically.")
+    p = sub.add_parser(
+        "data",
+        help=f"fetch the prompt sets the GPU presets name ({names})",
+        description="Fetch prompt sets into DIR/<name>/ (train.txt, test.txt): download, "
+        "convert, check counts and checksums, write atomically.",
+    )
     add_data_commands(p)
 
 
@@ -43,10 +47,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out).resolve()
     if out not in (Path.cwd().resolve() / DEFAULT_OUT, REPO_ROOT.resolve() / DEFAULT_OUT):
-        print(f"note: the presets name {DEFAULT_OUT}/<set>/...; run them from {out.parent} or point "
-              f"prompts.train / prompts.eval at the files")
+        print(
+            f"note: the presets name {DEFAULT_OUT}/<set>/...; run them from {out.parent} or point "
+            f"prompts.train / prompts.eval at the files"
+        )
     return 0
-
 
 
 def _check_set_folder(out: str, name: str) -> None:
@@ -65,24 +70,39 @@ def _check_set_folder(out: str, name: str) -> None:
             manifest = None
         return (isinstance(manifest, dict) and manifest.get("name") == spec.name) or up_to_date(spec, folder)
 
-    check_output(Path(out) / spec.name, "flowrl data fetch", f"--out {out!r} ({spec.name}/: {Path(out) / spec.name})",
-                 recognise=fetched)
+    check_output(
+        Path(out) / spec.name,
+        "flowrl data fetch",
+        f"--out {out!r} ({spec.name}/: {Path(out) / spec.name})",
+        recognise=fetched,
+    )
 
 
 def add_data_commands(parser: argparse.ArgumentParser) -> None:
     """``fetch NAME... [--out DIR] [--source FOLDER] [--force]`` and ``list [--out DIR]`` under ``parser``."""
     names = ", ".join(sorted(PROMPT_SETS))
     sub = parser.add_subparsers(dest="data_command", required=True)
-    f = sub.add_parser("fetch", help="download and convert prompt sets",
-                       description=f"Prompt sets: {names}. Hugging Face downloads honour HF_HOME / HF_TOKEN; "
-                                   f"offline, give a local mirror with --source (or ${SOURCE_ENV}). "
-                                   "Exit status 2 when a set cannot be produced.")
+    f = sub.add_parser(
+        "fetch",
+        help="download and convert prompt sets",
+        description=f"Prompt sets: {names}. Hugging Face downloads honour HF_HOME / HF_TOKEN; "
+        f"offline, give a local mirror with --source (or ${SOURCE_ENV}). "
+        "Exit status 2 when a set cannot be produced.",
+    )
     f.add_argument("names", nargs="+", metavar="NAME", help=f"prompt set(s): {names}")
-    f.add_argument("--out", default=DEFAULT_OUT, help=f"folder that receives <name>/ (default ./{DEFAULT_OUT}, "
-                                                     "where the presets look); a <name>/ that an earlier fetch did "
-                                                     "not write is refused")
-    f.add_argument("--source", default=None, metavar="FOLDER",
-                   help=f"local mirror FOLDER/<owner>/<repo>/<path> instead of downloading (default ${SOURCE_ENV})")
+    f.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder that receives <name>/ (default ./{DEFAULT_OUT}, "
+        "where the presets look); a <name>/ that an earlier fetch did "
+        "not write is refused",
+    )
+    f.add_argument(
+        "--source",
+        default=None,
+        metavar="FOLDER",
+        help=f"local mirror FOLDER/<owner>/<repo>/<path> instead of downloading (default ${SOURCE_ENV})",
+    )
     f.add_argument("--force", action="store_true", help="fetch again even when the files are present and check out")
     f.set_defaults(func=run, flags=FLAGS)
     ls = sub.add_parser("list", help="the prompt sets: sources, files, what is present, which presets use them")

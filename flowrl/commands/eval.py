@@ -1,5 +1,6 @@
 """``flowrl eval``: the trainer's held-out eval of a run's newest weights or a config's base model, or with
 ``--benchmark`` a benchmark by its own protocol (:mod:`flowrl.training.benchmarks`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,21 +20,40 @@ FLAGS: list[Flag] = [("--images-per-prompt", 1, 64, "images per benchmark prompt
 def add_parser(sub, epilog: str) -> None:
     """``flowrl eval`` under ``flowrl``'s sub-parsers."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("eval", help="evaluate a run or base model on the held-out prompts",
-                       description="ODE-sample the eval prompts (prompts.eval) and score them with eval.rewards.",
-                       epilog=epilog, formatter_class=fmt)
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run or base model on the held-out prompts",
+        description="ODE-sample the eval prompts (prompts.eval) and score them with eval.rewards.",
+        epilog=epilog,
+        formatter_class=fmt,
+    )
     p.add_argument("--checkpoint", help="run folder or checkpoint folder (default: the base model)")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
-    p.add_argument("--out", help="folder for eval.json and grid.png: a new one, or an earlier eval's (then eval-2.json, "
-                                 "…: nothing is overwritten); --benchmark: the images in GenEval's layout, results.jsonl, "
-                                 "summary.json, in a new (or empty) folder")
-    p.add_argument("--benchmark", choices=("geneval", "ocr"), default=None,
-                   help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
-                        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); docs/rewards/geneval.md, docs/rewards/ocr.md")
-    p.add_argument("--prompts", default=None, help="--benchmark: its prompt file (default dataset/geneval/"
-                                                   "test_metadata.jsonl or dataset/ocr/test.txt)")
-    p.add_argument("--images-per-prompt", type=int, default=None,
-                   help="--benchmark: images per prompt (default: the benchmark's, 4 for geneval, 1 for ocr)")
+    p.add_argument(
+        "--out",
+        help="folder for eval.json and grid.png: a new one, or an earlier eval's (then eval-2.json, "
+        "…: nothing is overwritten); --benchmark: the images in GenEval's layout, results.jsonl, "
+        "summary.json, in a new (or empty) folder",
+    )
+    p.add_argument(
+        "--benchmark",
+        choices=("geneval", "ocr"),
+        default=None,
+        help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
+        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); docs/rewards/geneval.md, "
+        "docs/rewards/ocr.md",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="--benchmark: its prompt file (default dataset/geneval/test_metadata.jsonl or dataset/ocr/test.txt)",
+    )
+    p.add_argument(
+        "--images-per-prompt",
+        type=int,
+        default=None,
+        help="--benchmark: images per prompt (default: the benchmark's, 4 for geneval, 1 for ocr)",
+    )
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
 
@@ -56,15 +76,26 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, ckpt = run_config(args.checkpoint, args.config, args.overrides)
     if not cfg.prompts.eval:
-        raise ConfigError("prompts.eval is null (the run was trained without held-out prompts); name them: "
-                          "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')")
+        raise ConfigError(
+            "prompts.eval is null (the run was trained without held-out prompts); name them: "
+            "flowrl eval ... prompts.eval=configs/shapes/prompts/eval.txt (a file, or 'a|b|c')"
+        )
     output = check_output(args.out, "flowrl eval") if args.out is not None else None  # before the model loads
     prompts = read_prompts(cfg.prompts.eval, "prompts.eval")[: cfg.eval.num_prompts or None]
     reward = build.build_rewards(cfg.eval.rewards or cfg.rewards, key="eval.rewards" if cfg.eval.rewards else "rewards")
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
     model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
-    held_out = HeldOutEval(cfg.eval, model, prompts, reward, group, None, trained_at, progress=cfg.train.progress,
-                           max_batch=cfg.rollout.max_batch)
+    held_out = HeldOutEval(
+        cfg.eval,
+        model,
+        prompts,
+        reward,
+        group,
+        None,
+        trained_at,
+        progress=cfg.train.progress,
+        max_batch=cfg.rollout.max_batch,
+    )
     metrics, grids = held_out.run()
     metrics["num_prompts"] = len(prompts)
     if group.is_main:
@@ -75,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
     failed = sorted({name for _, name, n in failed_rewards(metrics) if n >= held_out.images})
     if failed:  # every image's score non-finite: the mean is no measurement
         if group.is_main:
-            print(f"flowrl eval: eval reward {', '.join(map(repr, failed))} failed or was not finite for every one of "
-                  f"the {held_out.images} images; its mean is NaN (exit status {EVAL_FAILED})", file=sys.stderr)
+            print(
+                f"flowrl eval: eval reward {', '.join(map(repr, failed))} failed or was not finite for every one of "
+                f"the {held_out.images} images; its mean is NaN (exit status {EVAL_FAILED})",
+                file=sys.stderr,
+            )
         return EVAL_FAILED
     return 0
 
@@ -122,8 +156,9 @@ def run_benchmark_command(args) -> int:
     try:
         prompts, records = read_benchmark_prompts(path)
     except FileNotFoundError as e:
-        raise ConfigError(f"{e}; the {bench.name} benchmark reads {bench.prompts} ({bench.source}), or name a file "
-                          "with --prompts") from None
+        raise ConfigError(
+            f"{e}; the {bench.name} benchmark reads {bench.prompts} ({bench.source}), or name a file with --prompts"
+        ) from None
     if not prompts:
         raise ConfigError(f"--prompts {path!r} holds no prompt")
     reward = benchmark_reward(cfg, bench, path if records is not None and bench.name == "geneval" else None)
@@ -140,12 +175,24 @@ def run_benchmark_command(args) -> int:
     n = args.images_per_prompt or bench.images_per_prompt
     if output is not None and group.is_main:
         output.make()
-    summary = run_benchmark(bench, model, cfg, reward, prompts, records, group, guidance,
-                            output.path if output is not None else None, n, progress=cfg.train.progress)
+    summary = run_benchmark(
+        bench,
+        model,
+        cfg,
+        reward,
+        prompts,
+        records,
+        group,
+        guidance,
+        output.path if output is not None else None,
+        n,
+        progress=cfg.train.progress,
+    )
     if group.is_main:
         print(summary_lines(bench, summary, len(prompts)))
-        print(f"(guidance {guidance:g}, {cfg.eval.steps} steps, {n} image{'s' if n > 1 else ''} per prompt"
-              f"{', written to ' + args.out if args.out else ''})")
+        print(
+            f"(guidance {guidance:g}, {cfg.eval.steps} steps, {n} image{'s' if n > 1 else ''} per prompt"
+            f"{', written to ' + args.out if args.out else ''})"
+        )
     group.close()
     return 0
-

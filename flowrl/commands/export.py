@@ -1,4 +1,6 @@
-"""``flowrl export``: a run's (or one checkpoint's) trained weights, sharded or not, in one folder a single GPU loads."""
+"""``flowrl export``: a run's (or one checkpoint's) trained weights, sharded or not, in one folder a single GPU
+loads."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,12 +14,18 @@ FLAGS: list[Flag] = []
 
 def add_parser(sub, epilog: str) -> None:
     """``flowrl export`` under ``flowrl``'s sub-parsers (``epilog``: unused, it lists config keys)."""
-    p = sub.add_parser("export", help="consolidate a run's weights (sharded or not) into one folder a single GPU loads",
-                       description="Write a run's newest (or a given) checkpoint's trained weights whole: a LoRA in the "
-                                   "diffusers format, or a transformer/ folder that from_pretrained reads (docs/gpu.md).")
+    p = sub.add_parser(
+        "export",
+        help="consolidate a run's weights (sharded or not) into one folder a single GPU loads",
+        description="Write a run's newest (or a given) checkpoint's trained weights whole: a LoRA in the "
+        "diffusers format, or a transformer/ folder that from_pretrained reads (docs/gpu.md).",
+    )
     p.add_argument("run", help="run folder (runs/<name>) or a checkpoints/step-N folder")
-    p.add_argument("--out", help="output folder: a new (or empty) one, or an earlier export, which is replaced "
-                                 "(default: <run>/export); a folder it did not write is refused")
+    p.add_argument(
+        "--out",
+        help="output folder: a new (or empty) one, or an earlier export, which is replaced "
+        "(default: <run>/export); a folder it did not write is refused",
+    )
     p.add_argument("--config", help="config file (default: the run's config.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
@@ -37,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
     check_export_target(target, "--out")  # before the model loads: a folder it did not write is refused
     model, _ = load_model(cfg, ckpt, torch.device("cpu"))
     out = write_export(target, lambda f: save_weights(model, f))
-    what = "LoRA (pipe.load_lora_weights)" if model.has_lora else "transformer (from_pretrained(..., subfolder='transformer'))"
+    what = (
+        "LoRA (pipe.load_lora_weights)"
+        if model.has_lora
+        else "transformer (from_pretrained(..., subfolder='transformer'))"
+    )
     print(f"exported the {what} of {ckpt} to {out}")
     return 0
-

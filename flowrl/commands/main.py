@@ -1,6 +1,7 @@
 """``flowrl train | sample | export | eval | bench | compare | snr | data``: the parser and the one way every command
 fails. Each subcommand is a module of :mod:`flowrl.commands` with ``add_parser(sub, epilog)``, ``run(args)`` and the
 ranges of its numeric ``FLAGS``."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``flowrl`` parser; ``argv`` (when asking for help) picks the config whose keys the help lists."""
     asking = bool(argv) and ("-h" in argv or "--help" in argv)
     epilog = defaults_epilog(argv) if asking else defaults_epilog()
-    parser = argparse.ArgumentParser(prog="flowrl", description="RL alignment of flow-matching text-to-image models. "
-                                     "Add --debug to any command to see the traceback of a failure.")
+    parser = argparse.ArgumentParser(
+        prog="flowrl",
+        description="RL alignment of flow-matching text-to-image models. "
+        "Add --debug to any command to see the traceback of a failure.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:  # flowrl train --help lists its rewards' settings too
         asked = asking and command is train and argv[0] == "train"

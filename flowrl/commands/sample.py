@@ -1,6 +1,7 @@
 """``flowrl sample``: images of a run's (or a config's base) model, each batch written as soon as it is drawn under
 names made by :mod:`flowrl.run.filenames`, and ``grid.png`` with each image's prompt (and with ``--reward`` its
 score, also in ``scores.json``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,32 +12,54 @@ from flowrl.config.bounds import MAX_IMAGES, MAX_STEPS
 from flowrl.errors import ConfigError, shown
 from flowrl.run.model import model_from_run
 
-FLAGS: list[Flag] = [("--num", 1, None, "images per prompt", MAX_IMAGES), ("--steps", 1, None, "ODE steps", MAX_STEPS),
-                     ("--guidance", 0, None, "CFG scale"), ("--seed", 0, SEED_MAX, "seed of the first image"),
-                     ("--scale", 1, 64, "upscaling of grid.png")]
+FLAGS: list[Flag] = [
+    ("--num", 1, None, "images per prompt", MAX_IMAGES),
+    ("--steps", 1, None, "ODE steps", MAX_STEPS),
+    ("--guidance", 0, None, "CFG scale"),
+    ("--seed", 0, SEED_MAX, "seed of the first image"),
+    ("--scale", 1, 64, "upscaling of grid.png"),
+]
 
 
 def add_parser(sub, epilog: str) -> None:
     """``flowrl sample`` under ``flowrl``'s sub-parsers (``epilog``: unused, it lists config keys)."""
-    p = sub.add_parser("sample", help="generate PNGs with a trained run (or a config's base model)",
-                       description="Generate images with ODE sampling from a run folder's newest checkpoint; grid.png "
-                                   "shows each with its prompt (and with --reward, its score).")
+    p = sub.add_parser(
+        "sample",
+        help="generate PNGs with a trained run (or a config's base model)",
+        description="Generate images with ODE sampling from a run folder's newest checkpoint; grid.png "
+        "shows each with its prompt (and with --reward, its score).",
+    )
     p.add_argument("--checkpoint", help="run folder (runs/<name>) or a checkpoints/step-N folder")
     p.add_argument("--config", help="config file (default: the run's config.yaml, else the shapes preset)")
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
     p.add_argument("--num", type=int, default=4, help="images per prompt (default 4)")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
-    p.add_argument("--guidance", type=float, default=None,
-                   help="CFG scale (default: eval.guidance, else the guidance the checkpoint's policy was trained for)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="CFG scale (default: eval.guidance, else the guidance the checkpoint's policy was trained for)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
-    p.add_argument("--out", default="samples", help="output folder (default ./samples): made, or added to without "
-                   "replacing a file; never . nor a run folder's entries")
+    p.add_argument(
+        "--out",
+        default="samples",
+        help="output folder (default ./samples): made, or added to without "
+        "replacing a file; never . nor a run folder's entries",
+    )
     p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")
-    p.add_argument("--reward", metavar="NAME", help="score each image with this reward (a registry name, "
-                   "package.module:Class or path/to/file.py:Class): its mark on grid.png (PASS/FAIL for a 0/1 reward, "
-                   "else the score) and every score in scores.json")
-    p.add_argument("--reward-kwargs", metavar="JSON", help='keyword arguments of --reward, a JSON object, e.g. '
-                   '\'{"mode": "strict"}\'')
+    p.add_argument(
+        "--reward",
+        metavar="NAME",
+        help="score each image with this reward (a registry name, "
+        "package.module:Class or path/to/file.py:Class): its mark on grid.png (PASS/FAIL for a 0/1 reward, "
+        "else the score) and every score in scores.json",
+    )
+    p.add_argument(
+        "--reward-kwargs",
+        metavar="JSON",
+        help='keyword arguments of --reward, a JSON object, e.g. \'{"mode": "strict"}\'',
+    )
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
 
@@ -60,7 +83,7 @@ def _sample_reward(args: argparse.Namespace, prompts: list[str]):
     except json.JSONDecodeError:
         kwargs = None  # refused below with what is accepted
     if not isinstance(kwargs, dict):
-        raise ConfigError(f"--reward-kwargs={shown(raw)} is not a JSON object; accepted: e.g. '{{\"mode\": \"strict\"}}'")
+        raise ConfigError(f'--reward-kwargs={shown(raw)} is not a JSON object; accepted: e.g. \'{{"mode": "strict"}}\'')
     try:
         reward = MultiReward([{"name": name, "kwargs": kwargs}])
     except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
@@ -72,14 +95,22 @@ def _sample_reward(args: argparse.Namespace, prompts: list[str]):
         try:
             reward.check_prompt(split_image_prompt(prompt)[0])
         except ValueError as e:
-            raise ConfigError(f"--prompt {shown(prompt, 80)} cannot be scored by --reward={shown(name)}: "
-                              f"{shown_message(str(e))}") from None
+            raise ConfigError(
+                f"--prompt {shown(prompt, 80)} cannot be scored by --reward={shown(name)}: {shown_message(str(e))}"
+            ) from None
     reward.check_ready()  # e.g. a remote reward's server answers
     return reward
 
 
-def _write_scores(path: Path, args: argparse.Namespace, files: list[Path], prompts: list[str], seeds: list[int],
-                  scores, guidance: float) -> None:
+def _write_scores(
+    path: Path,
+    args: argparse.Namespace,
+    files: list[Path],
+    prompts: list[str],
+    seeds: list[int],
+    scores,
+    guidance: float,
+) -> None:
     """``scores.json``: the reward, its kwargs and mean, and every image's file, prompt, seed and score (null where
     the reward gave NaN)."""
     import json
@@ -87,11 +118,21 @@ def _write_scores(path: Path, args: argparse.Namespace, files: list[Path], promp
 
     values = [float(v) for v in scores]
     finite = [v for v in values if math.isfinite(v)]
-    path.write_text(json.dumps({
-        "reward": args.reward, "kwargs": json.loads(args.reward_kwargs) if args.reward_kwargs else {},
-        "guidance": guidance, "mean": sum(finite) / len(finite) if finite else None,
-        "images": [{"file": f.name, "prompt": p, "seed": s, "score": v if math.isfinite(v) else None}
-                   for f, p, s, v in zip(files, prompts, seeds, values)]}, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "reward": args.reward,
+                "kwargs": json.loads(args.reward_kwargs) if args.reward_kwargs else {},
+                "guidance": guidance,
+                "mean": sum(finite) / len(finite) if finite else None,
+                "images": [
+                    {"file": f.name, "prompt": p, "seed": s, "score": v if math.isfinite(v) else None}
+                    for f, p, s, v in zip(files, prompts, seeds, values)
+                ],
+            },
+            indent=2,
+        )
+    )
 
 
 def _guidance_source(args: argparse.Namespace, cfg, trained_at: float | None, guidance: float) -> str:
@@ -101,7 +142,10 @@ def _guidance_source(args: argparse.Namespace, cfg, trained_at: float | None, gu
         return f"--guidance={guidance:g}"
     if cfg.eval.guidance is not None:
         return f"eval.guidance={guidance:g}"
-    return f"guidance {guidance:g} ({'the checkpoint policy' if trained_at is not None else 'the model'}'s; set --guidance)"
+    return (
+        f"guidance {guidance:g} ({'the checkpoint policy' if trained_at is not None else 'the model'}'s; set "
+        "--guidance)"
+    )
 
 
 def _check_finite(images, start: int, prompts: list[str], seeds: list[int], steps: int, source: str) -> None:
@@ -112,9 +156,11 @@ def _check_finite(images, start: int, prompts: list[str], seeds: list[int], step
     bad = (~torch.isfinite(images.flatten(1))).any(1)
     if bool(bad.any()):
         i = start + int(bad.nonzero()[0])
-        raise FloatingPointError(f"{source} drew a non-finite image (NaN or ±inf pixels) of prompt {shown(prompts[i], 80)}, "
-                                 f"seed {seeds[i]}, {steps} steps; it was not written (nor the rest of its batch). "
-                                 "Accepted: a guidance the model samples with (a CFG scale of about 1-10)")
+        raise FloatingPointError(
+            f"{source} drew a non-finite image (NaN or ±inf pixels) of prompt {shown(prompts[i], 80)}, "
+            f"seed {seeds[i]}, {steps} steps; it was not written (nor the rest of its batch). "
+            "Accepted: a guidance the model samples with (a CFG scale of about 1-10)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flowrl.commands.common import check_memory, image_bytes
-    from flowrl.prompts.checks import check_prompt_fits
     from flowrl.models.image_prompts import prompt_label
+    from flowrl.prompts.checks import check_prompt_fits
     from flowrl.rollout.sampling import ode_batches
     from flowrl.run.filenames import FileNamer
     from flowrl.run.outputs import check_output
@@ -139,8 +185,12 @@ def run(args: argparse.Namespace) -> int:
     cfg, model, trained_at = model_from_run(args.checkpoint, args.config, args.overrides)
     model.resize(cfg.eval.height, cfg.eval.width)  # eval.height/eval.width: sampled at the eval's size
     for prompt in args.prompt:  # an editing model's prompts carry their image; a text model's do not
-        check_prompt_fits(prompt, f"--prompt {shown(prompt, 80)}", edits=model.takes_source_image,
-                          family=model.family or cfg.model.family)
+        check_prompt_fits(
+            prompt,
+            f"--prompt {shown(prompt, 80)}",
+            edits=model.takes_source_image,
+            family=model.family or cfg.model.family,
+        )
     if reward is not None:
         check_modality(model, [("--reward", reward)])
     prompts = [p for p in args.prompt for _ in range(args.num)]
@@ -158,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     images = []
     for start, drawn in ode_batches(model, prompts, seeds, steps, guidance, cfg.rollout.max_batch):
         _check_finite(drawn, start, prompts, seeds, steps, _guidance_source(args, cfg, trained_at, guidance))
-        for path, img in zip(paths[start:start + len(drawn)], drawn):
+        for path, img in zip(paths[start : start + len(drawn)], drawn):
             save_sample(img, path)
         images.append(drawn)
     images = torch.cat(images)
@@ -173,4 +223,3 @@ def run(args: argparse.Namespace) -> int:
     scored = "" if scores is None else f"; --reward {args.reward}: mean {float(scores.nanmean()):.4f}"
     print(f"wrote {len(prompts)} {what}, {' and '.join(written)} to {out} (guidance {guidance:g}{scored})")
     return 0
-

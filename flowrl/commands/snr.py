@@ -13,6 +13,7 @@ no signal is detected and the report gives a lower bound on the batch needed.
 Adam rescales each coordinate by its RMS, so the same statistics are also reported on gradients
 normalised per coordinate by their RMS over the N draws (``adam_*``): what the optimizer steps along.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,9 @@ from flowrl.config.schema import TrainConfig
 def split_signal_noise(grads: torch.Tensor, samples_per_batch: int) -> dict[str, float]:
     """Signal/noise statistics of N gradient draws ``grads`` [N, P] (N ≥ 3) of one batch size."""
     if grads.ndim != 2 or grads.shape[0] < 3:
-        raise ValueError(f"need gradients [N >= 3, P] (the error of S drops one draw at a time), got shape {list(grads.shape)}")
+        raise ValueError(
+            f"need gradients [N >= 3, P] (the error of S drops one draw at a time), got shape {list(grads.shape)}"
+        )
     g = grads.double()
     n = g.shape[0]
     gram = g @ g.T
@@ -66,8 +69,13 @@ def adam_normalised(grads: torch.Tensor) -> torch.Tensor:
     return torch.where(rms > 0, grads.double() / rms.clamp(min=1e-300), torch.zeros_like(grads, dtype=torch.float64))
 
 
-def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | None = None, progress: bool = True,
-                 reward_only: bool = False) -> dict[str, float]:
+def gradient_snr(
+    cfg: TrainConfig,
+    batches: int = 12,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    reward_only: bool = False,
+) -> dict[str, float]:
     """Gradient signal-to-noise of ``cfg``'s objective at its initial weights (or a run's ``checkpoint``).
 
     Uses the ``batches`` iterations the run would do next (0.. at the start, from the checkpoint's step
@@ -80,8 +88,10 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
     from flowrl.training.trainer import Trainer
 
     if batches < 3:
-        raise ValueError(f"--batches={batches} must be >= 3 (the signal is the agreement between batches, "
-                         "its error drops one at a time)")
+        raise ValueError(
+            f"--batches={batches} must be >= 3 (the signal is the agreement between batches, "
+            "its error drops one at a time)"
+        )
     cfg.train.progress = False
     cfg.prompts.eval = None
     if reward_only:
@@ -95,7 +105,9 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
     if reward_only:
         trainer.objective.move_to_reward_free_point()
     first = trainer.step
-    draws = [trainer.policy_gradient(i) for i in tqdm(range(first, first + batches), desc="gradients", disable=not progress)]
+    draws = [
+        trainer.policy_gradient(i) for i in tqdm(range(first, first + batches), desc="gradients", disable=not progress)
+    ]
     grads = torch.stack([g for g, _ in draws])
     samples = round(sum(n for _, n in draws) / len(draws))  # leaves per iteration, counted on the forests
     out = split_signal_noise(grads, samples)
@@ -106,16 +118,19 @@ def gradient_snr(cfg: TrainConfig, batches: int = 12, checkpoint: str | Path | N
 
 def reward_free_overrides(cfg: TrainConfig) -> dict:
     """``--reward-only``: the ``loss`` keys that switch off ``cfg``'s objective's reward-independent terms, as the
-    objective declares them (:meth:`~flowrl.objectives.base.Objective.describe`'s ``reward_free_overrides``, a subclass of NFT
+    objective declares them (:meth:`~flowrl.objectives.base.Objective.describe`'s ``reward_free_overrides``, a subclass
+    of NFT
     included); a ConfigError naming ``loss.objective`` for one that declares no reward-free point."""
     from flowrl.config import build
     from flowrl.errors import ConfigError
 
     facts = build.build_loss(cfg).describe()
     if facts.reward_free_overrides is None:
-        raise ConfigError(f"--reward-only measures the reward's share of an objective whose other terms can be put at "
-                          f"zero gradient; loss.objective={cfg.loss.objective!r} has no such point: "
-                          f"{facts.no_reward_free_point}")
+        raise ConfigError(
+            f"--reward-only measures the reward's share of an objective whose other terms can be put at "
+            f"zero gradient; loss.objective={cfg.loss.objective!r} has no such point: "
+            f"{facts.no_reward_free_point}"
+        )
     return dict(facts.reward_free_overrides)
 
 
@@ -126,15 +141,23 @@ FLAGS: list[Flag] = [("--batches", 3, None, "independent iterations (the error o
 def add_parser(sub, epilog: str) -> None:
     """``flowrl snr`` under ``flowrl``'s sub-parsers."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("snr", help="gradient signal-to-noise of one update: is the batch big enough?",
-                       description="Policy gradients of N independent iterations at fixed weights; their agreement "
-                                   "is the signal, their spread the noise (docs/benchmarks.md).",
-                       epilog=epilog, formatter_class=fmt)
+    p = sub.add_parser(
+        "snr",
+        help="gradient signal-to-noise of one update: is the batch big enough?",
+        description="Policy gradients of N independent iterations at fixed weights; their agreement "
+        "is the signal, their spread the noise (docs/benchmarks.md).",
+        epilog=epilog,
+        formatter_class=fmt,
+    )
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml, or the run's)")
     p.add_argument("--batches", type=int, default=12, help="independent iterations to draw (default 12)")
     p.add_argument("--checkpoint", help="measure at a run's newest checkpoint (runs/<name>) or a step-N folder")
-    p.add_argument("--reward-only", action="store_true", help="nft/awm: the reward's share alone (no teacher anchor, "
-                   "no kl_ref, the old copy set to the weights measured)")
+    p.add_argument(
+        "--reward-only",
+        action="store_true",
+        help="nft/awm: the reward's share alone (no teacher anchor, "
+        "no kl_ref, the old copy set to the weights measured)",
+    )
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
 
@@ -152,11 +175,18 @@ def run(args: argparse.Namespace) -> int:
     result = gradient_snr(cfg, batches=args.batches, checkpoint=checkpoint, reward_only=args.reward_only)
     print(json.dumps(result, indent=2))
     if result["signal_detected"]:
-        print(f"signal detected: SNR {result['snr_per_batch']:.3g} per batch of {int(result['samples_per_batch'])} samples; "
-              f"about {result['samples_for_snr_1']:.0f} samples per update for SNR 1")
+        print(
+            f"signal detected: SNR {result['snr_per_batch']:.3g} per batch of {int(result['samples_per_batch'])} "
+            "samples; "
+            f"about {result['samples_for_snr_1']:.0f} samples per update for SNR 1"
+        )
     elif result["signal"] == result["noise"] == 0:
-        print(f"every one of the {args.batches} gradients is zero: nothing in this objective depends on what was sampled")
+        print(
+            f"every one of the {args.batches} gradients is zero: nothing in this objective depends on what was sampled"
+        )
     else:
-        print(f"no signal detected above noise in {args.batches} batches of {int(result['samples_per_batch'])} samples: "
-              f"an update needs at least ~{result['samples_for_snr_1_at_least']:.0f} samples for SNR 1")
+        print(
+            f"no signal detected above noise in {args.batches} batches of {int(result['samples_per_batch'])} samples: "
+            f"an update needs at least ~{result['samples_for_snr_1_at_least']:.0f} samples for SNR 1"
+        )
     return 0

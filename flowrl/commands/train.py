@@ -1,5 +1,6 @@
 """``flowrl train``: a run to ``train.max_steps`` (:class:`~flowrl.training.trainer.Trainer`), then the closing summary
 (:mod:`flowrl.commands.summary`) and, when the eval guard stopped the run, its own exit status."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,14 @@ FLAGS: list[Flag] = []
 def add_parser(sub, epilog: str) -> None:
     """``flowrl train`` under ``flowrl``'s sub-parsers."""
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("train", help="train with a YAML config (default: the embedded shapes preset)",
-                       description="Train: rollout plan → rewards → credit → objective, to train.max_steps. "
-                                   f"Without CONFIG runs {shipped_name(DEFAULT_CONFIG)}.",
-                       epilog=epilog, formatter_class=fmt)
+    p = sub.add_parser(
+        "train",
+        help="train with a YAML config (default: the embedded shapes preset)",
+        description="Train: rollout plan → rewards → credit → objective, to train.max_steps. "
+        f"Without CONFIG runs {shipped_name(DEFAULT_CONFIG)}.",
+        epilog=epilog,
+        formatter_class=fmt,
+    )
     p.add_argument("config", nargs="?", help="YAML config file (default: configs/shapes/nft.yaml)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
@@ -121,4 +126,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
     trainer.group.close()  # several processes: all done, the process group destroyed before the interpreter exits
     return GUARD_STOPPED if stop is not None else 0
-

@@ -2,6 +2,7 @@
 such as ``--num 100000000`` or ``eval.steps=100000000`` fails at once naming the flag or key instead of with a
 MemoryError after minutes (or minutes of silence). They sit far above any real use: flow models sample in 10–50
 steps (1,000 covers any solver), and ``flowrl sample`` keeps every image of a call for its grid."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,10 @@ STEP_KEYS = ("steps", "preview_steps")  # keys of the rollout section counting s
 def at_most(name: str, value: float, limit: float, what: str) -> None:
     """``value`` of flag or key ``name`` is at most ``limit``; else a ConfigError naming both and why."""
     if value > limit:
-        raise ConfigError(f"{name}={value!r} is more than {limit:,g}, the most flowrl accepts ({what}); a size this "
-                          "large would run out of memory or run for hours, so nothing was started")
+        raise ConfigError(
+            f"{name}={value!r} is more than {limit:,g}, the most flowrl accepts ({what}); a size this "
+            "large would run out of memory or run for hours, so nothing was started"
+        )
 
 
 def check_sizes(cfg: Any) -> None:

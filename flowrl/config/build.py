@@ -1,4 +1,5 @@
 """Build the loop's components from a :class:`~flowrl.config.schema.TrainConfig` (YAML and Python share these)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,7 +40,11 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     device = device or resolve_device(section.device)
     configure_attention(device, section.cudnn_attention)
     check_model_kwargs(section)  # every model.kwargs key a keyword of the adapter, before any weight loads
-    kwargs = {"device": device, "dtype": DTYPES[section.dtype], "gradient_checkpointing": section.gradient_checkpointing}
+    kwargs = {
+        "device": device,
+        "dtype": DTYPES[section.dtype],
+        "gradient_checkpointing": section.gradient_checkpointing,
+    }
     for key in ADAPTER_KEYS:  # the model.* keys the adapter reads
         value = getattr(section, key)
         if value is not None:
@@ -52,15 +57,18 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     except (ValueError, OSError, ImportError, AttributeError, TypeError) as e:  # a missing folder, a bad size, …
         if isinstance(e, ConfigError):
             raise
-        chosen = ", ".join(f"model.{k}={shown(getattr(section, k))}" for k in ("family", "path", "height", "width")
-                           if getattr(section, k) is not None)
+        chosen = ", ".join(
+            f"model.{k}={shown(getattr(section, k))}"
+            for k in ("family", "path", "height", "width")
+            if getattr(section, k) is not None
+        )
         raise ConfigError(f"{chosen}: {e}") from e
     if section.full_finetune:
         master_weights_fp32(model)
     if section.offload_encoders:
         model.offload_encoders()
     limit = section.prompt_cache_mb
-    model.prompt_cache.max_bytes = None if limit is None else int(limit * 2 ** 20)
+    model.prompt_cache.max_bytes = None if limit is None else int(limit * 2**20)
     return model
 
 
@@ -88,9 +96,13 @@ def build_rewards(terms: list[RewardTerm], normalize: str = "none", key: str = "
     from flowrl_rewards import MultiReward, RewardSpec
 
     try:
-        return MultiReward([RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label,
-                                       timeout=t.timeout) for t in terms],
-                           normalize=normalize)
+        return MultiReward(
+            [
+                RewardSpec(name=t.name, weight=t.weight, kwargs=dict(t.kwargs), label=t.label, timeout=t.timeout)
+                for t in terms
+            ],
+            normalize=normalize,
+        )
     except (KeyError, ImportError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
         names = ", ".join(shown(t.name, 60) for t in terms)
         raise ConfigError(f"{key} ({names}): {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
@@ -103,5 +115,6 @@ def build_credit(cfg: TrainConfig) -> CreditRule:
 
 def build_loss(cfg: TrainConfig) -> Objective:
     """The objective ``loss.objective`` names, with its rows per training forward (``train.micro_batch``, default
-    ``rollout.max_batch``; a policy objective's replay follows the rollout's forwards of ``rollout.max_batch`` states)."""
+    ``rollout.max_batch``; a policy objective's replay follows the rollout's forwards of ``rollout.max_batch``
+    states)."""
     return chosen.build_loss(cfg)

@@ -1,6 +1,7 @@
 """The checks a loaded :class:`~flowrl.config.schema.TrainConfig` passes before anything is built: choices and
 ranges of every section, each failure a :class:`ConfigError` naming the key, the value and what is
 accepted; the chosen components check their own fields when instantiated here."""
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,8 @@ REWARD_NORMALIZE = ("none", "batch", "group")  # how MultiReward combines severa
 def check_config(cfg: Any) -> None:
     """Every check of ``cfg``'s own sections that needs no model (a TrainConfig, read by attribute: flowrl.config.schema
     calls this module, which never imports it); raises ConfigError at the first failure. Nothing is changed. The
-    chosen components are checked when built (:func:`check_components`, from :func:`flowrl.config.chosen.load_components`).
+    chosen components are checked when built (:func:`check_components`, from
+    :func:`flowrl.config.chosen.load_components`).
     The keys of the free-form mappings are checked here too, against what reads them: ``model.kwargs`` against the
     adapter's keywords, ``rewards[i].kwargs`` against each reward's settings (:func:`check_free_keys`)."""
     check_model_section(cfg.model)
@@ -64,8 +66,10 @@ def check_model_kwargs(m: Any) -> None:
     accepted = [k for k in keywords if k not in MODEL_OWNED]
     for k, v in extra.items():
         if k not in accepted:
-            raise ConfigError(f"model.kwargs.{k}={shown(v)} is not a keyword of the model.family={m.family!r} adapter"
-                              f"{did_you_mean(k, accepted)}; accepted: {accepted} (its other keywords are model.* keys)")
+            raise ConfigError(
+                f"model.kwargs.{k}={shown(v)} is not a keyword of the model.family={m.family!r} adapter"
+                f"{did_you_mean(k, accepted)}; accepted: {accepted} (its other keywords are model.* keys)"
+            )
 
 
 def check_reward_terms(cfg: Any) -> None:
@@ -98,14 +102,15 @@ def check_model_section(m: Any) -> None:
     if m.checkpoint_blocks is not None:
         positive("model.checkpoint_blocks", m.checkpoint_blocks, allow_zero=True)
         if not m.gradient_checkpointing:
-            raise ConfigError(f"model.checkpoint_blocks={m.checkpoint_blocks} is set but nothing reads it: "
-                              "model.gradient_checkpointing is false; set it true (or checkpoint_blocks null)")
+            raise ConfigError(
+                f"model.checkpoint_blocks={m.checkpoint_blocks} is set but nothing reads it: "
+                "model.gradient_checkpointing is false; set it true (or checkpoint_blocks null)"
+            )
     positive("model.lora.rank", m.lora.rank)
     positive("model.lora.alpha", m.lora.alpha)
     within("model.lora.dropout", m.lora.dropout, 0.0, 1.0)
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(m.device)):
-        raise ConfigError(f"model.device={shown(m.device)} is not supported; accepted: auto, cpu, mps, "
-                          "cuda, cuda:N")
+        raise ConfigError(f"model.device={shown(m.device)} is not supported; accepted: auto, cpu, mps, cuda, cuda:N")
     for key in ("guidance", "true_cfg"):
         if getattr(m, key) is not None:
             positive(f"model.{key}", getattr(m, key), allow_zero=True)
@@ -113,8 +118,9 @@ def check_model_section(m: Any) -> None:
         if getattr(m, key) is not None:
             positive(f"model.{key}", getattr(m, key))
     if m.true_cfg is not None and m.family != "flux":
-        raise ConfigError(f"model.true_cfg={m.true_cfg} is FLUX's real CFG; for model.family="
-                          f"{m.family!r} use model.guidance")
+        raise ConfigError(
+            f"model.true_cfg={m.true_cfg} is FLUX's real CFG; for model.family={m.family!r} use model.guidance"
+        )
 
 
 def check_loop_sections(cfg: Any) -> None:
@@ -169,8 +175,9 @@ def check_train(t: Any) -> None:
     check_fit_keys(t)
     check_run_name(t.name)
     if t.overwrite and t.resume:
-        raise ConfigError(f"train.overwrite=true replaces the run, train.resume={t.resume!r} continues "
-                          "it: set one of them")
+        raise ConfigError(
+            f"train.overwrite=true replaces the run, train.resume={t.resume!r} continues it: set one of them"
+        )
     if not 0.0 <= t.ema < 1.0:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1)")
 
@@ -181,8 +188,13 @@ def off_as_written(value: Any) -> str:
     return "off" if str(value) == "False" else str(value)
 
 
-FIT_KEYS = ("rollout.max_batch", "train.micro_batch", "model.gradient_checkpointing", "model.checkpoint_blocks",
-            "model.offload_encoders")
+FIT_KEYS = (
+    "rollout.max_batch",
+    "train.micro_batch",
+    "model.gradient_checkpointing",
+    "model.checkpoint_blocks",
+    "model.offload_encoders",
+)
 """The keys ``train.fit: auto`` chooses (:mod:`flowrl.estimate.fit`); ``train.fit_keep`` may name any of them."""
 
 
@@ -190,8 +202,10 @@ def check_fit_keys(t: Any) -> None:
     """``train.fit``, ``train.memory_fraction``, ``train.fit_keep``, ``train.micro_batch`` and ``train.peak_tflops``."""
     choose("train.fit", off_as_written(t.fit), ("off", "auto"))
     if not 0.0 < t.memory_fraction <= 1.0:
-        raise ConfigError(f"train.memory_fraction={t.memory_fraction} must be in (0, 1] (the share of the device's "
-                          "memory the predicted peak may use)")
+        raise ConfigError(
+            f"train.memory_fraction={t.memory_fraction} must be in (0, 1] (the share of the device's "
+            "memory the predicted peak may use)"
+        )
     for key in t.fit_keep:
         choose("train.fit_keep", key, FIT_KEYS)
     for key in ("micro_batch", "peak_tflops"):
@@ -213,9 +227,11 @@ def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     micro = cfg.train.micro_batch
     if micro is not None and objective.trains_on == "edges" and micro != cfg.rollout.max_batch:
-        raise ConfigError(f"train.micro_batch={micro}: loss.objective replays the rollout's edges in the rollout's "
-                          f"own forwards (rollout.max_batch={cfg.rollout.max_batch} states each, so a replay equals "
-                          "its rollout); accepted: null or the same value as rollout.max_batch")
+        raise ConfigError(
+            f"train.micro_batch={micro}: loss.objective replays the rollout's edges in the rollout's "
+            f"own forwards (rollout.max_batch={cfg.rollout.max_batch} states each, so a replay equals "
+            "its rollout); accepted: null or the same value as rollout.max_batch"
+        )
 
 
 def guard_names(cfg: Any) -> list[str]:
@@ -234,23 +250,31 @@ def check_guard(cfg: Any) -> None:
     names = guard_names(cfg)
     if guard.reward not in names:
         whose = "eval.rewards" if cfg.eval.rewards else "rewards (eval.rewards is null: the eval scores with them)"
-        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} is not one of the eval rewards"
-                          f"{did_you_mean(guard.reward, names)}; accepted: {names} (the terms of {whose}: a term's "
-                          "label, else its name as written)")
+        raise ConfigError(
+            f"eval.guard.reward={shown(guard.reward)} is not one of the eval rewards"
+            f"{did_you_mean(guard.reward, names)}; accepted: {names} (the terms of {whose}: a term's "
+            "label, else its name as written)"
+        )
     if not cfg.eval.every and not cfg.eval.every_minutes:
-        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} is checked at the periodic evals, and eval.every=0 "
-                          "with eval.every_minutes=0 runs none; accepted: eval.every >= 1 (iterations between evals) "
-                          "or eval.every_minutes > 0")
+        raise ConfigError(
+            f"eval.guard.reward={shown(guard.reward)} is checked at the periodic evals, and eval.every=0 "
+            "with eval.every_minutes=0 runs none; accepted: eval.every >= 1 (iterations between evals) "
+            "or eval.every_minutes > 0"
+        )
     if not cfg.prompts.eval:
-        raise ConfigError(f"eval.guard.reward={shown(guard.reward)} needs held-out prompts to evaluate, and prompts.eval "
-                          "is null; accepted: a prompt file or inline 'a|b|c'")
+        raise ConfigError(
+            f"eval.guard.reward={shown(guard.reward)} needs held-out prompts to evaluate, and prompts.eval "
+            "is null; accepted: a prompt file or inline 'a|b|c'"
+        )
 
 
 def positive(key: str, value: float, allow_zero: bool = False) -> None:
     """``value`` is a finite number, > 0 (or >= 0 with ``allow_zero``); the error says which of the two it is not."""
     if not math.isfinite(value):
-        raise ConfigError(f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'} (inf and nan are "
-                          "not limits flowrl can check against)")
+        raise ConfigError(
+            f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'} (inf and nan are "
+            "not limits flowrl can check against)"
+        )
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -266,5 +290,7 @@ def check_run_name(name: Any) -> None:
     again by :class:`~flowrl.run.folder.RunFolder` before anything is written)."""
     text = str(name)
     if text in ("", ".", "..") or any(c in text for c in "/\\\0"):
-        raise ConfigError(f"train.name={shown(name)} must be one folder name inside train.output_dir: not empty, "
-                          "not '.' or '..', without '/', '\\' or NUL (e.g. train.name=shapes-nft)")
+        raise ConfigError(
+            f"train.name={shown(name)} must be one folder name inside train.output_dir: not empty, "
+            "not '.' or '..', without '/', '\\' or NUL (e.g. train.name=shapes-nft)"
+        )

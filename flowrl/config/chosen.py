@@ -3,12 +3,13 @@ and checked together. At load (:meth:`~flowrl.config.schema.TrainConfig.validate
 are built, checked and let go, so a bad key fails before any model loads; a run builds its own
 (:func:`build_components`), from the sections as they are then. A config never carries built components, and no two
 runs share one. A config is read by attribute here: this module imports neither the schema nor the model code."""
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from flowrl.core import components
 from flowrl.config.checks import check_components
+from flowrl.core import components
 
 
 class Components(NamedTuple):

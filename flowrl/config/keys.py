@@ -1,6 +1,7 @@
 """Reading a config file and its ``key=value`` overrides: the YAML read with its errors named, the components the
 file and the command line select, and every key checked against the schema of those components (a typo names the
 nearest key; a component chosen on the command line over a preset that sets keys it lacks names the conflict)."""
+
 from __future__ import annotations
 
 import difflib
@@ -15,19 +16,20 @@ from omegaconf.errors import OmegaConfBaseException
 from flowrl.core import components
 from flowrl.errors import ConfigError
 
-MOVED_KEYS = {"loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
-                           "loss.beta is DiffusionNFT's step only)",
-              "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
-                                 "rows per training forward)",
-              "eval.batch_size": "rollout.max_batch (the run's one micro-batch size: images per forward of the eval, "
-                                 "flowrl sample and the benchmarks too)",
-              "loss.layer_batch": "rollout.max_batch (the run's one micro-batch size: rows per forward of the "
-                                  "layer-tuning term too)",
-              "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
-              "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, "
-                                    "one mapping)",
-              "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
-                                        "prompt group before the weighted sum) with credit.scale: none"}
+MOVED_KEYS = {
+    "loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
+    "loss.beta is DiffusionNFT's step only)",
+    "loss.batch_size": "rollout.max_batch (the run's one micro-batch size: states per rollout forward and "
+    "rows per training forward)",
+    "eval.batch_size": "rollout.max_batch (the run's one micro-batch size: images per forward of the eval, "
+    "flowrl sample and the benchmarks too)",
+    "loss.layer_batch": "rollout.max_batch (the run's one micro-batch size: rows per forward of the "
+    "layer-tuning term too)",
+    "rollout.inner_kwargs": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys)",
+    "rollout.inner_args": "rollout.inner: {plan: NAME, key: value, ...} (the inner plan and its own keys, one mapping)",
+    "credit.per_reward_norm": "reward_normalize: group (MultiReward z-scores each reward within its "
+    "prompt group before the weighted sum) with credit.scale: none",
+}
 
 
 def load_yaml(path: Path) -> Any:
@@ -42,11 +44,13 @@ def load_yaml(path: Path) -> Any:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}:{where}: not valid YAML ({problem})") from None
     except UnicodeDecodeError as e:  # UTF-16, Latin-1, a binary file
-        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML saved as "
-                          "UTF-8") from None
+        raise ConfigError(
+            f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML saved as UTF-8"
+        ) from None
     except (OmegaConfBaseException, OSError) as e:  # e.g. a file holding a single number
-        raise ConfigError(f"{path}: not a config ({e}); a config is a mapping of sections such as "
-                          "model:, rollout:, loss:") from None
+        raise ConfigError(
+            f"{path}: not a config ({e}); a config is a mapping of sections such as model:, rollout:, loss:"
+        ) from None
 
 
 def keep_strings_as_written(base, overrides: list[str]) -> None:
@@ -99,15 +103,22 @@ def unknown_key_message(e: OmegaConfBaseException, schema: type) -> str:
     if not close:  # compare the last component within the same section
         section, _, leaf = bad.rpartition(".")
         same = [k for k in keys if k.rpartition(".")[0] == section]
-        close = [k for k in same if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)]
+        close = [
+            k
+            for k in same
+            if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)
+        ]
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config/schema.py for every key)"
 
 
-FREE_FORM = ("rewards", "eval.rewards",  # lists of reward terms whose kwargs are the reward's own settings (checked
-              # against them at load by flowrl.config.checks.check_reward_terms, the reward not built)
-              "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built, at load)
-              "model.kwargs")  # the adapter's own keywords (checked against its signature at load, no weight loaded)
+FREE_FORM = (
+    "rewards",
+    "eval.rewards",  # lists of reward terms whose kwargs are the reward's own settings (checked
+    # against them at load by flowrl.config.checks.check_reward_terms, the reward not built)
+    "rollout.inner",  # a wrapped plan {plan: name, its keys} (checked against that plan when built, at load)
+    "model.kwargs",
+)  # the adapter's own keywords (checked against its signature at load, no weight loaded)
 
 
 def dotted(tree: Any, prefix: str = "") -> list[str]:
@@ -137,9 +148,11 @@ def check_file_keys_under_overridden_components(loaded: Any, path: Any, override
         foreign = [k for k in keys if k not in known and not any(k == f or k.startswith(f + ".") for f in FREE_FORM)]
         if foreign:
             own = sorted(k for k in known if k.startswith(kind.section + "."))
-            raise ConfigError(f"{kind.key}={chosen} (on the command line) has no key {foreign[0]!r}, which {path} sets for "
-                              f"its {kind.key}={from_file.get(kind.selector, kind.default)}; remove it from the file (or "
-                              f"choose a {kind.selector} that reads it). {kind.key}={chosen} reads: {own}")
+            raise ConfigError(
+                f"{kind.key}={chosen} (on the command line) has no key {foreign[0]!r}, which {path} sets for "
+                f"its {kind.key}={from_file.get(kind.selector, kind.default)}; remove it from the file (or "
+                f"choose a {kind.selector} that reads it). {kind.key}={chosen} reads: {own}"
+            )
 
 
 def check_keys(keys: list[str], where: str, schema: type) -> None:

@@ -10,6 +10,7 @@ The ``rollout``, ``credit`` and ``loss`` sections belong to the components they 
 the chosen component's dataclass fields, so the schema is assembled per config by
 :meth:`TrainConfig.schema` before the YAML is merged into it.
 """
+
 from __future__ import annotations
 
 from dataclasses import MISSING as NO_DEFAULT
@@ -21,9 +22,9 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from flowrl.core import components
 from flowrl.config import keys
 from flowrl.config.secrets import redacted, refuse_redacted
+from flowrl.core import components
 from flowrl.errors import ConfigError, shown, shown_message
 from flowrl.paths import find_file, where_tried
 
@@ -43,7 +44,9 @@ class ModelSection:
     path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    guidance: Optional[float] = None  # CFG scale for rollouts (FLUX: the distilled guidance value); None → model default
+    guidance: Optional[float] = (
+        None  # CFG scale for rollouts (FLUX: the distilled guidance value); None → model default
+    )
     true_cfg: Optional[float] = None  # FLUX only: real classifier-free guidance scale (1 = off)
     height: Optional[int] = None
     width: Optional[int] = None
@@ -63,7 +66,9 @@ class ModelSection:
     # (configs/accelerate/fsdp.yaml), else ddp
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
-    offload_encoders: bool = False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
+    offload_encoders: bool = (
+        False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
+    )
     cudnn_attention: bool = False  # CUDA: let torch pick its cuDNN attention kernel (off: its backward failed for
     # FLUX.1-dev on an H200; flowrl/models/attention.py)
 
@@ -160,7 +165,9 @@ class TrainSection:
     memory_fraction: float = 0.9  # fit: the share of the device's memory the predicted peak may use
     fit_keep: list[str] = field(default_factory=list)  # fit: keys it must leave as the config sets them (key=value
     # overrides on the command line are kept too)
-    peak_tflops: Optional[float] = None  # the device's bf16 peak for perf/mfu; null = the table's (measured where known)
+    peak_tflops: Optional[float] = (
+        None  # the device's bf16 peak for perf/mfu; null = the table's (measured where known)
+    )
 
 
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
@@ -189,8 +196,9 @@ class TrainConfig:
     def schema(cls, plan: str | None = None, rule: str | None = None, objective: str | None = None) -> type:
         """The TrainConfig subclass whose ``rollout``/``credit``/``loss`` sections are the schemas of
         the named components (defaults: chains, group, clipped)."""
-        return _schema(plan or components.PLAN.default, rule or components.CREDIT.default,
-                       objective or components.LOSS.default)
+        return _schema(
+            plan or components.PLAN.default, rule or components.CREDIT.default, objective or components.LOSS.default
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> "TrainConfig":
@@ -238,9 +246,14 @@ class TrainConfig:
 
     def to_flat_dict(self) -> dict[str, Any]:
         """``{"rollout.kernel": "flow_grpo", ...}`` with lists and None as strings (for trackers' hparams)."""
+
         def flat(tree: Any, prefix: str) -> dict[str, Any]:
             if isinstance(tree, dict):
-                return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+                return {
+                    k: v
+                    for key, sub in tree.items()
+                    for k, v in flat(sub, f"{prefix}.{key}" if prefix else key).items()
+                }
             return {prefix: tree if isinstance(tree, (int, float, str, bool)) else str(tree)}
 
         return flat(self.to_dict(), "")
@@ -252,8 +265,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Checks that need no model: choices and ranges, each naming its key (:mod:`flowrl.config.checks`)."""
         from flowrl.config.bounds import check_sizes
-        from flowrl.config.chosen import load_components
         from flowrl.config.checks import check_config, check_guard, positive
+        from flowrl.config.chosen import load_components
 
         check_config(self)
         refuse_redacted(asdict(self))  # a run's saved config used again: its secrets are asked for again
@@ -261,8 +274,10 @@ class TrainConfig:
         check_sizes(self)  # step counts within their stated maxima (flowrl/config/bounds.py)
         check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
         if self.train.max_failed_iterations < 1:
-            raise ConfigError(f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
-                              "(iterations in a row with every reward failed before the run stops)")
+            raise ConfigError(
+                f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "
+                "(iterations in a row with every reward failed before the run stops)"
+            )
         for key, terms in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards or [])):
             for i, term in enumerate(terms):
                 if term.timeout is not None:
@@ -273,22 +288,31 @@ def _check_sections(loaded: Any, path: Path) -> None:
     """A config file is a mapping, and each section (``model``, ``rollout``, …) a mapping too."""
     tree = OmegaConf.to_container(loaded)
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: a config is a mapping of sections (model:, rollout:, loss:, …), "
-                          f"got a {type(tree).__name__}")
-    mappings = {f.name for f in fields(TrainConfig) if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory())}
+        raise ConfigError(
+            f"{path}: a config is a mapping of sections (model:, rollout:, loss:, …), got a {type(tree).__name__}"
+        )
+    mappings = {
+        f.name for f in fields(TrainConfig) if f.default_factory is not NO_DEFAULT and is_dataclass(f.default_factory())
+    }
     for key, value in tree.items():
         if key in mappings and value is not None and not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} in {path} is a section of keys ({key}.…), got {shown(value)}")
         if key in ("rewards",) and value is not None and not isinstance(value, list):
-            raise ConfigError(f"config key 'rewards' in {path} is a list of rewards, e.g. [{{name: shapes}}], "
-                              f"got {shown(value)}")
+            raise ConfigError(
+                f"config key 'rewards' in {path} is a list of rewards, e.g. [{{name: shapes}}], got {shown(value)}"
+            )
 
 
 @lru_cache(maxsize=None)
 def _schema(plan: str, rule: str, objective: str) -> type:
-    sections = {kind.section: components.section_schema(kind, name)
-                for kind, name in zip(components.KINDS, (plan, rule, objective))}
+    sections = {
+        kind.section: components.section_schema(kind, name)
+        for kind, name in zip(components.KINDS, (plan, rule, objective))
+    }
     if (plan, rule, objective) == tuple(k.default for k in components.KINDS):
         return TrainConfig
-    return make_dataclass("TrainConfig", [(name, schema, field(default_factory=schema)) for name, schema in sections.items()],
-                          bases=(TrainConfig,))
+    return make_dataclass(
+        "TrainConfig",
+        [(name, schema, field(default_factory=schema)) for name, schema in sections.items()],
+        bases=(TrainConfig,),
+    )

@@ -7,6 +7,7 @@ environment: a served judge reads ``api_key_env``, the reward server ``--token-e
 folder holds :data:`REDACTED` where a secret was, and :func:`refuse_redacted` asks for it again instead of sending the
 placeholder to a server.
 """
+
 from __future__ import annotations
 
 import copy
@@ -65,6 +66,8 @@ def refuse_redacted(tree: dict[str, Any]) -> None:
             for key, value in dict(term.get("kwargs") or {}).items():
                 values = value.values() if key == HEADERS and isinstance(value, dict) else [value]
                 if any(v == REDACTED for v in values):
-                    raise ConfigError(f"{section}[{i}].kwargs.{key} is {REDACTED}: a run folder never stores a secret; "
-                                      "give it again (a served judge reads it from the environment variable its "
-                                      "api_key_env names), or pass the config file the run was started with")
+                    raise ConfigError(
+                        f"{section}[{i}].kwargs.{key} is {REDACTED}: a run folder never stores a secret; "
+                        "give it again (a served judge reads it from the environment variable its "
+                        "api_key_env names), or pass the config file the run was started with"
+                    )

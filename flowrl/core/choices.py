@@ -13,6 +13,7 @@ Every key read or refused: a component declares the fields its other settings le
 (:meth:`Checked.unread_fields`: field → why), and :meth:`Checked.unread_keys` names those set away from their
 defaults; the config check refuses them for every component kind alike (:func:`flowrl.config.checks.check_config`).
 """
+
 from __future__ import annotations
 
 import dataclasses

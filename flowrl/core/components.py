@@ -1,7 +1,8 @@
 """Components by name: rollout plans, credit rules and policy objectives (docs/extending.md: a method
 is a plan × a credit rule × a loss).
 
-Each kind has a :class:`~flowrl.config.registry.Registry`, as rewards do: a config names a component by its registered name
+Each kind has a :class:`~flowrl.config.registry.Registry`, as rewards do: a config names a component by its registered
+name
 (``rollout.plan: chains``), by ``package.module:Class`` or by ``path/to/file.py:Class``. A component
 is a dataclass, and its fields are the keys of its config section, next to the few keys the loop
 itself owns there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key itself)::
@@ -13,6 +14,7 @@ and ill-typed values fail at load naming the nearest valid key, for components o
 too; :func:`instantiate` builds the component from a loaded section, which checks the fields that declare
 their choices (:mod:`flowrl.config.choices`). :func:`register` adds a name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,17 +34,18 @@ from flowrl.errors import ConfigError
 class Kind:
     """One kind of component: where it sits in the config and what it must subclass."""
 
-    section: str                       # config section, e.g. "rollout"
-    selector: str                      # key naming the component in that section, e.g. "plan"
-    default: str                       # registered name used when the key is absent
-    base: str                          # "module:Class" of the base class (imported lazily)
-    loop_keys: tuple[tuple[str, type, Any], ...] = ()   # (name, type, default) owned by the loop
+    section: str  # config section, e.g. "rollout"
+    selector: str  # key naming the component in that section, e.g. "plan"
+    default: str  # registered name used when the key is absent
+    base: str  # "module:Class" of the base class (imported lazily)
+    loop_keys: tuple[tuple[str, type, Any], ...] = ()  # (name, type, default) owned by the loop
     registry: Registry = field(default_factory=dict, compare=False, hash=False)  # given as a dict of the built-ins
 
     def __post_init__(self) -> None:
         if not isinstance(self.registry, Registry):
-            object.__setattr__(self, "registry", Registry(self.key, dict(self.registry), base=self.base,
-                                                          check=self._check))
+            object.__setattr__(
+                self, "registry", Registry(self.key, dict(self.registry), base=self.base, check=self._check)
+            )
 
     @property
     def key(self) -> str:
@@ -57,30 +60,59 @@ class Kind:
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(f"{label} resolves to {cls!r}, which is not a subclass of {public_name(base)}")
         if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"{label}: {cls.__name__} must be a dataclass (its fields are the keys of the "
-                            f"{self.section!r} section)")
+            raise TypeError(
+                f"{label}: {cls.__name__} must be a dataclass (its fields are the keys of the {self.section!r} section)"
+            )
 
 
-PLAN = Kind("rollout", "plan", "chains", "flowrl.rollout.base:RolloutPlan",
-            loop_keys=(("max_batch", int, 64),   # states per model forward; training replays the same layout
-                       ("chunks", int, 1)),      # roll out the groups in parts, scoring each while the next rolls out
-            registry={"chains": "flowrl.rollout.chains:Chains", "tree": "flowrl.rollout.tree:Tree",
-                      "explore": "flowrl.rollout.explore:Explore", "probed": "flowrl.rollout.probes:Probed",
-                      "ode": "flowrl.rollout.chains:ODEChains",
-                      "offline": "flowrl.rollout.offline:Offline"})
-CREDIT = Kind("credit", "rule", "group", "flowrl.credit.base:CreditRule",
-              registry={"group": "flowrl.credit.group:GroupAdvantage", "tree": "flowrl.credit.tree:TreeAdvantage",
-                        "turning_point": "flowrl.credit.turning_point:TurningPoint",
-                        "value_anchor": "flowrl.credit.value_anchor:ValueAnchor"})
-LOSS = Kind("loss", "objective", "clipped", "flowrl.objectives.base:Objective",
-            registry={"clipped": "flowrl.objectives.policy:PolicyLoss", "layer_tuning": "flowrl.objectives.policy:LayerTuningLoss",
-                      "nft": "flowrl.objectives.nft:NFTLoss", "awm": "flowrl.objectives.awm:AWMLoss",
-                      "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
-                      "dpo": "flowrl.objectives.dpo:DPOLoss",
-                      "gdro": "flowrl.objectives.gdro:GDROLoss",
-                      "dgpo": "flowrl.objectives.dgpo:DGPOLoss",
-                      "crd": "flowrl.objectives.crd:CRDLoss",
-                      "raft": "flowrl.objectives.best_of_n:RAFTLoss"})
+PLAN = Kind(
+    "rollout",
+    "plan",
+    "chains",
+    "flowrl.rollout.base:RolloutPlan",
+    loop_keys=(
+        ("max_batch", int, 64),  # states per model forward; training replays the same layout
+        ("chunks", int, 1),
+    ),  # roll out the groups in parts, scoring each while the next rolls out
+    registry={
+        "chains": "flowrl.rollout.chains:Chains",
+        "tree": "flowrl.rollout.tree:Tree",
+        "explore": "flowrl.rollout.explore:Explore",
+        "probed": "flowrl.rollout.probes:Probed",
+        "ode": "flowrl.rollout.chains:ODEChains",
+        "offline": "flowrl.rollout.offline:Offline",
+    },
+)
+CREDIT = Kind(
+    "credit",
+    "rule",
+    "group",
+    "flowrl.credit.base:CreditRule",
+    registry={
+        "group": "flowrl.credit.group:GroupAdvantage",
+        "tree": "flowrl.credit.tree:TreeAdvantage",
+        "turning_point": "flowrl.credit.turning_point:TurningPoint",
+        "value_anchor": "flowrl.credit.value_anchor:ValueAnchor",
+    },
+)
+LOSS = Kind(
+    "loss",
+    "objective",
+    "clipped",
+    "flowrl.objectives.base:Objective",
+    registry={
+        "clipped": "flowrl.objectives.policy:PolicyLoss",
+        "layer_tuning": "flowrl.objectives.policy:LayerTuningLoss",
+        "nft": "flowrl.objectives.nft:NFTLoss",
+        "awm": "flowrl.objectives.awm:AWMLoss",
+        "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
+        "dpo": "flowrl.objectives.dpo:DPOLoss",
+        "gdro": "flowrl.objectives.gdro:GDROLoss",
+        "dgpo": "flowrl.objectives.dgpo:DGPOLoss",
+        "crd": "flowrl.objectives.crd:CRDLoss",
+        "raft": "flowrl.objectives.best_of_n:RAFTLoss",
+    },
+)
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 
@@ -149,8 +181,13 @@ def section_schema(kind: Kind, name: str) -> type:
     spec: list[tuple[str, Any, Any]] = [(kind.selector, str, field(default=name))]
     spec += [(k, t, field(default=d)) for k, t, d in kind.loop_keys]
     for f in own:
-        default = (field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
-                   else field(default=f.default) if f.default is not dataclasses.MISSING else field())
+        default = (
+            field(default_factory=f.default_factory)
+            if f.default_factory is not dataclasses.MISSING
+            else field(default=f.default)
+            if f.default is not dataclasses.MISSING
+            else field()
+        )
         spec.append((f.name, _config_type(hints.get(f.name, Any)), default))
     schema = dataclasses.make_dataclass(f"{kind.section.title()}Section", spec)
     schema.__doc__ = f"The {kind.section!r} section for {kind.key}={name!r} ({cls.__module__}.{cls.__name__})."
@@ -195,14 +232,18 @@ def build_nested(kind: Kind, spec: str | dict[str, Any], *, key: str, refuse: ty
         raise ConfigError(f"{key}={spec!r} must be a name or a mapping, e.g. {example}")
     cls = resolve(kind, name, f"{key}.{kind.selector}")
     if refuse is not None and issubclass(cls, refuse):
-        raise ConfigError(f"{key}.{kind.selector}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot "
-                          "wrap another one; name the component to wrap")
+        raise ConfigError(
+            f"{key}.{kind.selector}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot "
+            "wrap another one; name the component to wrap"
+        )
     fields = [f.name for f in component_fields(cls)]
     given = OmegaConf.create(args)
     for k in given.keys():
         if k not in fields:
-            raise ConfigError(f"{key}: {k!r} is not a key of {kind.section}.{kind.selector}={name!r}"
-                              f"{did_you_mean(k, fields)}; its keys: {fields}")
+            raise ConfigError(
+                f"{key}: {k!r} is not a key of {kind.section}.{kind.selector}={name!r}"
+                f"{did_you_mean(k, fields)}; its keys: {fields}"
+            )
     schema = OmegaConf.structured(section_schema(kind, name))
     try:
         section = OmegaConf.to_object(OmegaConf.merge(schema, given))

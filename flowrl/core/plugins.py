@@ -5,6 +5,7 @@ resolves such names through here.
 A file is imported once per process under a stable module name derived from its absolute path, so
 two configs naming the same file share one class.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,9 @@ def import_file(path: str, what: str):
             spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[mod_name]
-            raise ImportError(f"{what} {path!r} failed while being imported{_where(e, resolved)}: "
-                              f"{type(e).__name__}: {e}") from e
+            raise ImportError(
+                f"{what} {path!r} failed while being imported{_where(e, resolved)}: {type(e).__name__}: {e}"
+            ) from e
         except BaseException:
             del sys.modules[mod_name]
             raise
@@ -63,10 +65,13 @@ def load_from_file(path: str, cls_name: str, what: str, base: type | None = None
     module = import_file(path, what)
     if not hasattr(module, cls_name):
         if base is None:
-            found = sorted(k for k, v in vars(module).items()
-                           if callable(v) and not isinstance(v, type) and not k.startswith("_"))
+            found = sorted(
+                k for k, v in vars(module).items() if callable(v) and not isinstance(v, type) and not k.startswith("_")
+            )
             raise AttributeError(f"{what} {path!r} has no function {cls_name!r} (functions in it: {found})")
-        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v is not base)
+        found = sorted(
+            k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, base) and v is not base
+        )
         raise AttributeError(f"{what} {path!r} has no class {cls_name!r} ({base.__name__} classes in it: {found})")
     return getattr(module, cls_name)
 
@@ -84,7 +89,9 @@ def import_module(module_path: str, label: str):
             msg = f"{label}: module {module_path!r} needs {missing!r}, which is not installed ({e})"
         raise ModuleNotFoundError(msg, name=missing) from e
     except Exception as e:  # the module itself raised while being imported
-        raise ImportError(f"{label}: module {module_path!r} failed while being imported: {type(e).__name__}: {e}") from e
+        raise ImportError(
+            f"{label}: module {module_path!r} failed while being imported: {type(e).__name__}: {e}"
+        ) from e
 
 
 def load_from_module(module_path: str, cls_name: str, label: str, noun: str = "class") -> type:

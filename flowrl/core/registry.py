@@ -9,6 +9,7 @@ raises :class:`NotRegistered` naming the kind, the nearest name and the accepted
 mutable mapping of its raw entries (``name in r``, ``r.pop(name)``, ``dict(r)``), writes checked by
 :meth:`Registry.register`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -37,8 +38,14 @@ class Registry(MutableMapping):
     needed; None: any object, e.g. a function). ``check(obj, label)``: raises when ``obj``, registered or
     resolved, is not acceptable (default: a subclass of ``base`` when given)."""
 
-    def __init__(self, kind: str, entries: dict[str, Any] | None = None, *, base: type | str | None = None,
-                 check: Callable[[Any, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        entries: dict[str, Any] | None = None,
+        *,
+        base: type | str | None = None,
+        check: Callable[[Any, str], None] | None = None,
+    ) -> None:
         self.kind = kind
         self._base = base
         self._check = check
@@ -91,8 +98,10 @@ class Registry(MutableMapping):
             raise ValueError(f"{self.kind} name {name!r} must be a non-empty string without ':'")
         if isinstance(target, str):
             if not all(target.rpartition(":")[::2]):
-                raise ValueError(f"{self.kind} {name!r}: a string target must be 'package.module:{self.noun}' or "
-                                 f"'path/to/file.py:{self.noun}'; got {target!r}")
+                raise ValueError(
+                    f"{self.kind} {name!r}: a string target must be 'package.module:{self.noun}' or "
+                    f"'path/to/file.py:{self.noun}'; got {target!r}"
+                )
         else:
             self._validate(target, f"{self.kind}={name!r}")
         self._entries[name] = target
@@ -106,9 +115,11 @@ class Registry(MutableMapping):
         target = self._entries.get(name) if isinstance(name, str) else None
         if target is None:
             if ":" not in str(name):
-                raise NotRegistered(f"{label} is not registered{did_you_mean(name, self._entries)}; accepted: "
-                                    f"{sorted(self._entries)}, or 'package.module:{self.noun}' or "
-                                    f"'path/to/file.py:{self.noun}'")
+                raise NotRegistered(
+                    f"{label} is not registered{did_you_mean(name, self._entries)}; accepted: "
+                    f"{sorted(self._entries)}, or 'package.module:{self.noun}' or "
+                    f"'path/to/file.py:{self.noun}'"
+                )
             target = str(name)
         obj = load_target(target, label, f"{key} file", self.base()) if isinstance(target, str) else target
         self._validate(obj, label)

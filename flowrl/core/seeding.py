@@ -3,6 +3,7 @@
 ``derive_seed(0, 3, "root", 17)`` is the same number on every machine, process and run, so any
 root state or noise draw can be rebuilt from its address (resume, Sol-RL regeneration, replays).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """What every credit rule shares: it reads a scored forest and writes advantages on its edges."""
+
 from __future__ import annotations
 
 import math
@@ -38,12 +39,14 @@ class CreditRule(Checked):
         raise NotImplementedError
 
 
-def write_edge_credit(forest: Forest, edges: torch.Tensor, advantage: torch.Tensor, train: torch.Tensor,
-                      flat: torch.Tensor | None = None) -> torch.Tensor:
+def write_edge_credit(
+    forest: Forest, edges: torch.Tensor, advantage: torch.Tensor, train: torch.Tensor, flat: torch.Tensor | None = None
+) -> torch.Tensor:
     """Write ``advantage`` [E] and weight 1 on the ``edges`` [E] marked ``train`` [E] bool, and ``flat`` 1 on those of
     them whose comparison set had no spread (``flat`` [E] bool: their advantage is 0; an objective trains them only if
     it trains flat units); every other node gets advantage 0, weight 0 and flat 0. Edges the plan left untrainable
-    (``forest.trainable`` 0: a tree's depth pruning) stay untrained. Returns which of ``edges`` were so pruned [E] bool."""
+    (``forest.trainable`` 0: a tree's depth pruning) stay untrained. Returns which of ``edges`` were so pruned [E]
+    bool."""
     pruned = forest.trainable[edges] <= 0
     train = train & ~pruned
     forest.advantage = torch.zeros(forest.num_nodes)
@@ -68,12 +71,20 @@ def set_stats(value: torch.Tensor, key: torch.Tensor, ok: torch.Tensor, num_sets
     sumsq = torch.zeros(num_sets, dtype=torch.float64).index_add_(0, k, v[ok] ** 2)
     lo = torch.full((num_sets,), math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amin")
     hi = torch.full((num_sets,), -math.inf, dtype=torch.float64).scatter_reduce(0, k, v[ok], "amax")
-    return {"count": count, "sum": total, "sumsq": sumsq, "min": lo, "max": hi, "mean": mean,
-            "std": (dev / count.clamp(min=1)).sqrt()}
+    return {
+        "count": count,
+        "sum": total,
+        "sumsq": sumsq,
+        "min": lo,
+        "max": hi,
+        "mean": mean,
+        "std": (dev / count.clamp(min=1)).sqrt(),
+    }
 
 
-def standardize(value: torch.Tensor, key: torch.Tensor, stats: dict[str, torch.Tensor], eps: float,
-                zero_std_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+def standardize(
+    value: torch.Tensor, key: torch.Tensor, stats: dict[str, torch.Tensor], eps: float, zero_std_tol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """z-scores [N] (fp64) of ``value`` [N] within the sets ``key`` [N], from their ``stats`` (:func:`set_stats`),
     and which sets are flat [num_sets] bool: fewer than two entries, or a spread ≤ ``zero_std_tol``. Entries
     of flat sets and non-finite entries get 0."""

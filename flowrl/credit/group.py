@@ -9,6 +9,7 @@ z-scores, DanceGRPO's advantage aggregation). Groups without reward spread get 0
 ``flat`` (policy objectives skip their edges, counted in ``skipped_edges``; forward-process objectives
 keep their leaves); MC-GRPO's median sample and failed rewards get weight 0 (never trained).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ class GroupAdvantage(CreditRule):
     zero_std_tol: float = 1e-6
 
     # ---- pure math on [P, G] reward tables ---------------------------------------------------
-    def normalise(self, rewards: torch.Tensor, gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def normalise(
+        self, rewards: torch.Tensor, gather: Gather | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Advantages for a reward table [P, G] (P groups of G samples).
 
         Returns ``(advantages [P, G], zero_var [P] bool, dropped [P, G] bool)``; ``dropped`` marks
@@ -85,15 +88,18 @@ class GroupAdvantage(CreditRule):
         groups = forest.group[leaves]
         num_groups = int(groups.max()) + 1 if leaves.numel() else 0
         if leaves.numel() % max(num_groups, 1) != 0 or not torch.equal(
-                groups, torch.arange(num_groups).repeat_interleave(leaves.numel() // max(num_groups, 1))):
+            groups, torch.arange(num_groups).repeat_interleave(leaves.numel() // max(num_groups, 1))
+        ):
             raise ValueError("group credit needs prompt groups of equal sizes")
         G = leaves.numel() // num_groups
         adv, zero_var, dropped = self.normalise(forest.reward[leaves].reshape(num_groups, G), gather)
         leaf_of = forest.leaf_of_each_node()
         edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
         if bool((leaf_of[edges] < 0).any()):
-            raise ValueError("group credit needs every stochastic edge to lead to one leaf (chains, or chains below a "
-                             "shared deterministic trunk); this forest branches below one: use a tree credit rule")
+            raise ValueError(
+                "group credit needs every stochastic edge to lead to one leaf (chains, or chains below a "
+                "shared deterministic trunk); this forest branches below one: use a tree credit rule"
+            )
         position = torch.full((forest.num_nodes,), -1, dtype=torch.long)
         position[leaves] = torch.arange(leaves.numel())
         on_chain = leaf_of >= 0  # trunk nodes above a group's branch point have several leaves below

@@ -24,6 +24,7 @@ no objective trains them (a forward-process objective reading the leaves include
 depth pruning left untrainable (``forest.trainable`` 0, set at rollout, see :mod:`flowrl.rollout.tree`) are
 counted as ``pruned_depth_edges``; the leaves below them are still trained by leaf objectives.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,7 +85,8 @@ def fuse(forest: Forest, beta: float) -> Fusion:
 
 @dataclass
 class TreeAdvantage(CreditRule):
-    """Credit rule for trees (docs/trees.md, "The credit rule's keys"): fusion, depth-wise advantages, width pruning; see the
+    """Credit rule for trees (docs/trees.md, "The credit rule's keys"): fusion, depth-wise advantages, width pruning;
+    see the
     module docstring for every key."""
 
     fusion: str = choice("mean", FUSIONS)
@@ -109,8 +111,9 @@ class TreeAdvantage(CreditRule):
             raise ValueError(f"credit.width_b={self.width_b} must be >= 1")
 
     # ---- pieces ---------------------------------------------------------------------------------
-    def depth_advantages(self, value: torch.Tensor, depth: torch.Tensor, tree: torch.Tensor,
-                         gather: Gather | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def depth_advantages(
+        self, value: torch.Tensor, depth: torch.Tensor, tree: torch.Tensor, gather: Gather | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """A [N] (fp64) and ``zero`` [N] bool (the node's depth set has one node or no spread) from fused
         values [N] (NaN = no valid leaf: A 0), depths [N] and tree ids [N]."""
         ok = torch.isfinite(value)
@@ -128,9 +131,23 @@ class TreeAdvantage(CreditRule):
             packed = torch.stack([local["count"], local["sum"], local["sumsq"], local["min"], local["max"]], dim=1)
             if gather is not None:
                 packed = gather(packed).reshape(-1, D, 5)
-                packed = torch.stack([packed[..., 0].sum(0), packed[..., 1].sum(0), packed[..., 2].sum(0),
-                                      packed[..., 3].min(0).values, packed[..., 4].max(0).values], dim=1)
-            stats = {"count": packed[:, 0], "sum": packed[:, 1], "sumsq": packed[:, 2], "min": packed[:, 3], "max": packed[:, 4]}
+                packed = torch.stack(
+                    [
+                        packed[..., 0].sum(0),
+                        packed[..., 1].sum(0),
+                        packed[..., 2].sum(0),
+                        packed[..., 3].min(0).values,
+                        packed[..., 4].max(0).values,
+                    ],
+                    dim=1,
+                )
+            stats = {
+                "count": packed[:, 0],
+                "sum": packed[:, 1],
+                "sumsq": packed[:, 2],
+                "min": packed[:, 3],
+                "max": packed[:, 4],
+            }
             n = stats["count"].clamp(min=1)
             stats["mean"] = stats["sum"] / n
             stats["std"] = (stats["sumsq"] / n - stats["mean"] ** 2).clamp(min=0).sqrt()
@@ -160,7 +177,9 @@ class TreeAdvantage(CreditRule):
             best = torch.full((forest.num_nodes,), -math.inf, dtype=rr.dtype).scatter_reduce(0, slot, rr, "amax")
             pos = torch.arange(leaves.numel())
             is_best = rival & (rr == best[slot])
-            first = torch.full((forest.num_nodes,), leaves.numel()).scatter_reduce(0, slot[is_best], pos[is_best], "amin")
+            first = torch.full((forest.num_nodes,), leaves.numel()).scatter_reduce(
+                0, slot[is_best], pos[is_best], "amin"
+            )
             winner = (is_best & (pos == first[slot])) | (valid & (branch < 0))  # a lone chain has no rival
             kept_leaf[leaves[winner]] = True
         else:  # extremes_b: per tree, the b best and b worst leaves
@@ -206,10 +225,10 @@ class TreeAdvantage(CreditRule):
             "adv_abs_mean": float(adv[trained].abs().mean()) if bool(trained.any()) else 0.0,
             "fusion_entropy": float(fusion.entropy[branching].mean()) if bool(branching.any()) else 0.0,
             "fusion_entropy_norm": float((fusion.entropy[branching] / fusion.count[branching].double().log()).mean())
-            if bool(branching.any()) else 0.0,
+            if bool(branching.any())
+            else 0.0,
         }
         edge_depth = depth[edge]
         for d in torch.unique(edge_depth).tolist():
             out[f"adv_std/depth_{d:02d}"] = float(adv[edge & (depth == d)].std(unbiased=False))
         return out
-

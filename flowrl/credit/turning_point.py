@@ -1,4 +1,5 @@
-"""TP-GRPO: incremental step rewards and turning points (docs/step_credit.md, "TP-GRPO: turning points"; arXiv 2602.06422).
+"""TP-GRPO: incremental step rewards and turning points (docs/step_credit.md, "TP-GRPO: turning points"; arXiv
+2602.06422).
 
 For a path with SDE steps k = 0..n−1 (then ODE): R_k = reward of the ODE completion of the state before
 SDE step k (``forest.value`` of the decision states, from ``rollout.plan: probed`` with
@@ -27,6 +28,7 @@ the same on every path; only the turning-point status and R_n − R_k depend on 
 (path, step) turning points. The z-score runs over the distinct edges at the same step of a group, so a
 step with a single edge (a trunk) gives 0, as BranchGRPO's depth-wise rule does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,8 +80,9 @@ def balance_signs(group: torch.Tensor, delta: torch.Tensor, gain: torch.Tensor, 
     return keep
 
 
-def zscore_by_step(forest: Forest, edges: torch.Tensor, values: torch.Tensor, eps: float, zero_std_tol: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+def zscore_by_step(
+    forest: Forest, edges: torch.Tensor, values: torch.Tensor, eps: float, zero_std_tol: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per (prompt group, schedule step of the edge) z-scores of ``values`` [E] over the distinct ``edges`` [E]
     (ddof 0; non-finite values are left out and get 0).
 
@@ -107,8 +110,10 @@ def per_step_stats(prefix: str, steps: torch.Tensor, values: torch.Tensor) -> di
 
 def per_step_std(prefix: str, steps: torch.Tensor, values: torch.Tensor) -> dict[str, float]:
     """``{prefix}_step{i}``: the std (ddof 0) of ``values`` [E] at schedule step i."""
-    return {f"{prefix}_step{int(i)}": float(values[steps == i].float().std(unbiased=False))
-            for i in torch.unique(steps).tolist()}
+    return {
+        f"{prefix}_step{int(i)}": float(values[steps == i].float().std(unbiased=False))
+        for i in torch.unique(steps).tolist()
+    }
 
 
 @dataclass
@@ -145,8 +150,10 @@ class TurningPoint(CreditRule):
         parent = forest.parent[edge]
         missing = torch.isnan(values[parent]) & ~torch.isin(parent, forest.probe_node)
         if bool(missing.any()):
-            raise ValueError("credit.rule=turning_point needs the value of the state before every SDE step (R_0 is the "
-                             "pure-ODE reference): use rollout.plan=probed with rollout.probe=ode_completion")
+            raise ValueError(
+                "credit.rule=turning_point needs the value of the state before every SDE step (R_0 is the "
+                "pure-ODE reference): use rollout.plan=probed with rollout.probe=ode_completion"
+            )
         M = edge.shape[0]
         indicator = torch.zeros(M, dtype=torch.bool)
         d = torch.full((M,), float("nan"))
@@ -180,7 +187,10 @@ class TurningPoint(CreditRule):
         stats = {
             "tp/rate": float(found[valid].float().mean()) if bool(valid.any()) else 0.0,
             "tp/kept_rate": float(indicator[valid].float().mean()) if bool(valid.any()) else 0.0,
-            "tp/pos": float(pos), "tp/neg": float(neg), "tp/kept_pos": float(kept_pos), "tp/kept_neg": float(kept_neg),
+            "tp/pos": float(pos),
+            "tp/neg": float(neg),
+            "tp/kept_pos": float(kept_pos),
+            "tp/kept_neg": float(kept_neg),
             "tp/sign_balance": (pos - neg) / (pos + neg) if pos + neg else 0.0,
             "tp/delta_mean": float(delta[valid & (k == 0)].mean()) if bool((valid & (k == 0)).any()) else 0.0,
             "tp/step_reward_mean": float(reward[valid].mean()) if bool(valid.any()) else 0.0,
@@ -190,7 +200,9 @@ class TurningPoint(CreditRule):
             "adv_abs_mean": float(forest.advantage[edges].abs().mean()) if edges.numel() else 0.0,
         }
         # every step keeps its key when its rewards failed (NaN), so all processes log the same keys
-        stats.update(per_step_stats("tp/rate", step, torch.where(valid, found.float(), torch.full(found.shape, float("nan")))))
+        stats.update(
+            per_step_stats("tp/rate", step, torch.where(valid, found.float(), torch.full(found.shape, float("nan"))))
+        )
         stats.update(per_step_stats("tp/value", step, values[parent]))
         stats.update(per_step_std("tp/adv_std", edge_step, forest.advantage[edges]))
         return stats

@@ -20,6 +20,7 @@ Bellman backup Q(s) = R(s) + γ·mean_children Q). The group z-score runs over t
 same step of a group (a step with one edge, a trunk, gets z = 0); t is the edge's SDE step index on its
 root path, the same for every path through it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,10 @@ class ValueAnchor(CreditRule):
         path_id, k, edge = paths.entries()
         missing = torch.isnan(values[edge]) & ~torch.isin(edge, forest.probe_node)
         if bool(missing.any()):
-            raise ValueError("credit.rule=value_anchor needs the value of every state an SDE step reaches: use "
-                             "rollout.plan=probed (rollout.probe=x0_projection or ode_completion)")
+            raise ValueError(
+                "credit.rule=value_anchor needs the value of every state an SDE step reaches: use "
+                "rollout.plan=probed (rollout.probe=x0_projection or ode_completion)"
+            )
         M = edge.shape[0]
         instant = values[edge]
         Q = torch.full((M,), float("nan"))
@@ -92,7 +95,9 @@ class ValueAnchor(CreditRule):
         edges = torch.unique(edge)
         q_edge = StepPaths.edge_mean(edge, Q, forest.num_nodes)[edges]
         w_edge = StepPaths.edge_mean(edge, omega, forest.num_nodes)[edges]
-        t_edge = torch.zeros(forest.num_nodes, dtype=torch.long).index_copy_(0, edge, k)[edges]  # SDE index on the root path
+        t_edge = torch.zeros(forest.num_nodes, dtype=torch.long).index_copy_(0, edge, k)[
+            edges
+        ]  # SDE index on the root path
         alpha = torch.where(t_edge < self.abs_steps, torch.full_like(q_edge, self.k_abs), torch.zeros_like(q_edge))
         z, zero_var, zero_ratio = zscore_by_step(forest, edges, q_edge, self.eps, self.zero_std_tol)
         adv = w_edge * (z + alpha * q_edge)
@@ -109,7 +114,9 @@ class ValueAnchor(CreditRule):
             "skipped_edges": float((~train & ~pruned).sum()),
             "pruned_depth_edges": float(pruned.sum()),
             "adv_abs_mean": float(forest.advantage[edges].abs().mean()) if edges.numel() else 0.0,
-            "vgpo/abs_term_mean": float((w_edge * alpha * q_edge)[trained].abs().mean()) if bool(trained.any()) else 0.0,
+            "vgpo/abs_term_mean": float((w_edge * alpha * q_edge)[trained].abs().mean())
+            if bool(trained.any())
+            else 0.0,
             "vgpo/rel_term_mean": float((w_edge * z)[trained].abs().mean()) if bool(trained.any()) else 0.0,
         }
         stats.update(per_step_stats("vgpo/r", step, instant))

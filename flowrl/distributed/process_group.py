@@ -1,6 +1,7 @@
 """The processes of a run, as the loop, credit rules and prompt sources see them: one object for
 gathering tensors, summing numbers and averaging gradients over an accelerate process group (with one
 process every call is the identity, so the single-process path has no collective in it)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,9 @@ class ProcessGroup:
             elif weight:
                 sums[key], sums[WEIGHT + key] = float(value) * weight, float(weight)
         total = self.reduce_sums(sums, {})
-        return {k: v / total[WEIGHT + k] if WEIGHT + k in total else v
-                for k, v in total.items() if not k.startswith(WEIGHT)}
+        return {
+            k: v / total[WEIGHT + k] if WEIGHT + k in total else v for k, v in total.items() if not k.startswith(WEIGHT)
+        }
 
     def max(self, value: float) -> float:
         """The largest ``value`` over processes."""
@@ -81,12 +83,14 @@ class ProcessGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one small collective (the updater asks every optimizer step)
         return float(t.item())
 
-    def gradient_reducer(self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0,
-                         enabled: bool = True) -> "GradientReducer":
+    def gradient_reducer(
+        self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0, enabled: bool = True
+    ) -> "GradientReducer":
         """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``world`` > 1 and
         ``enabled``: a sharded model reduces its own gradients)."""
-        return GradientReducer(params, self.world if enabled else 1, self.accelerator.device,
-                               bucket_bytes=int(bucket_mb * 2**20))
+        return GradientReducer(
+            params, self.world if enabled else 1, self.accelerator.device, bucket_bytes=int(bucket_mb * 2**20)
+        )
 
     def broadcast(self, obj):
         """The main process's ``obj`` (any picklable value), on every process."""
@@ -101,7 +105,7 @@ class ProcessGroup:
     def shard(self, items: list) -> tuple[list, int]:
         """This process's contiguous share of ``items`` (len divisible by ``world``) and its first index."""
         k = len(items) // self.world
-        return items[self.rank * k:(self.rank + 1) * k], self.rank * k
+        return items[self.rank * k : (self.rank + 1) * k], self.rank * k
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
@@ -138,8 +142,14 @@ class GradientReducer:
     outside :meth:`final` (the earlier micro-batches of an accumulation) only accumulate, like DDP's
     ``no_sync``. With one process there are no hooks, and both calls do nothing."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], world: int, device, bucket_bytes: int = 25 * 2**20,
-                 all_reduce: Callable | None = None):
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        world: int,
+        device,
+        bucket_bytes: int = 25 * 2**20,
+        all_reduce: Callable | None = None,
+    ):
         self.params, self.world, self.device = list(params), world, device
         self._all_reduce = all_reduce  # torch.distributed.all_reduce unless given (tests count the calls)
         self.dtype = self.params[0].dtype if self.params else torch.float32
@@ -174,19 +184,24 @@ class GradientReducer:
                 return
             b = self.bucket_of[i]
             if b < self.launched or self.pending[b] == 0:
-                raise RuntimeError(f"GradientReducer: parameter {i} got gradient twice in the backward that ends an "
-                                   "accumulation, after its bucket was counted ready (reentrant checkpointing or a "
-                                   "second backward under final())")
+                raise RuntimeError(
+                    f"GradientReducer: parameter {i} got gradient twice in the backward that ends an "
+                    "accumulation, after its bucket was counted ready (reentrant checkpointing or a "
+                    "second backward under final())"
+                )
             self.pending[b] -= 1
             while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
                 self._launch(self.launched)
+
         return ready
 
     def _launch(self, b: int) -> None:
         import torch.distributed as dist
 
-        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
-                 for i in self.buckets[b]]
+        grads = [
+            self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+            for i in self.buckets[b]
+        ]
         flat = torch.cat([g.detach().reshape(-1).to(self.dtype) for g in grads]).to(self.device)
         reduce = self._all_reduce or dist.all_reduce
         self.inflight.append((b, flat, reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
@@ -219,7 +234,7 @@ class GradientReducer:
                 offset = 0
                 for i in self.buckets[b]:
                     p = self.params[i]
-                    p.grad = flat[offset: offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                    p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
                     offset += p.numel()
         finally:
             self._reset()

@@ -20,6 +20,7 @@ Rules this module keeps, each learned the hard way:
   by block (``per_block``: least memory, only for plans whose forwards do not depend on the draws);
 - safetensors cannot write a sharded tensor: every consolidated write gathers first (:func:`full_state`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,7 @@ from torch import nn
 from flowrl.errors import ConfigError
 from flowrl.models.blocks import block_lists
 from flowrl.models.frozen import frozen_copies
+
 
 def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
@@ -68,8 +70,10 @@ def resolve_shard(value: str) -> str:
         return "ddp"
     version = os.environ.get("FSDP_VERSION", "1")
     if version != "2":
-        raise ConfigError(f"accelerate's FSDP plugin is on with fsdp_version: {version}; flowrl shards with FSDP2: set "
-                          "fsdp_version: 2 in the launch file's fsdp_config (configs/accelerate/fsdp.yaml)")
+        raise ConfigError(
+            f"accelerate's FSDP plugin is on with fsdp_version: {version}; flowrl shards with FSDP2: set "
+            "fsdp_version: 2 in the launch file's fsdp_config (configs/accelerate/fsdp.yaml)"
+        )
     return "fsdp"
 
 
@@ -88,15 +92,21 @@ def check_shard_settings(cfg, world: int, shard: str) -> None:
         return
     if world < 2:
         how = "model.shard=fsdp" if m.shard == "fsdp" else "accelerate's FSDP plugin (model.shard=auto)"
-        raise ConfigError(f"{how} shards the model over the processes, but this run has 1 process: launch several "
-                          "(accelerate launch --config_file configs/accelerate/fsdp.yaml … or torchrun "
-                          "--nproc_per_node N …), or set model.shard=ddp for one")
+        raise ConfigError(
+            f"{how} shards the model over the processes, but this run has 1 process: launch several "
+            "(accelerate launch --config_file configs/accelerate/fsdp.yaml … or torchrun "
+            "--nproc_per_node N …), or set model.shard=ddp for one"
+        )
     if m.dtype == "float16":
-        raise ConfigError("model.shard=fsdp with model.dtype=float16 is not supported (fp16 needs loss scaling of "
-                          "sharded gradients); use model.dtype=bfloat16")
+        raise ConfigError(
+            "model.shard=fsdp with model.dtype=float16 is not supported (fp16 needs loss scaling of "
+            "sharded gradients); use model.dtype=bfloat16"
+        )
     if cfg.optim.use_8bit:
-        raise ConfigError("model.shard=fsdp with optim.use_8bit=true is not supported (bitsandbytes' AdamW8bit does "
-                          "not take sharded parameters); sharding already divides AdamW's state by the processes")
+        raise ConfigError(
+            "model.shard=fsdp with optim.use_8bit=true is not supported (bitsandbytes' AdamW8bit does "
+            "not take sharded parameters); sharding already divides AdamW's state by the processes"
+        )
 
 
 def check_sharded_objective(objective) -> None:
@@ -106,8 +116,10 @@ def check_sharded_objective(objective) -> None:
     from flowrl.objectives.base import Objective
 
     if type(objective).auxiliary is not Objective.auxiliary:
-        raise ConfigError(f"loss.objective={name_of(objective)} adds an auxiliary loss term whose forwards differ "
-                          "between processes; it cannot run with model.shard=fsdp (use model.shard=ddp)")
+        raise ConfigError(
+            f"loss.objective={name_of(objective)} adds an auxiliary loss term whose forwards differ "
+            "between processes; it cannot run with model.shard=fsdp (use model.shard=ddp)"
+        )
 
 
 class Sharding:
@@ -146,8 +158,10 @@ class Sharding:
         for module in [self.model.trainable, *frozen_copies(self.model)]:
             blocks = block_lists(module)
             if not blocks:
-                raise ConfigError(f"model.shard=fsdp: {type(module).__name__} has no block list (no ModuleList "
-                                  "attribute named *blocks) to shard")
+                raise ConfigError(
+                    f"model.shard=fsdp: {type(module).__name__} has no block list (no ModuleList "
+                    "attribute named *blocks) to shard"
+                )
             for block in blocks:
                 fully_shard(block, **kwargs)
             fully_shard(module, **kwargs)

@@ -36,6 +36,7 @@ This module holds the public entry points, :func:`estimate` and :func:`run_estim
 - :mod:`~flowrl.estimate.sharding`: what one process holds under FSDP2 (``model.shard: fsdp``) and its gathers;
 - :mod:`~flowrl.estimate.report`: the CLI arguments and the markdown summary.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,13 +59,6 @@ from flowrl.estimate.archs import (
 from flowrl.estimate.autocast import MetaAutocast
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import GPUS, UTILISATION, GPUClass, assume_gpu, gpu_class, load_config
-from flowrl.estimate.iteration import (
-    ASSUMPTIONS,
-    GUIDANCE_DEFAULT,
-    SEQ_DEFAULT,
-    GiB,
-    estimate,
-)
 from flowrl.estimate.inputs import (
     EDIT_FAMILIES,
     Shapes,
@@ -74,23 +68,76 @@ from flowrl.estimate.inputs import (
     velocity,
     vision_tokens,
 )
+from flowrl.estimate.iteration import (
+    ASSUMPTIONS,
+    GUIDANCE_DEFAULT,
+    SEQ_DEFAULT,
+    GiB,
+    estimate,
+)
 from flowrl.estimate.report import add_estimate_arguments, format_estimate
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode, sharded_update_traces
 from flowrl.estimate.static import REWARD_MODELS, explorer_bytes
 from flowrl.estimate.trace import LiveBytes, Trace, fused_attention, trace
 
 __all__ = [
-    "ARCH_CACHE", "ARCH_DIR", "model_with_lora", "ASSUMPTIONS", "EDIT_FAMILIES", "GPUClass", "GPUS", "GUIDANCE_DEFAULT", "GiB", "SEQ_DEFAULT",
-    "LiveBytes", "MetaAutocast", "REWARD_MODELS", "Shapes", "Trace",
-    "UTILISATION", "add_estimate_arguments", "add_lora", "arch_for_model", "arch_from_folder", "arch_from_pipeline",
-    "assume_gpu", "base_family", "build_transformer", "build_vae", "default_lora_targets", "estimate", "explorer_bytes",
-    "format_estimate", "fsdp_transients", "fused_attention", "gpu_class", "held_bytes", "iteration_counts",
-    "list_archs", "load_arch", "load_config", "preset_shapes", "run_estimate", "shard_mode",
-    "sharded_update_traces", "text_encoder_params", "trace", "transformer_inputs", "velocity", "vision_tokens",
+    "ARCH_CACHE",
+    "ARCH_DIR",
+    "model_with_lora",
+    "ASSUMPTIONS",
+    "EDIT_FAMILIES",
+    "GPUClass",
+    "GPUS",
+    "GUIDANCE_DEFAULT",
+    "GiB",
+    "SEQ_DEFAULT",
+    "LiveBytes",
+    "MetaAutocast",
+    "REWARD_MODELS",
+    "Shapes",
+    "Trace",
+    "UTILISATION",
+    "add_estimate_arguments",
+    "add_lora",
+    "arch_for_model",
+    "arch_from_folder",
+    "arch_from_pipeline",
+    "assume_gpu",
+    "base_family",
+    "build_transformer",
+    "build_vae",
+    "default_lora_targets",
+    "estimate",
+    "explorer_bytes",
+    "format_estimate",
+    "fsdp_transients",
+    "fused_attention",
+    "gpu_class",
+    "held_bytes",
+    "iteration_counts",
+    "list_archs",
+    "load_arch",
+    "load_config",
+    "preset_shapes",
+    "run_estimate",
+    "shard_mode",
+    "sharded_update_traces",
+    "text_encoder_params",
+    "trace",
+    "transformer_inputs",
+    "velocity",
+    "vision_tokens",
 ]
 
-def run_estimate(config: str | None, overrides: list[str], gpu: str = "H100", processes: int = 1,
-                 shard: str | None = None, as_json: bool = False) -> int:
+
+def run_estimate(
+    config: str | None,
+    overrides: list[str],
+    gpu: str = "H100",
+    processes: int = 1,
+    shard: str | None = None,
+    as_json: bool = False,
+) -> int:
     """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp] [--json]``: print the table and the JSON of
     :func:`estimate` (``shard`` None: the config's ``model.shard``); with ``train.fit=auto`` first what
     :func:`~flowrl.estimate.fit.fit_config` chooses for ``gpu`` (the ``key=value`` overrides win), then the estimate
@@ -118,6 +165,11 @@ def summary_json(result: dict, settings: dict, fit=None) -> dict:
     """``flowrl bench --estimate --json``: ``peak_gib``, ``seconds_per_iteration`` [low, high],
     ``flops_per_iteration``, ``settings`` (the effective value of every key ``train.fit`` may choose), ``fit`` (what
     it chose, or null) and the whole ``estimate``."""
-    return {"peak_gib": result["memory_gib"]["peak"], "seconds_per_iteration": result["time"]["seconds_per_iteration"],
-            "flops_per_iteration": result["flops"]["total"], "settings": settings,
-            "fit": fit.to_json() if fit is not None else None, "estimate": result}
+    return {
+        "peak_gib": result["memory_gib"]["peak"],
+        "seconds_per_iteration": result["time"]["seconds_per_iteration"],
+        "flops_per_iteration": result["flops"]["total"],
+        "settings": settings,
+        "fit": fit.to_json() if fit is not None else None,
+        "estimate": result,
+    }

@@ -2,6 +2,7 @@
 :mod:`flowrl.models.architectures`, a local pipeline folder's configs, or a live pipeline's) and building its diffusers
 transformer and VAE and counting its text encoders on the ``meta`` device (shapes and dtypes, no memory),
 with the preset's LoRA attached by peft exactly as training attaches it."""
+
 from __future__ import annotations
 
 import functools
@@ -39,11 +40,14 @@ def arch_for_model(section) -> dict:
             return arch
     folder = Path(path)
     if folder.is_dir() and (folder / "model_index.json").is_file():
-        return arch_from_folder(folder, family="sd3" if section.family == "shapes" else section.family,
-                                shapes=section.family == "shapes")
+        return arch_from_folder(
+            folder, family="sd3" if section.family == "shapes" else section.family, shapes=section.family == "shapes"
+        )
     known = sorted(i for n in list_archs() for i in load_arch(n)["hub_ids"])
-    raise ConfigError(f"model.path={path!r}: no stored architecture for it and not a local pipeline folder; stored "
-                      f"hub ids: {known} (add a JSON file to flowrl/models/archs/ for another model)")
+    raise ConfigError(
+        f"model.path={path!r}: no stored architecture for it and not a local pipeline folder; stored "
+        f"hub ids: {known} (add a JSON file to flowrl/models/archs/ for another model)"
+    )
 
 
 def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> dict:
@@ -64,8 +68,11 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         raise ConfigError(f"{folder}: a pipeline folder needs transformer/ and vae/ with their config.json")
     encoders = [c for c in (component(n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")) if c]
     for enc in encoders:
-        enc["config"] = {k: v for k, v in enc["config"].items() if k not in ("architectures", "transformers_version",
-                                                                             "dtype", "torch_dtype")}
+        enc["config"] = {
+            k: v
+            for k, v in enc["config"].items()
+            if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")
+        }
     clip_tokens = 0
     if family == "sd3":
         tok = folder / "tokenizer" / "tokenizer_config.json"
@@ -73,18 +80,28 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     vae_config = vae["config"]
     blocks = vae_config.get("block_out_channels") or vae_config.get("decoder_block_out_channels") or [0]
     downsample = vae_config.get("temperal_downsample")  # the video VAEs (Qwen-Image, Wan): one ×2 per stage
-    vae.update(scale_factor=2 ** (len(downsample) if downsample is not None else len(blocks) - 1),
-               latent_channels=vae_config.get("latent_channels") or vae_config.get("z_dim"))
+    vae.update(
+        scale_factor=2 ** (len(downsample) if downsample is not None else len(blocks) - 1),
+        latent_channels=vae_config.get("latent_channels") or vae_config.get("z_dim"),
+    )
     if downsample is not None and family == "wan":
         vae["temporal_factor"] = 2 ** sum(bool(d) for d in downsample)
     arch = {
-        "name": folder.name, "key": str(folder), "family": family, "hub_ids": [],
-        "transformer": transformer, "text_encoders": encoders, "vae": vae,
+        "name": folder.name,
+        "key": str(folder),
+        "family": family,
+        "hub_ids": [],
+        "transformer": transformer,
+        "text_encoders": encoders,
+        "vae": vae,
         "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family)},
     }
     if family in EDIT_FAMILIES:  # the edit models' image processor (the hub's layout, or the newer one)
-        found = [p for p in (folder / "processor" / "preprocessor_config.json",
-                             folder / "processor" / "processor_config.json") if p.is_file()]
+        found = [
+            p
+            for p in (folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json")
+            if p.is_file()
+        ]
         if found:
             config = json.loads(found[0].read_text())
             arch["text"]["vision"] = vision_settings(config.get("image_processor", config))
@@ -94,9 +111,15 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     return arch
 
 
-PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "SanaPipeline": "sana",
-                     "QwenImagePipeline": "qwen_image", "QwenImageEditPipeline": "qwen_image_edit",
-                     "Flux2Pipeline": "flux2", "WanPipeline": "wan"}
+PIPELINE_FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "SanaPipeline": "sana",
+    "QwenImagePipeline": "qwen_image",
+    "QwenImageEditPipeline": "qwen_image_edit",
+    "Flux2Pipeline": "flux2",
+    "WanPipeline": "wan",
+}
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
 TEXT_LIMITS = {"qwen_image": 1024}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
@@ -112,9 +135,12 @@ def vision_settings(processor: dict) -> dict:
     ``merge_size``, and the pixel bounds of its resize as ``min_pixels``/``max_pixels`` or, in newer configs,
     ``size.shortest_edge``/``size.longest_edge``)."""
     size = processor.get("size") or {}
-    return {"patch_size": int(processor["patch_size"]), "merge_size": int(processor["merge_size"]),
-            "min_pixels": int(processor.get("min_pixels") or size["shortest_edge"]),
-            "max_pixels": int(processor.get("max_pixels") or size["longest_edge"])}
+    return {
+        "patch_size": int(processor["patch_size"]),
+        "merge_size": int(processor["merge_size"]),
+        "min_pixels": int(processor.get("min_pixels") or size["shortest_edge"]),
+        "max_pixels": int(processor.get("max_pixels") or size["longest_edge"]),
+    }
 
 
 VIDEO_DEFAULTS = ("height", "width", "num_frames", "guidance_scale", "max_sequence_length")
@@ -131,22 +157,38 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
     family = family or PIPELINE_FAMILIES.get(name)
     if family is None:
         raise ConfigError(f"no estimate for a {name}; supported: {', '.join(PIPELINE_FAMILIES)}")
-    encoders = [{"name": n, "class": type(m).__name__, "params": sum(p.numel() for p in m.parameters()),
-                 "dtype": str(next(m.parameters()).dtype).replace("torch.", "")}
-                for n in ("text_encoder", "text_encoder_2", "text_encoder_3") if (m := getattr(pipe, n, None)) is not None]
+    encoders = [
+        {
+            "name": n,
+            "class": type(m).__name__,
+            "params": sum(p.numel() for p in m.parameters()),
+            "dtype": str(next(m.parameters()).dtype).replace("torch.", ""),
+        }
+        for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
+        if (m := getattr(pipe, n, None)) is not None
+    ]
     clip_tokens = int(pipe.tokenizer.model_max_length) if family == "sd3" else 0
     vae_config = pipe.vae.config
     scale = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
-    vae = {"class": type(pipe.vae).__name__, "config": dict(vae_config), "scale_factor": int(scale),
-           "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim")}
+    vae = {
+        "class": type(pipe.vae).__name__,
+        "config": dict(vae_config),
+        "scale_factor": int(scale),
+        "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim"),
+    }
     if family == "wan":
         vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
-    text = {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family),
-            "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale)}
+    text = {
+        "clip_tokens": clip_tokens,
+        "max_sequence_length_limit": text_limit(family),
+        "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale),
+    }
     if family in EDIT_FAMILIES:
         text["vision"] = vision_settings(pipe.processor.image_processor.to_dict())
     arch = {
-        "name": f"{name} (in memory)", "family": family, "hub_ids": [],
+        "name": f"{name} (in memory)",
+        "family": family,
+        "hub_ids": [],
         "transformer": {"class": type(pipe.transformer).__name__, "config": dict(pipe.transformer.config)},
         "vae": vae,
         "text_encoders": encoders,
@@ -224,8 +266,14 @@ def add_lora(module: nn.Module, rank: int, alpha: float, targets: list[str], ini
     module.requires_grad_(False)
     try:
         with torch.device("meta"):  # peft builds the LoRA layers on the default device: keep them shapes only
-            module.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                                          init_lora_weights=init if init != "default" else True))
+            module.add_adapter(
+                LoraConfig(
+                    r=rank,
+                    lora_alpha=alpha,
+                    target_modules=list(targets),
+                    init_lora_weights=init if init != "default" else True,
+                )
+            )
     except ValueError as e:
         raise ConfigError(f"model.lora.targets={list(targets)}: {e}") from e
     # fp32 LoRA on any base dtype, as training keeps it (peft's cast_adapter_dtype: flowrl.models.lora)
@@ -239,8 +287,9 @@ def default_lora_targets(family: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def model_with_lora(arch_key: str, dtype_name: str, lora: tuple | None,
-                    gathered: bool = False) -> tuple[nn.Module, int]:
+def model_with_lora(
+    arch_key: str, dtype_name: str, lora: tuple | None, gathered: bool = False
+) -> tuple[nn.Module, int]:
     """(meta transformer with the LoRA ``lora`` = (rank, alpha, targets, init) attached or None for full
     fine-tuning, number of LoRA layers); cached: building FLUX with LoRA takes a few seconds.
 

@@ -16,6 +16,7 @@ the same casts to meta tensors, so the traced memory is what autocast allocates:
 The op lists are torch's (``aten/src/ATen/autocast_mode.cpp``) for the ops diffusers' transformers call; ops not
 listed run in their inputs' dtype (type promotion), as under autocast.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,25 +29,111 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 LOW_PRECISION_OPS = {
-    "cuda": frozenset({
-        "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "addmm", "addmv", "addr", "baddbmm",
-        "addbmm", "einsum", "chain_matmul", "multi_dot", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
-        "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}),
-    "cpu": frozenset({
-        "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "conv1d",
-        "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu",
-        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}),
+    "cuda": frozenset(
+        {
+            "linear",
+            "matmul",
+            "__matmul__",
+            "__rmatmul__",
+            "mm",
+            "mv",
+            "bmm",
+            "addmm",
+            "addmv",
+            "addr",
+            "baddbmm",
+            "addbmm",
+            "einsum",
+            "chain_matmul",
+            "multi_dot",
+            "conv1d",
+            "conv2d",
+            "conv3d",
+            "conv_transpose1d",
+            "conv_transpose2d",
+            "conv_transpose3d",
+            "conv_tbc",
+            "prelu",
+            "scaled_dot_product_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+        }
+    ),
+    "cpu": frozenset(
+        {
+            "linear",
+            "matmul",
+            "__matmul__",
+            "__rmatmul__",
+            "mm",
+            "bmm",
+            "addmm",
+            "baddbmm",
+            "addbmm",
+            "conv1d",
+            "conv2d",
+            "conv3d",
+            "conv_transpose1d",
+            "conv_transpose2d",
+            "conv_transpose3d",
+            "conv_tbc",
+            "prelu",
+            "scaled_dot_product_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        }
+    ),
 }
 """Ops autocast runs in the low-precision dtype, by the name a ``TorchFunctionMode`` sees, per device type."""
 FP32_OPS = {
-    "cuda": frozenset({
-        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-        "sinh", "tan", "pow", "__pow__", "softplus", "layer_norm", "group_norm", "cosine_similarity", "logsumexp",
-        "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "binary_cross_entropy_with_logits",
-        "dist", "pdist", "cdist", "renorm"}),
-    "cpu": frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss", "cdist",
-                      "binary_cross_entropy_with_logits", "prod"}),
+    "cuda": frozenset(
+        {
+            "acos",
+            "asin",
+            "cosh",
+            "erfinv",
+            "exp",
+            "expm1",
+            "log",
+            "log10",
+            "log2",
+            "log1p",
+            "reciprocal",
+            "rsqrt",
+            "sinh",
+            "tan",
+            "pow",
+            "__pow__",
+            "softplus",
+            "layer_norm",
+            "group_norm",
+            "cosine_similarity",
+            "logsumexp",
+            "mse_loss",
+            "l1_loss",
+            "smooth_l1_loss",
+            "huber_loss",
+            "kl_div",
+            "nll_loss",
+            "binary_cross_entropy_with_logits",
+            "dist",
+            "pdist",
+            "cdist",
+            "renorm",
+        }
+    ),
+    "cpu": frozenset(
+        {
+            "mse_loss",
+            "l1_loss",
+            "smooth_l1_loss",
+            "huber_loss",
+            "kl_div",
+            "nll_loss",
+            "cdist",
+            "binary_cross_entropy_with_logits",
+            "prod",
+        }
+    ),
 }
 """Ops autocast runs in fp32 (their low-precision inputs cast up), per device type."""
 FP32_DTYPE_OPS = {"cuda": frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod"}), "cpu": frozenset()}
@@ -84,8 +171,13 @@ class _Casts(TorchFunctionMode):
             args, kwargs = tree_map(self.low, (args, kwargs))
         elif name in FP32_OPS[self.target]:
             args, kwargs = tree_map(self.up, (args, kwargs))
-        elif (name in FP32_DTYPE_OPS[self.target] and args and isinstance(args[0], torch.Tensor)
-              and args[0].dtype in LOW and kwargs.get("dtype") is None):
+        elif (
+            name in FP32_DTYPE_OPS[self.target]
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dtype in LOW
+            and kwargs.get("dtype") is None
+        ):
             kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
 

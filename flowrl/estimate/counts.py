@@ -3,6 +3,7 @@ process, averaged over iterations spread over the run. Read from what the plan d
 (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`) and the objective declares
 (:meth:`~flowrl.objectives.base.Objective.describe`: what it trains on, its rows per iteration), so an
 out-of-tree plan or objective is estimated from its own declarations."""
+
 from __future__ import annotations
 
 from flowrl.rollout.base import RolloutContext
@@ -22,9 +23,16 @@ def iteration_counts(plan, objective, num_prompts: int, max_steps: int, seed: in
         units = counts["leaves"] if facts.trains_on == "leaves" else counts["trained_edges"]
         scored = counts["leaves"] + counts.get("probes", 0)
         pool = counts.get("explore_decodes", 0)
-        row = {"forwards": counts["forwards"], "explore_forwards": counts.get("explore_forwards", 0),
-               "decodes": scored + pool, "leaves": counts["leaves"], "trained_units": units,
-               "train_rows": facts.train_rows({**counts, "groups": num_prompts}), "scored": scored, "pool": pool}
+        row = {
+            "forwards": counts["forwards"],
+            "explore_forwards": counts.get("explore_forwards", 0),
+            "decodes": scored + pool,
+            "leaves": counts["leaves"],
+            "trained_units": units,
+            "train_rows": facts.train_rows({**counts, "groups": num_prompts}),
+            "scored": scored,
+            "pool": pool,
+        }
         for k, v in row.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(iterations) for k, v in sums.items()}

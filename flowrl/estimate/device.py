@@ -1,6 +1,7 @@
 """The estimate for the device a run is on: ``train.fit: auto`` before the model loads (:func:`fit_for_run`) and the
 FLOPs and peak behind ``perf/tflops`` and ``perf/mfu`` (:func:`perf_meter`). A CUDA device is matched to its GPU class
 by name (its memory read from the device); a CPU run is fitted to the host's memory with the CPU's kernels."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,15 @@ def world_size() -> int:
 def fit_for_run(cfg, overrides: Iterable[str] = ()) -> Fit:
     """:func:`fit_config` of ``cfg`` for the device at hand; the keys of ``overrides`` (``key=value``) are kept."""
     gpu, memory, target, description = device_at_hand(cfg)
-    return fit_config(cfg, gpu, processes=world_size(), capacity_gib=memory, keep=kept_keys(overrides), target=target,
-                      device=description)
+    return fit_config(
+        cfg,
+        gpu,
+        processes=world_size(),
+        capacity_gib=memory,
+        keep=kept_keys(overrides),
+        target=target,
+        device=description,
+    )
 
 
 def perf_meter(cfg, flops_per_iteration: float | None = None, arch: dict | None = None) -> PerfMeter | None:
@@ -50,11 +58,13 @@ def perf_meter(cfg, flops_per_iteration: float | None = None, arch: dict | None 
     gpu, _, target, _ = device_at_hand(cfg)
     if flops_per_iteration is None:
         try:
-            flops_per_iteration = float(estimate(cfg, gpu=gpu, processes=world_size(), arch=arch,
-                                                 target=target)["flops"]["total"])
+            flops_per_iteration = float(
+                estimate(cfg, gpu=gpu, processes=world_size(), arch=arch, target=target)["flops"]["total"]
+            )
         except Exception as e:  # noqa: BLE001 - a side metric never stops a run (an out-of-tree plan or family)
-            warnings.warn(f"no perf/tflops for this run: its model cannot be estimated ({e})", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"no perf/tflops for this run: its model cannot be estimated ({e})", RuntimeWarning, stacklevel=2
+            )
             return None
     peak = cfg.train.peak_tflops or (GPUS[gpu].peak_tflops if target == "cuda" else None)
     return PerfMeter(flops_per_iteration, peak)

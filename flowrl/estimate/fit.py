@@ -26,6 +26,7 @@ How it chooses, in three steps:
 A config whose least-memory settings do not fit is refused with the predicted peak, the capacity and what would make
 it fit, each estimated: LoRA instead of full fine-tuning, FSDP over N GPUs, a lower resolution.
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,11 +71,14 @@ class Fit:
     target: str = "cuda"
 
     def summary(self) -> list[str]:
-        """Printable lines: the device, the predicted peak and s/iteration, each key and whether fit or the user set it."""
+        """Printable lines: the device, the predicted peak and s/iteration, each key and whether fit or the user set
+        it."""
         lo, hi = self.seconds_per_iteration
         timing = f", {_seconds(lo)}–{_seconds(hi)} s/iteration" if self.target == "cuda" else ""  # a GPU's range
-        lines = [f"train.fit=auto for {self.device}: predicted peak {gib(self.peak_gib)} of {gib(self.budget_gib)} "
-                 f"(train.memory_fraction × {gib(self.capacity_gib)}){timing}"]
+        lines = [
+            f"train.fit=auto for {self.device}: predicted peak {gib(self.peak_gib)} of {gib(self.budget_gib)} "
+            f"(train.memory_fraction × {gib(self.capacity_gib)}){timing}"
+        ]
         for key, value in self.settings.items():
             if key in self.kept:
                 note = "set explicitly: it wins"
@@ -86,10 +90,17 @@ class Fit:
         return lines
 
     def to_json(self) -> dict:
-        return {"device": self.device, "peak_gib": self.peak_gib, "budget_gib": self.budget_gib,
-                "capacity_gib": self.capacity_gib, "seconds_per_iteration": self.seconds_per_iteration,
-                "flops_per_iteration": self.flops_per_iteration, "settings": self.settings, "kept": self.kept,
-                "changed": {k: list(v) for k, v in self.changed.items()}}
+        return {
+            "device": self.device,
+            "peak_gib": self.peak_gib,
+            "budget_gib": self.budget_gib,
+            "capacity_gib": self.capacity_gib,
+            "seconds_per_iteration": self.seconds_per_iteration,
+            "flops_per_iteration": self.flops_per_iteration,
+            "settings": self.settings,
+            "kept": self.kept,
+            "changed": {k: list(v) for k, v in self.changed.items()},
+        }
 
 
 def _shown(value: Any) -> str:
@@ -102,10 +113,13 @@ def _seconds(x: float) -> str:
 
 def settings_of(cfg) -> dict[str, Any]:
     """The effective value of every key :func:`fit_config` may choose, as ``cfg`` sets them."""
-    return {"rollout.max_batch": int(cfg.rollout.max_batch), "train.micro_batch": cfg.train.micro_batch,
-            "model.gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
-            "model.checkpoint_blocks": cfg.model.checkpoint_blocks,
-            "model.offload_encoders": bool(cfg.model.offload_encoders)}
+    return {
+        "rollout.max_batch": int(cfg.rollout.max_batch),
+        "train.micro_batch": cfg.train.micro_batch,
+        "model.gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+        "model.checkpoint_blocks": cfg.model.checkpoint_blocks,
+        "model.offload_encoders": bool(cfg.model.offload_encoders),
+    }
 
 
 def with_settings(cfg, settings: dict[str, Any]):
@@ -183,10 +197,13 @@ class _MemoryModel:
         p = mem["phases"]
         encoders = mem["text_encoders"] + mem["offloaded_to_cpu"]
         b = min(b, self.b[1])
-        return {"rollout": self._line("activations_rollout", "b")(b) + p["rollout"] - mem["activations_rollout"],
-                "decode": self._line("activations_decode", "b")(b),
-                "update": self.update(u, k) + p["update"] - mem["activations_update"],
-                "optimizer_step": p["optimizer_step"], "encode": encoders if offload else 0.0}
+        return {
+            "rollout": self._line("activations_rollout", "b")(b) + p["rollout"] - mem["activations_rollout"],
+            "decode": self._line("activations_decode", "b")(b),
+            "update": self.update(u, k) + p["update"] - mem["activations_update"],
+            "optimizer_step": p["optimizer_step"],
+            "encode": encoders if offload else 0.0,
+        }
 
     def base(self, offload: bool) -> float:
         """Bytes held through the iteration (GiB), the text encoders' on the device unless offloaded; the host
@@ -221,8 +238,17 @@ class _Candidate:
 class _Chooser:
     """The candidates of one config and device, best first."""
 
-    def __init__(self, cfg, keep: set[str], model: _MemoryModel, budget: float, policy: bool, unit: int,
-                 caps: tuple[int, int], tokens_per_row: int):
+    def __init__(
+        self,
+        cfg,
+        keep: set[str],
+        model: _MemoryModel,
+        budget: float,
+        policy: bool,
+        unit: int,
+        caps: tuple[int, int],
+        tokens_per_row: int,
+    ):
         self.cfg, self.keep, self.model, self.budget, self.policy = cfg, keep, model, budget, policy
         self.unit, self.caps, self.tokens = unit, caps, tokens_per_row
 
@@ -270,14 +296,27 @@ class _Chooser:
 
     def settings(self, c: _Candidate) -> dict[str, Any]:
         n = self.model.blocks
-        return {"rollout.max_batch": c.b, "train.micro_batch": None if self.policy else c.u,
-                "model.gradient_checkpointing": c.k > 0, "model.checkpoint_blocks": None if c.k in (0, n) else c.k,
-                "model.offload_encoders": c.offload}
+        return {
+            "rollout.max_batch": c.b,
+            "train.micro_batch": None if self.policy else c.u,
+            "model.gradient_checkpointing": c.k > 0,
+            "model.checkpoint_blocks": None if c.k in (0, n) else c.k,
+            "model.offload_encoders": c.offload,
+        }
 
 
-def fit_config(cfg, gpu: str = "H100", *, processes: int = 1, capacity_gib: float | None = None,
-               keep: Iterable[str] = (), arch: dict | None = None, target: str = "cuda",
-               shard: str | None = None, device: str | None = None) -> Fit:
+def fit_config(
+    cfg,
+    gpu: str = "H100",
+    *,
+    processes: int = 1,
+    capacity_gib: float | None = None,
+    keep: Iterable[str] = (),
+    arch: dict | None = None,
+    target: str = "cuda",
+    shard: str | None = None,
+    device: str | None = None,
+) -> Fit:
     """The settings of ``cfg`` that fill ``capacity_gib`` (default: the GPU class ``gpu``'s memory) ×
     ``train.memory_fraction`` by the estimate (see the module's docstring); ``keep``: keys (of :data:`FIT_KEYS`) to
     leave as ``cfg`` sets them, besides ``train.fit_keep``. Raises :class:`ConfigError` when even the least-memory
@@ -288,8 +327,17 @@ def fit_config(cfg, gpu: str = "H100", *, processes: int = 1, capacity_gib: floa
     return _fit(cfg, gpu, processes, capacity_gib, keep, arch, target, shard, device)
 
 
-def _fit(cfg, gpu: str, processes: int, capacity_gib: float | None, keep: Iterable[str], arch: dict | None,
-         target: str, shard: str | None, device: str | None) -> Fit:
+def _fit(
+    cfg,
+    gpu: str,
+    processes: int,
+    capacity_gib: float | None,
+    keep: Iterable[str],
+    arch: dict | None,
+    target: str,
+    shard: str | None,
+    device: str | None,
+) -> Fit:
     spec = gpu_class(gpu)
     capacity = float(capacity_gib if capacity_gib is not None else spec.memory_gib)
     budget = capacity * float(cfg.train.memory_fraction)
@@ -330,21 +378,38 @@ def _kept_u(cfg) -> int:
 def _probe(cfg, b: int, u: int, keep: set[str], policy: bool) -> dict[str, Any]:
     """Settings of a probe: batches ``b`` and ``u``, every block checkpointed (the estimate reports the update with
     and without), encoders on the device (the model adds their offload)."""
-    settings = {"rollout.max_batch": b, "train.micro_batch": None if policy else u,
-                "model.gradient_checkpointing": True, "model.checkpoint_blocks": None, "model.offload_encoders": False}
+    settings = {
+        "rollout.max_batch": b,
+        "train.micro_batch": None if policy else u,
+        "model.gradient_checkpointing": True,
+        "model.checkpoint_blocks": None,
+        "model.offload_encoders": False,
+    }
     return {k: v for k, v in settings.items() if k not in keep or k == "model.checkpoint_blocks"}
 
 
-def _result(cfg, fitted, result: dict, keep: set[str], budget: float, capacity: float, device: str,
-            target: str) -> Fit:
+def _result(cfg, fitted, result: dict, keep: set[str], budget: float, capacity: float, device: str, target: str) -> Fit:
     before, after = settings_of(cfg), settings_of(fitted)
     changed = {k: (before[k], after[k]) for k in after if before[k] != after[k]}
-    return Fit(fitted, after, changed, sorted(keep), result["memory_gib"]["peak"], budget, capacity, device,
-               list(result["time"]["seconds_per_iteration"]), float(result["flops"]["total"]), result, target)
+    return Fit(
+        fitted,
+        after,
+        changed,
+        sorted(keep),
+        result["memory_gib"]["peak"],
+        budget,
+        capacity,
+        device,
+        list(result["time"]["seconds_per_iteration"]),
+        float(result["flops"]["total"]),
+        result,
+        target,
+    )
 
 
-def _refusal(cfg, chooser: _Chooser, budget: float, capacity: float, device: str, run: dict,
-             size: tuple[int, int]) -> str:
+def _refusal(
+    cfg, chooser: _Chooser, budget: float, capacity: float, device: str, run: dict, size: tuple[int, int]
+) -> str:
     """The refusal: the least-memory settings' predicted peak, the capacity, and each remedy's estimated peak."""
     least = chooser.least()
     settings = chooser.settings(least)
@@ -359,10 +424,13 @@ def _refusal(cfg, chooser: _Chooser, budget: float, capacity: float, device: str
             continue
         remedies.append(f"{label}: {gib(got)}" + (" (fits)" if got <= budget else " (does not fit either)"))
     shown = ", ".join(f"{k}={_shown(v)}" for k, v in settings.items())
-    return (f"train.fit=auto: this config cannot fit {device}: even its least-memory settings ({shown}) need "
-            f"{gib(peak)} by the estimate, over {gib(budget)} (train.memory_fraction={cfg.train.memory_fraction} "
-            f"× {gib(capacity)}). What the estimate says of each remedy: " + ("; ".join(remedies) or "none found")
-            + ". (`flowrl bench CONFIG --estimate --gpu NAME [key=value ...]` estimates any other setting.)")
+    return (
+        f"train.fit=auto: this config cannot fit {device}: even its least-memory settings ({shown}) need "
+        f"{gib(peak)} by the estimate, over {gib(budget)} (train.memory_fraction={cfg.train.memory_fraction} "
+        f"× {gib(capacity)}). What the estimate says of each remedy: "
+        + ("; ".join(remedies) or "none found")
+        + ". (`flowrl bench CONFIG --estimate --gpu NAME [key=value ...]` estimates any other setting.)"
+    )
 
 
 def _remedies(cfg, processes: int, size: tuple[int, int]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -380,6 +448,11 @@ def _remedies(cfg, processes: int, size: tuple[int, int]) -> list[tuple[str, dic
     h, w = size
     for scale in (2, 4):
         if h // scale >= 128 and w // scale >= 128:
-            out.append((f"model.height={h // scale} model.width={w // scale}",
-                        {"model.height": h // scale, "model.width": w // scale}, {}))
+            out.append(
+                (
+                    f"model.height={h // scale} model.width={w // scale}",
+                    {"model.height": h // scale, "model.width": w // scale},
+                    {},
+                )
+            )
     return out

@@ -1,6 +1,7 @@
 """The GPU classes an estimate is made for (peak bf16 TFLOP/s, usable memory, compute capability, fp8
 speed-up), the assumed utilisation that turns FLOPs into the s/iteration range, and loading a config as if
 on one of them (an explorer backend is checked against the named GPU, not this machine)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import flowrl.rollout.precision as precision
-from flowrl.core.choices import choose
 from flowrl.config.schema import TrainConfig
+from flowrl.core.choices import choose
 from flowrl.errors import ConfigError
 from flowrl.paths import DEFAULT_CONFIG
 
@@ -61,7 +62,6 @@ def gpu_class(name: str) -> GPUClass:
     raise ConfigError(f"unknown GPU class {name!r}; accepted: {sorted(GPUS)}")
 
 
-
 def gpu_class_of_device(device_name: str) -> str | None:
     """The :data:`GPUS` key whose name a CUDA device's name contains (``NVIDIA H200`` → ``H200``), else None."""
     name = device_name.upper().replace(" ", "")
@@ -84,8 +84,10 @@ def assume_gpu(gpu: str) -> Iterator[None]:
         choose(key, backend, precision.BACKENDS)
         need = {"fp8": (8, 9), "nvfp4": (8, 9)}.get(backend)
         if need is not None and spec.capability < need:
-            raise ConfigError(f"{key}={backend!r} needs compute capability >= {need[0]}.{need[1]}; "
-                              f"{spec.name} has {spec.capability[0]}.{spec.capability[1]}")
+            raise ConfigError(
+                f"{key}={backend!r} needs compute capability >= {need[0]}.{need[1]}; "
+                f"{spec.name} has {spec.capability[0]}.{spec.capability[1]}"
+            )
 
     precision.check_backend = check
     try:
@@ -95,7 +97,7 @@ def assume_gpu(gpu: str) -> Iterator[None]:
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, gpu: str = "H100"):
-    """``TrainConfig.from_yaml(path, overrides)`` with explorer backends checked against ``gpu`` (:func:`assume_gpu`)."""
+    """``TrainConfig.from_yaml(path, overrides)`` with explorer backends checked against ``gpu``
+    (:func:`assume_gpu`)."""
     with assume_gpu(gpu):
         return TrainConfig.from_yaml(path or DEFAULT_CONFIG, overrides or [])
-

@@ -1,6 +1,7 @@
 """The transformer's inputs at a preset's shapes: latent and token counts of an image size
 (:class:`Shapes`), the meta tensors of one transformer call as the adapters build them, and one adapter
 ``velocity`` call (CFG rows, flux packing) on them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,8 +87,13 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
         if frames is None or frames < 1 or (frames - 1) % t:
             raise ConfigError(f"model.kwargs.num_frames={frames}: must be {t}·k + 1 for {arch['name']}")
         latent_frames = (frames - 1) // t + 1
-        return Shapes(height, width, (int(config["in_channels"]), latent_frames, h, w),
-                      latent_frames * (h // patch) * (w // patch), text)
+        return Shapes(
+            height,
+            width,
+            (int(config["in_channels"]), latent_frames, h, w),
+            latent_frames * (h // patch) * (w // patch),
+            text,
+        )
     return Shapes(height, width, (int(config["in_channels"]), h, w), (h // patch) * (w // patch), text)
 
 
@@ -115,44 +121,62 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
     meta = {"device": "meta"}
     timestep = torch.empty(rows, dtype=torch.float32, **meta)
     if family == "sd3":
-        return {"hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta), "timestep": timestep,
-                "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
-                "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta)}
+        return {
+            "hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+            "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
+        }
     if family == "flux":
         tokens = shapes.image_tokens
-        out = {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
-               "timestep": timestep,
-               "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
-               "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
-               "txt_ids": torch.empty(L, 3, dtype=dtype, **meta), "img_ids": torch.empty(tokens, 3, dtype=dtype, **meta)}
+        out = {
+            "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+            "timestep": timestep,
+            "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
+            "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+            "txt_ids": torch.empty(L, 3, dtype=dtype, **meta),
+            "img_ids": torch.empty(tokens, 3, dtype=dtype, **meta),
+        }
         if config.get("guidance_embeds"):
             out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
         return out
     if family == "sana":
-        return {"hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
-                "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
-                "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta), "timestep": timestep}
+        return {
+            "hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
+            "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
+            "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+            "timestep": timestep,
+        }
     if family == "qwen_image":
         tokens = shapes.image_tokens + shapes.source_tokens
-        return {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
-                "timestep": timestep,
-                "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
-                "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
-                "img_shapes": [[(1, h // 2, w // 2)] * (2 if shapes.source_tokens else 1)] * rows}
+        return {
+            "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+            "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+            "img_shapes": [[(1, h // 2, w // 2)] * (2 if shapes.source_tokens else 1)] * rows,
+        }
     if family == "flux2":
         tokens = shapes.image_tokens
-        out = {"hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
-               "timestep": timestep,
-               "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
-               "txt_ids": torch.zeros(1, L, 4, dtype=torch.long, **meta),
-               "img_ids": torch.zeros(1, tokens, 4, dtype=torch.long, **meta)}
+        out = {
+            "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+            "txt_ids": torch.zeros(1, L, 4, dtype=torch.long, **meta),
+            "img_ids": torch.zeros(1, tokens, 4, dtype=torch.long, **meta),
+        }
         if config.get("guidance_embeds"):
             out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
         return out
     if family == "wan":
-        return {"hidden_states": torch.empty(rows, *shapes.latent, dtype=dtype, **meta), "timestep": timestep,
-                "encoder_hidden_states": torch.empty(rows, L, config["text_dim"], dtype=dtype, **meta)}
-    raise ConfigError(f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan")
+        return {
+            "hidden_states": torch.empty(rows, *shapes.latent, dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["text_dim"], dtype=dtype, **meta),
+        }
+    raise ConfigError(
+        f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan"
+    )
 
 
 def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -176,7 +200,7 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
     inputs["hidden_states"] = torch.cat([hidden, hidden]) if cfg else hidden
     out = module(**inputs, return_dict=False)[0]
     if shapes.source_tokens:
-        out = out[:, :shapes.image_tokens]
+        out = out[:, : shapes.image_tokens]
     if family in PACKED_2X2:
         out = out.view(rows, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(rows, c, h, w)
     elif family == "flux2":

@@ -1,6 +1,7 @@
 """One iteration's predicted memory and time (:func:`estimate`), in parts: the preset's shapes and guidance, the model
 on the meta device, the work per iteration (from what the plan and the objective declare), the traced phases, the
 static memory, the prompt cache, the phases' peaks, FLOPs and time, and the report (docs/estimate.md)."""
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ from flowrl.models import model_family
 from flowrl.models.blocks import block_lists
 from flowrl.models.dtypes import DTYPES
 
-GiB = 2 ** 30
+GiB = 2**30
 
 # per-family tables: the adapters' defaults (flowrl/models/<family>.py); an edit family reads its base family's
 SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512}
@@ -62,8 +63,9 @@ ASSUMPTIONS = [
 ]
 
 
-def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = None, target: str = "cuda",
-             shard: str | None = None) -> dict:
+def estimate(
+    cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = None, target: str = "cuda", shard: str | None = None
+) -> dict:
     """Predicted peak memory and s/iteration of one iteration of ``cfg`` (a :class:`~flowrl.config.schema.TrainConfig`)
     on one ``gpu`` of ``processes`` (prompt groups split evenly), without allocating model memory.
 
@@ -104,20 +106,33 @@ def estimate(cfg, gpu: str = "H100", processes: int = 1, arch: dict | None = Non
     phases = _phases(cfg, model, traces, static, cache, work, shapes, frames, target, shards, P)
     flops = _flops_and_time(cfg, plan, gpu_spec, traces, work, cfg_on)
     return {
-        "model": arch["name"], "family": arch["family"], "gpu": gpu_spec.name, "processes": processes,
-        "target": target, "shard": shard, "shard_rollouts": cfg.model.shard_rollouts if shards > 1 else None,
+        "model": arch["name"],
+        "family": arch["family"],
+        "gpu": gpu_spec.name,
+        "processes": processes,
+        "target": target,
+        "shard": shard,
+        "shard_rollouts": cfg.model.shard_rollouts if shards > 1 else None,
         "offload_encoders": bool(cfg.model.offload_encoders),
         "architecture": _architecture_report(cfg, model),
-        "shapes": {"height": shapes.height, "width": shapes.width, "latent": list(shapes.latent),
-                   "image_tokens": shapes.image_tokens, "source_tokens": shapes.source_tokens,
-                   "text_tokens": shapes.text_tokens, "cfg": cfg_on, "guidance": guidance,
-                   "rollout_rows": work["rollout_states"] * (2 if cfg_on else 1),
-                   "update_rows": work["update_states"] * (2 if work["train_cfg"] else 1),
-                   "train_cfg": bool(work["train_cfg"]),
-                   "max_batch": int(cfg.rollout.max_batch), "micro_batch": int(objective.micro_batch),
-                   "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
-                   "checkpoint_blocks": _checkpointed(cfg) if cfg.model.gradient_checkpointing else 0,
-                   "blocks": len(block_lists(model["module"]))},
+        "shapes": {
+            "height": shapes.height,
+            "width": shapes.width,
+            "latent": list(shapes.latent),
+            "image_tokens": shapes.image_tokens,
+            "source_tokens": shapes.source_tokens,
+            "text_tokens": shapes.text_tokens,
+            "cfg": cfg_on,
+            "guidance": guidance,
+            "rollout_rows": work["rollout_states"] * (2 if cfg_on else 1),
+            "update_rows": work["update_states"] * (2 if work["train_cfg"] else 1),
+            "train_cfg": bool(work["train_cfg"]),
+            "max_batch": int(cfg.rollout.max_batch),
+            "micro_batch": int(objective.micro_batch),
+            "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+            "checkpoint_blocks": _checkpointed(cfg) if cfg.model.gradient_checkpointing else 0,
+            "blocks": len(block_lists(model["module"])),
+        },
         "counts": {**work["counts"], "prompts_per_process": P, "inner_epochs": int(cfg.train.inner_epochs)},
         "memory_gib": _memory_report(cfg, gpu_spec, model, static, cache, traces, phases, shards),
         "flops": flops["flops"],
@@ -132,7 +147,9 @@ def _shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None
     m, family = cfg.model, arch["family"]
     defaults = arch.get("defaults", {})
     t_config = arch["transformer"]["config"]
-    default_px = arch["text"].get("default_image_size") or int(t_config.get("sample_size", 64)) * int(arch["vae"]["scale_factor"])
+    default_px = arch["text"].get("default_image_size") or int(t_config.get("sample_size", 64)) * int(
+        arch["vae"]["scale_factor"]
+    )
     height = int(m.height or defaults.get("height") or default_px)
     width = int(m.width or defaults.get("width") or default_px)
     max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[base_family(family)])
@@ -154,8 +171,16 @@ def _model_on_meta(cfg, arch: dict, shards: int) -> dict:
     and fp32 LoRA, or full fine-tuning's fp32 master weights) and the byte counts of its parts per process."""
     m = cfg.model
     dtype = DTYPES[m.dtype]
-    lora = None if m.full_finetune else (int(m.lora.rank), float(m.lora.alpha),
-                                         tuple(m.lora.targets or default_lora_targets(arch["family"])), m.lora.init)
+    lora = (
+        None
+        if m.full_finetune
+        else (
+            int(m.lora.rank),
+            float(m.lora.alpha),
+            tuple(m.lora.targets or default_lora_targets(arch["family"])),
+            m.lora.init,
+        )
+    )
     module, lora_layers = model_with_lora(arch["key"], m.dtype, lora)
     params = list(module.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -163,13 +188,24 @@ def _model_on_meta(cfg, arch: dict, shards: int) -> dict:
     buffer_bytes = tensor_bytes(module.buffers())  # replicated under FSDP2 too
     base_bytes = held_bytes(base, shards)
     vae = build_vae(arch, dtype)
-    return {"module": module, "lora": lora, "lora_layers": lora_layers, "trainable": trainable, "dtype": dtype,
-            "dbytes": torch.empty(0, dtype=dtype).element_size(), "n_base": sum(p.numel() for p in base),
-            "n_trainable": sum(p.numel() for p in trainable), "trainable_bytes": held_bytes(trainable, shards),
-            "buffer_bytes": buffer_bytes, "base_bytes": base_bytes,
-            "weight_bytes": held_bytes(params, shards) + buffer_bytes, "full_copy": base_bytes + buffer_bytes,
-            "encoders": text_encoder_params(arch), "vae_bytes": tensor_bytes(vae.parameters()),
-            "vae_params": sum(p.numel() for p in vae.parameters())}
+    return {
+        "module": module,
+        "lora": lora,
+        "lora_layers": lora_layers,
+        "trainable": trainable,
+        "dtype": dtype,
+        "dbytes": torch.empty(0, dtype=dtype).element_size(),
+        "n_base": sum(p.numel() for p in base),
+        "n_trainable": sum(p.numel() for p in trainable),
+        "trainable_bytes": held_bytes(trainable, shards),
+        "buffer_bytes": buffer_bytes,
+        "base_bytes": base_bytes,
+        "weight_bytes": held_bytes(params, shards) + buffer_bytes,
+        "full_copy": base_bytes + buffer_bytes,
+        "encoders": text_encoder_params(arch),
+        "vae_bytes": tensor_bytes(vae.parameters()),
+        "vae_params": sum(p.numel() for p in vae.parameters()),
+    }
 
 
 def _work(cfg, plan, objective, P: int, cfg_on: bool) -> dict:
@@ -180,22 +216,38 @@ def _work(cfg, plan, objective, P: int, cfg_on: bool) -> dict:
     facts = objective.describe()
     per_unit = facts.rows_per_unit
     update_states = max(1, int(facts.micro_batch) // per_unit) * per_unit  # train.micro_batch or max_batch
-    return {"counts": counts, "train_cfg": facts.training_cfg(cfg_on),
-            "update_states": max(1, min(update_states, int(max(counts["train_rows"], 1)))),
-            "rollout_states": max(1, min(max_batch, int(max(counts["forwards"], 1))))}
+    return {
+        "counts": counts,
+        "train_cfg": facts.training_cfg(cfg_on),
+        "update_states": max(1, min(update_states, int(max(counts["train_rows"], 1)))),
+        "rollout_states": max(1, min(max_batch, int(max(counts["forwards"], 1)))),
+    }
 
 
-def _traces(cfg, arch: dict, model: dict, objective, shapes: Shapes, work: dict, cfg_on: bool, target: str,
-            shards: int) -> dict:
+def _traces(
+    cfg, arch: dict, model: dict, objective, shapes: Shapes, work: dict, cfg_on: bool, target: str, shards: int
+) -> dict:
     """The traced phases (cached: presets sharing a model, shapes and batch layout share them). The objective's frozen
     copies run before the policy's forward in a forward-process update, the reference after it in a replay."""
     facts = objective.describe()
     copies, policy = facts.frozen_copies, facts.trains_on == "edges"
     before = () if policy else copies
     after = copies if policy else ()
-    trace_args = (arch["key"], cfg.model.dtype, model["lora"], shapes, work["rollout_states"], cfg_on,
-                  work["update_states"], work["train_cfg"], before, after, bool(work["counts"]["explore_forwards"]),
-                  bool(cfg.optim.use_8bit), target)
+    trace_args = (
+        arch["key"],
+        cfg.model.dtype,
+        model["lora"],
+        shapes,
+        work["rollout_states"],
+        cfg_on,
+        work["update_states"],
+        work["train_cfg"],
+        before,
+        after,
+        bool(work["counts"]["explore_forwards"]),
+        bool(cfg.optim.use_8bit),
+        target,
+    )
     # FSDP2: the weights gathered in model.dtype, a block's gradients reduce-scattered and freed as backward leaves
     # it (fsdp["update"] below)
     traces = phase_traces(*trace_args, shards > 1, _checkpointed(cfg))
@@ -215,8 +267,7 @@ def _static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -
     copies, an explorer copy, the reward models."""
     reward_bytes, reward_notes = reward_model_bytes(cfg)
     trainable_bytes, lora = model["trainable_bytes"], model["lora"]
-    optim_bytes = (2 * held_bytes(model["trainable"], shards, itemsize=1) if cfg.optim.use_8bit
-                   else 2 * trainable_bytes)
+    optim_bytes = 2 * held_bytes(model["trainable"], shards, itemsize=1) if cfg.optim.use_8bit else 2 * trainable_bytes
     ema = trainable_bytes if cfg.train.ema > 0 else 0
     copies = objective.describe().frozen_copies
     old = (trainable_bytes if lora is not None else model["full_copy"]) if "old" in copies else 0
@@ -225,11 +276,31 @@ def _static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -
     explorer = explorer_bytes(model["module"], *explorer_spec) if explorer_spec is not None else 0
     encoder_bytes = sum(model["encoders"].values()) * model["dbytes"]
     offloaded = encoder_bytes if cfg.model.offload_encoders else 0  # text encoders in CPU memory between uses
-    total = (model["weight_bytes"] + encoder_bytes - offloaded + model["vae_bytes"] + optim_bytes + ema + old
-             + reference + explorer + reward_bytes)
-    return {"reward_bytes": reward_bytes, "reward_notes": reward_notes, "grads": trainable_bytes,
-            "optim_bytes": optim_bytes, "ema": ema, "old": old, "reference": reference, "explorer": explorer,
-            "encoder_bytes": encoder_bytes, "offloaded": offloaded, "total": total}
+    total = (
+        model["weight_bytes"]
+        + encoder_bytes
+        - offloaded
+        + model["vae_bytes"]
+        + optim_bytes
+        + ema
+        + old
+        + reference
+        + explorer
+        + reward_bytes
+    )
+    return {
+        "reward_bytes": reward_bytes,
+        "reward_notes": reward_notes,
+        "grads": trainable_bytes,
+        "optim_bytes": optim_bytes,
+        "ema": ema,
+        "old": old,
+        "reference": reference,
+        "explorer": explorer,
+        "encoder_bytes": encoder_bytes,
+        "offloaded": offloaded,
+        "total": total,
+    }
 
 
 def _prompt_cache(cfg, arch: dict, shapes: Shapes, dbytes: int, P: int) -> dict:
@@ -248,24 +319,39 @@ def _prompt_cache(cfg, arch: dict, shapes: Shapes, dbytes: int, P: int) -> dict:
         eval_prompts = min(eval_prompts or cfg.eval.num_prompts, cfg.eval.num_prompts)
     cache_end = (distinct + eval_prompts + 1) * per_prompt
     if cfg.model.prompt_cache_mb is not None:  # LRU-bounded between batches; one batch's prompts on top
-        cache_end = min(cache_end, cfg.model.prompt_cache_mb * 2 ** 20 + cache_now)
+        cache_end = min(cache_end, cfg.model.prompt_cache_mb * 2**20 + cache_now)
     return {"per_prompt": per_prompt, "now": cache_now, "end": cache_end}
 
 
-def _phases(cfg, model: dict, traces: dict, static: dict, cache: dict, work: dict, shapes: Shapes,
-            frames: int | None, target: str, shards: int, P: int) -> dict:
+def _phases(
+    cfg,
+    model: dict,
+    traces: dict,
+    static: dict,
+    cache: dict,
+    work: dict,
+    shapes: Shapes,
+    frames: int | None,
+    target: str,
+    shards: int,
+    P: int,
+) -> dict:
     """Each phase's transient bytes on top of the static ones, the peak phase and the peak (with and without gradient
     checkpointing); a CPU run also holds the forest's latents and a decode's pixels in host memory."""
     m, counts = cfg.model, work["counts"]
-    fsdp = fsdp_transients(model["module"], model["dbytes"], m.shard_rollouts == "whole") if shards > 1 else \
-        dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
+    fsdp = (
+        fsdp_transients(model["module"], model["dbytes"], m.shard_rollouts == "whole")
+        if shards > 1
+        else dict.fromkeys(("gather", "rollout", "reduce_scatter", "update"), 0)
+    )
     optim_transient = traces["optimizer"].peak // shards  # foreach AdamW's temporaries scale with the (sharded) state
     decode_peak = traces["decode"].peak
     if target == "cpu":  # the decoded pixels of a whole decode call stay in host memory: a CPU's device memory
         states = math.ceil(max(counts["scored"], counts["pool"]) / max(1, min(int(cfg.rollout.chunks), P)))
         pixels = 3 * shapes.height * shapes.width * (frames or 1) * 4  # fp32 images (videos: every frame)
-        decode_peak = host_decode_bytes(traces["decode"].peak, states, work["rollout_states"], pixels,
-                                        math.prod(shapes.latent) * 4)
+        decode_peak = host_decode_bytes(
+            traces["decode"].peak, states, work["rollout_states"], pixels, math.prod(shapes.latent) * 4
+        )
     grads, updates = static["grads"], traces["updates"]
     phases = {
         "rollout": traces["rollout"].peak + fsdp["rollout"],
@@ -282,10 +368,18 @@ def _phases(cfg, model: dict, traces: dict, static: dict, cache: dict, work: dic
         other = dict(phases, update=grads + updates[checkpointing].peak + fsdp["update"])
         return (static["total"] + cache["now"] + host + max(other.values())) / GiB
 
-    return {"phases": phases, "peak_phase": peak_phase, "host": host, "forest_bytes": forest_bytes, "fsdp": fsdp,
-            "decode_peak": decode_peak, "optim_transient": optim_transient,
-            "peak": static["total"] + cache["now"] + host + phases[peak_phase],
-            "peak_without": peak_with(False), "peak_with": peak_with(True)}
+    return {
+        "phases": phases,
+        "peak_phase": peak_phase,
+        "host": host,
+        "forest_bytes": forest_bytes,
+        "fsdp": fsdp,
+        "decode_peak": decode_peak,
+        "optim_transient": optim_transient,
+        "peak": static["total"] + cache["now"] + host + phases[peak_phase],
+        "peak_without": peak_with(False),
+        "peak_with": peak_with(True),
+    }
 
 
 def _flops_and_time(cfg, plan, gpu_spec: GPUClass, traces: dict, work: dict, cfg_on: bool) -> dict:
@@ -312,23 +406,43 @@ def _flops_and_time(cfg, plan, gpu_spec: GPUClass, traces: dict, work: dict, cfg
     peak_flops = gpu_spec.bf16_tflops * 1e12
     seconds = [effective / (peak_flops * UTILISATION[1]), effective / (peak_flops * UTILISATION[0])]
     split = {k: [flops[k] / speed[k] / (peak_flops * u) for u in (UTILISATION[1], UTILISATION[0])] for k in flops}
-    return {"flops": {**flops, "total": sum(flops.values()), "per_rollout_row": f_row, "per_update_row": f_train_row,
-                      "per_decode": f_decode},
-            "time": {"seconds_per_iteration": seconds, "split_seconds": split, "gpu_bf16_tflops": gpu_spec.bf16_tflops,
-                     "utilisation": list(UTILISATION), "explorer_speedup": speed["explore"]}}
+    return {
+        "flops": {
+            **flops,
+            "total": sum(flops.values()),
+            "per_rollout_row": f_row,
+            "per_update_row": f_train_row,
+            "per_decode": f_decode,
+        },
+        "time": {
+            "seconds_per_iteration": seconds,
+            "split_seconds": split,
+            "gpu_bf16_tflops": gpu_spec.bf16_tflops,
+            "utilisation": list(UTILISATION),
+            "explorer_speedup": speed["explore"],
+        },
+    }
 
 
 def _architecture_report(cfg, model: dict) -> dict:
     m, lora, trainable = cfg.model, model["lora"], model["trainable"]
-    return {"transformer_params": model["n_base"], "trainable_params": model["n_trainable"],
-            "lora_layers": model["lora_layers"], "lora_targets": list(lora[2]) if lora else None,
-            "full_finetune": lora is None, "text_encoder_params": model["encoders"], "vae_params": model["vae_params"],
-            "dtype": m.dtype, "trainable_dtype": str(trainable[0].dtype).replace("torch.", "") if trainable else None,
-            "autocast": m.dtype if lora is None and model["dtype"] != torch.float32 else None}
+    return {
+        "transformer_params": model["n_base"],
+        "trainable_params": model["n_trainable"],
+        "lora_layers": model["lora_layers"],
+        "lora_targets": list(lora[2]) if lora else None,
+        "full_finetune": lora is None,
+        "text_encoder_params": model["encoders"],
+        "vae_params": model["vae_params"],
+        "dtype": m.dtype,
+        "trainable_dtype": str(trainable[0].dtype).replace("torch.", "") if trainable else None,
+        "autocast": m.dtype if lora is None and model["dtype"] != torch.float32 else None,
+    }
 
 
-def _memory_report(cfg, gpu_spec: GPUClass, model: dict, static: dict, cache: dict, traces: dict, phases: dict,
-                   shards: int) -> dict:
+def _memory_report(
+    cfg, gpu_spec: GPUClass, model: dict, static: dict, cache: dict, traces: dict, phases: dict, shards: int
+) -> dict:
     """Every part of the memory in GiB, the peak and its phase, and whether it fits the GPU."""
     updates, peak = traces["updates"], phases["peak"]
     parts = {
@@ -364,7 +478,7 @@ def _memory_report(cfg, gpu_spec: GPUClass, model: dict, static: dict, cache: di
         "peak_with_gradient_checkpointing": phases["peak_with"],
         "gpu_memory": gpu_spec.memory_gib,
         "fits": bool(peak / GiB <= gpu_spec.memory_gib),
-        "prompt_cache_per_prompt_mib": cache["per_prompt"] / 2 ** 20,
+        "prompt_cache_per_prompt_mib": cache["per_prompt"] / 2**20,
         "prompt_cache_end_of_run": cache["end"] / GiB,
         "peak_end_of_run": (peak - cache["now"] + cache["end"]) / GiB,
         "host_forest": phases["forest_bytes"] / GiB,

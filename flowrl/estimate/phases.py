@@ -1,5 +1,6 @@
 """The phases of one iteration traced on the meta model: rollout forward, explorer forward, VAE decode,
 one training micro-batch with and without gradient checkpointing, and one AdamW step (:func:`phase_traces`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,23 @@ def _drop_gradient(param: nn.Parameter) -> None:
     param.grad = None
 
 
-def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int, cfg_on: bool,
-                 update_states: int, train_cfg: bool, before: tuple, after: tuple, explore: bool, use_8bit: bool,
-                 target: str, sharded: bool = False, checkpointed: int | None = None) -> dict[str, Trace]:
+def phase_traces(
+    arch_key: str,
+    dtype_name: str,
+    lora: tuple | None,
+    shapes: Shapes,
+    rollout_states: int,
+    cfg_on: bool,
+    update_states: int,
+    train_cfg: bool,
+    before: tuple,
+    after: tuple,
+    explore: bool,
+    use_8bit: bool,
+    target: str,
+    sharded: bool = False,
+    checkpointed: int | None = None,
+) -> dict[str, Trace]:
     """The traced phases of one iteration (:func:`trace` each, on the meta model of :func:`model_with_lora`, its
     parameters in the dtypes training holds; ``sharded``: as FSDP2 gathers them, in ``dtype_name``):
 
@@ -57,16 +72,35 @@ def phase_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Sha
 
 
 @functools.lru_cache(maxsize=64)
-def _sampling_traces(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, rollout_states: int,
-                     cfg_on: bool, explore: bool, target: str, sharded: bool) -> dict[str, Trace]:
+def _sampling_traces(
+    arch_key: str,
+    dtype_name: str,
+    lora: tuple | None,
+    shapes: Shapes,
+    rollout_states: int,
+    cfg_on: bool,
+    explore: bool,
+    target: str,
+    sharded: bool,
+) -> dict[str, Trace]:
     """``rollout``, ``explore`` and ``decode`` of :func:`phase_traces`."""
     return _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded).sampling(rollout_states, cfg_on, explore)
 
 
 @functools.lru_cache(maxsize=128)
-def _update_trace(arch_key: str, dtype_name: str, lora: tuple | None, shapes: Shapes, update_states: int,
-                  train_cfg: bool, before: tuple, after: tuple, target: str, sharded: bool,
-                  checkpointed: int | None) -> Trace:
+def _update_trace(
+    arch_key: str,
+    dtype_name: str,
+    lora: tuple | None,
+    shapes: Shapes,
+    update_states: int,
+    train_cfg: bool,
+    before: tuple,
+    after: tuple,
+    target: str,
+    sharded: bool,
+    checkpointed: int | None,
+) -> Trace:
     """One training micro-batch of :func:`phase_traces` with the first ``checkpointed`` blocks checkpointed (0: none;
     None: every block)."""
     tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded)
@@ -131,8 +165,10 @@ class _PhaseTracer:
     def update_step(self) -> None:
         # the objective's own latent-sized fp32 tensors of the micro-batch: a policy objective's parent and child
         # states and transition mean; a forward-process objective's x0, ε, x_t and target y
-        latents = [torch.empty(self.states, *self.shapes.latent, dtype=torch.float32, device="meta")
-                   for _ in range(3 if not self.before else 4)]
+        latents = [
+            torch.empty(self.states, *self.shapes.latent, dtype=torch.float32, device="meta")
+            for _ in range(3 if not self.before else 4)
+        ]
         copies = [self.copy_forward(which) for which in self.before]
         with self.region():
             v = velocity(self.module, self.arch, self.shapes, self.states, self.cfg_rows, self.inputs)
@@ -167,7 +203,9 @@ class _PhaseTracer:
             p.grad = torch.zeros_like(p)
         handles = [p.register_post_accumulate_grad_hook(_drop_gradient) for p in self.trainable] if self.sharded else []
         try:
-            checkpoint_blocks(self.module, checkpointed, self._autocast_checkpoint if self.autocast is not None else None)
+            checkpoint_blocks(
+                self.module, checkpointed, self._autocast_checkpoint if self.autocast is not None else None
+            )
             return trace(self.update_step, self.target)
         finally:
             for handle in handles:
@@ -198,4 +236,3 @@ def _trace_optimizer(params: list[nn.Parameter], target: str) -> Trace:
         opt.state.clear()
         for p in params:
             p.grad = None
-

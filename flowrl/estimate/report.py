@@ -1,5 +1,6 @@
 """The estimate for people: ``flowrl bench``'s ``--estimate`` arguments and the markdown summary of
 :func:`flowrl.estimate.estimate`'s result."""
+
 from __future__ import annotations
 
 from flowrl.estimate.gpus import GPUS
@@ -7,14 +8,27 @@ from flowrl.estimate.gpus import GPUS
 
 def add_estimate_arguments(parser) -> None:
     """``--estimate``, ``--gpu``, ``--processes`` (alias ``--gpus``) and ``--shard`` of ``flowrl bench``."""
-    parser.add_argument("--estimate", action="store_true",
-                        help="predict peak GPU memory and s/iteration without running (meta device; docs/estimate.md)")
+    parser.add_argument(
+        "--estimate",
+        action="store_true",
+        help="predict peak GPU memory and s/iteration without running (meta device; docs/estimate.md)",
+    )
     parser.add_argument("--gpu", default="H100", help=f"GPU class of --estimate: {', '.join(GPUS)} (default H100)")
-    parser.add_argument("--processes", "--gpus", dest="processes", type=int, default=1,
-                        help="processes (GPUs) sharing prompts.per_step, for --estimate (default 1)")
-    parser.add_argument("--shard", choices=("ddp", "fsdp"), default=None,
-                        help="--estimate: ddp (a whole copy per GPU) or fsdp (FSDP2, split over --gpus; "
-                             "default: the config's model.shard)")
+    parser.add_argument(
+        "--processes",
+        "--gpus",
+        dest="processes",
+        type=int,
+        default=1,
+        help="processes (GPUs) sharing prompts.per_step, for --estimate (default 1)",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="--estimate: ddp (a whole copy per GPU) or fsdp (FSDP2, split over --gpus; "
+        "default: the config's model.shard)",
+    )
 
 
 _LABELS = {
@@ -59,26 +73,59 @@ def format_estimate(result: dict) -> str:
     mem, arch, sh, t, fl = (result[k] for k in ("memory_gib", "architecture", "shapes", "time", "flops"))
     lo, hi = t["seconds_per_iteration"]
     shard = result.get("shard", "ddp")
-    per_gpu = [] if result["processes"] == 1 else ["memory per GPU; " + (
-        f"FSDP2: weights, LoRA, gradients, optimizer state, EMA and copies split over {mem['sharded_over']} GPUs, "
-        f"rollouts gather {'the whole transformer' if result['shard_rollouts'] == 'whole' else 'block by block'}"
-        if shard == "fsdp" else "DDP: a whole copy of the model on every GPU")]
+    per_gpu = (
+        []
+        if result["processes"] == 1
+        else [
+            "memory per GPU; "
+            + (
+                f"FSDP2: weights, LoRA, gradients, optimizer state, EMA and copies split over {mem['sharded_over']} "
+                "GPUs, "
+                "rollouts gather "
+                f"{'the whole transformer' if result['shard_rollouts'] == 'whole' else 'block by block'}"
+                if shard == "fsdp"
+                else "DDP: a whole copy of the model on every GPU"
+            )
+        ]
+    )
     lines = [
         f"## estimate: {result['model']} on {result['processes']} × {result['gpu']} ({shard})",
         *per_gpu,
         f"transformer {_count(arch['transformer_params'])} parameters, trainable {_count(arch['trainable_params'])}"
-        + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)") + f", {_precision(arch)}",
+        + ("" if arch["full_finetune"] else f" (LoRA on {arch['lora_layers']} layers)")
+        + f", {_precision(arch)}",
         f"{sh['height']}×{sh['width']} px → latent {sh['latent']}, {sh['image_tokens']} image "
-        + (f"+ {sh['source_tokens']} source image " if sh.get("source_tokens") else "") + f"+ {sh['text_tokens']} text "
+        + (f"+ {sh['source_tokens']} source image " if sh.get("source_tokens") else "")
+        + f"+ {sh['text_tokens']} text "
         f"tokens; rollout forward {sh['rollout_rows']} rows, update micro-batch {sh['update_rows']} rows"
         + (" (CFG doubles rows)" if sh["cfg"] else ""),
         "",
-        "| memory | |", "|---|---|",
+        "| memory | |",
+        "|---|---|",
     ]
-    for key in ("transformer_weights", "transformer_buffers", "lora", "text_encoders", "vae", "reward_models",
-                "gradients", "optimizer_state", "ema", "old_policy", "reference", "explorer", "prompt_cache",
-                "activations_rollout", "activations_decode", "activations_update", "optimizer_step_transient",
-                "fsdp_gather_rollout", "fsdp_gather", "fsdp_reduce_scatter", "offloaded_to_cpu"):
+    for key in (
+        "transformer_weights",
+        "transformer_buffers",
+        "lora",
+        "text_encoders",
+        "vae",
+        "reward_models",
+        "gradients",
+        "optimizer_state",
+        "ema",
+        "old_policy",
+        "reference",
+        "explorer",
+        "prompt_cache",
+        "activations_rollout",
+        "activations_decode",
+        "activations_update",
+        "optimizer_step_transient",
+        "fsdp_gather_rollout",
+        "fsdp_gather",
+        "fsdp_reduce_scatter",
+        "offloaded_to_cpu",
+    ):
         if mem.get(key) and not (key == "fsdp_gather_rollout" and mem[key] == mem["fsdp_gather"]):
             lines.append(f"| {_LABELS.get(key, key.replace('_', ' '))} | {size_text(mem[key])} |")
     lines += [

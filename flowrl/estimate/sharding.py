@@ -4,16 +4,17 @@ itself (the root: embeddings, norms, ``proj_out``) with ``fully_shard`` — ⌈r
 (dim-0 shards, padded to that size), of its gradient and of its AdamW state; buffers whole — and the full-size
 tensors FSDP2 builds for a moment: the parameters it all-gathers around a forward and the gradients it
 reduce-scatters after a block's backward."""
+
 from __future__ import annotations
 
 from torch import nn
 
 from flowrl.core.choices import choose
 from flowrl.distributed.sharding import check_shard_settings, resolve_shard
-from flowrl.models.blocks import block_lists
 from flowrl.errors import ConfigError
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.trace import Trace
+from flowrl.models.blocks import block_lists
 
 SHARD_MODES = ("ddp", "fsdp")
 ASSUMPTION = (
@@ -37,8 +38,10 @@ def shard_mode(cfg, shard: str | None, processes: int) -> str:
     mode = resolve_shard(cfg.model.shard if shard is None else shard)
     choose("model.shard", mode, SHARD_MODES)
     if mode == "fsdp" and processes < 2:
-        raise ConfigError(f"model.shard=fsdp needs at least 2 processes to shard over (got {processes}): pass "
-                          "--gpus N (N ≥ 2), or model.shard=ddp for one GPU")
+        raise ConfigError(
+            f"model.shard=fsdp needs at least 2 processes to shard over (got {processes}): pass "
+            "--gpus N (N ≥ 2), or model.shard=ddp for one GPU"
+        )
     check_shard_settings(cfg, processes, mode)
     return mode
 
@@ -75,13 +78,18 @@ def fsdp_transients(module: nn.Module, dtype_bytes: int, whole_rollouts: bool) -
     root = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
     sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     current_and_next = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
-    largest_trainable = max((sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks),
-                            default=0)
+    largest_trainable = max(
+        (sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks), default=0
+    )
     gather = (root + current_and_next) * dtype_bytes
     reduce_scatter = largest_trainable * (dtype_bytes + 4)
     everything = sum(p.numel() for p in module.parameters()) * dtype_bytes
-    return {"gather": gather, "rollout": everything if whole_rollouts else gather,
-            "reduce_scatter": reduce_scatter, "update": gather + reduce_scatter}
+    return {
+        "gather": gather,
+        "rollout": everything if whole_rollouts else gather,
+        "reduce_scatter": reduce_scatter,
+        "update": gather + reduce_scatter,
+    }
 
 
 def sharded_update_traces(*args) -> dict[str, Trace]:

@@ -1,6 +1,7 @@
 """Sizes of the static memory: reward models' weights, an explorer copy in its quantized format, tensor
 bytes, and the prompts a prompt file holds (for the prompt cache's growth); and what a CPU run's decode holds
 in host memory, which is its device memory."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -35,7 +36,9 @@ _QUANT_BYTES = {  # bytes per weight element of a quantized Linear (scales inclu
 }
 
 
-def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = None, skip: list[str] | None = None) -> int:
+def explorer_bytes(
+    module: nn.Module, backend: str, min_params: int | None = None, skip: list[str] | None = None
+) -> int:
     """Bytes of an explorer copy of ``module`` (a meta transformer, LoRA attached or not) in ``backend``
     (:mod:`flowrl.rollout.precision`): LoRA merged; Linear layers the backend converts (large enough, not skipped,
     dimensions it takes) in its format, the rest in the rest dtype (bf16 on GPUs)."""
@@ -54,8 +57,12 @@ def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = Non
         for p in base.parameters(recurse=False):
             counted.add(id(p))
         w = base.weight
-        convert = (backend in QUANTIZING and w.numel() >= min_params and _shape_ok(backend, w.shape)
-                   and not any(fnmatch.fnmatchcase(name, p) for p in patterns))
+        convert = (
+            backend in QUANTIZING
+            and w.numel() >= min_params
+            and _shape_ok(backend, w.shape)
+            and not any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        )
         total += int(w.numel() * (_QUANT_BYTES[backend] if convert else rest))
         if base.bias is not None:
             total += base.bias.numel() * rest
@@ -67,7 +74,8 @@ def explorer_bytes(module: nn.Module, backend: str, min_params: int | None = Non
 
 
 def host_decode_bytes(decode_peak: int, states: int, chunk: int, image_bytes: int, latent_bytes: int) -> int:
-    """Peak bytes of one decode call (:func:`flowrl.training.scoring.decode`: ``states`` latents, ``chunk`` at a time, each
+    """Peak bytes of one decode call (:func:`flowrl.training.scoring.decode`: ``states`` latents, ``chunk`` at a time,
+    each
     chunk's fp32 pixels moved to the host, then concatenated) where the device *is* the host (a CPU run): the
     gathered fp32 latents, plus the larger of the last chunk's decode (``decode_peak``, its own pixels included)
     with the earlier chunks' pixels alive and the concatenation of every state's pixels beside its parts. (On a
@@ -110,4 +118,3 @@ def prompt_count(spec: str | None) -> int:
     if "|" in spec or not spec.endswith(".txt"):
         return len([p for p in spec.split("|") if p.strip()])
     return 0
-

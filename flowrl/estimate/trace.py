@@ -1,6 +1,7 @@
 """The live-bytes and FLOP tracer: runs a function on meta tensors and reports the peak and remaining
 bytes of the tensor storages it creates (autograd's saved tensors included) and the FLOPs of its ops, with
 attention run as the fused kernel the target device would pick."""
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,9 @@ class Trace:
 
 def _cpu_sdpa_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale):
     """The fused CPU attention torch would pick for these inputs (``flash`` or ``math``)."""
-    small = [torch.zeros(t.shape[0], t.shape[1], min(t.shape[2], 2), t.shape[3], dtype=t.dtype)
-             for t in (query, key, value)]
+    small = [
+        torch.zeros(t.shape[0], t.shape[1], min(t.shape[2], 2), t.shape[3], dtype=t.dtype) for t in (query, key, value)
+    ]
     mask = None
     if attn_mask is not None:
         shape = list(attn_mask.shape)
@@ -134,23 +136,35 @@ def fused_attention(target: str) -> Iterator[None]:
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type != "meta" or enable_gqa or query.dim() != 4:
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                attn_mask.logical_not(), float("-inf"))
+                attn_mask.logical_not(), float("-inf")
+            )
         if target == "cpu":
             if _cpu_sdpa_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale) == "math":
-                return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                scale=scale)
+                return original(
+                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+                )
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+            )[0]
         bias = None
         if attn_mask is not None:
             bias = attn_mask.to(query.dtype).expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale
+        )[0]
 
     F.scaled_dot_product_attention = sdpa
     try:

@@ -3,6 +3,7 @@
 ``wrap(pipe)`` picks the adapter by the pipeline's class (SD3/SD3.5, FLUX.1, SANA); ``load_model(family,
 path)`` loads a pipeline (hub id or local folder) and wraps it. Importing this package does not import diffusers.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -107,22 +108,31 @@ def _unpacked_keys(fn, annotation) -> list[str] | None:
 def _check_family(family, label: str) -> None:
     """A registered :class:`ModelFamily`, or an adapter class (a ``module:Class`` name)."""
     if not (isinstance(family, ModelFamily) or (isinstance(family, type) and issubclass(family, FlowModel))):
-        raise TypeError(f"{label} resolves to {family!r}, which is neither a ModelFamily nor a subclass of "
-                        "flowrl.FlowModel (an adapter)")
+        raise TypeError(
+            f"{label} resolves to {family!r}, which is neither a ModelFamily nor a subclass of "
+            "flowrl.FlowModel (an adapter)"
+        )
 
 
-MODEL_FAMILIES = Registry("model.family", {
-    "shapes": ModelFamily(None, "flowrl.models.sd3:SD3FlowModel", loader="flowrl.shapes.model:load_shapes_model",
-                          needs_path=False),
-    "sd3": ModelFamily("StableDiffusion3Pipeline", "flowrl.models.sd3:SD3FlowModel"),
-    "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
-    "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
-    "qwen_image": ModelFamily("QwenImagePipeline", "flowrl.models.qwen_image:QwenImageFlowModel"),
-    "qwen_image_edit": ModelFamily("QwenImageEditPipeline", "flowrl.models.qwen_image_edit:QwenImageEditFlowModel"),
-    "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
-    "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
-}, base=FlowModel, check=_check_family)
-"""Family name → how to load and wrap it (a :class:`~flowrl.config.registry.Registry`). SD3 and SD3.5 are "sd3"; "shapes"
+MODEL_FAMILIES = Registry(
+    "model.family",
+    {
+        "shapes": ModelFamily(
+            None, "flowrl.models.sd3:SD3FlowModel", loader="flowrl.shapes.model:load_shapes_model", needs_path=False
+        ),
+        "sd3": ModelFamily("StableDiffusion3Pipeline", "flowrl.models.sd3:SD3FlowModel"),
+        "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
+        "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
+        "qwen_image": ModelFamily("QwenImagePipeline", "flowrl.models.qwen_image:QwenImageFlowModel"),
+        "qwen_image_edit": ModelFamily("QwenImageEditPipeline", "flowrl.models.qwen_image_edit:QwenImageEditFlowModel"),
+        "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
+        "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
+    },
+    base=FlowModel,
+    check=_check_family,
+)
+"""Family name → how to load and wrap it (a :class:`~flowrl.config.registry.Registry`). SD3 and SD3.5 are "sd3";
+"shapes"
 is the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family`
 adds one."""
 
@@ -141,7 +151,8 @@ def model_family(name: str) -> ModelFamily:
 
 
 def adapter_keywords(family: str) -> tuple[str, ...] | None:
-    """The keywords :func:`load_model` accepts for ``family`` beside ``path`` and ``dtype`` (:meth:`ModelFamily.keywords`,
+    """The keywords :func:`load_model` accepts for ``family`` beside ``path`` and ``dtype``
+    (:meth:`ModelFamily.keywords`,
     from signatures: the adapter is imported, nothing loaded); None: it takes any keyword."""
     return model_family(family).keywords()
 
@@ -169,6 +180,15 @@ def load_model(family: str, path: str | os.PathLike | None, *, dtype: torch.dtyp
     return fam.load(path, dtype=dtype, **kw)
 
 
-__all__ = ["Conditioning", "FlowModel", "LoraSpec", "MODEL_FAMILIES", "ModelFamily", "adapter_keywords", "load_model",
-           "model_family",
-           "register_model_family", "wrap"]
+__all__ = [
+    "Conditioning",
+    "FlowModel",
+    "LoraSpec",
+    "MODEL_FAMILIES",
+    "ModelFamily",
+    "adapter_keywords",
+    "load_model",
+    "model_family",
+    "register_model_family",
+    "wrap",
+]

@@ -2,6 +2,7 @@
 text encoders as their diffusers/transformers configs, the hub ids they are published under, and the text settings
 of their pipeline. Read by the random-weight pipelines (:mod:`flowrl.models.random_init`) and by the estimate
 (:mod:`flowrl.estimate.archs` builds them on the meta device)."""
+
 from __future__ import annotations
 
 import json

@@ -13,6 +13,7 @@ It is a process-wide switch (``torch.backends.cuda.enable_cudnn_sdp``), not a co
 gradient checkpointing the blocks' forwards run again inside the backward, outside any context the loop could open,
 and must pick the same kernel.
 """
+
 from __future__ import annotations
 
 import torch

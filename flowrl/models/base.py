@@ -9,7 +9,8 @@ packing, text encoders and timestep conventions behind six calls:
   branches in ONE forward (``[uncond; cond]`` concatenated along the batch).
 - ``schedule(steps)`` → sigmas ``[steps + 1]`` from 1 to 0, with the model's shift.
 - ``noise(seeds)`` → x_T ``[B, C, H, W]`` fp32, each row from its own seed on a CPU generator (bit-exact anywhere).
-- ``decode(x0)`` → images ``[B, 3, H, W]`` in [0, 1], fp32; ``trainable``: the module training updates (the transformer).
+- ``decode(x0)`` → images ``[B, 3, H, W]`` in [0, 1], fp32; ``trainable``: the module training updates (the
+transformer).
 
 Latents handed to and returned by an adapter are always fp32 ``[B, C, H, W]`` in the model's latent space (before
 the VAE's scaling is undone); adapters cast to the model dtype internally.
@@ -17,7 +18,8 @@ the VAE's scaling is undone); adapters cast to the model dtype internally.
 Shared behaviour implemented here: the per-prompt embedding cache behind ``encode``, ``noise``, ``schedule`` (the
 pipeline's scheduler, static or dynamic shift), ``decode`` (undo the VAE's scaling and shift, decode, map [-1, 1] →
 [0, 1]), ``trainable`` / ``latent_shape`` / ``image_seq_len`` from ``pipe.transformer``'s config; LoRA attach / save /
-load in the diffusers format and the ``reference()`` context (LoRA disabled) from :class:`~flowrl.models.lora.LoraAdapter`;
+load in the diffusers format and the ``reference()`` context (LoRA disabled) from
+:class:`~flowrl.models.lora.LoraAdapter`;
 text encoders offloaded between uses from :class:`~flowrl.models.offload.EncoderOffload`.
 
 Writing an adapter (e.g. for ``SanaPipeline``)
@@ -48,6 +50,7 @@ and overrides, where the family differs from the defaults:
   shift None when the VAE has none, as SANA's DC-AE),
 - ``uses_cfg(guidance)`` (default: CFG when guidance ≠ 1; FLUX decides by ``true_cfg``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,8 +76,13 @@ def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) 
     return sigma
 
 
-def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
-                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def calculate_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
     """``mu`` of dynamic shifting: linear in the number of image tokens, ``base_shift`` at
     ``base_seq_len`` and ``max_shift`` at ``max_seq_len``. The same arithmetic as diffusers'
     ``calculate_shift`` (SD3 and FLUX pipelines), without importing a pipeline module."""
@@ -149,7 +157,10 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     """Autocast dtype of the transformer call (:meth:`autocast_context`): a dtype, None (never) or ``"accelerate"``
     (default: accelerate's ``mixed_precision`` of this process); :mod:`flowrl.models.dtypes` has the conventions."""
     shift_defaults: dict[str, float] = {
-        "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
     }
     """Fallbacks of :func:`calculate_shift`'s parameters for a dynamic-shifting scheduler whose config
     lacks them (the values the family's pipeline ``__call__`` uses)."""

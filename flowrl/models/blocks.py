@@ -18,6 +18,7 @@ Conventions:
   variance) recompiles nothing. A grad mode, an input that does or does not require grad and a LoRA switched off
   (the KL reference) add one variant each, all in the first iteration.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,12 @@ dynamo problem from an inductor one)."""
 
 def block_lists(module: nn.Module) -> list[nn.Module]:
     """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in ``blocks``."""
-    return [block for name, child in module.named_children()
-            if name.endswith("blocks") and isinstance(child, nn.ModuleList) for block in child]
+    return [
+        block
+        for name, child in module.named_children()
+        if name.endswith("blocks") and isinstance(child, nn.ModuleList)
+        for block in child
+    ]
 
 
 def block_kind(block: nn.Module) -> str:
@@ -62,14 +67,23 @@ _CHECKPOINTED: dict[type, type] = {}
 def _checkpointed_class(cls: type) -> type:
     """The subclass of block class ``cls`` whose forward is checkpointed while gradients are on (one per class)."""
     if cls not in _CHECKPOINTED:
+
         def forward(self, *args, **kwargs):
             run = super(sub, self).forward
             if torch.is_grad_enabled():
                 return _run_checkpointed(self, run, *args, **kwargs)
             return run(*args, **kwargs)
 
-        sub = type(cls.__name__, (cls,), {"forward": forward, "_flowrl_checkpointed_from": cls,
-                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                "_flowrl_checkpointed_from": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
         _CHECKPOINTED[cls] = sub
     return _CHECKPOINTED[cls]
 
@@ -95,8 +109,9 @@ def checkpoint_blocks(transformer: nn.Module, count: int | None, function: Calla
     checkpointed; a ``count`` above the number of blocks means every block."""
     blocks = block_lists(transformer)
     if not blocks:
-        raise ValueError(f"{type(transformer).__name__} has no repeated blocks (an nn.ModuleList named *blocks) to "
-                         "checkpoint")
+        raise ValueError(
+            f"{type(transformer).__name__} has no repeated blocks (an nn.ModuleList named *blocks) to checkpoint"
+        )
     if getattr(transformer, "gradient_checkpointing", False) and hasattr(transformer, "disable_gradient_checkpointing"):
         transformer.disable_gradient_checkpointing()
     n = len(blocks) if count is None else min(int(count), len(blocks))
@@ -122,8 +137,9 @@ def _swap_class(block: nn.Module, plain: type, make: Callable[[type], type] | No
     if cls is plain or cls is _CHECKPOINTED.get(plain):
         block.__class__ = target
         return
-    raise RuntimeError(f"cannot change gradient checkpointing of an already wrapped block ({cls.__name__}); set "
-                       "it before sharding")
+    raise RuntimeError(
+        f"cannot change gradient checkpointing of an already wrapped block ({cls.__name__}); set it before sharding"
+    )
 
 
 def checkpointed_count(transformer: nn.Module) -> int:
@@ -160,12 +176,14 @@ class CompileStats:
 
     @property
     def seconds(self) -> float:
-        return max(sum(_dynamo_compile_times()[self._before:]), self.backend_seconds)
+        return max(sum(_dynamo_compile_times()[self._before :]), self.backend_seconds)
 
     def summary(self) -> str:
         kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(self.graphs.items()))
-        return (f"torch.compile (regional): {self.blocks} blocks of {len(self.graphs)} kinds, {self.total} graphs "
-                f"compiled in {self.seconds:.1f} s ({kinds or 'none yet'})")
+        return (
+            f"torch.compile (regional): {self.blocks} blocks of {len(self.graphs)} kinds, {self.total} graphs "
+            f"compiled in {self.seconds:.1f} s ({kinds or 'none yet'})"
+        )
 
 
 def _counting_backend(stats: CompileStats, kind: str, backend: str | Callable) -> Callable:
@@ -202,8 +220,10 @@ def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None
     :func:`compile_stats`)."""
     blocks = block_lists(transformer)
     if not blocks:
-        raise ValueError(f"model.compile=regional: {type(transformer).__name__} has no repeated blocks (an "
-                         "nn.ModuleList named *blocks) to compile")
+        raise ValueError(
+            f"model.compile=regional: {type(transformer).__name__} has no repeated blocks (an "
+            "nn.ModuleList named *blocks) to compile"
+        )
     stats = CompileStats(blocks=len(blocks), _before=len(_dynamo_compile_times()))
     _raise_recompile_limits(len(blocks))
     backends: dict[str, Callable] = {}

@@ -25,6 +25,7 @@ and the loop hold it:
   replay runs the same call in the same dtype path, so the first inner step's ratio is exactly 1 (tested in
   tests/test_low_precision.py for SD3, FLUX and SANA in bf16 and fp16).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,13 @@ AUTOCAST_FOLLOWS_ACCELERATE = "accelerate"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``model.dtype`` name → torch dtype, the one definition of these names: the config's check (its accepted values),
 model building and the memory estimate read it."""
-DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                                 "bf16": "bfloat16"}
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
 """Short names some settings also take (a reward's ``dtype``), each for one of :data:`DTYPES`."""
 
 
@@ -91,7 +97,9 @@ def autocast_dtype(model) -> torch.dtype | None:
     if choice is None or isinstance(choice, torch.dtype):
         return choice
     if choice != AUTOCAST_FOLLOWS_ACCELERATE:
-        raise ValueError(f"FlowModel.autocast={choice!r}: choose a torch dtype, None or {AUTOCAST_FOLLOWS_ACCELERATE!r}")
+        raise ValueError(
+            f"FlowModel.autocast={choice!r}: choose a torch dtype, None or {AUTOCAST_FOLLOWS_ACCELERATE!r}"
+        )
     return accelerate_mixed_precision()
 
 

@@ -21,6 +21,7 @@ Conventions, as ``FluxPipeline.__call__`` applies them:
   (:meth:`FlowModel.schedule` with :meth:`FluxFlowModel._schedule_sigmas`).
 - decode undoes ``scaling_factor`` and ``shift_factor`` of the unpacked latents (:meth:`FlowModel.decode`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -36,9 +37,18 @@ if TYPE_CHECKING:
     from flowrl.models.setup import AdapterOptions
 
 FLUX_LORA_TARGETS = [
-    "to_q", "to_k", "to_v", "to_out.0",
-    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
 ]
 
 
@@ -64,8 +74,15 @@ class FluxFlowModel(Packed2x2, FlowModel):
     frozen = ("text_encoder", "text_encoder_2", "vae")
     default_lora_targets = FLUX_LORA_TARGETS
 
-    def __init__(self, pipe, *, guidance: float = 3.5, true_cfg: float = 1.0, max_sequence_length: int = 16,
-                 **options: Unpack[AdapterOptions]):
+    def __init__(
+        self,
+        pipe,
+        *,
+        guidance: float = 3.5,
+        true_cfg: float = 1.0,
+        max_sequence_length: int = 16,
+        **options: Unpack[AdapterOptions],
+    ):
         if int(max_sequence_length) > 512:
             raise ValueError(f"max_sequence_length must be ≤ 512 for FLUX; got {max_sequence_length}")
         self._init_adapter(pipe, guidance, max_sequence_length, **options)

@@ -27,6 +27,7 @@ Conventions, as ``Flux2Pipeline.__call__`` applies them:
 - decode: the batch-norm statistics undone (``latent · sqrt(running_var + eps) + running_mean`` per channel), the
   2×2 patches unpatchified (``_unpatchify_latents``), the VAE decoded, [-1, 1] → [0, 1].
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -48,7 +49,8 @@ FLUX2_SINGLE_BLOCKS = 48
 
 FLUX2_LORA_TARGETS = [
     *SD3_LORA_TARGETS,  # double-stream attention: to_q/k/v, to_out.0 (image) and add_q/k/v_proj, to_add_out (text)
-    "linear_in", "linear_out",  # double-stream SwiGLU feed-forwards of both streams (ff, ff_context)
+    "linear_in",
+    "linear_out",  # double-stream SwiGLU feed-forwards of both streams (ff, ff_context)
     "to_qkv_mlp_proj",  # single-stream blocks: fused q/k/v and MLP input
     # single-stream blocks' output Linear `attn.to_out`: the suffix "attn.to_out" also names the double-stream blocks'
     # ModuleList, which peft refuses, so each block is named (peft ignores names a smaller transformer lacks)
@@ -77,13 +79,22 @@ class Flux2FlowModel(FlowModel):
     pipeline_class = "Flux2Pipeline"
     default_lora_targets = FLUX2_LORA_TARGETS
 
-    def __init__(self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512,
-                 text_encoder_out_layers=(10, 20, 30), **options: Unpack[AdapterOptions]):
+    def __init__(
+        self,
+        pipe,
+        *,
+        guidance: float = 4.0,
+        max_sequence_length: int = 512,
+        text_encoder_out_layers=(10, 20, 30),
+        **options: Unpack[AdapterOptions],
+    ):
         layers = pipe.text_encoder.config.get_text_config().num_hidden_layers
         self.text_encoder_out_layers = tuple(int(k) for k in text_encoder_out_layers)
         if not all(-layers - 1 <= k <= layers for k in self.text_encoder_out_layers):
-            raise ValueError(f"text_encoder_out_layers must index the text encoder's {layers + 1} hidden states; "
-                             f"got {self.text_encoder_out_layers}")
+            raise ValueError(
+                f"text_encoder_out_layers must index the text encoder's {layers + 1} hidden states; "
+                f"got {self.text_encoder_out_layers}"
+            )
         if int(max_sequence_length) < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {max_sequence_length}")
         if options.get("negative_prompt"):
@@ -96,8 +107,11 @@ class Flux2FlowModel(FlowModel):
 
     def _size_rule(self) -> tuple[int, int, str]:
         """``default_sample_size`` VAE latent cells; whole 2×2 patches."""
-        return self.pipe.default_sample_size * self.pipe.vae_scale_factor, self.vae_scale_factor, \
-            "2 × the pipeline's vae_scale_factor"
+        return (
+            self.pipe.default_sample_size * self.pipe.vae_scale_factor,
+            self.vae_scale_factor,
+            "2 × the pipeline's vae_scale_factor",
+        )
 
     # ---- latents: tokens, schedule, decode ---------------------------------------------------------
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +166,9 @@ class Flux2FlowModel(FlowModel):
         warned about on every call by transformers: that warning (only) is dropped."""
         layers, length = self.text_encoder_out_layers, self.max_sequence_length
         with dropped_log_messages(("transformers.processing_utils",), "Kwargs passed to `processor.__call__`"):
-            embeds, _ = self.pipe.encode_prompt([prompt], device=self.device, max_sequence_length=length,
-                                                text_encoder_out_layers=layers)
+            embeds, _ = self.pipe.encode_prompt(
+                [prompt], device=self.device, max_sequence_length=length, text_encoder_out_layers=layers
+            )
         return {"prompt_embeds": embeds}
 
     def velocity(

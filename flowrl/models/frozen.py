@@ -1,6 +1,7 @@
 """Frozen copies of a model's transformer (an objective's old policy or reference under full fine-tuning, a teacher
 loaded from another run), recorded on the model so that whatever later wraps the transformer (FSDP2 sharding,
 :mod:`flowrl.distributed.sharding`) wraps its copies alike."""
+
 from __future__ import annotations
 
 import copy

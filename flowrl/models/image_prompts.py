@@ -18,6 +18,7 @@ At load (:mod:`flowrl.prompts.checks`): a model that edits refuses a prompt with
 refuses one with an image, a reward that needs the source refuses text prompts, and a missing or unreadable image
 fails — each naming the key, the line and what is accepted.
 """
+
 from __future__ import annotations
 
 import functools
@@ -89,9 +90,11 @@ def read_image(path: str):
         raise ImageTooLarge(f"the image {shown_path(path)} is too large to read ({e})") from None
     with image:
         if limit is not None and image.width * image.height > limit:
-            raise ImageTooLarge(f"the image {shown_path(path)} claims {image.width:,}×{image.height:,} pixels "
-                                f"({image.width * image.height:,}), more than the {limit:,} read "
-                                "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image")
+            raise ImageTooLarge(
+                f"the image {shown_path(path)} claims {image.width:,}×{image.height:,} pixels "
+                f"({image.width * image.height:,}), more than the {limit:,} read "
+                "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image"
+            )
         return image.convert("RGB")
 
 
@@ -113,8 +116,9 @@ def load_source_image(path: str, height: int, width: int) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
-def reward_inputs(prompts: Sequence[str], meta: dict[str, Any], images: torch.Tensor
-                  ) -> tuple[list[str], dict[str, Any]]:
+def reward_inputs(
+    prompts: Sequence[str], meta: dict[str, Any], images: torch.Tensor
+) -> tuple[list[str], dict[str, Any]]:
     """What a reward receives for ``prompts``: their instruction texts, and ``meta`` with ``"source_images"``
     [B, 3, H, W] (each prompt's image at the size of ``images`` [B, 3, H, W] / videos [B, F, 3, H, W]) when the
     prompts carry images. Plain prompts: returned as they are."""

@@ -2,6 +2,7 @@
 (``pipe.load_lora_weights`` reads what :meth:`LoraAdapter.save_lora` writes), and the reference policy
 (the LoRA disabled). :class:`~flowrl.models.base.FlowModel` inherits it; it relies on the adapter's
 ``trainable`` module, ``pipe`` and ``default_lora_targets``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -58,11 +59,15 @@ class LoraAdapter:
 
         module = self.trainable
         if not self.has_lora or "default" not in getattr(module, "peft_config", {}):
-            raise RuntimeError("save_lora needs a LoRA adapter named 'default' (call add_lora first); "
-                               "for full fine-tuning save the transformer with save_pretrained")
+            raise RuntimeError(
+                "save_lora needs a LoRA adapter named 'default' (call add_lora first); "
+                "for full fine-tuning save the transformer with save_pretrained"
+            )
         type(self.pipe).save_lora_weights(
             str(directory),
-            transformer_lora_layers=layers if layers is not None else get_peft_model_state_dict(module, adapter_name="default"),
+            transformer_lora_layers=layers
+            if layers is not None
+            else get_peft_model_state_dict(module, adapter_name="default"),
             transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
         )
 
@@ -86,8 +91,11 @@ class LoraAdapter:
             # flowrl's LoRA is the transformer's only: "No LoRA keys associated to CLIPTextModel… found with the
             # prefix='text_encoder'" is expected for every text encoder, so that notice (only) is dropped; the same
             # notice about the transformer would mean something and still shows
-            with dropped_log_messages(("diffusers.loaders.lora_base", "diffusers.loaders.lora_pipeline",
-                                       "diffusers.loaders.peft"), "No LoRA keys associated to", "prefix='text_encoder"):
+            with dropped_log_messages(
+                ("diffusers.loaders.lora_base", "diffusers.loaders.lora_pipeline", "diffusers.loaders.peft"),
+                "No LoRA keys associated to",
+                "prefix='text_encoder",
+            ):
                 self.pipe.load_lora_weights(str(directory), adapter_name="default")
             rounded = any(p.dtype != torch.float32 for n, p in module.named_parameters() if "lora_" in n)
             keep_adapter_fp32(module, "default")
@@ -100,14 +108,16 @@ class LoraAdapter:
         if isinstance(state, tuple):
             state = state[0]
         prefix = "transformer."
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         expected = set(get_peft_model_state_dict(module, adapter_name="default"))
         if set(state) != expected and rounded:
             return  # a LoRA in another layout (converted by load_lora_weights): its values as loaded, upcast
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ValueError(f"LoRA in {str(directory)!r} does not match the attached adapter: "
-                             f"missing {missing[:5]} ({len(missing)}), unexpected {extra[:5]} ({len(extra)})")
+            raise ValueError(
+                f"LoRA in {str(directory)!r} does not match the attached adapter: "
+                f"missing {missing[:5]} ({len(missing)}), unexpected {extra[:5]} ({len(extra)})"
+            )
         with torch.no_grad():
             set_peft_model_state_dict(module, state, adapter_name="default")
 

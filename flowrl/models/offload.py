@@ -2,6 +2,7 @@
 :class:`~flowrl.models.base.FlowModel`: prompts are encoded once each and cached on the device, so the
 encoders (T5-XXL: 9 GB in bf16) are needed only when a batch brings prompts not yet cached; they come to the
 device for that batch, all its new prompts encoded in one visit, and go back after."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,11 @@ class EncoderOffload:
     @property
     def text_encoders(self) -> list[nn.Module]:
         """The pipeline's text encoders (its ``text_encoder*`` components that are modules)."""
-        return [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and isinstance(m, nn.Module)]
+        return [
+            m
+            for name, m in self.pipe.components.items()
+            if name.startswith("text_encoder") and isinstance(m, nn.Module)
+        ]
 
     def offload_encoders(self) -> None:
         """Keep the text encoders in CPU memory between uses: :meth:`encoders_ready` brings them to the device."""

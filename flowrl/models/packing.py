@@ -8,6 +8,7 @@ gives an adapter exactly that, ahead of :class:`~flowrl.models.base.FlowModel` i
 
     class FluxFlowModel(Packed2x2, FlowModel): ...
 """
+
 from __future__ import annotations
 
 import numpy as np

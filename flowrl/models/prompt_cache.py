@@ -9,6 +9,7 @@ leading batch dimension of 1 (``prompt_embeds`` [1, L, D], ``pooled_prompt_embed
 Eviction runs after a batch has been assembled (:meth:`trim`), so a batch larger than the budget is still
 served whole; the budget holds between batches.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -25,6 +25,7 @@ Conventions, as ``QwenImagePipeline.__call__`` applies them:
 - decode: per-channel ``latents_std`` / ``latents_mean`` of the VAE config undone, the video VAE decoded
   with one frame (:meth:`QwenImageFlowModel.decode`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -42,7 +43,10 @@ if TYPE_CHECKING:
 
 QWEN_IMAGE_LORA_TARGETS = [
     *SD3_LORA_TARGETS,  # joint attention: to_q/k/v, to_out.0 (image) and add_q/k/v_proj, to_add_out (text)
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
 ]
 
 
@@ -68,12 +72,15 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
     default_negative_prompt = " "  # Qwen-Image's examples
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
 
-    def __init__(self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512,
-                 **options: Unpack[AdapterOptions]):
+    def __init__(
+        self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512, **options: Unpack[AdapterOptions]
+    ):
         config = pipe.transformer.config
         if config.get("guidance_embeds", False) or config.get("zero_cond_t", False):
-            raise ValueError("QwenImageFlowModel supports text-to-image Qwen-Image transformers only "
-                             "(guidance_embeds and zero_cond_t off)")
+            raise ValueError(
+                "QwenImageFlowModel supports text-to-image Qwen-Image transformers only "
+                "(guidance_embeds and zero_cond_t off)"
+            )
         if not 1 <= int(max_sequence_length) <= 1024:
             raise ValueError(f"max_sequence_length must be in [1, 1024] for Qwen-Image; got {max_sequence_length}")
         self._init_adapter(pipe, guidance, max_sequence_length, **options)

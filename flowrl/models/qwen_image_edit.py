@@ -18,14 +18,15 @@ norm rescale, decode); what the edit pipeline adds, as ``QwenImageEditPipeline._
 
 Everything is cached per prompt string — the instruction with its image path — so each source is encoded once.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl.models.qwen_image import QwenImageFlowModel
 from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
+from flowrl.models.qwen_image import QwenImageFlowModel
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -42,8 +43,9 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
     pipeline_class = "QwenImageEditPipeline"
     takes_source_image = True
 
-    def __init__(self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512,
-                 **options: Unpack[AdapterOptions]):
+    def __init__(
+        self, pipe, *, guidance: float = 4.0, max_sequence_length: int = 512, **options: Unpack[AdapterOptions]
+    ):
         super().__init__(pipe, guidance=guidance, max_sequence_length=max_sequence_length, **options)
 
     def _negative_prompts(self, prompts: list[str]) -> list[str]:
@@ -55,8 +57,10 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
         """(instruction, source image path) of ``prompt``; a prompt without an image is refused."""
         text, path = split_image_prompt(prompt)
         if path is None:
-            raise ValueError(f"model family 'qwen_image_edit' edits an image, and the prompt {prompt!r} carries "
-                             f"none; accepted: {FORM}")
+            raise ValueError(
+                f"model family 'qwen_image_edit' edits an image, and the prompt {prompt!r} carries "
+                f"none; accepted: {FORM}"
+            )
         return text, path
 
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
@@ -66,11 +70,13 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
         source = source_pil(path, self.height, self.width)
         embeds, _ = pipe.encode_prompt([text], image=source, device=self.device)
         grid = pipe.processor.image_processor(images=[source], return_tensors="pt")["image_grid_thw"]
-        length = self.max_sequence_length + int(grid.prod()) // pipe.processor.image_processor.merge_size ** 2
+        length = self.max_sequence_length + int(grid.prod()) // pipe.processor.image_processor.merge_size**2
         if embeds.shape[1] > length:
             text_tokens = embeds.shape[1] - length + self.max_sequence_length
-            raise ValueError(f"model.max_sequence_length={self.max_sequence_length}: the prompt {prompt!r} takes "
-                             f"{text_tokens} tokens besides its image's; raise it")
+            raise ValueError(
+                f"model.max_sequence_length={self.max_sequence_length}: the prompt {prompt!r} takes "
+                f"{text_tokens} tokens besides its image's; raise it"
+            )
         pixels = pipe.image_processor.preprocess(source, self.height, self.width).unsqueeze(2)
         latents = pipe._encode_vae_image(pixels.to(self.device, pipe.vae.dtype), generator=None)  # [1, C, 1, h, w]
         return {**self._padded(embeds, length), "image_latents": self.pack(latents[:, :, 0])}

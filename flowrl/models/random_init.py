@@ -19,6 +19,7 @@ the real model gives it. Every component is in ``dtype`` (as ``from_pretrained(d
 
 The weights are whatever the libraries' initialisers draw (seeded): good for timing and memory, not for images.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,27 +42,74 @@ SCHEDULERS = {
     # stabilityai/stable-diffusion-3.5-medium scheduler/scheduler_config.json
     "sd3": {"num_train_timesteps": 1000, "shift": 3.0},
     # black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json
-    "flux": {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
-             "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+    "flux": {
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+    },
 }
 """``FlowMatchEulerDiscreteScheduler`` settings per family (the published scheduler configs)."""
 
 _T5 = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1, "num_heads": 2}
 _VAE = {"block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4}
 TINY = {
-    "sd3": {"transformer": {"attention_head_dim": 8, "num_attention_heads": 2, "caption_projection_dim": 16,
-                            "num_layers": 2, "dual_attention_layers": [0], "joint_attention_dim": 32,
-                            "pooled_projection_dim": 24, "pos_embed_max_size": 16, "sample_size": 8},
-            "text_encoders": [{"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "projection_dim": 8},
-                              {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "projection_dim": 16}, _T5],
-            "vae": _VAE},
-    "flux": {"transformer": {"attention_head_dim": 8, "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 1,
-                             "axes_dims_rope": [2, 2, 4], "joint_attention_dim": 32, "pooled_projection_dim": 16},
-             "text_encoders": [{"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                                "num_attention_heads": 2, "projection_dim": 16}, _T5],
-             "vae": _VAE},
+    "sd3": {
+        "transformer": {
+            "attention_head_dim": 8,
+            "num_attention_heads": 2,
+            "caption_projection_dim": 16,
+            "num_layers": 2,
+            "dual_attention_layers": [0],
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 24,
+            "pos_embed_max_size": 16,
+            "sample_size": 8,
+        },
+        "text_encoders": [
+            {
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "projection_dim": 8,
+            },
+            {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "projection_dim": 16,
+            },
+            _T5,
+        ],
+        "vae": _VAE,
+    },
+    "flux": {
+        "transformer": {
+            "attention_head_dim": 8,
+            "num_attention_heads": 2,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "axes_dims_rope": [2, 2, 4],
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 16,
+        },
+        "text_encoders": [
+            {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "projection_dim": 16,
+            },
+            _T5,
+        ],
+        "vae": _VAE,
+    },
 }
 """Per family, the config keys :func:`tiny_arch` overrides: the widths kept consistent (SD3: the CLIP hidden states
 8 + 16 padded to the T5 width 32 = ``joint_attention_dim``, pooled 8 + 16 = 24; FLUX: the CLIP width = pooled 16,
@@ -71,8 +119,10 @@ RoPE axes adding up to the head width 8); latent channels, patching and the VAE'
 def _supported(arch: dict) -> str:
     family = arch["family"]
     if family not in PIPELINES:
-        raise ConfigError(f"no random-weight pipeline for {arch.get('name', arch.get('key'))!r} (family {family!r}); "
-                          f"supported families: {sorted(PIPELINES)}")
+        raise ConfigError(
+            f"no random-weight pipeline for {arch.get('name', arch.get('key'))!r} (family {family!r}); "
+            f"supported families: {sorted(PIPELINES)}"
+        )
     return family
 
 
@@ -130,8 +180,7 @@ def _tokenizer(spec: dict, clip_tokens: int):
     raise ConfigError(f"no synthetic tokenizer for the text encoder class {spec['class']!r} ({spec['name']})")
 
 
-def random_pipeline(arch: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    seed: int = 0):
+def random_pipeline(arch: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """The diffusers pipeline of ``arch`` (a stored architecture, :func:`flowrl.models.architectures.load_arch`, or
     :func:`tiny_arch`) with random weights drawn on ``device`` in ``dtype`` (seeded), every module in eval mode."""
     import diffusers

@@ -20,6 +20,7 @@ Conventions, as ``SanaPipeline.__call__`` applies them:
 - resolution binning is a ``__call__`` option only (it resizes after decoding); the adapter samples
   at exactly ``height`` × ``width`` (multiples of 32 as the pipeline requires, and of f·patch).
 """
+
 from __future__ import annotations
 
 import math
@@ -58,16 +59,27 @@ class SanaFlowModel(FlowModel):
     pipeline_class = "SanaPipeline"
     default_lora_targets = SANA_LORA_TARGETS
 
-    def __init__(self, pipe, *, guidance: float = 4.5, max_sequence_length: int = 300,
-                 complex_human_instruction: Sequence[str] | None = None, **options: Unpack[AdapterOptions]):
+    def __init__(
+        self,
+        pipe,
+        *,
+        guidance: float = 4.5,
+        max_sequence_length: int = 300,
+        complex_human_instruction: Sequence[str] | None = None,
+        **options: Unpack[AdapterOptions],
+    ):
         self._init_adapter(pipe, guidance, max_sequence_length, **options)
         self.complex_human_instruction = list(complex_human_instruction) if complex_human_instruction else None
 
     def _size_rule(self) -> tuple[int, int, str]:
-        """``sample_size`` latent cells; multiples of lcm(32, vae_scale_factor × patch_size) (SanaPipeline.check_inputs)."""
+        """``sample_size`` latent cells; multiples of lcm(32, vae_scale_factor × patch_size)
+        (SanaPipeline.check_inputs)."""
         config = self.pipe.transformer.config
-        return (config.sample_size * self.vae_scale_factor, math.lcm(32, self.vae_scale_factor * config.patch_size),
-                "lcm(32, vae_scale_factor × patch_size)")
+        return (
+            config.sample_size * self.vae_scale_factor,
+            math.lcm(32, self.vae_scale_factor * config.patch_size),
+            "lcm(32, vae_scale_factor × patch_size)",
+        )
 
     # ---- schedule (decode, trainable, latent_shape: FlowModel's defaults) ---------------------
     def schedule(self, steps: int) -> torch.Tensor:
@@ -90,8 +102,12 @@ class SanaFlowModel(FlowModel):
 
     def _gemma(self, prompt: str, instruction: list[str] | None) -> dict[str, torch.Tensor]:
         embeds, mask, _, _ = self.pipe.encode_prompt(
-            [prompt], do_classifier_free_guidance=False, device=self.device, clean_caption=False,
-            max_sequence_length=self.max_sequence_length, complex_human_instruction=instruction,
+            [prompt],
+            do_classifier_free_guidance=False,
+            device=self.device,
+            clean_caption=False,
+            max_sequence_length=self.max_sequence_length,
+            complex_human_instruction=instruction,
         )
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
@@ -101,6 +117,7 @@ class SanaFlowModel(FlowModel):
         cond = super().encode(prompts, 1.0).cond  # guidance 1: conditional rows only
         uncond = None
         if self.uses_cfg(guidance):
+
             def encoded():
                 with torch.no_grad():
                     return {k: v.detach().to(self.device) for k, v in self._gemma(self.negative_prompt, None).items()}
@@ -116,7 +133,9 @@ class SanaFlowModel(FlowModel):
         text mask; with guidance g ≠ 1 the rows ``[uncond; cond]`` run in one call (``v_u + g·(v_c − v_u)``)."""
         g, cfg = self._cfg_of(cond, guidance)
         config = self.pipe.transformer.config
-        timestep = self._check_inputs(x, sigma, cond) * self.pipe.scheduler.config.num_train_timesteps * config.timestep_scale
+        timestep = (
+            self._check_inputs(x, sigma, cond) * self.pipe.scheduler.config.num_train_timesteps * config.timestep_scale
+        )
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
         text = self._cfg_text(cond, cfg)
         hidden = x.to(device=self.device, dtype=self.dtype).repeat(rows, 1, 1, 1)

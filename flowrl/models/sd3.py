@@ -13,6 +13,7 @@ Conventions, as ``StableDiffusion3Pipeline.__call__`` applies them:
 - latents: ``[B, C, H/f, W/f]`` (f = ``vae_scale_factor``); decode undoes ``scaling_factor`` and
   ``shift_factor`` (:meth:`FlowModel.decode`).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,14 @@ if TYPE_CHECKING:
     from flowrl.models.setup import AdapterOptions
 
 SD3_LORA_TARGETS = [
-    "to_q", "to_k", "to_v", "to_out.0",
-    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
 ]
 
 
@@ -55,8 +62,9 @@ class SD3FlowModel(FlowModel):
     default_lora_targets = SD3_LORA_TARGETS
     shift_defaults = {**FlowModel.shift_defaults, "max_shift": 1.16}  # StableDiffusion3Pipeline's fallback
 
-    def __init__(self, pipe, *, guidance: float = 1.0, max_sequence_length: int = 16,
-                 **options: Unpack[AdapterOptions]):
+    def __init__(
+        self, pipe, *, guidance: float = 1.0, max_sequence_length: int = 16, **options: Unpack[AdapterOptions]
+    ):
         self._init_adapter(pipe, guidance, max_sequence_length, **options)
 
     @classmethod

@@ -2,6 +2,7 @@
 by class name (:meth:`AdapterSetup.from_pretrained`), placing and freezing it (:meth:`AdapterSetup._init_pipeline`),
 the prompt settings (:meth:`AdapterSetup._init_text`) and the image size (:meth:`AdapterSetup._init_size`). An
 adapter's ``__init__`` is its family's keywords and defaults around these calls."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,21 +52,36 @@ class AdapterSetup:
     frozen: ClassVar[tuple[str, ...]] = ("text_encoder", "vae")
     default_negative_prompt: ClassVar[str] = ""
 
-    def _init_adapter(self, pipe, guidance: float, max_sequence_length: int, *, device=None, dtype=None,
-                      height: int | None = None, width: int | None = None, negative_prompt: str | None = None,
-                      gradient_checkpointing: bool = False) -> None:
-        """The set-up every adapter's ``__init__`` runs: the pipeline placed and frozen, the prompt settings, the size."""
+    def _init_adapter(
+        self,
+        pipe,
+        guidance: float,
+        max_sequence_length: int,
+        *,
+        device=None,
+        dtype=None,
+        height: int | None = None,
+        width: int | None = None,
+        negative_prompt: str | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        """The set-up every adapter's ``__init__`` runs: the pipeline placed and frozen, the prompt settings, the
+        size."""
         self._init_pipeline(pipe, device, dtype, self.frozen, gradient_checkpointing)
-        self._init_text(guidance, max_sequence_length,
-                        self.default_negative_prompt if negative_prompt is None else negative_prompt)
+        self._init_text(
+            guidance, max_sequence_length, self.default_negative_prompt if negative_prompt is None else negative_prompt
+        )
         self._init_size(height, width, *self._size_rule())
 
     def _size_rule(self) -> tuple[int, int, str]:
         """(default pixels, the multiple height and width must be, its name): the transformer's ``sample_size``
         latent cells, whole patches."""
         config = self.pipe.transformer.config
-        return (config.sample_size * self.vae_scale_factor, self.vae_scale_factor * config.patch_size,
-                "vae_scale_factor × patch_size")
+        return (
+            config.sample_size * self.vae_scale_factor,
+            self.vae_scale_factor * config.patch_size,
+            "vae_scale_factor × patch_size",
+        )
 
     def largest_side(self) -> int | None:
         """The most pixels a side of an image may have for the transformer, or None (no bound: rotary position
@@ -80,11 +96,15 @@ class AdapterSetup:
         _, multiple, what = self._size_rule()
         largest = self.largest_side()
         if height < 1 or width < 1 or height % multiple or width % multiple:
-            raise ConfigError(f"{keys} = {height}×{width}: must be positive multiples of {what} = {multiple} for "
-                              f"{type(self).__name__}")
+            raise ConfigError(
+                f"{keys} = {height}×{width}: must be positive multiples of {what} = {multiple} for "
+                f"{type(self).__name__}"
+            )
         if largest is not None and max(height, width) > largest:
-            raise ConfigError(f"{keys} = {height}×{width}: {type(self).__name__}'s transformer accepts at most "
-                              f"{largest} pixels a side (its position table); accepted: sides of at most {largest}")
+            raise ConfigError(
+                f"{keys} = {height}×{width}: {type(self).__name__}'s transformer accepts at most "
+                f"{largest} pixels a side (its position table); accepted: sides of at most {largest}"
+            )
 
     def resize(self, height: int | None, width: int | None, keys: str = "eval.height/eval.width") -> None:
         """From now on images (and latents, :attr:`latent_shape`) are ``height`` × ``width`` pixels (None: the side
@@ -110,8 +130,9 @@ class AdapterSetup:
         return pipe.vae_scale_factor
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                        pipeline_kwargs: dict | None = None, **kw):
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, pipeline_kwargs: dict | None = None, **kw
+    ):
         """Load the family's pipeline (``pipeline_class``; a hub id or a local folder) in ``dtype`` and wrap it;
         ``pipeline_kwargs`` go to the pipeline's ``from_pretrained``, the other keywords to the adapter."""
         import diffusers
@@ -153,4 +174,6 @@ class AdapterSetup:
         self.height = int(height or default_px)
         self.width = int(width or default_px)
         if self.height % multiple or self.width % multiple:
-            raise ValueError(f"height and width must be multiples of {what} = {multiple}; got {self.height}×{self.width}")
+            raise ValueError(
+                f"height and width must be multiples of {what} = {multiple}; got {self.height}×{self.width}"
+            )

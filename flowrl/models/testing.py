@@ -34,6 +34,7 @@ Pass ``max_sequence_length`` (e.g. 8) to the adapter, and to the pipeline's own 
 Every word of :data:`TINY_VOCAB` is one CLIP token, one T5 token and one Gemma token, so different
 prompts always encode differently.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,10 +42,37 @@ import torch
 from flowrl.models.tokenizers import build_clip_tokenizer
 
 TINY_VOCAB: list[str] = [
-    "a", "an", "the", "photo", "of", "and", "on", "with", "left", "right", "above", "below",
-    "red", "green", "blue", "yellow", "black", "white",
-    "circle", "square", "triangle", "cat", "dog", "tree", "house", "car",
-    "one", "two", "three", "small", "big",
+    "a",
+    "an",
+    "the",
+    "photo",
+    "of",
+    "and",
+    "on",
+    "with",
+    "left",
+    "right",
+    "above",
+    "below",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "black",
+    "white",
+    "circle",
+    "square",
+    "triangle",
+    "cat",
+    "dog",
+    "tree",
+    "house",
+    "car",
+    "one",
+    "two",
+    "three",
+    "small",
+    "big",
 ]
 """Words of the tiny pipelines' tokenizers; each is exactly one token."""
 
@@ -176,9 +204,17 @@ def tiny_sd3_pipeline(
     ).eval()
     vae = _tiny_vae(4, quant_convs=True, scaling_factor=1.5305, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
-    return StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-                                    tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                                    text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
 
 
 def tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[str] | None = None):
@@ -218,8 +254,15 @@ def tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
 
 
 def gemma_vocab_and_merges(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -241,9 +284,9 @@ def gemma_vocab_and_merges(words) -> tuple[dict[str, int], list[tuple[str, str]]
         for full in (word, "▁" + word):
             for length in range(2, len(full) + 1):
                 for i in range(len(full) - length + 1):
-                    add(full[i:i + length])
+                    add(full[i : i + length])
                     for k in range(i + 1, i + length):
-                        pair = (full[i:k], full[k:i + length])
+                        pair = (full[i:k], full[k : i + length])
                         if pair not in merge_seen:
                             merge_seen.add(pair)
                             merges.append(pair)
@@ -256,33 +299,65 @@ def tiny_sana_pipeline(seed: int = 0, words: list[str] | None = None, scheduler:
     ``scheduler``: ``"dpm"`` (SANA's ``DPMSolverMultistepScheduler`` with flow sigmas) or ``"euler"``
     (``FlowMatchEulerDiscreteScheduler``). Returns the pipeline on CPU, fp32.
     """
-    from diffusers import (AutoencoderDC, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, SanaPipeline,
-                           SanaTransformer2DModel)
+    from diffusers import (
+        AutoencoderDC,
+        DPMSolverMultistepScheduler,
+        FlowMatchEulerDiscreteScheduler,
+        SanaPipeline,
+        SanaTransformer2DModel,
+    )
     from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
     words = list(words or TINY_VOCAB)
     torch.manual_seed(seed)
     vocab, merges = gemma_vocab_and_merges(words)
     tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=16, add_bos_token=True)
-    text_encoder = Gemma2Model(Gemma2Config(
-        vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        attn_implementation="eager",
-    )).eval()
+    text_encoder = Gemma2Model(
+        Gemma2Config(
+            vocab_size=len(vocab),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            attn_implementation="eager",
+        )
+    ).eval()
     transformer = SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_layers=2, num_attention_heads=2, attention_head_dim=8,
-        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16,
-        sample_size=8, patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=16,
+        sample_size=8,
+        patch_size=1,
     ).eval()
     vae = AutoencoderDC(
-        in_channels=3, latent_channels=4, attention_head_dim=2,
+        in_channels=3,
+        latent_channels=4,
+        attention_head_dim=2,
         encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
         decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
-        encoder_block_out_channels=(8, 8, 8), decoder_block_out_channels=(8, 8, 8),
-        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
-        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
-        downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
-        decoder_act_fns="silu", scaling_factor=0.41407,
+        encoder_block_out_channels=(8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8),
+        encoder_qkv_multiscales=((), (), (5,)),
+        decoder_qkv_multiscales=((), (), (5,)),
+        encoder_layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        downsample_block_type="conv",
+        upsample_block_type="interpolate",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+        scaling_factor=0.41407,
     ).eval()
     if scheduler == "dpm":
         sched = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
@@ -290,4 +365,6 @@ def tiny_sana_pipeline(seed: int = 0, words: list[str] | None = None, scheduler:
         sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
     else:
         raise ValueError(f"scheduler must be 'dpm' or 'euler'; got {scheduler!r}")
-    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=sched)
+    return SanaPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=sched
+    )

@@ -15,6 +15,7 @@ pipeline's own call.
 Every word of :data:`~flowrl.models.testing.TINY_VOCAB` and of the pipeline's system message is one token (with
 and without a leading space), so different prompts always encode differently.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,19 @@ import torch
 from flowrl.models.testing import TINY_VOCAB
 from flowrl.models.testing_qwen import qwen_vocab_and_merges
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
-                  "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+SPECIAL_TOKENS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "<pad>",
+]
 CHAT_TEMPLATE = (
     "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'][0]['text'] %}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- set loop_messages = messages %}"
@@ -53,10 +65,21 @@ def tiny_mistral_processor(words=TINY_VOCAB):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer = TokenizersBackend(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                  pad_token="<pad>", model_max_length=1024)
-    return PixtralProcessor(image_processor=PixtralImageProcessorPil(), tokenizer=tokenizer,
-                            chat_template=CHAT_TEMPLATE, patch_size=2, spatial_merge_size=1)
+    tokenizer = TokenizersBackend(
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=1024,
+    )
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessorPil(),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+        patch_size=2,
+        spatial_merge_size=1,
+    )
 
 
 def tiny_flux2_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[str] | None = None):
@@ -68,30 +91,69 @@ def tiny_flux2_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list
 
     torch.manual_seed(seed)
     processor = tiny_mistral_processor(list(words or TINY_VOCAB))
-    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
-        text_config=dict(vocab_size=len(processor.tokenizer), hidden_size=16, intermediate_size=32, head_dim=8,
-                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=10),
-        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           head_dim=8, patch_size=2, image_size=16),
-        image_token_index=SPECIAL_TOKENS.index("[IMG]"), spatial_merge_size=1,
-    )).eval()
+    text_encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            text_config=dict(
+                vocab_size=len(processor.tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                head_dim=8,
+                num_hidden_layers=30,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=1024,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=10,
+            ),
+            vision_config=dict(
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                head_dim=8,
+                patch_size=2,
+                image_size=16,
+            ),
+            image_token_index=SPECIAL_TOKENS.index("[IMG]"),
+            spatial_merge_size=1,
+        )
+    ).eval()
     transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(2, 2, 2, 2),
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(2, 2, 2, 2),
         guidance_embeds=guidance_embeds,
     ).eval()
     vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
         mid_block_add_attention=False,
     ).eval()
     with torch.no_grad():  # latent statistics of a trained VAE (FLUX.2's are per patchified channel)
         vae.bn.running_mean.copy_(torch.randn(16) * 0.5)
         vae.bn.running_var.copy_(torch.rand(16) * 3 + 0.5)
     scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.2-dev's scheduler_config.json
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        time_shift_type="exponential",
     )
-    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor,
-                         transformer=transformer)
+    return Flux2Pipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor, transformer=transformer
+    )

@@ -21,6 +21,7 @@ dropped ones, are again the system turn and ``<|im_start|>user\\n``) and :data:`
 ``Qwen2VLProcessor`` matching the vision tower: a 32×32 source image is 16×16 patches of 2×2 px → 256
 ``<|image_pad|>`` tokens (``max_pixels`` 32·32 caps any source there; ``min_pixels`` 4·4).
 """
+
 from __future__ import annotations
 
 import re
@@ -31,15 +32,19 @@ from flowrl.models.testing import TINY_VOCAB
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-            "<|im_start|>assistant\n")
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 """``QwenImagePipeline.prompt_template_encode`` (its words are in the tiny vocabulary)."""
-EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
-                 "objects, background), then explain how the user's text instruction should alter or modify the image. "
-                 "Generate a new image that meets the user's requirements while maintaining consistency with the "
-                 "original input where appropriate.<|im_end|>\n<|im_start|>user\n"
-                 "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+    "objects, background), then explain how the user's text instruction should alter or modify the image. "
+    "Generate a new image that meets the user's requirements while maintaining consistency with the "
+    "original input where appropriate.<|im_end|>\n<|im_start|>user\n"
+    "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n"
+)
 """``QwenImageEditPipeline.prompt_template_encode`` (its words and `` (``, ``),``, ``'s`` are single tokens)."""
 EDIT_PIXELS = dict(min_pixels=4 * 4, max_pixels=32 * 32)
 """The tiny ``Qwen2VLImageProcessor``'s pixel range (``smart_resize`` to multiples of 2 px within it)."""
@@ -62,13 +67,13 @@ def qwen_vocab_and_merges(words, more=()) -> tuple[dict[str, int], list[tuple[st
         for full in (word, "Ġ" + word):
             for length in range(2, len(full) + 1):
                 for i in range(len(full) - length + 1):
-                    if full[i:i + length] not in seen:
-                        seen.add(full[i:i + length])
-                        tokens.append(full[i:i + length])
+                    if full[i : i + length] not in seen:
+                        seen.add(full[i : i + length])
+                        tokens.append(full[i : i + length])
                     for k in range(i + 1, i + length):
-                        if (full[i:k], full[k:i + length]) not in merge_seen:
-                            merge_seen.add((full[i:k], full[k:i + length]))
-                            merges.append((full[i:k], full[k:i + length]))
+                        if (full[i:k], full[k : i + length]) not in merge_seen:
+                            merge_seen.add((full[i:k], full[k : i + length]))
+                            merges.append((full[i:k], full[k : i + length]))
     return {t: i for i, t in enumerate(tokens)}, merges
 
 
@@ -95,30 +100,66 @@ def _tiny_modules(seed: int, tokenizer, num_layers: int, vocab_size: int | None 
 
     torch.manual_seed(seed)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size or len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=None,
-            eos_token_id=im_end, pad_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},  # head_dim 16
-        ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
-                           fullatt_block_indexes=[0], patch_size=2, temporal_patch_size=1, spatial_merge_size=1),
-        **token_ids,
-    )).eval()
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=vocab_size or len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=2048,
+                bos_token_id=None,
+                eos_token_id=im_end,
+                pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},  # head_dim 16
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=32,
+                fullatt_block_indexes=[0],
+                patch_size=2,
+                temporal_patch_size=1,
+                spatial_merge_size=1,
+            ),
+            **token_ids,
+        )
+    ).eval()
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=num_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
     ).eval()
     vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
-        latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, False],
+        latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+        latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
     ).eval()
     if len(tokenizer) > text_encoder.config.text_config.vocab_size:
         text_encoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler_config.json
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
     )
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
@@ -142,11 +183,21 @@ def tiny_qwen_image_edit_pipeline(seed: int = 0, words: list[str] | None = None,
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     tokenizer = tiny_qwen_tokenizer(list(words or TINY_VOCAB), edit=True)
-    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in [
-        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end")]}
+    ids = {
+        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>")
+        for name, token in [
+            ("image", "image_pad"),
+            ("video", "video_pad"),
+            ("vision_start", "vision_start"),
+            ("vision_end", "vision_end"),
+        ]
+    }
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, **EDIT_PIXELS)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**vision), tokenizer=tokenizer,
-                                 video_processor=Qwen2VLVideoProcessor(**vision))
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**vision),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**vision),
+    )
     base_vocab = tokenizer.convert_tokens_to_ids("<|im_end|>") + 1  # the text-to-image tokenizer's size
     modules = _tiny_modules(seed, tokenizer, num_layers, base_vocab, **ids)
     return QwenImageEditPipeline(processor=processor, **modules)

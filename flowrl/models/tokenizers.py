@@ -5,6 +5,7 @@ special tokens, every character (plain and with ``</w>``), every substring of ev
 the merges join any split of a substring, so each word always ends as one token. Built in memory, so two
 processes never race on a shared vocab file.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -58,6 +59,13 @@ def build_clip_tokenizer(words: Iterable[str], model_max_length: int = 24):
     from transformers import CLIPTokenizer
 
     vocab, merges = clip_vocab_and_merges(words)
-    tok = CLIPTokenizer(vocab=vocab, merges=merges, unk_token=EOS, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-                        model_max_length=model_max_length)
+    tok = CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=EOS,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=model_max_length,
+    )
     return tok

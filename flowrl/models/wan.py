@@ -29,6 +29,7 @@ Conventions, as ``WanPipeline.__call__`` applies them:
 Two-stage Wan 2.2 pipelines (``transformer_2`` / ``boundary_ratio``: two transformers, one per noise range) are
 refused: training would need both as the trainable module.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -44,9 +45,14 @@ if TYPE_CHECKING:
     from flowrl.models.setup import AdapterOptions
 
 WAN_LORA_TARGETS = [
-    "to_q", "to_k", "to_v", "to_out.0",  # self-attention (attn1) and text cross-attention (attn2) of every block
-    "add_k_proj", "add_v_proj",  # image cross-attention of the I2V transformers (absent from text-to-video ones)
-    "ffn.net.0.proj", "ffn.net.2",  # feed-forward
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",  # self-attention (attn1) and text cross-attention (attn2) of every block
+    "add_k_proj",
+    "add_v_proj",  # image cross-attention of the I2V transformers (absent from text-to-video ones)
+    "ffn.net.0.proj",
+    "ffn.net.2",  # feed-forward
 ]
 
 
@@ -71,17 +77,28 @@ class WanFlowModel(FlowModel):
     default_lora_targets = WAN_LORA_TARGETS
     _vae_scale_shift = QwenImageFlowModel._vae_scale_shift  # (1 / latents_std, latents_mean) [1, C, 1, 1, 1]
 
-    def __init__(self, pipe, *, guidance: float = 5.0, num_frames: int = 81, max_sequence_length: int = 512,
-                 **options: Unpack[AdapterOptions]):
+    def __init__(
+        self,
+        pipe,
+        *,
+        guidance: float = 5.0,
+        num_frames: int = 81,
+        max_sequence_length: int = 512,
+        **options: Unpack[AdapterOptions],
+    ):
         if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
-            raise ValueError("WanFlowModel supports one-transformer Wan pipelines only (no transformer_2 / "
-                             "boundary_ratio: Wan 2.2's two-stage models)")
+            raise ValueError(
+                "WanFlowModel supports one-transformer Wan pipelines only (no transformer_2 / "
+                "boundary_ratio: Wan 2.2's two-stage models)"
+            )
         temporal = pipe.vae_scale_factor_temporal
         frames = int(num_frames) if not isinstance(num_frames, bool) else 0
         if frames != num_frames or frames < 1 or (frames - 1) % temporal:
-            raise ValueError(f"num_frames (model.kwargs.num_frames) must be {temporal}·k + 1 — 1, {temporal + 1}, "
-                             f"{2 * temporal + 1}, …, 81 — as the VAE compresses {temporal} frames into each latent "
-                             f"frame after the first; got {num_frames!r}")
+            raise ValueError(
+                f"num_frames (model.kwargs.num_frames) must be {temporal}·k + 1 — 1, {temporal + 1}, "
+                f"{2 * temporal + 1}, …, 81 — as the VAE compresses {temporal} frames into each latent "
+                f"frame after the first; got {num_frames!r}"
+            )
         if int(max_sequence_length) < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {max_sequence_length}")
         self.vae_scale_factor_temporal = temporal
@@ -96,7 +113,11 @@ class WanFlowModel(FlowModel):
     def _size_rule(self) -> tuple[int, int, str]:
         """480 × 832 by default (set in ``__init__``); whole spatial patches."""
         _, patch_h, patch_w = self.patch_size
-        return 0, self.vae_scale_factor * max(patch_h, patch_w), "the VAE's spatial factor × the transformer's patch size"
+        return (
+            0,
+            self.vae_scale_factor * max(patch_h, patch_w),
+            "the VAE's spatial factor × the transformer's patch size",
+        )
 
     # ---- video latents ---------------------------------------------------------------------------------
     @property
@@ -112,8 +133,12 @@ class WanFlowModel(FlowModel):
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(C, F, h, w) of one latent video (C = the transformer's ``in_channels``; h, w = height, width / 8)."""
-        return (self.latent_channels, self.latent_frames, self.height // self.vae_scale_factor,
-                self.width // self.vae_scale_factor)
+        return (
+            self.latent_channels,
+            self.latent_frames,
+            self.height // self.vae_scale_factor,
+            self.width // self.vae_scale_factor,
+        )
 
     @property
     def image_seq_len(self) -> int:
@@ -145,8 +170,12 @@ class WanFlowModel(FlowModel):
     # ---- contract ------------------------------------------------------------------------------------
     def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
         """``prompt_embeds`` [1, L, D], L = ``max_sequence_length``: the pipeline's UMT5 embedding, zero-padded."""
-        embeds, _ = self.pipe.encode_prompt([prompt], do_classifier_free_guidance=False, device=self.device,
-                                            max_sequence_length=self.max_sequence_length)
+        embeds, _ = self.pipe.encode_prompt(
+            [prompt],
+            do_classifier_free_guidance=False,
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+        )
         return {"prompt_embeds": embeds}
 
     def velocity(

@@ -1,5 +1,6 @@
 """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050): a forward-process objective
 (:mod:`flowrl.objectives.nft` has what it shares with DiffusionNFT)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from flowrl.objectives.forward import ForwardProcessObjective, row_mean
 
 @dataclass
 class AWMLoss(ForwardProcessObjective):
-    """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; docs/algorithms.md, "Forward-process objectives").
+    """Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; docs/algorithms.md, "Forward-process
+    objectives").
 
     Per leaf: the flow-matching error L_θ = mean over its draws of ‖v_θ − y‖² (and L_old under the old copy),
     the ratio ρ = exp(L_old − L_θ) and the clipped objective max(−A·ρ, −A·clip(ρ, 1−``clip``, 1+``clip``)),
@@ -57,7 +59,15 @@ class AWMLoss(ForwardProcessObjective):
         loss, diag = self.total(policy + self.kl_old * drift, rows, batch)
         with torch.no_grad():
             r = ratio.detach()
-            diag.update({"awm_policy_loss": policy.mean(), "fm_error": err.mean(), "old_drift": drift.mean(),
-                         "ratio_mean": r.mean(), "ratio_min": r.min(), "ratio_max": r.max(),
-                         "clipfrac": ((r < 1.0 - self.clip) | (r > 1.0 + self.clip)).float().mean()})
+            diag.update(
+                {
+                    "awm_policy_loss": policy.mean(),
+                    "fm_error": err.mean(),
+                    "old_drift": drift.mean(),
+                    "ratio_mean": r.mean(),
+                    "ratio_min": r.min(),
+                    "ratio_max": r.max(),
+                    "clipfrac": ((r < 1.0 - self.clip) | (r > 1.0 + self.clip)).float().mean(),
+                }
+            )
         return loss, diag

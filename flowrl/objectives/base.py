@@ -32,9 +32,9 @@ Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:m
 ``micro_batch`` (rows per training forward) is a declared field set from ``train.micro_batch`` (default
 ``rollout.max_batch``), not a key of ``loss``.
 """
+
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -135,11 +135,16 @@ class Objective(Checked):
     def describe(self) -> ObjectiveFacts:
         """What this objective is (:class:`ObjectiveFacts`); a subclass adds its own facts with
         ``dataclasses.replace(super().describe(), ...)``."""
-        return ObjectiveFacts(trains_on=self.trains_on, trains_flat=self.trains_flat, micro_batch=int(self.micro_batch),
-                              extremes=dict(self.extremes), first_step_keys=tuple(self.first_step_keys),
-                              progress_keys=dict(self.progress_keys),
-                              no_reward_free_point=f"{type(self).__name__} declares none (a forward-process objective "
-                                                   "with an old copy does: nft, awm or a subclass)")
+        return ObjectiveFacts(
+            trains_on=self.trains_on,
+            trains_flat=self.trains_flat,
+            micro_batch=int(self.micro_batch),
+            extremes=dict(self.extremes),
+            first_step_keys=tuple(self.first_step_keys),
+            progress_keys=dict(self.progress_keys),
+            no_reward_free_point=f"{type(self).__name__} declares none (a forward-process objective "
+            "with an old copy does: nft, awm or a subclass)",
+        )
 
     def units(self, forest) -> torch.Tensor:
         """The nodes this objective trains [U] (``forest.units``: the credit rule's ``weight`` honoured alike by
@@ -150,20 +155,26 @@ class Objective(Checked):
         """Refuse, at config load, a credit rule that writes no advantage where this objective reads one."""
         writes = tuple(credit.writes)
         if self.trains_on not in writes:
-            raise ConfigError(f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
-                              f"loss.objective={_name(self)!r} trains on {self.trains_on} (it would read advantage 0 on "
-                              f"every one); use credit.rule: group (or tree), or an objective that trains on "
-                              f"{writes[0]} (loss.objective: clipped)")
+            raise ConfigError(
+                f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
+                f"loss.objective={_name(self)!r} trains on {self.trains_on} (it would read advantage 0 on "
+                f"every one); use credit.rule: group (or tree), or an objective that trains on "
+                f"{writes[0]} (loss.objective: clipped)"
+            )
 
     def check_plan(self, plan) -> None:
         """Refuse, at config load, a rollout plan this objective cannot train on (names the keys)."""
         if self.trains_on == "edges" and not plan.has_trainable_edges:
-            raise ConfigError(f"loss.objective={_name(self)!r} trains stochastic edges by replaying their log-probs, "
-                              f"but rollout.plan={_name(plan)!r} keeps none (deterministic ODE rollouts); use a "
-                              "forward-process objective (loss.objective: nft | awm) or a stochastic kernel")
+            raise ConfigError(
+                f"loss.objective={_name(self)!r} trains stochastic edges by replaying their log-probs, "
+                f"but rollout.plan={_name(plan)!r} keeps none (deterministic ODE rollouts); use a "
+                "forward-process objective (loss.objective: nft | awm) or a stochastic kernel"
+            )
         if self.trains_on == "leaves" and not plan.keeps_clean_latents:
-            raise ConfigError(f"loss.objective={_name(self)!r} trains on the clean latents of the leaves, but "
-                              f"rollout.plan={_name(plan)!r} keeps none; accepted plans: chains, ode, tree, explore, probed")
+            raise ConfigError(
+                f"loss.objective={_name(self)!r} trains on the clean latents of the leaves, but "
+                f"rollout.plan={_name(plan)!r} keeps none; accepted plans: chains, ode, tree, explore, probed"
+            )
 
     def rollout_guidance(self, guidance: float | None) -> float | None:
         """The CFG scale the rollouts must use, given ``model.guidance`` (None = the model's default)."""

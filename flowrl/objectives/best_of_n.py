@@ -7,6 +7,7 @@ every group by reward, and regresses the policy's velocity on them with plain fl
 (RAFT, Dong et al. 2023; "reward-ranked fine-tuning"). With ``cfg: free`` the conditional velocity learns
 the guided teacher's best samples. A ``loss.teacher.anchor`` > 0 adds the teacher's velocity pull as for NFT.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class RAFTLoss(ForwardProcessObjective):
         v, target = rows.v, rows.target
         loss, diag = self.total(self.per_leaf(row_mean((v - target) ** 2)), rows, batch)
         with torch.no_grad():
-            diag.update({"raft_loss": loss.detach(), "fm_error": row_mean((v - target) ** 2).mean(),
-                         "raft_reward": forest.reward[batch.index].float().mean()})
+            diag.update(
+                {
+                    "raft_loss": loss.detach(),
+                    "fm_error": row_mean((v - target) ** 2).mean(),
+                    "raft_reward": forest.reward[batch.index].float().mean(),
+                }
+            )
         return loss, diag

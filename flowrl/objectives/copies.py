@@ -8,6 +8,7 @@ Both run through the model's own ``velocity`` inside a context (``with copy.acti
   optimizer step (d from a schedule). LoRA: a second peft adapter (``flowrl_old``) on the same base,
   activated for the forward (no model copy); full fine-tuning: a frozen copy of the transformer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from flowrl.models.frozen import frozen_copy
 from flowrl.models.dtypes import keep_adapter_fp32
+from flowrl.models.frozen import frozen_copy
 
 OLD_ADAPTER = "flowrl_old"
 
@@ -71,7 +72,8 @@ class LoraLayers:
         return [p for layer in self.of(module) for p in layer.parameters()]
 
     def enable(self, module: torch.nn.Module, enabled: bool) -> None:
-        """Every adapter on (the active one trainable) or off (diffusers' ``enable_adapters`` / ``disable_adapters``)."""
+        """Every adapter on (the active one trainable) or off (diffusers' ``enable_adapters`` /
+        ``disable_adapters``)."""
         for layer in self.of(module):
             layer.enable_adapters(enabled=enabled)
 
@@ -116,8 +118,13 @@ class OldPolicy:
             from peft import LoraConfig
 
             if OLD_ADAPTER not in module.peft_config:  # a second objective on the same model reuses it
-                config = LoraConfig(**{k: v for k, v in module.peft_config["default"].to_dict().items()
-                                       if k in LoraConfig.__dataclass_fields__ and k not in ("peft_type", "task_type")})
+                config = LoraConfig(
+                    **{
+                        k: v
+                        for k, v in module.peft_config["default"].to_dict().items()
+                        if k in LoraConfig.__dataclass_fields__ and k not in ("peft_type", "task_type")
+                    }
+                )
                 with _kept_requires_grad(module.parameters()), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # intended: two adapters
                     module.add_adapter(config, adapter_name=OLD_ADAPTER)
@@ -137,8 +144,11 @@ class OldPolicy:
         if self.frozen is not None:
             return list(zip(self.frozen.parameters(), module.parameters()))
         named = dict(module.named_parameters())
-        return [(named[n.replace(".default.", f".{OLD_ADAPTER}.")], p) for n, p in named.items()
-                if ".default." in n and "lora_" in n]
+        return [
+            (named[n.replace(".default.", f".{OLD_ADAPTER}.")], p)
+            for n, p in named.items()
+            if ".default." in n and "lora_" in n
+        ]
 
     @torch.no_grad()
     def copy_from_policy(self) -> None:

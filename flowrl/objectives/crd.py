@@ -1,6 +1,7 @@
 """Centered Reward Distillation (Zhu, Wang, Lathuilière & Kalogeiton 2026, arXiv 2603.14128), as its authors ship it in
 Flow-Factory (``trainers/crd.py``): a forward-process objective beside DiffusionNFT that regresses the policy's
 implicit reward against its old copy onto the centred rewards (docs/algorithms.md, "CRD")."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,12 +57,16 @@ class CRDLoss(GroupedForward):
         if not self.beta > 0:
             raise ValueError(f"loss.beta={self.beta} must be > 0 (CRD's implicit-reward scale; published 1.0)")
         if not 0.0 <= self.old_decay_start < 1.0:
-            raise ValueError(f"loss.old_decay_start={self.old_decay_start} must be in [0, 1) (the old copy's decay at "
-                             "the first optimizer step)")
+            raise ValueError(
+                f"loss.old_decay_start={self.old_decay_start} must be in [0, 1) (the old copy's decay at "
+                "the first optimizer step)"
+            )
         if self.adaptive_kl and self.teacher is not None and self.teacher.weighting != "none":
-            raise ValueError(f"loss.teacher.weighting={self.teacher.weighting!r} with loss.adaptive_kl=true: CRD's "
-                             "adaptive KL is the anchor's per-leaf weight; set loss.teacher.weighting: none or "
-                             "loss.adaptive_kl: false")
+            raise ValueError(
+                f"loss.teacher.weighting={self.teacher.weighting!r} with loss.adaptive_kl=true: CRD's "
+                "adaptive KL is the anchor's per-leaf weight; set loss.teacher.weighting: none or "
+                "loss.adaptive_kl: false"
+            )
 
     def unread_fields(self) -> dict[str, str]:
         out = super().unread_fields()
@@ -82,8 +87,9 @@ class CRDLoss(GroupedForward):
         c = self.adv_clip
         return 0.5 + adv.clamp(-c, c) / (2.0 * c)
 
-    def leaf_anchor(self, forest, leaves: torch.Tensor, anchor: torch.Tensor | None,
-                    strength: float | None) -> torch.Tensor | None:
+    def leaf_anchor(
+        self, forest, leaves: torch.Tensor, anchor: torch.Tensor | None, strength: float | None
+    ) -> torch.Tensor | None:
         """``adaptive_kl``: λ_k·a_i + 1e-4·(1 − a_i) per leaf [L]."""
         if anchor is None or not self.adaptive_kl:
             return anchor
@@ -93,7 +99,7 @@ class CRDLoss(GroupedForward):
     def implicit_reward(self, rows: Rows) -> torch.Tensor:
         """r [R] (with gradient through v_θ)."""
         diff, diff_old = rows.v - rows.target, rows.v_old - rows.target
-        err, err_old = row_mean(diff ** 2), row_mean(diff_old ** 2)
+        err, err_old = row_mean(diff**2), row_mean(diff_old**2)
         if self.adaptive_weight:
             err = err / row_mean(diff.detach().abs()).clamp(min=1e-5)
             err_old = err_old / row_mean(diff_old.abs()).clamp(min=1e-5)
@@ -110,7 +116,7 @@ class CRDLoss(GroupedForward):
         for ga, gb in table.spans.values():
             lo, hi = max(a, ga), min(b, gb)
             if lo < hi:
-                out[lo - a:hi - a] = every[lo:hi] - every[ga:gb].mean()
+                out[lo - a : hi - a] = every[lo:hi] - every[ga:gb].mean()
         return out.repeat_interleave(self.draws)
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -125,7 +131,13 @@ class CRDLoss(GroupedForward):
         own = self.per_leaf(per_row) * (self.adv_clip / self.beta)
         loss, diag = self.total(own, rows, batch)
         with torch.no_grad():
-            diag.update({"crd_loss": own.mean(), "implicit_reward": r.mean(), "implicit_reward_centred_abs": r_c.abs().mean(),
-                         "fm_error": row_mean((rows.v - rows.target) ** 2).mean(),
-                         "old_drift": row_mean((rows.v - rows.v_old) ** 2).mean()})
+            diag.update(
+                {
+                    "crd_loss": own.mean(),
+                    "implicit_reward": r.mean(),
+                    "implicit_reward_centred_abs": r_c.abs().mean(),
+                    "fm_error": row_mean((rows.v - rows.target) ** 2).mean(),
+                    "old_drift": row_mean((rows.v - rows.v_old) ** 2).mean(),
+                }
+            )
         return loss, diag

@@ -1,6 +1,7 @@
 """Direct Group Preference Optimization (Luo, Hu & Tang 2025, arXiv 2510.08425; ICLR 2026), and the group-aligned
 forward process it shares with CRD (:mod:`flowrl.objectives.crd`): per-leaf terms that read a statistic of the leaf's
 whole prompt group at the same (t, ε) draw (docs/algorithms.md, "Group objectives")."""
+
 from __future__ import annotations
 
 import math
@@ -11,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.core.choices import choice
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.errors import ConfigError
 from flowrl.objectives.base import Batch
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, Rows, row_mean
 from flowrl.objectives.teacher import Teacher
-from flowrl.core.seeding import derive_seed, seeded_normal
 
 GROUP_CFG_MODES = ("free", "guided", "guided_rollouts")
 REFERENCES = ("initial", "teacher", "old")
@@ -40,8 +41,14 @@ class GroupTable:
 
     def batch(self, a: int, b: int, draws: int) -> Batch:
         """The micro-batch of positions [a, b) (its ``extra`` names the table and its ``span``)."""
-        extra = {**self.extra, "t": self.t[a * draws:b * draws], "noise": self.noise[a * draws:b * draws],
-                 "anchor": None if self.anchor is None else self.anchor[a:b], "table": self, "span": (a, b)}
+        extra = {
+            **self.extra,
+            "t": self.t[a * draws : b * draws],
+            "noise": self.noise[a * draws : b * draws],
+            "anchor": None if self.anchor is None else self.anchor[a:b],
+            "table": self,
+            "span": (a, b),
+        }
         return Batch(self.leaves[a:b], b - a, extra)
 
 
@@ -69,8 +76,10 @@ class GroupedForward(ForwardProcessObjective):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 < self.level_fraction <= 1.0:
-            raise ValueError(f"loss.level_fraction={self.level_fraction} must be in (0, 1] (the share of the sampler's "
-                             "noise levels trained, highest first)")
+            raise ValueError(
+                f"loss.level_fraction={self.level_fraction} must be in (0, 1] (the share of the sampler's "
+                "noise levels trained, highest first)"
+            )
 
     def unread_fields(self) -> dict[str, str]:
         out = super().unread_fields()
@@ -82,9 +91,11 @@ class GroupedForward(ForwardProcessObjective):
         if self.cfg != "guided_rollouts":
             return super().rollout_guidance(guidance)
         if guidance is not None and float(guidance) == 1.0:
-            raise ConfigError("loss.cfg='guided_rollouts' samples with CFG and trains the conditional velocity, but "
-                              "model.guidance=1.0; set model.guidance > 1 (or unset it: the model's default), or use "
-                              "loss.cfg='free'")
+            raise ConfigError(
+                "loss.cfg='guided_rollouts' samples with CFG and trains the conditional velocity, but "
+                "model.guidance=1.0; set model.guidance > 1 (or unset it: the model's default), or use "
+                "loss.cfg='free'"
+            )
         return guidance
 
     def training_guidance(self, forest) -> float:
@@ -129,12 +140,15 @@ class GroupedForward(ForwardProcessObjective):
                 out += [(c, min(c + per, b)) for c in range(a, b, per)]
         return out
 
-    def shared_noise(self, forest, leaves: torch.Tensor, noise: torch.Tensor, iteration: int, seed: int) -> torch.Tensor:
+    def shared_noise(
+        self, forest, leaves: torch.Tensor, noise: torch.Tensor, iteration: int, seed: int
+    ) -> torch.Tensor:
         """The draws' ε [L·D, C, H, W] of ``leaves`` [L] (default: the forward process's, one per leaf and draw)."""
         return noise
 
-    def leaf_anchor(self, forest, leaves: torch.Tensor, anchor: torch.Tensor | None,
-                    strength: float | None) -> torch.Tensor | None:
+    def leaf_anchor(
+        self, forest, leaves: torch.Tensor, anchor: torch.Tensor | None, strength: float | None
+    ) -> torch.Tensor | None:
         """The anchor's per-leaf weights [L] (default: the forward process's, λ_k·w_i)."""
         return anchor
 
@@ -142,7 +156,7 @@ class GroupedForward(ForwardProcessObjective):
         """``timesteps: sampler``: per leaf (``draws`` consecutive seeds) ``draws`` noise levels of the highest
         ``level_fraction`` of the sampler's (σ > 0 of the forest's nodes), from the leaf's first seed [len(seeds)]."""
         levels = torch.unique(forest.sigma[forest.sigma > 0]).float()  # ascending
-        levels = levels[-max(1, math.ceil(self.level_fraction * levels.numel() - 1e-9)):]
+        levels = levels[-max(1, math.ceil(self.level_fraction * levels.numel() - 1e-9)) :]
         D, L = self.draws, levels.numel()
         picks = []
         for i in range(0, len(seeds), D):
@@ -165,7 +179,9 @@ class GroupedForward(ForwardProcessObjective):
             lo, hi = max(a, ga), min(b, gb)
             if lo < hi:
                 whole = a <= ga and gb <= b
-                out[lo - a:hi - a] = mine[lo - a:hi - a].mean(0) if whole else self.split_mean(model, forest, cond, table, g)
+                out[lo - a : hi - a] = (
+                    mine[lo - a : hi - a].mean(0) if whole else self.split_mean(model, forest, cond, table, g)
+                )
         return out.flatten()
 
     def split_mean(self, model, forest, cond, table: GroupTable, g: int) -> torch.Tensor:
@@ -224,13 +240,17 @@ class DGPOLoss(GroupedForward):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (math.isfinite(self.beta) and self.beta > 0):
-            raise ValueError(f"loss.beta={self.beta} must be > 0 (DGPO's preference scale; published 10–100, "
-                             "2000–5000 with reference: old)")
+            raise ValueError(
+                f"loss.beta={self.beta} must be > 0 (DGPO's preference scale; published 10–100, "
+                "2000–5000 with reference: old)"
+            )
         if not self.clip >= 0:
             raise ValueError(f"loss.clip={self.clip} must be >= 0 (PPO's clip of exp(e_old − e); 0 = off)")
         if self.reference == "teacher" and self.teacher is None:
-            raise ValueError("loss.reference='teacher' compares the policy's errors with the guided teacher's, but "
-                             "loss.teacher is not set; add loss.teacher: {guidance: 4.5, anchor: 0.02}")
+            raise ValueError(
+                "loss.reference='teacher' compares the policy's errors with the guided teacher's, but "
+                "loss.teacher is not set; add loss.teacher: {guidance: 4.5, anchor: 0.02}"
+            )
 
     @property
     def uses_old(self) -> bool:  # type: ignore[override]
@@ -271,7 +291,9 @@ class DGPOLoss(GroupedForward):
         if self._old is not None:
             self._old.copy_from_policy()
 
-    def shared_noise(self, forest, leaves: torch.Tensor, noise: torch.Tensor, iteration: int, seed: int) -> torch.Tensor:
+    def shared_noise(
+        self, forest, leaves: torch.Tensor, noise: torch.Tensor, iteration: int, seed: int
+    ) -> torch.Tensor:
         """``share_noise``: one ε per prompt group and draw, addressed by (run seed, iteration, prompt, draw)."""
         if not self.share_noise:
             return noise
@@ -312,9 +334,16 @@ class DGPOLoss(GroupedForward):
         own = self.per_leaf(w * adv * used)
         loss, diag = self.total(own, rows, batch)
         with torch.no_grad():
-            diag.update({"dgpo_loss": own.mean(), "group_weight": w.mean(), "dgpo_nll": F.softplus(s).mean(),
-                         "fm_error": err.mean(), "ref_error": row_mean((self.reference_velocity(rows) - rows.target) ** 2).mean(),
-                         "clipfrac": clipped.float().mean()})
+            diag.update(
+                {
+                    "dgpo_loss": own.mean(),
+                    "group_weight": w.mean(),
+                    "dgpo_nll": F.softplus(s).mean(),
+                    "fm_error": err.mean(),
+                    "ref_error": row_mean((self.reference_velocity(rows) - rows.target) ** 2).mean(),
+                    "clipfrac": clipped.float().mean(),
+                }
+            )
             if rows.v_old is not None:
                 diag["old_drift"] = row_mean((rows.v - rows.v_old) ** 2).mean()
         return loss, diag

@@ -2,6 +2,7 @@
 ``train_sd3_dpo.py`` and Flow-Factory's ``dpo`` trainer run it online: a forward-process objective
 (:mod:`flowrl.objectives.forward`) on chosen/rejected pairs formed inside each prompt group (docs/algorithms.md,
 "Online Diffusion-DPO")."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,7 +24,8 @@ class DPOLoss(ForwardProcessObjective):
     Pairs: in every prompt group, the leaf with the highest advantage is chosen (w) and the one with the lowest is
     rejected (l) — Flow-GRPO's and Flow-Factory's rule (best vs worst, one pair per group); ties go to the earlier node;
     a group without spread (``flat``), or with fewer than two trainable leaves, gives no pair. Pairs never cross groups.
-    Each pair shares its ``draws`` (t, ε) points (Diffusion-DPO's shared noise and timestep): the chosen leaf's, drawn as
+    Each pair shares its ``draws`` (t, ε) points (Diffusion-DPO's shared noise and timestep): the chosen leaf's, drawn
+    as
     :mod:`~flowrl.objectives.forward` draws them (the ``share_t`` key is not read). Per draw, with errors
     e = mean‖v(x_t) − (ε − x0)‖² of the policy (θ) and of the frozen reference (the initial weights):
 
@@ -33,7 +35,8 @@ class DPOLoss(ForwardProcessObjective):
     averages over). β [100: Flow-GRPO ``config/dpo.py``, Flow-Factory's SD3.5 DPO example] absorbs Diffusion-DPO's
     T·ω(λ_t); both public codes use −β/2 on element-mean errors, as here. No old copy (Flow-GRPO's reference is never
     refreshed by default); ``kl_ref`` > 0 adds the shared velocity pull to the same reference, and a ``teacher`` its
-    anchor, as for NFT. Diagnostics: ``dpo_loss``, ``implicit_acc`` (share of draws with z > 0), ``dpo_margin`` (mean z),
+    anchor, as for NFT. Diagnostics: ``dpo_loss``, ``implicit_acc`` (share of draws with z > 0), ``dpo_margin`` (mean
+    z),
     ``err_chosen``/``err_rejected`` and their reference errors (pairs: ``trained_leaves``/2).
     """
 
@@ -49,8 +52,9 @@ class DPOLoss(ForwardProcessObjective):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.beta <= 0:
-            raise ValueError(f"loss.beta={self.beta} must be > 0 (Diffusion-DPO's KL strength; published 100 for "
-                             "flow matching)")
+            raise ValueError(
+                f"loss.beta={self.beta} must be > 0 (Diffusion-DPO's KL strength; published 100 for flow matching)"
+            )
 
     # ---- configuration and lifecycle ---------------------------------------------------------
     def unread_fields(self) -> dict[str, str]:
@@ -59,7 +63,9 @@ class DPOLoss(ForwardProcessObjective):
         out = super().unread_fields()
         out["share_t"] = "DPOLoss always trains a pair at the same (t, ε) points"
         if self.teacher is None:
-            out["adv_clip"] = "DPOLoss reads only the order of the advantages (a teacher's anchor weighting reads the clip)"
+            out["adv_clip"] = (
+                "DPOLoss reads only the order of the advantages (a teacher's anchor weighting reads the clip)"
+            )
         return out
 
     def describe(self) -> ObjectiveFacts:
@@ -126,8 +132,13 @@ class DPOLoss(ForwardProcessObjective):
         out = []
         for a in range(0, index.numel(), per):
             rows = slice(a * D, min(a + per, index.numel()) * D)
-            extra = {"t": t[rows], "noise": noise[rows], "anchor": None if anchor is None else anchor[a:a + per], **shared}
-            out.append(Batch(index[a:a + per], int(index[a:a + per].numel()), extra))
+            extra = {
+                "t": t[rows],
+                "noise": noise[rows],
+                "anchor": None if anchor is None else anchor[a : a + per],
+                **shared,
+            }
+            out.append(Batch(index[a : a + per], int(index[a : a + per].numel()), extra))
         return out
 
     # ---- the loss -----------------------------------------------------------------------------
@@ -147,8 +158,16 @@ class DPOLoss(ForwardProcessObjective):
         loss, diag = self.total(own, rows, batch)
         with torch.no_grad():
             e, r = err.detach().view(-1, 2, self.draws), err_ref.view(-1, 2, self.draws)
-            diag.update({"dpo_loss": own.detach().mean(), "implicit_acc": (z > 0).float().mean(),
-                         "dpo_margin": z.detach().mean(), "err_chosen": e[:, 0].mean(), "err_rejected": e[:, 1].mean(),
-                         "ref_err_chosen": r[:, 0].mean(), "ref_err_rejected": r[:, 1].mean(),
-                         "fm_error": err.detach().mean()})
+            diag.update(
+                {
+                    "dpo_loss": own.detach().mean(),
+                    "implicit_acc": (z > 0).float().mean(),
+                    "dpo_margin": z.detach().mean(),
+                    "err_chosen": e[:, 0].mean(),
+                    "err_rejected": e[:, 1].mean(),
+                    "ref_err_chosen": r[:, 0].mean(),
+                    "ref_err_rejected": r[:, 1].mean(),
+                    "fm_error": err.detach().mean(),
+                }
+            )
         return loss, diag

@@ -1,4 +1,5 @@
-"""What the forward-process objectives share (DiffusionNFT: :mod:`flowrl.objectives.nft`; AWM: :mod:`flowrl.objectives.awm`;
+"""What the forward-process objectives share (DiffusionNFT: :mod:`flowrl.objectives.nft`; AWM:
+:mod:`flowrl.objectives.awm`;
 best-of-N: :mod:`flowrl.objectives.best_of_n`).
 
 Both train on the clean latents x0 of the forest's leaves, whatever sampler made them (an ODE plan,
@@ -31,6 +32,7 @@ anchor alone (guidance distillation, the baseline the reward must beat).
 ``timesteps: sampler``: each leaf trains at ``draws`` distinct noise levels of the sampler's own schedule
 (the σ > 0 of the forest's nodes), fresh ε each — DiffusionNFT's public setting (9 of 10 steps).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -39,10 +41,10 @@ from typing import Any, ClassVar
 import torch
 
 from flowrl.core.choices import choice
+from flowrl.core.seeding import derive_seed, seeded_normals
 from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.teacher import Teacher, TeacherSpec, leaf_weights
-from flowrl.core.seeding import derive_seed, seeded_normals
 from flowrl.rollout.transfer import to_device
 
 CFG_MODES = ("free", "guided")
@@ -94,8 +96,10 @@ class ForwardProcessObjective(Objective):
         if self.logit_std <= 0:
             raise ValueError(f"loss.logit_std={self.logit_std} must be > 0")
         if not 0.0 <= self.old_decay < 1.0:
-            raise ValueError(f"loss.old_decay={self.old_decay} must be in [0, 1) (the old policy's EMA decay per "
-                             "optimizer step; 0 = the policy that sampled the iteration)")
+            raise ValueError(
+                f"loss.old_decay={self.old_decay} must be in [0, 1) (the old policy's EMA decay per "
+                "optimizer step; 0 = the policy that sampled the iteration)"
+            )
         if self.old_decay_warmup < 0:
             raise ValueError(f"loss.old_decay_warmup={self.old_decay_warmup} must be >= 0")
         if self.adv_clip <= 0:
@@ -103,13 +107,16 @@ class ForwardProcessObjective(Objective):
         if self.kl_ref < 0:
             raise ValueError(f"loss.kl_ref={self.kl_ref} must be >= 0")
         if self.old_decay_rate < 0 or self.old_decay_flat < 0:
-            raise ValueError(f"loss.old_decay_rate={self.old_decay_rate} and loss.old_decay_flat={self.old_decay_flat} "
-                             "must be >= 0")
+            raise ValueError(
+                f"loss.old_decay_rate={self.old_decay_rate} and loss.old_decay_flat={self.old_decay_flat} must be >= 0"
+            )
         if self.reward_term < 0:
             raise ValueError(f"loss.reward_term={self.reward_term} must be >= 0 (0 = the teacher's anchor alone)")
         if self.reward_term == 0 and (self.teacher is None or self.teacher.anchor == 0):
-            raise ValueError("loss.reward_term=0 leaves nothing to train without a teacher's anchor; set "
-                             "loss.teacher.anchor > 0 or loss.reward_term > 0")
+            raise ValueError(
+                "loss.reward_term=0 leaves nothing to train without a teacher's anchor; set "
+                "loss.teacher.anchor > 0 or loss.reward_term > 0"
+            )
 
     # ---- configuration and lifecycle ---------------------------------------------------------
     def unread_fields(self) -> dict[str, str]:
@@ -132,8 +139,10 @@ class ForwardProcessObjective(Objective):
         if guidance is not None and float(guidance) != 1.0:
             from flowrl.errors import ConfigError
 
-            raise ConfigError(f"loss.cfg='free' samples and trains the conditional velocity (guidance 1), but "
-                              f"model.guidance={guidance}; unset model.guidance (or set 1), or use loss.cfg='guided'")
+            raise ConfigError(
+                f"loss.cfg='free' samples and trains the conditional velocity (guidance 1), but "
+                f"model.guidance={guidance}; unset model.guidance (or set 1), or use loss.cfg='guided'"
+            )
         return 1.0
 
     def check_plan(self, plan) -> None:
@@ -142,16 +151,20 @@ class ForwardProcessObjective(Objective):
         if share and self.teacher is None:
             from flowrl.errors import ConfigError
 
-            raise ConfigError(f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
-                              "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)")
+            raise ConfigError(
+                f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
+                "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)"
+            )
         leaves = int(plan.expected_counts(1)["leaves"])
         if self.group_use is not None and leaves < 2:
             from flowrl.core.components import name_of
             from flowrl.errors import ConfigError
 
-            raise ConfigError(f"loss.objective={name_of(self)!r} {self.group_use}, but rollout.plan={name_of(plan)!r} "
-                              f"gives {leaves} leaf per group; raise rollout.group_size (or the tree's splits) to at "
-                              "least 2 leaves per prompt")
+            raise ConfigError(
+                f"loss.objective={name_of(self)!r} {self.group_use}, but rollout.plan={name_of(plan)!r} "
+                f"gives {leaves} leaf per group; raise rollout.group_size (or the tree's splits) to at "
+                "least 2 leaves per prompt"
+            )
 
     def setup(self, model) -> None:
         self._old = OldPolicy(model) if self.uses_old else None
@@ -196,8 +209,12 @@ class ForwardProcessObjective(Objective):
     def describe(self) -> ObjectiveFacts:
         """Leaves, ``draws`` rows each; the frozen copies; the guided velocity trained only with ``cfg: guided``
         (CFG-free trains the conditional one); the reward-free point when :attr:`has_reward_free_point`."""
-        facts = replace(super().describe(), rows_per_unit=self.draws, frozen_copies=self.frozen_copies(),
-                        guided_training=self.cfg == "guided")
+        facts = replace(
+            super().describe(),
+            rows_per_unit=self.draws,
+            frozen_copies=self.frozen_copies(),
+            guided_training=self.cfg == "guided",
+        )
         if not self.has_reward_free_point:
             return facts
         return replace(facts, reward_free_overrides=self.reward_free_overrides(), no_reward_free_point=None)
@@ -215,7 +232,8 @@ class ForwardProcessObjective(Objective):
         self._old.copy_from_policy()
 
     def take_stats(self) -> dict[str, float]:
-        """The teacher's cost since the last call (forwards, seconds); the anchor's weight is a diagnostic of the loss."""
+        """The teacher's cost since the last call (forwards, seconds); the anchor's weight is a diagnostic of the
+        loss."""
         return {} if self.teacher_model is None else self.teacher_model.take_stats()
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -227,10 +245,16 @@ class ForwardProcessObjective(Objective):
     # ---- batches ----------------------------------------------------------------------------
     def draw_t(self, seeds: list[int]) -> torch.Tensor:
         """Timesteps [len(seeds)] in ``t_range``, one per seed."""
-        u = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(s)) if self.timesteps == "uniform"
-                         else torch.sigmoid(self.logit_mean + self.logit_std *
-                                            torch.randn((), generator=torch.Generator().manual_seed(s)))
-                         for s in seeds])
+        u = torch.stack(
+            [
+                torch.rand((), generator=torch.Generator().manual_seed(s))
+                if self.timesteps == "uniform"
+                else torch.sigmoid(
+                    self.logit_mean + self.logit_std * torch.randn((), generator=torch.Generator().manual_seed(s))
+                )
+                for s in seeds
+            ]
+        )
         lo, hi = self.t_range
         return (lo + (hi - lo) * u).clamp(1e-4, 1.0 - 1e-4).float()
 
@@ -242,8 +266,10 @@ class ForwardProcessObjective(Objective):
         failed rewards and leaves the credit rule gave weight 0 are left out)."""
         leaves = forest.leaves()
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
-            raise ValueError("forward-process objectives train on clean latents, but some leaves of this forest "
-                             "are not at sigma 0: the plan must sample to the end")
+            raise ValueError(
+                "forward-process objectives train on clean latents, but some leaves of this forest "
+                "are not at sigma 0: the plan must sample to the end"
+            )
         leaves = self.select_leaves(forest, self.units(forest) if units is None else units, padding=units is not None)
         if leaves.numel() == 0:
             return []
@@ -255,8 +281,11 @@ class ForwardProcessObjective(Objective):
         for root, g, k in zip(forest.seed[leaves].tolist(), group.tolist(), within.tolist()):
             prompt = forest.prompts[g]
             for d in range(D):
-                t_seeds.append(derive_seed(seed, iteration, "fp_t", prompt, d) if self.share_t
-                               else derive_seed(seed, iteration, "fp_t", root, k, d))
+                t_seeds.append(
+                    derive_seed(seed, iteration, "fp_t", prompt, d)
+                    if self.share_t
+                    else derive_seed(seed, iteration, "fp_t", root, k, d)
+                )
                 eps_seeds.append(derive_seed(seed, iteration, "fp_eps", root, k, d))
         t = self.sampler_t(forest, t_seeds) if self.timesteps == "sampler" else self.draw_t(t_seeds)
         anchor = None
@@ -270,9 +299,14 @@ class ForwardProcessObjective(Objective):
         for a in range(0, leaves.numel(), per):
             rows = slice(a * D, min(a + per, leaves.numel()) * D)
             noise = seeded_normals(eps_seeds[rows], shape)
-            extra = {"t": t[rows], "noise": noise, "anchor": None if anchor is None else anchor[a:a + per],
-                     "teacher_cond": teacher_cond, "anchor_weight": None if self.teacher is None else strength}
-            out.append(Batch(leaves[a:a + per], int(leaves[a:a + per].numel()), extra))
+            extra = {
+                "t": t[rows],
+                "noise": noise,
+                "anchor": None if anchor is None else anchor[a : a + per],
+                "teacher_cond": teacher_cond,
+                "anchor_weight": None if self.teacher is None else strength,
+            }
+            out.append(Batch(leaves[a : a + per], int(leaves[a : a + per].numel()), extra))
         return out
 
     def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
@@ -290,10 +324,14 @@ class ForwardProcessObjective(Objective):
         levels = torch.unique(forest.sigma[forest.sigma > 0]).float()
         D = self.draws
         if D > levels.numel():
-            raise ValueError(f"loss.draws={D} with loss.timesteps='sampler' needs at least {D} sampler steps; the "
-                             f"rollouts visited {levels.numel()} noise levels above 0 (raise rollout.steps)")
-        picks = [levels[torch.randperm(levels.numel(), generator=torch.Generator().manual_seed(seeds[i]))[:D]]
-                 for i in range(0, len(seeds), D)]
+            raise ValueError(
+                f"loss.draws={D} with loss.timesteps='sampler' needs at least {D} sampler steps; the "
+                f"rollouts visited {levels.numel()} noise levels above 0 (raise rollout.steps)"
+            )
+        picks = [
+            levels[torch.randperm(levels.numel(), generator=torch.Generator().manual_seed(seeds[i]))[:D]]
+            for i in range(0, len(seeds), D)
+        ]
         return torch.cat(picks).clamp(1e-4, 1.0 - 1e-4)
 
     # ---- the shared forward --------------------------------------------------------------------
@@ -322,7 +360,9 @@ class ForwardProcessObjective(Objective):
             with torch.no_grad(), self._reference.active():
                 v_ref = model.velocity(x_t, t, rows_cond, g).float()
         teacher_cond = batch.extra.get("teacher_cond")
-        v_teacher = None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
+        v_teacher = (
+            None if teacher_cond is None else self.teacher_model.velocity(x_t, t, teacher_cond.select(row_groups))
+        )
         v = model.velocity(x_t, t, rows_cond, g).float()
         adv = to_device(forest.advantage[leaves].float(), device).clamp(-self.adv_clip, self.adv_clip)
         return Rows(v, v_old, v_ref, v_teacher, target, t, adv)
@@ -378,7 +418,8 @@ class Rows:
 
 
 def rank_within(group: torch.Tensor) -> torch.Tensor:
-    """For entries labelled ``group`` [L] (ints ≥ 0), each entry's index among the entries of its group, in order [L]."""
+    """For entries labelled ``group`` [L] (ints ≥ 0), each entry's index among the entries of its group, in order
+    [L]."""
     order = torch.argsort(group, stable=True)
     counts = torch.bincount(group)
     first = torch.cumsum(counts, 0) - counts  # where each group starts in ``order``

@@ -23,6 +23,7 @@ its trained leaves, so equal groups weigh equally). Groups without reward spread
 credit rule) and groups left with fewer than two trained leaves are skipped: they have no ranking to learn.
 The credit rule's advantages are not read (its weights are: a failed reward or a dropped leaf is not ranked).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,10 +32,10 @@ from typing import ClassVar
 import torch
 
 from flowrl.core.choices import choice
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.objectives.base import Batch
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, row_mean
-from flowrl.core.seeding import derive_seed, seeded_normal
 
 NORMS = ("mean", "sum")  # ‖·‖² over latent elements: their mean (the code convention), or the squared L2 norm
 
@@ -101,15 +102,18 @@ class GDROLoss(ForwardProcessObjective):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.beta > 0:
-            raise ValueError(f"loss.beta={self.beta} must be > 0 (GDRO's implicit-reward scale β; the paper: 6 "
-                             "GenEval, 12 OCR)")
+            raise ValueError(
+                f"loss.beta={self.beta} must be > 0 (GDRO's implicit-reward scale β; the paper: 6 GenEval, 12 OCR)"
+            )
         if not self.tau >= 0:
             raise ValueError(f"loss.tau={self.tau} must be >= 0 (the soft targets' temperature; 0 = ranking only)")
         if not self.gamma >= 0:
             raise ValueError(f"loss.gamma={self.gamma} must be >= 0 (the top-1 stabiliser's weight)")
         if self.teacher is not None:
-            raise ValueError("loss.teacher is not read by loss.objective='gdro' (its tie to the initial model is the "
-                             "implicit reward's reference); remove loss.teacher, or use loss.objective: nft")
+            raise ValueError(
+                "loss.teacher is not read by loss.objective='gdro' (its tie to the initial model is the "
+                "implicit reward's reference); remove loss.teacher, or use loss.objective: nft"
+            )
 
     def unread_fields(self) -> dict[str, str]:
         """The shared ones, and ``adv_clip``: GDRO ranks raw rewards and reads no advantage."""
@@ -124,9 +128,11 @@ class GDROLoss(ForwardProcessObjective):
             from flowrl.core.components import name_of
             from flowrl.errors import ConfigError
 
-            raise ConfigError(f"loss.timesteps='sampler' trains at the sampler's own noise levels, but rollout.plan="
-                              f"{name_of(plan)!r} keeps no schedule (stored clean samples); accepted: loss.timesteps: "
-                              "uniform | logit_normal")
+            raise ConfigError(
+                f"loss.timesteps='sampler' trains at the sampler's own noise levels, but rollout.plan="
+                f"{name_of(plan)!r} keeps no schedule (stored clean samples); accepted: loss.timesteps: "
+                "uniform | logit_normal"
+            )
 
     # ---- lifecycle: the frozen reference, always ---------------------------------------------------
     def setup(self, model) -> None:
@@ -145,8 +151,10 @@ class GDROLoss(ForwardProcessObjective):
         group, in order)."""
         leaves = forest.leaves()
         if leaves.numel() and bool((forest.sigma[leaves] > 0).any()):
-            raise ValueError("loss.objective='gdro' trains on clean latents, but some leaves of this forest are not "
-                             "at sigma 0: the plan must sample to the end")
+            raise ValueError(
+                "loss.objective='gdro' trains on clean latents, but some leaves of this forest are not "
+                "at sigma 0: the plan must sample to the end"
+            )
         groups = ranked_groups(forest, self.units(forest) if units is None else units)
         shape = tuple(forest.all_latents().shape[1:])
         out, pending = [], []
@@ -187,13 +195,15 @@ class GDROLoss(ForwardProcessObjective):
             for d in range(self.draws):
                 group_addr, leaf_addr = (prompt, key, d), (int(root), k, d)
                 t_seeds.append(derive_seed(seed, iteration, "gdro_t", *(group_addr if self.share_t else leaf_addr)))
-                eps_seeds.append(derive_seed(seed, iteration, "gdro_eps",
-                                             *(group_addr if self.share_noise else leaf_addr)))
+                eps_seeds.append(
+                    derive_seed(seed, iteration, "gdro_eps", *(group_addr if self.share_noise else leaf_addr))
+                )
         return t_seeds, eps_seeds
 
     # ---- the loss ----------------------------------------------------------------------------------
-    def group_terms(self, s: torch.Tensor, err: torch.Tensor, reward: torch.Tensor, sizes: list[int]
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def group_terms(
+        self, s: torch.Tensor, err: torch.Tensor, reward: torch.Tensor, sizes: list[int]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each leaf's group loss ℓ = L_GDRO + γ·L_reg [B] from implicit rewards ``s`` [B], flow-matching errors
         ``err`` [B] (mean over draws) and rewards ``reward`` [B], groups of ``sizes`` consecutive leaves in ranked
         order; and diagnostics (means over groups)."""
@@ -212,8 +222,12 @@ class GDROLoss(ForwardProcessObjective):
                 accs.append(((sg.view(-1, 1) > sg.view(1, -1)) & better).sum() / better.sum().clamp(min=1))
                 tops.append(torch.softmax(sg, 0)[0])
             start += k
-        diag = {"gdro_rank_loss": torch.stack(ranks).mean(), "gdro_top1_error": torch.stack(regs).mean(),
-                "implicit_acc": torch.stack(accs).float().mean(), "implicit_top1_prob": torch.stack(tops).mean()}
+        diag = {
+            "gdro_rank_loss": torch.stack(ranks).mean(),
+            "gdro_top1_error": torch.stack(regs).mean(),
+            "implicit_acc": torch.stack(accs).float().mean(),
+            "implicit_top1_prob": torch.stack(tops).mean(),
+        }
         return torch.cat(own), diag
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -228,7 +242,14 @@ class GDROLoss(ForwardProcessObjective):
         diag.update(group_diag)
         with torch.no_grad():
             sd = s.detach()
-            diag.update({"gdro_loss": loss.detach(), "fm_error": fm.detach().mean(), "ref_error": fm_ref.mean(),
-                         "implicit_reward_mean": sd.mean(), "implicit_reward_min": sd.min(),
-                         "implicit_reward_max": sd.max()})
+            diag.update(
+                {
+                    "gdro_loss": loss.detach(),
+                    "fm_error": fm.detach().mean(),
+                    "ref_error": fm_ref.mean(),
+                    "implicit_reward_mean": sd.mean(),
+                    "implicit_reward_min": sd.min(),
+                    "implicit_reward_max": sd.max(),
+                }
+            )
         return loss, diag

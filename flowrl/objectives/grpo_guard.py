@@ -9,6 +9,7 @@ RatioNorm drops the bias and the scale, log r̃ = s·log r + red(Δμ²)/(2s) = 
 its gradient re-weighting multiplies each edge's clipped term by δ = 1/|dt| (the paper's flow-matching δ_t; Δμ ∝ dt·Δv,
 so the step's gradient no longer scales with its width).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -32,14 +33,18 @@ class GRPOGuardLoss(PolicyLoss):
     Per trained edge e (child x', recorded std s, rollout mean μ_old, current mean μ_θ, ξ = (x' − μ_old)/s):
     log r̃_e = red(ξ ⊙ (μ_θ − μ_old)) [E], and
     L = mean_e w_e·δ_e·max(−A_e·r̃_e, −A_e·clip(r̃_e, 1−ε_low, 1+ε_high)) + β·mean_e w_e·KL_e
-    with δ_e = 1/|σ_child − σ_parent| (``reweight: dt``, the paper and verl-omni) or 1 (``reweight: none``, Flow-Factory's
+    with δ_e = 1/|σ_child − σ_parent| (``reweight: dt``, the paper and verl-omni) or 1 (``reweight: none``,
+    Flow-Factory's
     ``grpo-guard`` trainer). The KL term is the clipped objective's, not re-weighted. At the rollout's weights r̃ = 1
-    exactly (Δμ = 0), so the first micro-batches' ``abs_delta_logp`` (here: |log r̃|) stays 0; ``raw_delta_logp`` logs the
+    exactly (Δμ = 0), so the first micro-batches' ``abs_delta_logp`` (here: |log r̃|) stays 0; ``raw_delta_logp`` logs
+    the
     mean of the unnormalised log r (the bias the paper measures).
 
     μ_old: the forest records no transition mean, so the objective keeps the rollout's weights (an
-    :class:`~flowrl.objectives.copies.OldPolicy`: a second LoRA adapter, or a frozen copy under full fine-tuning), set to
-    the policy at :meth:`begin_iteration` (the weights are still the rollout's then). Until the iteration's first optimizer step the policy *is* that
+    :class:`~flowrl.objectives.copies.OldPolicy`: a second LoRA adapter, or a frozen copy under full fine-tuning), set
+    to
+    the policy at :meth:`begin_iteration` (the weights are still the rollout's then). Until the iteration's first
+    optimizer step the policy *is* that
     copy and μ_old is the replay's own mean, detached (no extra forward); after it (``train.updates_per_epoch`` or
     ``train.inner_epochs`` > 1) each micro-batch runs one more forward without gradients under the copy. The decision
     depends only on the optimizer steps taken, the same on every process, so sharded forwards stay in step.
@@ -79,8 +84,14 @@ class GRPOGuardLoss(PolicyLoss):
         reference = self._reference
         if self._rollout_weights is None or (self.needs_reference and reference is None):
             raise RuntimeError("GRPOGuardLoss needs setup(model) first (the rollout's weights and the KL reference)")
-        out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
-                     reference=reference.active if reference is not None else None)
+        out = replay(
+            model,
+            forest,
+            cond,
+            b,
+            kl_form=self.kl_form if self.needs_reference else None,
+            reference=reference.active if reference is not None else None,
+        )
         if self._steps == 0:
             mean_old = out.mean.detach()
         else:
@@ -88,12 +99,28 @@ class GRPOGuardLoss(PolicyLoss):
                 mean_old = replay(model, forest, cond, b).mean
         device = out.mean.device
         dt = (forest.sigma[b] - forest.sigma[forest.parent[b]]).to(device)
-        return self.guarded(out.mean, mean_old, forest.all_latents()[b].to(device), out.std, dt,
-                            forest.advantage[b].to(device), out.kl, forest.weight[b].to(device),
-                            forest.logp_old[b].to(device), out.logp, forest.reduction)
+        return self.guarded(
+            out.mean,
+            mean_old,
+            forest.all_latents()[b].to(device),
+            out.std,
+            dt,
+            forest.advantage[b].to(device),
+            out.kl,
+            forest.weight[b].to(device),
+            forest.logp_old[b].to(device),
+            out.logp,
+            forest.reduction,
+        )
 
-    def normalised_log_ratio(self, mean: torch.Tensor, mean_old: torch.Tensor, x_next: torch.Tensor, std: torch.Tensor,
-                             reduction: str = "mean") -> torch.Tensor:
+    def normalised_log_ratio(
+        self,
+        mean: torch.Tensor,
+        mean_old: torch.Tensor,
+        x_next: torch.Tensor,
+        std: torch.Tensor,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """log r̃ [E] = red(ξ ⊙ (μ_θ − μ_old)), ξ = (x' − μ_old)/s, from the transition means and child states
         [E, ...] and the stds [E]."""
         s = std.float().clamp(min=torch.finfo(torch.float32).tiny).view(-1, *[1] * (mean.ndim - 1))
@@ -106,18 +133,29 @@ class GRPOGuardLoss(PolicyLoss):
         """δ [E] from each edge's dt = σ_child − σ_parent [E]: 1/|dt| (``reweight: dt``) or 1."""
         return 1.0 / dt.float().abs() if self.reweight == "dt" else torch.ones_like(dt, dtype=torch.float32)
 
-    def guarded(self, mean: torch.Tensor, mean_old: torch.Tensor, x_next: torch.Tensor, std: torch.Tensor,
-                dt: torch.Tensor, advantage: torch.Tensor, kl: torch.Tensor | None = None,
-                weight: torch.Tensor | None = None, logp_old: torch.Tensor | None = None,
-                logp: torch.Tensor | None = None, reduction: str = "mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def guarded(
+        self,
+        mean: torch.Tensor,
+        mean_old: torch.Tensor,
+        x_next: torch.Tensor,
+        std: torch.Tensor,
+        dt: torch.Tensor,
+        advantage: torch.Tensor,
+        kl: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        logp_old: torch.Tensor | None = None,
+        logp: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (scalar) and detached diagnostics for edges [E]: transition means ``mean`` (with grad) and ``mean_old``
         and child states ``x_next`` [E, ...]; ``std``, ``dt``, ``advantage``, optional ``kl``, ``weight`` [E]; the raw
         ``logp``/``logp_old`` [E] only for the ``raw_delta_logp`` diagnostic."""
         log_ratio = self.normalised_log_ratio(mean, mean_old, x_next, std, reduction)
         w = torch.ones_like(log_ratio) if weight is None else weight.float()
         # the clipped objective's math with r = r̃ (log-ratio against 0) and weights w·δ; its KL term is added below
-        loss, diag = PolicyLoss.__call__(self, log_ratio, torch.zeros_like(log_ratio), advantage, None,
-                                         w * self.step_weight(dt))
+        loss, diag = PolicyLoss.__call__(
+            self, log_ratio, torch.zeros_like(log_ratio), advantage, None, w * self.step_weight(dt)
+        )
         kl_mean = torch.zeros((), device=log_ratio.device)
         if kl is not None:
             kl_mean = (w * kl.float()).mean()

@@ -1,5 +1,6 @@
 """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): implicit positive and negative policies around a lagging old
 copy, trained on the forward-process points of :mod:`flowrl.objectives.forward` (docs/algorithms.md)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -65,9 +66,14 @@ class NFTLoss(ForwardProcessObjective):
         """Centred on the teacher (``center: teacher``) the objective has no reward-free point to measure from."""
         facts = super().describe()
         if self.center != "old":
-            return replace(facts, reward_free_overrides=None, no_reward_free_point=(
-                f"loss.center={self.center!r}: centred on the teacher, the objective has no reward-free point "
-                "(use loss.center='old')"))
+            return replace(
+                facts,
+                reward_free_overrides=None,
+                no_reward_free_point=(
+                    f"loss.center={self.center!r}: centred on the teacher, the objective has no reward-free point "
+                    "(use loss.center='old')"
+                ),
+            )
         return facts
 
     def optimality(self, adv: torch.Tensor) -> torch.Tensor:
@@ -76,8 +82,9 @@ class NFTLoss(ForwardProcessObjective):
             return 0.5 + 0.5 * adv.clamp(-self.adv_clip, self.adv_clip) / self.adv_clip
         return 0.5 + 0.5 * (adv / self.adv_scale).clamp(-1.0, 1.0)
 
-    def row_loss(self, v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, t: torch.Tensor,
-                 r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def row_loss(
+        self, v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, t: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss [R], positive error [R], negative error [R]) for rows of v, centre ``v_old``, target [R, ...],
         t [R], r [R]."""
         b = self.beta
@@ -97,7 +104,14 @@ class NFTLoss(ForwardProcessObjective):
         own, err_pos, err_neg = self.row_loss(v, centre, target, rows.t, r)
         loss, diag = self.total(self.per_leaf(own), rows, batch)
         with torch.no_grad():
-            diag.update({"nft_loss": loss.detach(), "optimality_mean": r.mean(), "nft_err_pos": err_pos.mean(),
-                         "nft_err_neg": err_neg.mean(), "fm_error": row_mean((v - target) ** 2).mean(),
-                         "old_drift": row_mean((v - v_old) ** 2).mean()})
+            diag.update(
+                {
+                    "nft_loss": loss.detach(),
+                    "optimality_mean": r.mean(),
+                    "nft_err_pos": err_pos.mean(),
+                    "nft_err_neg": err_neg.mean(),
+                    "fm_error": row_mean((v - target) ** 2).mean(),
+                    "old_drift": row_mean((v - v_old) ** 2).mean(),
+                }
+            )
         return loss, diag

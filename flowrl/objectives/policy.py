@@ -7,10 +7,12 @@ Edge weights w_e (default 1) multiply each edge's term. The mean is over the edg
 the trainer scales micro-batches so an update averages over all its trained edges.
 
 A policy objective trains the forest's stochastic edges (:class:`~flowrl.objectives.base.Objective` with
-``trains_on = "edges"``): its micro-batches are the rollout's forwards (:func:`~flowrl.objectives.replay.replay_batches`),
+``trains_on = "edges"``): its micro-batches are the rollout's forwards
+(:func:`~flowrl.objectives.replay.replay_batches`),
 and :meth:`PolicyLoss.loss` replays them (ratio exactly 1 at unchanged weights) and, with β > 0, runs the
 reference forward for the KL term. :meth:`PolicyLoss.__call__` is the math on plain tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -61,7 +63,9 @@ class PolicyLoss(Objective):
 
     def batches(self, forest, iteration: int = 0, seed: int = 0, units: torch.Tensor | None = None) -> list[Batch]:
         """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
-        return [Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest) if units is None else units)]
+        return [
+            Batch(b, int(b.numel())) for b in replay_batches(forest, self.units(forest) if units is None else units)
+        ]
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Replay the batch's edges under the current weights (and the reference for β > 0), then
@@ -70,8 +74,14 @@ class PolicyLoss(Objective):
         reference = self._reference
         if self.needs_reference and reference is None:
             raise RuntimeError("PolicyLoss with kl_ref > 0 needs setup(model) first (the KL reference)")
-        out = replay(model, forest, cond, b, kl_form=self.kl_form if self.needs_reference else None,
-                     reference=reference.active if reference is not None else None)
+        out = replay(
+            model,
+            forest,
+            cond,
+            b,
+            kl_form=self.kl_form if self.needs_reference else None,
+            reference=reference.active if reference is not None else None,
+        )
         host = to_device(torch.stack([forest.logp_old[b], forest.advantage[b], forest.weight[b]]), out.logp.device)
         return self(out.logp, host[0], host[1], out.kl, host[2])
 
@@ -101,9 +111,14 @@ class PolicyLoss(Objective):
             low = low * (1.0 + k * (-adv).clamp(min=0) / self.adv_clip)
         return low, high
 
-    def __call__(self, logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor,
-                 kl: torch.Tensor | None = None, weight: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        logp_old: torch.Tensor,
+        advantage: torch.Tensor,
+        kl: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (scalar) and detached diagnostics for edges [E]: ``logp`` (with grad), ``logp_old``,
         ``advantage``, optional ``kl`` [E] and ``weight`` [E]."""
         adv = advantage.float().clamp(-self.adv_clip, self.adv_clip)
@@ -194,8 +209,12 @@ class LayerTuningLoss(PolicyLoss):
         sigma = torch.tensor([s for _ in rows for s in sigmas], dtype=torch.float32)
         x0 = forest.all_latents()[best].to(device)
         root_seed = forest.seed[best].tolist()
-        eps = torch.stack([seeded_normal(derive_seed(seed, "layer_tuning", s), model.latent_shape)
-                           for seed, s in zip(root_seed, sigma.tolist())]).to(device)
+        eps = torch.stack(
+            [
+                seeded_normal(derive_seed(seed, "layer_tuning", s), model.latent_shape)
+                for seed, s in zip(root_seed, sigma.tolist())
+            ]
+        ).to(device)
         sig = sigma.to(device).view(-1, *[1] * (x0.ndim - 1))  # image or video latents
         x = (1.0 - sig) * x0 + sig * eps
 
@@ -205,9 +224,15 @@ class LayerTuningLoss(PolicyLoss):
 
         from torch.utils.checkpoint import checkpoint
 
-        per_row = torch.cat([checkpoint(squared_error, a, min(a + self.micro_batch, len(rows) * len(sigmas)),
-                                        use_reentrant=False)
-                             for a in range(0, len(rows) * len(sigmas), self.micro_batch)])
+        per_row = torch.cat(
+            [
+                checkpoint(squared_error, a, min(a + self.micro_batch, len(rows) * len(sigmas)), use_reentrant=False)
+                for a in range(0, len(rows) * len(sigmas), self.micro_batch)
+            ]
+        )
         loss = self.layer_lambda * (weight * per_row).sum() / (P * len(sigmas))
-        return loss, {"layer_tuning_loss": loss.detach(), "layer_tuning_weight": weight.mean().detach(),
-                      "layer_tuning_mse": per_row.detach().mean()}
+        return loss, {
+            "layer_tuning_loss": loss.detach(),
+            "layer_tuning_weight": weight.mean().detach(),
+            "layer_tuning_mse": per_row.detach().mean(),
+        }

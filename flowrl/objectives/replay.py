@@ -5,6 +5,7 @@ batch layout (edges are replayed per rollout forward, ``forest.batch``), then th
 formula. With unchanged weights the ratio is exactly 1 on CPU fp32 (invariant 1, tested).
 Several edges may share a parent (trees): its velocity is computed once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,15 @@ class ReplayOut:
     kl: torch.Tensor | None = None
 
 
-def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Tensor, reduction: str | None = None,
-           kl_form: str | None = None, reference=None) -> ReplayOut:
+def replay(
+    model: FlowModel,
+    forest: Forest,
+    cond: Conditioning,
+    edges: torch.Tensor,
+    reduction: str | None = None,
+    kl_form: str | None = None,
+    reference=None,
+) -> ReplayOut:
     """Log-probs of ``edges`` [E] (child node indices, one kernel) under the model's current weights,
     reduced as the rollout reduced them (``forest.reduction``; ``reduction`` must agree if given).
 
@@ -47,8 +55,10 @@ def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Te
     for the reference branch.
     """
     if reduction is not None and reduction != forest.reduction:
-        raise ValueError(f"replay with reduction={reduction!r} of a forest whose log-probs were reduced by "
-                         f"{forest.reduction!r}: the ratio would not be 1 at unchanged weights")
+        raise ValueError(
+            f"replay with reduction={reduction!r} of a forest whose log-probs were reduced by "
+            f"{forest.reduction!r}: the ratio would not be 1 at unchanged weights"
+        )
     reduction = forest.reduction
     kernels = forest.kernel[edges].unique()
     if kernels.numel() != 1:
@@ -61,8 +71,8 @@ def replay(model: FlowModel, forest: Forest, cond: Conditioning, edges: torch.Te
         raise ValueError("edges sharing a parent must be adjacent in a replay batch")
     device = model.device
     rows = to_device(torch.cat([unique_parents, edges]), latents.device)  # one index copy; host columns below
-    x_parent = latents[rows[:unique_parents.numel()]].to(device)
-    x_edges = latents[rows[unique_parents.numel():]].to(device)
+    x_parent = latents[rows[: unique_parents.numel()]].to(device)
+    x_edges = latents[rows[unique_parents.numel() :]].to(device)
     sigma_parent = to_device(forest.sigma[unique_parents], device)
     group_cond = cond.select(to_device(forest.group[unique_parents], device))
     # the rollout's transition std, as recorded: it does not depend on the weights, and a plan may have

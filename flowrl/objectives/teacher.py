@@ -15,12 +15,14 @@ objective in two ways:
 Schedules (``schedule``, ``share_schedule``), k = optimizer steps so far:
 ``constant``; ``linear:N`` (1 − k/N, then 0); ``off_after:N`` (1 before step N, then 0); ``cosine:N``
 (½(1 + cos(πk/N)), then 0); ``reward:LO:HI`` (clamp((R̄ − LO)/(HI − LO), 0, 1) with R̄ the iteration's mean
-training reward over this process's leaves, teacher samples included: a strength that grows as the reward rises, so the early, low-reward phase learns fast
+training reward over this process's leaves, teacher samples included: a strength that grows as the reward rises, so the
+early, low-reward phase learns fast
 and the late phase cannot drift to reward loopholes — CRD's reward-adaptive strength, **ours** in form).
 Per-leaf weights (``weighting``): ``none`` (1); ``reward`` (the leaf's reward over the group's mean reward,
 so good samples' noised points carry more of the teacher; **ours**); ``advantage`` (1 + clip(A, −1, 1):
 0 for the group's worst, 2 for its best).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +54,10 @@ class Schedule:
         parts = str(text).strip().split(":")
         kind, args = parts[0], parts[1:]
         want = {"constant": 0, "linear": 1, "off_after": 1, "cosine": 1, "reward": 2}
-        bad = ConfigError(f"{key}={text!r} does not parse; accepted: {SCHEDULE_FORMS} (N a whole number of optimizer "
-                          "steps > 0, LO < HI rewards)")
+        bad = ConfigError(
+            f"{key}={text!r} does not parse; accepted: {SCHEDULE_FORMS} (N a whole number of optimizer "
+            "steps > 0, LO < HI rewards)"
+        )
         if kind not in want or len(args) != want[kind]:
             raise bad
         try:
@@ -99,8 +103,9 @@ class TeacherSpec(Checked):
 
     def __post_init__(self) -> None:
         if not (isinstance(self.guidance, (int, float)) and math.isfinite(self.guidance) and self.guidance >= 1.0):
-            raise ConfigError(f"loss.teacher.guidance={self.guidance} must be >= 1 (the teacher's CFG scale; 1 = no "
-                              "guidance)")
+            raise ConfigError(
+                f"loss.teacher.guidance={self.guidance} must be >= 1 (the teacher's CFG scale; 1 = no guidance)"
+            )
         if not (math.isfinite(self.anchor) and self.anchor >= 0):
             raise ConfigError(f"loss.teacher.anchor={self.anchor} must be >= 0 (the anchor's weight; 0 = none)")
         self.anchor_schedule = Schedule.parse(self.schedule, "loss.teacher.schedule")
@@ -116,16 +121,20 @@ def check_teacher_path(path: str) -> Path:
 
     folder = Path(path)
     if not folder.is_dir():
-        raise ConfigError(f"loss.teacher.path={path!r} is not a folder; accepted: a flowrl run folder, a "
-                          "checkpoints/step-N folder, or a folder with transformer/ (a diffusers pipeline)")
+        raise ConfigError(
+            f"loss.teacher.path={path!r} is not a folder; accepted: a flowrl run folder, a "
+            "checkpoints/step-N folder, or a folder with transformer/ (a diffusers pipeline)"
+        )
     if (folder / "transformer").is_dir() or any(folder.glob("*lora*.safetensors")):
         return folder
     try:
         return find_checkpoint(folder)[0]
     except FileNotFoundError:
-        raise ConfigError(f"loss.teacher.path={path!r} holds no model: no transformer/ folder, no LoRA "
-                          "safetensors and no checkpoints/step-N/; accepted: a flowrl run folder, a checkpoint, or "
-                          "a folder with transformer/") from None
+        raise ConfigError(
+            f"loss.teacher.path={path!r} holds no model: no transformer/ folder, no LoRA "
+            "safetensors and no checkpoints/step-N/; accepted: a flowrl run folder, a checkpoint, or "
+            "a folder with transformer/"
+        ) from None
 
 
 class Teacher:
@@ -189,7 +198,9 @@ class _LoadedCopy:
             try:
                 load_weights(model, folder)
             except Exception as e:
-                raise ConfigError(f"loss.teacher.path={str(folder)!r}: its weights do not fit this model ({e})") from None
+                raise ConfigError(
+                    f"loss.teacher.path={str(folder)!r}: its weights do not fit this model ({e})"
+                ) from None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -219,6 +230,8 @@ def teacher_share_metrics(forest, group) -> dict[str, float]:
         return {}
     leaves = forest.leaves()
     mine = forest.from_teacher[leaves] > 0
-    return {"rollout_teacher_forwards": group.sum(forest.counters["teacher_forwards"]),
-            "reward_teacher": float(group.gather(forest.reward[leaves[mine]]).nanmean()),
-            "reward_policy": float(group.gather(forest.reward[leaves[~mine]]).nanmean())}
+    return {
+        "rollout_teacher_forwards": group.sum(forest.counters["teacher_forwards"]),
+        "reward_teacher": float(group.gather(forest.reward[leaves[mine]]).nanmean()),
+        "reward_policy": float(group.gather(forest.reward[leaves[~mine]]).nanmean()),
+    }

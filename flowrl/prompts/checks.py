@@ -1,6 +1,7 @@
 """Checks at load that a run's prompts fit it: every line scorable by its rewards, and a source image on each
 prompt exactly when the model edits one or a reward compares with one (:mod:`flowrl.models.image_prompts`). Each refusal
 is a ConfigError naming the key, the line, the prompt and what is accepted."""
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -18,18 +19,25 @@ def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
         try:
             check(split_image_prompt(prompt)[0])
         except ValueError as e:
-            raise ConfigError(f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)} cannot be scored: "
-                              f"{shown_message(str(e))}") from None
+            raise ConfigError(
+                f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)} cannot be scored: {shown_message(str(e))}"
+            ) from None
 
 
 def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
-    """At load: every prompt of ``spec`` (a prompt file or inline list, as :func:`~flowrl.prompts.source.read_prompt_lines`)
+    """At load: every prompt of ``spec`` (a prompt file or inline list, as
+    :func:`~flowrl.prompts.source.read_prompt_lines`)
     fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
     ``needs_source_image`` needs image prompts."""
     needing = [r.name for r in rewards if r.needs_source_image]
     for where, prompt in read_prompt_lines(spec, key):
-        check_prompt_fits(prompt, f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)}", edits=edits,
-                          family=family, needing=needing)
+        check_prompt_fits(
+            prompt,
+            f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)}",
+            edits=edits,
+            family=family,
+            needing=needing,
+        )
 
 
 def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = ()) -> None:
@@ -40,12 +48,16 @@ def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing
     if edits and path is None:
         raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
     if not edits and path is not None:
-        raise ConfigError(f"{at} carries a source image, but model.family={family!r} generates from text; "
-                          "accepted: text prompts (an image-editing family takes image prompts: "
-                          "model.family=qwen_image_edit)")
+        raise ConfigError(
+            f"{at} carries a source image, but model.family={family!r} generates from text; "
+            "accepted: text prompts (an image-editing family takes image prompts: "
+            "model.family=qwen_image_edit)"
+        )
     if path is None and needing:
-        raise ConfigError(f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
-                          f"this prompt has none; accepted: {FORM}")
+        raise ConfigError(
+            f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
+            f"this prompt has none; accepted: {FORM}"
+        )
     if path is not None:
         if not path:
             raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
@@ -72,8 +84,10 @@ def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
         raise ConfigError(str(e)) from e
     family = (model.family if model is not None else None) or cfg.model.family
     edits = bool(adapter.takes_source_image)
-    for key, spec, judge in (("prompts.train", cfg.prompts.train, reward),
-                             ("prompts.eval", cfg.prompts.eval, eval_reward)):
+    for key, spec, judge in (
+        ("prompts.train", cfg.prompts.train, reward),
+        ("prompts.eval", cfg.prompts.eval, eval_reward),
+    ):
         if spec:
             check_prompts(spec, key, judge.check_prompt)
             check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms)

@@ -34,6 +34,7 @@ Offline (``--source FOLDER`` or ``$FLOWRL_DATA_SOURCE``): a local mirror laid ou
 ``FOLDER/<owner>/<repo>/<path in the repo>``; nothing is downloaded then. When a file cannot be had, the
 command exits with status 2 and a message naming each file's URL and where to put it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -116,14 +117,20 @@ def _obtain(remote: Remote, source: Path | None) -> list[Path]:
         import huggingface_hub
 
         if remote.is_glob:
-            folder = Path(huggingface_hub.snapshot_download(remote.repo, repo_type="dataset", revision=remote.revision,
-                                                            allow_patterns=[remote.path]))
+            folder = Path(
+                huggingface_hub.snapshot_download(
+                    remote.repo, repo_type="dataset", revision=remote.revision, allow_patterns=[remote.path]
+                )
+            )
             paths = sorted(p for p in folder.glob(remote.path) if p.is_file())
             if not paths:
                 raise NoMatch(f"{remote.repo} @ {remote.revision} has no file matching {remote.path!r}")
             return paths
-        return [Path(huggingface_hub.hf_hub_download(remote.repo, remote.path, repo_type="dataset",
-                                                     revision=remote.revision))]
+        return [
+            Path(
+                huggingface_hub.hf_hub_download(remote.repo, remote.path, repo_type="dataset", revision=remote.revision)
+            )
+        ]
     return [_download_url(remote.url, _cache_dir() / "github" / remote.repo / remote.revision / remote.path)]
 
 
@@ -139,8 +146,11 @@ def _is_http_answer(error: OSError) -> bool:
 def unavailable_message(spec: PromptSet, failures: dict[str, str], out: Path, source: Path | None) -> str:
     """What to download from where and where to put it, for each source file of ``spec``."""
     folder = str(source) if source is not None else "FOLDER"
-    lines = [f"could not get the source files of prompt set {spec.name!r}"
-             + (f" from --source {source}" if source is not None else " (no network, or the hub unreachable?)") + ":"]
+    lines = [
+        f"could not get the source files of prompt set {spec.name!r}"
+        + (f" from --source {source}" if source is not None else " (no network, or the hub unreachable?)")
+        + ":"
+    ]
     for key, remote in spec.remotes.items():
         status = f"  (failed: {failures[key]})" if key in failures else "  (ok)"
         lines.append(f"  - {remote.label()}{status}")
@@ -150,11 +160,15 @@ def unavailable_message(spec: PromptSet, failures: dict[str, str], out: Path, so
         else:
             lines.append(f"      download {remote.url}")
             lines.append(f"      put it at {folder}/{remote.mirror}")
-    lines.append(f"then run: flowrl data fetch {spec.name} --source {folder}"
-                 + (f" --out {out}" if str(out) != DEFAULT_OUT else "")
-                 + f"   (or set {SOURCE_ENV}={folder})")
-    lines.append(f"or fetch on a machine with network access and copy {out}/{spec.name}/ "
-                 f"({', '.join(o.file for o in spec.outputs)}) here")
+    lines.append(
+        f"then run: flowrl data fetch {spec.name} --source {folder}"
+        + (f" --out {out}" if str(out) != DEFAULT_OUT else "")
+        + f"   (or set {SOURCE_ENV}={folder})"
+    )
+    lines.append(
+        f"or fetch on a machine with network access and copy {out}/{spec.name}/ "
+        f"({', '.join(o.file for o in spec.outputs)}) here"
+    )
     return "\n".join(lines)
 
 
@@ -172,14 +186,20 @@ def check_output(spec: PromptSet, output: Output, lines: int, digest: str, where
     """``lines`` and ``digest`` of ``output`` against its expected count and sha256; else a DataError
     naming the file, what it holds and what is accepted."""
     if output.count is not None and lines != output.count:
-        raise DataError(f"{where}: {lines:,} lines, expected exactly {output.count:,} for prompt set "
-                        f"{spec.name!r} (sources: {'; '.join(r.label() for r in spec.remotes.values())})")
+        raise DataError(
+            f"{where}: {lines:,} lines, expected exactly {output.count:,} for prompt set "
+            f"{spec.name!r} (sources: {'; '.join(r.label() for r in spec.remotes.values())})"
+        )
     if output.count is None and lines < output.min_count:
-        raise DataError(f"{where}: {lines:,} lines, expected at least {output.min_count:,} for prompt set "
-                        f"{spec.name!r}: a truncated or wrong source file?")
+        raise DataError(
+            f"{where}: {lines:,} lines, expected at least {output.min_count:,} for prompt set "
+            f"{spec.name!r}: a truncated or wrong source file?"
+        )
     if output.sha256 is not None and digest != output.sha256:
-        raise DataError(f"{where}: sha256 {digest}, expected {output.sha256} for prompt set {spec.name!r}: "
-                        "the source changed since the checksum was recorded")
+        raise DataError(
+            f"{where}: sha256 {digest}, expected {output.sha256} for prompt set {spec.name!r}: "
+            "the source changed since the checksum was recorded"
+        )
 
 
 def present(spec: PromptSet, target: Path) -> dict[str, tuple[int, str] | None]:
@@ -230,8 +250,13 @@ def write_atomic(target: Path, files: dict[str, bytes]) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def fetch(name: str, out: str | Path = DEFAULT_OUT, source: str | Path | None = None, force: bool = False,
-          log: Callable[[str], None] = print) -> dict[str, dict]:
+def fetch(
+    name: str,
+    out: str | Path = DEFAULT_OUT,
+    source: str | Path | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict]:
     """Produce prompt set ``name`` under ``out/<name>/``; returns ``{file: {"lines", "sha256", "path"}}``.
 
     Skips the download when every file is already there and passes its checks (``force``: fetch anyway).
@@ -242,8 +267,10 @@ def fetch(name: str, out: str | Path = DEFAULT_OUT, source: str | Path | None = 
     target = out / spec.name
     if not force and up_to_date(spec, target):
         found = present(spec, target)
-        log(f"{spec.name}: up to date in {target} ({', '.join(f'{f} {n:,}' for f, (n, _) in found.items())}); "
-            "--force fetches again")
+        log(
+            f"{spec.name}: up to date in {target} ({', '.join(f'{f} {n:,}' for f, (n, _) in found.items())}); "
+            "--force fetches again"
+        )
         return {f: {"lines": n, "sha256": d, "path": str(target / f)} for f, (n, d) in found.items()}
     missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
     if missing:
@@ -271,11 +298,23 @@ def fetch(name: str, out: str | Path = DEFAULT_OUT, source: str | Path | None = 
         lines, digest = len(produced[o.file]), sha256(data[o.file])
         check_output(spec, o, lines, digest, where=str(target / o.file))
         result[o.file] = {"lines": lines, "sha256": digest, "path": str(target / o.file)}
-    manifest = {"name": spec.name, "description": spec.description,
-                "sources": [{"kind": r.kind, "repo": r.repo, "path": r.path, "revision": r.revision, "url": r.url,
-                             "files": [p.name for p in files[k]]} for k, r in spec.remotes.items()],
-                "from": f"mirror {source}" if source else "network",
-                "files": {f: {"lines": v["lines"], "sha256": v["sha256"]} for f, v in result.items()}}
+    manifest = {
+        "name": spec.name,
+        "description": spec.description,
+        "sources": [
+            {
+                "kind": r.kind,
+                "repo": r.repo,
+                "path": r.path,
+                "revision": r.revision,
+                "url": r.url,
+                "files": [p.name for p in files[k]],
+            }
+            for k, r in spec.remotes.items()
+        ],
+        "from": f"mirror {source}" if source else "network",
+        "files": {f: {"lines": v["lines"], "sha256": v["sha256"]} for f, v in result.items()},
+    }
     data[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode("utf-8")
     write_atomic(target, data)
     for o in spec.outputs:

@@ -1,5 +1,6 @@
 """The prompt sets `flowrl data` knows: where each comes from, how its files become prompt lines, the counts
 and checksums it must meet, and which presets read it (:mod:`flowrl.prompts.fetch` fetches them)."""
+
 from __future__ import annotations
 
 import difflib
@@ -158,8 +159,13 @@ PICKSCORE_SEED = 0
 def convert_pickscore(files: dict[str, list[Path]]) -> dict[str, list[str]]:
     """Pick-a-Pic captions → unique prompts with >= 5 spaces, sorted then shuffled with
     ``random.Random(0)``: the first ``PICKSCORE_TEST`` are the test split, the rest the train split."""
-    prompts = sorted({p for p in map(clean_prompt, read_parquet_column(files["captions"], "caption"))
-                      if p is not None and p.count(" ") >= PICKSCORE_MIN_SPACES})
+    prompts = sorted(
+        {
+            p
+            for p in map(clean_prompt, read_parquet_column(files["captions"], "caption"))
+            if p is not None and p.count(" ") >= PICKSCORE_MIN_SPACES
+        }
+    )
     random.Random(PICKSCORE_SEED).shuffle(prompts)
     return {"test.txt": prompts[:PICKSCORE_TEST], "train.txt": prompts[PICKSCORE_TEST:]}
 
@@ -227,48 +233,73 @@ def convert_ocr(files: dict[str, list[Path]]) -> dict[str, list[str]]:
     return out
 
 
-PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
-    PromptSet(
-        name="pickscore",
-        description="Pick-a-Pic v1 captions, SFW subset (Flow-GRPO's recommended PickScore prompts); "
-                    "2,048 test, the rest train",
-        remotes={"captions": Remote("hub", "CarperAI/pickapic_v1_no_images_training_sfw",
-                                    "pickapic_training_sfw.parquet", "ebca1a045fbb7d4192df1d4804865f9c4c91f27b")},
-        outputs=(Output("train.txt", None, min_count=5_000), Output("test.txt", PICKSCORE_TEST)),
-        convert=convert_pickscore, needs=("pyarrow",)),
-    PromptSet(
-        name="hpdv2",
-        description="Human Preference Dataset v2 prompts (the DanceGRPO / BranchGRPO / MixGRPO HPS recipes): "
-                    "unique train prompts, the 400 test prompts",
-        remotes={"train": Remote("hub", "ymhao/HPDv2", "train.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1"),
-                 "test": Remote("hub", "ymhao/HPDv2", "test.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1")},
-        outputs=(Output("train.txt", None, min_count=50_000), Output("test.txt", 400)),
-        convert=convert_hpdv2),
-    PromptSet(
-        name="geneval",
-        description="GenEval: the 553 evaluation prompts; Flow-GRPO's GenEval-style training prompts; "
-                    "with each prompt's metadata for the GenEval reward server",
-        remotes={"train": Remote("github", "yifan123/flow_grpo", "dataset/geneval/train_metadata.jsonl"),
-                 "test": Remote("github", "djghosh13/geneval", "prompts/evaluation_metadata.jsonl")},
-        outputs=(Output("train.txt", None, min_count=1_000), Output("train_metadata.jsonl", None, min_count=1_000),
-                 Output("test.txt", 553), Output("test_metadata.jsonl", 553)),
-        convert=convert_geneval),
-    PromptSet(
-        name="drawbench",
-        description="DrawBench's 200 prompts (11 categories), an eval set: prompts.eval=dataset/drawbench/test.txt",
-        remotes={"test": Remote("hub", "Jialuo21/DrawBench", "data/test-*.parquet")},
-        outputs=(Output("test.txt", 200),),
-        convert=convert_drawbench, needs=("pyarrow",)),
-    PromptSet(
-        name="ocr",
-        description="Flow-GRPO's text-rendering prompts (the OCR recipes of Flow-GRPO and DiffusionNFT), each "
-                    "quoting the text to render; its own split: 1,018 test prompts, its train file",
-        remotes={"train": Remote("github", "yifan123/flow_grpo", "dataset/ocr/train.txt", OCR_REVISION),
-                 "test": Remote("github", "yifan123/flow_grpo", "dataset/ocr/test.txt", OCR_REVISION)},
-        outputs=(Output("train.txt", None, min_count=10_000),
-                 Output("test.txt", OCR_TEST, sha256=OCR_TEST_SHA256)),
-        convert=convert_ocr),
-)}
+PROMPT_SETS: dict[str, PromptSet] = {
+    s.name: s
+    for s in (
+        PromptSet(
+            name="pickscore",
+            description="Pick-a-Pic v1 captions, SFW subset (Flow-GRPO's recommended PickScore prompts); "
+            "2,048 test, the rest train",
+            remotes={
+                "captions": Remote(
+                    "hub",
+                    "CarperAI/pickapic_v1_no_images_training_sfw",
+                    "pickapic_training_sfw.parquet",
+                    "ebca1a045fbb7d4192df1d4804865f9c4c91f27b",
+                )
+            },
+            outputs=(Output("train.txt", None, min_count=5_000), Output("test.txt", PICKSCORE_TEST)),
+            convert=convert_pickscore,
+            needs=("pyarrow",),
+        ),
+        PromptSet(
+            name="hpdv2",
+            description="Human Preference Dataset v2 prompts (the DanceGRPO / BranchGRPO / MixGRPO HPS recipes): "
+            "unique train prompts, the 400 test prompts",
+            remotes={
+                "train": Remote("hub", "ymhao/HPDv2", "train.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1"),
+                "test": Remote("hub", "ymhao/HPDv2", "test.json", "bb0f2563e451e11c3f376b2ba93615db00e042e1"),
+            },
+            outputs=(Output("train.txt", None, min_count=50_000), Output("test.txt", 400)),
+            convert=convert_hpdv2,
+        ),
+        PromptSet(
+            name="geneval",
+            description="GenEval: the 553 evaluation prompts; Flow-GRPO's GenEval-style training prompts; "
+            "with each prompt's metadata for the GenEval reward server",
+            remotes={
+                "train": Remote("github", "yifan123/flow_grpo", "dataset/geneval/train_metadata.jsonl"),
+                "test": Remote("github", "djghosh13/geneval", "prompts/evaluation_metadata.jsonl"),
+            },
+            outputs=(
+                Output("train.txt", None, min_count=1_000),
+                Output("train_metadata.jsonl", None, min_count=1_000),
+                Output("test.txt", 553),
+                Output("test_metadata.jsonl", 553),
+            ),
+            convert=convert_geneval,
+        ),
+        PromptSet(
+            name="drawbench",
+            description="DrawBench's 200 prompts (11 categories), an eval set: prompts.eval=dataset/drawbench/test.txt",
+            remotes={"test": Remote("hub", "Jialuo21/DrawBench", "data/test-*.parquet")},
+            outputs=(Output("test.txt", 200),),
+            convert=convert_drawbench,
+            needs=("pyarrow",),
+        ),
+        PromptSet(
+            name="ocr",
+            description="Flow-GRPO's text-rendering prompts (the OCR recipes of Flow-GRPO and DiffusionNFT), each "
+            "quoting the text to render; its own split: 1,018 test prompts, its train file",
+            remotes={
+                "train": Remote("github", "yifan123/flow_grpo", "dataset/ocr/train.txt", OCR_REVISION),
+                "test": Remote("github", "yifan123/flow_grpo", "dataset/ocr/test.txt", OCR_REVISION),
+            },
+            outputs=(Output("train.txt", None, min_count=10_000), Output("test.txt", OCR_TEST, sha256=OCR_TEST_SHA256)),
+            convert=convert_ocr,
+        ),
+    )
+}
 
 
 def get_set(name: str) -> PromptSet:
@@ -284,5 +315,6 @@ def used_by(spec: PromptSet, configs: Path = CONFIG_DIR) -> list[str]:
     """The shipped presets that name one of ``spec``'s files (``dataset/<name>/<file>``), as users name them
     (``configs/…``)."""
     wanted = [f"dataset/{spec.name}/{o.file}" for o in spec.outputs]
-    return sorted(shipped_name(p) for p in configs.rglob("*.yaml")
-                  if any(w in p.read_text(encoding="utf-8") for w in wanted))
+    return sorted(
+        shipped_name(p) for p in configs.rglob("*.yaml") if any(w in p.read_text(encoding="utf-8") for w in wanted)
+    )

@@ -4,6 +4,7 @@
 (``prompts.sampling: adaptive``) draws prompt *kinds* in proportion to the reward spread their recent
 groups showed, so groups that would all score alike (nothing to learn: zero advantage) are drawn less.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -14,9 +15,9 @@ from typing import Callable
 
 import torch
 
+from flowrl.core.seeding import derive_seed
 from flowrl.errors import ConfigError, shown, shown_path
 from flowrl.paths import find_file, where_tried
-from flowrl.core.seeding import derive_seed
 
 
 def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
@@ -28,7 +29,8 @@ def read_prompts(spec: str, key: str = "prompts.train") -> list[str]:
 def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, str]]:
     """``(where, prompt)`` pairs of :func:`read_prompts` (``where``: ``"line 51"`` of a file or ``"prompt 3"``
     of an inline list). ``spec`` is inline when it holds ``|`` or a space and does not look like a path
-    (``.txt``, ``/``) or starts with an image prompt (``[image: …]``, :mod:`flowrl.models.image_prompts`); a single word is
+    (``.txt``, ``/``) or starts with an image prompt (``[image: …]``, :mod:`flowrl.models.image_prompts`); a single
+    word is
     a file name, so ``prompts.train=nope`` is an error, not one prompt."""
     looks_like_path = not spec.lstrip().startswith("[image:") and (spec.endswith(".txt") or "/" in spec or "\\" in spec)
     if not looks_like_path and ("|" in spec or " " in spec.strip()):
@@ -36,14 +38,21 @@ def read_prompt_lines(spec: str, key: str = "prompts.train") -> list[tuple[str, 
     else:
         path = find_file(spec)
         if path is None:
-            raise FileNotFoundError(f"{key}={shown_path(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
-                                    "prompts are written 'a red circle|two blue squares'")
+            raise FileNotFoundError(
+                f"{key}={shown_path(spec)}: no such prompt file (looked in {where_tried(spec)}); inline "
+                "prompts are written 'a red circle|two blue squares'"
+            )
         try:  # utf-8-sig: a byte-order mark (Windows editors write one) is read as what it is, not as text of line 1
             lines = path.read_text(encoding="utf-8-sig").splitlines()
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{key}={shown_path(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
-        pairs = [(f"line {i + 1}", line.strip()) for i, line in enumerate(lines)
-                 if line.strip() and not line.lstrip().startswith("#")]
+            raise ConfigError(
+                f"{key}={shown_path(spec)}: not a UTF-8 text file ({e.reason} at byte {e.start})"
+            ) from None
+        pairs = [
+            (f"line {i + 1}", line.strip())
+            for i, line in enumerate(lines)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
     if not pairs:
         raise ValueError(f"{key}={shown_path(spec)} holds no prompts")
     return pairs
@@ -86,8 +95,9 @@ class PromptSource:
 
     def load_state_dict(self, state: dict | None, where: str = "the checkpoint") -> None:
         if state is not None:
-            warnings.warn(f"{where} holds adaptive prompt statistics but prompts.sampling=epoch: they are not used",
-                          stacklevel=2)
+            warnings.warn(
+                f"{where} holds adaptive prompt statistics but prompts.sampling=epoch: they are not used", stacklevel=2
+            )
 
 
 def shapes_task(prompt: str) -> str:
@@ -125,7 +135,9 @@ def resolve_difficulty_key(name: str) -> Callable[[str], str]:
             raise ConfigError(str(e)) from e
     fn = getattr(module, fn_name, None)
     if fn is None:
-        functions = sorted(k for k, v in vars(module).items() if callable(v) and not isinstance(v, type) and not k.startswith("_"))
+        functions = sorted(
+            k for k, v in vars(module).items() if callable(v) and not isinstance(v, type) and not k.startswith("_")
+        )
         raise ConfigError(f"{label}: {module_path!r} has no function {fn_name!r} (functions in it: {functions})")
     if not callable(fn):
         raise ConfigError(f"{label} resolves to {fn!r}, which is not callable (prompt -> key)")
@@ -153,8 +165,15 @@ class AdaptivePromptSource(PromptSource):
     and the weights stay near uniform; pool by a coarser key (``shapes_task``) to act within one run.
     """
 
-    def __init__(self, prompts: list[str], per_step: int, seed: int = 0, key: Callable[[str], str] = lambda p: p,
-                 floor: float = 0.1, decay: float = 0.7):
+    def __init__(
+        self,
+        prompts: list[str],
+        per_step: int,
+        seed: int = 0,
+        key: Callable[[str], str] = lambda p: p,
+        floor: float = 0.1,
+        decay: float = 0.7,
+    ):
         super().__init__(prompts, per_step, seed)
         check_adaptive_settings(floor, decay)
         self.floor, self.decay = floor, decay
@@ -234,19 +253,27 @@ class AdaptivePromptSource(PromptSource):
         return {f"prompts/p/{k}": float(v) for k, v in zip(self.keys, p)}
 
     def state_dict(self) -> dict:
-        return {"fingerprint": self.fingerprint, "keys": list(self.keys), "spread": self.spread.clone(),
-                "seen": self.seen.clone(), "cursor": self.cursor.clone()}
+        return {
+            "fingerprint": self.fingerprint,
+            "keys": list(self.keys),
+            "spread": self.spread.clone(),
+            "seen": self.seen.clone(),
+            "cursor": self.cursor.clone(),
+        }
 
     def load_state_dict(self, state: dict | None, where: str = "the checkpoint") -> None:
         if state is None:
-            raise ValueError(f"{where} was written with prompts.sampling=epoch: it holds no prompt statistics for "
-                             "prompts.sampling=adaptive; resume it with prompts.sampling=epoch, or start a new run")
+            raise ValueError(
+                f"{where} was written with prompts.sampling=epoch: it holds no prompt statistics for "
+                "prompts.sampling=adaptive; resume it with prompts.sampling=epoch, or start a new run"
+            )
         if state.get("fingerprint") != self.fingerprint:
             theirs = list(state.get("keys", []))
             raise ValueError(
                 f"the checkpoint's prompt statistics were kept for other prompts or keys ({len(theirs)} keys, e.g. "
                 f"{theirs[:3]}; now {len(self.keys)}: {self.keys[:3]}): prompts.train or prompts.difficulty_key "
-                "changed since it was written; restore them, or start a new run (train.resume=null)")
+                "changed since it was written; restore them, or start a new run (train.resume=null)"
+            )
         self.spread, self.seen, self.cursor = state["spread"].clone(), state["seen"].clone(), state["cursor"].clone()
         self._reset_cache()
 
@@ -261,10 +288,14 @@ def build_prompt_source(section, seed: int) -> PromptSource:
     are fewer than one iteration draws (``prompts.per_step``): every iteration then trains on repeats."""
     prompts = read_prompts(section.train)
     if len(prompts) < section.per_step:
-        warnings.warn(f"prompts.train={shown(section.train, 80)} holds {len(prompts)} prompt"
-                      f"{'s' if len(prompts) != 1 else ''}, fewer than the {section.per_step} prompt groups one "
-                      f"iteration draws (prompts.per_step={section.per_step}): every iteration repeats prompts; "
-                      "add prompts or lower prompts.per_step", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"prompts.train={shown(section.train, 80)} holds {len(prompts)} prompt"
+            f"{'s' if len(prompts) != 1 else ''}, fewer than the {section.per_step} prompt groups one "
+            f"iteration draws (prompts.per_step={section.per_step}): every iteration repeats prompts; "
+            "add prompts or lower prompts.per_step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if section.sampling == "epoch":
         return PromptSource(prompts, section.per_step, seed)
     key_fn = resolve_difficulty_key(section.difficulty_key)
@@ -274,5 +305,11 @@ def build_prompt_source(section, seed: int) -> PromptSource:
             keys[p] = str(key_fn(p))
         except Exception as e:  # a prompt the key function cannot read
             raise ConfigError(f"prompts.difficulty_key={section.difficulty_key!r} fails on prompt {p!r}: {e}") from e
-    return AdaptivePromptSource(prompts, section.per_step, seed, key=keys.__getitem__, floor=section.adaptive_floor,
-                                decay=section.adaptive_decay)
+    return AdaptivePromptSource(
+        prompts,
+        section.per_step,
+        seed,
+        key=keys.__getitem__,
+        floor=section.adaptive_floor,
+        decay=section.adaptive_decay,
+    )

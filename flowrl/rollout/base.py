@@ -1,4 +1,5 @@
 """What every rollout plan shares: its context and the batched transition step over forest nodes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ class RolloutContext:
     ``root_seeds``: set by a wrapping plan (Sol-RL's explore) to choose the x_T of the inner plan's roots:
     one list of seeds per prompt group of this rollout, :meth:`RolloutPlan.root_count` seeds each
     (None: the plan derives its own root seeds).
-    ``teacher``: the objective's guided teacher (:class:`flowrl.objectives.teacher.Teacher`; None without ``loss.teacher``),
+    ``teacher``: the objective's guided teacher (:class:`flowrl.objectives.teacher.Teacher`; None without
+    ``loss.teacher``),
     for plans that let it draw a share of each group (the ODE plan's ``teacher_share``).
     ``teacher_fraction``: the share of ``rollout.teacher_share`` it draws in this rollout (the objective's
     ``loss.teacher.share_schedule`` at its optimizer steps, :meth:`~flowrl.objectives.base.Objective.teacher_fraction`).
@@ -51,7 +53,9 @@ class RolloutContext:
             return None
         counts = [len(s) for s in self.root_seeds]
         if len(counts) != num_groups or any(c != per_group for c in counts):
-            raise ValueError(f"root_seeds must give {per_group} seed(s) for each of {num_groups} prompt groups; got {counts}")
+            raise ValueError(
+                f"root_seeds must give {per_group} seed(s) for each of {num_groups} prompt groups; got {counts}"
+            )
         return [int(s) for seeds in self.root_seeds for s in seeds]
 
     def new_forest(self, prompts: list[str], guidance: float, device: torch.device | str) -> Forest:
@@ -156,8 +160,16 @@ class RolloutPlan(Checked):
 # kernel "ode") and sde.dpm2_step, applied chunk by chunk, so a forward's layout fixes every number.
 
 
-def velocity_in_chunks(model: FlowModel, x: torch.Tensor, sigma: float, cond: Conditioning, guidance: float,
-                       max_batch: int, cond_rows: torch.Tensor | None = None, count_on: Forest | None = None):
+def velocity_in_chunks(
+    model: FlowModel,
+    x: torch.Tensor,
+    sigma: float,
+    cond: Conditioning,
+    guidance: float,
+    max_batch: int,
+    cond_rows: torch.Tensor | None = None,
+    count_on: Forest | None = None,
+):
     """Velocities of the states ``x`` [M, ...] at ``sigma``, one forward per ``max_batch`` consecutive rows.
 
     Yields ``(rows, x_chunk, v)``: ``rows`` a slice of 0..M−1, ``x_chunk`` = x[rows] on the model's device,
@@ -237,8 +249,16 @@ def advance(
     sigma = float(forest.sigma[parents[0]]) if sigma is None else sigma
     edges, x0s = [], []  # per forward, added after the last (add_edges)
     stochastic = not multistep and kernel != "ode" and eta > 0
-    for rows, x, v in velocity_in_chunks(model, x_parents, sigma, cond, guidance, max(1, max_batch // fanout),
-                                         cond_rows=to_device(forest.group[parents], model.device), count_on=forest):
+    for rows, x, v in velocity_in_chunks(
+        model,
+        x_parents,
+        sigma,
+        cond,
+        guidance,
+        max(1, max_batch // fanout),
+        cond_rows=to_device(forest.group[parents], model.device),
+        count_on=forest,
+    ):
         chunk = parents[rows]
         for observe in observers:
             observe(forest, chunk, x, sigma, v)
@@ -262,8 +282,17 @@ def advance(
             logp = std = torch.zeros(chunk.shape[0])
         else:
             logp = sde.log_prob(x_next, mean, std, forest.reduction)
-        edges.append((chunk, x_next, logp, std, kernel if noise is not None else "ode", eta if noise is not None else 0.0,
-                      forest.new_batch_id()))
+        edges.append(
+            (
+                chunk,
+                x_next,
+                logp,
+                std,
+                kernel if noise is not None else "ode",
+                eta if noise is not None else 0.0,
+                forest.new_batch_id(),
+            )
+        )
     if multistep:
         kernel.prev_x0, kernel.prev_sigma = torch.cat(x0s), sigma
     return add_edges(forest, edges, sigma_next, step_next)
@@ -283,15 +312,24 @@ def add_edges(forest: Forest, edges: list[tuple], sigma_next: float, step_next: 
         run = edges[start:end]
         cat = (lambda k: run[0][k]) if len(run) == 1 else (lambda k: torch.cat([e[k] for e in run]))
         batch = torch.cat([torch.full((e[0].shape[0],), e[6]) for e in run])
-        children.append(forest.add_children(cat(0), cat(1), sigma_next, step_next, cat(2), cat(3), run[0][4], run[0][5],
-                                            batch))
+        children.append(
+            forest.add_children(cat(0), cat(1), sigma_next, step_next, cat(2), cat(3), run[0][4], run[0][5], batch)
+        )
         start = end
     return torch.cat(children)
 
 
-def euler_ode(model: FlowModel, x: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning, guidance: float,
-              max_batch: int, start: torch.Tensor | None = None, cond_rows: torch.Tensor | None = None,
-              count_on: Forest | None = None) -> torch.Tensor:
+def euler_ode(
+    model: FlowModel,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Conditioning,
+    guidance: float,
+    max_batch: int,
+    start: torch.Tensor | None = None,
+    cond_rows: torch.Tensor | None = None,
+    count_on: Forest | None = None,
+) -> torch.Tensor:
     """States outside a forest, ``x`` [Q, C, H, W], moved to σ = 0 with Euler ODE steps (``sde.step("ode")``)
     of the schedule ``sigmas`` [T+1]. Returns fp32 [Q, C, H, W] on x's device (``x`` is not changed).
 
@@ -307,7 +345,8 @@ def euler_ode(model: FlowModel, x: torch.Tensor, sigmas: torch.Tensor, cond: Con
         active = torch.nonzero(start <= i).flatten()
         every = active.numel() == x.shape[0]
         rows_cond = cond_rows if every else (active if cond_rows is None else cond_rows[active])
-        for rows, xb, v in velocity_in_chunks(model, x if every else x[active], sigma, cond, guidance, max_batch,
-                                              cond_rows=rows_cond, count_on=count_on):
+        for rows, xb, v in velocity_in_chunks(
+            model, x if every else x[active], sigma, cond, guidance, max_batch, cond_rows=rows_cond, count_on=count_on
+        ):
             x[active[rows]] = sde.step("ode", xb, v, sigma, sigma_next)[0].to(x.device)
     return x

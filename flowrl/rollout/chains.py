@@ -7,6 +7,7 @@ makes every step deterministic (``solver``: Euler or DPM-Solver++(2M) over all T
 leaves' clean latents for forward-process objectives (DiffusionNFT, AWM); its section has only the keys it
 reads (no kernel, eta, window or post-solver).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -14,11 +15,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from flowrl.core.choices import Checked, choice
+from flowrl.core.seeding import derive_seed, seeded_normals
 from flowrl.models.base import FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.base import DPM2, RolloutContext, RolloutPlan, advance
 from flowrl.rollout.forest import Forest
-from flowrl.core.seeding import derive_seed, seeded_normals
 
 WINDOW_MODES = ("all", "fixed", "random", "progressive")
 POST_SOLVERS = ("none", "dpm2")
@@ -49,13 +50,17 @@ class SDEWindow(Checked):
         if self.mode != "all" and not (1 <= self.size <= steps - 1):
             raise ValueError(f"rollout.window.size={self.size} must be in [1, steps-1={steps - 1}]")
         if self.mode == "fixed" and not (0 <= self.start and self.start + self.size <= steps - 1):
-            raise ValueError(f"rollout.window.start={self.start} with size {self.size} must end by step {steps - 1} "
-                             f"(the last step is never stochastic)")
+            raise ValueError(
+                f"rollout.window.start={self.start} with size {self.size} must end by step {steps - 1} "
+                f"(the last step is never stochastic)"
+            )
         if self.mode == "random":
             lo, hi = self._range(steps)
             if not (0 <= lo and hi <= steps - 1 and hi - lo >= self.size):
-                raise ValueError(f"rollout.window.range={[lo, hi]} must satisfy 0 <= lo, hi <= steps-1={steps - 1}, "
-                                 f"hi-lo >= size={self.size}")
+                raise ValueError(
+                    f"rollout.window.range={[lo, hi]} must satisfy 0 <= lo, hi <= steps-1={steps - 1}, "
+                    f"hi-lo >= size={self.size}"
+                )
         if self.mode == "progressive" and (self.tau < 1 or self.stride < 0):
             raise ValueError(f"rollout.window.tau={self.tau} must be >= 1 and stride={self.stride} >= 0")
 
@@ -123,12 +128,16 @@ class Chains(RolloutPlan):
             self.window = SDEWindow(**self.window)
         sde.check_kernel(self.kernel, "rollout.kernel")
         if self.kernel == "ode":
-            raise ValueError("rollout.kernel='ode' makes every chain deterministic: that is the ODE plan; use "
-                             "rollout.plan: ode (its keys: group_size, steps, solver, teacher_share)")
+            raise ValueError(
+                "rollout.kernel='ode' makes every chain deterministic: that is the ODE plan; use "
+                "rollout.plan: ode (its keys: group_size, steps, solver, teacher_share)"
+            )
         check_chain_shape(self.group_size, self.steps)
         if self.shared_noise and self.eta <= 0:
-            raise ValueError(f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
-                             "the same ODE sample; use eta > 0")
+            raise ValueError(
+                f"rollout.eta={self.eta} with rollout.shared_noise=true would make every chain of a group "
+                "the same ODE sample; use eta > 0"
+            )
         if not (0.0 < self.post_steps_ratio <= 1.0):
             raise ValueError(f"rollout.post_steps_ratio={self.post_steps_ratio} must be in (0, 1]")
         self.window.validate(self.steps)
@@ -188,8 +197,10 @@ class ODEChains(RolloutPlan):
     def __post_init__(self) -> None:
         check_chain_shape(self.group_size, self.steps)
         if not 0 <= self.teacher_share <= self.group_size:
-            raise ValueError(f"rollout.teacher_share={self.teacher_share} must be in [0, rollout.group_size="
-                             f"{self.group_size}] (the teacher's samples per prompt group)")
+            raise ValueError(
+                f"rollout.teacher_share={self.teacher_share} must be in [0, rollout.group_size="
+                f"{self.group_size}] (the teacher's samples per prompt group)"
+            )
 
     @property
     def has_trainable_edges(self) -> bool:
@@ -221,11 +232,15 @@ class ODEChains(RolloutPlan):
         if k == 0:
             return roll_chains(self.run_of(self.group_size), model, prompts, ctx)
         G, P = self.group_size, len(prompts)
-        seeds = ctx.given_root_seeds(P, G) or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j)
-                                               for g in range(P) for j in range(G)]
-        per_group = [seeds[g * G:(g + 1) * G] for g in range(P)]
+        seeds = ctx.given_root_seeds(P, G) or [
+            derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)
+        ]
+        per_group = [seeds[g * G : (g + 1) * G] for g in range(P)]
         parts = []
-        for chains, guidance, who in ((range(G - k), ctx.guidance, None), (range(G - k, G), ctx.teacher.guidance, ctx.teacher)):
+        for chains, guidance, who in (
+            (range(G - k), ctx.guidance, None),
+            (range(G - k, G), ctx.teacher.guidance, ctx.teacher),
+        ):
             if not len(chains):
                 continue
             part_ctx = replace(ctx, guidance=guidance, root_seeds=[[s[j] for j in chains] for s in per_group])
@@ -317,9 +332,22 @@ def roll_chains(run: ChainRun, model: FlowModel, prompts: list[str], ctx: Rollou
         where = {n: k for k, n in enumerate(nodes.tolist())}
         fanout = G if (run.shared_noise and run.window and i == run.window[0]) else 1
         kernel = run.kernel if i in window_set else "ode"
-        nodes = advance(forest, model, nodes, cond, sigma_at[i + 1], i + 1, kernel,
-                        run.eta if i in window_set else 0.0, noise_for, guidance, ctx.max_batch, fanout,
-                        observers=ctx.observers, sigma=sigma_at[i])
+        nodes = advance(
+            forest,
+            model,
+            nodes,
+            cond,
+            sigma_at[i + 1],
+            i + 1,
+            kernel,
+            run.eta if i in window_set else 0.0,
+            noise_for,
+            guidance,
+            ctx.max_batch,
+            fanout,
+            observers=ctx.observers,
+            sigma=sigma_at[i],
+        )
         if fanout > 1:  # children come parent by parent: branch b of a trunk becomes chain b of its group
             keys = [(group, b) for group, _ in keys for b in range(fanout)]
     if run.post is not None:
@@ -337,17 +365,29 @@ def _roots(run: ChainRun, model: FlowModel, forest: Forest, ctx: RolloutContext,
         seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=sigma0, step=0)
         return nodes, [(ctx.group_offset + g, None) for g in range(P)]
-    seeds = given or [derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)]
+    seeds = given or [
+        derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, j) for g in range(P) for j in range(G)
+    ]
     nodes = forest.add_roots(model.noise(seeds), torch.arange(P).repeat_interleave(G), seeds, sigma=sigma0, step=0)
     return nodes, [(ctx.group_offset + k // G, k % G) for k in range(P * G)]
 
 
-def _post_solve(forest: Forest, model: FlowModel, nodes: torch.Tensor, cond, sigmas: list[float], idx: list[int],
-                guidance: float, max_batch: int) -> None:
+def _post_solve(
+    forest: Forest,
+    model: FlowModel,
+    nodes: torch.Tensor,
+    cond,
+    sigmas: list[float],
+    idx: list[int],
+    guidance: float,
+    max_batch: int,
+) -> None:
     """DPM-Solver++(2M) over the schedule indices ``idx`` (ending at T, σ=0) of ``sigmas`` [T+1]: untrained ODE edges
     of kernel ``dpm2`` (after a window: :func:`post_indices`; the ODE plan's ``solver: dpm2``: all steps), one
     :func:`advance` per step with one :class:`DPM2` solver carrying x̂0 between them. No observers: the post-solver's
     states are not shown to a wrapping plan (probed's x̂0 probes refuse it)."""
     solver = DPM2()
     for a, b in zip(idx[:-1], idx[1:]):
-        nodes = advance(forest, model, nodes, cond, sigmas[b], b, solver, 0.0, None, guidance, max_batch, sigma=sigmas[a])
+        nodes = advance(
+            forest, model, nodes, cond, sigmas[b], b, solver, 0.0, None, guidance, max_batch, sigma=sigmas[a]
+        )

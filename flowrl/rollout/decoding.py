@@ -4,6 +4,7 @@ for the device where the caller can hand the wait on (the scorer's worker thread
     images = decode(model, x0, max_batch)                      # [S, 3, H, W] in [0, 1] on the CPU (waited for)
     images, ready = decode_to_host(model, x0, max_batch)       # valid once ``ready`` (a CUDA event or None) is done
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ def not_waiting() -> Iterator[list]:
         _WAITS.events = previous
 
 
-def decode_to_host(model: FlowModel, latents: torch.Tensor, max_batch: int
-                   ) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
+def decode_to_host(
+    model: FlowModel, latents: torch.Tensor, max_batch: int
+) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
     """:func:`decode` without waiting for the device: ``(images, ready)``, the images [S, 3, H, W] (or [S, F, 3, H, W])
     in one host buffer (pinned on CUDA) that is valid once ``ready`` (a CUDA event; None: valid now) has completed.
     The decodes are queued ``max_batch`` at a time, each copied into its rows of the buffer as it finishes."""
@@ -57,11 +59,14 @@ def decode_to_host(model: FlowModel, latents: torch.Tensor, max_batch: int
     out = None
     on_cuda = torch.device(model.device).type == "cuda"
     for i in range(0, latents.shape[0], max_batch):
-        images = model.decode(latents[i:i + max_batch].to(model.device))
+        images = model.decode(latents[i : i + max_batch].to(model.device))
         if out is None:
-            out = torch.empty((latents.shape[0], *images.shape[1:]), dtype=images.dtype,
-                              pin_memory=on_cuda and images.device.type == "cuda")
-        out[i:i + images.shape[0]].copy_(images, non_blocking=out.is_pinned())
+            out = torch.empty(
+                (latents.shape[0], *images.shape[1:]),
+                dtype=images.dtype,
+                pin_memory=on_cuda and images.device.type == "cuda",
+            )
+        out[i : i + images.shape[0]].copy_(images, non_blocking=out.is_pinned())
     ready = None
     if out.is_pinned():
         ready = torch.cuda.Event()

@@ -40,6 +40,7 @@ iteration, and the mean within prompt groups), the separation of the kept upper 
 preview rank) after regeneration, the top-half hit rate, explorer vs full-precision forwards per
 second, and the time of every stage.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,11 +52,11 @@ from typing import Any
 import torch
 
 from flowrl.core.choices import choice, choose
+from flowrl.core.seeding import derive_seed
 from flowrl.errors import ConfigError
 from flowrl.rollout.base import RolloutContext, RolloutPlan, inner_unread
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.precision import BACKENDS
-from flowrl.core.seeding import derive_seed
 
 SELECTIONS = ("extremes", "top_k", "spread")
 
@@ -79,7 +80,7 @@ def select_seeds(rewards: torch.Tensor, k: int, mode: str = "extremes") -> torch
         chosen = (valid + failed)[:k]
     elif mode == "extremes":
         best = valid[: (k + 1) // 2]
-        chosen = best + valid[len(best):][::-1][: k // 2]
+        chosen = best + valid[len(best) :][::-1][: k // 2]
     else:
         m = len(valid)
         chosen = [valid[round(j * (m - 1) / (k - 1))] for j in range(k)] if k > 1 else valid[:1]
@@ -134,8 +135,10 @@ def build_inner(spec: str | dict[str, Any], key: str = "rollout.inner") -> Rollo
 
     plan = components.build_nested(components.PLAN, spec, key=key, refuse=Explore)
     if plan.root_count() is None:
-        raise ConfigError(f"{key}={spec!r} does not take given root seeds (its root_count() is None), so "
-                          "it cannot regenerate the selected seeds")
+        raise ConfigError(
+            f"{key}={spec!r} does not take given root seeds (its root_count() is None), so "
+            "it cannot regenerate the selected seeds"
+        )
     return plan
 
 
@@ -170,8 +173,10 @@ class Explore(RolloutPlan):
         if self.preview_steps < 1:
             raise ConfigError(f"rollout.preview_steps={self.preview_steps} must be >= 1")
         if self.pool is not None and self.pool < self.keep:
-            raise ConfigError(f"rollout.pool={self.pool} must be >= the kept seeds per prompt "
-                              f"(K = {self.keep}, the inner plan's roots per group)")
+            raise ConfigError(
+                f"rollout.pool={self.pool} must be >= the kept seeds per prompt "
+                f"(K = {self.keep}, the inner plan's roots per group)"
+            )
         if self.min_params < 0:
             raise ConfigError(f"rollout.min_params={self.min_params} must be >= 0")
         check_backend(self.backend)  # this machine; the model's device is checked again in setup
@@ -269,12 +274,14 @@ class Explore(RolloutPlan):
     def rollout(self, model, prompts: list[str], ctx: RolloutContext) -> Forest:
         """Preview N seeds per prompt with the explorer, keep K by reward, regenerate them with the inner
         plan; returns the inner plan's forest (regenerated samples only)."""
-        from flowrl.rollout.sampling import ode_sample
         from flowrl.rollout.decoding import decode
+        from flowrl.rollout.sampling import ode_sample
 
         if self._reward is None:
-            raise RuntimeError("Explore needs the run's reward to score its preview pool: call setup(model, reward) "
-                               "(flowrl.sample(..., reward=...) or the trainer do)")
+            raise RuntimeError(
+                "Explore needs the run's reward to score its preview pool: call setup(model, reward) "
+                "(flowrl.sample(..., reward=...) or the trainer do)"
+            )
         P, N, K = len(prompts), self.pool_size, self.keep
         # records of an earlier iteration whose metrics were never asked for (e.g. flowrl snr) are dropped;
         # the chunks of one iteration accumulate
@@ -282,17 +289,26 @@ class Explore(RolloutPlan):
         sync_before = self._sync_seconds
         explorer = self.explorer
         guidance = model.guidance_or_default(ctx.guidance)
-        seeds = [derive_seed(ctx.seed, ctx.iteration, "explore", ctx.group_offset + g, n) for g in range(P) for n in range(N)]
+        seeds = [
+            derive_seed(ctx.seed, ctx.iteration, "explore", ctx.group_offset + g, n) for g in range(P) for n in range(N)
+        ]
         pool_prompts = [p for p in prompts for _ in range(N)]
 
         t0 = time.perf_counter()
-        x0 = ode_sample(explorer.model, pool_prompts, seeds, self.preview_steps, guidance=guidance,
-                        max_batch=ctx.max_batch, decode=False)
+        x0 = ode_sample(
+            explorer.model,
+            pool_prompts,
+            seeds,
+            self.preview_steps,
+            guidance=guidance,
+            max_batch=ctx.max_batch,
+            decode=False,
+        )
         t1 = time.perf_counter()
         groups = torch.arange(P).repeat_interleave(N)
         rewards = self._score_pool(decode(model, x0, ctx.max_batch), pool_prompts, groups + ctx.group_offset)
         t2 = time.perf_counter()
-        kept = [select_seeds(rewards[g * N:(g + 1) * N], K, self.select) for g in range(P)]
+        kept = [select_seeds(rewards[g * N : (g + 1) * N], K, self.select) for g in range(P)]
         root_seeds = [[seeds[g * N + int(i)] for i in kept[g]] for g in range(P)]
         t3 = time.perf_counter()
         forest = self.inner_plan.rollout(model, prompts, dataclasses.replace(ctx, root_seeds=root_seeds))
@@ -300,21 +316,29 @@ class Explore(RolloutPlan):
 
         used = set(forest.seed[forest.roots()].tolist())
         if used != {s for group in root_seeds for s in group}:
-            raise RuntimeError(f"inner plan {type(self.inner_plan).__name__} ignored ctx.root_seeds: its roots are not "
-                               "the selected seeds")
+            raise RuntimeError(
+                f"inner plan {type(self.inner_plan).__name__} ignored ctx.root_seeds: its roots are not "
+                "the selected seeds"
+            )
         cfg = 2 if model.uses_cfg(guidance) else 1
         forest.counters["explore_forwards"] = forest.counters.get("explore_forwards", 0) + P * N * self.preview_steps
         forest.counters["explore_nfe"] = forest.counters.get("explore_nfe", 0) + P * N * self.preview_steps * cfg
         forest.counters["explore_scored"] = forest.counters.get("explore_scored", 0) + P * N
-        self._pending.append({
-            "iteration": ctx.iteration,
-            "preview": {s: float(rewards[k]) for k, s in enumerate(seeds)},
-            "kept": root_seeds,  # per local group, in selection order
-            "pool_rewards": rewards,
-            "explorer_forwards": P * N * self.preview_steps, "full_forwards": forest.counters["forwards"],
-            "time/explore_preview": t1 - t0, "time/explore_score": t2 - t1, "time/explore_select": t3 - t2,
-            "time/explore_regenerate": t4 - t3, "time/explore_sync": self._sync_seconds - sync_before,
-        })
+        self._pending.append(
+            {
+                "iteration": ctx.iteration,
+                "preview": {s: float(rewards[k]) for k, s in enumerate(seeds)},
+                "kept": root_seeds,  # per local group, in selection order
+                "pool_rewards": rewards,
+                "explorer_forwards": P * N * self.preview_steps,
+                "full_forwards": forest.counters["forwards"],
+                "time/explore_preview": t1 - t0,
+                "time/explore_score": t2 - t1,
+                "time/explore_select": t3 - t2,
+                "time/explore_regenerate": t4 - t3,
+                "time/explore_sync": self._sync_seconds - sync_before,
+            }
+        )
         return forest
 
     # ---- diagnostics ------------------------------------------------------------------------
@@ -339,7 +363,7 @@ class Explore(RolloutPlan):
                 tau.append(kendall(p, r))
                 if len(pairs) >= 2:  # kept seeds in preview order: upper half vs lower half
                     order = torch.argsort(p, descending=True, stable=True)
-                    upper, lower = order[: (len(pairs) + 1) // 2], order[(len(pairs) + 1) // 2:]
+                    upper, lower = order[: (len(pairs) + 1) // 2], order[(len(pairs) + 1) // 2 :]
                     if lower.numel():
                         sep.append(float(r[upper].mean() - r[lower].mean()))
                     top = set(torch.argsort(r, descending=True, stable=True)[: upper.numel()].tolist())
@@ -364,8 +388,13 @@ class Explore(RolloutPlan):
         out["explore/explorer_forwards_per_s"] = explorer_rate
         out["explore/full_forwards_per_s"] = full_rate
         out["explore/explorer_speedup"] = explorer_rate / full_rate if full_rate and full_rate > 0 else float("nan")
-        for key in ("time/explore_preview", "time/explore_score", "time/explore_select", "time/explore_regenerate",
-                    "time/explore_sync"):
+        for key in (
+            "time/explore_preview",
+            "time/explore_score",
+            "time/explore_select",
+            "time/explore_regenerate",
+            "time/explore_sync",
+        ):
             out[key] = sum(r[key] for r in pending)
         return out
 

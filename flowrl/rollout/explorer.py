@@ -15,6 +15,7 @@ fine-tuning). A sync rebuilds exactly these: a quantized one is re-quantized fro
 W = W0 + Σ adapters B·A·scale, a full-precision one gets the merged weight copied in; frozen layers
 are never touched again. Build the explorer after attaching LoRA.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
 from flowrl.rollout.precision import (
     DEFAULT_MIN_PARAMS,
     DEFAULT_SKIP,
@@ -102,8 +104,9 @@ class Explorer:
                 layer = live.get_submodule(name)
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
                 bias = None if base.bias is None else whole(base.bias.detach())
-                self.transformer.set_submodule(name, quantize_linear(
-                    self.backend, merged_weight(layer), bias, model.device, self.dtype, self.impl))
+                self.transformer.set_submodule(
+                    name, quantize_linear(self.backend, merged_weight(layer), bias, model.device, self.dtype, self.impl)
+                )
             for name in self._recopy:
                 layer = live.get_submodule(name)
                 base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
@@ -120,16 +123,25 @@ class Explorer:
     def describe(self) -> dict[str, float]:
         """Sizes for logs: quantized layers and parameters of the copy."""
         n = 0 if self.transformer is None else sum(p.numel() for p in self.transformer.parameters())
-        return {"quantized_layers": float(len(self.quantized)), "copy_parameters": float(n),
-                "trainable_layers_followed": float(len(self._requantize) + len(self._recopy) + len(self._params))}
+        return {
+            "quantized_layers": float(len(self.quantized)),
+            "copy_parameters": float(n),
+            "trainable_layers_followed": float(len(self._requantize) + len(self._recopy) + len(self._params)),
+        }
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def make_explorer(model, backend: str = "same", *, min_params: int = DEFAULT_MIN_PARAMS,
-                  skip: Sequence[str] | None = None, impl: str = "auto") -> Explorer:
+def make_explorer(
+    model,
+    backend: str = "same",
+    *,
+    min_params: int = DEFAULT_MIN_PARAMS,
+    skip: Sequence[str] | None = None,
+    impl: str = "auto",
+) -> Explorer:
     """An :class:`Explorer` of ``model`` (a FlowModel, LoRA attached or not) in ``backend``.
 
     ``min_params``: smallest Linear weight (elements) to quantize; ``skip``: module-name patterns kept
@@ -158,8 +170,12 @@ def make_explorer(model, backend: str = "same", *, min_params: int = DEFAULT_MIN
     convert = {}
     for name, module in units.items():
         base = module.get_base_layer() if name in wrappers else module
-        convert[name] = (backend in QUANTIZING and base.weight.numel() >= min_params and not _matches(name, skip)
-                         and _shape_ok(backend, base.weight.shape))
+        convert[name] = (
+            backend in QUANTIZING
+            and base.weight.numel() >= min_params
+            and not _matches(name, skip)
+            and _shape_ok(backend, base.weight.shape)
+        )
 
     # copy everything but the weights about to be replaced, cast to the rest's dtype, without gradients
     memo: dict[int, object] = {}
@@ -190,7 +206,9 @@ def make_explorer(model, backend: str = "same", *, min_params: int = DEFAULT_MIN
             in_units |= params
             changing = bool(params)
             if convert[name]:
-                copy_.set_submodule(name, quantize_linear(backend, merged_weight(module), base.bias, device, dtype, impl))
+                copy_.set_submodule(
+                    name, quantize_linear(backend, merged_weight(module), base.bias, device, dtype, impl)
+                )
                 explorer.quantized.append(name)
                 if changing:
                     explorer._requantize.append(name)

@@ -25,7 +25,8 @@ whatever the edge into it);
 ``from_teacher`` [N] (0; 1 on nodes a guided teacher sampled, the ODE plan's ``teacher_share``).
 
 Built in layers, frozen once: each :meth:`add_children` appends one layer of latents (fp32, on the forest's declared
-``device``: the rollout's model's, set by :meth:`~flowrl.rollout.base.RolloutContext.new_forest`) and writes its columns into buffers that grow by
+``device``: the rollout's model's, set by :meth:`~flowrl.rollout.base.RolloutContext.new_forest`) and writes its
+columns into buffers that grow by
 doubling, so building costs time linear in the number of nodes. During a rollout :meth:`latents_of` reads
 nodes from their layers; :meth:`all_latents` concatenates the layers once, when the rollout is read whole.
 Probe latents live on the same device as the nodes' latents. ``meta``: plain method data a plan records
@@ -37,6 +38,7 @@ states to be scored too with :meth:`add_probe` (node, clean-latent estimate: an 
 projection). :meth:`score_requests` lists both; the trainer decodes and scores them and records the
 results with :meth:`record_scores` and :meth:`combine_scores`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,8 +51,15 @@ from flowrl.rollout.forest_paths import ForestPaths
 from flowrl.rollout.transfer import host_copy, to_device
 
 _NODE_FIELDS = ("sigma", "step", "parent", "group", "seed", "logp_old", "std", "stochastic", "kernel", "eta", "batch")
-_OUTCOME_DEFAULTS = {"reward": float("nan"), "value": float("nan"), "advantage": 0.0, "weight": 1.0, "flat": 0.0,
-                     "trainable": 1.0, "from_teacher": 0.0}
+_OUTCOME_DEFAULTS = {
+    "reward": float("nan"),
+    "value": float("nan"),
+    "advantage": 0.0,
+    "weight": 1.0,
+    "flat": 0.0,
+    "trainable": 1.0,
+    "from_teacher": 0.0,
+}
 _DEVICE_COLUMNS = ("logp_old", "std", "stochastic")  # computed on the model's device (see Forest._settle)
 UNITS = ("edges", "leaves")  # what an objective trains on (Objective.trains_on), what a credit rule writes
 
@@ -97,7 +106,9 @@ class Forest(ForestPaths, DeviceColumns):
     _logp_old: torch.Tensor = field(default_factory=lambda: torch.zeros(0), repr=False)
     _std: torch.Tensor = field(default_factory=lambda: torch.zeros(0), repr=False)
     _stochastic: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool), repr=False)
-    _pending: list = field(default_factory=list, repr=False)  # (first node, host copy [2, M], ready event, trainable kernel)
+    _pending: list = field(
+        default_factory=list, repr=False
+    )  # (first node, host copy [2, M], ready event, trainable kernel)
     kernel: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     eta: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     batch: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -131,7 +142,12 @@ class Forest(ForestPaths, DeviceColumns):
         linear). A column replaced wholesale (e.g. by a credit rule) seeds a fresh buffer."""
         n0, n = current.shape[0], current.shape[0] + new.shape[0]
         buf = self._buffers.get(key)
-        if buf is None or buf.shape[0] < n or buf.dtype != current.dtype or (n0 and current.data_ptr() != buf.data_ptr()):
+        if (
+            buf is None
+            or buf.shape[0] < n
+            or buf.dtype != current.dtype
+            or (n0 and current.data_ptr() != buf.data_ptr())
+        ):
             buf = torch.empty(max(2 * n, 16), dtype=current.dtype)
             buf[:n0] = current
             self._buffers[key] = buf
@@ -144,7 +160,9 @@ class Forest(ForestPaths, DeviceColumns):
         self._latent_blocks.append(latents.detach().to(self.device, torch.float32))
         for name in _NODE_FIELDS:
             attr = "_" + name if name in _DEVICE_COLUMNS else name  # no settling while a rollout appends
-            setattr(self, attr, self._grown(name, getattr(self, attr), _on_host(torch.as_tensor(cols[name]).reshape(n))))
+            setattr(
+                self, attr, self._grown(name, getattr(self, attr), _on_host(torch.as_tensor(cols[name]).reshape(n)))
+            )
         for name, default in _OUTCOME_DEFAULTS.items():
             new = _on_host(cols[name].float().reshape(n)) if name in cols else torch.full((n,), default)
             setattr(self, name, self._grown(name, getattr(self, name), new))
@@ -158,14 +176,28 @@ class Forest(ForestPaths, DeviceColumns):
             self.kernels.append(name)
         return self.kernels.index(name)
 
-    def add_roots(self, latents: torch.Tensor, group: Sequence[int] | torch.Tensor, seed: Sequence[int] | torch.Tensor,
-                  sigma: float = 1.0, step: int = 0) -> torch.Tensor:
+    def add_roots(
+        self,
+        latents: torch.Tensor,
+        group: Sequence[int] | torch.Tensor,
+        seed: Sequence[int] | torch.Tensor,
+        sigma: float = 1.0,
+        step: int = 0,
+    ) -> torch.Tensor:
         """Add roots (latents [R, C, H, W]); returns their node indices [R]."""
         r = latents.shape[0]
         return self._append(
-            latents, sigma=torch.full((r,), float(sigma)), step=torch.full((r,), step), parent=torch.full((r,), -1),
-            group=torch.as_tensor(group), seed=torch.as_tensor(seed), logp_old=torch.zeros(r), std=torch.zeros(r),
-            stochastic=torch.zeros(r, dtype=torch.bool), kernel=torch.zeros(r), eta=torch.zeros(r),
+            latents,
+            sigma=torch.full((r,), float(sigma)),
+            step=torch.full((r,), step),
+            parent=torch.full((r,), -1),
+            group=torch.as_tensor(group),
+            seed=torch.as_tensor(seed),
+            logp_old=torch.zeros(r),
+            std=torch.zeros(r),
+            stochastic=torch.zeros(r, dtype=torch.bool),
+            kernel=torch.zeros(r),
+            eta=torch.zeros(r),
             batch=torch.full((r,), -1),
         )
 
@@ -174,9 +206,18 @@ class Forest(ForestPaths, DeviceColumns):
         self._next_batch_id += 1
         return self._next_batch_id - 1
 
-    def add_children(self, parents: torch.Tensor, latents: torch.Tensor, sigma: float | torch.Tensor, step: int | torch.Tensor,
-                     logp: torch.Tensor, std: torch.Tensor, kernel: str, eta: float | torch.Tensor,
-                     batch: int | torch.Tensor) -> torch.Tensor:
+    def add_children(
+        self,
+        parents: torch.Tensor,
+        latents: torch.Tensor,
+        sigma: float | torch.Tensor,
+        step: int | torch.Tensor,
+        logp: torch.Tensor,
+        std: torch.Tensor,
+        kernel: str,
+        eta: float | torch.Tensor,
+        batch: int | torch.Tensor,
+    ) -> torch.Tensor:
         """Add one child per entry of ``parents`` [M] with states ``latents`` [M, C, H, W] reached by
         a ``kernel`` edge (log-prob ``logp`` [M], std ``std`` [M]). Returns the new node indices [M]."""
         parents = _on_host(torch.as_tensor(parents, dtype=torch.long))
@@ -191,9 +232,18 @@ class Forest(ForestPaths, DeviceColumns):
         host, ready = host_copy(values)
         start = self.num_nodes
         nodes = self._append(
-            latents, sigma=column(sigma), step=column(step, torch.long), parent=parents, group=self.group[parents],
-            seed=self.seed[parents], logp_old=torch.zeros(m), std=torch.zeros(m), stochastic=torch.zeros(m, dtype=torch.bool),
-            kernel=column(self.kernel_index(kernel), torch.long), eta=column(eta), batch=column(batch, torch.long),
+            latents,
+            sigma=column(sigma),
+            step=column(step, torch.long),
+            parent=parents,
+            group=self.group[parents],
+            seed=self.seed[parents],
+            logp_old=torch.zeros(m),
+            std=torch.zeros(m),
+            stochastic=torch.zeros(m, dtype=torch.bool),
+            kernel=column(self.kernel_index(kernel), torch.long),
+            eta=column(eta),
+            batch=column(batch, torch.long),
         )
         self._pending.append((start, host, ready, kernel != "ode"))
         return nodes
@@ -214,8 +264,10 @@ class Forest(ForestPaths, DeviceColumns):
         out = torch.empty((nodes.numel(),) + tuple(self._latent_blocks[0].shape[1:]), device=self.device)
         for k in torch.unique(layer).tolist():
             mine = layer == k
-            rows = to_device(torch.cat([torch.nonzero(mine).flatten(), nodes[mine] - self._block_starts[k]]), self.device)
-            out[rows[:rows.numel() // 2]] = self._latent_blocks[k][rows[rows.numel() // 2:]]
+            rows = to_device(
+                torch.cat([torch.nonzero(mine).flatten(), nodes[mine] - self._block_starts[k]]), self.device
+            )
+            out[rows[: rows.numel() // 2]] = self._latent_blocks[k][rows[rows.numel() // 2 :]]
         return out
 
     def all_latents(self) -> torch.Tensor:
@@ -242,8 +294,13 @@ class Forest(ForestPaths, DeviceColumns):
         prompts = list(forests[0].prompts) if same_prompts else [p for f in forests for p in f.prompts]
         if len({f.device for f in forests}) != 1:
             raise ValueError("cannot merge forests whose latents live on different devices")
-        out = Forest(prompts=prompts, guidance=forests[0].guidance, reduction=forests[0].reduction,
-                     meta=dict(forests[0].meta), device=forests[0].device)
+        out = Forest(
+            prompts=prompts,
+            guidance=forests[0].guidance,
+            reduction=forests[0].reduction,
+            meta=dict(forests[0].meta),
+            device=forests[0].device,
+        )
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
         out.reward_components = {k: torch.zeros(0) for k in names}
         node_offset = group_offset = batch_offset = 0
@@ -311,7 +368,9 @@ class Forest(ForestPaths, DeviceColumns):
             return
         for nodes, column in ((self.leaves(), self.reward), (self.probe_node, self.value)):
             if nodes.numel():
-                column[nodes] = combine({k: v[nodes] for k, v in self.reward_components.items()}, self.group[nodes]).float()
+                column[nodes] = combine(
+                    {k: v[nodes] for k, v in self.reward_components.items()}, self.group[nodes]
+                ).float()
 
     # ---- structure helpers (the path walks are in :class:`ForestPaths`) --------------------------
     def leaves(self) -> torch.Tensor:

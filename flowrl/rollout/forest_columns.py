@@ -7,6 +7,7 @@ wait, after the rollout; on the CPU the values are there already). Writing a col
 live in ``_logp_old``, ``_std`` and ``_stochastic``; ``_pending`` lists the copies in flight as
 (first node, values [2, M] (log-prob, std), ready event or None, whether the kernel is stochastic).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,8 @@ class DeviceColumns:
             self._std[start:end] = host[1]
             self._stochastic[start:end] = (host[1] > 0) & trainable_kernel
 
-    logp_old = _Settled("Log-prob of each node's incoming edge under the rollout's policy [N] (0 on roots and ODE "
-                        "edges).")
+    logp_old = _Settled(
+        "Log-prob of each node's incoming edge under the rollout's policy [N] (0 on roots and ODE edges)."
+    )
     std = _Settled("The transition std of each node's incoming edge [N] (0: deterministic).")
     stochastic = _Settled("Whether each node's incoming edge is an SDE edge with std > 0 [N] bool (trainable).")

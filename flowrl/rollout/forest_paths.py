@@ -4,6 +4,7 @@ Vectorised: each helper walks the forest level by level (a few tensor ops per le
 node, so trees of thousands of nodes cost O(depth) tensor operations. They read ``parent`` [N], ``logp_old``
 [N], ``num_nodes`` and ``leaves()`` of the forest.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,18 +17,19 @@ fails then, naming ``rollout.source``) and checked against the model at :meth:`O
 latent shape is refused). ``source: null`` (the presets' default) is refused at setup, so a preset loads without
 a store.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from flowrl.core.seeding import derive_seed
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext, RolloutPlan
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.offline_store import COMMAND, RolloutStore
-from flowrl.core.seeding import derive_seed
 
 
 @dataclass
@@ -42,25 +43,33 @@ class Offline(RolloutPlan):
 
     def __post_init__(self) -> None:
         if self.group_size == 1 or self.group_size < 0:
-            raise ValueError(f"rollout.group_size={self.group_size} must be >= 2 (a group ranks several samples) or 0 "
-                             "(every stored sample of the prompt)")
+            raise ValueError(
+                f"rollout.group_size={self.group_size} must be >= 2 (a group ranks several samples) or 0 "
+                "(every stored sample of the prompt)"
+            )
         self._store: RolloutStore | None = None
         if self.source is not None:
             if not str(self.source).strip():
-                raise ValueError("rollout.source='' must name a rollout store (a folder written by "
-                                 f"`{COMMAND} CONFIG --out FOLDER`), e.g. rollout: {{plan: offline, source: runs/store}}")
+                raise ValueError(
+                    "rollout.source='' must name a rollout store (a folder written by "
+                    f"`{COMMAND} CONFIG --out FOLDER`), e.g. rollout: {{plan: offline, source: runs/store}}"
+                )
             self._store = RolloutStore(self.source, "rollout.source")
             if self.group_size > self._store.images_per_prompt:
-                raise ValueError(f"rollout.group_size={self.group_size} is more than the "
-                                 f"{self._store.images_per_prompt} samples per prompt of rollout.source="
-                                 f"{self.source!r}; accepted: 2…{self._store.images_per_prompt}, or 0 (all)")
+                raise ValueError(
+                    f"rollout.group_size={self.group_size} is more than the "
+                    f"{self._store.images_per_prompt} samples per prompt of rollout.source="
+                    f"{self.source!r}; accepted: 2…{self._store.images_per_prompt}, or 0 (all)"
+                )
 
     @property
     def store(self) -> RolloutStore:
         if self._store is None:
-            raise ConfigError("rollout.plan='offline' replays a rollout store, and rollout.source is not set; "
-                              f"accepted: a folder written by `{COMMAND} CONFIG --out FOLDER` "
-                              "(rollout.source=FOLDER, and prompts.train=FOLDER/prompts.txt)")
+            raise ConfigError(
+                "rollout.plan='offline' replays a rollout store, and rollout.source is not set; "
+                f"accepted: a folder written by `{COMMAND} CONFIG --out FOLDER` "
+                "(rollout.source=FOLDER, and prompts.train=FOLDER/prompts.txt)"
+            )
         return self._store
 
     # ---- what tools ask of a plan ------------------------------------------------------------------
@@ -89,8 +98,10 @@ class Offline(RolloutPlan):
 
     def load_state_dict(self, state: dict | None) -> None:
         if state and state.get("store") not in (None, self.store.fingerprint):
-            raise ConfigError(f"rollout.source={self.source!r} holds other samples (fingerprint {self.store.fingerprint}) "
-                              f"than the run being resumed was trained on ({state['store']}); accepted: that run's store")
+            raise ConfigError(
+                f"rollout.source={self.source!r} holds other samples (fingerprint {self.store.fingerprint}) "
+                f"than the run being resumed was trained on ({state['store']}); accepted: that run's store"
+            )
 
     # ---- one iteration -----------------------------------------------------------------------------
     def picks(self, prompts: list[str], ctx: RolloutContext) -> list[list[int]]:
@@ -100,7 +111,9 @@ class Offline(RolloutPlan):
             rows = self.store.rows_of(prompt)
             k = self.group_size or len(rows)
             if k < len(rows):
-                gen = torch.Generator().manual_seed(derive_seed(ctx.seed, ctx.iteration, "offline", ctx.group_offset + g))
+                gen = torch.Generator().manual_seed(
+                    derive_seed(ctx.seed, ctx.iteration, "offline", ctx.group_offset + g)
+                )
                 rows = sorted(rows[i] for i in torch.randperm(len(rows), generator=gen)[:k].tolist())
             out.append(list(rows))
         return out
@@ -120,13 +133,23 @@ class Offline(RolloutPlan):
         """``offline/stored_reward``: the mean stored reward of the replayed samples; ``offline/reward_drift``: the
         mean |reward now − stored reward| (both finite; 0 when the run's rewards score as the store's did)."""
         leaves = forest.leaves()
-        index = {(p, int(s)): r for p in set(forest.prompts) for r in self.store.rows_of(p)
-                 for s in [self.store.seed[r]]}
-        stored = torch.tensor([float(self.store.reward[index[(forest.prompts[int(forest.group[n])], int(forest.seed[n]))]])
-                               for n in leaves.tolist()])
+        index = {
+            (p, int(s)): r for p in set(forest.prompts) for r in self.store.rows_of(p) for s in [self.store.seed[r]]
+        }
+        stored = torch.tensor(
+            [
+                float(self.store.reward[index[(forest.prompts[int(forest.group[n])], int(forest.seed[n]))]])
+                for n in leaves.tolist()
+            ]
+        )
         now = forest.reward[leaves].float()
         both = torch.isfinite(stored) & torch.isfinite(now)
-        out = {"offline/stored_reward": float(stored[torch.isfinite(stored)].mean()) if bool(torch.isfinite(stored).any())
-               else float("nan")}
-        out["offline/reward_drift"] = float((now[both] - stored[both]).abs().mean()) if bool(both.any()) else float("nan")
+        out = {
+            "offline/stored_reward": float(stored[torch.isfinite(stored)].mean())
+            if bool(torch.isfinite(stored).any())
+            else float("nan")
+        }
+        out["offline/reward_drift"] = (
+            float((now[both] - stored[both]).abs().mean()) if bool(both.any()) else float("nan")
+        )
         return out

@@ -17,9 +17,11 @@ A store is a folder::
     prompts.txt                the stored prompts, one per line (``prompts.train`` may point at it)
 
 Rows are prompt-major: prompt p's K samples are rows p·K … p·K + K − 1. Written into a temporary folder and
-renamed into place (:func:`flowrl.run.rollout_store.write_store`: an output folder of ``flowrl rollouts``); read lazily (:class:`RolloutStore`: the metadata, seeds and rewards at
+renamed into place (:func:`flowrl.run.rollout_store.write_store`: an output folder of ``flowrl rollouts``); read lazily
+(:class:`RolloutStore`: the metadata, seeds and rewards at
 once, latents by rows, memory-mapped; each part's checksum verified the first time its latents are read).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,13 +65,17 @@ class RolloutStore:
         self.where = f"{key}={str(path)!r}"
         meta_file = self.path / META_FILE
         if not self.path.is_dir():
-            raise ConfigError(f"{self.where}: no rollout store at {self.path.resolve()} (not a folder); accepted: a "
-                              f"folder written by `{COMMAND} CONFIG --out FOLDER`")
+            raise ConfigError(
+                f"{self.where}: no rollout store at {self.path.resolve()} (not a folder); accepted: a "
+                f"folder written by `{COMMAND} CONFIG --out FOLDER`"
+            )
         try:
             self.meta = json.loads(meta_file.read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{self.where}: {meta_file} cannot be read as a rollout store's metadata ({e}); accepted: "
-                              f"a folder written by `{COMMAND}`") from None
+            raise ConfigError(
+                f"{self.where}: {meta_file} cannot be read as a rollout store's metadata ({e}); accepted: "
+                f"a folder written by `{COMMAND}`"
+            ) from None
         self._check_meta(meta_file)
         m = self.meta
         self.prompts: list[str] = list(m["prompts"])
@@ -86,35 +92,47 @@ class RolloutStore:
         self.reward = torch.cat(rewards) if rewards else torch.zeros(0)
         self._rows: dict[str, list[int]] = {}
         for p, prompt in enumerate(self.prompts):
-            self._rows.setdefault(prompt, []).extend(range(p * self.images_per_prompt, (p + 1) * self.images_per_prompt))
+            self._rows.setdefault(prompt, []).extend(
+                range(p * self.images_per_prompt, (p + 1) * self.images_per_prompt)
+            )
 
     def _check_meta(self, meta_file: Path) -> None:
         m = self.meta
         if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise ConfigError(f"{self.where}: {meta_file} is not a rollout store's metadata (format "
-                              f"{m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r})")
+            raise ConfigError(
+                f"{self.where}: {meta_file} is not a rollout store's metadata (format "
+                f"{m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r})"
+            )
         if m.get("version") != VERSION:
-            raise ConfigError(f"{self.where}: {meta_file} is version {m.get('version')!r} of the store format; this "
-                              f"flowrl reads version {VERSION}: write the store again with `{COMMAND}`")
+            raise ConfigError(
+                f"{self.where}: {meta_file} is version {m.get('version')!r} of the store format; this "
+                f"flowrl reads version {VERSION}: write the store again with `{COMMAND}`"
+            )
         try:
             rows = len(m["prompts"]) * int(m["images_per_prompt"])
             spans = [tuple(p["rows"]) for p in m["parts"]]
             _ = (m["model"]["latent_shape"], m["model"]["adapter"], m["sampler"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{self.where}: {meta_file} lacks {e} (a damaged or foreign file); write the store again "
-                              f"with `{COMMAND}`") from None
+            raise ConfigError(
+                f"{self.where}: {meta_file} lacks {e} (a damaged or foreign file); write the store again "
+                f"with `{COMMAND}`"
+            ) from None
         ends = [0] + [b for _, b in spans]
         if [a for a, _ in spans] != ends[:-1] or ends[-1] != rows or int(m.get("rows", -1)) != rows:
-            raise ConfigError(f"{self.where}: {meta_file}'s parts cover rows {spans}, not 0…{rows} for "
-                              f"{len(m['prompts'])} prompts × {m['images_per_prompt']} images (damaged)")
+            raise ConfigError(
+                f"{self.where}: {meta_file}'s parts cover rows {spans}, not 0…{rows} for "
+                f"{len(m['prompts'])} prompts × {m['images_per_prompt']} images (damaged)"
+            )
 
     def _part_file(self, part: dict[str, Any]) -> Path:
         file = self.path / str(part["file"])
         if Path(part["file"]).name != part["file"] or not file.is_file():
             raise ConfigError(f"{self.where}: part {part['file']!r} listed in {self.path / META_FILE} is missing")
         if file.stat().st_size != int(part["bytes"]):
-            raise ConfigError(f"{self.where}: {file} holds {file.stat().st_size} bytes, {META_FILE} says "
-                              f"{part['bytes']} (truncated or replaced); write the store again with `{COMMAND}`")
+            raise ConfigError(
+                f"{self.where}: {file} holds {file.stat().st_size} bytes, {META_FILE} says "
+                f"{part['bytes']} (truncated or replaced); write the store again with `{COMMAND}`"
+            )
         return file
 
     def _small_tensors(self, part: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +146,15 @@ class RolloutStore:
                 shape = tuple(f.get_slice("latents").get_shape())
                 seed, reward = f.get_tensor("seed"), f.get_tensor("reward")
         except (SafetensorError, OSError, KeyError, RuntimeError) as e:
-            raise ConfigError(f"{self.where}: {file} cannot be read ({str(e).splitlines()[0][:160]}); write the store "
-                              f"again with `{COMMAND}`") from None
+            raise ConfigError(
+                f"{self.where}: {file} cannot be read ({str(e).splitlines()[0][:160]}); write the store "
+                f"again with `{COMMAND}`"
+            ) from None
         if shape != (b - a, *self.latent_shape) or tuple(seed.shape) != (b - a,) or tuple(reward.shape) != (b - a,):
-            raise ConfigError(f"{self.where}: {file} holds latents {list(shape)} (seed {list(seed.shape)}), "
-                              f"{META_FILE} says {[b - a, *self.latent_shape]} (damaged)")
+            raise ConfigError(
+                f"{self.where}: {file} holds latents {list(shape)} (seed {list(seed.shape)}), "
+                f"{META_FILE} says {[b - a, *self.latent_shape]} (damaged)"
+            )
         return seed.long(), reward.float()
 
     @property
@@ -150,9 +172,11 @@ class RolloutStore:
         rows = self._rows.get(prompt)
         if rows is None:
             shown = prompt if len(prompt) <= 80 else prompt[:77] + "..."
-            raise ConfigError(f"{self.where} holds no samples of the prompt {shown!r} (drawn from prompts.train); "
-                              f"accepted: the store's {len(self._rows)} prompts (listed in "
-                              f"{self.path / PROMPTS_FILE}: set prompts.train to that file)")
+            raise ConfigError(
+                f"{self.where} holds no samples of the prompt {shown!r} (drawn from prompts.train); "
+                f"accepted: the store's {len(self._rows)} prompts (listed in "
+                f"{self.path / PROMPTS_FILE}: set prompts.train to that file)"
+            )
         return rows
 
     def latents(self, rows: torch.Tensor) -> torch.Tensor:
@@ -170,14 +194,16 @@ class RolloutStore:
             file = self._part_file(part)
             if part["file"] not in self._verified:
                 if sha256_of(file) != part["sha256"]:
-                    raise ConfigError(f"{self.where}: {file} does not match its sha256 in {META_FILE} (damaged); write "
-                                      f"the store again with `{COMMAND}`")
+                    raise ConfigError(
+                        f"{self.where}: {file} does not match its sha256 in {META_FILE} (damaged); write "
+                        f"the store again with `{COMMAND}`"
+                    )
                 self._verified.add(part["file"])
             with safe_open(str(file), "pt") as f:
                 block = f.get_slice("latents")
                 for i in mine.tolist():
                     r = int(rows[i]) - a
-                    out[i] = block[r:r + 1][0].float()
+                    out[i] = block[r : r + 1][0].float()
         return out
 
     def check_model(self, model: FlowModel) -> None:
@@ -187,7 +213,9 @@ class RolloutStore:
         theirs = (m["adapter"], self.latent_shape)
         ours = (adapter_name(model), tuple(int(d) for d in model.latent_shape))
         if theirs != ours:
-            raise ConfigError(f"{self.where} holds samples of model family {m.get('family')!r} (adapter {theirs[0]!r}) "
-                              f"with latents {list(theirs[1])}, but this run's model is adapter {ours[0]!r} with latents "
-                              f"{list(ours[1])}; accepted: a store written with this run's model (`{COMMAND} CONFIG "
-                              "--out FOLDER` with the run's config)")
+            raise ConfigError(
+                f"{self.where} holds samples of model family {m.get('family')!r} (adapter {theirs[0]!r}) "
+                f"with latents {list(theirs[1])}, but this run's model is adapter {ours[0]!r} with latents "
+                f"{list(ours[1])}; accepted: a store written with this run's model (`{COMMAND} CONFIG "
+                "--out FOLDER` with the run's config)"
+            )

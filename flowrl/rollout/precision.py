@@ -1,5 +1,6 @@
 """Low-precision backends for explorer copies of the policy (:mod:`flowrl.rollout.explorer`; Sol-RL,
-docs/explore.md, "The explorer"): which backends this machine can run, and the quantized replacement of one Linear layer.
+docs/explore.md, "The explorer"): which backends this machine can run, and the quantized replacement of one Linear
+layer.
 
 Backends (:data:`BACKENDS`) and what they need:
 
@@ -8,10 +9,15 @@ Backends (:data:`BACKENDS`) and what they need:
 | ``same``  | no copy: the live model itself (the preview is cheap by its fewer steps) | anywhere |
 | ``bf16``  | the LoRA-merged transformer cast to bfloat16 | CUDA with bf16; CPU (slow without native bf16) |
 | ``fp16``  | the LoRA-merged transformer cast to float16 | CUDA; CPU (slow) |
-| ``int8``  | Linear layers int8: CPU ``torch.ao`` dynamic quantisation (per-channel weights, dynamic per-tensor activations); CUDA bitsandbytes ``Linear8bitLt`` (else torchao int8 weight-only) | CPU; CUDA with bitsandbytes or torchao |
-| ``nf4``   | Linear layers bitsandbytes NF4 (``Linear4bit``), compute in the rest's dtype | bitsandbytes (CPU or CUDA) |
-| ``fp8``   | Linear layers torchao float8 (dynamic activations, per-row weights), rest bf16 | CUDA, compute capability ≥ 8.9, torchao |
-| ``nvfp4`` | Linear layers torchao NVFP4: W4A4 on Blackwell (≥ 10.0), weight-only with bf16 activations on Ada/Hopper (8.9–9.x), rest bf16 | CUDA ≥ 8.9, torchao |
+| ``int8``  | Linear layers int8: CPU ``torch.ao`` dynamic quantisation (per-channel weights, dynamic per-tensor
+activations); CUDA bitsandbytes ``Linear8bitLt`` (else torchao int8 weight-only) | CPU; CUDA with bitsandbytes or
+torchao |
+| ``nf4``   | Linear layers bitsandbytes NF4 (``Linear4bit``), compute in the rest's dtype | bitsandbytes (CPU or CUDA)
+|
+| ``fp8``   | Linear layers torchao float8 (dynamic activations, per-row weights), rest bf16 | CUDA, compute capability
+≥ 8.9, torchao |
+| ``nvfp4`` | Linear layers torchao NVFP4: W4A4 on Blackwell (≥ 10.0), weight-only with bf16 activations on Ada/Hopper
+(8.9–9.x), rest bf16 | CUDA ≥ 8.9, torchao |
 
 Only ``nn.Linear`` layers are quantized, and only those that are large enough (``min_params`` weights,
 default 16,384 = 128×128) and match no pattern of the backend's skip list (``fnmatch`` on the module
@@ -24,6 +30,7 @@ layers whose dimensions are not multiples of 16 (their kernels need it).
 torchao and bitsandbytes are optional and imported only when a backend that needs them is built;
 :func:`unavailable_reason` checks for them without importing them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +53,13 @@ QUANTIZING: tuple[str, ...] = ("int8", "nf4", "fp8", "nvfp4")
 _KEEP = ("*embed*", "*caption_projection*", "proj_out", "norm_out*")
 _KEEP_4BIT = _KEEP + ("*norm*.linear",)
 DEFAULT_SKIP: dict[str, tuple[str, ...]] = {
-    "same": (), "bf16": (), "fp16": (),
-    "int8": _KEEP, "fp8": _KEEP, "nf4": _KEEP_4BIT, "nvfp4": _KEEP_4BIT,
+    "same": (),
+    "bf16": (),
+    "fp16": (),
+    "int8": _KEEP,
+    "fp8": _KEEP,
+    "nf4": _KEEP_4BIT,
+    "nvfp4": _KEEP_4BIT,
 }
 """Module-name patterns (fnmatch) of Linear layers each quantizing backend leaves unquantized."""
 DEFAULT_MIN_PARAMS = 16384
@@ -91,9 +103,14 @@ def unavailable_reason(backend: str, device: torch.device | str | None = None) -
         return "this GPU has no bfloat16 support" if cuda and not torch.cuda.is_bf16_supported() else None
     if backend == "int8":
         if cuda:
-            return None if _installed("bitsandbytes") or _installed("torchao") else \
-                "int8 on CUDA needs bitsandbytes (pip install 'flowrl-align[quant]') or torchao"
-        return None if _torch_dynamic_int8() else "this torch build has no quantized CPU engine for torch.ao dynamic int8"
+            return (
+                None
+                if _installed("bitsandbytes") or _installed("torchao")
+                else "int8 on CUDA needs bitsandbytes (pip install 'flowrl-align[quant]') or torchao"
+            )
+        return (
+            None if _torch_dynamic_int8() else "this torch build has no quantized CPU engine for torch.ao dynamic int8"
+        )
     if backend == "nf4":
         if device.type not in ("cpu", "cuda"):
             return f"bitsandbytes nf4 does not run on {device.type}"
@@ -106,8 +123,10 @@ def unavailable_reason(backend: str, device: torch.device | str | None = None) -
         return None if _installed("torchao") else "fp8 needs torchao: pip install torchao"
     # nvfp4
     if not cuda:
-        return ("nvfp4 (torchao NVFP4) needs an NVIDIA GPU: Blackwell (compute capability >= 10.0) for FP4 matmuls, "
-                "or Ada/Hopper (>= 8.9) for weight-only NVFP4")
+        return (
+            "nvfp4 (torchao NVFP4) needs an NVIDIA GPU: Blackwell (compute capability >= 10.0) for FP4 matmuls, "
+            "or Ada/Hopper (>= 8.9) for weight-only NVFP4"
+        )
     if capability < (8, 9):
         return f"nvfp4 needs compute capability >= 8.9; this GPU has {capability[0]}.{capability[1]}"
     return None if _installed("torchao") else "nvfp4 needs torchao: pip install torchao"
@@ -125,8 +144,10 @@ def check_backend(backend: str, device: torch.device | str | None = None, key: s
     reason = unavailable_reason(backend, device)
     if reason is not None:
         where = torch.device(device) if device is not None else default_device()
-        raise ConfigError(f"{key}={backend!r} cannot run on {where}: {reason}; "
-                          f"backends this machine can run: {available_backends(device)}")
+        raise ConfigError(
+            f"{key}={backend!r} cannot run on {where}: {reason}; "
+            f"backends this machine can run: {available_backends(device)}"
+        )
 
 
 # ---- layer conversion -----------------------------------------------------------------------
@@ -180,8 +201,11 @@ def _torchao_config(backend: str, device: torch.device):
         return _first_attr("torchao.quantization", "Int8WeightOnlyConfig", "int8_weight_only")()
     if backend == "fp8":
         per_row = _first_attr("torchao.quantization", "PerRow")()
-        return _first_attr("torchao.quantization", "Float8DynamicActivationFloat8WeightConfig",
-                           "float8_dynamic_activation_float8_weight")(granularity=per_row)
+        return _first_attr(
+            "torchao.quantization",
+            "Float8DynamicActivationFloat8WeightConfig",
+            "float8_dynamic_activation_float8_weight",
+        )(granularity=per_row)
     # nvfp4: FP4 matmuls (W4A4) on Blackwell, weight-only below
     w4a4 = torch.cuda.get_device_capability(device) >= (10, 0)
     workflow = importlib.import_module("torchao.prototype.mx_formats.inference_workflow")
@@ -201,8 +225,14 @@ def _int8_impl(device: torch.device, impl: str) -> str:
     return "bitsandbytes" if _installed("bitsandbytes") else "torchao"
 
 
-def quantize_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
-                    dtype: torch.dtype, impl: str = "auto") -> nn.Module:
+def quantize_linear(
+    backend: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    impl: str = "auto",
+) -> nn.Module:
     """A ``backend`` layer computing ``x @ weight.T + bias`` (weight [out, in], any float dtype), on
     ``device``, taking and returning ``dtype`` activations. ``impl`` picks int8's implementation
     (``auto``: torch on CPU, bitsandbytes else torchao on CUDA; or ``torch``/``bitsandbytes``/``torchao``)."""
@@ -222,12 +252,14 @@ def quantize_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | Non
         out_f, in_f = weight.shape
         w = weight.float().cpu()  # bitsandbytes quantizes on the move from the CPU to the device
         if backend == "nf4":
-            layer = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=dtype, quant_type="nf4",
-                                      device="meta")
+            layer = bnb.nn.Linear4bit(
+                in_f, out_f, bias=bias is not None, compute_dtype=dtype, quant_type="nf4", device="meta"
+            )
             layer.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")
         else:
-            layer = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=6.0,
-                                        device="meta")
+            layer = bnb.nn.Linear8bitLt(
+                in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=6.0, device="meta"
+            )
             layer.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
         if bias is not None:
             layer.bias = nn.Parameter(bias.to("cpu", dtype), requires_grad=False)

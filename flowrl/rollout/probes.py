@@ -21,6 +21,7 @@ A *probe* asks the trainer to score an intermediate state through a clean-latent
 Probes never add nodes: the forest's structure, log-probs and replay layout are those of the inner
 plan, so replay still equals rollout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,8 +83,10 @@ class Probed(RolloutPlan):
             self.inner_plan = components.build_nested(components.PLAN, self.inner, key="rollout.inner", refuse=Probed)
         inner = self.inner_plan
         if self.probe == "x0_projection" and isinstance(inner, Chains) and inner.post_solver != "none":
-            raise ValueError(f"rollout.probe=x0_projection with rollout.inner.post_solver={inner.post_solver!r}: the "
-                             "post-solver does not probe the state after the last SDE step; use post_solver: none")
+            raise ValueError(
+                f"rollout.probe=x0_projection with rollout.inner.post_solver={inner.post_solver!r}: the "
+                "post-solver does not probe the state after the last SDE step; use post_solver: none"
+            )
 
     def unread_keys(self) -> dict[str, str]:
         """Its own unread keys (the base's check of its fields) and the inner plan's, named under ``rollout.inner``."""
@@ -92,8 +95,11 @@ class Probed(RolloutPlan):
     def check_reward_normalize(self, normalize: str) -> None:
         """``none`` only (class docstring), then the inner plan's check."""
         if normalize != "none":
-            raise ConfigError(f"reward_normalize={normalize!r} with a probed plan (rollout.plan: probed): probe values and leaf rewards "
-                              "are normalised separately and could not be compared; accepted: reward_normalize: none")
+            raise ConfigError(
+                f"reward_normalize={normalize!r} with a probed plan (rollout.plan: probed): probe values and leaf "
+                "rewards "
+                "are normalised separately and could not be compared; accepted: reward_normalize: none"
+            )
         self.inner_plan.check_reward_normalize(normalize)
 
     # ---- lifecycle: passed on to the inner plan ----------------------------------------------
@@ -126,14 +132,16 @@ class Probed(RolloutPlan):
         probes = int(forest.probe_node.numel())
         extra = float(forest.counters.get("probe_forwards", 0))
         values = forest.value[forest.probe_node]
-        out.update({
-            "probe/extra_forwards": extra,
-            "probe/extra_forwards_per_leaf": extra / leaves,
-            "probe/decodes": float(probes),
-            "probe/reward_calls": float(probes + leaves),
-            "probe/reward_calls_per_leaf": (probes + leaves) / leaves,
-            "probe/value_mean": float(values.nanmean()) if probes and not bool(values.isnan().all()) else 0.0,
-        })
+        out.update(
+            {
+                "probe/extra_forwards": extra,
+                "probe/extra_forwards_per_leaf": extra / leaves,
+                "probe/decodes": float(probes),
+                "probe/reward_calls": float(probes + leaves),
+                "probe/reward_calls_per_leaf": (probes + leaves) / leaves,
+                "probe/value_mean": float(values.nanmean()) if probes and not bool(values.isnan().all()) else 0.0,
+            }
+        )
         return out
 
     # ---- rollout ------------------------------------------------------------------------------
@@ -142,19 +150,25 @@ class Probed(RolloutPlan):
         """The inner plan's forest, with every decision state (``ode_completion``) or every state reached by
         an SDE edge (``x0_projection``) added as a probe."""
         if self.probe == "x0_projection":
-            forest = self.inner_plan.rollout(model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,)))
+            forest = self.inner_plan.rollout(
+                model, prompts, dataclasses.replace(ctx, observers=ctx.observers + (probe_x0,))
+            )
             forest.meta["probe_x0"] = True
             forest.counters.setdefault("probe_forwards", 0)
             return forest
         steps = self.schedule_steps
         if steps is None:
-            raise ValueError(f"rollout.inner ({type(self.inner_plan).__name__}) declares no schedule_steps: the ODE "
-                             "completion needs the length of the schedule the inner plan samples with")
+            raise ValueError(
+                f"rollout.inner ({type(self.inner_plan).__name__}) declares no schedule_steps: the ODE "
+                "completion needs the length of the schedule the inner plan samples with"
+            )
         forest = self.inner_plan.rollout(model, prompts, ctx)
         nodes = decision_states(forest)
         before = forest.counters["forwards"]
         x0 = ode_complete(model, forest, nodes, steps, ctx.max_batch)
-        forest.counters["probe_forwards"] = forest.counters.get("probe_forwards", 0) + forest.counters["forwards"] - before
+        forest.counters["probe_forwards"] = (
+            forest.counters.get("probe_forwards", 0) + forest.counters["forwards"] - before
+        )
         if nodes.numel():
             forest.add_probe(nodes, x0)
         return forest
@@ -186,7 +200,8 @@ def decision_states(forest: Forest) -> torch.Tensor:
 
 @torch.no_grad()
 def ode_complete(model: FlowModel, forest: Forest, nodes: torch.Tensor, steps: int, max_batch: int) -> torch.Tensor:
-    """Clean latents [Q, C, H, W] (fp32, on the forest's device) of the states ``nodes`` [Q] completed to σ = 0 with Euler
+    """Clean latents [Q, C, H, W] (fp32, on the forest's device) of the states ``nodes`` [Q] completed to σ = 0 with
+    Euler
     ODE steps of ``model.schedule(steps)`` at the forest's guidance — the same update as
     :func:`flowrl.rollout.sampling.ode_sample`, so a root's completion is that function's sample from the
     root's seed (bit-exact when the batch layouts agree, e.g. ``max_batch`` 1 in both).
@@ -201,10 +216,13 @@ def ode_complete(model: FlowModel, forest: Forest, nodes: torch.Tensor, steps: i
     sigmas = model.schedule(steps).float().cpu()
     start = forest.step[nodes]
     if int(start.max()) >= steps or not torch.allclose(sigmas[start], forest.sigma[nodes]):
-        raise ValueError(f"ode_complete: the probed states' sigmas are not those of a {steps}-step schedule of this model")
+        raise ValueError(
+            f"ode_complete: the probed states' sigmas are not those of a {steps}-step schedule of this model"
+        )
     cond = model.encode(forest.prompts, forest.guidance)
-    return euler_ode(model, x, sigmas, cond, forest.guidance, max_batch, start=start, cond_rows=forest.group[nodes],
-                     count_on=forest)
+    return euler_ode(
+        model, x, sigmas, cond, forest.guidance, max_batch, start=start, cond_rows=forest.group[nodes], count_on=forest
+    )
 
 
 def probe_x0(forest: Forest, nodes: torch.Tensor, x: torch.Tensor, sigma: float, v: torch.Tensor) -> None:
@@ -231,8 +249,11 @@ def state_values(forest: Forest) -> torch.Tensor:
     has_parent = forest.parent >= 0
     only_child = torch.full((forest.num_nodes,), -1, dtype=torch.long)
     only_child[forest.parent[has_parent]] = nodes[has_parent]  # meaningful where a node has one child
-    passes_on = (forest.num_children() == 1) & ~torch.isin(nodes, forest.probe_node) \
+    passes_on = (
+        (forest.num_children() == 1)
+        & ~torch.isin(nodes, forest.probe_node)
         & ~forest.stochastic[only_child.clamp(min=0)]
+    )
     source = torch.where(passes_on, only_child, nodes)  # follow deterministic only-child edges down ...
     while True:  # ... to the first state that does not pass on (pointer jumping: O(log depth) passes)
         further = source[source]
@@ -265,8 +286,11 @@ class StepPaths:
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat (path [M], k [M], edge [M]) over every SDE step of every path."""
-        path = torch.cat([torch.full((e.numel(),), i, dtype=torch.long) for i, e in enumerate(self.edges)]) \
-            if self.edges else torch.zeros(0, dtype=torch.long)
+        path = (
+            torch.cat([torch.full((e.numel(),), i, dtype=torch.long) for i, e in enumerate(self.edges)])
+            if self.edges
+            else torch.zeros(0, dtype=torch.long)
+        )
         k = torch.cat([torch.arange(e.numel()) for e in self.edges]) if self.edges else torch.zeros(0, dtype=torch.long)
         edge = torch.cat(self.edges) if self.edges else torch.zeros(0, dtype=torch.long)
         return path, k, edge

@@ -1,6 +1,7 @@
 """One iteration's rollout and scoring: the prompt groups of this process, the plan's forest, the rewards
 of every leaf (and every probed state), optionally in chunks whose scoring overlaps the next chunk's
 rollout (``rollout.chunks``, ``train.async_reward``)."""
+
 from __future__ import annotations
 
 import time
@@ -23,10 +24,30 @@ class PromptShards(Protocol):
 class RolloutRunner:
     """``run(iteration)`` → (scored forest, timings) for this process's share of the iteration's prompts."""
 
-    def __init__(self, plan: RolloutPlan, model, reward: Scorer, prompts, group: PromptShards, *, seed: int, guidance: float,
-                 max_batch: int, chunks: int, reduction: str, async_reward: bool | str = "auto", teacher=None):
+    def __init__(
+        self,
+        plan: RolloutPlan,
+        model,
+        reward: Scorer,
+        prompts,
+        group: PromptShards,
+        *,
+        seed: int,
+        guidance: float,
+        max_batch: int,
+        chunks: int,
+        reduction: str,
+        async_reward: bool | str = "auto",
+        teacher=None,
+    ):
         self.plan, self.model, self.reward, self.prompts, self.group = plan, model, reward, prompts, group
-        self.seed, self.guidance, self.max_batch, self.chunks, self.reduction = seed, guidance, max_batch, chunks, reduction
+        self.seed, self.guidance, self.max_batch, self.chunks, self.reduction = (
+            seed,
+            guidance,
+            max_batch,
+            chunks,
+            reduction,
+        )
         self.async_reward = async_reward
         self.teacher = teacher  # the objective's guided teacher (plans may let it draw a share of each group)
         self._scorer: BackgroundScorer | None = None
@@ -59,9 +80,16 @@ class RolloutRunner:
         parts = []
         t_sample = t_score = 0.0
         for a, b in zip(bounds[:-1], bounds[1:]):
-            ctx = RolloutContext(seed=self.seed, iteration=iteration, group_offset=offset + a, guidance=self.guidance,
-                                 max_batch=self.max_batch, reduction=self.reduction, teacher=self.teacher,
-                                 teacher_fraction=teacher_fraction)
+            ctx = RolloutContext(
+                seed=self.seed,
+                iteration=iteration,
+                group_offset=offset + a,
+                guidance=self.guidance,
+                max_batch=self.max_batch,
+                reduction=self.reduction,
+                teacher=self.teacher,
+                teacher_fraction=teacher_fraction,
+            )
             t0 = time.perf_counter()
             forest = self.plan.rollout(self.model, prompts[a:b], ctx)
             nodes, future = request_scores(self.scorer, self.model, forest, self.max_batch)

@@ -11,6 +11,7 @@ overlaps the next rollout::
 :func:`components_of` is the one place flowrl calls a reward: a prompt that carries a source image reaches the
 rewards as its instruction text with ``meta["source_images"]`` (:func:`flowrl.models.image_prompts.reward_inputs`).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -25,8 +26,9 @@ from flowrl_rewards.background import BackgroundScorer
 from flowrl_rewards.core.port import Scorer
 
 
-def components_of(reward: Scorer, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
-                  ) -> dict[str, torch.Tensor]:
+def components_of(
+    reward: Scorer, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """Each term's scores ``{name: float32 [B]}`` of images [B, 3, H, W] (videos [B, F, 3, H, W]):
     :meth:`~flowrl_rewards.core.port.Scorer.components` of what the rewards receive for ``prompts``."""
     prompts, meta = reward_inputs(prompts, meta, images)
@@ -38,8 +40,9 @@ def loop_scorer(reward: Scorer, enabled: bool | str = True) -> BackgroundScorer:
     return BackgroundScorer(reward, enabled, inputs=reward_inputs)
 
 
-def request_scores(scorer: BackgroundScorer, model: FlowModel, forest, max_batch: int
-                   ) -> "tuple[torch.Tensor, cf.Future[dict[str, torch.Tensor]]]":
+def request_scores(
+    scorer: BackgroundScorer, model: FlowModel, forest, max_batch: int
+) -> "tuple[torch.Tensor, cf.Future[dict[str, torch.Tensor]]]":
     """Decode every state ``forest`` asks to be scored (leaves, then probes) and submit them to ``scorer``.
     Returns the scored nodes [S] and the future of their raw scores ``{name: [S]}``; counts the decoded
     states in ``forest.counters["scored"]``. The host does not wait for the decodes: the scorer's thread does

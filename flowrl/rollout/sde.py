@@ -8,6 +8,7 @@ one step maps σ → σ_next < σ and dt = σ_next − σ < 0.
 Shapes: ``x``, ``v``, ``noise``, means: [B, ...]; ``sigma``, ``sigma_next``, ``eta``: python floats or
 tensors [B] (broadcast over the non-batch dimensions); stds returned as [B].
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ from flowrl.errors import ConfigError
 KL_FORMS: tuple[str, ...] = ("exact", "flow_grpo")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                  tuple[torch.Tensor, torch.Tensor]]
+Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 """``kernel(x, v, sigma, sigma_next, eta) -> (mean, std)``: x, v fp32 [B, ...]; sigma, sigma_next, eta fp32
 [B, 1, …] (broadcast over x); mean [B, ...], std broadcastable to [B, 1, …]. The transition is
 N(mean, std²); std 0 is deterministic."""
@@ -62,8 +64,9 @@ def _check_kernel_function(fn, label: str) -> None:
         raise TypeError(f"{label} resolves to {fn!r}, which is not a kernel function (flowrl.rollout.sde.Kernel)")
 
 
-KERNEL_FUNCTIONS = Registry("rollout.kernel", {"ode": _ode, "flow_grpo": _flow_grpo, "dance": _dance, "cps": _cps},
-                            check=_check_kernel_function)
+KERNEL_FUNCTIONS = Registry(
+    "rollout.kernel", {"ode": _ode, "flow_grpo": _flow_grpo, "dance": _dance, "cps": _cps}, check=_check_kernel_function
+)
 """Transition kernels by name (a :class:`~flowrl.config.registry.Registry`; :func:`register_kernel` adds one;
 docs/algorithms.md, "Transition kernels", has the math). A ``package.module:function`` or
 ``path/file.py:function`` name resolves too (out-of-tree kernels from YAML alone)."""
@@ -174,8 +177,14 @@ def _lam(sigma: float) -> float:
     return math.log(max(1.0 - sigma, 1e-12)) - math.log(max(sigma, 1e-12))
 
 
-def dpm2_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float,
-              prev_x0: torch.Tensor | None = None, prev_sigma: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dpm2_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    prev_x0: torch.Tensor | None = None,
+    prev_sigma: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One deterministic DPM-Solver++(2M) step in data prediction (MixGRPO-Flash's post-window solver).
 
     x̂0 = x − σ·v; with the previous step's x̂0 it uses the second-order multistep correction,

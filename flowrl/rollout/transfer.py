@@ -8,6 +8,7 @@ kernels into an idle GPU. The loop moves small host columns with :func:`to_devic
 on CUDA) and reads device values back once per iteration, where it needs them. ``torch.cuda.set_sync_debug_mode
 ("warn")`` names every synchronisation left on a GPU; tests/test_host_syncs.py holds the line on the CPU.
 """
+
 from __future__ import annotations
 
 import torch

@@ -39,6 +39,7 @@ trained **(ours)**); the window slides by 1 every ``depth_prune_every`` iteratio
 stops when it reaches step T. A credit rule keeps these zeros (:class:`flowrl.credit.tree.TreeAdvantage`
 multiplies its weights into them) and counts them. Width pruning needs rewards: it is the credit rule's.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,12 +48,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flowrl.core.choices import choice
+from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.models.base import FlowModel
 from flowrl.rollout import sde
 from flowrl.rollout.base import RolloutContext, RolloutPlan, advance
 from flowrl.rollout.chains import SDEWindow
 from flowrl.rollout.forest import Forest
-from flowrl.core.seeding import derive_seed, seeded_normal
 
 MODES = ("sde", "mix", "window")
 SPLIT_NOISE = ("correlated", "independent_scaled")
@@ -109,20 +110,26 @@ class Tree(RolloutPlan):
         if self.mode != "window":
             bad = [s for s in self.split_steps if not 0 <= s <= self.steps - 2]
             if not self.split_steps or bad or len(set(self.split_steps)) != len(self.split_steps):
-                raise ValueError(f"rollout.split_steps={self.split_steps} must be distinct steps in [0, steps-2="
-                                 f"{self.steps - 2}], at least one")
+                raise ValueError(
+                    f"rollout.split_steps={self.split_steps} must be distinct steps in [0, steps-2="
+                    f"{self.steps - 2}], at least one"
+                )
         if self.mix_window < 0:
             raise ValueError(f"rollout.mix_window={self.mix_window} must be >= 0")
         if self.mode == "window":
             if self.window.mode == "all":
-                raise ValueError("rollout.window.mode='all' would split at every step; accepted: fixed, random, progressive")
+                raise ValueError(
+                    "rollout.window.mode='all' would split at every step; accepted: fixed, random, progressive"
+                )
             self.window.validate(self.steps)
             d = self.window.size
             if min(self._layer_eta(k, d) for k in range(d)) <= 0:
                 raise ValueError(f"rollout.beta_noise={self.beta_noise} makes a layer's noise level <= 0")
         if self.depth_prune_size < 0 or self.depth_prune_every < 1:
-            raise ValueError(f"rollout.depth_prune_size={self.depth_prune_size} must be >= 0 and "
-                             f"rollout.depth_prune_every={self.depth_prune_every} >= 1")
+            raise ValueError(
+                f"rollout.depth_prune_size={self.depth_prune_size} must be >= 0 and "
+                f"rollout.depth_prune_every={self.depth_prune_every} >= 1"
+            )
 
     # ---- layout -----------------------------------------------------------------------------
     def _layer_eta(self, k: int, d: int) -> float:
@@ -137,7 +144,9 @@ class Tree(RolloutPlan):
             eta = {s: self._layer_eta(k, len(window)) for k, s in enumerate(window)}
         else:
             splits = sorted(self.split_steps)
-            stochastic = list(range(T)) if self.mode == "sde" else sorted(set(splits) | set(range(min(self.mix_window, T))))
+            stochastic = (
+                list(range(T)) if self.mode == "sde" else sorted(set(splits) | set(range(min(self.mix_window, T))))
+            )
             eta = {s: self.eta for s in stochastic}
         pruned: list[int] = []
         if self.depth_prune_size > 0:
@@ -151,7 +160,8 @@ class Tree(RolloutPlan):
         return i in layout.eta and not (self.kernel == "cps" and i == self.steps - 1)
 
     def expected_counts(self, num_prompts: int, ctx: RolloutContext | None = None) -> dict[str, int]:
-        """Closed forms (docs/trees.md, "Cost: closed forms"): ``forwards`` Σ_{i<T} n(i), ``trained_edges`` Σ n(i+1) over
+        """Closed forms (docs/trees.md, "Cost: closed forms"): ``forwards`` Σ_{i<T} n(i), ``trained_edges`` Σ n(i+1)
+        over
         the stochastic steps minus the depth-pruned ones, ``depth_pruned_edges``, ``leaves`` n(T), ``replay_rows``
         Σ n(i) over the stochastic steps whose edges are not pruned (siblings share their parent's velocity); per
         prompt times ``num_prompts``."""
@@ -160,10 +170,13 @@ class Tree(RolloutPlan):
         n = layout.nodes_per_step(self.steps, self.branch)
         stochastic = [i for i in range(self.steps) if self._trainable_step(i, layout)]
         pruned = sum(n[i + 1] for i in stochastic if i + 1 in layout.pruned)
-        return {"forwards": num_prompts * sum(n[:self.steps]),
-                "trained_edges": num_prompts * (sum(n[i + 1] for i in stochastic) - pruned),
-                "depth_pruned_edges": num_prompts * pruned, "leaves": num_prompts * n[self.steps],
-                "replay_rows": num_prompts * sum(n[i] for i in stochastic if i + 1 not in layout.pruned)}
+        return {
+            "forwards": num_prompts * sum(n[: self.steps]),
+            "trained_edges": num_prompts * (sum(n[i + 1] for i in stochastic) - pruned),
+            "depth_pruned_edges": num_prompts * pruned,
+            "leaves": num_prompts * n[self.steps],
+            "replay_rows": num_prompts * sum(n[i] for i in stochastic if i + 1 not in layout.pruned),
+        }
 
     @property
     def schedule_steps(self) -> int:
@@ -185,7 +198,8 @@ class Tree(RolloutPlan):
         P = len(prompts)
         forest = ctx.new_forest(prompts, guidance, model.device)
         seeds = ctx.given_root_seeds(P, self.root_count()) or [
-            derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)]
+            derive_seed(ctx.seed, ctx.iteration, "root", ctx.group_offset + g, 0) for g in range(P)
+        ]
         nodes = forest.add_roots(model.noise(seeds), torch.arange(P), seeds, sigma=float(sigmas[0]), step=0)
         path_of = {int(n): (ctx.group_offset + g,) for g, n in enumerate(nodes)}  # (global group, branches...)
         cond = model.encode(prompts, guidance)
@@ -218,9 +232,22 @@ class Tree(RolloutPlan):
             fanout = K if split else 1
             stochastic = i in layout.eta
             scale = s if (split and self.split_noise == "independent_scaled") else 1.0
-            children = advance(forest, model, nodes, cond, float(sigmas[i + 1]), i + 1,
-                               self.kernel if stochastic else "ode", layout.eta.get(i, 0.0), noise_for, guidance,
-                               ctx.max_batch, fanout, std_scale=scale, observers=ctx.observers)
+            children = advance(
+                forest,
+                model,
+                nodes,
+                cond,
+                float(sigmas[i + 1]),
+                i + 1,
+                self.kernel if stochastic else "ode",
+                layout.eta.get(i, 0.0),
+                noise_for,
+                guidance,
+                ctx.max_batch,
+                fanout,
+                std_scale=scale,
+                observers=ctx.observers,
+            )
             parents = forest.parent[children].tolist()
             if split:
                 branches = torch.arange(K).repeat(nodes.shape[0]).tolist()
@@ -238,6 +265,8 @@ class Tree(RolloutPlan):
         """Stochastic edges, edges skipped by depth pruning (before credit) and leaves per tree."""
         edges = torch.nonzero((forest.parent >= 0) & forest.stochastic).flatten()
         roots = forest.roots().numel()
-        return {"tree/stochastic_edges": float(edges.numel()),
-                "tree/depth_pruned_edges": float((forest.trainable[edges] == 0).sum()),
-                "tree/leaves_per_tree": forest.leaves().numel() / max(roots, 1)}
+        return {
+            "tree/stochastic_edges": float(edges.numel()),
+            "tree/depth_pruned_edges": float((forest.trainable[edges] == 0).sum()),
+            "tree/leaves_per_tree": forest.leaves().numel() / max(roots, 1),
+        }

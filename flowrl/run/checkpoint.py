@@ -3,6 +3,7 @@ transformer), ``trainer_state.pt`` (optimizer, scheduler, EMA, step) and, writte
 (every file's size and sha256, :mod:`flowrl.run.manifest`). A folder is written under a temporary name and
 renamed into place, so a crash mid-write leaves the previous checkpoint intact; every reader here verifies
 the manifest first, so a damaged checkpoint is an error naming its file, never wrong weights."""
+
 from __future__ import annotations
 
 import errno
@@ -52,13 +53,16 @@ def _records_manifest(path: Path) -> bool:
         except RuntimeError:  # not the zip format (torch < 1.6) cannot be mapped: read it whole
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 — any failure to unpickle is a damaged file
-        raise DamagedCheckpoint(f"checkpoint {path} is damaged: {path / STATE_FILE} cannot be read "
-                                f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {path} is damaged: {path / STATE_FILE} cannot be read "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        ) from None
     return isinstance(state, dict) and bool(state.get("manifest"))
 
 
-def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], None], state: dict[str, Any],
-                     keep_last: int) -> Path:
+def write_checkpoint(
+    folder: Path, step: int, write_weights: Callable[[Path], None], state: dict[str, Any], keep_last: int
+) -> Path:
     """Write ``step-N`` atomically: weights by ``write_weights(tmp_dir)``, then ``state``, then the manifest of
     both; rename; prune."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,10 +78,17 @@ def write_checkpoint(folder: Path, step: int, write_weights: Callable[[Path], No
         full = isinstance(e, Exception) and disk_full(e, folder)
         shutil.rmtree(tmp, ignore_errors=True)
         if full or (isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError)):
-            reason = os.strerror(errno.ENOSPC) if full else \
-                e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-            raise OSError(errno.ENOSPC if full else getattr(e, "errno", None) or 0,
-                          f"could not write checkpoint {final}: {reason}; the previous checkpoints are intact") from e
+            reason = (
+                os.strerror(errno.ENOSPC)
+                if full
+                else e.strerror
+                if isinstance(e, OSError) and e.strerror
+                else str(e).splitlines()[0]
+            )
+            raise OSError(
+                errno.ENOSPC if full else getattr(e, "errno", None) or 0,
+                f"could not write checkpoint {final}: {reason}; the previous checkpoints are intact",
+            ) from e
         raise
     if final.exists():  # re-saving the same step: move the old one aside first
         old = folder / f".step-{step}.old-{os.getpid()}"
@@ -183,8 +194,9 @@ def save_weights(model, folder: Path, whole: dict[str, torch.Tensor] | None = No
 
         target = Path(folder) / "transformer"
         model.trainable.save_config(target)
-        save_file({k: v.contiguous() for k, v in whole.items()}, target / SAFETENSORS_WEIGHTS_NAME,
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in whole.items()}, target / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"}
+        )
 
 
 def load_weights(model, folder: Path) -> None:
@@ -196,8 +208,12 @@ def load_weights(model, folder: Path) -> None:
         verify(root)
     elif not folder.is_dir():
         raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it is not a folder")
-    if root is not None and is_sharded_checkpoint(root) and not (folder / "transformer").is_dir() and \
-            not (folder / LORA_FILE).is_file():
+    if (
+        root is not None
+        and is_sharded_checkpoint(root)
+        and not (folder / "transformer").is_dir()
+        and not (folder / LORA_FILE).is_file()
+    ):
         read_model(model, root, live=folder.name == "live")  # full fine-tuning sharded: its DCP shards
     elif (folder / "transformer").is_dir():
         from safetensors.torch import load_file
@@ -208,7 +224,9 @@ def load_weights(model, folder: Path) -> None:
             state.update(load_file(f))
         missing, unexpected = model.trainable.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"transformer weights in {folder} do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"transformer weights in {folder} do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
     else:
         model.load_lora(folder)
 

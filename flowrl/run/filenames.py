@@ -8,6 +8,7 @@ with ``.`` (no hidden files, no ``..``), is cut to :data:`MAX_STEM` characters, 
 ``-3``, …) when it clashes with a name made before or a file already in the folder: existing files are never
 overwritten. Every path is resolved and checked to lie directly inside the folder before it is handed out.
 """
+
 from __future__ import annotations
 
 import os

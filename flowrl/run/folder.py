@@ -3,6 +3,7 @@
 (``train.overwrite``, only a folder that is a run), never silently reused; a start that fails or is stopped
 before its first iteration leaves nothing; resume picks the newest intact checkpoint and names every
 setting that changed since it was written (docs/reliability.md)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,25 +31,51 @@ from flowrl.run.signals import abort_on_terminate, signals_ignored
 
 # Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
 # decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
-RESUME_FREE = ("train.resume", "train.overwrite", "train.max_steps", "train.max_minutes", "train.progress",
-               "train.num_threads", "train.log_with", "train.checkpoint_every", "train.keep_last",
-               "train.async_reward", "model.device", "eval.")
-SHAPE_KEYS = ("model.family", "model.path", "model.full_finetune", "model.lora.rank", "model.lora.targets",
-              "model.height", "model.width")
+RESUME_FREE = (
+    "train.resume",
+    "train.overwrite",
+    "train.max_steps",
+    "train.max_minutes",
+    "train.progress",
+    "train.num_threads",
+    "train.log_with",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.async_reward",
+    "model.device",
+    "eval.",
+)
+SHAPE_KEYS = (
+    "model.family",
+    "model.path",
+    "model.full_finetune",
+    "model.lora.rank",
+    "model.lora.targets",
+    "model.height",
+    "model.width",
+)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, current value)`` for every dotted key that differs between two
     :meth:`TrainConfig.to_dict` trees, except :data:`RESUME_FREE` ones; a key only one side has shows
     ``None`` on the other."""
+
     def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(tree, dict):
-            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+            return {
+                k: v
+                for key, sub in tree.items()
+                for k, v in flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()
+            }
         return {prefix: tree}
 
     a, b = flat(saved), flat(current)
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)]
+    return [
+        (k, a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)
+    ]
 
 
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
@@ -120,9 +147,11 @@ class RunFolder:
         t = self.cfg.train
         held = [name for name in ("metrics.jsonl", "checkpoints") if (self.path / name).exists()]
         if held and not t.resume and not t.overwrite:
-            raise ConfigError(f"train.name={t.name!r}: {self.path} already holds a run ({', '.join(held)}); continue "
-                              "it with train.resume=latest, choose another train.name, or replace it with "
-                              "train.overwrite=true")
+            raise ConfigError(
+                f"train.name={t.name!r}: {self.path} already holds a run ({', '.join(held)}); continue "
+                "it with train.resume=latest, choose another train.name, or replace it with "
+                "train.overwrite=true"
+            )
 
     def is_run(self) -> bool:
         """Whether the folder is a flowrl run that ``train.overwrite`` may remove: it holds a config.yaml and a
@@ -133,8 +162,10 @@ class RunFolder:
     def replace(self) -> None:
         """``train.overwrite``: empty the folder (the lock file stays, held), refusing one that is not a run."""
         if not self.is_run():
-            raise ConfigError(f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
-                              "metrics.jsonl); nothing was deleted. Choose another train.name or move it away")
+            raise ConfigError(
+                f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
+                "metrics.jsonl); nothing was deleted. Choose another train.name or move it away"
+            )
         removed = [child for child in self.path.iterdir() if child.name != LOCK_FILE]
         for child in removed:
             remove(child)
@@ -152,18 +183,26 @@ class RunFolder:
         names in it now)."""
         made = [p for p in (self.path, *self.path.parents) if not p.exists() and not p.is_symlink()][::-1]
         if (self.path.exists() or self.path.is_symlink()) and not self.path.is_dir():
-            raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is a file, not a run folder; "
-                              "choose another train.name")
+            raise ConfigError(
+                f"train.name={self.cfg.train.name!r}: {self.path} is a file, not a run folder; "
+                "choose another train.name"
+            )
         # flowrl/run/outputs.py's rule: a new folder, a run (train.overwrite refuses anything else itself), nothing
         # inside another run's entries, no parent that is a file
-        check_output(self.path, "flowrl train", f"train.name={self.cfg.train.name!r} ({self.path})",
-                     recognise=lambda _: self.cfg.train.overwrite or self.is_run())
+        check_output(
+            self.path,
+            "flowrl train",
+            f"train.name={self.cfg.train.name!r} ({self.path})",
+            recognise=lambda _: self.cfg.train.overwrite or self.is_run(),
+        )
         self.path.mkdir(parents=True, exist_ok=True)
         holder = self.lock.acquire()
         if holder is not None:
-            raise ConfigError(f"train.name={self.cfg.train.name!r}: {self.path} is in use by another flowrl process "
-                              f"({holder}); one process owns a run folder at a time, whatever train.resume or "
-                              "train.overwrite say. Wait for it to end, stop it, or choose another train.name")
+            raise ConfigError(
+                f"train.name={self.cfg.train.name!r}: {self.path} is in use by another flowrl process "
+                f"({holder}); one process owns a run folder at a time, whatever train.resume or "
+                "train.overwrite say. Wait for it to end, stop it, or choose another train.name"
+            )
         try:
             own = self.path in made
             if not self.claimed:
@@ -206,8 +245,11 @@ class RunFolder:
                     if main and start == step() == 0:
                         self._remove(made, before, own)
                         if isinstance(e, KeyboardInterrupt):
-                            print(f"stopped before the first iteration finished: removed what this start created "
-                                  f"in {self.path}", file=sys.stderr)
+                            print(
+                                f"stopped before the first iteration finished: removed what this start created "
+                                f"in {self.path}",
+                                file=sys.stderr,
+                            )
                     raise
             finally:
                 if main:
@@ -241,8 +283,9 @@ class RunFolder:
         """``checkpoints/step-N`` written atomically; the oldest beyond ``train.keep_last`` pruned."""
         return write_checkpoint(self.checkpoints, step, write_weights, state, self.cfg.train.keep_last)
 
-    def save_sharded(self, step: int, shards: dict, write_weights: Callable[[Path], None],
-                     state: dict[str, Any]) -> Path | None:
+    def save_sharded(
+        self, step: int, shards: dict, write_weights: Callable[[Path], None], state: dict[str, Any]
+    ) -> Path | None:
         """``checkpoints/step-N`` of a sharded run (:mod:`flowrl.run.sharded_checkpoint`), every process calling:
         each writes its ``shards`` into a staging folder named by the main process, which then writes the
         checkpoint atomically (:meth:`save`) with the shards moved inside. The path, on the main process."""
@@ -254,9 +297,11 @@ class RunFolder:
             error = e
         self.group.wait()
         if self.group.is_main and error is None:
+
             def write(folder: Path) -> None:
                 os.replace(staging, folder / SHARDED_DIR)
                 write_weights(folder)
+
             try:
                 path = self.save(step, write, state)
             except Exception as e:  # noqa: BLE001
@@ -264,8 +309,10 @@ class RunFolder:
         if self.group.is_main and staging.exists():  # shards a failed write left behind
             remove(staging)
         if self.group.sum(error is not None) > 0:
-            raise error or OSError(f"another process could not write its shards of checkpoint step-{step}; the "
-                                   "previous checkpoints are intact")
+            raise error or OSError(
+                f"another process could not write its shards of checkpoint step-{step}; the "
+                "previous checkpoints are intact"
+            )
         return path
 
     def read_intact(self, path: Path, model, weights_finite: Callable[[], bool], sharded=None) -> dict[str, Any]:
@@ -278,9 +325,11 @@ class RunFolder:
         written_sharded = is_sharded_checkpoint(path)
         if written_sharded != (sharded is not None):
             was, now = ("fsdp", "ddp") if written_sharded else ("ddp", "fsdp")
-            raise ConfigError(f"cannot resume from {path}: it was written with model.shard={was}, this run has "
-                              f"model.shard={now}; resume with model.shard={was}"
-                              + (" (or `flowrl export` its weights and start a new run from them)" if written_sharded else ""))
+            raise ConfigError(
+                f"cannot resume from {path}: it was written with model.shard={was}, this run has "
+                f"model.shard={now}; resume with model.shard={was}"
+                + (" (or `flowrl export` its weights and start a new run from them)" if written_sharded else "")
+            )
         if sharded is not None:
             state = sharded(path, state)
         else:
@@ -310,12 +359,17 @@ class RunFolder:
                 raise
             except DAMAGE as e:
                 then = f"falling back to the one before it, {found[i - 1]}" if i else "there is none before it"
-                what = str(e) if isinstance(e, DamagedCheckpoint) else \
-                    f"checkpoint {found[i]} is damaged ({str(e).splitlines()[0][:300]})"
+                what = (
+                    str(e)
+                    if isinstance(e, DamagedCheckpoint)
+                    else f"checkpoint {found[i]} is damaged ({str(e).splitlines()[0][:300]})"
+                )
                 warnings.warn(f"{what}; {then}", RuntimeWarning, stacklevel=2)
         if found:
-            raise ValueError(f"train.resume='latest': every checkpoint in {self.checkpoints} is damaged; "
-                             "nothing was changed (move the folder away to start afresh)")
+            raise ValueError(
+                f"train.resume='latest': every checkpoint in {self.checkpoints} is damaged; "
+                "nothing was changed (move the folder away to start afresh)"
+            )
         self.nothing_to_resume()
         return None
 
@@ -332,10 +386,12 @@ class RunFolder:
         records = logged_records(self.path / "metrics.jsonl")
         if records:
             steps = max((r["step"] for r in records if isinstance(r.get("step"), (int, float))), default=0)
-            raise ConfigError(f"train.resume=latest: {self.path} has no checkpoint to continue from, but its "
-                              f"metrics.jsonl holds {len(records)} records (up to step {steps}) of a start that ended "
-                              "before its first checkpoint; nothing was changed. Start it again with "
-                              "train.overwrite=true (its records are replaced), or choose another train.name")
+            raise ConfigError(
+                f"train.resume=latest: {self.path} has no checkpoint to continue from, but its "
+                f"metrics.jsonl holds {len(records)} records (up to step {steps}) of a start that ended "
+                "before its first checkpoint; nothing was changed. Start it again with "
+                "train.overwrite=true (its records are replaced), or choose another train.name"
+            )
         if self.group.is_main:
             print(f"train.resume=latest: no checkpoint in {self.checkpoints}; starting at step 0", flush=True)
 
@@ -348,8 +404,10 @@ class RunFolder:
         listed = "; ".join(f"{k}: {shown(old, 60)} → {shown(new, 60)}" for k, old, new in changes)
         shaped = [k for k, _, _ in changes if k in SHAPE_KEYS or k.startswith("model.lora.targets")]
         if shaped:
-            raise ConfigError(f"cannot resume from {path}: {', '.join(shaped)} changed ({listed}); the checkpoint's "
-                              "weights have other shapes. Resume with the saved values or start a new train.name")
+            raise ConfigError(
+                f"cannot resume from {path}: {', '.join(shaped)} changed ({listed}); the checkpoint's "
+                "weights have other shapes. Resume with the saved values or start a new train.name"
+            )
         if changes and self.group.is_main:
             warnings.warn(f"resuming from {path} with changed settings: {listed}", RuntimeWarning, stacklevel=4)
 
@@ -362,6 +420,9 @@ class RunFolder:
         """Whether ``log`` ends with ``step``'s final record (its closing eval, or the step itself without eval
         prompts), on any process: resuming a finished run again adds nothing."""
         records = log.read() if log is not None else []
-        done = bool(records) and records[-1]["step"] == step and (
-            not has_eval or any(k.startswith("eval/") for k in records[-1]))
+        done = (
+            bool(records)
+            and records[-1]["step"] == step
+            and (not has_eval or any(k.startswith("eval/") for k in records[-1]))
+        )
         return self.group.sum(done) > 0

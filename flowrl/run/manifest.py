@@ -5,6 +5,7 @@ or zeroed file is a damaged checkpoint named with its file, never weights that l
 
 A checkpoint written before manifests existed (no ``manifest.json`` and no ``manifest`` key in its state)
 still loads, with a one-line notice; one whose state says a manifest was written is damaged without it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -62,7 +63,9 @@ def write_manifest(folder: Path) -> Path:
     """Hash every file in ``folder`` and write ``folder/manifest.json`` (the last file of a checkpoint)."""
     names = checkpoint_files(folder)
     digests = sha256_files([folder / rel for rel in names])
-    files = [{"path": rel, "size": (folder / rel).stat().st_size, "sha256": digest} for rel, digest in zip(names, digests)]
+    files = [
+        {"path": rel, "size": (folder / rel).stat().st_size, "sha256": digest} for rel, digest in zip(names, digests)
+    ]
     path = folder / MANIFEST
     with open(path, "w") as f:
         json.dump({"format": 1, "algorithm": "sha256", "files": files}, f, indent=1)
@@ -84,8 +87,9 @@ def read_manifest(folder: Path) -> list[dict]:
             if rel.is_absolute() or ".." in rel.parts or not isinstance(e["size"], int) or len(e["sha256"]) != 64:
                 raise ValueError(f"bad entry {e!r}"[:200])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: its manifest {path} cannot be read "
-                                f"({type(e).__name__}: {str(e)[:160]})") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {folder} is damaged: its manifest {path} cannot be read ({type(e).__name__}: {str(e)[:160]})"
+        ) from None
     return entries
 
 
@@ -106,11 +110,16 @@ def verify_checkpoint(folder: Path, state_file: str, recorded: Callable[[Path], 
         key = str(folder.resolve())
         if key not in _noticed:
             if recorded(folder):
-                raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {folder / MANIFEST} is missing (the "
-                                        "checkpoint was written with one)")
+                raise DamagedCheckpoint(
+                    f"checkpoint {folder} is damaged: {folder / MANIFEST} is missing (the "
+                    "checkpoint was written with one)"
+                )
             _noticed.add(key)
-            warnings.warn(f"checkpoint {folder} has no {MANIFEST} (written before manifests): loaded unverified",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"checkpoint {folder} has no {MANIFEST} (written before manifests): loaded unverified",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return False
     entries = read_manifest(folder)
     if not any(e["path"] == state_file for e in entries):
@@ -124,12 +133,16 @@ def verify_checkpoint(folder: Path, state_file: str, recorded: Callable[[Path], 
             raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {path} is missing")
         size = path.stat().st_size
         if size != e["size"]:
-            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {path} has {size:,} bytes, its manifest "
-                                    f"says {e['size']:,} (truncated or overwritten)")
+            raise DamagedCheckpoint(
+                f"checkpoint {folder} is damaged: {path} has {size:,} bytes, its manifest "
+                f"says {e['size']:,} (truncated or overwritten)"
+            )
     for e, digest in zip(entries, sha256_files([folder / e["path"] for e in entries])):
         if digest != e["sha256"]:
-            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: the content of {folder / e['path']} does not "
-                                    "match its sha256 in the manifest")
+            raise DamagedCheckpoint(
+                f"checkpoint {folder} is damaged: the content of {folder / e['path']} does not "
+                "match its sha256 in the manifest"
+            )
     _verified[key] = _fingerprint(folder, entries)
     return True
 

@@ -1,5 +1,6 @@
 """``metrics.jsonl`` of a run folder: one JSON object per iteration or eval, appended; cut back to a checkpoint's
 step on resume (:mod:`flowrl.run.folder` opens it)."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ class MetricsLog:
             except json.JSONDecodeError:
                 record = None
             if not isinstance(record, dict):
-                warnings.warn(f"{self.path} line {i + 1} is not a metrics record (torn by an interrupted write?); "
-                              "skipped", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"{self.path} line {i + 1} is not a metrics record (torn by an interrupted write?); skipped",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 continue
             records.append(record)
         return records

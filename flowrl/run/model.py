@@ -2,6 +2,7 @@
 model it builds with the checkpoint's weights and the guidance its policy was trained to sample with. What
 ``flowrl sample``, ``flowrl eval`` (``--benchmark`` too) and ``flowrl export`` load. And a run's model over random
 weights of a stored architecture (:func:`random_model`: the GPU check's real-size models)."""
+
 from __future__ import annotations
 
 from flowrl.config.schema import TrainConfig

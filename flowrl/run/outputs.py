@@ -14,6 +14,7 @@ the command's own recognition (a run folder's files, a comparison's ``status.jso
 one without replacing anything), a run folder or anything inside one of its entries (``checkpoints/``,
 ``samples/``, …; only ``export`` may write its run's ``export/``). Nothing here moves or removes anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -104,8 +105,15 @@ def unfinished_start(folder: Path) -> bool:
     return not saved and bool(logged_records(Path(folder) / "metrics.jsonl"))
 
 
-def check_output(path: str | Path, command: str, label: str = "--out", *, mode: str = "own",
-                 recognise: Callable[[Path], bool] | None = None, run_entry: str | None = None) -> Output:
+def check_output(
+    path: str | Path,
+    command: str,
+    label: str = "--out",
+    *,
+    mode: str = "own",
+    recognise: Callable[[Path], bool] | None = None,
+    run_entry: str | None = None,
+) -> Output:
     """The rule, checked without writing anything: ``path`` may be written by ``command`` (e.g. ``"flowrl export"``)
     when it is new, an empty folder, or one of the command's own (its marker, or ``recognise(path)`` for folders
     written before markers). ``mode``: ``own`` (those), ``new`` (an own folder is refused too: the command
@@ -118,33 +126,46 @@ def check_output(path: str | Path, command: str, label: str = "--out", *, mode: 
     where = f"{label}={str(path)!r}" if label.startswith("-") and " " not in label else label  # a flag, or said whole
     if path.name in ("", ".", ".."):
         what = "a parent folder" if path.name == ".." else "the working directory"
-        raise ConfigError(f"{where} names {what}, which {command} did not create and never writes into; accepted: "
-                          "the name of a new folder (or an empty one)")
+        raise ConfigError(
+            f"{where} names {what}, which {command} did not create and never writes into; accepted: "
+            "the name of a new folder (or an empty one)"
+        )
     _check_ancestors(path, where, command, run_entry)
     own_entry = run_entry is not None and path.name == run_entry and is_run_folder(path.parent)
     if not (path.exists() or path.is_symlink()):
         return Output(path, command, "new", mode)
     if not path.is_dir():
-        raise ConfigError(f"{where} is an existing file, not a folder; {command} writes a folder and never replaces "
-                          "a file: name a new folder")
+        raise ConfigError(
+            f"{where} is an existing file, not a folder; {command} writes a folder and never replaces "
+            "a file: name a new folder"
+        )
     if recognise is None and is_run_folder(path):
-        raise ConfigError(f"{where} is a flowrl run folder; {command} writes into a folder of its own, never into a "
-                          "run's: name a new folder")
+        raise ConfigError(
+            f"{where} is a flowrl run folder; {command} writes into a folder of its own, never into a "
+            "run's: name a new folder"
+        )
     if not any(path.iterdir()):
         return Output(path, command, "empty", mode)
     written_by = marker_command(path)
     if written_by == command or own_entry or (recognise is not None and recognise(path)):
         if mode == "new":
-            raise ConfigError(f"{where} holds an earlier {command}, whose files this one would replace; nothing was "
-                              "changed: name a new folder (or move that one away)")
+            raise ConfigError(
+                f"{where} holds an earlier {command}, whose files this one would replace; nothing was "
+                "changed: name a new folder (or move that one away)"
+            )
         return Output(path, command, "own", mode)
     if mode == "adds" and written_by is None:
         return Output(path, command, "adds", mode)
-    who = (f"written by {written_by}" if written_by else f"not written by {command}"
-           + ("" if recognise is not None else f" (it holds no {MARKER})"))
-    raise ConfigError(f"{where} is an existing folder {who}; {command} never replaces what it did not write, so "
-                      "nothing was changed: name a new folder, an empty one, or an earlier output of "
-                      f"{command}")
+    who = (
+        f"written by {written_by}"
+        if written_by
+        else f"not written by {command}" + ("" if recognise is not None else f" (it holds no {MARKER})")
+    )
+    raise ConfigError(
+        f"{where} is an existing folder {who}; {command} never replaces what it did not write, so "
+        "nothing was changed: name a new folder, an empty one, or an earlier output of "
+        f"{command}"
+    )
 
 
 def _check_ancestors(path: Path, where: str, command: str, run_entry: str | None) -> None:
@@ -164,6 +185,8 @@ def _check_ancestors(path: Path, where: str, command: str, run_entry: str | None
             continue
         if run_entry is not None or entry in RUN_ENTRIES:
             inside = f"its {entry}{'/' if (parent / entry).is_dir() else ''}" if entry in RUN_ENTRIES else "it"
-            raise ConfigError(f"{where} lies inside the run folder {parent} ({inside}), which {command} never "
-                              f"writes{f' except its own {run_entry}/' if run_entry else ''}; nothing was changed: "
-                              "name a folder outside the run")
+            raise ConfigError(
+                f"{where} lies inside the run folder {parent} ({inside}), which {command} never "
+                f"writes{f' except its own {run_entry}/' if run_entry else ''}; nothing was changed: "
+                "name a folder outside the run"
+            )

@@ -5,6 +5,7 @@ into place, an output folder of ``flowrl rollouts`` (:mod:`flowrl.run.outputs`: 
     path = write_store(out, model, prompts, reward, images_per_prompt=16, steps=10, guidance=4.5, seed=0,
                        max_batch=64, model_info={"family": cfg.model.family, "path": cfg.model.path})
 """
+
 from __future__ import annotations
 
 import json
@@ -20,30 +21,62 @@ from flowrl.models.base import FlowModel
 from flowrl.rollout.base import RolloutContext
 from flowrl.rollout.chains import ODEChains
 from flowrl.rollout.decoding import decode
-from flowrl.rollout.offline_store import (COMMAND, FORMAT, META_FILE, PART_BYTES, PROMPTS_FILE, VERSION, adapter_name,
-                                          sha256_of)
+from flowrl.rollout.offline_store import (
+    COMMAND,
+    FORMAT,
+    META_FILE,
+    PART_BYTES,
+    PROMPTS_FILE,
+    VERSION,
+    adapter_name,
+    sha256_of,
+)
 from flowrl.rollout.scoring import components_of
 from flowrl.run.outputs import check_output, write_marker
 from flowrl_rewards.core.port import Scorer
 
 
-def write_part(folder: Path, index: int, first_row: int, latents: torch.Tensor, seed: torch.Tensor,
-               components: dict[str, torch.Tensor], reward: torch.Tensor) -> dict[str, Any]:
+def write_part(
+    folder: Path,
+    index: int,
+    first_row: int,
+    latents: torch.Tensor,
+    seed: torch.Tensor,
+    components: dict[str, torch.Tensor],
+    reward: torch.Tensor,
+) -> dict[str, Any]:
     """``part-NNNNN.safetensors`` of rows [first_row, first_row + n) in ``folder``: ``latents`` [n, …], ``seed`` [n],
     ``reward`` [n] and each term's ``reward/<name>`` [n]; returns its entry of ``parts``."""
     from safetensors.torch import save_file
 
     name = f"part-{index:05d}.safetensors"
-    tensors = {"latents": latents.detach().float().cpu().contiguous(), "seed": seed.long().cpu().contiguous(),
-               "reward": reward.float().cpu().contiguous()}
+    tensors = {
+        "latents": latents.detach().float().cpu().contiguous(),
+        "seed": seed.long().cpu().contiguous(),
+        "reward": reward.float().cpu().contiguous(),
+    }
     tensors.update({f"reward/{k}": v.float().cpu().contiguous() for k, v in components.items()})
     save_file(tensors, str(folder / name), metadata={"format": FORMAT})
-    return {"file": name, "rows": [first_row, first_row + int(latents.shape[0])], "bytes": (folder / name).stat().st_size,
-            "sha256": sha256_of(folder / name)}
+    return {
+        "file": name,
+        "rows": [first_row, first_row + int(latents.shape[0])],
+        "bytes": (folder / name).stat().st_size,
+        "sha256": sha256_of(folder / name),
+    }
 
 
-def sample_groups(model: FlowModel, prompts: list[str], reward: Scorer | None, *, images_per_prompt: int, steps: int,
-                  guidance: float, seed: int, max_batch: int, group_offset: int = 0):
+def sample_groups(
+    model: FlowModel,
+    prompts: list[str],
+    reward: Scorer | None,
+    *,
+    images_per_prompt: int,
+    steps: int,
+    guidance: float,
+    seed: int,
+    max_batch: int,
+    group_offset: int = 0,
+):
     """K = ``images_per_prompt`` ODE samples (Euler, ``steps``) of each of ``prompts``, decoded and scored: (latents
     [P·K, …], root seeds [P·K], combined reward [P·K], each term's scores {name: [P·K]}), prompt-major. Root seeds
     are the ODE plan's: derive_seed(seed, 0, "root", group_offset + p, j)."""
@@ -61,10 +94,22 @@ def sample_groups(model: FlowModel, prompts: list[str], reward: Scorer | None, *
     return x0, forest.seed[leaves], total, components
 
 
-def write_store(out: str | Path, model: FlowModel, prompts: list[str], reward: Scorer | None, *, images_per_prompt: int,
-                steps: int, guidance: float, seed: int, max_batch: int, model_info: dict[str, Any],
-                checkpoint: str | None = None, part_bytes: int = PART_BYTES,
-                progress: Callable[[int, int], None] | None = None) -> Path:
+def write_store(
+    out: str | Path,
+    model: FlowModel,
+    prompts: list[str],
+    reward: Scorer | None,
+    *,
+    images_per_prompt: int,
+    steps: int,
+    guidance: float,
+    seed: int,
+    max_batch: int,
+    model_info: dict[str, Any],
+    checkpoint: str | None = None,
+    part_bytes: int = PART_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Sample, score and write a store of ``images_per_prompt`` samples of every prompt into ``out`` (a new or empty
     folder: :func:`~flowrl.run.outputs.check_output`, never an earlier store), through a temporary folder beside it
     renamed into place. ``model_info``: ``family`` (``model.family``), ``path`` (``model.path``); ``progress(done,
@@ -84,31 +129,68 @@ def write_store(out: str | Path, model: FlowModel, prompts: list[str], reward: S
         tmp.mkdir()
         parts, terms, rewards = [], None, []
         for start in range(0, len(prompts), per_part):
-            block = prompts[start:start + per_part]
-            pieces = [sample_groups(model, block[a:a + chunk], reward, images_per_prompt=images_per_prompt, steps=steps,
-                                    guidance=guidance, seed=seed, max_batch=max_batch, group_offset=start + a)
-                      for a in range(0, len(block), chunk)]
+            block = prompts[start : start + per_part]
+            pieces = [
+                sample_groups(
+                    model,
+                    block[a : a + chunk],
+                    reward,
+                    images_per_prompt=images_per_prompt,
+                    steps=steps,
+                    guidance=guidance,
+                    seed=seed,
+                    max_batch=max_batch,
+                    group_offset=start + a,
+                )
+                for a in range(0, len(block), chunk)
+            ]
             names = sorted(pieces[0][3])
             terms = names if terms is None else terms
             comps = {k: torch.cat([p[3][k] for p in pieces]) for k in names}
             total = torch.cat([p[2] for p in pieces])
             rewards.append(total)
-            parts.append(write_part(tmp, len(parts), start * images_per_prompt, torch.cat([p[0] for p in pieces]),
-                                    torch.cat([p[1] for p in pieces]), comps, total))
+            parts.append(
+                write_part(
+                    tmp,
+                    len(parts),
+                    start * images_per_prompt,
+                    torch.cat([p[0] for p in pieces]),
+                    torch.cat([p[1] for p in pieces]),
+                    comps,
+                    total,
+                )
+            )
             if progress is not None:
                 progress(min(start + per_part, len(prompts)), len(prompts))
         allr = torch.cat(rewards)
         ok = allr[torch.isfinite(allr)]
-        meta = {"format": FORMAT, "version": VERSION, "written_by": COMMAND,
-                "model": {"family": model_info.get("family"), "path": model_info.get("path"),
-                          "adapter": adapter_name(model),
-                          "latent_shape": [int(d) for d in model.latent_shape],
-                          "height": int(model.height), "width": int(model.width)},
-                "sampler": {"plan": "ode", "solver": "euler", "steps": int(steps), "guidance": float(guidance),
-                            "seed": int(seed)},
-                "checkpoint": checkpoint, "images_per_prompt": int(images_per_prompt), "prompts": list(prompts),
-                "rewards": terms or [], "reward_mean": float(ok.mean()) if ok.numel() else None,
-                "rows": len(prompts) * images_per_prompt, "parts": parts}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "written_by": COMMAND,
+            "model": {
+                "family": model_info.get("family"),
+                "path": model_info.get("path"),
+                "adapter": adapter_name(model),
+                "latent_shape": [int(d) for d in model.latent_shape],
+                "height": int(model.height),
+                "width": int(model.width),
+            },
+            "sampler": {
+                "plan": "ode",
+                "solver": "euler",
+                "steps": int(steps),
+                "guidance": float(guidance),
+                "seed": int(seed),
+            },
+            "checkpoint": checkpoint,
+            "images_per_prompt": int(images_per_prompt),
+            "prompts": list(prompts),
+            "rewards": terms or [],
+            "reward_mean": float(ok.mean()) if ok.numel() else None,
+            "rows": len(prompts) * images_per_prompt,
+            "parts": parts,
+        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         (tmp / PROMPTS_FILE).write_text("".join(p + "\n" for p in prompts))
         write_marker(tmp, COMMAND)

@@ -16,6 +16,7 @@ removes, and the previous checkpoints intact. Reading back: under sharding by ev
 reshards to this run's layout); without sharding in one process, no process group needed (:func:`read_model`:
 ``flowrl export``, ``flowrl sample``, a teacher's path).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,6 +52,7 @@ def split_sharded(tree: Any, path: str = "") -> tuple[Any, dict[str, torch.Tenso
 
 def merge_sharded(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`split_sharded`: ``tree`` with ``tensors`` put back at their paths."""
+
     def walk(node: Any, where: str) -> Any:
         if where in tensors:
             return tensors[where]
@@ -73,8 +75,11 @@ def shards_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: 
     """What every process writes: its shards of the trained parameters, the optimizer state and ``extra``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(module, options=_options()),
-            "optim": get_optimizer_state_dict(module, optimizer, options=_options()), "extra": dict(extra)}
+    return {
+        "model": get_model_state_dict(module, options=_options()),
+        "optim": get_optimizer_state_dict(module, optimizer, options=_options()),
+        "extra": dict(extra),
+    }
 
 
 def save_shards(shards: dict, folder: Path) -> None:
@@ -84,8 +89,9 @@ def save_shards(shards: dict, folder: Path) -> None:
     dcp.save(shards, checkpoint_id=str(folder))
 
 
-def load_shards(folder: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def load_shards(
+    folder: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Load checkpoint shards ``folder`` into the sharded ``module`` and ``optimizer`` (every process calls it)
     and return ``extra`` (this run's tensors, the layout to read into) filled with the saved values."""
     import torch.distributed.checkpoint as dcp
@@ -118,7 +124,7 @@ def read_model(model, folder: Path, live: bool = False) -> None:
     stored = set(reader.read_metadata().state_dict_metadata)
     wanted = {f"model.{n}" for n in names}
     if not wanted <= stored:
-        absent = sorted(k[len("model."):] for k in wanted - stored)
+        absent = sorted(k[len("model.") :] for k in wanted - stored)
         raise ValueError(f"sharded checkpoint {folder} has no weights for {absent[:5]} (another LoRA or model?)")
     load = {"model": state}
     use_ema = not live and any(k.startswith(f"extra.{EMA}/") for k in stored)

@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) during training: finish the iteration, save a
 checkpoint, stop (a second signal aborts at once). Outside the loop (the start: loading, the first eval) both
 abort at once as KeyboardInterrupt, so the run folder's owner can remove what a stopped start created."""
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ def abort_on_terminate() -> Iterator[None]:
     """While held, SIGTERM raises KeyboardInterrupt as Ctrl-C does (its default would end the process where it
     stands, past every ``finally``); :func:`stop_on_first_interrupt` inside it takes over for the loop and
     gives it back. Only installed in the main thread."""
+
     def handler(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
 

@@ -21,6 +21,7 @@ The caption (prompt) is never changed. A flip probability above 0.5 makes the wr
 model's majority belief (a learned, biased prior), below 0.5 a minority error; a two-way flip at
 exactly 0.5 leaves the caption silent on the direction. Every draw comes from the ``rng`` passed in.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -67,8 +68,9 @@ class CaptionNoise:
     def any(self) -> bool:
         return any(p > 0 for p in asdict(self).values())
 
-    def apply(self, spec: world.Spec, rng: np.random.Generator,
-              held_out: Collection[tuple[str, str]] = ()) -> tuple[world.Spec, str | None]:
+    def apply(
+        self, spec: world.Spec, rng: np.random.Generator, held_out: Collection[tuple[str, str]] = ()
+    ) -> tuple[world.Spec, str | None]:
         """The spec to draw for a caption of ``spec`` and the kind of error applied (None: faithful).
 
         One uniform draw from ``rng`` per call whatever the task, so the stream of draws does not

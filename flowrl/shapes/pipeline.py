@@ -30,6 +30,7 @@ Generation with the shipped weights (the call the pretraining report was measure
 ``generation_defaults()`` reads ``flowrl_shapes.json`` in the weights folder
 (``{"max_sequence_length", "height", "width", "guidance_scale", "num_inference_steps"}``).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,10 @@ import torch
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
 CONFIG_FILE = "flowrl_shapes.json"
 
-CANVAS_SIZE = 32          # image side (px)
-CLIP_MAX_LENGTH = 16      # CLIP tokens per prompt (BOS + up to 14 words + EOS/pad)
-MAX_SEQUENCE_LENGTH = 8   # zero "T5" tokens SD3 appends without T5; trained with exactly this many
-DEFAULT_GUIDANCE = 3.0   # CFG scale the model is evaluated and aligned at (colours found 0.92 vs 0.81 at 1.0)
+CANVAS_SIZE = 32  # image side (px)
+CLIP_MAX_LENGTH = 16  # CLIP tokens per prompt (BOS + up to 14 words + EOS/pad)
+MAX_SEQUENCE_LENGTH = 8  # zero "T5" tokens SD3 appends without T5; trained with exactly this many
+DEFAULT_GUIDANCE = 3.0  # CFG scale the model is evaluated and aligned at (colours found 0.92 vs 0.81 at 1.0)
 DEFAULT_STEPS = 20
 
 VAE_CONFIG = dict(
@@ -57,8 +58,8 @@ VAE_CONFIG = dict(
     norm_num_groups=32,
     sample_size=CANVAS_SIZE,
     mid_block_add_attention=False,
-    scaling_factor=1.0,   # replaced by the measured 1 / std after VAE training
-    shift_factor=0.0,     # replaced by the measured mean after VAE training
+    scaling_factor=1.0,  # replaced by the measured 1 / std after VAE training
+    shift_factor=0.0,  # replaced by the measured mean after VAE training
 )
 
 TEXT_CONFIG = dict(
@@ -74,7 +75,7 @@ TEXT_CONFIG = dict(
 )
 
 TRANSFORMER_CONFIG = dict(
-    sample_size=CANVAS_SIZE // 2,       # latent side
+    sample_size=CANVAS_SIZE // 2,  # latent side
     patch_size=2,
     in_channels=4,
     out_channels=4,
@@ -102,8 +103,12 @@ def build_shapes_pipeline(seed: int = 0):
     Initialisation uses a forked global torch RNG seeded with ``seed``, so the caller's RNG state
     is untouched and the same seed gives the same weights.
     """
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     tokenizer = build_shapes_tokenizer()
@@ -157,8 +162,9 @@ def generation_defaults(path: str | Path = SHIPPED_DIR) -> dict:
     )
 
 
-def load_shapes_pipeline(path: str | Path = SHIPPED_DIR, device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32):
+def load_shapes_pipeline(
+    path: str | Path = SHIPPED_DIR, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+):
     """Load a saved shapes pipeline (default: the shipped, pretrained one) with plain diffusers.
 
     Equivalent to ``StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None,

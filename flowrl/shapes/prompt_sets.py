@@ -1,16 +1,17 @@
 """The shapes world's train and eval prompt files (configs/shapes/prompts/*.txt, written by
 scripts/make_shapes_prompts.py): every composition of :mod:`flowrl.shapes.world`, three colour–shape pairs
 held out of training, tasks balanced and interleaved."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from flowrl.shapes.world import COLORS, SHAPES, TASKS, Spec, all_specs, to_prompt
 
-N_HELD_OUT = 3               # colour–shape pairs that appear only in eval prompts
-EVAL_PER_TASK = 48           # eval lines per task (240 in all)
-EVAL_DISTINCT_HALF = 24      # at most this many novel-pair and this many seen-pair eval prompts
-TRAIN_PER_TASK = 400         # train lines per task (2,000 in all)
+N_HELD_OUT = 3  # colour–shape pairs that appear only in eval prompts
+EVAL_PER_TASK = 48  # eval lines per task (240 in all)
+EVAL_DISTINCT_HALF = 24  # at most this many novel-pair and this many seen-pair eval prompts
+TRAIN_PER_TASK = 400  # train lines per task (2,000 in all)
 
 
 def held_out_pairs(seed: int = 0) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ Every word any prompt can contain is in :func:`vocabulary` (23 words). Rendering
 ``position`` keeps at least ``RELATION_GAP`` px between the two boxes along the relation axis. All
 randomness comes from the ``numpy.random.Generator`` passed in.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -48,12 +49,12 @@ COLORS: dict[str, tuple[int, int, int]] = {
 TASKS: tuple[str, ...] = ("single", "two_objects", "counting", "color_attr", "position")
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 
-MIN_SIZE, MAX_SIZE = 7, 11   # object bounding-box side (px)
-MIN_GAP = 2                  # background px between any two bounding boxes (both axes checked)
-RELATION_GAP = 6             # px between the two boxes along the relation axis (position)
+MIN_SIZE, MAX_SIZE = 7, 11  # object bounding-box side (px)
+MIN_GAP = 2  # background px between any two bounding boxes (both axes checked)
+RELATION_GAP = 6  # px between the two boxes along the relation axis (position)
 MAX_COUNT = 4
 
-NUMBER_WORDS: tuple[str, ...] = ("one", "two", "three", "four")   # index + 1 = count
+NUMBER_WORDS: tuple[str, ...] = ("one", "two", "three", "four")  # index + 1 = count
 PLURALS: dict[str, str] = {s: s + "s" for s in SHAPES}
 
 
@@ -76,6 +77,7 @@ class Spec:
 
 
 # ----------------------------------------------------------------------------------------- validity
+
 
 def _check_object(obj: ObjectSpec) -> None:
     if obj.shape not in SHAPES:
@@ -122,6 +124,7 @@ def validate(spec: Spec) -> Spec:
 
 # ------------------------------------------------------------------------------------------ grammar
 
+
 def vocabulary() -> list[str]:
     """Every word any prompt can contain (lower-case, sorted)."""
     words = {"a", "and", "of", *NUMBER_WORDS, *COLORS, *SHAPES, *PLURALS.values()}
@@ -151,6 +154,7 @@ def to_prompt(spec: Spec) -> str:
 
 def _parse_phrase(words: list[str], start: int, prompt: str) -> tuple[ObjectSpec, bool, int]:
     """Parse ``determiner colour noun`` at ``words[start:]`` → (object, counted?, next index)."""
+
     def fail(i: int, what: str) -> ValueError:
         got = repr(words[i]) if i < len(words) else "the end of the prompt"
         return ValueError(f"parse({prompt!r}): expected {what} at word {i + 1}, got {got}")
@@ -172,9 +176,7 @@ def _parse_phrase(words: list[str], start: int, prompt: str) -> tuple[ObjectSpec
     plural = words[i] != shape
     if plural != (count > 1):
         want = PLURALS[shape] if count > 1 else shape
-        raise ValueError(
-            f"parse({prompt!r}): {words[i]!r} after {words[start]!r} must be {want!r} (word {i + 1})"
-        )
+        raise ValueError(f"parse({prompt!r}): {words[i]!r} after {words[start]!r} must be {want!r} (word {i + 1})")
     return ObjectSpec(shape, color, count), counted, i + 1
 
 
@@ -226,6 +228,7 @@ def parse(prompt: str) -> Spec:
 
 # ------------------------------------------------------------------------------------------- sampling
 
+
 def _pairs(exclude: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
     """(shape, colour) pairs not in ``exclude``, in a fixed order."""
     bad = set(exclude)
@@ -235,8 +238,9 @@ def _pairs(exclude: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(s, c) for s in SHAPES for c in COLORS if (s, c) not in bad]
 
 
-def sample_spec(rng: np.random.Generator, task: str | None = None, *,
-                exclude: Collection[tuple[str, str]] = ()) -> Spec:
+def sample_spec(
+    rng: np.random.Generator, task: str | None = None, *, exclude: Collection[tuple[str, str]] = ()
+) -> Spec:
     """A random valid spec of ``task`` (uniform over TASKS when None).
 
     ``exclude``: (shape, colour) pairs never used (e.g. :func:`held_out_pairs` for training data).
@@ -289,6 +293,7 @@ def all_specs(task: str) -> list[Spec]:
 
 # ------------------------------------------------------------------------------------------ rendering
 
+
 def shape_mask(shape: str, size: int) -> np.ndarray:
     """Boolean [size, size] mask of ``shape`` filling a size×size box (pixel centres inside the shape)."""
     if shape not in SHAPES:
@@ -308,8 +313,7 @@ def _boxes_apart(a: tuple[int, int, int], b: tuple[int, int, int], gap: int) -> 
     """True if boxes (x0, y0, size) leave ≥ ``gap`` background px between them on some axis."""
     ax, ay, asz = a
     bx, by, bsz = b
-    return (ax + asz + gap <= bx or bx + bsz + gap <= ax or
-            ay + asz + gap <= by or by + bsz + gap <= ay)
+    return ax + asz + gap <= bx or bx + bsz + gap <= ax or ay + asz + gap <= by or by + bsz + gap <= ay
 
 
 def _relation_ok(a: tuple[int, int, int], b: tuple[int, int, int], relation: str) -> bool:
@@ -352,7 +356,7 @@ def render(spec: Spec, rng: np.random.Generator) -> np.ndarray:
     image = np.zeros((CANVAS, CANVAS, 3), dtype=np.uint8)
     for shape, color, x0, y0, size in layout(spec, rng):
         mask = shape_mask(shape, size)
-        image[y0:y0 + size, x0:x0 + size][mask] = COLORS[color]
+        image[y0 : y0 + size, x0 : x0 + size][mask] = COLORS[color]
     return image
 
 

@@ -1,11 +1,13 @@
 """``flowrl eval --benchmark NAME``: the field's benchmarks by their own protocols, on a run's weights or a base model.
 
 - ``geneval`` (GenEval, Ghosh et al. 2023): its 553 prompts (``dataset/geneval/test_metadata.jsonl`` from ``flowrl
-  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.compositional.geneval`, strict); printed as
+  data fetch geneval``) × 4 images, each scored by GenEval's rules (:mod:`flowrl_rewards.compositional.geneval`,
+  strict); printed as
   GenEval's ``summary_scores.py`` prints it: correct images and prompts, the six task rows, the overall score (the
   mean of the task scores). With ``--out`` the images are written in GenEval's folder layout
   (``<out>/<00000>/metadata.jsonl``, ``samples/0000.png`` …), so GenEval's own ``evaluate_images.py`` can score them
-  too (prompts from a text file get whole records, parsed from GenEval's templates: :func:`geneval_records`), with ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
+  too (prompts from a text file get whole records, parsed from GenEval's templates: :func:`geneval_records`), with
+  ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
 - ``ocr`` (Flow-GRPO's OCR test set, ``dataset/ocr/test.txt`` from ``flowrl data fetch ocr``): one image per prompt,
   scored by the ``ocr`` reward; the mean score and the share read exactly.
 
@@ -15,6 +17,7 @@ replaced by the benchmark's. Images come from the config's eval settings (``eval
 ``flowrl eval`` picks it, ``eval.seed``; ``rollout.max_batch`` images per forward); under ``accelerate launch`` each
 process draws every ``world``-th prompt and the scores are reduced over processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,11 +44,20 @@ class Benchmark:
     source: str = ""
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("geneval", "dataset/geneval/test_metadata.jsonl", 4, "geneval", {"score": "strict"},
-              "flowrl data fetch geneval"),
-    Benchmark("ocr", "dataset/ocr/test.txt", 1, "ocr", {}, "flowrl data fetch ocr"),
-)}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
+            "geneval",
+            "dataset/geneval/test_metadata.jsonl",
+            4,
+            "geneval",
+            {"score": "strict"},
+            "flowrl data fetch geneval",
+        ),
+        Benchmark("ocr", "dataset/ocr/test.txt", 1, "ocr", {}, "flowrl data fetch ocr"),
+    )
+}
 
 
 def get_benchmark(name: str) -> Benchmark:
@@ -106,7 +118,9 @@ def geneval_records(reward, prompts: Sequence[str], progress: bool = False) -> l
         try:
             task = reward.tasks(prompt)
         except ValueError as e:
-            raise ConfigError(f"--prompts, prompt {number} ({prompt!r}): cannot write its GenEval metadata: {e}") from None
+            raise ConfigError(
+                f"--prompts, prompt {number} ({prompt!r}): cannot write its GenEval metadata: {e}"
+            ) from None
         records.append({**task.to_metadata(), "prompt": prompt})
     return records
 
@@ -141,9 +155,19 @@ class ImageSeeds(Sequence[int]):
         return prompt_seeds(self.seed, [self.mine[i // self.per]], i % self.per)[0]
 
 
-def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], records: list[dict] | None,
-                  group, guidance: float | None, out: Path | None, images_per_prompt: int,
-                  progress: bool = True) -> dict[str, float]:
+def run_benchmark(
+    bench: Benchmark,
+    model,
+    cfg,
+    reward,
+    prompts: Sequence[str],
+    records: list[dict] | None,
+    group,
+    guidance: float | None,
+    out: Path | None,
+    images_per_prompt: int,
+    progress: bool = True,
+) -> dict[str, float]:
     """Draw ``images_per_prompt`` images of this process's prompts (every ``group.world``-th), score each with
     ``reward`` and return the summary reduced over processes (:func:`summarise`); with ``out`` write the images,
     ``results.jsonl`` (``results-<rank>.jsonl`` under several processes) and, on the main process, ``summary.json``."""
@@ -157,19 +181,25 @@ def run_benchmark(bench: Benchmark, model, cfg, reward, prompts: Sequence[str], 
     indices = [i for i in mine for _ in range(images_per_prompt)]  # one entry per image, prompt-major
     all_prompts = [prompts[i] for i in indices]
     seeds = ImageSeeds(cfg.eval.seed, mine, images_per_prompt)  # each batch's, when it is drawn
-    bar = tqdm(total=len(indices), unit="image", desc=f"{bench.name} benchmark", disable=not (progress and group.is_main))
+    bar = tqdm(
+        total=len(indices), unit="image", desc=f"{bench.name} benchmark", disable=not (progress and group.is_main)
+    )
     rows: list[dict[str, Any]] = []
     results = None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        results = open(out / ("results.jsonl" if group.world == 1 else f"results-{group.rank}.jsonl"), "w", encoding="utf-8")
+        results = open(
+            out / ("results.jsonl" if group.world == 1 else f"results-{group.rank}.jsonl"), "w", encoding="utf-8"
+        )
     try:
         for start, images in ode_batches(model, all_prompts, seeds, cfg.eval.steps, guidance, cfg.rollout.max_batch):
             here = slice(start, start + len(images))
             new = score_rows(bench, reward, images, all_prompts[here], indices[here])
             for j, row in enumerate(new):
                 if out is not None:
-                    folder = _prompt_folder(out, row["index"], row["prompt"], records[row["index"]] if records else None)
+                    folder = _prompt_folder(
+                        out, row["index"], row["prompt"], records[row["index"]] if records else None
+                    )
                     path = save_sample(images[j], folder / "samples" / f"{(start + j) % images_per_prompt:04d}.png")
                     row["filename"] = str(path.relative_to(out))
                     results.write(json.dumps(row) + "\n")
@@ -189,13 +219,25 @@ def score_rows(bench: Benchmark, reward, images: torch.Tensor, prompts: list[str
     """One result per image [B, 3, H, W]: its prompt index and prompt, and the benchmark's per-image fields."""
     if bench.name == "geneval":
         verdicts = reward.verdicts(images, prompts)
-        return [{"index": i, "prompt": p, "tag": v.tag, "correct": v.strict, "exact": v.exact, "partial": v.partial,
-                 "reason": "\n".join(v.reasons)} for i, p, v in zip(indices, prompts, verdicts)]
+        return [
+            {
+                "index": i,
+                "prompt": p,
+                "tag": v.tag,
+                "correct": v.strict,
+                "exact": v.exact,
+                "partial": v.partial,
+                "reason": "\n".join(v.reasons),
+            }
+            for i, p, v in zip(indices, prompts, verdicts)
+        ]
     meta: dict[str, Any] = {}
     scores = reward(images, prompts, meta)
     texts = meta.get(f"{reward.name}/text") or [None] * len(prompts)
-    return [{"index": i, "prompt": p, "score": float(s), "correct": float(s) == 1.0, "recognised": t}
-            for i, p, s, t in zip(indices, prompts, scores.tolist(), texts)]
+    return [
+        {"index": i, "prompt": p, "score": float(s), "correct": float(s) == 1.0, "recognised": t}
+        for i, p, s, t in zip(indices, prompts, scores.tolist(), texts)
+    ]
 
 
 def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
@@ -242,6 +284,10 @@ def summary_lines(bench: Benchmark, summary: dict[str, float], n_prompts: int) -
     if bench.name == "geneval":
         return summary_text({**summary, "n": summary["n/images"]}, n_prompts)
     n = int(summary["n/images"])
-    return "\n".join([f"OCR benchmark: {n} images of {n_prompts} prompts",
-                      f"mean score (1 − normalised edit distance): {summary['mean']:.4f}",
-                      f"% read exactly: {summary['images']:.2%} ({round(summary['images'] * n)} / {n})"])
+    return "\n".join(
+        [
+            f"OCR benchmark: {n} images of {n_prompts} prompts",
+            f"mean score (1 − normalised edit distance): {summary['mean']:.4f}",
+            f"% read exactly: {summary['images']:.2%} ({round(summary['images'] * n)} / {n})",
+        ]
+    )

@@ -5,6 +5,7 @@ every eval, and may add metrics or stop the run; the loop itself only calls them
 :class:`TeacherShareMetrics`, :class:`StopOnFailedRewards` (``train.max_failed_iterations``) and
 :class:`GuardOnEval` (``eval.guard``). A callback keeps its own state; the trainer's checkpoints hold the guard's.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,7 @@
 """Held-out evaluation with ODE sampling: guidance, seeds, the reward means of an eval and the run's held-out
 evals (:class:`HeldOutEval`); their labelled grids are drawn by :mod:`flowrl.training.grids`, the guard against reward
 hacking that watches them is :mod:`flowrl.training.guard`."""
+
 from __future__ import annotations
 
 import warnings
@@ -26,8 +27,9 @@ def resolve_guidance(model_default: float, *preferred: float | None) -> float:
     return float(next((g for g in preferred if g is not None), model_default))
 
 
-def eval_guidances(eval_guidance: float | None, policy_guidance: float | None, model_default: float,
-                   default_pass: bool) -> list[tuple[str, float]]:
+def eval_guidances(
+    eval_guidance: float | None, policy_guidance: float | None, model_default: float, default_pass: bool
+) -> list[tuple[str, float]]:
     """(metric prefix, guidance) of each pass of an eval: ``eval`` at ``eval.guidance``, else the guidance the
     policy samples with, else the model's default; with ``default_pass`` also ``eval_default`` at the
     model's default guidance when it differs."""
@@ -78,7 +80,8 @@ def term_weights(summary: dict[str, float], n_images: int) -> dict[str, float]:
 
 
 def train_key(prefix: str, name: str) -> str:
-    """The metric key of training reward term ``name``'s held-out mean in eval pass ``prefix``: ``eval/train/<name>/mean``
+    """The metric key of training reward term ``name``'s held-out mean in eval pass ``prefix``:
+    ``eval/train/<name>/mean``
     (beside the eval rewards' ``eval/<name>_mean``, so a training and an eval term of one name stay apart)."""
     return f"{prefix}/train/{name}/mean"
 
@@ -99,11 +102,13 @@ def failed_rewards(metrics: dict[str, Any]) -> list[tuple[str, str, int]]:
     return out
 
 
-def score_images(images: torch.Tensor, prompts: Sequence[str], reward: Scorer, prefix: str,
-                 train_reward: Scorer | None = None) -> tuple[dict, dict]:
+def score_images(
+    images: torch.Tensor, prompts: Sequence[str], reward: Scorer, prefix: str, train_reward: Scorer | None = None
+) -> tuple[dict, dict]:
     """(metrics, weights) of images [N, 3, H, W] (or videos [N, F, 3, H, W]) of ``prompts``: the mean of each
     reward term (``<prefix>/<name>_mean``, weight N; an image term scores a video's frames, averaged), the
-    numeric summary of each term's ``evaluate`` (:meth:`flowrl_rewards.core.port.Scorer.evaluate`; ``{}`` for a term without
+    numeric summary of each term's ``evaluate`` (:meth:`flowrl_rewards.core.port.Scorer.evaluate`; ``{}`` for a term
+    without
     one; not asked of an image term given videos) and,
     with ``train_reward`` (the training reward, when the eval scores with others), the mean of each of its terms
     (:func:`train_key`): the training reward held out, beside the guard rewards."""
@@ -121,29 +126,52 @@ def score_images(images: torch.Tensor, prompts: Sequence[str], reward: Scorer, p
                 metrics[failed_key(prefix, name)] = float(failed)
     for term in reward.terms:
         if images.ndim == 4 or term.modality != "image":
-            summary = {k: float(v) for k, v in term.evaluate(images, prompt_texts(prompts)).items()
-                       if isinstance(v, (int, float))}
+            summary = {
+                k: float(v)
+                for k, v in term.evaluate(images, prompt_texts(prompts)).items()
+                if isinstance(v, (int, float))
+            }
             metrics.update({f"{prefix}/{term.name}/{k}": v for k, v in summary.items()})
             weights.update({f"{prefix}/{term.name}/{k}": w for k, w in term_weights(summary, len(prompts)).items()})
     return metrics, weights
 
 
 @torch.no_grad()
-def evaluate(model: FlowModel, prompts: Sequence[str], reward: Scorer, *, steps: int, guidance: float | None, seed: int,
-             max_batch: int = 64, keep_images: int = 0, images_per_prompt: int = 1, prefix: str = "eval",
-             progress: bool = False, indices: Sequence[int] | None = None, train_reward=None) -> Evaluated:
+def evaluate(
+    model: FlowModel,
+    prompts: Sequence[str],
+    reward: Scorer,
+    *,
+    steps: int,
+    guidance: float | None,
+    seed: int,
+    max_batch: int = 64,
+    keep_images: int = 0,
+    images_per_prompt: int = 1,
+    prefix: str = "eval",
+    progress: bool = False,
+    indices: Sequence[int] | None = None,
+    train_reward=None,
+) -> Evaluated:
     """Mean of each reward term (``<prefix>/<name>_mean``; ``train_reward``'s too, :func:`score_images`) and per-task
-    breakdowns of the terms' ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed sets 0, 1, …:
+    breakdowns of the terms' ``evaluate(images, prompts)``, over ``images_per_prompt`` images of every prompt (seed
+    sets 0, 1, …:
     the standard error shrinks by √k), with the weight of each mean, and the first ``keep_images`` images
-    [K, 3, H, W] (videos [K, F, 3, H, W]) of seed set 0. ``indices``: each prompt's index in the whole held-out list, which picks its
+    [K, 3, H, W] (videos [K, F, 3, H, W]) of seed set 0. ``indices``: each prompt's index in the whole held-out list,
+    which picks its
     seeds (default 0, 1, …). ``progress``: a bar counting the images drawn."""
     prompts = list(prompts)
     indices = list(range(len(prompts)) if indices is None else indices)
     if len(indices) != len(prompts):
         raise ValueError(f"evaluate: {len(prompts)} prompts but {len(indices)} indices")
     shown = f"guidance {guidance:g}" if guidance is not None else "the model's guidance"
-    bar = tqdm(total=len(prompts) * images_per_prompt, unit="image", desc=f"{prefix} at {shown}", disable=not progress,
-               leave=False)
+    bar = tqdm(
+        total=len(prompts) * images_per_prompt,
+        unit="image",
+        desc=f"{prefix} at {shown}",
+        disable=not progress,
+        leave=False,
+    )
     chunks = []
     for k in range(images_per_prompt):
         seeds = prompt_seeds(seed, indices, k)
@@ -153,7 +181,7 @@ def evaluate(model: FlowModel, prompts: Sequence[str], reward: Scorer, *, steps:
     bar.close()
     images = torch.cat(chunks)
     metrics, weights = score_images(images, prompts * images_per_prompt, reward, prefix, train_reward)
-    return Evaluated(metrics, weights, images[:min(keep_images, len(prompts))])
+    return Evaluated(metrics, weights, images[: min(keep_images, len(prompts))])
 
 
 class HeldOutEval:
@@ -167,14 +195,27 @@ class HeldOutEval:
     (``eval/train/<name>/mean``); ``on_grid(tag, image, step)``: called with each grid written (its first frame
     for videos), e.g. to send it to a tracker."""
 
-    def __init__(self, section, model: FlowModel, prompts: Sequence[str], reward, group, samples: Path | None,
-                 policy_guidance: float | None, progress: bool = False, train_reward=None,
-                 on_grid: Callable[[str, Any, int], None] | None = None, max_batch: int = 64):
+    def __init__(
+        self,
+        section,
+        model: FlowModel,
+        prompts: Sequence[str],
+        reward,
+        group,
+        samples: Path | None,
+        policy_guidance: float | None,
+        progress: bool = False,
+        train_reward=None,
+        on_grid: Callable[[str, Any, int], None] | None = None,
+        max_batch: int = 64,
+    ):
         self.e, self.model, self.reward, self.group, self.samples = section, model, reward, group, samples
         self.max_batch = max_batch  # images per forward: the run's rollout.max_batch
         self.size = (section.height, section.width)  # eval.height/eval.width (None: the model's side)
         if self.size != (None, None):  # refused at the start of a run, not at its first eval
-            model.check_size(int(self.size[0] or model.height), int(self.size[1] or model.width), "eval.height/eval.width")
+            model.check_size(
+                int(self.size[0] or model.height), int(self.size[1] or model.width), "eval.height/eval.width"
+            )
         self.train_reward, self.on_grid = train_reward, on_grid
         self.progress = progress and group.is_main  # a bar of the images drawn (the main process's share)
         prompts = list(prompts)
@@ -192,13 +233,18 @@ class HeldOutEval:
     def guidances(self, periodic: bool = False) -> list[tuple[str, float]]:
         """(metric prefix, guidance) of an eval (:func:`eval_guidances`); ``eval_default`` with
         ``eval.default_guidance``, not at the ``periodic`` evals of ``eval.every``."""
-        return eval_guidances(self.e.guidance, self.policy_guidance, self.model.guidance,
-                              default_pass=bool(self.e.default_guidance) and not periodic)
+        return eval_guidances(
+            self.e.guidance,
+            self.policy_guidance,
+            self.model.guidance,
+            default_pass=bool(self.e.default_guidance) and not periodic,
+        )
 
     def run(self, periodic: bool = False, step: int | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """(metrics over every process, this process's grid images [K, 3, H, W] (videos [K, F, 3, H, W]) per
         prefix) of one eval (at ``step``, named in the warning for an eval reward that failed,
-        :meth:`warn_failed`); every process must call it (a process without prompts takes part in the reduction only)."""
+        :meth:`warn_failed`); every process must call it (a process without prompts takes part in the reduction
+        only)."""
         if not self.any:
             return {}, {}
         e = self.e
@@ -209,10 +255,21 @@ class HeldOutEval:
         for prefix, guidance in self.guidances(periodic):
             if self.prompts:
                 with self.model.sized(*self.size):  # eval.height/eval.width: the rollouts' size is kept outside
-                    found = evaluate(self.model, self.prompts, self.reward, steps=e.steps, guidance=guidance,
-                                     seed=e.seed, max_batch=self.max_batch, keep_images=e.grid_prompts,
-                                     images_per_prompt=e.images_per_prompt, prefix=prefix, progress=self.progress,
-                                     indices=self.indices, train_reward=self.train_reward)
+                    found = evaluate(
+                        self.model,
+                        self.prompts,
+                        self.reward,
+                        steps=e.steps,
+                        guidance=guidance,
+                        seed=e.seed,
+                        max_batch=self.max_batch,
+                        keep_images=e.grid_prompts,
+                        images_per_prompt=e.images_per_prompt,
+                        prefix=prefix,
+                        progress=self.progress,
+                        indices=self.indices,
+                        train_reward=self.train_reward,
+                    )
                 metrics.update(found.metrics)
                 weights.update(found.weights)
                 grids[prefix] = found.images
@@ -230,9 +287,13 @@ class HeldOutEval:
             if failed >= self.images:
                 every.append(name)
             if self.group.is_main:
-                warnings.warn(f"eval reward {name!r} failed or was not finite (NaN or ±inf) for {failed} of "
-                              f"{self.images} images{when} ({prefix}/{name}_failed); {prefix}/{name}_mean is "
-                              f"{metrics.get(f'{prefix}/{name}_mean', float('nan')):g}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"eval reward {name!r} failed or was not finite (NaN or ±inf) for {failed} of "
+                    f"{self.images} images{when} ({prefix}/{name}_failed); {prefix}/{name}_mean is "
+                    f"{metrics.get(f'{prefix}/{name}_mean', float('nan')):g}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return every
 
     def __call__(self, step: int, tag: str | None = None) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Sample grids a person can read: each image (a video's frames) over its prompt and, where scored, its mark
 (PASS/FAIL or the score); plain grids and single samples as PNGs, videos as animated GIFs. Written by the
 held-out evals (:class:`~flowrl.training.evaluation.HeldOutEval`), ``flowrl sample`` and ``flowrl eval``."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,15 +47,17 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int | None = None, scale: 
 
     video = images.ndim == 5
     n, h, w = images.shape[0], images.shape[-2], images.shape[-1]
-    nrow = nrow or max(1, int(round(n ** 0.5)))
+    nrow = nrow or max(1, int(round(n**0.5)))
     ncol = (n + nrow - 1) // nrow
     pad = 2
     out = []
-    for frame in (images.unbind(1) if video else [images]):
+    for frame in images.unbind(1) if video else [images]:
         grid = torch.ones(3, ncol * (h + pad) + pad, nrow * (w + pad) + pad) * 0.5
         for i in range(n):
             r, c = divmod(i, nrow)
-            grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = frame[i].clamp(0, 1)
+            grid[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = (
+                frame[i].clamp(0, 1)
+            )
         img = _pil(grid)
         out.append(img.resize((img.width * scale, img.height * scale), Image.NEAREST) if scale > 1 else img)
     return save_frames(out, path, video)
@@ -73,8 +76,9 @@ def mark(score: float, binary: bool) -> tuple[str, tuple[int, int, int]]:
     return f"{score:.3f}", (0, 0, 0)
 
 
-def labelled_grid(images: torch.Tensor, prompts: Sequence[str], scores: torch.Tensor | None = None, ncol: int = 4,
-                  scale: int = 4) -> list:
+def labelled_grid(
+    images: torch.Tensor, prompts: Sequence[str], scores: torch.Tensor | None = None, ncol: int = 4, scale: int = 4
+) -> list:
     """The frames (PIL images) of a grid a person can read: each image [N, 3, H, W] in [0, 1] (``scale``× nearest
     upsampling) over its prompt and, with ``scores`` [N], its mark (:func:`mark`: PASS/FAIL when every score is 0
     or 1, else the score). Videos [N, F, 3, H, W]: frame t is that grid of every video's frame t, same labels."""
@@ -87,8 +91,10 @@ def labelled_grid(images: torch.Tensor, prompts: Sequence[str], scores: torch.Te
     cell_w, text_h, pad = max(w * scale, 128), 38, 6
     rows = (n + ncol - 1) // ncol
     out = []
-    for frame in (images.unbind(1) if images.ndim == 5 else [images]):
-        canvas = Image.new("RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255))
+    for frame in images.unbind(1) if images.ndim == 5 else [images]:
+        canvas = Image.new(
+            "RGB", (ncol * (cell_w + pad) + pad, rows * (h * scale + text_h + pad) + pad), (255, 255, 255)
+        )
         draw = ImageDraw.Draw(canvas)
         for i in range(n):
             r, c = divmod(i, ncol)
@@ -103,8 +109,15 @@ def labelled_grid(images: torch.Tensor, prompts: Sequence[str], scores: torch.Te
     return out
 
 
-def save_labelled_grid(images: torch.Tensor, prompts: Sequence[str], reward, path: Path, ncol: int = 4,
-                       scale: int = 4, scores: torch.Tensor | None = None) -> Path | None:
+def save_labelled_grid(
+    images: torch.Tensor,
+    prompts: Sequence[str],
+    reward,
+    path: Path,
+    ncol: int = 4,
+    scale: int = 4,
+    scores: torch.Tensor | None = None,
+) -> Path | None:
     """Write :func:`labelled_grid` of images [N, 3, H, W] (a PNG at ``path``) or videos [N, F, 3, H, W] (an animated
     GIF, suffix ``.gif``): each image over its prompt and its mark from ``scores`` [N], else from ``reward``'s
     first term (:func:`grid_scores`; a green PASS / red FAIL when that term is pass/fail, e.g. the shapes checker in

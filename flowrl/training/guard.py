@@ -3,6 +3,7 @@ held-out mean watched from its start value, the trip when it falls past the marg
 and the state a checkpoint keeps (start values and trip) so a resume neither re-measures nor trains past a stop
 that still stands. The trainer asks it at every eval (:meth:`EvalGuard.observe`) and after a resume
 (:meth:`EvalGuard.after_resume`)."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -12,7 +13,8 @@ from flowrl_rewards.core.port import Scorer
 
 
 class EvalGuard:
-    """``eval.guard`` (:class:`~flowrl.config.schema.GuardSection`): watches one eval reward's held-out mean (``metric``,
+    """``eval.guard`` (:class:`~flowrl.config.schema.GuardSection`): watches one eval reward's held-out mean
+    (``metric``,
     ``eval/<name>_mean``) at every eval after the first and trips when it falls below its start value by more than
     ``max_drop`` (× |start| with ``relative``); the trainer then saves a checkpoint and stops. The start values
     (every number of the run's first eval: the one before training, else the first there is) and the trip travel in
@@ -51,14 +53,23 @@ class EvalGuard:
         and on a trip ``guard/stopped``: the message); the first eval sets the start values and trips nothing."""
         first = not self.starts
         if first:
-            self.starts = {k: float(v) for k, v in record.items() if k.startswith("eval") and isinstance(v, (int, float))}
+            self.starts = {
+                k: float(v) for k, v in record.items() if k.startswith("eval") and isinstance(v, (int, float))
+            }
         if self.metric is None or self.metric not in record or self.metric not in self.starts:
             return {}
         start, now = self.starts[self.metric], float(record[self.metric])
         out: dict[str, Any] = {"guard/start": start, "guard/threshold": self.threshold(start), "guard/tripped": 0.0}
         if not first and now < self.threshold(start):
-            self.stop = {"reward": self.reward, "metric": self.metric, "step": int(step), "start": start, "now": now,
-                         "max_drop": self.max_drop, "relative": self.relative}
+            self.stop = {
+                "reward": self.reward,
+                "metric": self.metric,
+                "step": int(step),
+                "start": start,
+                "now": now,
+                "max_drop": self.max_drop,
+                "relative": self.relative,
+            }
             out.update({"guard/tripped": 1.0, "guard/stopped": self.message()})
         return out
 
@@ -66,9 +77,11 @@ class EvalGuard:
         """One line naming the reward, its start and current values and the margin of a trip."""
         s = stop or self.stop
         margin = f"eval.guard.max_drop={s['max_drop']:g}" + (" × |start|, relative" if s["relative"] else "")
-        return (f"eval guard: {s['metric']} (eval.guard.reward={s['reward']!r}) fell from {s['start']:.4f} at the "
-                f"start to {s['now']:.4f} at step {s['step']}, a drop of {s['start'] - s['now']:.4f}: more than "
-                f"{margin} allows (threshold {self.threshold(s['start'], s['max_drop'], s['relative']):.4f})")
+        return (
+            f"eval guard: {s['metric']} (eval.guard.reward={s['reward']!r}) fell from {s['start']:.4f} at the "
+            f"start to {s['now']:.4f} at step {s['step']}, a drop of {s['start'] - s['now']:.4f}: more than "
+            f"{margin} allows (threshold {self.threshold(s['start'], s['max_drop'], s['relative']):.4f})"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"starts": dict(self.starts), "stop": None if self.stop is None else dict(self.stop)}
@@ -87,12 +100,20 @@ class EvalGuard:
         if stop is None:
             return None
         if self.metric == stop["metric"] and stop["now"] < self.threshold(stop["start"]):
-            return (f"{self.message()}. The run was stopped there by the eval guard; to train on past it raise "
-                    f"eval.guard.max_drop above {stop['start'] - stop['now']:.4f} (or set eval.guard.relative), or "
-                    "turn the guard off with eval.guard.reward=null")
-        why = "the guard is off" if self.metric is None else (
-            f"it now watches {self.metric}" if self.metric != stop["metric"] else
-            f"the drop is within eval.guard.max_drop={self.max_drop:g}{' × |start|' if self.relative else ''}")
+            return (
+                f"{self.message()}. The run was stopped there by the eval guard; to train on past it raise "
+                f"eval.guard.max_drop above {stop['start'] - stop['now']:.4f} (or set eval.guard.relative), or "
+                "turn the guard off with eval.guard.reward=null"
+            )
+        why = (
+            "the guard is off"
+            if self.metric is None
+            else (
+                f"it now watches {self.metric}"
+                if self.metric != stop["metric"]
+                else f"the drop is within eval.guard.max_drop={self.max_drop:g}{' × |start|' if self.relative else ''}"
+            )
+        )
         self.note = f"training on past the eval guard's stop at step {stop['step']} ({why})"
         self.stop = None
         return None
@@ -104,13 +125,17 @@ class EvalGuard:
         the first eval of this resume is the start."""
         refusal = self.resume_refusal()
         if self.metric is not None and not self.starts and refusal is None:
-            self.note = (f"eval guard: {checkpoint} holds no start values (written before the guard, or without an "
-                         "eval yet); the first eval of this resume is the start")
+            self.note = (
+                f"eval guard: {checkpoint} holds no start values (written before the guard, or without an "
+                "eval yet); the first eval of this resume is the start"
+            )
         return refusal or self.note, refusal is not None
 
 
 def stop_summary(stop: dict[str, Any]) -> str:
     """The closing summary's line for a trip (:attr:`EvalGuard.stop`): where, the reward, both values, the margin."""
     relative = ", relative" if stop["relative"] else ""
-    return (f"stopped by the eval guard at step {stop['step']}: {stop['metric']} fell from {stop['start']:.4f} "
-            f"to {stop['now']:.4f} (eval.guard.max_drop={stop['max_drop']:g}{relative})")
+    return (
+        f"stopped by the eval guard at step {stop['step']}: {stop['metric']} fell from {stop['start']:.4f} "
+        f"to {stop['now']:.4f} (eval.guard.max_drop={stop['max_drop']:g}{relative})"
+    )

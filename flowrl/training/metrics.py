@@ -1,5 +1,6 @@
 """What a run shows of its metrics: eval grids to the trackers and the reward curve (``reward_curve.png``); the
 metrics themselves are appended to ``metrics.jsonl`` by :class:`flowrl.run.metrics_log.MetricsLog`."""
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,8 @@ def log_grid_image(accelerator, log_with: str, tag: str, image, step: int) -> No
 
 
 def _is_train_key(key: str) -> bool:
-    """A training reward term's held-out mean (``eval/train/<name>/mean``, :func:`flowrl.training.evaluation.train_key`)."""
+    """A training reward term's held-out mean (``eval/train/<name>/mean``,
+    :func:`flowrl.training.evaluation.train_key`)."""
     return key.startswith(("eval/train/", "eval_default/train/")) and key.endswith("/mean")
 
 
@@ -37,7 +39,10 @@ def _plot_train(ax, records: list[dict[str, Any]], key: str) -> None:
         ax.plot(*zip(*train), lw=1, alpha=0.5, label="train reward")
         if len(train) >= 5:
             w = max(2, len(train) // 10)
-            ys = [sum(y for _, y in train[max(0, i - w + 1):i + 1]) / len(train[max(0, i - w + 1):i + 1]) for i in range(len(train))]
+            ys = [
+                sum(y for _, y in train[max(0, i - w + 1) : i + 1]) / len(train[max(0, i - w + 1) : i + 1])
+                for i in range(len(train))
+            ]
             ax.plot([s for s, _ in train], ys, lw=2, label=f"train reward (mean of {w})")
 
 
@@ -52,8 +57,13 @@ def _plot_evals(ax, records: list[dict[str, Any]], keys: list[str]) -> None:
     if base is not None and base.get("step") == 0:
         for k in (k for k in keys if k.startswith("eval_default/") and k in base):
             g = base.get("eval_default/guidance")
-            ax.axhline(base[k], ls="--", lw=1, color="gray",
-                       label=f"base model, guidance {g:g}" if g is not None else "base model, default guidance")
+            ax.axhline(
+                base[k],
+                ls="--",
+                lw=1,
+                color="gray",
+                label=f"base model, guidance {g:g}" if g is not None else "base model, default guidance",
+            )
 
 
 def _plot_guard(axes, guard_ax, records: list[dict[str, Any]]) -> None:

@@ -1,6 +1,7 @@
 """Model FLOP/s of every iteration (``perf/tflops``) and, on a device whose peak is known, the share of that peak
 (``perf/mfu``): the estimate's FLOPs of one iteration (per process; :func:`flowrl.estimate.iteration.estimate`) over
 the iteration's measured wall time."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ Scoring itself sits below the loop: the port and the background scorer in :mod:`
 :mod:`flowrl_rewards.background`, decoding and requesting a forest's scores in :mod:`flowrl.rollout.decoding` and
 :mod:`flowrl.rollout.scoring`.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -23,10 +24,12 @@ def check_modality(model: FlowModel, rewards: Sequence[tuple[str, Scorer]]) -> N
     for key, reward in rewards:
         for term in reward.terms:
             if term.modality == "video":
-                raise ConfigError(f"{key}: reward {term.name!r} ({type(term).__name__}) scores videos [B, F, 3, H, W] "
-                                  f"only (modality 'video'), but model family {model.family or type(model).__name__!r} "
-                                  "samples images [B, 3, H, W]; accepted with an image model: image rewards "
-                                  "(modality 'image'). Remove it, or train a video family (e.g. model.family=wan)")
+                raise ConfigError(
+                    f"{key}: reward {term.name!r} ({type(term).__name__}) scores videos [B, F, 3, H, W] "
+                    f"only (modality 'video'), but model family {model.family or type(model).__name__!r} "
+                    "samples images [B, 3, H, W]; accepted with an image model: image rewards "
+                    "(modality 'image'). Remove it, or train a video family (e.g. model.family=wan)"
+                )
 
 
 class RewardsFailed(FloatingPointError):
@@ -47,7 +50,10 @@ class FailedRewardStreak:
         self.count = self.count + 1 if leaves > 0 and failed >= leaves else 0
         if self.count >= self.limit:
             why = "; ".join(f"reward {name!r}: {text}" for name, text in self.reward.failures.items()) or (
-                f"rewards {[r.name for r in self.reward.terms]} gave no error, but every combined reward was NaN")
-            raise RewardsFailed(f"every reward failed in {self.count} iterations in a row (train.max_failed_iterations="
-                                f"{self.limit}; the last: {failed:.0f} of {leaves:.0f} images); last error: {why}. Fix "
-                                "the reward (or its server) and continue with train.resume=latest")
+                f"rewards {[r.name for r in self.reward.terms]} gave no error, but every combined reward was NaN"
+            )
+            raise RewardsFailed(
+                f"every reward failed in {self.count} iterations in a row (train.max_failed_iterations="
+                f"{self.limit}; the last: {failed:.0f} of {leaves:.0f} images); last error: {why}. Fix "
+                "the reward (or its server) and continue with train.resume=latest"
+            )

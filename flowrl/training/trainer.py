@@ -17,6 +17,7 @@ own small piece, wired here:
 - :class:`~flowrl.training.trainer_checkpoints.TrainerCheckpoints` (mixed in): what a checkpoint holds, saving, the
   export and the resume.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,7 @@ from flowrl.config import build
 from flowrl.config.checks import guard_names
 from flowrl.config.chosen import build_components
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.core.seeding import derive_seed
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import (
     Sharding,
@@ -47,7 +49,6 @@ from flowrl.prompts.checks import check_prompts, check_run_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
-from flowrl.core.seeding import derive_seed
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.callbacks import Callback, default_callbacks
@@ -71,8 +72,15 @@ class Trainer(TrainerCheckpoints):
     after the built-in ones at the end of every iteration and eval.
     """
 
-    def __init__(self, config: TrainConfig, model: FlowModel | None = None, reward: Any = None, accelerator=None,
-                 perf: PerfMeter | None = None, callbacks: Sequence[Callback] = ()):
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: FlowModel | None = None,
+        reward: Any = None,
+        accelerator=None,
+        perf: PerfMeter | None = None,
+        callbacks: Sequence[Callback] = (),
+    ):
         from accelerate import Accelerator
 
         self.cfg = c = config
@@ -81,18 +89,26 @@ class Trainer(TrainerCheckpoints):
             torch.set_num_threads(c.train.num_threads)
         device = build.resolve_device(c.model.device)
         run_dir = Path(c.train.output_dir) / c.train.name
-        self.accelerator = accelerator or Accelerator(cpu=device.type == "cpu", project_dir=str(run_dir),
-                                                      log_with=None if c.train.log_with == "none" else c.train.log_with)
+        self.accelerator = accelerator or Accelerator(
+            cpu=device.type == "cpu",
+            project_dir=str(run_dir),
+            log_with=None if c.train.log_with == "none" else c.train.log_with,
+        )
         self.group = ProcessGroup(self.accelerator)
         self.world, self.rank = self.group.world, self.group.rank
         if c.prompts.per_step % self.world:
-            raise ConfigError(f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})")
+            raise ConfigError(
+                f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})"
+            )
         shard = resolve_shard(c.model.shard)
         check_shard_settings(c, self.world, shard)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
-        self.reward = (_as_multi(reward, c.reward_normalize) if reward is not None
-                       else build.build_rewards(c.rewards, c.reward_normalize))
+        self.reward = (
+            _as_multi(reward, c.reward_normalize)
+            if reward is not None
+            else build.build_rewards(c.rewards, c.reward_normalize)
+        )
         self.eval_reward = build.build_rewards(c.eval.rewards, key="eval.rewards") if c.eval.rewards else self.reward
         check_run_prompts(c, self.reward, self.eval_reward, model)  # each line scorable; source images where needed
         for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
@@ -111,23 +127,44 @@ class Trainer(TrainerCheckpoints):
         self.compiled = apply_block_settings(self.model.trainable, c.model)  # per-block checkpointing, compile
         self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
         if shard == "fsdp":
-            self.sharding = Sharding(self.model, self.world, self.accelerator.device, c.model.shard_rollouts,
-                                     offload=offload_requested())
+            self.sharding = Sharding(
+                self.model, self.world, self.accelerator.device, c.model.shard_rollouts, offload=offload_requested()
+            )
             self.sharding.shard(compute_dtype(self.model))
             self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
-        self.runner = RolloutRunner(self.plan, self.model, self.reward, self.prompts, self.group, seed=c.train.seed,
-                                    guidance=self.guidance, max_batch=c.rollout.max_batch, chunks=c.rollout.chunks,
-                                    reduction=self.objective.reduction, teacher=self.objective.sampling_teacher(),
-                                    async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()])
-        self.updater = Updater(c, self.model, self.objective, self.plan, self.params, self.group,
-                               sharded=self.sharding is not None)
+        self.runner = RolloutRunner(
+            self.plan,
+            self.model,
+            self.reward,
+            self.prompts,
+            self.group,
+            seed=c.train.seed,
+            guidance=self.guidance,
+            max_batch=c.rollout.max_batch,
+            chunks=c.rollout.chunks,
+            reduction=self.objective.reduction,
+            teacher=self.objective.sampling_teacher(),
+            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
+        )
+        self.updater = Updater(
+            c, self.model, self.objective, self.plan, self.params, self.group, sharded=self.sharding is not None
+        )
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
-        self.evaluate = HeldOutEval(c.eval, self.model, self.eval_prompts, self.eval_reward, self.group,
-                                    run_dir / "samples", self.guidance, progress=c.train.progress,
-                                    train_reward=self._held_out_training_reward(), on_grid=self._log_grid,
-                                    max_batch=c.rollout.max_batch)
+        self.evaluate = HeldOutEval(
+            c.eval,
+            self.model,
+            self.eval_prompts,
+            self.eval_reward,
+            self.group,
+            run_dir / "samples",
+            self.guidance,
+            progress=c.train.progress,
+            train_reward=self._held_out_training_reward(),
+            on_grid=self._log_grid,
+            max_batch=c.rollout.max_batch,
+        )
         self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
         self.callbacks = [*default_callbacks(c, self.reward, self.guard), *callbacks]
         self.resumed_from: Path | None = None
@@ -209,9 +246,12 @@ class Trainer(TrainerCheckpoints):
         leaves = forest.leaves()
         rewards = g.gather(forest.reward[leaves])
         ok = rewards[~torch.isnan(rewards)]
-        record: dict[str, float] = {"step": iteration + 1, "reward_mean": float(ok.mean()) if ok.numel() else float("nan"),
-                                    "reward_std": float(ok.std(unbiased=False)) if ok.numel() else float("nan"),
-                                    "reward_failed": float(rewards.numel() - ok.numel())}
+        record: dict[str, float] = {
+            "step": iteration + 1,
+            "reward_mean": float(ok.mean()) if ok.numel() else float("nan"),
+            "reward_std": float(ok.std(unbiased=False)) if ok.numel() else float("nan"),
+            "reward_failed": float(rewards.numel() - ok.numel()),
+        }
         for name, values in forest.reward_components.items():
             record[f"reward/{name}"] = float(g.gather(values[leaves]).nanmean())
         record.update({k: g.mean(v) for k, v in {**plan_stats, **credit_stats}.items()})
@@ -219,7 +259,9 @@ class Trainer(TrainerCheckpoints):
         record["rollout_forwards"] = g.sum(forest.counters["forwards"])
         record["rollout_nfe"] = g.sum(forest.counters["nfe"])
         record["leaves"] = g.sum(forest.leaves().numel())
-        record.update({k: g.sum(v) if k.endswith("_forwards") else g.mean(v) for k, v in self.objective.take_stats().items()})
+        record.update(
+            {k: g.sum(v) if k.endswith("_forwards") else g.mean(v) for k, v in self.objective.take_stats().items()}
+        )
         record.update(self._observe_spread(forest))
         for callback in self.callbacks:
             record.update(callback.on_iteration(self, forest, record))
@@ -273,10 +315,16 @@ class Trainer(TrainerCheckpoints):
         if found is not None:
             self.load_checkpoint(*found)
         log = self.folder.metrics(self.step if found is not None else None)
-        if found is not None and self.step >= t.max_steps and self.folder.finished(log, self.step, bool(self.eval_prompts)):
+        if (
+            found is not None
+            and self.step >= t.max_steps
+            and self.folder.finished(log, self.step, bool(self.eval_prompts))
+        ):
             if main:
-                print(f"the run already finished at step {self.step} (train.max_steps={t.max_steps}); raise "
-                      "train.max_steps to go on")
+                print(
+                    f"the run already finished at step {self.step} (train.max_steps={t.max_steps}); raise "
+                    "train.max_steps to go on"
+                )
             return []
         if found is not None:
             line, refuses = self.guard.after_resume(self.resumed_from)  # a stop that still stands refuses
@@ -302,11 +350,11 @@ class Trainer(TrainerCheckpoints):
         """The iterations, then the last checkpoint and the closing eval; Ctrl-C or SIGTERM finishes the iteration,
         saves and raises KeyboardInterrupt; a trip of the eval guard saves and stops without the closing eval."""
         t = self.cfg.train
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=not (self.group.is_main and t.progress),
-                   desc="flowrl train")
+        bar = tqdm(
+            total=t.max_steps, initial=self.step, disable=not (self.group.is_main and t.progress), desc="flowrl train"
+        )
         with stop_on_first_interrupt() as stop:
-            while (self.step < t.max_steps and not stop.requested and not self.out_of_time()
-                   and self.guard.stop is None):
+            while self.step < t.max_steps and not stop.requested and not self.out_of_time() and self.guard.stop is None:
                 self._iteration(bar)
             bar.close()
             self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
@@ -321,7 +369,10 @@ class Trainer(TrainerCheckpoints):
                     print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
                 raise KeyboardInterrupt
         if self.guard.stop is not None and self.group.is_main:
-            print(f"\n{self.guard.message()}\nstopped by the eval guard: saved a checkpoint at step {self.step}", flush=True)
+            print(
+                f"\n{self.guard.message()}\nstopped by the eval guard: saved a checkpoint at step {self.step}",
+                flush=True,
+            )
 
     def _iteration(self, bar) -> None:
         """One iteration with its metrics, then a periodic eval and checkpoint when due."""
@@ -343,8 +394,11 @@ class Trainer(TrainerCheckpoints):
         for callback in self.callbacks:
             callback.on_iteration_end(self, record)  # e.g. every reward failed N iterations in a row: exit 3
         bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **self.facts.progress(record),
-                        **(self.perf.progress(record) if self.perf is not None else {}))
+        bar.set_postfix(
+            reward=f"{record['reward_mean']:.3f}",
+            **self.facts.progress(record),
+            **(self.perf.progress(record) if self.perf is not None else {}),
+        )
         last = self.step == t.max_steps or self.out_of_time()
         if self.eval_due(seconds_before) and not last:
             self._evaluate()
@@ -383,8 +437,11 @@ class Trainer(TrainerCheckpoints):
         try:
             check_prompts(c.prompts.eval, "prompts.eval", self.reward.check_prompt)
         except ConfigError as e:
-            warnings.warn(f"the evals report eval.rewards only: the training reward cannot score every held-out "
-                          f"prompt ({e})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"the evals report eval.rewards only: the training reward cannot score every held-out prompt ({e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
         return self.reward
 

@@ -8,6 +8,7 @@ state, the policy's guidance, the training time, the eval guard's start values a
 a resume sets ``resumed_from``). The run folder's protection, the atomic writes and the
 checks of what is read are :class:`~flowrl.run.folder.RunFolder`'s; the shards are
 :mod:`flowrl.run.sharded_checkpoint`'s."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,29 +28,40 @@ class TrainerCheckpoints:
         every process writes its shards into it too (:mod:`flowrl.run.sharded_checkpoint`)."""
         self.group.wait()
         if not self.updater.weights_finite():
-            raise FloatingPointError(f"the weights at step {self.step} are not finite: no checkpoint was written, the "
-                                     "previous one is intact")
-        state = {"step": self.step, **self.updater.state_dict(), "config": self.cfg.to_dict(),
-                 "torch_rng": torch.get_rng_state(), "prompts": self.prompts.state_dict(),
-                 "objective": self.objective.state_dict(), "plan": self.plan.state_dict(),
-                 "policy_guidance": self.guidance, "train_seconds": self.train_seconds,
-                 "guard": self.guard.state_dict()}
+            raise FloatingPointError(
+                f"the weights at step {self.step} are not finite: no checkpoint was written, the previous one is intact"
+            )
+        state = {
+            "step": self.step,
+            **self.updater.state_dict(),
+            "config": self.cfg.to_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "prompts": self.prompts.state_dict(),
+            "objective": self.objective.state_dict(),
+            "plan": self.plan.state_dict(),
+            "policy_guidance": self.guidance,
+            "train_seconds": self.train_seconds,
+            "guard": self.guard.state_dict(),
+        }
         if self.sharding is not None:
             state, extra = split_sharded(state)
             lora = None
             if self.model.has_lora:  # small: consolidated in every checkpoint (pipe.load_lora_weights reads it)
                 with self.ema_weights():
                     lora = full_state(self.model)
+
             def write_lora(folder: Path) -> None:
                 if lora is not None:
                     save_weights(self.model, folder, lora)
 
-            path = self.folder.save_sharded(self.step, shards_of(self.model.trainable, self.optimizer, extra),
-                                            write_lora, state)
+            path = self.folder.save_sharded(
+                self.step, shards_of(self.model.trainable, self.optimizer, extra), write_lora, state
+            )
             self.group.wait()
             return path
         path = None
         if self.group.is_main:
+
             def write_weights(folder: Path) -> None:
                 with self.ema_weights():
                     save_weights(self.model, folder)
@@ -73,14 +85,22 @@ class TrainerCheckpoints:
         return path
 
     def _read(self, path: Path) -> dict:
-        return self.folder.read_intact(path, self.model, self.updater.weights_finite,
-                                       sharded=self._read_shards if self.sharding is not None else None)
+        return self.folder.read_intact(
+            path,
+            self.model,
+            self.updater.weights_finite,
+            sharded=self._read_shards if self.sharding is not None else None,
+        )
 
     def _read_shards(self, path: Path, state: dict) -> dict:
         """``state`` (a sharded checkpoint's, read) with the shards of ``path`` loaded: the weights and the
         optimizer into the sharded model, the trainer state's sharded tensors put back at their places."""
-        template = {"step": 0, **self.updater.state_dict(), "objective": self.objective.state_dict(),
-                    "plan": self.plan.state_dict()}
+        template = {
+            "step": 0,
+            **self.updater.state_dict(),
+            "objective": self.objective.state_dict(),
+            "plan": self.plan.state_dict(),
+        }
         _, extra = split_sharded(template)
         extra = load_shards(path / SHARDED_DIR, self.model.trainable, self.optimizer, extra)
         return merge_sharded(state, extra)

@@ -8,6 +8,7 @@ gradient is not finite. With an fp16 transformer it scales the loss dynamically 
 global values. It also owns what changes with the weights: the optimizer, the loss scale, the
 learning-rate schedule and the EMA of the weights used for evals and saving.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,11 +19,11 @@ from typing import Any, Iterator
 import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.core.seeding import derive_seed
 from flowrl.distributed.process_group import ProcessGroup, fold
 from flowrl.distributed.sharding import local, whole
 from flowrl.objectives.base import Batch, Objective
 from flowrl.rollout.forest import Forest
-from flowrl.core.seeding import derive_seed
 
 UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
 
@@ -85,8 +86,16 @@ class Updater:
     MAX_NONFINITE_STREAK = 3  # optimizer steps skipped in a row before the run stops
     MAX_OVERFLOW_STREAK = 12  # loss-scale overflows in a row (the scale / 4096) before they count as failures
 
-    def __init__(self, cfg: TrainConfig, model, objective: Objective, plan, params: list[torch.nn.Parameter],
-                 group: ProcessGroup, sharded: bool = False):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model,
+        objective: Objective,
+        plan,
+        params: list[torch.nn.Parameter],
+        group: ProcessGroup,
+        sharded: bool = False,
+    ):
         self.cfg, self.model, self.objective, self.plan = cfg, model, objective, plan
         self.params, self.group, self.sharded = params, group, sharded
         # averages the gradients over processes once per optimizer step, overlapping the backward that ends
@@ -101,7 +110,9 @@ class Updater:
         self.scaler = self._make_scaler()
         self.overflows = 0  # steps skipped by the loss scaler (scale too high; not failures)
         self.overflow_streak = 0  # overflows since the last step taken
-        self._loss_finite = torch.ones((), dtype=torch.bool)  # every loss of the step finite (on the device; read on overflow)
+        self._loss_finite = torch.ones(
+            (), dtype=torch.bool
+        )  # every loss of the step finite (on the device; read on overflow)
         self._batches: list[Batch] = []
 
     def _make_scaler(self) -> torch.amp.GradScaler:
@@ -134,8 +145,16 @@ class Updater:
         return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
 
     # ---- back-propagation ---------------------------------------------------------------------
-    def _backward(self, forest: Forest, cond, part: list[Batch], n_global: float, sums: "DeviceSums",
-                  final: bool = False, padding: int = 0) -> int:
+    def _backward(
+        self,
+        forest: Forest,
+        cond,
+        part: list[Batch],
+        n_global: float,
+        sums: "DeviceSums",
+        final: bool = False,
+        padding: int = 0,
+    ) -> int:
         """Back-propagate the objective's loss of the micro-batches ``part``, each scaled so the optimizer
         step averages over the ``n_global`` units (edges or leaves) of all processes, and fold their
         diagnostics into ``sums`` (size-weighted sums; the objective's extremes by min/max), on the device:
@@ -166,7 +185,9 @@ class Updater:
         sharding: one of this iteration's own, else one over every unit the plan made trainable."""
         if self._batches:
             return self._batches[0]
-        every = forest.units(self.objective.describe().trains_on, flat=True, weighted=False)  # whatever the credit rule weighted
+        every = forest.units(
+            self.objective.describe().trains_on, flat=True, weighted=False
+        )  # whatever the credit rule weighted
         return self.objective.batches(forest, 0, self.cfg.train.seed, units=every)[0]
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
@@ -185,7 +206,9 @@ class Updater:
         objective.begin_iteration(self.model, forest)
         cond = objective.encode(self.model, forest)
         batches = self._batches = objective.batches(forest, iteration, cfg.train.seed)
-        step_diags: list[tuple[DeviceSums, float, DeviceSums | None]] = []  # per optimizer step: (diagnostics, units, auxiliary)
+        step_diags: list[
+            tuple[DeviceSums, float, DeviceSums | None]
+        ] = []  # per optimizer step: (diagnostics, units, auxiliary)
         skipped, overflows = 0, self.overflows
         grad_norms = []
         for epoch in range(cfg.train.inner_epochs):
@@ -195,15 +218,16 @@ class Updater:
                 order = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
             U = cfg.train.updates_per_epoch
             for u in range(U):
-                part = order[u * len(order) // U:(u + 1) * len(order) // U]
+                part = order[u * len(order) // U : (u + 1) * len(order) // U]
                 n_global = self.group.sum(sum(b.size for b in part))
                 if n_global == 0:  # on every process alike
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 self._loss_finite = torch.ones((), dtype=torch.bool)
                 step_sums = DeviceSums(extremes)
-                seen = self._backward(forest, cond, part, n_global, step_sums, final=self._overlap,
-                                      padding=self._padding_count(part))
+                seen = self._backward(
+                    forest, cond, part, n_global, step_sums, final=self._overlap, padding=self._padding_count(part)
+                )
                 aux = objective.auxiliary(self.model, forest, cond)
                 aux_sums = None
                 if aux is not None:
@@ -234,8 +258,9 @@ class Updater:
         return out
 
     @staticmethod
-    def _fold_steps(step_diags: list[tuple["DeviceSums", float, "DeviceSums | None"]], extremes: dict,
-                    first_keys: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    def _fold_steps(
+        step_diags: list[tuple["DeviceSums", float, "DeviceSums | None"]], extremes: dict, first_keys: tuple[str, ...]
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """The iteration's diagnostics on the host, read back in one go (:func:`host_values`): (every optimizer
         step's sums folded, with the units under ``UNITS``; the auxiliary term's sums with the steps that had one
         under ``STEPS``; the first step's ``first_keys``, before any weight changed, with its units)."""
@@ -279,8 +304,9 @@ class Updater:
                 self.overflow_streak += 1
             else:
                 self.scaler.update(self.scaler.get_scale())  # clears the step's state, keeps the scale
-            tolerated = (losses_finite and self.scaler.get_scale() >= 1.0
-                         and self.overflow_streak <= self.MAX_OVERFLOW_STREAK)
+            tolerated = (
+                losses_finite and self.scaler.get_scale() >= 1.0 and self.overflow_streak <= self.MAX_OVERFLOW_STREAK
+            )
             if tolerated:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.overflows += 1
@@ -300,12 +326,18 @@ class Updater:
         """Drop a step whose loss or gradient is not finite (warned, counted); several in a row stop the run."""
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_streak += 1
-        warnings.warn(f"iteration {iteration}: the loss or gradient is not finite; optimizer step skipped "
-                      f"({self.nonfinite_streak} in a row)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"iteration {iteration}: the loss or gradient is not finite; optimizer step skipped "
+            f"({self.nonfinite_streak} in a row)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         if self.nonfinite_streak >= self.MAX_NONFINITE_STREAK:
-            raise FloatingPointError(f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
-                                     f"(iteration {iteration}); the weights were left as they were before them. Check the "
-                                     f"reward's values, optim.lr and model.dtype{self._attention_hint()}")
+            raise FloatingPointError(
+                f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                f"(iteration {iteration}); the weights were left as they were before them. Check the "
+                f"reward's values, optim.lr and model.dtype{self._attention_hint()}"
+            )
 
     def _attention_hint(self) -> str:
         """A pointer to ``model.cudnn_attention`` when torch's cuDNN attention kernel is allowed on this CUDA device."""
@@ -313,8 +345,10 @@ class Updater:
 
         if not cudnn_attention_on(self.model.device):
             return ""
-        return ("; torch's cuDNN attention kernel is on (model.cudnn_attention=true), whose backward gave non-finite "
-                "gradients for FLUX.1-dev on an H200: try model.cudnn_attention=false")
+        return (
+            "; torch's cuDNN attention kernel is on (model.cudnn_attention=true), whose backward gave non-finite "
+            "gradients for FLUX.1-dev on an H200: try model.cudnn_attention=false"
+        )
 
     def gradient(self, forest: Forest, iteration: int) -> torch.Tensor:
         """The objective's gradient over all of ``forest``, flat [P] over ``params`` (mean over processes,
@@ -329,11 +363,22 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         n_global = self.group.sum(sum(b.size for b in batches))
         if n_global > 0:
-            self._backward(forest, cond, batches, n_global, DeviceSums(self.objective.describe().extremes), final=True,
-                           padding=self._padding_count(batches))
+            self._backward(
+                forest,
+                cond,
+                batches,
+                n_global,
+                DeviceSums(self.objective.describe().extremes),
+                final=True,
+                padding=self._padding_count(batches),
+            )
             self.reducer.finish()
-        flat = torch.cat([whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                          for p in self.params])
+        flat = torch.cat(
+            [
+                whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                for p in self.params
+            ]
+        )
         if self.scaler.is_enabled():
             flat = flat / self.scaler.get_scale()
         self.optimizer.zero_grad(set_to_none=True)
@@ -375,10 +420,16 @@ class Updater:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Its state to checkpoint; sharded, without the optimizer's (:mod:`flowrl.run.sharded_checkpoint` writes it)."""
+        """Its state to checkpoint; sharded, without the optimizer's (:mod:`flowrl.run.sharded_checkpoint` writes
+        it)."""
         optimizer = {} if self.sharded else {"optimizer": self.optimizer.state_dict()}
-        return {**optimizer, "scheduler": self.scheduler.state_dict(), "ema": self.ema,
-                "scaler": self.scaler.state_dict(), "overflow_streak": self.overflow_streak}
+        return {
+            **optimizer,
+            "scheduler": self.scheduler.state_dict(),
+            "ema": self.ema,
+            "scaler": self.scaler.state_dict(),
+            "overflow_streak": self.overflow_streak,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.sharded:
@@ -389,4 +440,3 @@ class Updater:
             self.overflow_streak = int(state.get("overflow_streak", 0))
         if self.ema is not None and state.get("ema") is not None:
             self.ema = [e.to(p.device) for e, p in zip(state["ema"], self.params)]
-

@@ -1,13 +1,16 @@
 """The GenEval reward and metric, in-process: GenEval's detector and colour classifier
-(:mod:`flowrl_rewards.compositional.geneval_detector`) and GenEval's rules (:mod:`flowrl_rewards.compositional.geneval_rules`, shared with the shapes
+(:mod:`flowrl_rewards.compositional.geneval_detector`) and GenEval's rules
+(:mod:`flowrl_rewards.compositional.geneval_rules`, shared with the shapes
 world's reward).
 
 Per image it computes GenEval's strict verdict (the benchmark), Flow-GRPO's exact verdict and partial score (the
 reward its GenEval server trains with) and the prompt's task; the training score is one of them (``score``).
 Each prompt's task comes from GenEval's metadata files (``metadata``: ``dataset/geneval/*_metadata.jsonl`` from
-``flowrl data fetch geneval``) or, for a prompt in none, from GenEval's templates (:mod:`flowrl_rewards.compositional.geneval_prompts`);
+``flowrl data fetch geneval``) or, for a prompt in none, from GenEval's templates
+(:mod:`flowrl_rewards.compositional.geneval_prompts`);
 a prompt that is neither fails at load, naming its file and line.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -17,10 +20,10 @@ import torch
 
 from flowrl.core.choices import choose
 from flowrl_rewards.compositional import geneval_rules as rules
-from flowrl_rewards.core._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
-from flowrl_rewards.core.base import Reward
 from flowrl_rewards.compositional.geneval_detector import DEFAULT_DETECTOR, ClipColors, Mask2FormerDetector
 from flowrl_rewards.compositional.geneval_prompts import COCO_CLASSES, TaskBook
+from flowrl_rewards.core._common import check_batch_size, resolve_device, resolve_dtype, to_uint8
+from flowrl_rewards.core.base import Reward
 
 SCORES: tuple[str, ...] = ("partial", "strict", "exact")
 
@@ -48,23 +51,41 @@ class GenEvalReward(Reward):
 
     name = "geneval"
 
-    def __init__(self, score: str = "partial", metadata: str | Sequence[str] | None = None,
-                 detector: str = DEFAULT_DETECTOR, clip_model: str = "ViT-L-14", clip_pretrained: str | None = "openai",
-                 confidence: float = 0.3, counting_threshold: float = 0.9, max_objects: int = 16,
-                 max_overlap: float = 1.0, position_threshold: float = 0.1, device: str = "auto", dtype: str = "auto",
-                 batch_size: int = 8):
+    def __init__(
+        self,
+        score: str = "partial",
+        metadata: str | Sequence[str] | None = None,
+        detector: str = DEFAULT_DETECTOR,
+        clip_model: str = "ViT-L-14",
+        clip_pretrained: str | None = "openai",
+        confidence: float = 0.3,
+        counting_threshold: float = 0.9,
+        max_objects: int = 16,
+        max_overlap: float = 1.0,
+        position_threshold: float = 0.1,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 8,
+    ):
         choose("geneval: score", score, SCORES, error=ValueError)
-        for key, value, low, high in (("confidence", confidence, 0, 1), ("counting_threshold", counting_threshold, 0, 1),
-                                      ("max_overlap", max_overlap, 0, 1), ("position_threshold", position_threshold, 0, 1)):
+        for key, value, low, high in (
+            ("confidence", confidence, 0, 1),
+            ("counting_threshold", counting_threshold, 0, 1),
+            ("max_overlap", max_overlap, 0, 1),
+            ("position_threshold", position_threshold, 0, 1),
+        ):
             if not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ValueError(f"geneval: {key}={value!r} must be a number in [{low}, {high}]")
         if isinstance(max_objects, bool) or not isinstance(max_objects, int) or max_objects < 1:
             raise ValueError(f"geneval: max_objects={max_objects!r} must be an integer >= 1")
         self.score_kind = score
         # metadata checked before any model loads: classes, counts within max_objects, colours, fields
-        self.tasks = TaskBook([metadata] if isinstance(metadata, str) else list(metadata or []),
-                              max_objects=max_objects)
-        self.thresholds = rules.Thresholds(float(confidence), float(counting_threshold), max_objects, float(max_overlap))
+        self.tasks = TaskBook(
+            [metadata] if isinstance(metadata, str) else list(metadata or []), max_objects=max_objects
+        )
+        self.thresholds = rules.Thresholds(
+            float(confidence), float(counting_threshold), max_objects, float(max_overlap)
+        )
         self.position_threshold = float(position_threshold)
         dev = resolve_device(device, self.name)
         dt = resolve_dtype(dtype, dev, self.name)
@@ -85,7 +106,8 @@ class GenEvalReward(Reward):
         return rules.relative_position(a, b, self.position_threshold)
 
     def verdicts(self, images: Any, prompts: Sequence[str]) -> list[rules.Verdict]:
-        """One :class:`~flowrl_rewards.compositional.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8 [B, H, W, 3]). The
+        """One :class:`~flowrl_rewards.compositional.geneval_rules.Verdict` per image [B, 3, H, W] in [0, 1] (or uint8
+        [B, H, W, 3]). The
         last call's are kept: an eval that scores a batch and then asks for its summary (:meth:`evaluate`, with the
         same images object) runs the detector once."""
         if self._last is not None and self._last[0] is images and self._last[1] == tuple(prompts):

@@ -17,6 +17,7 @@ model's own transform; the class embedding of colour c the normalised mean of th
 "a photo of a {c} {object}", "a photo of a {c}-colored {object}" and "a photo of a {c} object"; the colour the
 arg-max of the cosine.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -29,9 +30,18 @@ from flowrl_rewards.compositional.geneval_rules import COLORS, Found
 
 DEFAULT_DETECTOR = "facebook/mask2former-swin-small-coco-instance"
 COCO_ALIASES: dict[str, str] = {
-    "mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard", "tvmonitor": "tv",
-    "motorbike": "motorcycle", "aeroplane": "airplane", "sofa": "couch", "pottedplant": "potted plant",
-    "diningtable": "dining table", "hair dryer": "hair drier", "donut": "donut", "doughnut": "donut",
+    "mouse": "computer mouse",
+    "remote": "tv remote",
+    "keyboard": "computer keyboard",
+    "tvmonitor": "tv",
+    "motorbike": "motorcycle",
+    "aeroplane": "airplane",
+    "sofa": "couch",
+    "pottedplant": "potted plant",
+    "diningtable": "dining table",
+    "hair dryer": "hair drier",
+    "donut": "donut",
+    "doughnut": "donut",
 }
 """Detector label → GenEval's name, where COCO label sets spell a class otherwise."""
 
@@ -69,45 +79,70 @@ class Mask2FormerDetector:
     refused at load.
     """
 
-    def __init__(self, path: str = DEFAULT_DETECTOR, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, batch_size: int = 8, max_per_image: int = 100, owner: str = "geneval"):
+    def __init__(
+        self,
+        path: str = DEFAULT_DETECTOR,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 8,
+        max_per_image: int = 100,
+        owner: str = "geneval",
+    ):
         try:
             from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
         except ImportError as e:  # scipy, which transformers' Mask2Former needs
-            raise ImportError(f"{owner}: the Mask2Former detector needs transformers and scipy: "
-                              f"pip install 'flowrl-align[geneval]' ({e})") from e
+            raise ImportError(
+                f"{owner}: the Mask2Former detector needs transformers and scipy: "
+                f"pip install 'flowrl-align[geneval]' ({e})"
+            ) from e
         try:
             self.model = Mask2FormerForUniversalSegmentation.from_pretrained(path).eval().requires_grad_(False)
             self.processor = AutoImageProcessor.from_pretrained(path)
         except Exception as e:
-            raise RuntimeError(f"{owner}: cannot load the detector {path!r} ({type(e).__name__}: {e}); detector= takes "
-                               f"a transformers Mask2Former instance-segmentation checkpoint: a hub id (default "
-                               f"{DEFAULT_DETECTOR!r}) or a local folder saved with save_pretrained") from e
+            raise RuntimeError(
+                f"{owner}: cannot load the detector {path!r} ({type(e).__name__}: {e}); detector= takes "
+                f"a transformers Mask2Former instance-segmentation checkpoint: a hub id (default "
+                f"{DEFAULT_DETECTOR!r}) or a local folder saved with save_pretrained"
+            ) from e
         self.model.to(device=device, dtype=dtype)
-        self.device, self.dtype, self.batch_size, self.max_per_image = torch.device(device), dtype, batch_size, max_per_image
+        self.device, self.dtype, self.batch_size, self.max_per_image = (
+            torch.device(device),
+            dtype,
+            batch_size,
+            max_per_image,
+        )
         labels = self.model.config.id2label
         self.names = [geneval_name(labels[i]) for i in range(len(labels))]
         if not set(self.names) & set(COCO_CLASSES):
-            raise ValueError(f"{owner}: detector={path!r} detects none of GenEval's classes (its labels: "
-                             f"{self.names[:8]}…); use a COCO instance-segmentation checkpoint")
+            raise ValueError(
+                f"{owner}: detector={path!r} detects none of GenEval's classes (its labels: "
+                f"{self.names[:8]}…); use a COCO instance-segmentation checkpoint"
+            )
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray) -> list[dict[str, list[Found]]]:
         out: list[dict[str, list[Found]]] = []
         for start in range(0, len(images), self.batch_size):
-            chunk = images[start:start + self.batch_size]
+            chunk = images[start : start + self.batch_size]
             inputs = self.processor(images=list(chunk), return_tensors="pt")
             pixels = inputs["pixel_values"].to(self.device, self.dtype)
             mask = inputs.get("pixel_mask")
             result = self.model(pixel_values=pixels, pixel_mask=None if mask is None else mask.to(self.device))
             for i, image in enumerate(chunk):
                 valid = None if mask is None else mask[i]
-                out.append(self._detections(result.class_queries_logits[i].float(),
-                                            result.masks_queries_logits[i].float(), valid, image.shape[:2]))
+                out.append(
+                    self._detections(
+                        result.class_queries_logits[i].float(),
+                        result.masks_queries_logits[i].float(),
+                        valid,
+                        image.shape[:2],
+                    )
+                )
         return out
 
-    def _detections(self, class_logits: torch.Tensor, mask_logits: torch.Tensor, valid: torch.Tensor | None,
-                    size: tuple[int, int]) -> dict[str, list[Found]]:
+    def _detections(
+        self, class_logits: torch.Tensor, mask_logits: torch.Tensor, valid: torch.Tensor | None, size: tuple[int, int]
+    ) -> dict[str, list[Found]]:
         """Detections of one image from class logits [Q, C+1] and mask logits [Q, h, w] (``valid``: the processor's
         pixel mask [H', W'] of the padded input; ``size``: the image's (H, W))."""
         probs = class_logits.softmax(-1)[:, :-1]  # [Q, C]
@@ -125,7 +160,8 @@ class Mask2FormerDetector:
             name = self.names[int(classes[j])]
             if name in COCO_CLASSES:
                 out.setdefault(name, []).append(
-                    Found(box=tuple(boxes[j].tolist()), score=float(final[j]), mask=binary[j].cpu().numpy()))
+                    Found(box=tuple(boxes[j].tolist()), score=float(final[j]), mask=binary[j].cpu().numpy())
+                )
         return out
 
     def _masks(self, logits: torch.Tensor, valid: torch.Tensor | None, size: tuple[int, int]) -> torch.Tensor:
@@ -147,8 +183,16 @@ class ClipColors:
 
     TEMPLATES: tuple[str, ...] = ("a photo of a {c} {o}", "a photo of a {c}-colored {o}", "a photo of a {c} object")
 
-    def __init__(self, model: Any, preprocess: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype,
-                 background: str = "#999", batch_size: int = 16):
+    def __init__(
+        self,
+        model: Any,
+        preprocess: Any,
+        tokenizer: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        background: str = "#999",
+        batch_size: int = 16,
+    ):
         self.model, self.preprocess, self.tokenizer = model.to(device=device, dtype=dtype).eval(), preprocess, tokenizer
         self.device, self.dtype, self.background, self.batch_size = device, dtype, background, batch_size
         self._classifiers: dict[str, torch.Tensor] = {}
@@ -174,7 +218,11 @@ class ClipColors:
         blank = Image.new("RGB", pil.size, color=self.background)
         out = []
         for f in found:
-            shown = pil if f.mask is None else Image.composite(pil, blank, Image.fromarray(np.asarray(f.mask, dtype=np.uint8) * 255))
+            shown = (
+                pil
+                if f.mask is None
+                else Image.composite(pil, blank, Image.fromarray(np.asarray(f.mask, dtype=np.uint8) * 255))
+            )
             out.append(self.preprocess(shown.crop(tuple(f.box))))
         return torch.stack(out)
 
@@ -186,7 +234,7 @@ class ClipColors:
         pixels = self.crops(image, found)
         picks = []
         for start in range(0, len(found), self.batch_size):
-            feats = self.model.encode_image(pixels[start:start + self.batch_size].to(self.device, self.dtype)).float()
+            feats = self.model.encode_image(pixels[start : start + self.batch_size].to(self.device, self.dtype)).float()
             feats = feats / feats.norm(dim=-1, keepdim=True)
             picks += (feats @ weights.T).argmax(1).tolist()
         return [COLORS[i] for i in picks]

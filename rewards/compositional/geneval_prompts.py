@@ -1,8 +1,10 @@
-"""GenEval prompts → :class:`~flowrl_rewards.compositional.geneval_rules.Task`: from GenEval's metadata files (each line a record with
+"""GenEval prompts → :class:`~flowrl_rewards.compositional.geneval_rules.Task`: from GenEval's metadata files (each
+line a record with
 the prompt), or, for a prompt no file names, from GenEval's own prompt templates (``prompts/create_prompts.py`` of
 djghosh13/geneval: "a photo of a bench", "… of a cat and a dog", "… of three pizzas", "… of a purple potted
 plant", "… of a cat left of a dog", "… of a red car and a blue bench") over its 80 COCO class names.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,19 +16,94 @@ from typing import Iterable, Sequence
 from flowrl_rewards.compositional.geneval_rules import COLORS, RELATIONS, Clause, Task
 
 COCO_CLASSES: tuple[str, ...] = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow", "elephant",
-    "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard",
-    "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle",
-    "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "orange", "broccoli",
-    "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet",
-    "tv", "laptop", "computer mouse", "tv remote", "computer keyboard", "cell phone", "microwave", "oven", "toaster",
-    "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush")
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
+)
 """GenEval's object names (its ``object_names.txt``): the COCO classes, three of them spelt out."""
 
 NUMBERS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
-FORMS = ('"a photo of a bench", "a photo of a cat and a dog", "a photo of three pizzas", '
-         '"a photo of a purple potted plant", "a photo of a cat left of a dog", "a photo of a red car and a blue bench"')
+FORMS = (
+    '"a photo of a bench", "a photo of a cat and a dog", "a photo of three pizzas", '
+    '"a photo of a purple potted plant", "a photo of a cat left of a dog", "a photo of a red car and a blue bench"'
+)
 
 
 def plural(name: str) -> str:
@@ -75,8 +152,9 @@ def parse_prompt(prompt: str, classes: Sequence[str] = COCO_CLASSES) -> Task | N
     return None
 
 
-def read_metadata(paths: Iterable[str | Path], classes: Sequence[str] = COCO_CLASSES,
-                  max_objects: int | None = None) -> dict[str, Task]:
+def read_metadata(
+    paths: Iterable[str | Path], classes: Sequence[str] = COCO_CLASSES, max_objects: int | None = None
+) -> dict[str, Task]:
     """Prompt → task from GenEval metadata JSONL files (one record per line; later files win on a repeated
     prompt); a ValueError naming the file, line and field of a record that is not a GenEval task, names a class
     outside ``classes`` or a count above ``max_objects`` (the most detections GenEval keeps per class: such a
@@ -111,10 +189,14 @@ def metadata_file(spec: str | Path) -> Path:
     if folder is not None:
         inside = sorted(p.name for p in folder.glob("*.jsonl"))
         listing = f"; the JSONL files in it: {inside[:8]}" if inside else "; it holds no .jsonl file"
-        raise IsADirectoryError(f"GenEval metadata {str(spec)!r} is a folder ({folder}), not a file: metadata takes "
-                                f"JSONL files, e.g. {str(spec).rstrip('/')}/test_metadata.jsonl{listing}")
-    raise FileNotFoundError(f"GenEval metadata file {str(spec)!r} does not exist (looked in {where_tried(spec)};"
-                            " flowrl data fetch geneval writes dataset/geneval/{train,test}_metadata.jsonl)")
+        raise IsADirectoryError(
+            f"GenEval metadata {str(spec)!r} is a folder ({folder}), not a file: metadata takes "
+            f"JSONL files, e.g. {str(spec).rstrip('/')}/test_metadata.jsonl{listing}"
+        )
+    raise FileNotFoundError(
+        f"GenEval metadata file {str(spec)!r} does not exist (looked in {where_tried(spec)};"
+        " flowrl data fetch geneval writes dataset/geneval/{train,test}_metadata.jsonl)"
+    )
 
 
 def check_task(task: Task, where: str, classes: Sequence[str], max_objects: int | None) -> None:
@@ -126,13 +208,17 @@ def check_task(task: Task, where: str, classes: Sequence[str], max_objects: int 
             if c.cls not in known:
                 near = [n for n in classes if n.split()[-1] == c.cls.split()[-1] or c.cls.lower() == n]
                 hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(f"{where}: {kind}[{i}].class={c.cls!r} is not a class the detector knows; accepted: "
-                                 f"GenEval's {len(classes)} COCO class names (e.g. 'person', 'traffic light', "
-                                 f"'potted plant', 'tv remote', lower case, as GenEval spells them){hint}")
+                raise ValueError(
+                    f"{where}: {kind}[{i}].class={c.cls!r} is not a class the detector knows; accepted: "
+                    f"GenEval's {len(classes)} COCO class names (e.g. 'person', 'traffic light', "
+                    f"'potted plant', 'tv remote', lower case, as GenEval spells them){hint}"
+                )
             if kind == "include" and max_objects is not None and c.count > max_objects:
-                raise ValueError(f"{where}: include[{i}].count={c.count} is above max_objects={max_objects}, the most "
-                                 f"detections GenEval keeps per class, so it could never pass; accepted: 1 to "
-                                 f"{max_objects} (or raise the reward's max_objects)")
+                raise ValueError(
+                    f"{where}: include[{i}].count={c.count} is above max_objects={max_objects}, the most "
+                    f"detections GenEval keeps per class, so it could never pass; accepted: 1 to "
+                    f"{max_objects} (or raise the reward's max_objects)"
+                )
 
 
 class TaskBook:
@@ -141,8 +227,9 @@ class TaskBook:
     records are checked at load (:func:`check_task`); :meth:`require_classes` then narrows the classes to those
     a detector knows."""
 
-    def __init__(self, metadata: Iterable[str | Path] = (), classes: Sequence[str] = COCO_CLASSES,
-                 max_objects: int | None = None):
+    def __init__(
+        self, metadata: Iterable[str | Path] = (), classes: Sequence[str] = COCO_CLASSES, max_objects: int | None = None
+    ):
         self.classes, self.max_objects = tuple(classes), max_objects
         self.known = read_metadata(metadata, self.classes, max_objects)
         self.detectable: tuple[set[str], str] | None = None  # (classes, the detector's name)
@@ -160,9 +247,11 @@ class TaskBook:
         classes, detector = self.detectable
         missing = [c.cls for c in (*task.include, *task.exclude) if c.cls not in classes]
         if missing:
-            raise ValueError(f"{task.prompt!r} asks for {missing[0]!r}, a class the detector {detector!r} does not "
-                             f"detect (it detects {len(classes)} of GenEval's classes: {sorted(classes)[:12]}…); use "
-                             "a COCO instance-segmentation checkpoint with every GenEval class")
+            raise ValueError(
+                f"{task.prompt!r} asks for {missing[0]!r}, a class the detector {detector!r} does not "
+                f"detect (it detects {len(classes)} of GenEval's classes: {sorted(classes)[:12]}…); use "
+                "a COCO instance-segmentation checkpoint with every GenEval class"
+            )
 
     def __call__(self, prompt: str) -> Task:
         key = " ".join(prompt.split())
@@ -173,7 +262,9 @@ class TaskBook:
                 check_task(task, repr(prompt), self.classes, self.max_objects)
         if task is None:
             where = f"; nor is it in the metadata files ({len(self.known)} prompts)" if self.known else ""
-            raise ValueError(f"{prompt!r} is not a GenEval prompt: it follows none of GenEval's templates ({FORMS}) "
-                             f"over the COCO class names{where}")
+            raise ValueError(
+                f"{prompt!r} is not a GenEval prompt: it follows none of GenEval's templates ({FORMS}) "
+                f"over the COCO class names{where}"
+            )
         self._check_detectable(task)
         return task

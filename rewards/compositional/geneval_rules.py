@@ -1,4 +1,5 @@
-"""GenEval's scoring rules, written once, for any detector: the neural one of :mod:`flowrl_rewards.compositional.geneval` and the
+"""GenEval's scoring rules, written once, for any detector: the neural one of
+:mod:`flowrl_rewards.compositional.geneval` and the
 shapes world's colour segmentation (:mod:`flowrl_rewards.compositional.shapes`). Two detectors, one scorer.
 
 The rules are those of GenEval's evaluation script (Ghosh et al. 2023, ``evaluation/evaluate_images.py`` of
@@ -31,6 +32,7 @@ re-written here:
 A detector that sees colour itself (the shapes world) names its classes "colour shape" and needs no colour
 clause; its relation may read the object's own centre (:attr:`Found.center`) instead of the box's.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,6 +72,7 @@ class Task:
         """A GenEval metadata record (``{"tag", "prompt", "include": [{"class", "count", "color"?,
         "position"?: [relation, index]}], "exclude"?: [...]}``); a ValueError naming ``where`` and the field
         otherwise."""
+
         def fail(what: str) -> ValueError:
             return ValueError(f"{where}: {what}; accepted: a GenEval metadata record, e.g. {EXAMPLE}")
 
@@ -91,6 +94,7 @@ class Task:
 
     def to_metadata(self) -> dict[str, Any]:
         """The GenEval metadata record of this task."""
+
         def record(c: Clause) -> dict[str, Any]:
             out: dict[str, Any] = {"class": c.cls, "count": c.count}
             if c.color is not None:
@@ -111,8 +115,10 @@ class Task:
         return {c.cls for c in self.include if c.color is not None}
 
 
-EXAMPLE = ('{"tag": "position", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, '
-           '"position": ["left of", 0]}], "prompt": "a photo of a cat left of a dog"}')
+EXAMPLE = (
+    '{"tag": "position", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, '
+    '"position": ["left of", 0]}], "prompt": "a photo of a cat left of a dog"}'
+)
 
 
 def _clause(raw: Any, where: str, fail: Callable[[str], ValueError]) -> Clause:
@@ -124,13 +130,21 @@ def _clause(raw: Any, where: str, fail: Callable[[str], ValueError]) -> Clause:
     color = raw.get("color")
     if color is not None and color not in COLORS:
         lower = color.lower() if isinstance(color, str) else None
-        hint = (f"; GenEval's colours are lower case: write {lower!r}" if lower in COLORS
-                else " (lower case); the colour classifier knows no other")
+        hint = (
+            f"; GenEval's colours are lower case: write {lower!r}"
+            if lower in COLORS
+            else " (lower case); the colour classifier knows no other"
+        )
         raise fail(f"{where}.color={color!r} is not one of GenEval's ten colours {COLORS}{hint}")
     position = raw.get("position")
     if position is not None:
-        if (not isinstance(position, (list, tuple)) or len(position) != 2 or position[0] not in RELATIONS
-                or isinstance(position[1], bool) or not isinstance(position[1], int)):
+        if (
+            not isinstance(position, (list, tuple))
+            or len(position) != 2
+            or position[0] not in RELATIONS
+            or isinstance(position[1], bool)
+            or not isinstance(position[1], int)
+        ):
             raise fail(f"{where}.position={position!r} must be [relation, clause index], relation one of {RELATIONS}")
         position = (position[0], position[1])
     return Clause(raw["class"], count, color, position)
@@ -170,6 +184,7 @@ class Thresholds:
 
 def iou(a: Sequence[float], b: Sequence[float]) -> float:
     """Intersection over union of boxes (x0, y0, x1, y1), in GenEval's inclusive-pixel convention (+1)."""
+
     def area(box: Sequence[float]) -> float:
         return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
 
@@ -217,8 +232,11 @@ def relative_position(a: Found, b: Found, threshold: float = 0.1) -> set:
         return set()
     norm = math.hypot(*offset)
     dx, dy = revised[0] / norm, revised[1] / norm
-    return {name for name, hit in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5),
-                                   ("below", dy > 0.5)) if hit}
+    return {
+        name
+        for name, hit in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5), ("below", dy > 0.5))
+        if hit
+    }
 
 
 # ---- the verdict -----------------------------------------------------------------------------------------
@@ -275,8 +293,9 @@ def _strict(task: Task, objects: Objects, relation: Relation) -> tuple[bool, lis
                 if colours.count(c.color) < c.count:
                     ok = False
                     others = ", ".join(f"{colours.count(k)} {k}" for k in dict.fromkeys(colours))
-                    reasons.append(f"expected {c.color} {c.cls}>={c.count}, found {colours.count(c.color)} "
-                                   f"{c.color}; and {others}")
+                    reasons.append(
+                        f"expected {c.color} {c.cls}>={c.count}, found {colours.count(c.color)} {c.color}; and {others}"
+                    )
             if c.position is not None and ok:
                 wanted, target = c.position
                 if matched[target] is None:

@@ -1,5 +1,6 @@
 """The exact reward of the shapes world: GenEval-style scoring of the detections of
-:mod:`flowrl_rewards.compositional.shapes_detector` (a colour-segmentation detector; its docstring says how it reads images).
+:mod:`flowrl_rewards.compositional.shapes_detector` (a colour-segmentation detector; its docstring says how it reads
+images).
 
 Requirements per task (``partial`` = fraction satisfied, ``strict`` = all satisfied). For each
 requested object (shape s, colour c): "some object has colour c", "some object has shape s", and
@@ -15,12 +16,14 @@ requested object (shape s, colour c): "some object has colour c", "some object h
 
 Extra copies of a requested shape+colour break only ``counting`` (exact count).
 
-``strict`` is GenEval's verdict from :mod:`flowrl_rewards.compositional.geneval_rules` (the rules the neural GenEval reward uses):
+``strict`` is GenEval's verdict from :mod:`flowrl_rewards.compositional.geneval_rules` (the rules the neural GenEval
+reward uses):
 :func:`geneval_task` writes a prompt's spec as a GenEval task whose classes are "colour shape" (this detector
 sees colour itself), with the requirements above as include and exclude clauses, and :func:`geneval_objects`
 the detections (confidence = area, so "most confident" = largest). Only the relation differs from GenEval's:
 :func:`shapes_relation` (the centroid margin above; GenEval's box-offset rule is made for photographs).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -33,18 +36,33 @@ import torch
 from flowrl.core.choices import choose
 from flowrl.shapes import world
 from flowrl_rewards.compositional import geneval_rules as rules
-from flowrl_rewards.core.base import Reward
 from flowrl_rewards.compositional.shapes_detector import (  # noqa: F401 (the detector's names, importable from here too)
-    CHUNK_PIXELS, DARK, FULL_COVERAGE, MAX_ASPECT, MAX_CHROMA_DIST, MAX_SIDE_FRAC, MIN_AREA_FRAC, MIN_SIDE_FRAC,
-    SOFT_DARK, SQUARE_QUAD, TRIANGLE_SKEW, Detection, classify_colors, detect, detect_batch, grow_labels,
+    CHUNK_PIXELS,
+    DARK,
+    FULL_COVERAGE,
+    MAX_ASPECT,
+    MAX_CHROMA_DIST,
+    MAX_SIDE_FRAC,
+    MIN_AREA_FRAC,
+    MIN_SIDE_FRAC,
+    SOFT_DARK,
+    SQUARE_QUAD,
+    TRIANGLE_SKEW,
+    Detection,
+    classify_colors,
+    detect,
+    detect_batch,
+    grow_labels,
     label_components,
 )
+from flowrl_rewards.core.base import Reward
 
 RELATION_MARGIN_FRAC = 3 / 32  # centroid offset along the relation axis, fraction of the side
 MODES: tuple[str, ...] = ("strict", "partial", "precise", "geneval")
 
 
 # ------------------------------------------------------------------------------------------- scoring
+
 
 def _relation_holds(a: tuple[float, float], b: tuple[float, float], relation: str, side: int) -> bool:
     """Whether centre ``a`` stands in ``relation`` to centre ``b`` by the margin, in an image of ``side`` px."""
@@ -63,6 +81,7 @@ def _relation_holds(a: tuple[float, float], b: tuple[float, float], relation: st
 
 def requirements(spec: world.Spec, dets: Sequence[Detection], side: int) -> dict[str, bool]:
     """Named requirement → satisfied, for one image's detections (see the module docstring)."""
+
     def matching(o: world.ObjectSpec) -> list[Detection]:
         return [d for d in dets if d.shape == o.shape and d.color == o.color]
 
@@ -88,6 +107,7 @@ def requirements(spec: world.Spec, dets: Sequence[Detection], side: int) -> dict
 def geneval_subscores(spec: world.Spec, dets: Sequence[Detection], side: int) -> dict[str, float]:
     """The sub-scores (each in [0, 1]) that mode ``geneval`` averages for one image (see
     :class:`ShapesReward`)."""
+
     def found(shape: str, color: str | None = None) -> int:
         return sum(d.shape == shape and color in (None, d.color) for d in dets)
 
@@ -97,20 +117,25 @@ def geneval_subscores(spec: world.Spec, dets: Sequence[Detection], side: int) ->
         return {"count": max(0.0, 1 - abs(found(o.shape, o.color) - o.count) / o.count)}
     if spec.task == "color_attr":
         a, b = objects
-        bound = [found(o.shape, o.color) > 0 and found(o.shape, other.color) == 0
-                 for o, other in ((a, b), (b, a))]
+        bound = [found(o.shape, o.color) > 0 and found(o.shape, other.color) == 0 for o, other in ((a, b), (b, a))]
         return {"binding": sum(bound) / 2}
     if spec.task == "position":
         return {"relation": float(requirements(spec, dets, side)["relation"])}
-    wanted = Counter(o.shape for o in objects)   # two circles requested need two circles detected
+    wanted = Counter(o.shape for o in objects)  # two circles requested need two circles detected
     presence = sum(min(found(shape), n) for shape, n in wanted.items()) / len(objects)
     color = sum(found(o.shape, o.color) > 0 for o in objects) / len(objects)
     return {"presence": presence, "color": color}
 
 
-# ---- the same requirements as GenEval's rules (flowrl_rewards.compositional.geneval_rules): strict ----------------------------
-TAG_OF_TASK: dict[str, str] = {"single": "colors", "two_objects": "two_object", "counting": "counting",
-                               "color_attr": "color_attr", "position": "position"}
+# ---- the same requirements as GenEval's rules (flowrl_rewards.compositional.geneval_rules): strict
+# ----------------------------
+TAG_OF_TASK: dict[str, str] = {
+    "single": "colors",
+    "two_objects": "two_object",
+    "counting": "counting",
+    "color_attr": "color_attr",
+    "position": "position",
+}
 """The GenEval tag of each shapes task (``single`` asks for one object in a colour: GenEval's ``colors``)."""
 
 
@@ -145,14 +170,17 @@ def geneval_objects(dets: Sequence[Detection]) -> rules.Objects:
     out: rules.Objects = {}
     for d in sorted(dets, key=lambda d: -d.area):
         out.setdefault(_class((d.shape, d.color)), []).append(
-            rules.Found(box=tuple(float(v) for v in d.bbox), score=float(d.area), center=d.centroid))
+            rules.Found(box=tuple(float(v) for v in d.bbox), score=float(d.area), center=d.centroid)
+        )
     return out
 
 
 def shapes_relation(side: int) -> rules.Relation:
     """The relations of one object to another in an image of ``side`` px: the centroid margin rule."""
+
     def relation(a: rules.Found, b: rules.Found) -> set:
         return {r for r in world.RELATIONS if _relation_holds(rules.center(a), rules.center(b), r, side)}
+
     return relation
 
 
@@ -249,8 +277,14 @@ class ShapesReward(Reward):
             geneval[i] = sum(sub.values()) / len(sub) * share
             found = {d.color for d in dets}
             colors[i] = float(all(o.color in found for o in spec.objects))
-        return {"task": [s.task for s in specs], "strict": strict, "partial": partial, "precise": precise,
-                "geneval": geneval, "colors_found": colors}
+        return {
+            "task": [s.task for s in specs],
+            "strict": strict,
+            "partial": partial,
+            "precise": precise,
+            "geneval": geneval,
+            "colors_found": colors,
+        }
 
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
         """float32 [B] scores for images [B, 3, H, W] in [0, 1]."""

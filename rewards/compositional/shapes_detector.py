@@ -35,6 +35,7 @@ written against (anti-aliased edges, blur, 7-px objects, shading):
    7–8-px anti-aliased objects it read 6 % of circles (9 % blurred, σ = 0.7) as triangles or squares
    and 6 % of blurred triangles as circles.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,17 +44,17 @@ import numpy as np
 
 from flowrl.shapes import world
 
-DARK = 100                    # brightest channel below this (of 255) = background
-SOFT_DARK = 24                # … but a pixel this bright beside an object of its colour is its soft rim
-FULL_COVERAGE = 0.8           # a pixel this bright (× its component's peak) is fully covered
-TRIANGLE_SKEW = -0.2          # skew below this = triangle (apex up ≈ −0.57; circle, square 0)
-SQUARE_QUAD = -0.2            # quad below this = square (≈ −0.6; circle 0)
-MAX_CHROMA_DIST = 0.45        # chromaticity distance beyond which a pixel is "unknown"
-MIN_AREA_FRAC = 12 / 1024     # component area ≥ this fraction of H·W (12 px at 32×32)
-MIN_SIDE_FRAC = 4 / 32        # bounding-box sides ≥ this fraction of the image side
-MAX_SIDE_FRAC = 0.6           # bounding-box sides ≤ this fraction (no canvas-filling blobs)
-MAX_ASPECT = 1.75             # max(w, h) / min(w, h)
-CHUNK_PIXELS = 1 << 18        # pixels processed at once by detect_batch (256 images of 32×32)
+DARK = 100  # brightest channel below this (of 255) = background
+SOFT_DARK = 24  # … but a pixel this bright beside an object of its colour is its soft rim
+FULL_COVERAGE = 0.8  # a pixel this bright (× its component's peak) is fully covered
+TRIANGLE_SKEW = -0.2  # skew below this = triangle (apex up ≈ −0.57; circle, square 0)
+SQUARE_QUAD = -0.2  # quad below this = square (≈ −0.6; circle 0)
+MAX_CHROMA_DIST = 0.45  # chromaticity distance beyond which a pixel is "unknown"
+MIN_AREA_FRAC = 12 / 1024  # component area ≥ this fraction of H·W (12 px at 32×32)
+MIN_SIDE_FRAC = 4 / 32  # bounding-box sides ≥ this fraction of the image side
+MAX_SIDE_FRAC = 0.6  # bounding-box sides ≤ this fraction (no canvas-filling blobs)
+MAX_ASPECT = 1.75  # max(w, h) / min(w, h)
+CHUNK_PIXELS = 1 << 18  # pixels processed at once by detect_batch (256 images of 32×32)
 
 _COLOR_NAMES: tuple[str, ...] = tuple(world.COLORS)
 _PALETTE = np.array([world.COLORS[c] for c in _COLOR_NAMES], dtype=np.float32) / 255.0  # [6, 3]
@@ -77,21 +78,22 @@ class Detection:
 
 # ------------------------------------------------------------------------------------------ detector
 
+
 def _palette_match(images: np.ndarray, dark: int) -> tuple[np.ndarray, np.ndarray]:
     """(palette index per pixel, int8 [B, H, W], −1 where the brightest channel is below ``dark`` or
     the hue is unknown; brightest channel, uint8 [B, H, W]) for uint8 [B, H, W, 3]."""
     channels = [images[..., c] for c in range(3)]
-    bright = np.maximum(np.maximum(channels[0], channels[1]), channels[2])   # [B, H, W] uint8
+    bright = np.maximum(np.maximum(channels[0], channels[1]), channels[2])  # [B, H, W] uint8
     scale = 1.0 / np.maximum(bright, 1).astype(np.float32)
-    chroma = [channel * scale for channel in channels]               # 3 × [B, H, W] in [0, 1]
-    best = np.full(bright.shape, np.inf, dtype=np.float32)           # squared distance to nearest
+    chroma = [channel * scale for channel in channels]  # 3 × [B, H, W] in [0, 1]
+    best = np.full(bright.shape, np.inf, dtype=np.float32)  # squared distance to nearest
     nearest = np.zeros(bright.shape, dtype=np.int8)
     for k, color in enumerate(_PALETTE):
         d2 = sum((chroma[c] - color[c]) ** 2 for c in range(3))
         closer = d2 < best
         best = np.where(closer, d2, best)
         np.putmask(nearest, closer, k)
-    ok = (bright >= dark) & (best <= MAX_CHROMA_DIST ** 2)
+    ok = (bright >= dark) & (best <= MAX_CHROMA_DIST**2)
     return np.where(ok, nearest, -1).astype(np.int8), bright
 
 
@@ -108,8 +110,8 @@ def label_components(classes: np.ndarray) -> np.ndarray:
     fg = classes >= 0
     big = np.int64(n)
     labels = np.where(fg, np.arange(n, dtype=np.int64).reshape(b, h, w), big)
-    same_x = fg[:, :, 1:] & (classes[:, :, 1:] == classes[:, :, :-1])   # [B, H, W-1]
-    same_y = fg[:, 1:, :] & (classes[:, 1:, :] == classes[:, :-1, :])   # [B, H-1, W]
+    same_x = fg[:, :, 1:] & (classes[:, :, 1:] == classes[:, :, :-1])  # [B, H, W-1]
+    same_y = fg[:, 1:, :] & (classes[:, 1:, :] == classes[:, :-1, :])  # [B, H-1, W]
     flat_fg = fg.reshape(-1)
     while True:
         before = labels.copy()
@@ -142,7 +144,7 @@ def grow_labels(labels: np.ndarray, soft: np.ndarray) -> np.ndarray:
     none = np.iinfo(np.int64).max
     best = np.full(len(cand), none)
     for inside, step in ((xs > 0, -1), (xs < w - 1, 1), (ys > 0, -w), (ys < h - 1, w)):
-        nb = np.where(inside, cand + step, cand)          # itself (unlabelled) where off the image
+        nb = np.where(inside, cand + step, cand)  # itself (unlabelled) where off the image
         lab = flat_l[nb]
         ok = (lab >= 0) & (flat_s[nb] == flat_s[cand])
         best = np.where(ok, np.minimum(best, lab), best)
@@ -160,8 +162,7 @@ def _coverage(comp: np.ndarray, bright: np.ndarray, k: int) -> np.ndarray:
     return np.minimum(bright / (FULL_COVERAGE * peak[comp]), 1.0)
 
 
-def _moments(comp: np.ndarray, weight: np.ndarray, xs: np.ndarray, ys: np.ndarray,
-             k: int) -> dict[str, np.ndarray]:
+def _moments(comp: np.ndarray, weight: np.ndarray, xs: np.ndarray, ys: np.ndarray, k: int) -> dict[str, np.ndarray]:
     """Weighted moments per component, float64 [k] each, for pixels (centres ``xs``, ``ys``, float [N];
     weights float [N]) of components ``comp`` (int [N] in 0..k−1): centroid ``cx``, ``cy``, and in
     the coordinates u = (x − cx)/σx, v = (y − cy)/σy: ``skew`` = E[v³] and
@@ -172,7 +173,7 @@ def _moments(comp: np.ndarray, weight: np.ndarray, xs: np.ndarray, ys: np.ndarra
     dx, dy = xs - cx[comp], ys - cy[comp]
     dx2, dy2 = dx * dx, dy * dy
     var_x, var_y = (np.maximum(mean(d2), 1e-9) for d2 in (dx2, dy2))
-    skew = mean(dy2 * dy) / var_y ** 1.5
+    skew = mean(dy2 * dy) / var_y**1.5
     u2, v2 = dx2 / var_x[comp], dy2 / var_y[comp]
     quad = mean(u2 * u2 - 6 * u2 * v2 + v2 * v2) / 4
     return {"cx": cx, "cy": cy, "skew": skew, "quad": quad}
@@ -192,14 +193,13 @@ def detect_batch(images: np.ndarray) -> list[list[Detection]]:
 
     Works on chunks of about CHUNK_PIXELS pixels so memory stays bounded for large images.
     """
-    if not (isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4
-            and images.shape[-1] == 3):
+    if not (isinstance(images, np.ndarray) and images.dtype == np.uint8 and images.ndim == 4 and images.shape[-1] == 3):
         got = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
         raise ValueError(f"detect_batch: images must be a uint8 numpy array [B, H, W, 3], got {got}")
     per_chunk = max(1, CHUNK_PIXELS // (images.shape[1] * images.shape[2]))
     out: list[list[Detection]] = []
     for start in range(0, images.shape[0], per_chunk):
-        out.extend(_detect_chunk(images[start:start + per_chunk]))
+        out.extend(_detect_chunk(images[start : start + per_chunk]))
     return out
 
 
@@ -217,31 +217,44 @@ def _detect_chunk(images: np.ndarray) -> list[list[Detection]]:
     ys, xs = (pix // w) % h, pix % w
     k = len(roots)
     m = _moments(comp, _coverage(comp, bright.reshape(-1)[pix], k), xs + 0.5, ys + 0.5, k)
-    core = labels.reshape(-1)[pix] >= 0           # the bbox, area and filters use core pixels only
+    core = labels.reshape(-1)[pix] >= 0  # the bbox, area and filters use core pixels only
     comp, xs, ys = comp[core], xs[core], ys[core]
     area = np.bincount(comp, minlength=k)
-    x0 = np.full(k, w); np.minimum.at(x0, comp, xs)
-    y0 = np.full(k, h); np.minimum.at(y0, comp, ys)
-    x1 = np.zeros(k, dtype=np.int64); np.maximum.at(x1, comp, xs + 1)
-    y1 = np.zeros(k, dtype=np.int64); np.maximum.at(y1, comp, ys + 1)
+    x0 = np.full(k, w)
+    np.minimum.at(x0, comp, xs)
+    y0 = np.full(k, h)
+    np.minimum.at(y0, comp, ys)
+    x1 = np.zeros(k, dtype=np.int64)
+    np.maximum.at(x1, comp, xs + 1)
+    y1 = np.zeros(k, dtype=np.int64)
+    np.maximum.at(y1, comp, ys + 1)
     bw, bh = x1 - x0, y1 - y0
     fill = area / np.maximum(bw * bh, 1)
     side = min(h, w)
-    keep = ((area >= MIN_AREA_FRAC * h * w)
-            & (np.minimum(bw, bh) >= MIN_SIDE_FRAC * side)
-            & (bw <= MAX_SIDE_FRAC * w) & (bh <= MAX_SIDE_FRAC * h)
-            & (np.maximum(bw, bh) <= MAX_ASPECT * np.minimum(bw, bh)))
+    keep = (
+        (area >= MIN_AREA_FRAC * h * w)
+        & (np.minimum(bw, bh) >= MIN_SIDE_FRAC * side)
+        & (bw <= MAX_SIDE_FRAC * w)
+        & (bh <= MAX_SIDE_FRAC * h)
+        & (np.maximum(bw, bh) <= MAX_ASPECT * np.minimum(bw, bh))
+    )
     shapes = _classify_shape(m["skew"], m["quad"])
     colors = classes.reshape(-1)[roots]
     batch = roots // (h * w)
     out: list[list[Detection]] = [[] for _ in range(b)]
     for i in np.nonzero(keep)[0]:
-        out[int(batch[i])].append(Detection(
-            shape=world.SHAPES[int(shapes[i])], color=_COLOR_NAMES[int(colors[i])],
-            centroid=(float(m["cx"][i]), float(m["cy"][i])), area=int(area[i]),
-            bbox=(int(x0[i]), int(y0[i]), int(x1[i]), int(y1[i])), fill=float(fill[i]),
-            skew=float(m["skew"][i]), quad=float(m["quad"][i]),
-        ))
+        out[int(batch[i])].append(
+            Detection(
+                shape=world.SHAPES[int(shapes[i])],
+                color=_COLOR_NAMES[int(colors[i])],
+                centroid=(float(m["cx"][i]), float(m["cy"][i])),
+                area=int(area[i]),
+                bbox=(int(x0[i]), int(y0[i]), int(x1[i]), int(y1[i])),
+                fill=float(fill[i]),
+                skew=float(m["skew"][i]),
+                quad=float(m["quad"][i]),
+            )
+        )
     for dets in out:
         dets.sort(key=lambda d: -d.area)
     return out

@@ -1,1 +1,2 @@
-"""The port every reward implements (Scorer, Reward), the combiner (MultiReward), the registry of names, the timeout, shared helpers."""
+"""The port every reward implements (Scorer, Reward), the combiner (MultiReward), the registry of names, the timeout,
+shared helpers."""

@@ -2,13 +2,13 @@
 
 Kept free of heavy imports (PIL, huggingface_hub and safetensors are imported inside functions).
 """
+
 from __future__ import annotations
 
 import os
 from typing import Any, Iterator, Sequence
 
 import torch
-
 
 
 def resolve_device(device: str | torch.device, owner: str = "reward") -> torch.device:
@@ -38,8 +38,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, owner: str = "
         return torch.float16 if device.type == "cuda" else torch.float32
     found = dtype_named(dtype)
     if found is None:
-        raise ValueError(f"{owner}: dtype={dtype!r} is not supported; use one of 'auto', "
-                         f"{sorted([*DTYPES, *DTYPE_ALIASES])}")
+        raise ValueError(
+            f"{owner}: dtype={dtype!r} is not supported; use one of 'auto', {sorted([*DTYPES, *DTYPE_ALIASES])}"
+        )
     return found
 
 
@@ -88,7 +89,8 @@ def hub_or_local_file(spec: str, kwarg: str, owner: str) -> str:
     repo, sep, filename = str(spec).partition(":")
     if not sep or not filename or repo.count("/") != 1 or repo.startswith(("/", ".", "~")):
         raise FileNotFoundError(
-            f"{owner}: {kwarg}={spec!r} is neither an existing file nor a hub file 'org/repo:filename'")
+            f"{owner}: {kwarg}={spec!r} is neither an existing file nor a hub file 'org/repo:filename'"
+        )
     from huggingface_hub import hf_hub_download
 
     try:
@@ -96,7 +98,8 @@ def hub_or_local_file(spec: str, kwarg: str, owner: str) -> str:
     except Exception as e:  # offline, missing repo, ...: say which kwarg takes a local file instead
         raise RuntimeError(
             f"{owner}: could not fetch {filename!r} from the hub repo {repo!r} ({type(e).__name__}: {e}); "
-            f"download it elsewhere and pass its local path as {kwarg}=...") from e
+            f"download it elsewhere and pass its local path as {kwarg}=..."
+        ) from e
 
 
 def load_state_dict(path: str, owner: str) -> dict[str, torch.Tensor]:
@@ -118,5 +121,5 @@ def load_state_dict(path: str, owner: str) -> dict[str, torch.Tensor]:
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise RuntimeError(f"{owner}: weights file {path!r} does not hold a state dict of tensors")
     if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
     return sd

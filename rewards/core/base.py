@@ -14,6 +14,7 @@ for images) scores frames 0, s, 2s, … (s = :attr:`Reward.frame_stride`) and re
 them; a ``"video"`` reward receives the video (those frames) whole; an ``"any"`` reward (the combiner,
 :class:`flowrl_rewards.MultiReward`) receives what it is given. An image given to a video reward is refused, naming it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -71,19 +72,24 @@ class Reward(Scorer):
     ) -> torch.Tensor:
         video = images.ndim == 5
         if images.ndim not in (4, 5) or images.shape[-3] != 3:
-            raise ValueError(f"{self.name}: images must be [B, 3, H, W] or videos [B, F, 3, H, W] in [0, 1], "
-                             f"got shape {tuple(images.shape)}")
+            raise ValueError(
+                f"{self.name}: images must be [B, 3, H, W] or videos [B, F, 3, H, W] in [0, 1], "
+                f"got shape {tuple(images.shape)}"
+            )
         if len(prompts) != images.shape[0]:
             raise ValueError(f"{self.name}: {images.shape[0]} images but {len(prompts)} prompts")
         if self.modality not in MODALITIES:
-            raise ValueError(f"reward {self.name!r} ({type(self).__name__}): modality={self.modality!r} is not one "
-                             f"of {MODALITIES}")
+            raise ValueError(
+                f"reward {self.name!r} ({type(self).__name__}): modality={self.modality!r} is not one of {MODALITIES}"
+            )
         if self.modality == "video" and not video:
-            raise ValueError(f"reward {self.name!r} ({type(self).__name__}) scores videos [B, F, 3, H, W] only "
-                             f"(modality 'video'), got images of shape {tuple(images.shape)}")
+            raise ValueError(
+                f"reward {self.name!r} ({type(self).__name__}) scores videos [B, F, 3, H, W] only "
+                f"(modality 'video'), got images of shape {tuple(images.shape)}"
+            )
         meta = {} if meta is None else meta
         if video and self.modality != "any":
-            images = images[:, ::check_frame_stride(self.name, self.frame_stride)]
+            images = images[:, :: check_frame_stride(self.name, self.frame_stride)]
         if video and self.modality == "image":  # each scored frame alone (meta stays per sample), then the mean
             return torch.stack([self._checked(images[:, t], prompts, meta) for t in range(images.shape[1])]).mean(0)
         return self._checked(images, prompts, meta)

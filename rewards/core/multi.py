@@ -1,4 +1,5 @@
 """Several rewards combined with weights."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,8 @@ class RewardSpec:
 
     ``label`` renames the built reward (its metric key), e.g. to use one reward twice with
     different kwargs. ``timeout`` (seconds) bounds one call: past it the call's scores are NaN (failed
-    rewards) with a warning (:mod:`flowrl_rewards.core.timeout`). ``kwargs.frame_stride`` (any reward; default 1) is taken
+    rewards) with a warning (:mod:`flowrl_rewards.core.timeout`). ``kwargs.frame_stride`` (any reward; default 1) is
+    taken
     by the combiner, not the reward's constructor: on videos the term scores every ``frame_stride``-th frame
     (:attr:`flowrl_rewards.Reward.frame_stride`).
     """
@@ -57,8 +59,12 @@ class MultiReward(Reward):
     name = "multi"
     modality = "any"  # videos go to each term whole; each reduces them as its own modality says
 
-    def __init__(self, terms: Sequence[RewardSpec | dict | Reward | str], weights: Sequence[float] | None = None,
-                 normalize: str = "none"):
+    def __init__(
+        self,
+        terms: Sequence[RewardSpec | dict | Reward | str],
+        weights: Sequence[float] | None = None,
+        normalize: str = "none",
+    ):
         if normalize not in NORMALIZE:
             raise ValueError(f"MultiReward: normalize={normalize!r} is not one of {NORMALIZE}")
         if weights is not None and len(weights) != len(terms):
@@ -78,8 +84,10 @@ class MultiReward(Reward):
                 if isinstance(term, dict):
                     unknown = set(term) - {"name", "weight", "kwargs", "label", "timeout"}
                     if unknown or "name" not in term:
-                        raise ValueError(f"MultiReward: reward term {term!r} needs 'name' and may have 'weight', "
-                                         f"'kwargs', 'label', 'timeout' (unknown: {sorted(unknown)})")
+                        raise ValueError(
+                            f"MultiReward: reward term {term!r} needs 'name' and may have 'weight', "
+                            f"'kwargs', 'label', 'timeout' (unknown: {sorted(unknown)})"
+                        )
                 spec = term if isinstance(term, RewardSpec) else RewardSpec(**term)
                 if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
                     raise ValueError(f"reward {spec.name!r}: timeout={spec.timeout!r} must be > 0 seconds")
@@ -100,8 +108,10 @@ class MultiReward(Reward):
             raise ValueError("MultiReward needs at least one reward")
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
-            raise ValueError(f"reward names must be unique inside one MultiReward, got {names}; "
-                             "give a 'label' to tell two terms apart")
+            raise ValueError(
+                f"reward names must be unique inside one MultiReward, got {names}; "
+                "give a 'label' to tell two terms apart"
+            )
 
     @classmethod
     def from_config(cls, config: Any, normalize: str = "none") -> "MultiReward":
@@ -109,8 +119,9 @@ class MultiReward(Reward):
         if isinstance(config, (str, dict, RewardSpec, Reward)):
             config = [config]
         if not isinstance(config, (list, tuple)):
-            raise TypeError("reward config must be a name, a {name, kwargs} mapping or a list of them, "
-                            f"got {config!r}")
+            raise TypeError(
+                f"reward config must be a name, a {{name, kwargs}} mapping or a list of them, got {config!r}"
+            )
         return cls([dict(t) if isinstance(t, dict) else t for t in config], normalize=normalize)
 
     @property
@@ -124,30 +135,40 @@ class MultiReward(Reward):
         reward's own ``last_error``, or how many scores were not finite)."""
         return dict(self._failures)
 
-    def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
-                   ) -> dict[str, torch.Tensor]:
+    def components(
+        self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Raw scores of every term: name → float32 [B]; a term past its ``timeout`` gives NaN scores (warned)
         and every term whose scores are not all finite is named in :attr:`failures`."""
         meta = {} if meta is None else meta
         out, failures = {}, {}
         for r, timeout in zip(self.rewards, self.timeouts):
             try:
-                out[r.name] = (r(images, prompts, meta) if timeout is None
-                               else call_with_timeout(r, images, prompts, meta, timeout))
+                out[r.name] = (
+                    r(images, prompts, meta)
+                    if timeout is None
+                    else call_with_timeout(r, images, prompts, meta, timeout)
+                )
             except RewardTimeout as e:
-                warnings.warn(f"{e}: its {len(prompts)} scores are NaN (counted in reward_failed); the next call "
-                              "starts a fresh worker", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"{e}: its {len(prompts)} scores are NaN (counted in reward_failed); the next call "
+                    "starts a fresh worker",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 out[r.name] = torch.full((len(prompts),), float("nan"))
                 failures[r.name] = str(e)
                 continue
             except Exception as e:  # name the failing reward; the cause stays chained
-                raise RuntimeError(f"reward {r.name!r} ({type(r).__name__}) failed on {len(prompts)} images: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise RuntimeError(
+                    f"reward {r.name!r} ({type(r).__name__}) failed on {len(prompts)} images: {type(e).__name__}: {e}"
+                ) from e
             bad = int((~torch.isfinite(out[r.name])).sum())
             if bad:
                 why = r.last_error
-                failures[r.name] = (f"returned {bad} non-finite score{'s' if bad > 1 else ''} of {len(prompts)}"
-                                    + (f" ({why})" if why else ""))
+                failures[r.name] = f"returned {bad} non-finite score{'s' if bad > 1 else ''} of {len(prompts)}" + (
+                    f" ({why})" if why else ""
+                )
         self._failures = failures
         return out
 
@@ -186,8 +207,12 @@ class MultiReward(Reward):
     def evaluate(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, float]:
         """Every term's eval summary (:meth:`~flowrl_rewards.core.port.Scorer.evaluate`), its keys under ``<term>/``; an
         image term is not asked for videos [N, F, 3, H, W] (its summary reads images)."""
-        return {f"{r.name}/{key}": value for r in self.rewards if images.ndim == 4 or r.modality != "image"
-                for key, value in r.evaluate(images, prompts).items()}
+        return {
+            f"{r.name}/{key}": value
+            for r in self.rewards
+            if images.ndim == 4 or r.modality != "image"
+            for key, value in r.evaluate(images, prompts).items()
+        }
 
     def score(self, images, prompts, meta):
         return self.combine(self.components(images, prompts, meta))

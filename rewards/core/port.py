@@ -14,6 +14,7 @@ A plain reward (:class:`flowrl_rewards.Reward`, which subclasses this port) is a
 :meth:`combine` and :attr:`failures`. Rewards with an eval summary (GenEval, OCR, shapes, gdro_corrected) override
 :meth:`evaluate`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -34,8 +35,9 @@ class Scorer:
     last_error: str | None = None
     """Why the last call's scores hold NaN, when the reward knows (e.g. a remote one); :attr:`failures` reads it."""
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
-                 ) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(images, prompts, meta)")
 
     @property
@@ -43,8 +45,9 @@ class Scorer:
         """The scored terms, each with its own :attr:`name` (the keys of :meth:`components`): ``[self]``."""
         return [self]
 
-    def components(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
-                   ) -> dict[str, torch.Tensor]:
+    def components(
+        self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Each term's raw scores, name → float32 [B]: ``{self.name: self(images, prompts, meta)}``."""
         return {self.name: self(images, prompts, meta)}
 
@@ -52,8 +55,10 @@ class Scorer:
         """The reward float32 [B] of :meth:`components`' output (``groups`` [B]: each sample's prompt group, used by
         ``normalize="group"``): for one term, its scores."""
         if len(components) != 1:
-            raise ValueError(f"reward {self.name!r} ({type(self).__name__}) scores one term, so combine takes one "
-                             f"component; got {sorted(components)}")
+            raise ValueError(
+                f"reward {self.name!r} ({type(self).__name__}) scores one term, so combine takes one "
+                f"component; got {sorted(components)}"
+            )
         return next(iter(components.values())).float()
 
     @property

@@ -10,6 +10,7 @@ combiner takes a few term keys of its own (:data:`TERM_KWARGS` inside ``kwargs``
 :func:`check_reward_kwargs` checks a term's kwargs against them by importing the class, never building it: the config
 check calls it at load, :func:`build_reward` before the constructor runs, so both refuse a key with one message.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,24 +23,28 @@ from flowrl.core.registry import Registry
 from flowrl.errors import ConfigError, shown
 from flowrl_rewards.core.base import Reward
 
-REGISTRY = Registry("reward", {
-    "jpeg_compressibility": "flowrl_rewards.heuristics.image_stats:JpegCompressibility",
-    "jpeg_incompressibility": "flowrl_rewards.heuristics.image_stats:JpegIncompressibility",
-    "brightness": "flowrl_rewards.heuristics.image_stats:Brightness",
-    "saturation": "flowrl_rewards.heuristics.image_stats:Saturation",
-    "redness": "flowrl_rewards.heuristics.image_stats:Redness",
-    "shapes": "flowrl_rewards.compositional.shapes:ShapesReward",
-    "clip_score": "flowrl_rewards.preference.clip_score:ClipScore",
-    "pickscore": "flowrl_rewards.preference.pickscore:PickScore",
-    "hpsv2": "flowrl_rewards.preference.hpsv2:HPSv2",
-    "imagereward": "flowrl_rewards.preference.imagereward:ImageRewardScore",
-    "aesthetic": "flowrl_rewards.preference.aesthetic:Aesthetic",
-    "remote": "flowrl_rewards.serving.remote:RemoteReward",
-    "ocr": "flowrl_rewards.text.ocr:OcrReward",
-    "gdro_corrected": "flowrl_rewards.heuristics.gdro_corrected:CorrectedScore",
-    "geneval": "flowrl_rewards.compositional.geneval:GenEvalReward",
-    "vlm_judge": "flowrl_rewards.judges.vlm_judge:VlmJudge",
-}, base=Reward)
+REGISTRY = Registry(
+    "reward",
+    {
+        "jpeg_compressibility": "flowrl_rewards.heuristics.image_stats:JpegCompressibility",
+        "jpeg_incompressibility": "flowrl_rewards.heuristics.image_stats:JpegIncompressibility",
+        "brightness": "flowrl_rewards.heuristics.image_stats:Brightness",
+        "saturation": "flowrl_rewards.heuristics.image_stats:Saturation",
+        "redness": "flowrl_rewards.heuristics.image_stats:Redness",
+        "shapes": "flowrl_rewards.compositional.shapes:ShapesReward",
+        "clip_score": "flowrl_rewards.preference.clip_score:ClipScore",
+        "pickscore": "flowrl_rewards.preference.pickscore:PickScore",
+        "hpsv2": "flowrl_rewards.preference.hpsv2:HPSv2",
+        "imagereward": "flowrl_rewards.preference.imagereward:ImageRewardScore",
+        "aesthetic": "flowrl_rewards.preference.aesthetic:Aesthetic",
+        "remote": "flowrl_rewards.serving.remote:RemoteReward",
+        "ocr": "flowrl_rewards.text.ocr:OcrReward",
+        "gdro_corrected": "flowrl_rewards.heuristics.gdro_corrected:CorrectedScore",
+        "geneval": "flowrl_rewards.compositional.geneval:GenEvalReward",
+        "vlm_judge": "flowrl_rewards.judges.vlm_judge:VlmJudge",
+    },
+    base=Reward,
+)
 """Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.core.registry.Registry`)."""
 
 
@@ -72,9 +77,11 @@ TERM_KWARGS = (RewardSetting("frame_stride", 1, "int", "the combiner's: on video
 """Keys of a term's ``kwargs`` the combiner (:class:`flowrl_rewards.MultiReward`) takes, not the reward's
 constructor."""
 
-TERM_KEYS = (RewardSetting("weight", 1.0, "float", "its weight in the sum"),
-             RewardSetting("label", None, "str | None", "its metric name, to use one reward twice"),
-             RewardSetting("timeout", None, "float | None", "seconds one call may take; past it its scores are NaN"))
+TERM_KEYS = (
+    RewardSetting("weight", 1.0, "float", "its weight in the sum"),
+    RewardSetting("label", None, "str | None", "its metric name, to use one reward twice"),
+    RewardSetting("timeout", None, "float | None", "seconds one call may take; past it its scores are NaN"),
+)
 """A reward term's own keys beside ``name`` and ``kwargs`` (the config's ``RewardTerm``, the combiner's
 ``RewardSpec``)."""
 
@@ -102,12 +109,15 @@ class RewardSettings:
         if not self.open:
             for k, v in kwargs.items():
                 if k not in accepted:
-                    raise ConfigError(f"{where}{k}={shown(v)} is not a setting of {whose}{did_you_mean(k, accepted)}; "
-                                      f"accepted: {accepted}")
+                    raise ConfigError(
+                        f"{where}{k}={shown(v)} is not a setting of {whose}{did_you_mean(k, accepted)}; "
+                        f"accepted: {accepted}"
+                    )
         missing = [s.name for s in self.own if s.required and s.name not in kwargs]
         if missing:
-            raise ConfigError(f"{where}{missing[0]} must be set: {whose} has no default for it; its settings: "
-                              f"{accepted}")
+            raise ConfigError(
+                f"{where}{missing[0]} must be set: {whose} has no default for it; its settings: {accepted}"
+            )
 
 
 def register(name: str, target: str | type) -> None:
@@ -133,8 +143,13 @@ def _declared(settings: type) -> tuple[RewardSetting, ...]:
     for f in dataclasses.fields(settings):
         if not f.init:
             continue
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING else NO_DEFAULT)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else NO_DEFAULT
+        )
         out.append(RewardSetting(f.name, default, _annotation(f.type), str(f.metadata.get("help", ""))))
     return tuple(out)
 
@@ -150,8 +165,11 @@ def settings_of(cls: type) -> RewardSettings:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):  # no signature to read (e.g. a C type): any key
         return RewardSettings(cls, (), open=True)
-    own = tuple(RewardSetting(p.name, NO_DEFAULT if p.default is p.empty else p.default, _annotation(p.annotation))
-                for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    own = tuple(
+        RewardSetting(p.name, NO_DEFAULT if p.default is p.empty else p.default, _annotation(p.annotation))
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
     return RewardSettings(cls, own, open=any(p.kind is p.VAR_KEYWORD for p in params))
 
 

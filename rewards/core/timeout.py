@@ -11,6 +11,7 @@ called from two threads at once should not be given a timeout shorter than its s
 ``meta`` is copied for the call and its additions merged back only when the call finishes in time, so a
 late call never writes into a batch it no longer belongs to.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,9 @@ class RewardTimeout(TimeoutError):
     """A reward call that did not return within its ``timeout``; the message names the reward and the limit."""
 
 
-def call_with_timeout(reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any],
-                      timeout: float) -> torch.Tensor:
+def call_with_timeout(
+    reward: Reward, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any], timeout: float
+) -> torch.Tensor:
     """``reward(images, prompts, meta)`` in a new daemon thread; its scores, its exception re-raised here, or
     :class:`RewardTimeout` after ``timeout`` seconds (the thread is abandoned, see the module docstring)."""
     box: dict[str, Any] = {}
@@ -44,8 +46,10 @@ def call_with_timeout(reward: Reward, images: torch.Tensor, prompts: Sequence[st
     thread = threading.Thread(target=work, name=f"reward-{reward.name}", daemon=True)
     thread.start()
     if not done.wait(timeout):
-        raise RewardTimeout(f"reward {reward.name!r} ({type(reward).__name__}) did not return within its timeout of "
-                            f"{timeout:g} s on {len(prompts)} images (the call was abandoned)")
+        raise RewardTimeout(
+            f"reward {reward.name!r} ({type(reward).__name__}) did not return within its timeout of "
+            f"{timeout:g} s on {len(prompts)} images (the call was abandoned)"
+        )
     if "error" in box:
         raise box["error"]
     meta.update(own_meta)

@@ -22,6 +22,7 @@ same formula is applied per image (``gdro_corrected`` scores, whose mean carries
 
 A term is a registry name or ``{name, kwargs}``; ``center`` (3) and ``offset`` (0.2) are the paper's constants.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,15 +37,18 @@ UNIFIED_REWARD_SCALE = (1.0, 5.0)  # UnifiedReward's score range, on which cente
 
 
 def _term(spec: Any, key: str) -> Reward:
-    """A reward from a registry name (or ``module:Class``) or a ``{name, kwargs}`` mapping; ``key`` names the setting."""
+    """A reward from a registry name (or ``module:Class``) or a ``{name, kwargs}`` mapping; ``key`` names the
+    setting."""
     if isinstance(spec, str):
         return build_reward(spec)
     if isinstance(spec, dict) or hasattr(spec, "keys"):
         spec = dict(spec)
         unknown = set(spec) - {"name", "kwargs"}
         if "name" not in spec or unknown:
-            raise ValueError(f"gdro_corrected: {key}={spec!r} must be a reward name or {{name: NAME, kwargs: {{...}}}}"
-                             f"{f'; unknown keys {sorted(unknown)}' if unknown else ''}")
+            raise ValueError(
+                f"gdro_corrected: {key}={spec!r} must be a reward name or {{name: NAME, kwargs: {{...}}}}"
+                f"{f'; unknown keys {sorted(unknown)}' if unknown else ''}"
+            )
         return build_reward(str(spec["name"]), **dict(spec.get("kwargs") or {}))
     raise ValueError(f"gdro_corrected: {key}={spec!r} must be a reward name or {{name: NAME, kwargs: {{...}}}}")
 
@@ -57,19 +61,29 @@ class CorrectedScore(Reward):
 
     name = "gdro_corrected"
 
-    def __init__(self, reward: Any, quality: Any, quality_range: Sequence[float] | None = (0.0, 1.0),
-                 center: float = 3.0, offset: float = 0.2):
+    def __init__(
+        self,
+        reward: Any,
+        quality: Any,
+        quality_range: Sequence[float] | None = (0.0, 1.0),
+        center: float = 3.0,
+        offset: float = 0.2,
+    ):
         self.reward = _term(reward, "reward")
         terms = quality if isinstance(quality, (list, tuple)) else [quality]
         if not terms:
-            raise ValueError("gdro_corrected: quality=[] must name at least one quality reward (the paper: "
-                             "UnifiedReward's alignment, coherence and style)")
+            raise ValueError(
+                "gdro_corrected: quality=[] must name at least one quality reward (the paper: "
+                "UnifiedReward's alignment, coherence and style)"
+            )
         self.quality = [_term(q, f"quality[{i}]") for i, q in enumerate(terms)]
         if quality_range is not None:
             lo, hi = (float(v) for v in quality_range) if len(quality_range) == 2 else (math.nan, math.nan)
             if not (math.isfinite(lo) and math.isfinite(hi) and hi > lo):
-                raise ValueError(f"gdro_corrected: quality_range={list(quality_range)} must be [lo, hi] with lo < hi "
-                                 "(the range the quality terms score in; null: they score on 1–5)")
+                raise ValueError(
+                    f"gdro_corrected: quality_range={list(quality_range)} must be [lo, hi] with lo < hi "
+                    "(the range the quality terms score in; null: they score on 1–5)"
+                )
             quality_range = (lo, hi)
         for key, value in (("center", center), ("offset", offset)):
             if not math.isfinite(float(value)):
@@ -94,8 +108,11 @@ class CorrectedScore(Reward):
         a, b = UNIFIED_REWARD_SCALE
         return a + (b - a) * (q - lo) / (hi - lo)
 
-    def parts(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r [B], û [B]) of ``images``: the reward and the mean of the mapped quality terms (cached for the same call)."""
+    def parts(
+        self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r [B], û [B]) of ``images``: the reward and the mean of the mapped quality terms (cached for the same
+        call)."""
         last = self._last
         if last is not None and last[0] is images and last[1] == list(prompts):
             return last[2], last[3]

@@ -1,5 +1,6 @@
 """Model-free rewards from image statistics: JPEG size (DDPO's compressibility tasks), brightness,
 saturation, redness. Cheap, deterministic, CPU-only; handy for tests and sanity runs."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """Fidelity of an edit to its source image: how much of the source survives (higher = closer to the source)."""
+
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -22,14 +23,17 @@ class SourceFidelity(Reward):
 
     def __init__(self, size: int = 32):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"reward 'source_fidelity': size={size!r} must be an integer >= 1 (pixels of the "
-                             "pooled comparison)")
+            raise ValueError(
+                f"reward 'source_fidelity': size={size!r} must be an integer >= 1 (pixels of the pooled comparison)"
+            )
         self.size = size
 
     def score(self, images, prompts, meta):
         sources = meta.get("source_images")
         if sources is None:
-            raise ValueError("reward 'source_fidelity' compares each sample with its prompt's source image, and "
-                             "none was given (meta['source_images']); its prompts must read '[image: PATH] ...'")
+            raise ValueError(
+                "reward 'source_fidelity' compares each sample with its prompt's source image, and "
+                "none was given (meta['source_images']); its prompts must read '[image: PATH] ...'"
+            )
         pool = lambda x: F.adaptive_avg_pool2d(x.float().clamp(0, 1), self.size)
         return 1.0 - (pool(images) - pool(sources.to(images.device))).abs().mean(dim=(1, 2, 3))

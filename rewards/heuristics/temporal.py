@@ -1,4 +1,5 @@
 """Temporal consistency of a video: how little consecutive frames differ (higher = less flicker)."""
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ request (:mod:`flowrl_rewards.judges.vlm_judge_served`); a reply whose log-proba
 (``on_error: nan``) counted; ``transformers``, the judge in this process (:mod:`flowrl_rewards.judges.vlm_judge_local`).
 Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,8 @@ from typing import Any, Sequence
 import torch
 
 from flowrl_rewards.core.base import Reward
-from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError, encode_png
 from flowrl_rewards.judges.vlm_judge_served import MalformedReply, ServedJudge, api_key_of, first_token_candidates
+from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError, encode_png
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +59,28 @@ def check_template(key: str, value: Any) -> str:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
     except ValueError as e:
-        raise ValueError(f"vlm_judge: {key}={value!r} is not a valid template ({e}); write literal braces "
-                         "as {{ and }}") from e
+        raise ValueError(
+            f"vlm_judge: {key}={value!r} is not a valid template ({e}); write literal braces as {{{{ and }}}}"
+        ) from e
     bad = [f for f in fields if f != "prompt"]
     if bad:
-        raise ValueError(f"vlm_judge: {key}={value!r} has the field {{{bad[0]}}}; the only field accepted is "
-                         "{prompt} (the image's prompt); write literal braces as {{ and }}")
+        raise ValueError(
+            f"vlm_judge: {key}={value!r} has the field {{{bad[0]}}}; the only field accepted is "
+            "{prompt} (the image's prompt); write literal braces as {{ and }}"
+        )
     return value
 
 
 def check_number(key: str, value: Any, low: float = 0.0, strict: bool = False, integer: bool = False) -> float:
     """``value`` as a number ≥ ``low`` (> with ``strict``; an int with ``integer``), else a ValueError naming it."""
     kind = int if integer else (int, float)
-    if (isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value)
-            or value < low or (strict and value == low)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not math.isfinite(value)
+        or value < low
+        or (strict and value == low)
+    ):
         what = "an integer" if integer else "a number"
         raise ValueError(f"vlm_judge: {key}={value!r} must be {what} {'>' if strict else '>='} {low:g}")
     return value
@@ -79,11 +88,16 @@ def check_number(key: str, value: Any, low: float = 0.0, strict: bool = False, i
 
 def check_range(value: Any) -> tuple[float, float]:
     """``score_range`` as (low, high) with low < high."""
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+    ok = (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    )
     if not ok or value[0] >= value[1]:
-        raise ValueError(f"vlm_judge: score_range={value!r} must be [low, high] with low < high, e.g. [1, 5]: "
-                         "the judge's scale, mapped to [0, 1]")
+        raise ValueError(
+            f"vlm_judge: score_range={value!r} must be [low, high] with low < high, e.g. [1, 5]: "
+            "the judge's scale, mapped to [0, 1]"
+        )
     return float(value[0]), float(value[1])
 
 
@@ -122,8 +136,9 @@ def read_pattern(text: str, pattern: re.Pattern, low: float, high: float) -> tup
     except (TypeError, ValueError):
         return float("nan"), f"pattern {pattern.pattern!r} matched {found!r}, not a number, in the answer {shown!r}"
     if not math.isfinite(value):
-        return float("nan"), (f"pattern {pattern.pattern!r} matched {found!r}, not a finite number, in the answer "
-                              f"{shown!r}")
+        return float("nan"), (
+            f"pattern {pattern.pattern!r} matched {found!r}, not a finite number, in the answer {shown!r}"
+        )
     return min(1.0, max(0.0, (value - low) / (high - low))), None
 
 
@@ -146,15 +161,37 @@ class VlmJudge(Reward):
 
     name = "vlm_judge"
 
-    def __init__(self, backend: str = "openai", model: str = DEFAULT_MODEL, question: str = DEFAULT_QUESTION,
-                 system: str | None = None, score: str = "yes_probability", pattern: str = DEFAULT_PATTERN,
-                 score_range: Sequence[float] = (1, 5), max_tokens: int | None = None, top_logprobs: int = 20,
-                 url: str = "http://127.0.0.1:8000", api_key: str | None = None, api_key_env: str | None = None,
-                 concurrency: int = 8, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
-                 max_backoff: float = 30.0, on_error: str = "raise", processor: str | None = None,
-                 device: str = "auto", dtype: str = "auto", batch_size: int = 8):
-        self.backend = check_choice("backend", backend, BACKENDS, " (openai: a served judge, e.g. by vLLM or "
-                                    "sglang; transformers: the judge in this process)")
+    def __init__(
+        self,
+        backend: str = "openai",
+        model: str = DEFAULT_MODEL,
+        question: str = DEFAULT_QUESTION,
+        system: str | None = None,
+        score: str = "yes_probability",
+        pattern: str = DEFAULT_PATTERN,
+        score_range: Sequence[float] = (1, 5),
+        max_tokens: int | None = None,
+        top_logprobs: int = 20,
+        url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        api_key_env: str | None = None,
+        concurrency: int = 8,
+        timeout: float = 60.0,
+        retries: int = 2,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        on_error: str = "raise",
+        processor: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 8,
+    ):
+        self.backend = check_choice(
+            "backend",
+            backend,
+            BACKENDS,
+            " (openai: a served judge, e.g. by vLLM or sglang; transformers: the judge in this process)",
+        )
         self.mode = check_choice("score", score, SCORES)
         self.question = check_template("question", question)
         self.system = None if system is None else check_template("system", system)
@@ -176,8 +213,16 @@ class VlmJudge(Reward):
             check_number("timeout", timeout, 0, strict=True)
             check_number("backoff", backoff, 0)
             check_number("max_backoff", max_backoff, 0)
-            self.served = ServedJudge(url, model, api_key_of(api_key, api_key_env), float(timeout), retries,
-                                      float(backoff), float(max_backoff), concurrency)
+            self.served = ServedJudge(
+                url,
+                model,
+                api_key_of(api_key, api_key_env),
+                float(timeout),
+                retries,
+                float(backoff),
+                float(max_backoff),
+                concurrency,
+            )
         else:
             from flowrl_rewards.judges.vlm_judge_local import LocalJudge
 
@@ -190,8 +235,10 @@ class VlmJudge(Reward):
 
     def fill(self, prompts: Sequence[str]) -> tuple[list[str], list[str | None]]:
         """The question and the system prompt (None without one) of every prompt."""
-        return ([self.question.format(prompt=p) for p in prompts],
-                [None if self.system is None else self.system.format(prompt=p) for p in prompts])
+        return (
+            [self.question.format(prompt=p) for p in prompts],
+            [None if self.system is None else self.system.format(prompt=p) for p in prompts],
+        )
 
     def score(self, images, prompts, meta):
         """Scores float32 [B] in [0, 1] for images [B, 3, H, W] in [0, 1]; NaN where the judge gave no score."""
@@ -248,11 +295,14 @@ class VlmJudge(Reward):
                 f"vlm_judge: the server at {self.served.chat_url} answered without log-probabilities "
                 "(choices[0].logprobs.content is empty), which score='yes_probability' needs; serve the judge "
                 f"with vLLM, which returns up to --max-logprobs (default 20, >= top_logprobs={self.top_logprobs}) "
-                "per token, or set score: pattern with a question that asks for a score")
+                "per token, or set score: pattern with a question that asks for a score"
+            )
         value = yes_share(candidates)
         if math.isnan(value):
-            return value, (f"neither 'yes' nor 'no' among the first answer token's top {len(candidates)} "
-                           f"log-probabilities (top: {[t for t, _ in candidates[:5]]})")
+            return value, (
+                f"neither 'yes' nor 'no' among the first answer token's top {len(candidates)} "
+                f"log-probabilities (top: {[t for t, _ in candidates[:5]]})"
+            )
         return value, None
 
     def from_text(self, text: str | None) -> tuple[float, str | None]:

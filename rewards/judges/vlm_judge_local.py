@@ -11,6 +11,7 @@ Images are rounded to 8 bits and go through the image processor's PIL backend (a
   ``sigmoid(logsumexp(logits[yes]) − logsumexp(logits[no]))`` (the same ratio, without underflow);
 - text: ``generate`` with greedy decoding and ``max_new_tokens``, the new tokens decoded.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -43,11 +44,15 @@ def load_processor(path: str) -> Any:
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as e:
-        raise ValueError(f"{OWNER}: cannot load a processor from processor={path!r} ({type(e).__name__}: {e}); give "
-                         "a hub id or a local folder saved with processor.save_pretrained") from e
+        raise ValueError(
+            f"{OWNER}: cannot load a processor from processor={path!r} ({type(e).__name__}: {e}); give "
+            "a hub id or a local folder saved with processor.save_pretrained"
+        ) from e
     if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
-        raise ValueError(f"{OWNER}: processor={path!r} has no chat template (or no tokenizer); give the processor "
-                         "of an instruction-tuned image-text-to-text model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'")
+        raise ValueError(
+            f"{OWNER}: processor={path!r} has no chat template (or no tokenizer); give the processor "
+            "of an instruction-tuned image-text-to-text model, e.g. 'Qwen/Qwen2.5-VL-7B-Instruct'"
+        )
     processor.image_processor = load_image_processor(path, OWNER)
     processor.tokenizer.padding_side = "left"
     return processor
@@ -60,9 +65,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> Any:
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     except Exception as e:
-        raise ValueError(f"{OWNER}: cannot load an image-text-to-text model from model={path!r} "
-                         f"({type(e).__name__}: {e}); give a hub id (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct') or a "
-                         "local folder saved with model.save_pretrained") from e
+        raise ValueError(
+            f"{OWNER}: cannot load an image-text-to-text model from model={path!r} "
+            f"({type(e).__name__}: {e}); give a hub id (e.g. 'Qwen/Qwen2.5-VL-7B-Instruct') or a "
+            "local folder saved with model.save_pretrained"
+        ) from e
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -77,9 +84,11 @@ class LocalJudge:
         tokenizer = self.processor.tokenizer
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer, YES_WORDS), answer_token_ids(tokenizer, NO_WORDS)
         if not self.yes_ids or not self.no_ids:
-            raise ValueError(f"{OWNER}: the tokenizer of processor={processor!r} has no single token for "
-                             f"{'Yes' if not self.yes_ids else 'No'} (tried {YES_WORDS + NO_WORDS}); "
-                             "score: yes_probability needs one, use score: pattern")
+            raise ValueError(
+                f"{OWNER}: the tokenizer of processor={processor!r} has no single token for "
+                f"{'Yes' if not self.yes_ids else 'No'} (tried {YES_WORDS + NO_WORDS}); "
+                "score: yes_probability needs one, use score: pattern"
+            )
         self.model = load_model(model, self.dtype, self.device)
 
     def inputs(self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None]) -> Any:
@@ -93,8 +102,9 @@ class LocalJudge:
         return batch.to(self.device)
 
     @torch.no_grad()
-    def yes_probability(self, images: torch.Tensor, questions: Sequence[str],
-                        systems: Sequence[str | None]) -> torch.Tensor:
+    def yes_probability(
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None]
+    ) -> torch.Tensor:
         """P(yes) / (P(yes) + P(no)) of the first answer token: float32 [B] on the CPU."""
         out = []
         for sl in batches(images.shape[0], self.batch_size):
@@ -106,13 +116,14 @@ class LocalJudge:
         return torch.cat(out) if out else torch.zeros(0)
 
     @torch.no_grad()
-    def generate(self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None],
-                 max_new_tokens: int) -> list[str]:
+    def generate(
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], max_new_tokens: int
+    ) -> list[str]:
         """Greedy answers (at most ``max_new_tokens`` tokens each), decoded without special tokens."""
         answers: list[str] = []
         for sl in batches(images.shape[0], self.batch_size):
             batch = self.inputs(images[sl], questions[sl], systems[sl])
             ids = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
-            new = ids[:, batch["input_ids"].shape[1]:]
+            new = ids[:, batch["input_ids"].shape[1] :]
             answers += self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
         return answers

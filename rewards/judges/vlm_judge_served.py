@@ -1,5 +1,7 @@
-"""The served backend of :mod:`flowrl_rewards.judges.vlm_judge`: a judge behind an OpenAI-compatible chat-completions server
-(vLLM, sglang), one request per image, ``concurrency`` requests in flight, through :mod:`flowrl_rewards.serving.transport`
+"""The served backend of :mod:`flowrl_rewards.judges.vlm_judge`: a judge behind an OpenAI-compatible chat-completions
+server
+(vLLM, sglang), one request per image, ``concurrency`` requests in flight, through
+:mod:`flowrl_rewards.serving.transport`
 (its retries and backoff; ``timeout`` bounds each request in total, connection and whole reply; a redirect to
 another scheme, host or port is refused, so the key never leaves for another server).
 
@@ -12,6 +14,7 @@ another scheme, host or port is refused, so the key never leaves for another ser
   (:func:`first_token_candidates`), each checked: finite and at most 0, ``top_logprobs`` a list of at least the
   alternatives asked for; a reply that breaks this is a :class:`MalformedReply` naming what and quoting it.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +24,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flowrl_rewards.serving.transport import RemoteRewardError, TransientError, fetch, post_json_retrying, unsafe_character
+from flowrl_rewards.serving.transport import (
+    RemoteRewardError,
+    TransientError,
+    fetch,
+    post_json_retrying,
+    unsafe_character,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +47,9 @@ def api_key_of(api_key: str | None, api_key_env: str | None) -> str | None:
     if api_key_env is None:
         key, source = api_key, "api_key"
     elif api_key_env not in os.environ:
-        raise ValueError(f"vlm_judge: api_key_env={api_key_env!r} but the environment variable {api_key_env} "
-                         "is not set")
+        raise ValueError(
+            f"vlm_judge: api_key_env={api_key_env!r} but the environment variable {api_key_env} is not set"
+        )
     else:
         key, source = os.environ[api_key_env], f"the environment variable {api_key_env} (api_key_env)"
     if key is not None:
@@ -47,9 +57,11 @@ def api_key_of(api_key: str | None, api_key_env: str | None) -> str | None:
             raise ValueError(f"vlm_judge: api_key must be a string, got {type(key).__name__}")
         bad = unsafe_character(key, inner_spaces=False)
         if bad:
-            raise ValueError(f"vlm_judge: the key in {source} holds {bad}; a key holds no whitespace or control "
-                             "characters (a key read from a file often ends in a newline: strip it); the key is not "
-                             "shown")
+            raise ValueError(
+                f"vlm_judge: the key in {source} holds {bad}; a key holds no whitespace or control "
+                "characters (a key read from a file often ends in a newline: strip it); the key is not "
+                "shown"
+            )
     return key
 
 
@@ -57,8 +69,10 @@ def api_base(url: Any) -> str:
     """The ``/v1`` prefix of an OpenAI-compatible server: ``url`` with a trailing ``/`` dropped, ``/v1`` appended
     unless it already ends so (``http://h:8000`` and ``http://h:8000/v1/`` both give ``http://h:8000/v1``)."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"vlm_judge: url={url!r} must start with http:// or https:// (the server, e.g. "
-                         "'http://127.0.0.1:8000', with or without /v1)")
+        raise ValueError(
+            f"vlm_judge: url={url!r} must start with http:// or https:// (the server, e.g. "
+            "'http://127.0.0.1:8000', with or without /v1)"
+        )
     base = url.rstrip("/")
     return base if base.endswith("/v1") else base + "/v1"
 
@@ -75,16 +89,21 @@ def first_token_candidates(choice: dict, asked: int) -> list[tuple[str, float]] 
     first = content[0]
     quoted = excerpt(first)
     if not isinstance(first, dict):
-        raise MalformedReply(f"choices[0].logprobs.content[0] is {type(first).__name__}, not an object; the reply "
-                             f"held {quoted}")
+        raise MalformedReply(
+            f"choices[0].logprobs.content[0] is {type(first).__name__}, not an object; the reply held {quoted}"
+        )
     top = first.get("top_logprobs")
     where = "choices[0].logprobs.content[0].top_logprobs"
     if not isinstance(top, list):
-        raise MalformedReply(f"{where} is {type(top).__name__}, not a list of {{token, logprob}}; the reply held {quoted}")
+        raise MalformedReply(
+            f"{where} is {type(top).__name__}, not a list of {{token, logprob}}; the reply held {quoted}"
+        )
     if len(top) < asked:
-        raise MalformedReply(f"{where} holds {len(top)} alternative{'s' if len(top) != 1 else ''}, fewer than the "
-                             f"top_logprobs={asked} asked for (a server that ignored the request would decide by the "
-                             f"first token alone); the reply held {quoted}")
+        raise MalformedReply(
+            f"{where} holds {len(top)} alternative{'s' if len(top) != 1 else ''}, fewer than the "
+            f"top_logprobs={asked} asked for (a server that ignored the request would decide by the "
+            f"first token alone); the reply held {quoted}"
+        )
     out = [checked_entry(t, f"{where}[{i}]", quoted) for i, t in enumerate(top)]
     if "logprob" in first or "token" in first:
         token, logprob = checked_entry(first, "choices[0].logprobs.content[0]", quoted)
@@ -104,8 +123,10 @@ def checked_entry(entry: Any, where: str, quoted: str) -> tuple[str, float]:
     if math.isnan(value):
         raise MalformedReply(f"{where}.logprob is NaN (token {token!r}): no probability; the reply held {quoted}")
     if not math.isfinite(value) or value > 0:
-        raise MalformedReply(f"{where}.logprob={value!r} (token {token!r}) is not a log-probability: one is finite "
-                             f"and at most 0 (a probability at most 1); the reply held {quoted}")
+        raise MalformedReply(
+            f"{where}.logprob={value!r} (token {token!r}) is not a log-probability: one is finite "
+            f"and at most 0 (a probability at most 1); the reply held {quoted}"
+        )
     return token, float(value)
 
 
@@ -122,12 +143,22 @@ class ServedJudge:
     """A judge behind ``POST {base}/chat/completions``; one image per request, ``concurrency`` requests at once.
 
     Transient failures (refused or dropped connections, timeouts, 5xx, 429) are retried ``retries`` times with
-    backoff through :func:`flowrl_rewards.serving.remote.post_json_retrying` (remote.py's transport); a request that still fails
+    backoff through :func:`flowrl_rewards.serving.remote.post_json_retrying` (remote.py's transport); a request that
+    still fails
     raises :class:`RemoteRewardError` naming the URL, the HTTP status and the server's message.
     """
 
-    def __init__(self, url: str, model: str, api_key: str | None, timeout: float, retries: int, backoff: float,
-                 max_backoff: float, concurrency: int):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key: str | None,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        max_backoff: float,
+        concurrency: int,
+    ):
         self.url, self.model, self.concurrency = url, model, concurrency
         base = api_base(url)
         self.chat_url, self.models_url = base + "/chat/completions", base + "/models"
@@ -136,16 +167,30 @@ class ServedJudge:
 
     def body(self, png: str, question: str, system: str | None, options: dict) -> bytes:
         """The chat-completions request for one base64 PNG and its question."""
-        user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
-                                            {"type": "text", "text": question}]}
+        user = {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+                {"type": "text", "text": question},
+            ],
+        }
         messages = ([{"role": "system", "content": system}] if system else []) + [user]
         return json.dumps({"model": self.model, "messages": messages, "temperature": 0, **options}).encode("utf-8")
 
     def post(self, payload: bytes) -> dict:
         """The first choice of the server's reply to ``payload``, after retries (RemoteRewardError otherwise)."""
         try:
-            body = post_json_retrying(self.chat_url, payload, self.timeout, self.headers, self.retries, self.backoff,
-                                      self.max_backoff, f"vlm_judge at {self.chat_url}", log)
+            body = post_json_retrying(
+                self.chat_url,
+                payload,
+                self.timeout,
+                self.headers,
+                self.retries,
+                self.backoff,
+                self.max_backoff,
+                f"vlm_judge at {self.chat_url}",
+                log,
+            )
         except RemoteRewardError as e:
             raise RemoteRewardError(f"POST {self.chat_url}: {e}") from e
         try:
@@ -154,8 +199,10 @@ class ServedJudge:
                 raise TypeError(f"choices[0] is {type(choice).__name__}")
             return choice
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise RemoteRewardError(f"POST {self.chat_url}: malformed reply, no choices[0] ({type(e).__name__}: "
-                                    f"{e}); first bytes: {body[:200]!r}") from e
+            raise RemoteRewardError(
+                f"POST {self.chat_url}: malformed reply, no choices[0] ({type(e).__name__}: "
+                f"{e}); first bytes: {body[:200]!r}"
+            ) from e
 
     def ask_all(self, payloads: list[bytes], keep_going: bool) -> list[dict | str]:
         """Every request's first choice in order; with ``keep_going`` a failed one is its error message instead
@@ -185,16 +232,21 @@ class ServedJudge:
             raise RuntimeError(
                 f"vlm_judge: no judge server answers at url={self.url!r} (GET {self.models_url}: {e}); start one "
                 f"serving model={self.model!r} (e.g. `vllm serve {self.model} --port 8000`, "
-                "docs/rewards/vlm_judge.md) or point the key url at where it listens") from e
+                "docs/rewards/vlm_judge.md) or point the key url at where it listens"
+            ) from e
         except RemoteRewardError as e:
             raise RuntimeError(f"vlm_judge: the server at url={self.url!r} refused GET {self.models_url}: {e}") from e
         try:
             served = [m.get("id") for m in json.loads(body).get("data", []) if isinstance(m, dict)]
         except (ValueError, AttributeError) as e:
-            raise RuntimeError(f"vlm_judge: the server at url={self.url!r} answered GET {self.models_url} with no "
-                               f"model list ({type(e).__name__}: {e}); first bytes: {body[:200]!r}; is it an "
-                               "OpenAI-compatible server?") from e
+            raise RuntimeError(
+                f"vlm_judge: the server at url={self.url!r} answered GET {self.models_url} with no "
+                f"model list ({type(e).__name__}: {e}); first bytes: {body[:200]!r}; is it an "
+                "OpenAI-compatible server?"
+            ) from e
         if self.model not in served:
-            raise RuntimeError(f"vlm_judge: the server at url={self.url!r} serves the models {served}, not "
-                               f"model={self.model!r}; set model to one of them (vLLM names a model by its path "
-                               "unless --served-model-name renames it)")
+            raise RuntimeError(
+                f"vlm_judge: the server at url={self.url!r} serves the models {served}, not "
+                f"model={self.model!r}; set model to one of them (vLLM names a model by its path "
+                "unless --served-model-name renames it)"
+            )

@@ -4,6 +4,7 @@ Images are quantised to 8 bits, turned into PIL images and passed through the mo
 validation transform from ``open_clip.create_model_and_transforms`` (resize of the shorter side,
 bicubic; centre crop; normalisation with the checkpoint's mean/std), as the model was trained.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,17 @@ class OpenClipCosine(Reward):
 
     name = "open_clip_cosine"
 
-    def _setup(self, model: Any, preprocess: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype,
-               scale: float, batch_size: int, nonnegative: bool = False) -> None:
+    def _setup(
+        self,
+        model: Any,
+        preprocess: Any,
+        tokenizer: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        scale: float,
+        batch_size: int,
+        nonnegative: bool = False,
+    ) -> None:
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.preprocess, self.tokenizer = preprocess, tokenizer
         self.device, self.dtype = device, dtype
@@ -61,28 +71,35 @@ class OpenClipCosine(Reward):
         return (self.scale * cos).cpu()
 
 
-def load_open_clip(model: str, pretrained: str | None, owner: str, cache_dir: str | None = None,
-                   device: torch.device | str = "cpu"):
+def load_open_clip(
+    model: str, pretrained: str | None, owner: str, cache_dir: str | None = None, device: torch.device | str = "cpu"
+):
     """``(model, validation transform, tokenizer)`` from open_clip, built in fp32 on ``device``."""
     try:
         import open_clip
     except ImportError as e:
-        raise ImportError(f"{owner} needs open_clip_torch: pip install 'flowrl-align[rewards]' "
-                          "(or pip install open_clip_torch)") from e
+        raise ImportError(
+            f"{owner} needs open_clip_torch: pip install 'flowrl-align[rewards]' (or pip install open_clip_torch)"
+        ) from e
     # A tag trained with QuickGELU (e.g. "openai") on a plain config ("ViT-L-14") only warns in open_clip
     # and then runs the wrong activation: switch QuickGELU on as the tag requires.
     tag_cfg = open_clip.get_pretrained_cfg(model, pretrained) if pretrained and not os.path.isfile(pretrained) else {}
     try:
         net, _, preprocess = open_clip.create_model_and_transforms(
-            model, pretrained=pretrained or None, cache_dir=cache_dir,
-            force_quick_gelu=bool(tag_cfg.get("quick_gelu", False)), device=device)
+            model,
+            pretrained=pretrained or None,
+            cache_dir=cache_dir,
+            force_quick_gelu=bool(tag_cfg.get("quick_gelu", False)),
+            device=device,
+        )
         tokenizer = open_clip.get_tokenizer(model)
     except Exception as e:
         detail = str(e) if len(str(e)) < 300 else str(e)[:300] + "..."
         raise ValueError(
             f"{owner}: cannot build open_clip model={model!r} with pretrained={pretrained!r} ({type(e).__name__}: "
             f"{detail}); model is an open_clip name (open_clip.list_models()), 'hf-hub:org/repo' or 'local-dir:/path'; "
-            "pretrained is a tag (open_clip.list_pretrained()) or a checkpoint file") from e
+            "pretrained is a tag (open_clip.list_pretrained()) or a checkpoint file"
+        ) from e
     return net, preprocess, tokenizer
 
 
@@ -105,9 +122,17 @@ class ClipScore(OpenClipCosine):
 
     name = "clip_score"
 
-    def __init__(self, model: str = "ViT-L-14", pretrained: str | None = "openai", scale: float = 1.0,
-                 nonnegative: bool = False, device: str = "auto", dtype: str = "auto", batch_size: int = 32,
-                 cache_dir: str | None = None):
+    def __init__(
+        self,
+        model: str = "ViT-L-14",
+        pretrained: str | None = "openai",
+        scale: float = 1.0,
+        nonnegative: bool = False,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 32,
+        cache_dir: str | None = None,
+    ):
         dev = resolve_device(device, self.name)
         dt = resolve_dtype(dtype, dev, self.name)
         check_batch_size(batch_size, self.name)

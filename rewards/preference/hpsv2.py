@@ -5,6 +5,7 @@ open_clip ``ViT-H-14``; score = cos(image embedding, text embedding) (≈ 0.2–
 with open_clip's validation transform (bicubic resize of the shorter side to 224, centre crop,
 OpenAI mean/std) on 8-bit images.
 """
+
 from __future__ import annotations
 
 from flowrl_rewards.core._common import check_batch_size, hub_or_local_file, resolve_device, resolve_dtype
@@ -27,8 +28,16 @@ class HPSv2(OpenClipCosine):
 
     name = "hpsv2"
 
-    def __init__(self, version: str = "v2.1", checkpoint: str | None = None, model: str = "ViT-H-14",
-                 scale: float = 1.0, device: str = "auto", dtype: str = "auto", batch_size: int = 32):
+    def __init__(
+        self,
+        version: str = "v2.1",
+        checkpoint: str | None = None,
+        model: str = "ViT-H-14",
+        scale: float = 1.0,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 32,
+    ):
         if version not in HPS_CHECKPOINTS:
             raise ValueError(f"hpsv2: version={version!r} is not known; use one of {sorted(HPS_CHECKPOINTS)}")
         dev = resolve_device(device, self.name)

@@ -10,6 +10,7 @@ package's own transform (bicubic resize to 224, centre crop, OpenAI mean/std) on
 cannot share an environment with open_clip_torch ≥ 3 or transformers ≥ 5. Run it in its own
 environment and reach it with ``python -m flowrl_rewards.serving.serve imagereward`` + the ``remote`` reward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from flowrl_rewards.core._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, unique
 from flowrl_rewards.core.base import Reward
 
-EXTRA_HINT = ("pip install 'flowrl-align[imagereward]' (the image-reward package; it needs timm==0.6.13 and "
-              "transformers<5, so use a separate environment and serve it with "
-              "`python -m flowrl_rewards.serving.serve imagereward`, then use the 'remote' reward)")
+EXTRA_HINT = (
+    "pip install 'flowrl-align[imagereward]' (the image-reward package; it needs timm==0.6.13 and "
+    "transformers<5, so use a separate environment and serve it with "
+    "`python -m flowrl_rewards.serving.serve imagereward`, then use the 'remote' reward)"
+)
 
 
 def import_image_reward():
@@ -27,8 +30,10 @@ def import_image_reward():
     try:
         import ImageReward as RM
     except ImportError as e:
-        raise ImportError(f"the 'imagereward' reward needs the optional extra 'imagereward': {EXTRA_HINT}. "
-                          f"Import failed with: {type(e).__name__}: {e}") from e
+        raise ImportError(
+            f"the 'imagereward' reward needs the optional extra 'imagereward': {EXTRA_HINT}. "
+            f"Import failed with: {type(e).__name__}: {e}"
+        ) from e
     return RM
 
 
@@ -47,9 +52,15 @@ class ImageRewardScore(Reward):
     name = "imagereward"
     max_length = 35  # the package's prompt length
 
-    def __init__(self, model: str = "ImageReward-v1.0", med_config: str | None = None,
-                 download_root: str | None = None, device: str = "auto", dtype: str = "auto",
-                 batch_size: int = 32):
+    def __init__(
+        self,
+        model: str = "ImageReward-v1.0",
+        med_config: str | None = None,
+        download_root: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 32,
+    ):
         RM = import_image_reward()
         self.device = resolve_device(device, self.name)
         self.dtype = resolve_dtype(dtype, self.device, self.name)
@@ -69,15 +80,21 @@ class ImageRewardScore(Reward):
     def score(self, images, prompts, meta):
         net = self.model
         uniq, index = unique(prompts)
-        tok = net.blip.tokenizer(uniq, padding="max_length", truncation=True, max_length=self.max_length,
-                                 return_tensors="pt").to(self.device)
+        tok = net.blip.tokenizer(
+            uniq, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
         out = []
         for sl in batches(images.shape[0], self.batch_size):
             emb = net.blip.visual_encoder(self.pixels(images[sl]).to(self.device, self.dtype))
             atts = torch.ones(emb.shape[:-1], dtype=torch.long, device=self.device)
             rows = index[sl].to(self.device)
-            txt = net.blip.text_encoder(tok.input_ids[rows], attention_mask=tok.attention_mask[rows],
-                                        encoder_hidden_states=emb, encoder_attention_mask=atts, return_dict=True)
+            txt = net.blip.text_encoder(
+                tok.input_ids[rows],
+                attention_mask=tok.attention_mask[rows],
+                encoder_hidden_states=emb,
+                encoder_attention_mask=atts,
+                return_dict=True,
+            )
             feat = txt.last_hidden_state[:, 0, :].float()
             out.append(((net.mlp(feat) - net.mean) / net.std).squeeze(-1))
         return torch.cat(out).cpu()

@@ -9,6 +9,7 @@ Preprocessing is the processor's PIL path (bicubic resize of the shorter side, c
 OpenAI mean/std) on 8-bit images, as the model was trained; prompts are padded to the full
 context length (77) and truncated there, so a prompt's embedding never depends on its batch.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,8 +30,10 @@ def load_image_processor(path: str, owner: str) -> Any:
     try:
         return AutoImageProcessor.from_pretrained(path, **kwargs)
     except Exception as e:
-        raise ValueError(f"{owner}: cannot load an image processor from {path!r} ({type(e).__name__}: {e}); "
-                         "give a hub id or a local folder saved with processor.save_pretrained") from e
+        raise ValueError(
+            f"{owner}: cannot load an image processor from {path!r} ({type(e).__name__}: {e}); "
+            "give a hub id or a local folder saved with processor.save_pretrained"
+        ) from e
 
 
 def load_clip_model(path: str, dtype: torch.dtype, device: torch.device, owner: str) -> Any:
@@ -40,8 +43,10 @@ def load_clip_model(path: str, dtype: torch.dtype, device: torch.device, owner: 
     try:
         model = CLIPModel.from_pretrained(path, dtype=dtype)
     except Exception as e:
-        raise ValueError(f"{owner}: cannot load a transformers CLIPModel from {path!r} ({type(e).__name__}: {e}); "
-                         "give a hub id or a local folder saved with model.save_pretrained") from e
+        raise ValueError(
+            f"{owner}: cannot load a transformers CLIPModel from {path!r} ({type(e).__name__}: {e}); "
+            "give a hub id or a local folder saved with model.save_pretrained"
+        ) from e
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -64,9 +69,15 @@ class PickScore(Reward):
 
     name = "pickscore"
 
-    def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
-                 processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", divide_by: float = 1.0,
-                 device: str = "auto", dtype: str = "auto", batch_size: int = 32):
+    def __init__(
+        self,
+        model: str = "yuvalkirstain/PickScore_v1",
+        processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+        divide_by: float = 1.0,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 32,
+    ):
         if not isinstance(divide_by, (int, float)) or isinstance(divide_by, bool) or divide_by <= 0:
             raise ValueError(f"pickscore: divide_by={divide_by!r} must be a positive number (1 = raw, 26 = Flow-GRPO)")
         self.device = resolve_device(device, self.name)
@@ -95,8 +106,9 @@ class PickScore(Reward):
         uniq, index = unique(prompts)
         text = []
         for sl in batches(len(uniq), self.batch_size):
-            tok = self.tokenizer(uniq[sl], padding="max_length", truncation=True, max_length=self.max_length,
-                                 return_tensors="pt").to(self.device)
+            tok = self.tokenizer(
+                uniq[sl], padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+            ).to(self.device)
             text.append(pooled(self.model.get_text_features(**tok)).float())
         txt = torch.cat(text)
         txt = txt / txt.norm(dim=-1, keepdim=True)

@@ -28,6 +28,7 @@ URL's own scheme, host and port: one to another origin is refused, naming the UR
 ``headers`` (credentials) never leave for another server. Header values with control characters or whitespace
 at an end are refused at load, naming the header, not the value.
 """
+
 from __future__ import annotations
 
 import base64
@@ -167,9 +168,18 @@ class RemoteReward(Reward):
 
     name = "remote"
 
-    def __init__(self, url: str, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
-                 max_backoff: float = 30.0, batch_size: int = 16, on_error: str = "raise",
-                 headers: dict[str, str] | None = None, name: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        retries: int = 2,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        batch_size: int = 16,
+        on_error: str = "raise",
+        headers: dict[str, str] | None = None,
+        name: str | None = None,
+    ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote: url={url!r} must start with http:// or https://")
         if on_error not in ON_ERROR:
@@ -200,15 +210,24 @@ class RemoteReward(Reward):
             return json.loads(fetch(url, self.timeout, headers=self.headers))
         except (TransientError, RemoteRewardError, ValueError) as e:
             raise RemoteRewardError(
-                f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})") from e
+                f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})"
+            ) from e
 
     def check_ready(self) -> None:
         """The server answers ``GET /health`` (RemoteRewardError naming the URL otherwise)."""
         self.health()
 
     def _request(self, payload: bytes, n: int) -> tuple[list[float], dict]:
-        body = post_json_retrying(self.url, payload, self.timeout, self.headers, self.retries, self.backoff,
-                                  self.max_backoff, f"remote reward {self.name} at {self.url}")
+        body = post_json_retrying(
+            self.url,
+            payload,
+            self.timeout,
+            self.headers,
+            self.retries,
+            self.backoff,
+            self.max_backoff,
+            f"remote reward {self.name} at {self.url}",
+        )
         try:
             return parse_scores(body, n)
         except ValueError as e:
@@ -223,8 +242,10 @@ class RemoteReward(Reward):
         reply_meta: dict[str, list] = {}
         for sl in batches(n, self.batch_size):
             m = sl.stop - sl.start
-            payload = json.dumps({"images": encode_png(images[sl]), "prompts": list(prompts[sl]),
-                                  "meta": meta_slice(meta, n, sl)}, allow_nan=False).encode("utf-8")
+            payload = json.dumps(
+                {"images": encode_png(images[sl]), "prompts": list(prompts[sl]), "meta": meta_slice(meta, n, sl)},
+                allow_nan=False,
+            ).encode("utf-8")
             try:
                 vals, rmeta = self._request(payload, m)
             except RemoteRewardError as e:

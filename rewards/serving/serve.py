@@ -15,11 +15,13 @@ Endpoints: ``POST /score`` (or ``/``) with the JSON of :mod:`flowrl_rewards.serv
 ``--max-json-depth``, holds more than ``--batch-size`` images or an image over ``--max-image-pixels`` (read from
 its header, before decoding); a reward exception is 500, a request that waited ``--queue-timeout`` seconds for a
 worker 504. Concurrent requests are scored together, up to ``--batch-size`` images per reward call
-(:mod:`flowrl_rewards.serving.serve_batching`); the layout is in :mod:`flowrl_rewards.serving.serve_app`. The server needs the
+(:mod:`flowrl_rewards.serving.serve_batching`); the layout is in :mod:`flowrl_rewards.serving.serve_app`. The server
+needs the
 optional extra ``serve`` (``pip install 'flowrl-align[serve]'``). It binds 127.0.0.1 by default; without
 ``--token-env`` anyone who reaches the port can use it, and it speaks plain HTTP (put a TLS proxy in front to
 cross an untrusted network).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +32,10 @@ import os
 import signal
 import sys
 
-EXTRA_HINT = ("the reward server needs the optional extra 'serve' (LitServe, with FastAPI and uvicorn): "
-              "pip install 'flowrl-align[serve]' (in a checkout: pip install -e '.[serve]')")
+EXTRA_HINT = (
+    "the reward server needs the optional extra 'serve' (LitServe, with FastAPI and uvicorn): "
+    "pip install 'flowrl-align[serve]' (in a checkout: pip install -e '.[serve]')"
+)
 
 
 def require_litserve() -> None:
@@ -65,26 +69,64 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default), 0.0.0.0 or ::")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
-    p.add_argument("--token-env", metavar="NAME",
-                   help="require 'Authorization: Bearer <token>', the token read from environment variable NAME")
-    p.add_argument("--batch-size", type=positive(int, "images per reward call"), default=32,
-                   help="the most images scored (and decoded) in one reward call, and per request (default 32)")
-    p.add_argument("--batch-timeout", type=positive(float, "seconds"), default=0.01,
-                   help="seconds a worker waits for more requests to fill a batch (default 0.01)")
-    p.add_argument("--no-merge", action="store_true",
-                   help="score each request in its own reward call (requests are still taken together)")
-    p.add_argument("--workers", type=positive(int, "scoring processes"), default=1,
-                   help="scoring processes, each with its own copy of the reward (default 1)")
-    p.add_argument("--max-body-mb", type=positive(float, "MiB"), default=256.0,
-                   help="the largest request body in MiB (default 256)")
-    p.add_argument("--max-json-depth", type=positive(int, "levels"), default=32,
-                   help="the deepest nesting of a request's JSON (default 32)")
-    p.add_argument("--max-image-pixels", type=positive(int, "width x height"), default=4096 * 4096,
-                   help="the largest image, width x height (default 16777216 = 4096²)")
-    p.add_argument("--queue-timeout", type=positive(float, "seconds"), default=60.0,
-                   help="seconds a request may wait for a worker before 504 (default 60)")
-    p.add_argument("--backlog", type=positive(int, "connections"), default=2048,
-                   help="connections the listening socket queues before accepting (default 2048)")
+    p.add_argument(
+        "--token-env",
+        metavar="NAME",
+        help="require 'Authorization: Bearer <token>', the token read from environment variable NAME",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive(int, "images per reward call"),
+        default=32,
+        help="the most images scored (and decoded) in one reward call, and per request (default 32)",
+    )
+    p.add_argument(
+        "--batch-timeout",
+        type=positive(float, "seconds"),
+        default=0.01,
+        help="seconds a worker waits for more requests to fill a batch (default 0.01)",
+    )
+    p.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="score each request in its own reward call (requests are still taken together)",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive(int, "scoring processes"),
+        default=1,
+        help="scoring processes, each with its own copy of the reward (default 1)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=positive(float, "MiB"),
+        default=256.0,
+        help="the largest request body in MiB (default 256)",
+    )
+    p.add_argument(
+        "--max-json-depth",
+        type=positive(int, "levels"),
+        default=32,
+        help="the deepest nesting of a request's JSON (default 32)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=positive(int, "width x height"),
+        default=4096 * 4096,
+        help="the largest image, width x height (default 16777216 = 4096²)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=positive(float, "seconds"),
+        default=60.0,
+        help="seconds a request may wait for a worker before 504 (default 60)",
+    )
+    p.add_argument(
+        "--backlog",
+        type=positive(int, "connections"),
+        default=2048,
+        help="connections the listening socket queues before accepting (default 2048)",
+    )
     p.add_argument("--verbose", action="store_true", help="log every request")
     return p
 
@@ -102,11 +144,22 @@ def options_from(args: argparse.Namespace, p: argparse.ArgumentParser):
             token = check_token_value(os.environ[args.token_env], f"--token-env {args.token_env}: the variable")
         except ValueError as e:
             p.error(str(e))
-    limits = Limits(max_body=int(args.max_body_mb * (1 << 20)), max_depth=args.max_json_depth,
-                    max_images=args.batch_size, max_image_pixels=args.max_image_pixels)
-    return ServeOptions(token=token, limits=limits, batch_timeout=args.batch_timeout, merge=not args.no_merge,
-                        workers=args.workers, queue_timeout=args.queue_timeout, backlog=args.backlog,
-                        verbose=args.verbose)
+    limits = Limits(
+        max_body=int(args.max_body_mb * (1 << 20)),
+        max_depth=args.max_json_depth,
+        max_images=args.batch_size,
+        max_image_pixels=args.max_image_pixels,
+    )
+    return ServeOptions(
+        token=token,
+        limits=limits,
+        batch_timeout=args.batch_timeout,
+        merge=not args.no_merge,
+        workers=args.workers,
+        queue_timeout=args.queue_timeout,
+        backlog=args.backlog,
+        verbose=args.verbose,
+    )
 
 
 def _stdout_for_the_ready_line():
@@ -173,12 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # LitServe's "workers failed to start": the reward's traceback is above, in the log
         if "failed to start" not in str(e):
             raise
-        print(f"{p.prog}: error: {e}; the reward {args.name!r} with --kwargs {args.kwargs} failed to load in the "
-              f"scoring worker (its traceback is above)", file=sys.stderr)
+        print(
+            f"{p.prog}: error: {e}; the reward {args.name!r} with --kwargs {args.kwargs} failed to load in the "
+            f"scoring worker (its traceback is above)",
+            file=sys.stderr,
+        )
         return 1
     except (EOFError, ConnectionError) as e:  # LitServe stopped everything after a worker died (see the log)
-        print(f"{p.prog}: error: the server stopped: a scoring worker died (killed, or out of memory?) and LitServe "
-              f"shut the server down ({type(e).__name__} from its process manager)", file=sys.stderr)
+        print(
+            f"{p.prog}: error: the server stopped: a scoring worker died (killed, or out of memory?) and LitServe "
+            f"shut the server down ({type(e).__name__} from its process manager)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

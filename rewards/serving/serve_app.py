@@ -3,14 +3,17 @@ requests.
 
 Layout (LitServe's): the main process starts a uvicorn process (FastAPI app, listening with ``backlog``) and
 ``workers`` scoring processes (spawned; each builds its own copy of the reward in :meth:`RewardAPI.setup`). The
-uvicorn process runs :class:`flowrl_rewards.serving.serve_guard.RequestGuard` on every request, then queues each accepted
+uvicorn process runs :class:`flowrl_rewards.serving.serve_guard.RequestGuard` on every request, then queues each
+accepted
 ``POST /score``; a scoring worker takes up to ``batch_size`` queued requests (waiting at most ``batch_timeout``
-seconds for more) and answers them together (:func:`flowrl_rewards.serving.serve_batching.score_requests`). A request that
+seconds for more) and answers them together (:func:`flowrl_rewards.serving.serve_batching.score_requests`). A request
+that
 waits longer than ``queue_timeout`` seconds for a worker gets 504.
 
 This module imports LitServe at the top: import it only after checking the library is installed
 (:func:`flowrl_rewards.serving.serve.require_litserve`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,8 +92,9 @@ class RewardAPI(ls.LitAPI):
     """The scoring worker: builds the reward once, then answers batches of checked requests."""
 
     def __init__(self, source: RewardSpec | Reward, options: ServeOptions, name_box: Any):
-        super().__init__(max_batch_size=options.limits.max_images, batch_timeout=options.batch_timeout,
-                         api_path="/score")
+        super().__init__(
+            max_batch_size=options.limits.max_images, batch_timeout=options.batch_timeout, api_path="/score"
+        )
         self.source, self.options, self.name_box = source, options, name_box
         self.reward: Reward | None = None
 
@@ -106,7 +110,7 @@ class RewardAPI(ls.LitAPI):
         Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, self.options.limits.max_image_pixels)
         reward = self.source.build() if isinstance(self.source, RewardSpec) else self.source
         self.reward = reward
-        self.name_box.value = reward.name.encode("utf-8")[:NAME_BYTES - 1]
+        self.name_box.value = reward.name.encode("utf-8")[: NAME_BYTES - 1]
 
     def authorize(self) -> None:
         """No-op: :class:`RequestGuard` checks the bearer token (this also keeps LitServe's own
@@ -152,18 +156,26 @@ def build_server(source: RewardSpec | Reward, options: ServeOptions) -> tuple[ls
     """The LitServer for ``source`` and the shared buffer the worker writes the reward's name into."""
     name_box = mp.get_context("spawn").Array("c", NAME_BYTES, lock=False)
     api = RewardAPI(source, options, name_box)
-    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=options.workers,
-                          timeout=options.queue_timeout, healthcheck_path="/litserve/health",
-                          info_path="/litserve/info", disable_openapi_url=True,
-                          middlewares=[(RequestGuard, {"token": options.token, "limits": options.limits})])
+    server = ls.LitServer(
+        api,
+        accelerator="cpu",
+        devices=1,
+        workers_per_device=options.workers,
+        timeout=options.queue_timeout,
+        healthcheck_path="/litserve/health",
+        info_path="/litserve/info",
+        disable_openapi_url=True,
+        middlewares=[(RequestGuard, {"token": options.token, "limits": options.limits})],
+    )
     server.uvicorn_graceful_timeout = 5
     app = server.app
 
     async def health(request: Request) -> Response:
         name = name_box.value.decode("utf-8", "replace")
         if not name:
-            return Response(json_body({"error": "the reward is still loading"}), status_code=503,
-                            media_type="application/json")
+            return Response(
+                json_body({"error": "the reward is still loading"}), status_code=503, media_type="application/json"
+            )
         return Response(json_body({"status": "ok", "reward": name}), media_type="application/json")
 
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
@@ -171,16 +183,20 @@ def build_server(source: RewardSpec | Reward, options: ServeOptions) -> tuple[ls
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         detail = exc.detail
         if exc.status_code == 504:
-            detail = (f"the request waited more than {options.queue_timeout:g} s for a scoring worker (the "
-                      f"server's --queue-timeout): the server is overloaded")
+            detail = (
+                f"the request waited more than {options.queue_timeout:g} s for a scoring worker (the "
+                f"server's --queue-timeout): the server is overloaded"
+            )
         elif exc.status_code == 500:
             detail = "the scoring worker failed on this request (see the server's log)"
-        return Response(json_body({"error": str(detail)}), status_code=exc.status_code,
-                        media_type="application/json")
+        return Response(json_body({"error": str(detail)}), status_code=exc.status_code, media_type="application/json")
 
     async def crash(request: Request, exc: Exception) -> Response:
-        return Response(json_body({"error": f"the server failed ({type(exc).__name__}: {exc})"}), status_code=500,
-                        media_type="application/json")
+        return Response(
+            json_body({"error": f"the server failed ({type(exc).__name__}: {exc})"}),
+            status_code=500,
+            media_type="application/json",
+        )
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, crash)
@@ -201,8 +217,13 @@ def wait_ready(url: str, token: str | None, stop: threading.Event, on_ready: Cal
             stop.wait(0.1)
 
 
-def run(source: RewardSpec | Reward, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
-        on_ready: Callable[[str, str], None] | None = None) -> None:
+def run(
+    source: RewardSpec | Reward,
+    options: ServeOptions,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    on_ready: Callable[[str, str], None] | None = None,
+) -> None:
     """Serve until interrupted (KeyboardInterrupt; SIGTERM where the caller turns it into one).
 
     ``port=0`` picks a free port. ``on_ready(reward name, score URL)`` is called once the server answers.
@@ -216,13 +237,22 @@ def run(source: RewardSpec | Reward, options: ServeOptions, host: str = "127.0.0
     stop = threading.Event()
     if on_ready is not None:
         score_url = f"http://{'[::]' if host == '::' else host}:{port}/score"
-        threading.Thread(target=wait_ready, args=(local_url(host, port, "/health"), options.token, stop,
-                                                  lambda name: on_ready(name, score_url)),
-                         daemon=True, name="reward-server-ready").start()
+        threading.Thread(
+            target=wait_ready,
+            args=(local_url(host, port, "/health"), options.token, stop, lambda name: on_ready(name, score_url)),
+            daemon=True,
+            name="reward-server-ready",
+        ).start()
     try:
-        server.run(host=host, port=port, num_api_servers=1, generate_client_file=False,
-                   log_level="info" if options.verbose else "warning", backlog=options.backlog,
-                   access_log=options.verbose)
+        server.run(
+            host=host,
+            port=port,
+            num_api_servers=1,
+            generate_client_file=False,
+            log_level="info" if options.verbose else "warning",
+            backlog=options.backlog,
+            access_log=options.verbose,
+        )
     finally:
         stop.set()
         _end_children()

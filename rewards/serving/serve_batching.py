@@ -1,6 +1,7 @@
 """Scoring several clients' requests together: grouping, meta merged and split back, images decoded per group.
 
-The scoring worker receives a list of checked requests (:class:`flowrl_rewards.serving.serve_limits.ScoreRequest`, images
+The scoring worker receives a list of checked requests (:class:`flowrl_rewards.serving.serve_limits.ScoreRequest`,
+images
 still encoded) and answers each with a :class:`Reply`:
 
 - **groups**: requests are packed, in arrival order, into reward calls of at most ``max_images`` images that share
@@ -16,6 +17,7 @@ still encoded) and answers each with a :class:`Reply`:
 - **failures**: a reward exception on a merged group scores each of its requests alone, so one request that
   breaks the reward fails only itself (500 with the exception); a NaN score is ``null``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -151,7 +153,7 @@ def split_meta(meta: dict[str, Any], before: set[str], reward_name: str, counts:
             start = 0
             parts = []
             for n in counts:
-                parts.append(value[start:start + n])
+                parts.append(value[start : start + n])
                 start += n
         else:
             parts = [value] * len(counts)
@@ -193,8 +195,13 @@ def score_group(reward: Reward, requests: list[ScoreRequest], per_sample: frozen
             scores = reward(images, prompts, meta)
         except Exception as e:
             if len(members) > 1:  # find the request that breaks the reward: each alone
-                log.warning("reward %s failed on %d merged requests (%s: %s); scoring each alone", reward.name,
-                            len(members), type(e).__name__, e)
+                log.warning(
+                    "reward %s failed on %d merged requests (%s: %s); scoring each alone",
+                    reward.name,
+                    len(members),
+                    type(e).__name__,
+                    e,
+                )
                 del images
                 for i in kept:
                     replies[i] = score_group(reward, [requests[i]], per_sample)[0]
@@ -207,13 +214,14 @@ def score_group(reward: Reward, requests: list[ScoreRequest], per_sample: frozen
         values = [float(s) if math.isfinite(s) else None for s in scores.tolist()]
         start = 0
         for i, n, out_meta in zip(kept, counts, metas):
-            replies[i] = Reply(200, {"scores": values[start:start + n], "meta": out_meta})
+            replies[i] = Reply(200, {"scores": values[start : start + n], "meta": out_meta})
             start += n
     return replies
 
 
-def score_requests(reward: Reward, requests: Sequence[ScoreRequest | Reply], max_images: int,
-                   merge: bool = True) -> list[Reply]:
+def score_requests(
+    reward: Reward, requests: Sequence[ScoreRequest | Reply], max_images: int, merge: bool = True
+) -> list[Reply]:
     """Answer every request (a :class:`Reply` given in place of a request is passed through); see the module
     docstring."""
     replies: list[Reply | None] = [r if isinstance(r, Reply) else None for r in requests]

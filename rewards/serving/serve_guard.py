@@ -14,6 +14,7 @@ Before a request reaches the server library's routes it is (in this order):
 Every refusal is ``{"error": message}`` JSON with its status, never an empty reply; the accepted body is
 passed on unchanged. A failure of the checks themselves is a 500 with the same shape.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,13 @@ def json_body(obj: dict) -> bytes:
 
 async def send_json(send: Send, status: int, obj: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json_body(obj)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

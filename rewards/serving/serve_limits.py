@@ -15,6 +15,7 @@ is accepted) instead of a traceback or an empty reply:
 Kept free of the server library: the scoring worker uses :func:`probe_request` too, and tests call these
 functions directly. PIL is imported inside functions.
 """
+
 from __future__ import annotations
 
 import base64
@@ -85,8 +86,10 @@ def check_token_value(token: str, source: str) -> str:
     if not token:
         raise ValueError(f"{source} is empty; set it to the bearer token clients must send")
     if any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError(f"{source} holds whitespace or control characters (a trailing newline?); a bearer token "
-                         f"is one word of printable characters")
+        raise ValueError(
+            f"{source} holds whitespace or control characters (a trailing newline?); a bearer token "
+            f"is one word of printable characters"
+        )
     return token
 
 
@@ -94,8 +97,9 @@ def check_authorization(header: bytes | None, token: bytes) -> None:
     """RequestError 401 unless ``header`` is ``Bearer <token>`` (the scheme in any case)."""
     scheme, _, given = (header or b"").partition(b" ")
     if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), token):
-        raise RequestError(401, "unauthorized: this server needs the header 'Authorization: Bearer <token>' "
-                                "with its token")
+        raise RequestError(
+            401, "unauthorized: this server needs the header 'Authorization: Bearer <token>' with its token"
+        )
 
 
 # ---- the body ------------------------------------------------------------------------------------------------
@@ -115,8 +119,10 @@ def check_content_length(header: bytes | None, limits: Limits) -> int | None:
 
 
 def too_large(length: int | str, limits: Limits) -> str:
-    return (f"request body of {length} bytes exceeds the limit of {limits.max_body} bytes (the server's "
-            f"--max-body-mb); send fewer or smaller images per request (the remote reward's batch_size)")
+    return (
+        f"request body of {length} bytes exceeds the limit of {limits.max_body} bytes (the server's "
+        f"--max-body-mb); send fewer or smaller images per request (the remote reward's batch_size)"
+    )
 
 
 def json_depth_exceeds(value: Any, limit: int) -> bool:
@@ -139,9 +145,12 @@ def json_depth_exceeds(value: Any, limit: int) -> bool:
 
 def parse_json(body: bytes, limits: Limits) -> Any:
     """The JSON value of ``body``; RequestError 400 if it is not JSON or nests deeper than ``limits.max_depth``."""
-    too_deep = RequestError(400, f"bad request: the JSON body nests deeper than {limits.max_depth} levels (the "
-                                 f"server's --max-json-depth); 'meta' values may hold nested lists and objects "
-                                 f"up to that depth")
+    too_deep = RequestError(
+        400,
+        f"bad request: the JSON body nests deeper than {limits.max_depth} levels (the "
+        f"server's --max-json-depth); 'meta' values may hold nested lists and objects "
+        f"up to that depth",
+    )
     try:
         value = json.loads(body)
     except RecursionError:
@@ -159,8 +168,7 @@ def probe_image(item: Any, index: int, limits: Limits) -> tuple[bytes, tuple[int
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(item, str):
-        raise RequestError(400, f"bad request: images[{index}] is {type(item).__name__}, expected a base64 PNG "
-                                f"string")
+        raise RequestError(400, f"bad request: images[{index}] is {type(item).__name__}, expected a base64 PNG string")
     try:
         data = base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -171,42 +179,53 @@ def probe_image(item: Any, index: int, limits: Limits) -> tuple[bytes, tuple[int
             with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
                 width, height = img.size
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise RequestError(400, f"bad request: images[{index}] is not a base64-encoded image in one of "
-                                f"{IMAGE_FORMATS} ({type(e).__name__}: {e})") from None
+        raise RequestError(
+            400,
+            f"bad request: images[{index}] is not a base64-encoded image in one of "
+            f"{IMAGE_FORMATS} ({type(e).__name__}: {e})",
+        ) from None
     if width * height > limits.max_image_pixels:
-        raise RequestError(400, f"bad request: images[{index}] is {width} x {height} = {width * height} pixels; "
-                                f"this server decodes at most {limits.max_image_pixels} pixels per image (its "
-                                f"--max-image-pixels)")
+        raise RequestError(
+            400,
+            f"bad request: images[{index}] is {width} x {height} = {width * height} pixels; "
+            f"this server decodes at most {limits.max_image_pixels} pixels per image (its "
+            f"--max-image-pixels)",
+        )
     return data, (height, width)
 
 
 def probe_request(request: Any, limits: Limits) -> ScoreRequest:
     """A parsed score request body checked and its image headers read (no pixel decoded); RequestError 400."""
     if not isinstance(request, dict):
-        raise RequestError(400, "bad request: body must be a JSON object with 'images', 'prompts' and optional "
-                                "'meta'")
+        raise RequestError(400, "bad request: body must be a JSON object with 'images', 'prompts' and optional 'meta'")
     images, prompts = request.get("images"), request.get("prompts")
     meta = request.get("meta") or {}
     if not isinstance(images, list) or not isinstance(prompts, list):
-        raise RequestError(400, "bad request: 'images' (list of base64 PNG strings) and 'prompts' (list of "
-                                "strings) are required")
+        raise RequestError(
+            400, "bad request: 'images' (list of base64 PNG strings) and 'prompts' (list of strings) are required"
+        )
     if len(images) != len(prompts) or not all(isinstance(p, str) for p in prompts):
-        raise RequestError(400, f"bad request: need one prompt string per image, got {len(images)} images, "
-                                f"{len(prompts)} prompts")
+        raise RequestError(
+            400, f"bad request: need one prompt string per image, got {len(images)} images, {len(prompts)} prompts"
+        )
     if not isinstance(meta, dict):
         raise RequestError(400, f"bad request: 'meta' must be an object, got {type(meta).__name__}")
     if len(images) > limits.max_images:
-        raise RequestError(400, f"bad request: {len(images)} images in one request; this server scores at most "
-                                f"{limits.max_images} per request (its --batch-size): send smaller batches (the "
-                                f"remote reward's batch_size)")
+        raise RequestError(
+            400,
+            f"bad request: {len(images)} images in one request; this server scores at most "
+            f"{limits.max_images} per request (its --batch-size): send smaller batches (the "
+            f"remote reward's batch_size)",
+        )
     decoded, sizes = [], set()
     for i, item in enumerate(images):
         data, size = probe_image(item, i, limits)
         decoded.append(data)
         sizes.add(size)
     if len(sizes) > 1:
-        raise RequestError(400, f"bad request: all images of a request must have one size, got (height, width) "
-                                f"{sorted(sizes)}")
+        raise RequestError(
+            400, f"bad request: all images of a request must have one size, got (height, width) {sorted(sizes)}"
+        )
     return ScoreRequest(decoded, sizes.pop() if sizes else None, list(prompts), meta)
 
 

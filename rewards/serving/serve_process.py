@@ -7,6 +7,7 @@ The server runs in its own process group; :meth:`RewardServerProcess.close` send
 workers) and kills what is left after ``grace`` seconds. Its log (stderr) is kept in a temporary file:
 :attr:`RewardServerProcess.log` reads it.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,18 +31,26 @@ class RewardServerProcess:
     RuntimeError (with the server's log) if it exits or stays silent instead.
     """
 
-    def __init__(self, name: str, kwargs: dict[str, Any] | None = None, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, timeout: float = 120.0, cwd: str | Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        kwargs: dict[str, Any] | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        cwd: str | Path | None = None,
+    ):
         import json
 
         self._log = tempfile.NamedTemporaryFile(prefix="reward-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "flowrl_rewards.serving.serve", name, "--port", "0", *args]
         if kwargs:
             cmd += ["--kwargs", json.dumps(kwargs)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-                                     cwd=cwd, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=cwd, start_new_session=True
+        )
         line = self._ready_line(timeout)
-        self.reward_name, _, self.url = line[len(READY_PREFIX):].strip().partition(" on ")
+        self.reward_name, _, self.url = line[len(READY_PREFIX) :].strip().partition(" on ")
         self.base_url = self.url.rsplit("/", 1)[0]
 
     def _ready_line(self, timeout: float) -> str:
@@ -57,9 +66,13 @@ class RewardServerProcess:
         self.close()
         log = self.log
         self.remove_log()
-        why = (f"no ready line within {timeout:g} s, stopped" if line is None
-               else f"it exited with code {self.proc.returncode}" if line == ""
-               else f"it printed {line.strip()[:200]!r} instead of its ready line")
+        why = (
+            f"no ready line within {timeout:g} s, stopped"
+            if line is None
+            else f"it exited with code {self.proc.returncode}"
+            if line == ""
+            else f"it printed {line.strip()[:200]!r} instead of its ready line"
+        )
         raise RuntimeError(f"the reward server did not start ({why}); its log:\n{log[-4000:]}")
 
     @property
@@ -93,4 +106,3 @@ class RewardServerProcess:
     def __exit__(self, *exc) -> None:
         self.close()
         self.remove_log()
-

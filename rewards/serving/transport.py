@@ -1,4 +1,5 @@
-"""The HTTP transport of the served rewards (:mod:`flowrl_rewards.serving.remote`, :mod:`flowrl_rewards.judges.vlm_judge_served`).
+"""The HTTP transport of the served rewards (:mod:`flowrl_rewards.serving.remote`,
+:mod:`flowrl_rewards.judges.vlm_judge_served`).
 
     body = fetch(url, timeout, data=payload, headers={"Authorization": "Bearer …"})   # POST; GET without data
 
@@ -18,6 +19,7 @@ Three guarantees on top of ``urllib``:
 :func:`check_header_values` refuses, at load, header values with whitespace at an end or control characters (a key
 read from a file often ends in a newline), naming the header, never the value.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -47,6 +49,8 @@ class RedirectRefused(RemoteRewardError):
 
 # ---- secrets in headers ----------------------------------------------------------------------------------
 CONTROL_NAMES = {"\n": "newline", "\r": "carriage return", "\t": "tab", "\x00": "NUL character"}
+
+
 def unsafe_character(value: str, inner_spaces: bool = True) -> str | None:
     """What makes ``value`` unfit for an HTTP header holding a secret (a control or format character anywhere,
     whitespace at an end, or anywhere without ``inner_spaces``), described without showing the value; None when
@@ -69,8 +73,10 @@ def check_header_values(headers: dict, owner: str) -> None:
             raise ValueError(f"{owner}: headers[{key!r}] must be a string, got {type(value).__name__}")
         bad = unsafe_character(value)
         if bad:
-            raise ValueError(f"{owner}: headers[{key!r}] holds {bad}; a header value holds no control characters "
-                             "and no whitespace at its ends (the value is not shown: it may be a secret)")
+            raise ValueError(
+                f"{owner}: headers[{key!r}] holds {bad}; a header value holds no control characters "
+                "and no whitespace at its ends (the value is not shown: it may be a secret)"
+            )
 
 
 # ---- redirects -------------------------------------------------------------------------------------------
@@ -88,17 +94,27 @@ class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         method = req.get_method()
         why = None
         if origin(newurl) != origin(req.full_url):
-            why = ("it leads to another scheme, host or port, which would receive the request's credentials "
-                   "(Authorization and the other headers)")
+            why = (
+                "it leads to another scheme, host or port, which would receive the request's credentials "
+                "(Authorization and the other headers)"
+            )
         elif code in (301, 302, 303) and method != "GET":
             why = f"a {code} turns the {method} into a GET without its body"
         if why:
             fp.close()
-            raise RedirectRefused(f"{req.full_url} answered HTTP {code} redirecting to Location: {newurl}; not "
-                                  f"followed: {why}; if that server is the one meant, set the url to it")
+            raise RedirectRefused(
+                f"{req.full_url} answered HTTP {code} redirecting to Location: {newurl}; not "
+                f"followed: {why}; if that server is the one meant, set the url to it"
+            )
         if code in (307, 308):
-            return urllib.request.Request(newurl, data=req.data, headers=dict(req.headers), method=method,
-                                          origin_req_host=req.origin_req_host, unverifiable=True)
+            return urllib.request.Request(
+                newurl,
+                data=req.data,
+                headers=dict(req.headers),
+                method=method,
+                origin_req_host=req.origin_req_host,
+                unverifiable=True,
+            )
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -184,7 +200,9 @@ def fetch(url: str, timeout: float, data: bytes | None = None, headers: dict[str
     the server's words."""
     deadline = Deadline(timeout)
     opener = urllib.request.build_opener(SameOriginRedirects(), _DeadlineHTTP(deadline), _DeadlineHTTPS(deadline))
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET", headers=dict(headers or {}))
+    req = urllib.request.Request(
+        url, data=data, method="POST" if data is not None else "GET", headers=dict(headers or {})
+    )
     try:
         with opener.open(req, timeout=timeout) as resp:
             return _read_all(resp, deadline)
@@ -233,8 +251,17 @@ def post_json(url: str, payload: bytes, timeout: float, headers: dict[str, str] 
     return fetch(url, timeout, payload, {"Content-Type": "application/json", **(headers or {})})
 
 
-def post_json_retrying(url: str, payload: bytes, timeout: float, headers: dict[str, str] | None, retries: int,
-                       backoff: float, max_backoff: float, what: str, logger: logging.Logger = log) -> bytes:
+def post_json_retrying(
+    url: str,
+    payload: bytes,
+    timeout: float,
+    headers: dict[str, str] | None,
+    retries: int,
+    backoff: float,
+    max_backoff: float,
+    what: str,
+    logger: logging.Logger = log,
+) -> bytes:
     """:func:`post_json` with a :class:`TransientError` retried ``retries`` times after ``backoff × 2^attempt``
     seconds (at most ``max_backoff``), each retry logged to ``logger`` as ``"<what>: <error>; retry …"``.
     RemoteRewardError: a non-transient failure at once, or ``"<error> (after N attempts)"``."""
@@ -245,7 +272,7 @@ def post_json_retrying(url: str, payload: bytes, timeout: float, headers: dict[s
         except TransientError as e:
             if attempt + 1 >= attempts:
                 raise RemoteRewardError(f"{e} (after {attempts} attempt{'s' if attempts > 1 else ''})") from e
-            delay = min(max_backoff, backoff * 2 ** attempt)
+            delay = min(max_backoff, backoff * 2**attempt)
             logger.warning("%s: %s; retry %d/%d in %.2g s", what, e, attempt + 1, retries, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")

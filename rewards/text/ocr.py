@@ -20,6 +20,7 @@ box threshold 0.6, unclip ratio 1.5, no dilation, boxes below confidence 0.5 dro
 the engine one at a time (neither reads a batch per call) as 8-bit BGR arrays, the engines' own
 convention for arrays (the reference passes RGB arrays).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,10 @@ from flowrl_rewards.core._common import to_uint8
 from flowrl_rewards.core.base import Reward
 
 ENGINES = ("rapidocr", "paddleocr")
-INSTALL = {"rapidocr": "pip install 'flowrl-align[ocr]'  (rapidocr-onnxruntime)",
-           "paddleocr": "pip install 'paddleocr<3' paddlepaddle  (PaddleOCR's 2.x API; Flow-GRPO uses 2.9.1)"}
+INSTALL = {
+    "rapidocr": "pip install 'flowrl-align[ocr]'  (rapidocr-onnxruntime)",
+    "paddleocr": "pip install 'paddleocr<3' paddlepaddle  (PaddleOCR's 2.x API; Flow-GRPO uses 2.9.1)",
+}
 PROMPT_FORM = 'a prompt with the target text between double quotes, e.g. a sign that says "OPEN"'
 MAX_TEXT_SHOWN = 200  # characters of recognised text kept per image in meta["ocr/text"]
 
@@ -101,22 +104,29 @@ def prompt_target(prompt: str) -> str:
     when its target has no visible character (it could never be read: the score would always be 0)."""
     target = quoted_target(prompt)
     if target is None:
-        raise ValueError(f"reward 'ocr' reads the text the prompt quotes, and this prompt has no pair of double "
-                         f"quotes; accepted: {PROMPT_FORM}")
+        raise ValueError(
+            f"reward 'ocr' reads the text the prompt quotes, and this prompt has no pair of double "
+            f"quotes; accepted: {PROMPT_FORM}"
+        )
     if not normalise(target):
-        raise ValueError(f"reward 'ocr': the text between the prompt's first pair of double quotes is empty; "
-                         f"accepted: {PROMPT_FORM}")
+        raise ValueError(
+            f"reward 'ocr': the text between the prompt's first pair of double quotes is empty; accepted: {PROMPT_FORM}"
+        )
     if invisible_only(target):
-        raise ValueError(f"reward 'ocr': the prompt {prompt[:200]!r} quotes {target!r}, which has no visible character "
-                         f"(only {describe_characters(target)}): no image can show it, so it would always score 0; "
-                         f"accepted: {PROMPT_FORM}")
+        raise ValueError(
+            f"reward 'ocr': the prompt {prompt[:200]!r} quotes {target!r}, which has no visible character "
+            f"(only {describe_characters(target)}): no image can show it, so it would always score 0; "
+            f"accepted: {PROMPT_FORM}"
+        )
     return target
 
 
 # ---- engines: one uint8 BGR image [H, W, 3] → [(text, confidence), ...] in reading order -------------
 def _missing(engine: str, error: ImportError) -> ImportError:
-    return ImportError(f"reward 'ocr': engine={engine!r} is not installed ({type(error).__name__}: {error}); "
-                       f"install it with: {INSTALL[engine]}")
+    return ImportError(
+        f"reward 'ocr': engine={engine!r} is not installed ({type(error).__name__}: {error}); "
+        f"install it with: {INSTALL[engine]}"
+    )
 
 
 class RapidOcrEngine:
@@ -127,10 +137,17 @@ class RapidOcrEngine:
             from rapidocr_onnxruntime import RapidOCR
         except ImportError as e:
             raise _missing("rapidocr", e) from e
-        self.ocr = RapidOCR(intra_op_num_threads=threads, inter_op_num_threads=1, use_cls=False,
-                            text_score=min_confidence, det_limit_side_len=DET_LIMIT_SIDE_LEN,
-                            det_limit_type=DET_LIMIT_TYPE, det_box_thresh=DET_BOX_THRESH,
-                            det_unclip_ratio=DET_UNCLIP_RATIO, det_use_dilation=False)
+        self.ocr = RapidOCR(
+            intra_op_num_threads=threads,
+            inter_op_num_threads=1,
+            use_cls=False,
+            text_score=min_confidence,
+            det_limit_side_len=DET_LIMIT_SIDE_LEN,
+            det_limit_type=DET_LIMIT_TYPE,
+            det_box_thresh=DET_BOX_THRESH,
+            det_unclip_ratio=DET_UNCLIP_RATIO,
+            det_use_dilation=False,
+        )
 
     def read(self, bgr: np.ndarray) -> list[tuple[str, float]]:
         result, _ = self.ocr(bgr)
@@ -149,9 +166,16 @@ class PaddleOcrEngine:
             from paddleocr import PaddleOCR
         except ImportError as e:  # also PackageNotFoundError, and paddlepaddle missing under paddleocr
             raise _missing("paddleocr", e) from e
-        self.ocr = PaddleOCR(use_angle_cls=False, lang="en", use_gpu=False, show_log=False, cpu_threads=threads,
-                             drop_score=min_confidence, det_limit_side_len=DET_LIMIT_SIDE_LEN,
-                             det_limit_type=DET_LIMIT_TYPE)
+        self.ocr = PaddleOCR(
+            use_angle_cls=False,
+            lang="en",
+            use_gpu=False,
+            show_log=False,
+            cpu_threads=threads,
+            drop_score=min_confidence,
+            det_limit_side_len=DET_LIMIT_SIDE_LEN,
+            det_limit_type=DET_LIMIT_TYPE,
+        )
 
     def read(self, bgr: np.ndarray) -> list[tuple[str, float]]:
         lines = self.ocr.ocr(bgr, cls=False)[0] or []
@@ -184,8 +208,11 @@ class OcrReward(Reward):
             raise ValueError(f"reward 'ocr': engine={engine!r} is not an OCR engine; accepted: {list(ENGINES)}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"reward 'ocr': threads={threads!r} must be an integer >= 1 (CPU threads of the engine)")
-        if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) \
-                or not 0 <= min_confidence <= 1:
+        if (
+            isinstance(min_confidence, bool)
+            or not isinstance(min_confidence, (int, float))
+            or not 0 <= min_confidence <= 1
+        ):
             raise ValueError(f"reward 'ocr': min_confidence={min_confidence!r} must be a number in [0, 1]")
         self.engine_name, self.threads, self.min_confidence = engine, threads, float(min_confidence)
         self.engine = ENGINE_CLASSES[engine](threads, self.min_confidence)
@@ -220,11 +247,16 @@ class OcrReward(Reward):
         except Exception as e:  # the engines' own errors can be empty (RapidOCR's ResizeImgError())
             height, width = bgr.shape[:2]
             thin = max(height, width) / max(1, min(height, width))
-            hint = (f"; an image this thin ({height}:{width}) is beyond what the engine can resize (it scales the "
-                    "longer side down and rounds each side to a multiple of 32); give images closer to square"
-                    if thin > 100 else "")
-            raise RuntimeError(f"reward 'ocr': the {self.engine_name} engine failed on image {index} of {height} × "
-                               f"{width} pixels (height × width): {error_chain(e)}{hint}") from e
+            hint = (
+                f"; an image this thin ({height}:{width}) is beyond what the engine can resize (it scales the "
+                "longer side down and rounds each side to a multiple of 32); give images closer to square"
+                if thin > 100
+                else ""
+            )
+            raise RuntimeError(
+                f"reward 'ocr': the {self.engine_name} engine failed on image {index} of {height} × "
+                f"{width} pixels (height × width): {error_chain(e)}{hint}"
+            ) from e
 
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
         """float32 [B] scores for images [B, 3, H, W] in [0, 1]; NaN (a failure to count, :attr:`last_error` says
@@ -232,11 +264,16 @@ class OcrReward(Reward):
         targets = [prompt_target(p) for p in prompts]
         texts, digest = self._read_all(images)
         meta["ocr/text"] = [(t or "")[:MAX_TEXT_SHOWN] for t in texts]
-        scores = torch.tensor([float("nan") if t is None else text_score(t, g) for t, g in zip(texts, targets)],
-                              dtype=torch.float32)
+        scores = torch.tensor(
+            [float("nan") if t is None else text_score(t, g) for t, g in zip(texts, targets)], dtype=torch.float32
+        )
         broken = [i for i, t in enumerate(texts) if t is None]
-        self.last_error = (f"{len(broken)} of {len(texts)} images hold non-finite values (NaN or inf; the first: "
-                           f"image {broken[0]}), scored NaN" if broken else None)
+        self.last_error = (
+            f"{len(broken)} of {len(texts)} images hold non-finite values (NaN or inf; the first: "
+            f"image {broken[0]}), scored NaN"
+            if broken
+            else None
+        )
         self._last = (digest, tuple(prompts), scores.clone())  # the caller may change its copy
         return scores
 
@@ -248,14 +285,13 @@ class OcrReward(Reward):
             scores = last[2]
         else:
             scores = self.score(images, prompts, {})
-        return {"accuracy": float((scores == 1).float().mean()) if len(prompts) else float("nan"),
-                "n": len(prompts)}
+        return {"accuracy": float((scores == 1).float().mean()) if len(prompts) else float("nan"), "n": len(prompts)}
 
 
 def _pages(images: torch.Tensor):
     """Each image of [B, 3, H, W] in [0, 1] as (uint8 RGB [H, W, 3], whether every value is finite), one at a time."""
     for i in range(images.shape[0]):
-        image = images[i:i + 1]
+        image = images[i : i + 1]
         yield to_uint8(image)[0], bool(torch.isfinite(image).all())
 
 
