@@ -40,8 +40,8 @@ def add_parser(sub, epilog: str) -> None:
         choices=("geneval", "ocr"),
         default=None,
         help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
-        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); docs/rewards/geneval.md, "
-        "docs/rewards/ocr.md",
+        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); "
+        "docs/rewards/geneval.md and docs/rewards/ocr.md",
     )
     p.add_argument(
         "--prompts",
