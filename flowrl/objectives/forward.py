@@ -147,7 +147,7 @@ class ForwardProcessObjective(Objective):
 
     def check_plan(self, plan) -> None:
         super().check_plan(plan)
-        share = int(getattr(plan, "teacher_share", 0) or 0)
+        share = int(plan.teacher_share or 0)
         if share and self.teacher is None:
             from flowrl.errors import ConfigError
 

@@ -88,6 +88,7 @@ class RolloutPlan(Checked):
     """
 
     config_key = "rollout"  # fields with declared choices are checked as rollout.<field> (flowrl.config.choices)
+    teacher_share = 0  # chains per group the objective's guided teacher draws (a field of the plans that let it)
 
     def setup(self, model: FlowModel, reward=None) -> None:
         """Called once before the first rollout; ``reward`` is the run's MultiReward (or None). What a plan can check
