@@ -159,12 +159,38 @@ class RunFolder:
         names = {p.name for p in self.path.iterdir()}
         return {"config.yaml", "metrics.jsonl"} <= names or names <= RUN_ENTRIES
 
+    def foreign_entries(self) -> list[str]:
+        """The entries of the folder a run does not write (not :data:`RUN_ENTRIES`, nor the tensorboard tracker's
+        folder named after the run, which holds only event files), sorted, folders with a trailing ``/``."""
+
+        def tracker(entry: Path) -> bool:
+            return (
+                entry.name == self.cfg.train.name
+                and entry.is_dir()
+                and all(p.is_dir() or p.name.startswith("events.out.tfevents") for p in entry.rglob("*"))
+            )
+
+        return sorted(
+            p.name + ("/" if p.is_dir() else "")
+            for p in self.path.iterdir()
+            if p.name not in RUN_ENTRIES and not tracker(p)
+        )
+
     def replace(self) -> None:
-        """``train.overwrite``: empty the folder (the lock file stays, held), refusing one that is not a run."""
+        """``train.overwrite``: empty the folder (the lock file stays, held), refusing one that is not a run, and a run
+        folder that holds anything a run does not write (a benchmark's output, a rollout store, a note), listed."""
         if not self.is_run():
             raise ConfigError(
                 f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
                 "metrics.jsonl); nothing was deleted. Choose another train.name or move it away"
+            )
+        foreign = self.foreign_entries()
+        if foreign:
+            listed = ", ".join(foreign[:20]) + (f", … ({len(foreign) - 20} more)" if len(foreign) > 20 else "")
+            raise ConfigError(
+                f"train.overwrite=true: {self.path} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                f"that a run does not write: {listed}; nothing was deleted (an overwrite removes the whole folder). "
+                "Move them out of the run folder, or choose another train.name"
             )
         removed = [child for child in self.path.iterdir() if child.name != LOCK_FILE]
         for child in removed:

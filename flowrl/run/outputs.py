@@ -11,8 +11,9 @@ marker it wrote there (``.flowrl-output.json`` naming the command) or, for folde
 the command's own recognition (a run folder's files, a comparison's ``status.json``, a prompt set's
 ``manifest.json``). Anything else is refused with a message naming the path: an existing file, ``.`` or
 ``..``, a folder the command did not write (a command whose nature is to add files, ``mode="adds"``, adds to
-one without replacing anything), a run folder or anything inside one of its entries (``checkpoints/``,
-``samples/``, …; only ``export`` may write its run's ``export/``). Nothing here moves or removes anything.
+one without replacing anything), a run folder or any path inside one (its ``checkpoints/``, but also a new
+``bench/`` beside them: ``train.overwrite`` replaces the run's folder, and nothing else may live there; only
+``export`` may write its run's ``export/``). Nothing here moves or removes anything.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from flowrl.errors import ConfigError
 
 MARKER = ".flowrl-output.json"
 LOCK_FILE = ".flowrl.lock"
-# What a run writes into its folder: a folder holding only these (or a config.yaml and a metrics.jsonl) is a
-# run that train.overwrite may replace; no other command writes inside one of them.
+# What a run writes into its folder (and its tensorboard tracker's folder, named after the run): a folder holding only
+# these (or a config.yaml and a metrics.jsonl) is a run; train.overwrite replaces one that holds nothing else, and no
+# other command writes anywhere inside a run folder.
 RUN_ENTRIES = {"config.yaml", "metrics.jsonl", "reward_curve.png", "samples", "checkpoints", "export", LOCK_FILE}
 _STEP = re.compile(r"^step-\d+$")
 MODES = ("own", "new", "adds")
@@ -169,8 +171,9 @@ def check_output(
 
 
 def _check_ancestors(path: Path, where: str, command: str, run_entry: str | None) -> None:
-    """No parent of ``path`` is a file, and ``path`` lies in no run folder's entries (only ``run_entry``, the
-    run's own, directly); with ``run_entry`` (export) nowhere else inside a run either."""
+    """No parent of ``path`` is a file, and ``path`` lies inside no run folder (:func:`is_run_folder`), at any depth:
+    a run's folder is the run's alone (``train.overwrite`` replaces it). ``run_entry``: the one entry the command
+    writes directly inside its run (``export``)."""
     for parent in path.parents:
         if parent.exists() or parent.is_symlink():
             if not parent.is_dir():
@@ -180,13 +183,13 @@ def _check_ancestors(path: Path, where: str, command: str, run_entry: str | None
     for parent in resolved.parents:
         if not is_run_folder(parent):
             continue
-        entry = resolved.relative_to(parent).parts[0]
         if run_entry is not None and resolved == parent / run_entry:
             continue
-        if run_entry is not None or entry in RUN_ENTRIES:
-            inside = f"its {entry}{'/' if (parent / entry).is_dir() else ''}" if entry in RUN_ENTRIES else "it"
-            raise ConfigError(
-                f"{where} lies inside the run folder {parent} ({inside}), which {command} never "
-                f"writes{f' except its own {run_entry}/' if run_entry else ''}; nothing was changed: "
-                "name a folder outside the run"
-            )
+        entry = resolved.relative_to(parent).parts[0]
+        inside = f"its {entry}/" if entry in RUN_ENTRIES else f"{resolved.relative_to(parent)}, not one of its entries"
+        raise ConfigError(
+            f"{where} lies inside the run folder {parent} ({inside}), which {command} never writes"
+            f"{f' except its own {run_entry}/' if run_entry else ''}: a run's folder is the run's alone, "
+            "and a later train.overwrite=true of that run would delete it; nothing was changed: name a "
+            "folder outside the run"
+        )
