@@ -9,9 +9,10 @@ from a PNG would need a VAE *encoder* the :class:`~flowrl.models.base.FlowModel`
 A store is a folder::
 
     rollouts.json              what it holds (``format: flowrl-rollouts``, ``version: 1``): the model (family,
-                               adapter, path, latent shape, size), the sampler (steps, solver, guidance, seed), the
-                               checkpoint sampled from (or null), ``images_per_prompt`` K, ``prompts`` [P], the
-                               reward terms, and ``parts``: each file's rows [a, b), size and sha256
+                               adapter, path, latent shape, size, ``identity``: :func:`model_identity`), the
+                               sampler (steps, solver, guidance, seed), the checkpoint sampled from (or null),
+                               ``images_per_prompt`` K, ``prompts`` [P], the reward terms, and ``parts``: each
+                               file's rows [a, b), size and sha256
     part-00000.safetensors     rows [a, b): ``latents`` fp32 [n, *latent_shape], ``seed`` int64 [n], ``reward``
     …                          fp32 [n] (NaN: not scored or failed), ``reward/<term>`` fp32 [n]
     prompts.txt                the stored prompts, one per line (``prompts.train`` may point at it)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,67 @@ PART_BYTES = 512 * 2**20  # latents per part file (about): a store of any size i
 def adapter_name(model: FlowModel) -> str:
     """What a store records as the adapter it was sampled with: the model's family, else its adapter's class name."""
     return model.family or type(model).__name__
+
+
+IDENTITY_KEYS = ("family", "config_sha256", "weights")  # what must match; the path is named, not compared
+SAMPLE_BYTES = 1 << 16  # bytes read at three places of each weight file for its fingerprint
+
+
+def model_identity(model: FlowModel) -> dict[str, Any]:
+    """What identifies the model a store was sampled with (recorded in ``rollouts.json``, compared at load):
+    ``family`` (the adapter's), ``path`` (the hub id or folder its pipeline was loaded from, a local folder resolved;
+    None for a pipeline built in process), ``config_sha256`` (the transformer's config, its bookkeeping keys
+    ``_name_or_path``/``_diffusers_version`` left out) and ``weights``: from a local folder, ``kind: files`` with a
+    sha256 over the transformer folder's files' names, sizes and three 64 KiB samples of their bytes (a fine-tune of
+    the same architecture has the same names and sizes); else ``kind: parameter shapes`` with a sha256 over the
+    transformer's parameter shapes (a LoRA's left out). Cheap: no weight file is read whole."""
+    module = model.trainable
+    config = dict(getattr(module, "config", None) or {})  # a diffusers model's config (a FrozenDict)
+    kept = {k: v for k, v in config.items() if k not in ("_name_or_path", "_diffusers_version", "_use_default_values")}
+    folder = Path(str(config.get("_name_or_path") or ""))
+    if str(folder) not in ("", ".") and folder.is_dir():
+        weights = {"kind": "files", "sha256": _files_fingerprint(folder)}
+    else:
+        shapes = sorted(
+            [list(p.shape) for name, p in module.named_parameters() if "lora_" not in name], key=lambda s: (len(s), s)
+        )
+        weights = {"kind": "parameter shapes", "sha256": _sha256_text(json.dumps(shapes))}
+    source = getattr(model.pipe, "name_or_path", None)  # a diffusers pipeline's: what from_pretrained was given
+    if source is not None and Path(str(source)).is_dir():
+        source = str(Path(str(source)).resolve())
+    return {
+        "family": adapter_name(model),
+        "path": None if source is None else str(source),
+        "config_sha256": _sha256_text(json.dumps(kept, sort_keys=True, default=str)),
+        "weights": weights,
+    }
+
+
+def describe_identity(identity: dict[str, Any]) -> str:
+    """One line naming ``identity`` (:func:`model_identity`): family, path and the first 12 hex of each hash."""
+    weights = identity.get("weights") or {}
+    return (
+        f"family {identity.get('family')!r}, path {identity.get('path')!r}, config_sha256 "
+        f"{str(identity.get('config_sha256'))[:12]}, weights ({weights.get('kind')}) {str(weights.get('sha256'))[:12]}"
+    )
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _files_fingerprint(folder: Path) -> str:
+    """sha256 over ``folder``'s files (not hidden ones): each name, size and its bytes at the start, middle and end
+    (:data:`SAMPLE_BYTES` each)."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def sha256_of(path: Path) -> str:
@@ -83,6 +146,7 @@ class RolloutStore:
         self.latent_shape = tuple(int(d) for d in m["model"]["latent_shape"])
         self.parts: list[dict[str, Any]] = list(m["parts"])
         self._verified: set[str] = set()
+        self._unidentified_warned = False
         seeds, rewards = [], []
         for part in self.parts:
             seed, reward = self._small_tensors(part)
@@ -207,8 +271,10 @@ class RolloutStore:
         return out
 
     def check_model(self, model: FlowModel) -> None:
-        """Refuse a model whose latents differ from the store's (another family, size or VAE): a ConfigError naming
-        both."""
+        """Refuse a model whose latents differ from the store's (another family, size or VAE), or another model with
+        the same latents (:func:`model_identity`: the family, the transformer's config or its weights differ): a
+        ConfigError naming both and the store. A store written before identities were recorded is warned about once
+        and accepted."""
         m = self.meta["model"]
         theirs = (m["adapter"], self.latent_shape)
         ours = (adapter_name(model), tuple(int(d) for d in model.latent_shape))
@@ -218,4 +284,24 @@ class RolloutStore:
                 f"with latents {list(theirs[1])}, but this run's model is adapter {ours[0]!r} with latents "
                 f"{list(ours[1])}; accepted: a store written with this run's model (`{COMMAND} CONFIG "
                 "--out FOLDER` with the run's config)"
+            )
+        recorded = m.get("identity")
+        if not isinstance(recorded, dict):
+            if not self._unidentified_warned:
+                self._unidentified_warned = True
+                warnings.warn(
+                    f"{self.where} records no model identity (written by an earlier flowrl): it cannot be checked "
+                    f"to hold samples of this run's model ({describe_identity(model_identity(model))}); write it "
+                    f"again with `{COMMAND}` to have it checked",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        current = model_identity(model)
+        differs = [k for k in IDENTITY_KEYS if recorded.get(k) != current.get(k)]
+        if differs:
+            raise ConfigError(
+                f"{self.where} holds samples of another model than this run's ({', '.join(differs)} differ): the "
+                f"store's was {describe_identity(recorded)}; this run's is {describe_identity(current)}. Accepted: "
+                f"a store written with this run's model (`{COMMAND} CONFIG --out FOLDER` with the run's config)"
             )

@@ -29,6 +29,7 @@ from flowrl.rollout.offline_store import (
     PROMPTS_FILE,
     VERSION,
     adapter_name,
+    model_identity,
     sha256_of,
 )
 from flowrl.rollout.scoring import components_of
@@ -112,8 +113,9 @@ def write_store(
 ) -> Path:
     """Sample, score and write a store of ``images_per_prompt`` samples of every prompt into ``out`` (a new or empty
     folder: :func:`~flowrl.run.outputs.check_output`, never an earlier store), through a temporary folder beside it
-    renamed into place. ``model_info``: ``family`` (``model.family``), ``path`` (``model.path``); ``progress(done,
-    total)`` is called after each part of prompts. Returns ``out``."""
+    renamed into place. ``model_info``: ``family`` (``model.family``), ``path`` (``model.path``), recorded beside the
+    model's identity (:func:`~flowrl.rollout.offline_store.model_identity`, which a run replaying the store must
+    match); ``progress(done, total)`` is called after each part of prompts. Returns ``out``."""
     if images_per_prompt < 2:
         raise ConfigError(f"--images-per-prompt={images_per_prompt} must be >= 2 (a group ranks several samples)")
     if not prompts:
@@ -175,6 +177,7 @@ def write_store(
                 "latent_shape": [int(d) for d in model.latent_shape],
                 "height": int(model.height),
                 "width": int(model.width),
+                "identity": model_identity(model),
             },
             "sampler": {
                 "plan": "ode",
