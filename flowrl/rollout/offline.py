@@ -13,9 +13,10 @@ The draws depend on nothing but the seed, the iteration and q: any process layou
 the same samples.
 
 The store is read when the plan is built (at config load, before the model loads: a missing or damaged store
-fails then, naming ``rollout.source``) and checked against the model at :meth:`Offline.setup` (another family or
-latent shape is refused). ``source: null`` (the presets' default) is refused at setup, so a preset loads without
-a store.
+fails then, naming ``rollout.source``) and checked against the model at :meth:`Offline.setup`, before training:
+another family or latent shape is refused, and so is another model with the same ones (the identity the store
+records: :func:`~flowrl.rollout.offline_store.model_identity`). ``source: null`` (the presets' default) is refused
+at setup, so a preset loads without a store.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Offline(RolloutPlan):
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def setup(self, model: FlowModel, reward=None) -> None:
-        """The store must hold this model's latents (:meth:`RolloutStore.check_model`)."""
+        """The store must hold this model's samples (:meth:`RolloutStore.check_model`: its latents and identity)."""
         self.store.check_model(model)
 
     def state_dict(self) -> dict:
