@@ -18,11 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flowrl import estimate as E
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.estimate.report import _seconds
-from flowrl.paths import CONFIG_DIR, PACKAGE_DIR
+from flowrl.paths import CONFIG_DIR
+
+CONFIG_ROOT = CONFIG_DIR.parent  # where `configs/...` paths start (the checkout, or the installed package)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan")
-GPU_PRESETS = sorted(str(p.relative_to(PACKAGE_DIR)) for d in GPU_DIRS for p in (CONFIG_DIR / d).glob("*.yaml"))
+GPU_PRESETS = sorted(str(p.relative_to(CONFIG_ROOT)) for d in GPU_DIRS for p in (CONFIG_DIR / d).glob("*.yaml"))
 PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
     "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
     "sd35_large": (7.9e9, 8.2e9),  # "8.1 billion parameters"
@@ -52,7 +54,7 @@ def is_video(family: str) -> bool:
 
 
 def preset(path: str) -> TrainConfig:
-    return E.load_config(str(PACKAGE_DIR / path), [], "H100")
+    return E.load_config(str(CONFIG_ROOT / path), [], "H100")
 
 
 def arch_of(path: str) -> dict:
@@ -210,7 +212,7 @@ def estimate_of(path: str, gpu: str = "H100", overrides: tuple = (), blocks: int
     """The estimate of a GPU preset (``blocks``: its transformer cut to that many blocks, :func:`with_blocks`)."""
     key = (path, gpu, overrides, blocks)
     if key not in _ESTIMATES:
-        cfg = E.load_config(str(PACKAGE_DIR / path), list(overrides), gpu)
+        cfg = E.load_config(str(CONFIG_ROOT / path), list(overrides), gpu)
         arch = with_blocks(E.arch_for_model(cfg.model), blocks) if blocks else None
         with E.assume_gpu(gpu):
             _ESTIMATES[key] = E.estimate(cfg, gpu=gpu, arch=arch)
@@ -320,7 +322,7 @@ def test_time_scales_with_the_gpu_and_fp8_needs_ada_or_hopper():
     assert ratio == pytest.approx(E.GPUS["H100"].bf16_tflops / E.GPUS["A100"].bf16_tflops)
     assert a100["memory_gib"]["peak"] == pytest.approx(h100["memory_gib"]["peak"])
     with pytest.raises(ConfigError, match="capability"):
-        E.load_config(str(PACKAGE_DIR / "configs/sana/solrl.yaml"), [], "A100")  # fp8 explorer on an A100
+        E.load_config(str(CONFIG_ROOT / "configs/sana/solrl.yaml"), [], "A100")  # fp8 explorer on an A100
     with pytest.raises(ConfigError, match="unknown GPU class"):
         E.gpu_class("V100")
 
@@ -358,7 +360,7 @@ def test_bench_estimate_prints_every_new_family_preset(path, capsys, monkeypatch
         "arch_for_model",
         lambda section: cut.append(with_blocks(E.arch_for_model(section))) or cut[-1],
     )
-    assert E.run_estimate(str(PACKAGE_DIR / path), [], gpu="H100") == 0
+    assert E.run_estimate(str(CONFIG_ROOT / path), [], gpu="H100") == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("\n{") + 1 :])
     arch, sh = E.arch_for_model(preset(path).model), result["shapes"]

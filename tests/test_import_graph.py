@@ -143,12 +143,23 @@ def test_no_import_cycle_in_flowrl_and_rewards():
     assert not found, "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in found)
 
 
-def test_no_module_of_flowrl_or_rewards_is_over_400_lines():
-    """Small modules with one job each (issues 25, 35): a module past 400 lines is doing more than one."""
+def logical_lines(path: Path) -> int:
+    """The Python logical lines (statements and docstrings: tokenize's NEWLINE tokens) of ``path``, however the
+    formatter wraps them."""
+    import io
+    import tokenize
+
+    return sum(t.type == tokenize.NEWLINE for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+
+
+def test_no_module_of_flowrl_or_rewards_is_over_300_statements():
+    """Small modules with one job each (issues 25, 35): a module past 300 logical lines is doing more than one. Counted
+    in statements, not physical lines, so ruff format's wrapping does not count (300 statements were about the 400
+    physical lines of the limit before the code was formatted: the trainer's 301 in 392)."""
     long = {
         str(p.relative_to(ROOT)): n
         for pkg in PACKAGES
         for p in (ROOT / pkg).rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 400
+        if (n := logical_lines(p)) > 300
     }
     assert not long, long

@@ -209,10 +209,6 @@ class Trainer(TrainerCheckpoints):
         return self.updater.optimizer
 
     @property
-    def scheduler(self):
-        return self.updater.scheduler
-
-    @property
     def ema(self) -> list[torch.Tensor] | None:
         return self.updater.ema
 
