@@ -22,7 +22,7 @@ import torch
 from flowrl.models.base import FlowModel
 from flowrl.models.image_prompts import reward_inputs
 from flowrl.rollout.decoding import decode, not_waiting
-from flowrl_rewards.background import BackgroundScorer
+from flowrl_rewards.background import BackgroundScorer, reward_waits
 from flowrl_rewards.core.port import Scorer
 
 
@@ -30,9 +30,11 @@ def components_of(
     reward: Scorer, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """Each term's scores ``{name: float32 [B]}`` of images [B, 3, H, W] (videos [B, F, 3, H, W]):
-    :meth:`~flowrl_rewards.core.port.Scorer.components` of what the rewards receive for ``prompts``."""
+    :meth:`~flowrl_rewards.core.port.Scorer.components` of what the rewards receive for ``prompts``, a wait on a reward
+    that a stop of the training loop cuts short (:data:`~flowrl_rewards.background.reward_waits`)."""
     prompts, meta = reward_inputs(prompts, meta, images)
-    return reward.components(images, prompts, meta)
+    with reward_waits.waiting():  # a stop of the training loop cuts a reward that does not answer short
+        return reward.components(images, prompts, meta)
 
 
 def loop_scorer(reward: Scorer, enabled: bool | str = True) -> BackgroundScorer:
