@@ -33,7 +33,7 @@ def add_parser(sub, epilog: str) -> None:
         "--out",
         help="folder for eval.json and grid.png: a new one, or an earlier eval's (then eval-2.json, "
         "…: nothing is overwritten); --benchmark: the images in GenEval's layout, results.jsonl, "
-        "summary.json, in a new (or empty) folder",
+        "summary.json, in a new (or empty) folder; never inside a run folder",
     )
     p.add_argument(
         "--benchmark",

@@ -32,7 +32,9 @@ def add_parser(sub, epilog: str) -> None:
         "rewards to --out, a new folder (rollout.source of an offline run).",
     )
     p.add_argument("config", help="YAML config file: its model, prompts.train and rewards")
-    p.add_argument("--out", required=True, help="the store's folder: new or empty, never an earlier store")
+    p.add_argument(
+        "--out", required=True, help="the store's folder: new or empty, never an earlier store nor inside a run folder"
+    )
     p.add_argument("--checkpoint", help="sample with a run's policy (a run folder or checkpoints/step-N)")
     p.add_argument("--images-per-prompt", type=int, default=16, help="samples per prompt (default 16: GDRO's)")
     p.add_argument(

@@ -45,7 +45,7 @@ def add_parser(sub, epilog: str) -> None:
         "--out",
         default="samples",
         help="output folder (default ./samples): made, or added to without "
-        "replacing a file; never . nor a run folder's entries",
+        "replacing a file; never . nor anything inside a run folder",
     )
     p.add_argument("--scale", type=int, default=4, help="upscaling of grid.png (default 4)")
     p.add_argument(
