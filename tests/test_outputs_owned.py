@@ -160,7 +160,7 @@ def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsy
             "iterations=1",
             "--out",
             "a/b",
-            "rewards=[{name: no_such_reward}]",
+            "prompts.train=no_such_prompts.txt",
         ]
     )  # the run fails at once: what matters is where
     assert rc == 1

@@ -59,6 +59,7 @@ from flowrl.training.perf import PerfMeter
 from flowrl.training.scoring import check_modality
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
 from flowrl.training.updater import Updater
+from flowrl_rewards.background import RewardWaitCut
 
 
 class Trainer(TrainerCheckpoints):
@@ -351,7 +352,10 @@ class Trainer(TrainerCheckpoints):
         )
         with stop_on_first_interrupt() as stop:
             while self.step < t.max_steps and not stop.requested and not self.out_of_time() and self.guard.stop is None:
-                self._iteration(bar)
+                try:
+                    self._iteration(bar)
+                except RewardWaitCut:  # a stop cut a reward wait: that iteration did not finish, the last one is saved
+                    break
             bar.close()
             self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
             if self.sharding is not None and not stop.requested:
