@@ -21,6 +21,7 @@ own small piece, wired here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from pathlib import Path
@@ -163,7 +164,7 @@ class Trainer(TrainerCheckpoints):
             self.guidance,
             progress=c.train.progress,
             train_reward=self._held_out_training_reward(),
-            on_grid=self._log_grid,
+            on_grid=functools.partial(log_grid_image, self.accelerator, c.train.log_with),
             max_batch=c.rollout.max_batch,
         )
         self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
@@ -422,10 +423,6 @@ class Trainer(TrainerCheckpoints):
         for callback in self.callbacks:
             record.update(callback.on_eval_end(self, record))  # e.g. the eval guard's verdict
         self._emit(record)
-
-    def _log_grid(self, tag: str, image: Any, step: int) -> None:
-        """An eval's labelled grid to the tracker of ``train.log_with`` at the eval's step (:func:`log_grid_image`)."""
-        log_grid_image(self.accelerator, self.cfg.train.log_with, tag, image, step)
 
     def _held_out_training_reward(self):
         """The training reward, to score the evals' images with as well when the eval's rewards are others (the
