@@ -249,6 +249,7 @@ SLOW_ESTIMATES = {
     "configs/sd35/nft_geneval.yaml",
     "configs/sd35/solrl_hps.yaml",
     "configs/qwen_image/nft_geneval.yaml",  # Qwen-Image: flow_grpo_pickscore covers the model
+    "configs/sd35/flow_grpo_fast.yaml",  # 8 s: SD3.5-M's chains at other settings (flow_grpo_pickscore covers them)
     # the task presets: SD3.5-M Flow-GRPO (flow_grpo_pickscore) and NFT (nft_geneval) with another reward
     "configs/sd35/flow_grpo_geneval.yaml",
     "configs/sd35/flow_grpo_ocr.yaml",

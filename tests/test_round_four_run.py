@@ -356,6 +356,10 @@ class SleepsOnSecondCall(Reward):
 """
 
 
+# slow (15 s each: a `flowrl train` process); in the default set the cut itself is held in process by
+# test_the_first_sigterm_cuts_a_blocking_reward_wait_after_the_grace_period, the save and resume after a signal by
+# tests/test_cli_e2e.py::test_a_signal_inside_a_run_saves_the_iteration_and_a_resume_continues
+@pytest.mark.slow
 @pytest.mark.parametrize("async_reward", ["false", "true"])
 def test_sigterm_while_the_reward_blocks_exits_130_within_seconds_keeping_the_finished_iteration(
     tiny_folder, tmp_path, async_reward

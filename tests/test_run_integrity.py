@@ -165,6 +165,9 @@ class Slow(Reward):
 """
 
 
+# slow (14 s: two `flowrl train` processes); a failed start writing nothing is held in the default set by
+# tests/test_faults.py::test_a_misbehaving_reward_is_one_message_and_a_failed_start_writes_nothing
+@pytest.mark.slow
 def test_a_start_stopped_before_its_first_iteration_leaves_no_folder(tiny_folder, tmp_path):
     """SIGTERM in the first eval, and Ctrl-C twice in the first iteration (the two started together, one
     thread each): each exits with status 130 and leaves no run folder."""
