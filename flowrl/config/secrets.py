@@ -41,18 +41,20 @@ def redact_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _terms(tree: dict[str, Any]):
-    """Every reward term (a dict) of a config dict: ``rewards`` and ``eval.rewards``."""
+    """``(key, term)`` for every reward term (a dict) of a config dict: ``rewards[i]`` and ``eval.rewards[i]``."""
     for path in REWARD_SECTIONS:
         node: Any = tree
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
-        yield from (t for t in node or [] if isinstance(t, dict))
+        for i, term in enumerate(node or []):
+            if isinstance(term, dict):
+                yield f"{'.'.join(path)}[{i}]", term
 
 
 def redacted(tree: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a config dict (:meth:`TrainConfig.to_dict`'s form) with every reward secret redacted."""
     out = copy.deepcopy(tree)
-    for term in _terms(out):
+    for _, term in _terms(out):
         term["kwargs"] = redact_kwargs(dict(term.get("kwargs") or {}))
     return out
 
@@ -60,14 +62,12 @@ def redacted(tree: dict[str, Any]) -> dict[str, Any]:
 def refuse_redacted(tree: dict[str, Any]) -> None:
     """Refuse a config whose reward settings still hold :data:`REDACTED` (a run's saved config used again): the
     secret is asked for again, naming the key and where to give it."""
-    sections = (("rewards", tree.get("rewards") or []), ("eval.rewards", (tree.get("eval") or {}).get("rewards") or []))
-    for section, terms in sections:
-        for i, term in enumerate(terms):
-            for key, value in dict(term.get("kwargs") or {}).items():
-                values = value.values() if key == HEADERS and isinstance(value, dict) else [value]
-                if any(v == REDACTED for v in values):
-                    raise ConfigError(
-                        f"{section}[{i}].kwargs.{key} is {REDACTED}: a run folder never stores a secret; "
-                        "give it again (a served judge reads it from the environment variable its "
-                        "api_key_env names), or pass the config file the run was started with"
-                    )
+    for where, term in _terms(tree):
+        for key, value in dict(term.get("kwargs") or {}).items():
+            values = value.values() if key == HEADERS and isinstance(value, dict) else [value]
+            if any(v == REDACTED for v in values):
+                raise ConfigError(
+                    f"{where}.kwargs.{key} is {REDACTED}: a run folder never stores a secret; "
+                    "give it again (a served judge reads it from the environment variable its "
+                    "api_key_env names), or pass the config file the run was started with"
+                )
