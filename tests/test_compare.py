@@ -92,7 +92,7 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
         *common,
         "--set",
         "broken",
-        "rewards=[{name: no_such_reward}]",
+        f"prompts.train={tmp_path / 'no_such_prompts.txt'}",  # accepted at load, fails in the run
         "--seeds",
         "0",
         "1",
@@ -111,7 +111,7 @@ def test_compare_runs_reports_and_resumes(tmp_path, pipeline_folder, capsys):
         "broken-s0": "failed",
         "broken-s1": "failed",
     }
-    assert "no_such_reward" in " ".join(status["broken-s0"]["last_lines"])
+    assert "no_such_prompts.txt" in " ".join(status["broken-s0"]["last_lines"])
     assert "train.max_steps=2" in status["good-s0"]["command"]  # what was run, for a later report
     table = (out / "results.md").read_text()
     assert "| good | s0: " in table and "| broken | s0: failed, s1: failed |" in table and "Failed runs:" in table
@@ -144,3 +144,14 @@ def test_mean_curve_of_seeds_with_different_eval_counts_keeps_the_finals():
     # a wall-time schedule: the second seed got one more eval before its final one
     ragged = mean_curve([[(0, 0.0), (60, 0.1), (300, 0.3)], [(0, 0.0), (60, 0.1), (290, 0.2), (300, 0.5)]])
     assert len(ragged) == 3 and ragged[-1] == pytest.approx((300, 0.4)) and ragged[1] == pytest.approx((60, 0.1))
+
+
+def test_compare_refuses_a_config_with_an_unregistered_reward_before_any_run(tmp_path, capsys):
+    from flowrl.commands.main import main
+
+    out = tmp_path / "cmp"
+    args = ["compare", "configs/shapes/nft.yaml", "--set", "nft", "rewards=[{name: no_such_reward}]"]
+    assert main([*args, "--seeds", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "rewards[0].name='no_such_reward' is not registered" in err and "accepted:" in err
+    assert not (out / "runs").exists()  # nothing started

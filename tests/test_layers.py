@@ -50,13 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 """Layer name → the modules in it, bottom to top: ``pkg.*`` is the package ``pkg`` and every module under it; a name
 without ``.*`` is that module alone."""
 
-NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    (
-        "flowrl.objectives.teacher",
-        "flowrl.run.checkpoint",
-    ): "the teacher's weights read from a run's checkpoint by the loop and handed to the objective (owner: the "
-    "objective contract's rewrite)",
-}
+NOT_YET_MOVED: dict[tuple[str, str], str] = {}
 """(importing module, imported module) → the move that removes the upward import (see the module docstring)."""
 
 

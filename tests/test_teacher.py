@@ -256,13 +256,25 @@ def test_bad_teacher_settings_fail_at_load(tmp_path, overrides, words):
         assert w in str(err.value), (w, str(err.value))
 
 
-def test_a_teacher_path_that_is_not_a_model_is_refused(tmp_path):
+def test_a_teacher_path_that_is_not_a_model_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from flowrl.config import build
+    from flowrl.training.trainer import Trainer
+
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError) as err:  # at config load
+        tiny(tmp_path, "bad", "loss.objective=nft", f"loss.teacher={{path: '{missing}'}}")
+    assert f"loss.teacher.path='{missing}'" in str(err.value) and "is not a folder" in str(err.value)
     empty = tmp_path / "empty"
     empty.mkdir()
-    for path, words in ((tmp_path / "missing", "is not a folder"), (empty, "holds no model")):
-        with pytest.raises(ConfigError) as err:
-            tiny(tmp_path, "bad", "loss.objective=nft", f"loss.teacher={{path: '{path}'}}")
-        assert f"loss.teacher.path='{path}'" in str(err.value) and words in str(err.value)
+    cfg = tiny(tmp_path, "bad", "loss.objective=nft", f"loss.teacher={{path: '{empty}'}}")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the teacher's folder was read")
+
+    monkeypatch.setattr(build, "build_model", no_load)
+    with pytest.raises(ConfigError) as err:  # the loop reads the folder before any weights load
+        Trainer(cfg)
+    assert f"loss.teacher.path='{empty}'" in str(err.value) and "holds no model" in str(err.value)
 
 
 def test_a_teacher_from_a_checkpoint_is_that_checkpoints_model(tmp_path):

@@ -70,7 +70,8 @@ class ObjectiveFacts:
     every reward-independent term (None: it has no reward-free point, ``no_reward_free_point`` says why);
     ``extremes``: diagnostics combined by min/max over micro-batches instead of averaged; ``first_step_keys``:
     diagnostics also logged as ``first_step_<key>`` for the first micro-batches of an iteration; ``progress_keys``:
-    the progress bar's fields, label → (record keys summed, format)."""
+    the progress bar's fields, label → (record keys summed, format); ``teacher_path``: the folder whose weights its
+    guided teacher starts from (``loss.teacher.path``), which the loop reads and hands to :meth:`Objective.setup`."""
 
     trains_on: str = "edges"
     trains_flat: bool = False
@@ -84,6 +85,7 @@ class ObjectiveFacts:
     extremes: Mapping[str, Callable] = field(default_factory=dict)
     first_step_keys: tuple[str, ...] = ()
     progress_keys: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    teacher_path: str | None = None
 
     def train_rows(self, counts: Mapping[str, int]) -> int:
         """Velocity rows the forward with gradients runs in one iteration, from a plan's
@@ -187,8 +189,10 @@ class Objective(Checked):
         raise NotImplementedError(f"{type(self).__name__} declares no reward-free point")
 
     # ---- the loop's part ----------------------------------------------------------------------------
-    def setup(self, model) -> None:
-        """Called once with the model whose trainable weights are set up (LoRA or full)."""
+    def setup(self, model, teacher_weights: Callable[[Any], None] | None = None) -> None:
+        """Called once with the model whose trainable weights are set up (LoRA or full). ``teacher_weights``: only
+        when :meth:`describe` names a ``teacher_path``, the loop's loader of those weights (``teacher_weights(model)``
+        fills ``model.trainable`` with them)."""
 
     def begin_iteration(self, model, forest) -> None:
         """Called once per iteration with its scored, credited forest, before its first :meth:`batches` (while the

@@ -265,11 +265,13 @@ class DGPOLoss(GroupedForward):
     def statistic_reads_teacher(self) -> bool:  # type: ignore[override]
         return self.reference == "teacher"
 
-    def setup(self, model) -> None:
+    def setup(self, model, teacher_weights=None) -> None:
         """The old copy (clip or reference), the frozen initial weights (reference or KL), the teacher."""
         self._old = OldPolicy(model) if self.uses_old else None
         self._reference = Reference(model) if self.reads_reference else None
-        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, reference=self._reference)
+        self.teacher_model = (
+            None if self.teacher is None else Teacher(model, self.teacher, self._reference, teacher_weights)
+        )
         self._updates = 0
 
     @property

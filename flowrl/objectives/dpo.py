@@ -72,11 +72,13 @@ class DPOLoss(ForwardProcessObjective):
         """The forward-process facts, training a chosen and a rejected leaf per prompt group."""
         return replace(super().describe(), leaves_per_group=2)
 
-    def setup(self, model) -> None:
+    def setup(self, model, teacher_weights=None) -> None:
         """The frozen reference (always: the preference is measured against it); no old copy."""
         self._old = None
         self._reference = Reference(model)
-        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, reference=self._reference)
+        self.teacher_model = (
+            None if self.teacher is None else Teacher(model, self.teacher, self._reference, teacher_weights)
+        )
         self._updates = 0
 
     def frozen_copies(self) -> tuple[str, ...]:

@@ -166,10 +166,12 @@ class ForwardProcessObjective(Objective):
                 "least 2 leaves per prompt"
             )
 
-    def setup(self, model) -> None:
+    def setup(self, model, teacher_weights=None) -> None:
         self._old = OldPolicy(model) if self.uses_old else None
         self._reference = Reference(model) if self.kl_ref > 0 else None
-        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, reference=self._reference)
+        self.teacher_model = (
+            None if self.teacher is None else Teacher(model, self.teacher, self._reference, teacher_weights)
+        )
         self._updates = 0
 
     def decay(self, k: int) -> float:
@@ -214,6 +216,7 @@ class ForwardProcessObjective(Objective):
             rows_per_unit=self.draws,
             frozen_copies=self.frozen_copies(),
             guided_training=self.cfg == "guided",
+            teacher_path=None if self.teacher is None else self.teacher.path,
         )
         if not self.has_reward_free_point:
             return facts

@@ -135,8 +135,8 @@ class GDROLoss(ForwardProcessObjective):
             )
 
     # ---- lifecycle: the frozen reference, always ---------------------------------------------------
-    def setup(self, model) -> None:
-        super().setup(model)
+    def setup(self, model, teacher_weights=None) -> None:
+        super().setup(model, teacher_weights)
         if self._reference is None:
             self._reference = Reference(model)
 

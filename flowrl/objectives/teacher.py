@@ -29,7 +29,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -110,31 +110,11 @@ class TeacherSpec(Checked):
             raise ConfigError(f"loss.teacher.anchor={self.anchor} must be >= 0 (the anchor's weight; 0 = none)")
         self.anchor_schedule = Schedule.parse(self.schedule, "loss.teacher.schedule")
         self.sample_schedule = Schedule.parse(self.share_schedule, "loss.teacher.share_schedule")
-        if self.path is not None:
-            check_teacher_path(self.path)
-
-
-def check_teacher_path(path: str) -> Path:
-    """The folder holding the teacher's weights: a run folder (its newest checkpoint), a checkpoint, or a
-    folder with ``transformer/`` (a pipeline or a full fine-tuning checkpoint); else a ConfigError."""
-    from flowrl.run.checkpoint import find_checkpoint
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError(
-            f"loss.teacher.path={path!r} is not a folder; accepted: a flowrl run folder, a "
-            "checkpoints/step-N folder, or a folder with transformer/ (a diffusers pipeline)"
-        )
-    if (folder / "transformer").is_dir() or any(folder.glob("*lora*.safetensors")):
-        return folder
-    try:
-        return find_checkpoint(folder)[0]
-    except FileNotFoundError:
-        raise ConfigError(
-            f"loss.teacher.path={path!r} holds no model: no transformer/ folder, no LoRA "
-            "safetensors and no checkpoints/step-N/; accepted: a flowrl run folder, a checkpoint, or "
-            "a folder with transformer/"
-        ) from None
+        if self.path is not None and not Path(self.path).is_dir():  # what it holds: the loop's weights_folder
+            raise ConfigError(
+                f"loss.teacher.path={self.path!r} is not a folder; accepted: a flowrl run folder, a "
+                "checkpoints/step-N folder, or a folder with transformer/ (a diffusers pipeline)"
+            )
 
 
 class Teacher:
@@ -143,7 +123,9 @@ class Teacher:
 
     state_attributes = ("forwards", "seconds")
 
-    def __init__(self, model, spec: TeacherSpec, reference=None):
+    def __init__(self, model, spec: TeacherSpec, reference=None, load_weights: Callable[[Any], None] | None = None):
+        """``load_weights(model)``: fills ``model.trainable`` with the weights of ``spec.path``, which the loop read
+        (:meth:`~flowrl.objectives.base.Objective.setup`'s ``teacher_weights``); needed when ``spec.path`` is set."""
         from flowrl.objectives.copies import Reference
 
         self.model, self.spec, self.guidance = model, spec, float(spec.guidance)
@@ -151,8 +133,10 @@ class Teacher:
         self.seconds = 0.0
         if spec.path is None:  # the initial weights: the KL reference's copy when there is one (one frozen copy)
             self._copy = reference if reference is not None else Reference(model)
+        elif load_weights is None:
+            raise ValueError(f"loss.teacher.path={spec.path!r}: the teacher needs the loader of its weights")
         else:
-            self._copy = _LoadedCopy(model, check_teacher_path(spec.path))
+            self._copy = _LoadedCopy(model, spec.path, load_weights)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -185,22 +169,20 @@ class Teacher:
 
 
 class _LoadedCopy:
-    """A frozen copy of the policy's transformer with the weights of ``folder`` (full or LoRA)."""
+    """A frozen copy of the policy's transformer with the weights ``load_weights`` fills in (full or LoRA; read from
+    ``path``)."""
 
-    def __init__(self, model, folder: Path):
+    def __init__(self, model, path: str, load_weights: Callable[[Any], None]):
         from flowrl.models.frozen import frozen_copy
         from flowrl.objectives.copies import swapped_transformer
-        from flowrl.run.checkpoint import load_weights
 
         self.model = model
         self.frozen = frozen_copy(model)
         with swapped_transformer(model, self.frozen):  # load_weights fills model.trainable: here, the copy
             try:
-                load_weights(model, folder)
+                load_weights(model)
             except Exception as e:
-                raise ConfigError(
-                    f"loss.teacher.path={str(folder)!r}: its weights do not fit this model ({e})"
-                ) from None
+                raise ConfigError(f"loss.teacher.path={path!r}: its weights do not fit this model ({e})") from None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

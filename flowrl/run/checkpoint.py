@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from flowrl.errors import ConfigError
 from flowrl.run.manifest import MANIFEST, DamagedCheckpoint, verify_checkpoint, write_manifest
 from flowrl.run.outputs import Output, check_output, write_marker
 from flowrl.run.sharded_checkpoint import is_sharded_checkpoint, read_model
@@ -162,6 +163,25 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"--checkpoint {str(path)!r}: no checkpoints/step-N/ folder with {STATE_FILE} in it")
     verify(found[-1][1])
     return found[-1][1], path
+
+
+def weights_folder(path: str | Path, key: str) -> Path:
+    """The folder holding the model weights that config key ``key`` names: a folder with ``transformer/`` (a pipeline
+    or a full fine-tuning checkpoint) or a LoRA safetensors file, a ``checkpoints/step-N`` folder, or a run folder
+    (its newest checkpoint, verified); else a ConfigError naming ``key`` and what is accepted."""
+    folder = Path(path)
+    accepted = "a flowrl run folder, a checkpoints/step-N folder, or a folder with transformer/ (a diffusers pipeline)"
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={str(path)!r} is not a folder; accepted: {accepted}")
+    if (folder / "transformer").is_dir() or any(folder.glob("*lora*.safetensors")):
+        return folder
+    try:
+        return find_checkpoint(folder)[0]
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{key}={str(path)!r} holds no model: no transformer/ folder, no LoRA safetensors and no "
+            f"checkpoints/step-N/; accepted: {accepted}"
+        ) from None
 
 
 def read_state(path: Path) -> dict[str, Any]:

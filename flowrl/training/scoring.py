@@ -1,4 +1,4 @@
-"""The loop's checks of its rewards: a video reward asked of an image model is refused at load
+"""The loop's rewards: built and checked before the model loads (:func:`run_rewards`); a video reward asked of an image model is refused at load
 (:func:`check_modality`), and a run whose every reward keeps failing stops, naming them (:class:`FailedRewardStreak`).
 
 Scoring itself sits below the loop: the port and the background scorer in :mod:`flowrl_rewards.core.port` and
@@ -8,10 +8,13 @@ Scoring itself sits below the loop: the port and the background scorer in :mod:`
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+from flowrl.config import build
+from flowrl.config.schema import TrainConfig
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
+from flowrl.prompts.checks import check_run_prompts
 from flowrl_rewards.core.port import Scorer
 
 
@@ -57,3 +60,31 @@ class FailedRewardStreak:
                 f"{self.limit}; the last: {failed:.0f} of {leaves:.0f} images); last error: {why}. Fix "
                 "the reward (or its server) and continue with train.resume=latest"
             )
+
+
+def run_rewards(c: TrainConfig, reward: Any = None, model: FlowModel | None = None) -> tuple[Scorer, Scorer]:
+    """The run's training and eval rewards (``reward``: a name, a Reward or a MultiReward given in code, else
+    ``c.rewards``; ``c.eval.rewards`` or the training one), after checking that each prompt line is scorable (source
+    images where needed, with ``model`` when given) and that every reward is ready (e.g. a remote server answers):
+    a bad prompt line or a server that is down fails before the model loads."""
+    train = (
+        as_multi(reward, c.reward_normalize)
+        if reward is not None
+        else build.build_rewards(c.rewards, c.reward_normalize)
+    )
+    held_out = build.build_rewards(c.eval.rewards, key="eval.rewards") if c.eval.rewards else train
+    check_run_prompts(c, train, held_out, model)
+    for r in {id(train): train, id(held_out): held_out}.values():
+        r.check_ready()
+    return train, held_out
+
+
+def as_multi(reward: Any, normalize: str = "none"):
+    """A :class:`flowrl_rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
+    from flowrl_rewards import MultiReward, Reward
+
+    if isinstance(reward, MultiReward):
+        return reward
+    if isinstance(reward, (str, Reward)):
+        return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
+    raise TypeError(f"reward must be a name, a flowrl_rewards.Reward or a MultiReward, got {type(reward).__name__}")

@@ -25,7 +25,7 @@ import functools
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -46,10 +46,11 @@ from flowrl.distributed.sharding import (
 )
 from flowrl.models.base import FlowModel
 from flowrl.models.blocks import apply_block_settings
-from flowrl.prompts.checks import check_prompts, check_run_prompts
+from flowrl.prompts.checks import check_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
+from flowrl.run.checkpoint import load_weights, weights_folder
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.callbacks import Callback, default_callbacks
@@ -57,7 +58,7 @@ from flowrl.training.evaluation import HeldOutEval, resolve_guidance
 from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
 from flowrl.training.perf import PerfMeter
-from flowrl.training.scoring import check_modality
+from flowrl.training.scoring import check_modality, run_rewards
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
 from flowrl.training.updater import Updater
 from flowrl_rewards.background import RewardWaitCut
@@ -106,23 +107,16 @@ class Trainer(TrainerCheckpoints):
         check_shard_settings(c, self.world, shard)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
-        self.reward = (
-            _as_multi(reward, c.reward_normalize)
-            if reward is not None
-            else build.build_rewards(c.rewards, c.reward_normalize)
-        )
-        self.eval_reward = build.build_rewards(c.eval.rewards, key="eval.rewards") if c.eval.rewards else self.reward
-        check_run_prompts(c, self.reward, self.eval_reward, model)  # each line scorable; source images where needed
-        for r in {id(self.reward): self.reward, id(self.eval_reward): self.eval_reward}.values():
-            r.check_ready()  # e.g. a remote reward's server answers
+        self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
+        self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked
+        teacher_weights = self._teacher_weights()  # its folder read before the model loads
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
-        self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked
         if shard == "fsdp":
             check_sharded_objective(self.objective)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
-        self.objective.setup(self.model)
+        self.objective.setup(self.model, **teacher_weights)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.plan.setup(self.model, self.reward)
         # after the frozen and explorer copies are made from it, before FSDP2 wraps its blocks
@@ -172,6 +166,15 @@ class Trainer(TrainerCheckpoints):
         self.resumed_from: Path | None = None
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
+
+    def _teacher_weights(self) -> dict[str, Callable]:
+        """``{"teacher_weights": loader}`` for an objective whose teacher starts from a folder's weights (its
+        ``teacher_path``: a run folder, a checkpoint or a pipeline folder, resolved and verified here), else ``{}``."""
+        path = self.objective.describe().teacher_path
+        if path is None:
+            return {}
+        folder = weights_folder(path, "loss.teacher.path")
+        return {"teacher_weights": lambda model: load_weights(model, folder)}
 
     def _setup_trainable(self) -> list[torch.nn.Parameter]:
         module = self.model.trainable
@@ -441,14 +444,3 @@ class Trainer(TrainerCheckpoints):
             )
             return None
         return self.reward
-
-
-def _as_multi(reward: Any, normalize: str = "none"):
-    """A :class:`flowrl_rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
-    from flowrl_rewards import MultiReward, Reward
-
-    if isinstance(reward, MultiReward):
-        return reward
-    if isinstance(reward, (str, Reward)):
-        return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
-    raise TypeError(f"reward must be a name, a flowrl_rewards.Reward or a MultiReward, got {type(reward).__name__}")
