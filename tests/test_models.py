@@ -58,7 +58,10 @@ def test_wrap_picks_adapter_by_class_and_names_supported_ones():
         wrap(object())
     with pytest.raises(ValueError, match="'pixart'.*flux.*sana.*sd3"):
         load_model("pixart", "nowhere")
-    assert set(MODEL_FAMILIES) == {"shapes", "sd3", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan"}
+    assert set(MODEL_FAMILIES) == {
+        *("shapes", "sd3", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan", "wan_i2v", "zimage"),
+        *("flux_kontext", "flux2_klein", "qwen_image21", "qwen_image_edit_plus", "hunyuan_image", "ltx2"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["sd3", "sd3_t5", "flux"])

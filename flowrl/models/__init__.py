@@ -127,6 +127,16 @@ MODEL_FAMILIES = Registry(
         "qwen_image_edit": ModelFamily("QwenImageEditPipeline", "flowrl.models.qwen_image_edit:QwenImageEditFlowModel"),
         "flux2": ModelFamily("Flux2Pipeline", "flowrl.models.flux2:Flux2FlowModel"),
         "wan": ModelFamily("WanPipeline", "flowrl.models.wan:WanFlowModel"),
+        "wan_i2v": ModelFamily("WanImageToVideoPipeline", "flowrl.models.wan_i2v:WanI2VFlowModel"),
+        "zimage": ModelFamily("ZImagePipeline", "flowrl.models.zimage:ZImageFlowModel"),
+        "flux_kontext": ModelFamily("FluxKontextPipeline", "flowrl.models.flux_kontext:FluxKontextFlowModel"),
+        "flux2_klein": ModelFamily("Flux2KleinPipeline", "flowrl.models.flux2_klein:Flux2KleinFlowModel"),
+        "qwen_image21": ModelFamily("QwenImage21Pipeline", "flowrl.models.qwen_image21:QwenImage21FlowModel"),
+        "qwen_image_edit_plus": ModelFamily(
+            "QwenImageEditPlusPipeline", "flowrl.models.qwen_image_edit_plus:QwenImageEditPlusFlowModel"
+        ),
+        "hunyuan_image": ModelFamily("HunyuanImagePipeline", "flowrl.models.hunyuan_image:HunyuanImageFlowModel"),
+        "ltx2": ModelFamily("LTX2Pipeline", "flowrl.models.ltx2:LTX2FlowModel"),
     },
     base=FlowModel,
     check=_check_family,
