@@ -1,4 +1,9 @@
-"""A vision-language model as judge: a question about each image, its answer turned into a score in [0, 1].
+"""A vision-language model as judge: a question about each image or video, its answer turned into a score in [0, 1].
+
+Images [B, 3, H, W] and videos [B, F, 3, H, W] (a video family's decode; every ``frame_stride``-th frame) are judged
+alike: the reward declares ``modality = "any"``, so a video reaches the judge whole, as a video, not frame by frame.
+The question is ``question``, or a named ``template`` (:data:`TEMPLATES`: VQAScore's, or ``motion``, a yes/no question
+about the video's motion).
 
 Two ways to score an answer (``score``):
 
@@ -11,10 +16,12 @@ Two ways to score an answer (``score``):
   finite ("nan", "inf"), scores NaN (counted, with the reason).
 
 Two backends (``backend``): ``openai``, any OpenAI-compatible chat-completions server (vLLM, sglang), one
-request per image, ``concurrency`` in flight, with remote.py's retries and a total deadline of ``timeout`` per
-request (:mod:`flowrl_rewards.judges.vlm_judge_served`); a reply whose log-probabilities are not log-probabilities
-(NaN, infinite, above 0, ``top_logprobs`` not a list or shorter than asked) is a failed request, raised or
-(``on_error: nan``) counted; ``transformers``, the judge in this process (:mod:`flowrl_rewards.judges.vlm_judge_local`).
+request per image or video (a video as one ``video_url`` part of JPEG frames, or with ``video_input: frames`` one
+``image_url`` part per frame), ``concurrency`` in flight, with remote.py's retries and a total deadline of
+``timeout`` per request (:mod:`flowrl_rewards.judges.vlm_judge_served`); a reply whose log-probabilities are not
+log-probabilities (NaN, infinite, above 0, ``top_logprobs`` not a list or shorter than asked) is a failed request,
+raised or (``on_error: nan``) counted; ``transformers``, the judge in this process
+(:mod:`flowrl_rewards.judges.vlm_judge_local`; a video through the processor's ``videos=`` input).
 Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
 """
 
@@ -28,9 +35,16 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl_rewards.core.base import Reward
-from flowrl_rewards.judges.vlm_judge_served import MalformedReply, ServedJudge, api_key_of, first_token_candidates
-from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError, encode_png
+from flowrl_rewards.core.base import Reward, check_frame_stride
+from flowrl_rewards.judges.vlm_judge_served import (
+    VIDEO_INPUTS,
+    MalformedReply,
+    ServedJudge,
+    api_key_of,
+    content_parts,
+    first_token_candidates,
+)
+from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +53,14 @@ SCORES = ("yes_probability", "pattern")
 DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEFAULT_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
 """VQAScore's question template (t2v_metrics, ``default_question_template``), ``{prompt}`` for its ``{}``."""
+MOTION_QUESTION = (
+    'This video was generated for the prompt "{prompt}". Is its motion smooth, natural and physically plausible, '
+    "without flicker, sudden jumps or objects that deform as they move? Please answer yes or no."
+)
+"""flowrl's yes/no question about a video's motion (VQAScore's form: read by ``score: yes_probability``)."""
+TEMPLATES = {"vqascore": DEFAULT_QUESTION, "motion": MOTION_QUESTION}
+"""The named questions (``template``); ``question`` gives any other."""
+DEFAULT_FPS = 16.0  # the frame rate of the videos scored: Wan 2.1 / 2.2's output rate (divided by frame_stride)
 DEFAULT_PATTERN = r"Final Score:\s*([0-9]+(?:\.[0-9]+)?)"
 """UnifiedReward's pointwise answer ends in ``Final Score: <1–5>``."""
 PATTERN_MAX_TOKENS = 512  # the default answer length in pattern mode (a short reasoning, then the score)
@@ -149,23 +171,26 @@ def pattern_score(text: str, pattern: re.Pattern, low: float, high: float) -> fl
 
 # ---- the reward ------------------------------------------------------------------------------------------
 class VlmJudge(Reward):
-    """A VLM's answer to ``question`` about each image as a score float32 [B] in [0, 1] (NaN: no score).
+    """A VLM's answer to ``question`` about each image or video as a score float32 [B] in [0, 1] (NaN: no score).
 
     Settings (docs/rewards/vlm_judge.md): ``backend`` (``openai`` | ``transformers``), ``model`` (served name or
-    hub id / folder), ``question`` / ``system`` templates (``{prompt}`` filled in), ``score``
+    hub id / folder), ``question`` / ``system`` templates (``{prompt}`` filled in) or a named ``template``
+    (``vqascore`` | ``motion``), ``fps`` (the videos' frame rate before ``frame_stride``), ``score``
     (``yes_probability`` | ``pattern``), ``pattern``, ``score_range``, ``max_tokens`` (default 1 for
     yes_probability, 512 for pattern), ``top_logprobs``; served: ``url``, ``api_key`` / ``api_key_env``,
-    ``concurrency``, ``timeout``, ``retries``, ``backoff``, ``max_backoff``, ``on_error`` (``raise`` | ``nan``);
-    in process: ``processor``, ``device``, ``dtype``, ``batch_size``.
+    ``concurrency``, ``timeout``, ``retries``, ``backoff``, ``max_backoff``, ``on_error`` (``raise`` | ``nan``),
+    ``video_input`` (``video`` | ``frames``); in process: ``processor``, ``device``, ``dtype``, ``batch_size``.
     """
 
     name = "vlm_judge"
+    modality = "any"  # images as images; a video [F, 3, H, W] whole, as the judge's video input
 
     def __init__(
         self,
         backend: str = "openai",
         model: str = DEFAULT_MODEL,
-        question: str = DEFAULT_QUESTION,
+        question: str | None = None,
+        template: str | None = None,
         system: str | None = None,
         score: str = "yes_probability",
         pattern: str = DEFAULT_PATTERN,
@@ -181,6 +206,8 @@ class VlmJudge(Reward):
         backoff: float = 1.0,
         max_backoff: float = 30.0,
         on_error: str = "raise",
+        video_input: str = "video",
+        fps: float = DEFAULT_FPS,
         processor: str | None = None,
         device: str = "auto",
         dtype: str = "auto",
@@ -193,7 +220,7 @@ class VlmJudge(Reward):
             " (openai: a served judge, e.g. by vLLM or sglang; transformers: the judge in this process)",
         )
         self.mode = check_choice("score", score, SCORES)
-        self.question = check_template("question", question)
+        self.question = self.question_of(question, template)
         self.system = None if system is None else check_template("system", system)
         self.pattern = check_pattern(pattern)
         self.low, self.high = check_range(score_range)
@@ -202,6 +229,13 @@ class VlmJudge(Reward):
         self.max_tokens = max_tokens or (1 if self.mode == "yes_probability" else PATTERN_MAX_TOKENS)
         self.top_logprobs = int(check_number("top_logprobs", top_logprobs, 1, integer=True))
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        self.video_input = check_choice(
+            "video_input",
+            video_input,
+            VIDEO_INPUTS,
+            " (video: one video_url part of JPEG frames, as vLLM takes a video; frames: one image_url per frame)",
+        )
+        self.fps = float(check_number("fps", fps, 0, strict=True))
         if not isinstance(model, str) or not model:
             raise ValueError(f"vlm_judge: model={model!r} must be the served model name or a hub id / folder")
         self.model = model
@@ -228,6 +262,17 @@ class VlmJudge(Reward):
 
             self.local = LocalJudge(model, processor or model, device, dtype, batch_size)
 
+    @staticmethod
+    def question_of(question: str | None, template: str | None) -> str:
+        """The question: ``question`` (a template of its own), else the named ``template`` (default ``vqascore``)."""
+        if question is not None and template is not None:
+            raise ValueError(
+                f"vlm_judge: give question or template, not both (question={question!r}, template={template!r})"
+            )
+        if question is not None:
+            return check_template("question", question)
+        return TEMPLATES[check_choice("template", "vqascore" if template is None else template, tuple(TEMPLATES))]
+
     def check_ready(self) -> None:
         """The served judge answers and serves ``model`` (the in-process one is loaded at build)."""
         if self.served is not None:
@@ -241,26 +286,38 @@ class VlmJudge(Reward):
         )
 
     def score(self, images, prompts, meta):
-        """Scores float32 [B] in [0, 1] for images [B, 3, H, W] in [0, 1]; NaN where the judge gave no score."""
+        """Scores float32 [B] in [0, 1] for images [B, 3, H, W] or videos [B, F, 3, H, W] in [0, 1] (every
+        ``frame_stride``-th frame judged, at ``fps / frame_stride`` frames per second); NaN where none was given."""
+        fps = self.fps
+        if images.ndim == 5:
+            stride = check_frame_stride(self.name, self.frame_stride)
+            images, fps = images[:, ::stride], self.fps / stride
         questions, systems = self.fill(prompts)
         if self.served is not None:
-            scores, reasons, failures = self.score_served(images, questions, systems)
+            scores, reasons, failures = self.score_served(images, questions, systems, fps)
         elif self.mode == "yes_probability":
-            scores, failures = self.local.yes_probability(images, questions, systems).tolist(), []
+            scores, failures = self.local.yes_probability(images, questions, systems, fps).tolist(), []
             reasons = [None if math.isfinite(s) else "a non-finite yes/no probability" for s in scores]
         else:
-            texts = self.local.generate(images, questions, systems, self.max_tokens)
+            texts = self.local.generate(images, questions, systems, self.max_tokens, fps)
             scores, reasons = zip(*(self.from_text(t) for t in texts)) if texts else ((), ())
             failures = []
         self.record(meta, len(prompts), reasons, failures)
         return torch.tensor(scores, dtype=torch.float32)
 
-    def score_served(self, images, questions, systems) -> tuple[list[float], list[str | None], list[str]]:
-        """Scores, why each NaN score has none, and the failed requests' errors (``on_error="nan"``)."""
-        options = {"max_tokens": self.max_tokens}
+    def score_served(self, images, questions, systems, fps) -> tuple[list[float], list[str | None], list[str]]:
+        """Scores, why each NaN score has none, and the failed requests' errors (``on_error="nan"``), for images
+        [B, 3, H, W] or videos [B, F, 3, H, W] (a ``video_url`` of F frames carries vLLM's ``media_io_kwargs``: all F
+        frames at ``fps``)."""
+        options: dict = {"max_tokens": self.max_tokens}
         if self.mode == "yes_probability":
             options.update(logprobs=True, top_logprobs=self.top_logprobs)
-        payloads = [self.served.body(png, q, s, options) for png, q, s in zip(encode_png(images), questions, systems)]
+        if images.ndim == 5 and self.video_input == "video":
+            options["media_io_kwargs"] = {"video": {"num_frames": images.shape[1], "fps": fps}}
+        payloads = [
+            self.served.body(content_parts(x, self.video_input), q, s, options)
+            for x, q, s in zip(images, questions, systems)
+        ]
         try:
             choices = self.served.ask_all(payloads, keep_going=self.on_error == "nan")
         except RemoteRewardError as e:

@@ -1,10 +1,12 @@
 """The in-process backend of :mod:`flowrl_rewards.judges.vlm_judge`: a transformers image-text-to-text judge (Qwen2-VL /
 Qwen2.5-VL family, ``AutoModelForImageTextToText`` + ``AutoProcessor``, a hub id or a local folder).
 
-Every image and its question go through the processor's chat template (a user turn holding the image and the
-question, after an optional system turn; the generation prompt added), batched with **left** padding so the
-last position of every row is its own last prompt token: a score never depends on the rest of the batch.
-Images are rounded to 8 bits and go through the image processor's PIL backend (as the other model rewards).
+Every image (or video) and its question go through the processor's chat template (a user turn holding the image or
+video and the question, after an optional system turn; the generation prompt added), batched with **left** padding so
+the last position of every row is its own last prompt token: a score never depends on the rest of the batch.
+Images are rounded to 8 bits and go through the image processor's PIL backend (as the other model rewards); a video
+[F, 3, H, W] is rounded to 8 bits and goes through the processor's video input (``videos=``, its video processor),
+with its frame rate as the video's metadata (Qwen2.5-VL's temporal positions read it).
 
 - yes/no: the next-token distribution after the prompt (softmax over the vocabulary); the score is the mass
   of the "Yes"-like tokens over that of the "Yes"- and "No"-like ones, computed as
@@ -18,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl_rewards.core._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil
+from flowrl_rewards.core._common import batches, check_batch_size, resolve_device, resolve_dtype, to_pil, to_uint8
 
 OWNER = "vlm_judge"
 YES_WORDS = ("Yes", " Yes", "yes", " yes", "YES", " YES")
@@ -91,24 +93,49 @@ class LocalJudge:
             )
         self.model = load_model(model, self.dtype, self.device)
 
-    def inputs(self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None]) -> Any:
-        """The model's inputs for images [b, 3, H, W] in [0, 1] and their questions, left-padded, on the device."""
+    def inputs(
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], fps: float = 0.0
+    ) -> Any:
+        """The model's inputs for images [b, 3, H, W] or videos [b, F, 3, H, W] in [0, 1] (``fps`` frames per second)
+        and their questions, left-padded, on the device."""
+        video = images.ndim == 5
         texts = []
         for question, system in zip(questions, systems):
             messages = [{"role": "system", "content": system}] if system else []
-            messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+            part = {"type": "video" if video else "image"}
+            messages.append({"role": "user", "content": [part, {"type": "text", "text": question}]})
             texts.append(self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        batch = self.processor(text=texts, images=to_pil(images), padding=True, return_tensors="pt")
+        if not video:
+            batch = self.processor(text=texts, images=to_pil(images), padding=True, return_tensors="pt")
+        else:
+            batch = self.processor(text=texts, padding=True, return_tensors="pt", **self.video_inputs(images, fps))
         return batch.to(self.device)
+
+    def video_inputs(self, videos: torch.Tensor, fps: float) -> dict:
+        """The processor's video keywords for videos [b, F, 3, H, W]: uint8 frames [F, H, W, 3] each, and their frame
+        rate (transformers 5: ``video_metadata``; 4: ``fps``). A ValueError when the processor takes no video."""
+        if getattr(self.processor, "video_processor", None) is None:
+            raise ValueError(
+                f"{OWNER}: the processor {type(self.processor).__name__} has no video processor, so it cannot judge "
+                f"videos [B, F, 3, H, W] (got {tuple(videos.shape)}); use a video-capable judge's processor, e.g. "
+                "'Qwen/Qwen2.5-VL-7B-Instruct'"
+            )
+        import transformers
+
+        frames = [to_uint8(v) for v in videos]
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            return {"videos": frames, "video_metadata": [{"fps": fps, "total_num_frames": len(f)} for f in frames]}
+        return {"videos": frames, "fps": [fps] * len(frames)}
 
     @torch.no_grad()
     def yes_probability(
-        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None]
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], fps: float = 0.0
     ) -> torch.Tensor:
-        """P(yes) / (P(yes) + P(no)) of the first answer token: float32 [B] on the CPU."""
+        """P(yes) / (P(yes) + P(no)) of the first answer token: float32 [B] on the CPU, for images [B, 3, H, W] or
+        videos [B, F, 3, H, W] at ``fps``."""
         out = []
         for sl in batches(images.shape[0], self.batch_size):
-            batch = self.inputs(images[sl], questions[sl], systems[sl])
+            batch = self.inputs(images[sl], questions[sl], systems[sl], fps)
             logits = self.model(**batch, logits_to_keep=1).logits[:, -1].float()  # [b, V]
             yes = torch.logsumexp(logits[:, self.yes_ids], dim=-1)
             no = torch.logsumexp(logits[:, self.no_ids], dim=-1)
@@ -117,12 +144,17 @@ class LocalJudge:
 
     @torch.no_grad()
     def generate(
-        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], max_new_tokens: int
+        self,
+        images: torch.Tensor,
+        questions: Sequence[str],
+        systems: Sequence[str | None],
+        max_new_tokens: int,
+        fps: float = 0.0,
     ) -> list[str]:
         """Greedy answers (at most ``max_new_tokens`` tokens each), decoded without special tokens."""
         answers: list[str] = []
         for sl in batches(images.shape[0], self.batch_size):
-            batch = self.inputs(images[sl], questions[sl], systems[sl])
+            batch = self.inputs(images[sl], questions[sl], systems[sl], fps)
             ids = self.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
             new = ids[:, batch["input_ids"].shape[1] :]
             answers += self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)

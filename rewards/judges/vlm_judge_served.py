@@ -1,15 +1,16 @@
 """The served backend of :mod:`flowrl_rewards.judges.vlm_judge`: a judge behind an OpenAI-compatible chat-completions
-server
-(vLLM, sglang), one request per image, ``concurrency`` requests in flight, through
-:mod:`flowrl_rewards.serving.transport`
-(its retries and backoff; ``timeout`` bounds each request in total, connection and whole reply; a redirect to
-another scheme, host or port is refused, so the key never leaves for another server).
+server (vLLM, sglang), one request per image or video, ``concurrency`` requests in flight, through
+:mod:`flowrl_rewards.serving.transport` (its retries and backoff; ``timeout`` bounds each request in total,
+connection and whole reply; a redirect to another scheme, host or port is refused, so the key never leaves for another
+server).
 
 - the server: ``url`` with or without ``/v1`` (:func:`api_base`), an optional bearer key (:func:`api_key_of`,
   refused at build when it holds whitespace or control characters, without showing it), checked with
   ``GET {base}/models`` (:meth:`ServedJudge.check_ready`);
-- a request: ``POST {base}/chat/completions`` with the image as a base64 PNG data URL and the question, after an
-  optional system turn, ``temperature`` 0 (:meth:`ServedJudge.body`);
+- a request: ``POST {base}/chat/completions`` with the sample's content parts (:func:`content_parts`: an image as a
+  base64 PNG data URL; a video as one ``video_url`` of its JPEG frames, vLLM's ``data:video/jpeg;base64,<f0>,<f1>,…``,
+  or as one PNG ``image_url`` per frame) and the question, after an optional system turn, ``temperature`` 0
+  (:meth:`ServedJudge.body`);
 - a reply: its first choice; in yes/no mode the first answer token's log-probabilities
   (:func:`first_token_candidates`), each checked: finite and at most 0, ``top_logprobs`` a list of at least the
   alternatives asked for; a reply that breaks this is a :class:`MalformedReply` naming what and quoting it.
@@ -17,6 +18,8 @@ another scheme, host or port is refused, so the key never leaves for another ser
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import math
@@ -24,6 +27,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
+from flowrl_rewards.core._common import to_uint8
+from flowrl_rewards.serving.remote import encode_png
 from flowrl_rewards.serving.transport import (
     RemoteRewardError,
     TransientError,
@@ -33,6 +40,40 @@ from flowrl_rewards.serving.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+
+VIDEO_INPUTS = ("video", "frames")
+"""How a served judge receives a video: one ``video_url`` part of JPEG frames, or one ``image_url`` part per frame."""
+JPEG_QUALITY = 95  # a video's frames travel as JPEGs (vLLM's frame-sequence video is JPEG only)
+
+
+def encode_jpeg(frames: torch.Tensor, quality: int = JPEG_QUALITY) -> list[str]:
+    """Frames [F, 3, H, W] float in [0, 1] → base64 strings of 8-bit RGB JPEGs at ``quality``."""
+    from PIL import Image
+
+    out = []
+    for arr in to_uint8(frames):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def image_part(png: str) -> dict:
+    """An ``image_url`` content part holding a base64 PNG."""
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+
+
+def content_parts(sample: torch.Tensor, video_input: str = "video") -> list[dict]:
+    """The content parts carrying one sample: an image [3, H, W] as one PNG ``image_url``; a video [F, 3, H, W] as one
+    ``video_url`` whose data URL is its F JPEG frames joined by commas (``video_input="video"``: vLLM's
+    ``data:video/jpeg;base64,<f0>,<f1>,…``) or as F PNG ``image_url`` parts in frame order (``"frames"``)."""
+    if sample.ndim == 3:
+        return [image_part(encode_png(sample[None])[0])]
+    if video_input == "frames":
+        return [image_part(png) for png in encode_png(sample)]
+    url = "data:video/jpeg;base64," + ",".join(encode_jpeg(sample))
+    return [{"type": "video_url", "video_url": {"url": url}}]
 
 
 class MalformedReply(RemoteRewardError):
@@ -140,7 +181,7 @@ def excerpt(value: Any, limit: int = 200) -> str:
 
 
 class ServedJudge:
-    """A judge behind ``POST {base}/chat/completions``; one image per request, ``concurrency`` requests at once.
+    """A judge behind ``POST {base}/chat/completions``; one sample per request, ``concurrency`` requests at once.
 
     Transient failures (refused or dropped connections, timeouts, 5xx, 429) are retried ``retries`` times with
     backoff through :func:`flowrl_rewards.serving.remote.post_json_retrying` (remote.py's transport); a request that
@@ -165,15 +206,9 @@ class ServedJudge:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
 
-    def body(self, png: str, question: str, system: str | None, options: dict) -> bytes:
-        """The chat-completions request for one base64 PNG and its question."""
-        user = {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
-                {"type": "text", "text": question},
-            ],
-        }
+    def body(self, parts: list[dict], question: str, system: str | None, options: dict) -> bytes:
+        """The chat-completions request for one sample's content parts (:func:`content_parts`) and its question."""
+        user = {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
         messages = ([{"role": "system", "content": system}] if system else []) + [user]
         return json.dumps({"model": self.model, "messages": messages, "temperature": 0, **options}).encode("utf-8")
 
