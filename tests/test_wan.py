@@ -75,9 +75,13 @@ def test_family_is_registered_and_wrap_picks_the_adapter(tmp_path):
     for bad in (0, 8, 4.5, True):
         with pytest.raises(ValueError, match="num_frames"):
             wrap(pipe, **{**SIZE, "num_frames": bad})
-    two_stage = type(pipe)(**{**pipe.components, "transformer_2": pipe.transformer}, boundary_ratio=0.875)
-    with pytest.raises(ValueError, match="one-transformer Wan pipelines only"):
-        wrap(two_stage, **SIZE)
+    # half a two-expert pipeline, and the two-expert keywords on a one-transformer one, are refused, naming them
+    half = type(pipe)(**{**pipe.components, "transformer_2": pipe.transformer})
+    with pytest.raises(ValueError, match="needs both transformer_2 and boundary_ratio.*boundary_ratio=None"):
+        wrap(half, **SIZE)
+    for kw in ({"experts": "low"}, {"guidance_2": 3.0}):
+        with pytest.raises(ValueError, match="apply to two-expert Wan 2.2 pipelines.*leave them unset"):
+            wrap(pipe, **SIZE, **kw)
     one = wrap(pipe, **{**SIZE, "num_frames": 1})  # a single frame is a valid video (one latent frame)
     assert one.latent_shape == (4, 1, 4, 6) and one.decode(one.noise([0])).shape == (1, 1, 3, 32, 48)
 

@@ -26,15 +26,25 @@ Conventions, as ``WanPipeline.__call__`` applies them:
   [-1, 1] → [0, 1]; :meth:`WanFlowModel.decode_video` (and :meth:`WanFlowModel.decode`, so a caller gets the video)
   returns ``[B, 4(F − 1) + 1, 3, H, W]``, the layout of the pipeline's ``output_type="pt"``.
 
-Two-stage Wan 2.2 pipelines (``transformer_2`` / ``boundary_ratio``: two transformers, one per noise range) are
-refused: training would need both as the trainable module.
+Wan 2.2 A14B's two experts (``transformer_2`` and ``boundary_ratio``: ``transformer`` denoises timesteps
+t ≥ ``boundary_ratio`` · 1000, ``transformer_2`` the rest, as ``WanPipeline.__call__`` switches): the adapter's
+:attr:`~WanFlowModel.trainable` is :class:`WanExperts`, both experts as one module, which runs each row on its
+expert; CFG scales each row by its expert's scale (``guidance`` for the high-noise expert, ``guidance_2`` — the
+pipeline's ``guidance_scale_2``, default ``guidance`` — for the low-noise one). ``experts`` (``model.kwargs.experts``:
+``high``, ``low`` or ``both``, default ``both``) chooses which expert trains: LoRA on it (on each with ``both``), the
+other frozen. The LoRA is written in diffusers' Wan layout, one file per expert: the high-noise expert's in the
+folder (``pipe.load_lora_weights(folder)``), the low-noise expert's in ``folder/transformer_2``
+(``pipe.load_lora_weights(folder + "/transformer_2", load_into_transformer_2=True)``).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.qwen_image import QwenImageFlowModel
@@ -54,6 +64,96 @@ WAN_LORA_TARGETS = [
     "ffn.net.0.proj",
     "ffn.net.2",  # feed-forward
 ]
+EXPERTS = {"high": ("transformer",), "low": ("transformer_2",), "both": ("transformer", "transformer_2")}
+"""``model.kwargs.experts`` → the pipeline components it trains (``transformer``: the high-noise expert)."""
+LOW_NOISE_FOLDER = "transformer_2"  # the low-noise expert's LoRA file, inside the LoRA folder
+
+
+class WanExperts(nn.Module):
+    """Wan 2.2 A14B's two experts as one module (the adapter's ``trainable``): ``transformer`` for rows whose timestep
+    is ≥ ``boundary`` (high noise), ``transformer_2`` for the others, as ``WanPipeline.__call__`` picks them.
+
+    ``forward`` takes one transformer call's keywords for B rows (every tensor with B leading rows is split), runs each
+    expert on its rows (one call when they all share an expert) and returns ``(out,)`` [B, C, F, h, w] in row order.
+    ``run_both``: every call runs both experts (an expert without rows on row 0, its output joined at weight 0), so
+    processes whose rows differ make the same collectives (set under FSDP2). ``trained``: the components training
+    updates: ``requires_grad_(True)`` and the LoRA calls (``add_adapter``, ``set_adapter``, ``disable_adapters``, …)
+    reach them only; the other expert stays frozen."""
+
+    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float, trained: tuple[str, ...]):
+        super().__init__()
+        self.transformer, self.transformer_2 = transformer, transformer_2
+        self.boundary, self.trained, self.run_both = float(boundary), tuple(trained), False
+
+    @property
+    def config(self):
+        """The high-noise expert's config (both experts share the architecture)."""
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def experts(self) -> list[nn.Module]:
+        """Both experts, high-noise first."""
+        return [self.transformer, self.transformer_2]
+
+    def trained_experts(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.trained]
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, return_dict: bool = False, **kwargs):
+        rows = hidden_states.shape[0]
+        t = timestep if timestep.ndim == 1 else timestep.amax(dim=1)  # per-token timesteps: the row's noise level
+        high = t >= self.boundary
+        index = [high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)]
+
+        def run(expert: nn.Module, rows_of: torch.Tensor) -> torch.Tensor:
+            pick = lambda v: v[rows_of] if torch.is_tensor(v) and v.ndim and v.shape[0] == rows else v
+            picked = {k: pick(v) for k, v in kwargs.items()}
+            return expert(
+                hidden_states=hidden_states[rows_of], timestep=timestep[rows_of], return_dict=False, **picked
+            )[0]
+
+        outs = [run(expert, i) if len(i) else None for expert, i in zip(self.experts(), index)]
+        if self.run_both:  # an expert without rows runs on row 0, its output joined at weight 0
+            unused = [run(e, index[0][:0].new_zeros(1)) for e, o in zip(self.experts(), outs) if o is None]
+        else:
+            unused = []
+        if outs[1] is None or outs[0] is None:
+            out = outs[0] if outs[1] is None else outs[1]
+        else:
+            out = torch.cat(outs)[torch.cat(index).argsort()]
+        for extra in unused:
+            out = out + 0.0 * extra.sum()
+        return (out,)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "WanExperts":
+        """Freeze both experts, or (True) make the trained ones trainable: the other expert stays frozen."""
+        for expert in self.trained_experts() if requires_grad else self.experts():
+            expert.requires_grad_(requires_grad)
+        return self
+
+    # ---- the LoRA calls of diffusers' models, on the trained experts ----------------------------------------
+    def add_adapter(self, config, adapter_name: str = "default") -> None:
+        for expert in self.trained_experts():
+            expert.add_adapter(config, adapter_name=adapter_name)
+        self.peft_config = self.trained_experts()[0].peft_config  # an attribute: copies may delete it
+
+    def set_adapter(self, adapter_name) -> None:
+        for expert in self.trained_experts():
+            expert.set_adapter(adapter_name)
+
+    def disable_adapters(self) -> None:
+        for expert in self.trained_experts():
+            expert.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for expert in self.trained_experts():
+            expert.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for expert in self.experts():
+            expert.enable_gradient_checkpointing()
 
 
 class WanFlowModel(FlowModel):
@@ -68,6 +168,9 @@ class WanFlowModel(FlowModel):
             factor (4): 1, 5, 9, …, 81.
         max_sequence_length: UMT5 tokens (the pipeline's 512); every prompt is zero-padded to it.
         negative_prompt: the unconditional prompt of CFG (the pipeline's default ``""``).
+        guidance_2: a two-expert pipeline's CFG scale of the low-noise expert (the pipeline's ``guidance_scale_2``);
+            None → ``guidance``.
+        experts: a two-expert pipeline's trained experts: ``"high"``, ``"low"`` or ``"both"`` (None → both).
     """
 
     modality = "video"
@@ -84,13 +187,19 @@ class WanFlowModel(FlowModel):
         guidance: float = 5.0,
         num_frames: int = 81,
         max_sequence_length: int = 512,
+        guidance_2: float | None = None,
+        experts: str | None = None,
         **options: Unpack[AdapterOptions],
     ):
-        if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
+        two = self._two_experts(pipe)
+        if not two and (experts is not None or guidance_2 is not None):
             raise ValueError(
-                "WanFlowModel supports one-transformer Wan pipelines only (no transformer_2 / "
-                "boundary_ratio: Wan 2.2's two-stage models)"
+                f"model.kwargs.experts / guidance_2 apply to two-expert Wan 2.2 pipelines (transformer_2 and "
+                f"boundary_ratio); {type(pipe).__name__} has one transformer: leave them unset "
+                f"(got experts={experts!r}, guidance_2={guidance_2!r})"
             )
+        if two and (experts if experts is not None else "both") not in EXPERTS:
+            raise ValueError(f"model.kwargs.experts must be one of {', '.join(EXPERTS)}; got {experts!r}")
         temporal = pipe.vae_scale_factor_temporal
         frames = int(num_frames) if not isinstance(num_frames, bool) else 0
         if frames != num_frames or frames < 1 or (frames - 1) % temporal:
@@ -105,6 +214,58 @@ class WanFlowModel(FlowModel):
         self.num_frames = frames
         options = {**options, "height": options.get("height") or 480, "width": options.get("width") or 832}
         self._init_adapter(pipe, guidance, max_sequence_length, **options)
+        self.guidance_2 = float(guidance if guidance_2 is None else guidance_2)
+        if two:
+            self._init_experts(pipe, EXPERTS[experts or "both"], bool(options.get("gradient_checkpointing")))
+
+    @staticmethod
+    def _two_experts(pipe) -> bool:
+        """Whether ``pipe`` is a two-expert Wan 2.2 pipeline (``transformer_2`` and ``boundary_ratio`` both set)."""
+        ratio, second = pipe.config.get("boundary_ratio"), getattr(pipe, "transformer_2", None)
+        if (ratio is None) != (second is None):
+            raise ValueError(
+                "a two-expert Wan pipeline needs both transformer_2 and boundary_ratio; got "
+                f"transformer_2={'set' if second is not None else None}, boundary_ratio={ratio!r}"
+            )
+        return second is not None
+
+    def _init_experts(self, pipe, trained: tuple[str, ...], gradient_checkpointing: bool) -> None:
+        """The low-noise expert placed as ``_init_pipeline`` places the transformer; both wrapped in
+        :class:`WanExperts` with the pipeline's boundary timestep."""
+        from flowrl.models.dtypes import cast_module
+        from flowrl.models.setup import align_cpu_tensors
+
+        second = pipe.transformer_2
+        if second.dtype != self.dtype:
+            cast_module(second, self.dtype)
+        align_cpu_tensors(second)
+        second.eval()
+        if gradient_checkpointing:
+            second.enable_gradient_checkpointing()
+        boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+        self.__dict__["_experts"] = WanExperts(pipe.transformer, second, boundary, trained)
+
+    @property
+    def experts(self) -> WanExperts | None:
+        """Both experts of a two-expert pipeline as one module, else None."""
+        return self.__dict__.get("_experts")
+
+    @property
+    def trainable(self) -> nn.Module:
+        """``pipe.transformer``; a two-expert pipeline's :class:`WanExperts` (a frozen copy of it while an objective
+        has swapped one into ``pipe.transformer``)."""
+        experts, current = self.experts, self.pipe.transformer
+        return current if experts is None or isinstance(current, WanExperts) else experts
+
+    def _scales(self, guidance: float | None) -> tuple[float, float]:
+        """(high-noise, low-noise) CFG scales of a call: ``guidance`` (None → :attr:`guidance`) and, at the model's own
+        guidance, :attr:`guidance_2` for the low-noise expert (another guidance applies to both)."""
+        g = self.guidance_or_default(guidance)
+        return g, (self.guidance_2 if self.experts is not None and g == self.guidance else g)
+
+    def uses_cfg(self, guidance: float | None = None) -> bool:
+        """CFG when either expert's scale is not 1."""
+        return any(s != 1.0 for s in self._scales(guidance))
 
     def _latent_scale(self, pipe) -> int:
         """Pixels per latent cell: the VAE's spatial factor (Wan names its factors per axis)."""
@@ -182,21 +343,95 @@ class WanFlowModel(FlowModel):
         self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Conditioning, guidance: float | None = None
     ) -> torch.Tensor:
         """Velocity v ≈ ε − x0 (fp32, [B, C, F, h, w]) of latents ``x`` [B, C, F, h, w] at ``sigma`` ([B] or a
-        scalar). guidance g (None → ``self.guidance``): g ≠ 1 runs ``[uncond; cond]`` in one transformer call and
-        returns ``v_u + g·(v_c − v_u)``; g = 1 the conditional velocity."""
-        g, cfg = self._cfg_of(cond, guidance)
+        scalar). guidance g (None → ``self.guidance``): CFG runs ``[uncond; cond]`` in one transformer call and
+        returns ``v_u + s·(v_c − v_u)``, s = g (two experts: each row its expert's scale, :meth:`_scales`); without
+        CFG the conditional velocity."""
+        _, cfg = self._cfg_of(cond, guidance)
         timestep = self._check_inputs(x, sigma, cond) * self.pipe.scheduler.config.num_train_timesteps
         rows = 2 if cfg else 1  # [uncond; cond] in one forward
-        text = self._cfg_text(cond, cfg)["prompt_embeds"].to(device=self.device, dtype=self.dtype)
-        timestep = timestep.repeat(rows)
+        text = {k: v.to(device=self.device) for k, v in self._cfg_text(cond, cfg).items()}
+        t = timestep.repeat(rows)
         if self.pipe.config.get("expand_timesteps", False):  # Wan 2.2 TI2V: one timestep per latent token
-            timestep = timestep[:, None].expand(-1, self.image_seq_len)
+            t = t[:, None].expand(-1, self.image_seq_len)
+        hidden = x.to(device=self.device, dtype=self.dtype).repeat(rows, 1, 1, 1, 1)
         with self.autocast_context():
             out = self.forward_module(
-                hidden_states=x.to(device=self.device, dtype=self.dtype).repeat(rows, 1, 1, 1, 1),
-                timestep=timestep,
-                encoder_hidden_states=text,
+                hidden_states=self._model_input(hidden, text),
+                timestep=t,
+                encoder_hidden_states=text["prompt_embeds"].to(self.dtype),
                 return_dict=False,
             )[0]
         out = out.float()
-        return self._cfg_combine(out, g) if cfg else out
+        if not cfg:
+            return out
+        high, low = self._scales(guidance)
+        if self.experts is not None and high != low:  # each row its expert's scale
+            scale = torch.where(timestep >= self.experts.boundary, high, low).view(-1, 1, 1, 1, 1)
+            v_uncond, v_cond = out.chunk(2)
+            return v_uncond + scale * (v_cond - v_uncond)
+        return self._cfg_combine(out, high)
+
+    def _model_input(self, hidden: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's ``hidden_states`` from the latents' rows ``hidden`` [R, C, F, h, w] (model dtype) and the
+        call's conditioning rows: the latents as they are (image-to-video appends its image condition)."""
+        return hidden
+
+    # ---- LoRA of the two experts -----------------------------------------------------------------------
+    def save_lora(self, directory: str | os.PathLike, layers: dict | None = None) -> None:
+        """:meth:`LoraAdapter.save_lora`; two experts: each trained expert's LoRA in diffusers' Wan layout, the
+        high-noise expert's in ``directory``, the low-noise expert's in ``directory/transformer_2`` (module
+        docstring: how ``pipe.load_lora_weights`` loads each)."""
+        experts = self.experts
+        if experts is None:
+            return super().save_lora(directory, layers)
+        from peft.utils import get_peft_model_state_dict
+
+        if not self.has_lora:
+            raise RuntimeError("save_lora needs a LoRA adapter named 'default' (call add_lora first)")
+        layers = layers if layers is not None else get_peft_model_state_dict(experts, adapter_name="default")
+        for name in experts.trained:
+            prefix = f"{name}."
+            own = {k[len(prefix) :]: v for k, v in layers.items() if k.startswith(prefix)}
+            folder = Path(directory) if name == "transformer" else Path(directory) / LOW_NOISE_FOLDER
+            type(self.pipe).save_lora_weights(
+                str(folder),
+                transformer_lora_layers=own,
+                transformer_lora_adapter_metadata=getattr(experts, name).peft_config["default"].to_dict(),
+            )
+
+    def load_lora(self, directory: str | os.PathLike) -> None:
+        """:meth:`LoraAdapter.load_lora`; two experts: each trained expert's file (:meth:`save_lora`'s layout) loaded
+        into it — in place when the adapter is attached, else created by ``pipe.load_lora_weights`` — its values set
+        from the file in fp32."""
+        experts = self.experts
+        if experts is None:
+            return super().load_lora(directory)
+        from peft.utils import set_peft_model_state_dict
+
+        from flowrl.models.dtypes import keep_adapter_fp32
+
+        folders = {"transformer": Path(directory), "transformer_2": Path(directory) / LOW_NOISE_FOLDER}
+        files = {n: f / "pytorch_lora_weights.safetensors" for n, f in folders.items()}
+        found = tuple(n for n in ("transformer", "transformer_2") if files[n].is_file())
+        if found != experts.trained:
+            raise ValueError(
+                f"LoRA folder {str(directory)!r} holds the experts {list(found)} but the model trains "
+                f"{list(experts.trained)} (model.kwargs.experts); the low-noise expert's file is in {LOW_NOISE_FOLDER}/"
+            )
+        for name in experts.trained:
+            expert = getattr(experts, name)
+            if not self.has_lora:
+                self.pipe.load_lora_weights(
+                    str(folders[name]), adapter_name="default", load_into_transformer_2=name == "transformer_2"
+                )
+                keep_adapter_fp32(expert, "default")
+            state = type(self.pipe).lora_state_dict(str(folders[name]))
+            state = {k[len("transformer.") :]: v for k, v in state.items() if k.startswith("transformer.")}
+            with torch.no_grad():
+                set_peft_model_state_dict(expert, state, adapter_name="default")
+        if not self.has_lora:
+            experts.requires_grad_(False)
+            for name, param in experts.named_parameters():
+                param.requires_grad_("lora_" in name)
+            experts.peft_config = experts.trained_experts()[0].peft_config
+            self.has_lora = True
