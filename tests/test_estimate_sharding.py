@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ def measure(case: str, world: int) -> dict[str, int]:
         model.add_lora(
             LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.targets, init=cfg.lora.init)
         )
-    Sharding(model, world, torch.device("cpu"), cfg.shard_rollouts).shard(compute_dtype(model))
+    group = SimpleNamespace(processes=world, world=world)  # the ProcessGroup's counts: no context parallelism
+    Sharding(model, group, torch.device("cpu"), cfg.shard_rollouts).shard(compute_dtype(model))
     transformer = model.trainable
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)

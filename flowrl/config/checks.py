@@ -106,6 +106,8 @@ def check_model_section(m: Any) -> None:
                 f"model.checkpoint_blocks={m.checkpoint_blocks} is set but nothing reads it: "
                 "model.gradient_checkpointing is false; set it true (or checkpoint_blocks null)"
             )
+    positive("model.context_parallel.ulysses", m.context_parallel.ulysses)
+    positive("model.context_parallel.ring", m.context_parallel.ring)
     positive("model.lora.rank", m.lora.rank)
     positive("model.lora.alpha", m.lora.alpha)
     within("model.lora.dropout", m.lora.dropout, 0.0, 1.0)

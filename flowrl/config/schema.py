@@ -39,6 +39,15 @@ class LoraSection:
 
 
 @dataclass
+class ContextParallelSection:
+    """``model.context_parallel``: each sample's token sequence split over ``ulysses`` × ``ring`` processes (diffusers'
+    context parallel; docs/video.md); 1 × 1 = off."""
+
+    ulysses: int = 1  # Ulysses degree: an all-to-all hands each process a share of the heads over the whole sequence
+    ring: int = 1  # ring-attention degree: key/value blocks passed around the processes
+
+
+@dataclass
 class ModelSection:
     family: str = "shapes"  # shapes | sd3 | flux | sana
     path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
@@ -64,6 +73,7 @@ class ModelSection:
     shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
     # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
     # (configs/accelerate/fsdp.yaml), else ddp
+    context_parallel: ContextParallelSection = field(default_factory=ContextParallelSection)
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
     offload_encoders: bool = (

@@ -13,26 +13,41 @@ WEIGHT = "__weight:"  # the prefix of the weight beside each mean in reduce_mean
 
 
 class ProcessGroup:
-    """``world`` processes, this one ``rank``; the main process (rank 0) writes the run's files."""
+    """The run's data replicas as the loop sees them: ``world`` replicas, this process's ``rank`` among them; the main
+    process (global rank 0) writes the run's files.
 
-    def __init__(self, accelerator):
+    With context parallelism (``context`` > 1, :mod:`flowrl.distributed.context_parallel`) the ``processes`` form
+    groups of ``context`` consecutive ranks that hold the same data: ``world = processes / context`` and ``rank`` is
+    the group's index, so prompts, seeds and shares are the group's; gathers and sums count each group once; the
+    gradient reducer sums over every process (a group's ranks hold parts of one gradient) and divides by ``world``."""
+
+    def __init__(self, accelerator, context: int = 1):
         self.accelerator = accelerator
-        self.world = accelerator.num_processes
-        self.rank = accelerator.process_index
+        self.processes = accelerator.num_processes
+        self.context = int(context)
+        if self.context < 1 or self.processes % self.context:
+            raise ValueError(f"context={context} must divide the processes ({self.processes})")
+        self.world = self.processes // self.context
+        self.global_rank = accelerator.process_index
+        self.rank = self.global_rank // self.context
         self.is_main = accelerator.is_main_process
+        self.context_rank = self.global_rank % self.context  # 0: the group's leader (writes its per-replica files)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every process's ``t`` [n, ...] concatenated in rank order [world·n, ...], on the CPU."""
-        if self.world == 1:
+        """Every replica's ``t`` [n, ...] concatenated in rank order [world·n, ...], on the CPU."""
+        if self.processes == 1:
             return t
-        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+        every = self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+        if self.context == 1:
+            return every
+        return every.reshape(self.processes, *t.shape)[:: self.context].reshape(-1, *t.shape[1:])
 
     def sum(self, value: float) -> float:
-        """``value`` summed over processes."""
-        if self.world == 1:
+        """``value`` summed over replicas."""
+        if self.processes == 1:
             return float(value)
         t = torch.tensor([float(value)], device=self.accelerator.device)
-        return float(self.accelerator.reduce(t, reduction="sum").item())
+        return float(self.accelerator.reduce(t, reduction="sum").item()) / self.context
 
     def mean(self, value: float) -> float:
         return self.sum(value) / self.world
@@ -41,14 +56,14 @@ class ProcessGroup:
         """``sums`` combined over processes key by key, over the union of every process's keys: a key in
         ``extremes`` by its function (e.g. ``min``; processes without the key take no part), the others
         added (a missing key counts 0). One gather of the small dicts; the result is the same on every rank."""
-        if self.world == 1:
+        if self.processes == 1:
             return dict(sums)
         import torch.distributed as dist
 
-        every: list[dict[str, float]] = [{} for _ in range(self.world)]
+        every: list[dict[str, float]] = [{} for _ in range(self.processes)]
         dist.all_gather_object(every, dict(sums))
         out: dict[str, float] = {}
-        for part in every:  # rank order, so every rank folds the same numbers in the same order
+        for part in every[:: self.context]:  # rank order, so every rank folds the same numbers in the same order
             for key, value in part.items():
                 fold(out, key, value, extremes)
         return out
@@ -75,7 +90,7 @@ class ProcessGroup:
 
     def max(self, value: float) -> float:
         """The largest ``value`` over processes."""
-        if self.world == 1:
+        if self.processes == 1:
             return float(value)
         import torch.distributed as dist
 
@@ -86,15 +101,19 @@ class ProcessGroup:
     def gradient_reducer(
         self, params: Sequence[torch.nn.Parameter], bucket_mb: float = 25.0, enabled: bool = True
     ) -> "GradientReducer":
-        """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``world`` > 1 and
-        ``enabled``: a sharded model reduces its own gradients)."""
+        """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``processes`` > 1 and
+        ``enabled``: a sharded model reduces its own gradients): the sum over every process / ``world``."""
         return GradientReducer(
-            params, self.world if enabled else 1, self.accelerator.device, bucket_bytes=int(bucket_mb * 2**20)
+            params,
+            self.processes if enabled else 1,
+            self.accelerator.device,
+            bucket_bytes=int(bucket_mb * 2**20),
+            divisor=self.world,
         )
 
     def broadcast(self, obj):
         """The main process's ``obj`` (any picklable value), on every process."""
-        if self.world == 1:
+        if self.processes == 1:
             return obj
         import torch.distributed as dist
 
@@ -113,7 +132,7 @@ class ProcessGroup:
     def close(self) -> None:
         """At the end of a command: wait for every process, then destroy the process group (a process that exits
         with gloo's threads still up can abort the interpreter: "terminate called without an active exception")."""
-        if self.world > 1:
+        if self.processes > 1:
             self.wait()
             self.accelerator.state.destroy_process_group()
 
@@ -149,8 +168,10 @@ class GradientReducer:
         device,
         bucket_bytes: int = 25 * 2**20,
         all_reduce: Callable | None = None,
+        divisor: int | None = None,
     ):
         self.params, self.world, self.device = list(params), world, device
+        self.divisor = world if divisor is None else divisor  # the sum over the processes / this
         self._all_reduce = all_reduce  # torch.distributed.all_reduce unless given (tests count the calls)
         self.dtype = self.params[0].dtype if self.params else torch.float32
         for q in self.params[1:]:  # one reduce dtype, as torch.cat of the grads promotes them
@@ -230,7 +251,7 @@ class GradientReducer:
                 self._launch(self.launched)
             for b, flat, work in self.inflight:
                 work.wait()
-                flat.div_(self.world)
+                flat.div_(self.divisor)
                 offset = 0
                 for i in self.buckets[b]:
                     p = self.params[i]

@@ -126,11 +126,15 @@ class Sharding:
     """The FSDP2 state of one run: the mesh, the sharded modules (the transformer and its frozen copies) and
     the context rollouts and evals sample in (:meth:`sampling`)."""
 
-    def __init__(self, model, world: int, device: torch.device, rollouts: str = "whole", offload: bool = False):
+    def __init__(self, model, group, device: torch.device, rollouts: str = "whole", offload: bool = False):
+        """``group``: the run's :class:`~flowrl.distributed.process_group.ProcessGroup`; the model is sharded over all
+        its processes, and the gradients are the sum over every process / its data replicas (``world``: with context
+        parallelism a replica's gradient is the sum over its context group)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         self.model, self.rollouts, self.offload = model, rollouts, offload and device.type == "cuda"
-        self.mesh = init_device_mesh(device.type, (world,))
+        self.mesh = init_device_mesh(device.type, (group.processes,))
+        self.replicas = group.world
 
     def mixed_precision(self, compute: torch.dtype):
         """Gather and compute in ``compute``, reduce gradients in fp32 (None in fp32: nothing to cast)."""
@@ -165,6 +169,11 @@ class Sharding:
             for block in blocks:
                 fully_shard(block, **kwargs)
             fully_shard(module, **kwargs)
+            if self.replicas != self.mesh.size():  # context groups: FSDP2 divides by the processes otherwise
+                for m in module.modules():
+                    if is_sharded(m):
+                        m.set_gradient_divide_factor(float(self.replicas))
+                        m.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PREMUL_SUM)
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:

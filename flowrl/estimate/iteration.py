@@ -18,6 +18,9 @@ from flowrl.estimate.archs import (
     model_with_lora,
     text_encoder_params,
 )
+from flowrl.distributed.context_parallel import context_degree
+from flowrl.estimate.context_parallel import ASSUMPTION as CONTEXT_ASSUMPTION
+from flowrl.estimate.context_parallel import context_split, split_traces
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass, assume_gpu, gpu_class
 from flowrl.estimate.inputs import Shapes, base_family, preset_shapes
@@ -84,8 +87,12 @@ def estimate(
     (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`, ``explorer_spec``; the objective's
     :meth:`~flowrl.objectives.base.Objective.describe`), never tested for their type.
     """
-    if processes < 1 or cfg.prompts.per_step % processes:
-        raise ConfigError(f"prompts.per_step={cfg.prompts.per_step} must be divisible by the processes ({processes})")
+    replicas = processes // context_degree(cfg.model.context_parallel)  # data replicas (context groups)
+    if processes < 1 or replicas < 1 or cfg.prompts.per_step % replicas:
+        raise ConfigError(
+            f"prompts.per_step={cfg.prompts.per_step} must be divisible by the data replicas ({max(replicas, 0)} of "
+            f"{processes} processes)"
+        )
     if target not in ("cuda", "cpu"):
         raise ValueError(f"target must be 'cuda' or 'cpu'; got {target!r}")
     gpu_spec = gpu_class(gpu)
@@ -98,9 +105,11 @@ def estimate(
     objective = build.build_loss(cfg)
     shapes, frames, guidance, cfg_on = _shapes_and_guidance(cfg, arch, objective)
     model = _model_on_meta(cfg, arch, shards)
-    P = cfg.prompts.per_step // processes
+    degree = context_split(cfg, processes, model["module"], shapes.image_tokens)
+    P = cfg.prompts.per_step // replicas
     work = _work(cfg, plan, objective, P, cfg_on)
-    traces = _traces(cfg, arch, model, objective, shapes, work, cfg_on, target, shards)
+    traces = split_traces(_traces(cfg, arch, model, objective, shapes, work, cfg_on, target, shards), degree)
+    traces["updates"] = {False: traces["update"], True: traces["update_checkpointed"]}
     static = _static_memory(cfg, plan, objective, model, arch, shards)
     cache = _prompt_cache(cfg, arch, shapes, model["dbytes"], P)
     phases = _phases(cfg, model, traces, static, cache, work, shapes, frames, target, shards, P)
@@ -113,6 +122,7 @@ def estimate(
         "target": target,
         "shard": shard,
         "shard_rollouts": cfg.model.shard_rollouts if shards > 1 else None,
+        "context_parallel": degree,
         "offload_encoders": bool(cfg.model.offload_encoders),
         "architecture": _architecture_report(cfg, model),
         "shapes": {
@@ -137,7 +147,7 @@ def estimate(
         "memory_gib": _memory_report(cfg, gpu_spec, model, static, cache, traces, phases, shards),
         "flops": flops["flops"],
         "time": flops["time"],
-        "assumptions": ASSUMPTIONS + static["reward_notes"],
+        "assumptions": ASSUMPTIONS + static["reward_notes"] + ([CONTEXT_ASSUMPTION] if degree > 1 else []),
     }
 
 

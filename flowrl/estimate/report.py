@@ -88,6 +88,13 @@ def format_estimate(result: dict) -> str:
             )
         ]
     )
+    degree = result.get("context_parallel", 1)
+    if degree > 1:
+        per_gpu.append(
+            f"context parallel: each sample's sequence split over {degree} GPUs ({result['processes'] // degree} data "
+            f"replicas of {result['counts']['prompts_per_process']} prompts): 1/{degree} of a forward's activations "
+            "and FLOPs per GPU"
+        )
     lines = [
         f"## estimate: {result['model']} on {result['processes']} × {result['gpu']} ({shard})",
         *per_gpu,

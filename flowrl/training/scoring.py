@@ -1,5 +1,6 @@
-"""The loop's rewards: built and checked before the model loads (:func:`run_rewards`); a video reward asked of an image model is refused at load
-(:func:`check_modality`), and a run whose every reward keeps failing stops, naming them (:class:`FailedRewardStreak`).
+"""The loop's rewards: built and checked before the model loads (:func:`run_rewards`); a video reward asked of an
+image model is refused at load (:func:`check_modality`), and a run whose every reward keeps failing stops, naming them
+(:class:`FailedRewardStreak`).
 
 Scoring itself sits below the loop: the port and the background scorer in :mod:`flowrl_rewards.core.port` and
 :mod:`flowrl_rewards.background`, decoding and requesting a forest's scores in :mod:`flowrl.rollout.decoding` and

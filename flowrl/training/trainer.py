@@ -35,6 +35,7 @@ from flowrl.config.checks import guard_names
 from flowrl.config.chosen import build_components
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.core.seeding import derive_seed
+from flowrl.distributed.context_parallel import apply_context_parallel, check_context_parallel, context_degree
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import (
     Sharding,
@@ -97,14 +98,15 @@ class Trainer(TrainerCheckpoints):
             project_dir=str(run_dir),
             log_with=None if c.train.log_with == "none" else c.train.log_with,
         )
-        self.group = ProcessGroup(self.accelerator)
+        check_context_parallel(c, self.accelerator.num_processes)
+        self.group = ProcessGroup(self.accelerator, context=context_degree(c.model.context_parallel))
         self.world, self.rank = self.group.world, self.group.rank
         if c.prompts.per_step % self.world:
             raise ConfigError(
                 f"prompts.per_step={c.prompts.per_step} must be divisible by the number of processes ({self.world})"
             )
         shard = resolve_shard(c.model.shard)
-        check_shard_settings(c, self.world, shard)
+        check_shard_settings(c, self.group.processes, shard)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
@@ -116,6 +118,7 @@ class Trainer(TrainerCheckpoints):
             check_sharded_objective(self.objective)
         torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
         self.params = self._setup_trainable()
+        apply_context_parallel(self.model, c.model.context_parallel, self.group.processes, self.accelerator.device)
         self.objective.setup(self.model, **teacher_weights)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.plan.setup(self.model, self.reward)
@@ -124,7 +127,7 @@ class Trainer(TrainerCheckpoints):
         self.sharding = None  # sharded after the objective's frozen copies and the plan's explorer are made from it
         if shard == "fsdp":
             self.sharding = Sharding(
-                self.model, self.world, self.accelerator.device, c.model.shard_rollouts, offload=offload_requested()
+                self.model, self.group, self.accelerator.device, c.model.shard_rollouts, offload=offload_requested()
             )
             self.sharding.shard(compute_dtype(self.model))
             self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
