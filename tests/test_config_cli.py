@@ -137,6 +137,8 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
         "model.dtype=float32",
         "model.device=cpu",
         "model.gradient_checkpointing=false",
+        "model.shard=ddp",  # one process: an 8-GPU preset's sharding and context parallelism off
+        "model.context_parallel={ulysses: 1, ring: 1}",
         "prompts.per_step=2",
         "prompts.train=a red circle|two blue squares",
         "prompts.eval=null",
