@@ -267,7 +267,7 @@ SLOW_ESTIMATES = {
     "configs/qwen_image_edit/flow_grpo_edit.yaml",
     "configs/flux/nft_pickscore.yaml",
     "configs/wan/flow_grpo_1_3b.yaml",
-    "configs/wan/flow_grpo_14b_cp.yaml",  # Wan 14B at 32 760 tokens; context parallelism: tests/test_context_parallel.py
+    "configs/wan/flow_grpo_14b_cp.yaml",  # Wan 14B at 32 760 tokens; the split: tests/test_context_parallel.py
     # the peers' objectives on SD3.5-M: chains (grpo_guard) and ode (dpo, dgpo, crd, gdro) as the presets above
     "configs/sd35/grpo_guard_pickscore.yaml",
     "configs/sd35/dpo_pickscore.yaml",
