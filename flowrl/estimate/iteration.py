@@ -9,6 +9,7 @@ import math
 import torch
 
 from flowrl.config import build
+from flowrl.distributed.context_parallel import context_degree
 from flowrl.errors import ConfigError
 from flowrl.estimate.archs import (
     ARCH_CACHE,
@@ -18,7 +19,6 @@ from flowrl.estimate.archs import (
     model_with_lora,
     text_encoder_params,
 )
-from flowrl.distributed.context_parallel import context_degree
 from flowrl.estimate.context_parallel import ASSUMPTION as CONTEXT_ASSUMPTION
 from flowrl.estimate.context_parallel import context_split, split_traces
 from flowrl.estimate.counts import iteration_counts
