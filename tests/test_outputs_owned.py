@@ -145,8 +145,18 @@ def test_benchmark_out_is_a_new_or_empty_folder_only(user, capsys):
 def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsys, monkeypatch):
     """``../../escaped=CONFIG`` writes nothing outside ``--out`` (its log used to land two folders above
     ``OUT/logs``); two configs of one name never share a run folder."""
+    import dataclasses
+    import sys
+
+    from flowrl.commands import compare
     from flowrl.commands.compare import plan_runs
 
+    def failing_at_once(*args):  # each run a process that fails as a missing prompts file makes `flowrl train` fail,
+        # without its imports (what matters is where its log and results land; a real failing run: test_compare.py)
+        fail = "import sys; print('prompts.train: no_such_prompts.txt not found', file=sys.stderr); sys.exit(2)"
+        return [dataclasses.replace(r, command=[sys.executable, "-c", fail, *r.command[-2:]]) for r in plan_runs(*args)]
+
+    monkeypatch.setattr(compare, "plan_runs", failing_at_once)
     work = tmp_path / "w" / "x" / "y"
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
