@@ -119,7 +119,7 @@ def check_model_section(m: Any) -> None:
     for key in ("height", "width", "max_sequence_length", "prompt_cache_mb"):
         if getattr(m, key) is not None:
             positive(f"model.{key}", getattr(m, key))
-    if m.true_cfg is not None and m.family != "flux":
+    if m.true_cfg is not None and m.family not in ("flux", "flux_kontext"):
         raise ConfigError(
             f"model.true_cfg={m.true_cfg} is FLUX's real CFG; for model.family={m.family!r} use model.guidance"
         )

@@ -19,7 +19,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from flowrl.errors import ConfigError
-from flowrl.estimate.inputs import EDIT_FAMILIES, base_family
+from flowrl.estimate.inputs import VISION_EDITS, base_family
 from flowrl.models import model_family
 from flowrl.models.architectures import ARCH_DIR, list_archs, load_arch  # noqa: F401 (ARCH_DIR: the estimate's API)
 from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
@@ -96,7 +96,7 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         "vae": vae,
         "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family)},
     }
-    if family in EDIT_FAMILIES:  # the edit models' image processor (the hub's layout, or the newer one)
+    if family in VISION_EDITS:  # the edit models' image processor (the hub's layout, or the newer one)
         found = [
             p
             for p in (folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json")
@@ -118,6 +118,8 @@ PIPELINE_FAMILIES = {
     "QwenImagePipeline": "qwen_image",
     "QwenImageEditPipeline": "qwen_image_edit",
     "Flux2Pipeline": "flux2",
+    "FluxKontextPipeline": "flux_kontext",
+    "Flux2KleinPipeline": "flux2_klein",
     "WanPipeline": "wan",
 }
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
@@ -183,7 +185,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "max_sequence_length_limit": text_limit(family),
         "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale),
     }
-    if family in EDIT_FAMILIES:
+    if family in VISION_EDITS:
         text["vision"] = vision_settings(pipe.processor.image_processor.to_dict())
     arch = {
         "name": f"{name} (in memory)",

@@ -30,14 +30,20 @@ class Shapes:
 
 PACKED_2X2 = ("flux", "qwen_image")
 """Families whose adapter packs 2×2 latent patches into tokens of 4C channels (``in_channels``)."""
-EDIT_FAMILIES = {"qwen_image_edit": "qwen_image"}
+EDIT_FAMILIES = {"qwen_image_edit": "qwen_image", "flux_kontext": "flux"}
 """Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
-the generated ones (as many again), its vision tokens join the text."""
+the generated ones (as many again); a family of :data:`VISION_EDITS` adds the source's vision tokens to the text."""
+VISION_EDITS = ("qwen_image_edit",)
+"""Edit families whose text encoder sees the source image (its vision tokens join the text; FLUX.1 Kontext's T5 does
+not)."""
+VARIANT_FAMILIES = {"flux2_klein": "flux2"}
+"""Text-to-image families whose transformer inputs and decode are another family's (FLUX.2 klein: FLUX.2's)."""
 
 
 def base_family(family: str) -> str:
-    """The family whose transformer, inputs and decode ``family`` has (an edit family's text-to-image base)."""
-    return EDIT_FAMILIES.get(family, family)
+    """The family whose transformer, inputs and decode ``family`` has (an edit family's text-to-image base, a
+    variant's family)."""
+    return EDIT_FAMILIES.get(family) or VARIANT_FAMILIES.get(family, family)
 
 
 VISION_DEFAULT = {"patch_size": 14, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
@@ -61,9 +67,13 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
     F = (frames − 1)/t + 1, image tokens F·(h/2)·(w/2)); raises :class:`ConfigError` for a size the model
     cannot take. An edit family: its base family's shapes, the source's latent tokens and vision tokens added."""
     family, config = arch["family"], arch["transformer"]["config"]
+    if family in VARIANT_FAMILIES:
+        return preset_shapes({**arch, "family": base_family(family)}, height, width, max_sequence_length, frames)
     if family in EDIT_FAMILIES:
         base = preset_shapes({**arch, "family": base_family(family)}, height, width, max_sequence_length)
-        vision = vision_tokens(arch["text"].get("vision", VISION_DEFAULT), height, width)
+        vision = (
+            vision_tokens(arch["text"].get("vision", VISION_DEFAULT), height, width) if family in VISION_EDITS else 0
+        )
         return dataclasses.replace(base, text_tokens=base.text_tokens + vision, source_tokens=base.image_tokens)
     f = int(arch["vae"]["scale_factor"])
     patch = config.get("patch_size", 1) or 1
@@ -104,14 +114,16 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
       ``pooled_projections`` [B, pooled_dim];
     - flux: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` and ``guidance`` [B] fp32,
       ``pooled_projections`` [B, pooled_dim], ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [L, 3],
-      ``img_ids`` [(h/2)(w/2), 3];
+      ``img_ids`` [(h/2)(w/2), 3]; flux_kontext: the same with the source's tokens appended ([B, 2(h/2)(w/2), 4C],
+      ``img_ids`` [2(h/2)(w/2), 3]);
     - sana: ``hidden_states`` [B, C, h, w], ``encoder_hidden_states`` [B, L, caption_channels],
       ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32;
     - qwen_image: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` [B] fp32,
       ``encoder_hidden_states`` [B, L, joint_dim], ``encoder_hidden_states_mask`` [B, L] int64, ``img_shapes``;
       qwen_image_edit: the same with the source's tokens appended ([B, 2(h/2)(w/2), 4C], two ``img_shapes``);
     - flux2: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` and ``guidance`` [B] fp32,
-      ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids`` [1, h·w, 4];
+      ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids`` [1, h·w, 4] (flux2_klein: the
+      same, its transformer without a guidance input);
     - wan: ``hidden_states`` [B, C, F, h, w], ``timestep`` [B] fp32, ``encoder_hidden_states`` [B, L, text_dim].
     """
     config = arch["transformer"]["config"]
@@ -128,7 +140,7 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
             "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
         }
     if family == "flux":
-        tokens = shapes.image_tokens
+        tokens = shapes.image_tokens + shapes.source_tokens
         out = {
             "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
             "timestep": timestep,

@@ -39,8 +39,8 @@ SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 5
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
 GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0}
 """``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
-GUIDANCE_DISTILLED = ("flux", "flux2")
-"""Families whose ``guidance`` is an embedding, not a CFG branch."""
+GUIDANCE_DISTILLED = ("flux", "flux_kontext", "flux2")
+"""Families whose ``guidance`` is an embedding, not a CFG branch (FLUX.2 klein's is a CFG scale: its Base models')."""
 MASKED_TEXT = ("sana", "qwen_image")
 """Families caching an int64 text attention mask with each prompt."""
 
@@ -170,7 +170,7 @@ def _shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None
     rollout_guidance = objective.rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
     if family in GUIDANCE_DISTILLED:  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none
-        cfg_on = family == "flux" and float(m.true_cfg or 1.0) != 1.0
+        cfg_on = base_family(family) == "flux" and float(m.true_cfg or 1.0) != 1.0
     else:
         cfg_on = guidance != 1.0
     return shapes, frames, guidance, cfg_on
