@@ -47,6 +47,41 @@ def _records(path: Path) -> list[dict]:
 
 
 # ---- one owner per run folder --------------------------------------------------------------------------
+HOLD = (
+    "import sys, time; from pathlib import Path; from flowrl.run.folder import FolderLock; "
+    "assert FolderLock(Path(sys.argv[1])).acquire() is None; print('held', flush=True); time.sleep(600)"
+)
+
+
+def test_a_held_run_folder_is_refused_unchanged_and_kill_9_of_its_holder_frees_it(
+    trained_run, tiny_folder, tmp_path, capsys
+):
+    """The cheap twin of the slow test below: a process holding a trained run's lock (no training of its own) makes
+    `flowrl train` under that name refuse with status 2 naming its pid, whatever train.resume / train.overwrite say,
+    changing nothing in the folder; after ``kill -9`` of the holder the run resumes and releases the folder."""
+    run = _copy(trained_run, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = _tree(run)
+        for extra in (["train.overwrite=true"], ["train.resume=latest"], []):
+            capsys.readouterr()
+            assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", *extra)]) == 2
+            err = capsys.readouterr().err
+            assert f"pid {holder.pid} on host " in err and "in use by another flowrl process" in err, err
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert _tree(run) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate(timeout=60)
+    assert str(holder.pid) in (run / ".flowrl.lock").read_text()  # left behind; the kernel let go of the lock
+    args = tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=3", "train.resume=latest", "prompts.eval=null")
+    assert main(["train", *args]) == 0
+    assert [r["step"] for r in _records(run / "metrics.jsonl") if "reward_mean" in r][-1] == 3
+    assert not (run / ".flowrl.lock").exists()
+
+
+@pytest.mark.slow  # 18 s: a training holder; its refusals and the kill -9 release: the test above, with a lock holder
 def test_a_second_process_is_refused_naming_the_holder_and_kill_9_releases_the_folder(tiny_folder, tmp_path, capsys):
     """A running ``flowrl train`` owns its folder: a second one under the same name is refused with status 2
     naming the holder's pid and host, whatever train.resume / train.overwrite say, and changes nothing; the
