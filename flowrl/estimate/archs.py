@@ -86,6 +86,11 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     )
     if downsample is not None and family == "wan":
         vae["temporal_factor"] = 2 ** sum(bool(d) for d in downsample)
+    if family == "ltx2":  # its VAE config states its factors
+        vae.update(
+            scale_factor=vae_config["spatial_compression_ratio"],
+            temporal_factor=vae_config["temporal_compression_ratio"],
+        )
     arch = {
         "name": folder.name,
         "key": str(folder),
@@ -121,9 +126,10 @@ PIPELINE_FAMILIES = {
     "FluxKontextPipeline": "flux_kontext",
     "Flux2KleinPipeline": "flux2_klein",
     "WanPipeline": "wan",
+    "LTX2Pipeline": "ltx2",
 }
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024}
+TEXT_LIMITS = {"qwen_image": 1024, "ltx2": 1024}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
 
 
@@ -171,7 +177,11 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
     ]
     clip_tokens = int(pipe.tokenizer.model_max_length) if family == "sd3" else 0
     vae_config = pipe.vae.config
-    scale = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial
+    scale = (
+        getattr(pipe, "vae_scale_factor", None)
+        or getattr(pipe, "vae_spatial_compression_ratio", None)
+        or pipe.vae_scale_factor_spatial
+    )
     vae = {
         "class": type(pipe.vae).__name__,
         "config": dict(vae_config),
@@ -180,6 +190,8 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
     }
     if family == "wan":
         vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
+    if family == "ltx2":
+        vae["temporal_factor"] = int(pipe.vae_temporal_compression_ratio)
     text = {
         "clip_tokens": clip_tokens,
         "max_sequence_length_limit": text_limit(family),
@@ -196,7 +208,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "text_encoders": encoders,
         "text": text,
     }
-    if family == "wan":
+    if family in ("wan", "ltx2"):
         call = inspect.signature(type(pipe).__call__).parameters
         arch["defaults"] = {k: call[k].default for k in VIDEO_DEFAULTS if k in call and call[k].default is not None}
     # the key names what the meta model is built from (cached builds and traces): the configs, not the object

@@ -30,6 +30,8 @@ class Shapes:
 
 PACKED_2X2 = ("flux", "qwen_image")
 """Families whose adapter packs 2×2 latent patches into tokens of 4C channels (``in_channels``)."""
+VIDEO_FAMILIES = ("wan", "ltx2")
+"""Families whose latent is a video [C, F, h, w] (F = (frames − 1)/t + 1, t the VAE's ``temporal_factor``)."""
 EDIT_FAMILIES = {"qwen_image_edit": "qwen_image", "flux_kontext": "flux"}
 """Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
 the generated ones (as many again); a family of :data:`VISION_EDITS` adds the source's vision tokens to the text."""
@@ -92,7 +94,7 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
         return Shapes(height, width, (int(config["in_channels"]) // 4, h, w), (h // 2) * (w // 2), text)
     if family == "flux2":  # the VAE latent patchified 2×2 is the model's latent: [4z, H/2f, W/2f], a token per cell
         return Shapes(height, width, (int(config["in_channels"]), h // 2, w // 2), (h // 2) * (w // 2), text)
-    if family == "wan":
+    if family in VIDEO_FAMILIES:
         t = int(arch["vae"].get("temporal_factor", 4))
         if frames is None or frames < 1 or (frames - 1) % t:
             raise ConfigError(f"model.kwargs.num_frames={frames}: must be {t}·k + 1 for {arch['name']}")
@@ -186,8 +188,29 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
             "timestep": timestep,
             "encoder_hidden_states": torch.empty(rows, L, config["text_dim"], dtype=dtype, **meta),
         }
+    # ltx2: a token per latent cell; the video stream alone, one zero audio token as stand-in (flowrl/models/ltx2.py)
+    if family == "ltx2":
+        audio_text = (
+            config["caption_channels"]
+            if config.get("use_prompt_embeddings", True)
+            else config["audio_cross_attention_dim"]
+        )
+        return {
+            "hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+            "audio_hidden_states": torch.zeros(rows, 1, config["audio_in_channels"], dtype=dtype, **meta),
+            "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
+            "audio_encoder_hidden_states": torch.zeros(rows, 1, audio_text, dtype=dtype, **meta),
+            "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+            "timestep": timestep,
+            "sigma": timestep,
+            "num_frames": shapes.latent[1],
+            "height": h,
+            "width": w,
+            "audio_num_frames": 1,
+            "isolate_modalities": True,
+        }
     raise ConfigError(
-        f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan"
+        f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan, ltx2"
     )
 
 
@@ -206,6 +229,8 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
         hidden = hidden.view(states, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(states, -1, 4 * c)
     elif family == "flux2":
         hidden = hidden.reshape(states, c, h * w).transpose(1, 2)
+    elif family == "ltx2":  # [B, C, F, h, w] → a token per latent cell [B, F·h·w, C]
+        hidden = hidden.flatten(2).transpose(1, 2)
     if shapes.source_tokens:
         source = torch.empty(states, shapes.source_tokens, hidden.shape[-1], dtype=dtype, device="meta")
         hidden = torch.cat([hidden, source], dim=1)
@@ -217,6 +242,8 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
         out = out.view(rows, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(rows, c, h, w)
     elif family == "flux2":
         out = out.transpose(1, 2).reshape(rows, c, h, w)
+    elif family == "ltx2":
+        out = out.transpose(1, 2).reshape(rows, *shapes.latent)
     elif out.shape[1] == 2 * shapes.latent[0]:  # learned sigma: the velocity half
         out = out.chunk(2, dim=1)[0]
     v = out.float()

@@ -35,13 +35,13 @@ from flowrl.models.dtypes import DTYPES
 GiB = 2**30
 
 # per-family tables: the adapters' defaults (flowrl/models/<family>.py); an edit family reads its base family's
-SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512}
+SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512, "ltx2": 1024}
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
-GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0}
+GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0, "ltx2": 3.0}
 """``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
 GUIDANCE_DISTILLED = ("flux", "flux_kontext", "flux2")
 """Families whose ``guidance`` is an embedding, not a CFG branch (FLUX.2 klein's is a CFG scale: its Base models')."""
-MASKED_TEXT = ("sana", "qwen_image")
+MASKED_TEXT = ("sana", "qwen_image", "ltx2")
 """Families caching an int64 text attention mask with each prompt."""
 
 ASSUMPTIONS = [
