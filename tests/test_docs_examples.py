@@ -290,6 +290,7 @@ BASH_NOT_RUN = {
     ("docs/gpu.md", "accelerate launch --config_file configs/accelerate/ddp.yaml"): "several processes on GPUs",
     ("docs/gpu.md", "# SD3.5-M LoRA, sharded over 8 GPUs"): "sharded launches on GPUs / gloo: tests/test_sharding.py",
     ("docs/gpu.md", "--num_machines M --machine_rank r"): "several machines",
+    ("docs/video.md", "configs/wan/flow_grpo_14b_cp.yaml"): "8 GPUs / gloo: tests/test_context_parallel.py",
     ("README.md", "pip install -e . && flowrl train"): "installs the package, trains the full job, runs the suite",
     ("README.md", "accelerate launch --config_file"): "several processes on GPUs / gloo: tests/test_distributed.py",
     (
