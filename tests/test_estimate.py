@@ -23,7 +23,7 @@ from flowrl.paths import CONFIG_DIR
 CONFIG_ROOT = CONFIG_DIR.parent  # where `configs/...` paths start (the checkout, or the installed package)
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan")
+GPU_DIRS = ("sd35", "flux", "sana", "qwen_image", "qwen_image_edit", "flux2", "wan", "ltx2")
 GPU_PRESETS = sorted(str(p.relative_to(CONFIG_ROOT)) for d in GPU_DIRS for p in (CONFIG_DIR / d).glob("*.yaml"))
 PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a range that admits the exact count
     "sd35_medium": (2.2e9, 2.5e9),  # "2.5 billion parameters" (Stability AI); diffusers' module: 2.24 B
@@ -34,6 +34,8 @@ PUBLISHED = {  # transformer parameters: the publishers' figures (rounded) and a
     "qwen_image_edit": (19.5e9, 20.5e9),  # Qwen-Image fine-tuned for editing: the same transformer
     "flux2_dev": (31.5e9, 32.5e9),  # "a 32 billion parameter rectified flow transformer"; diffusers' module: 32.2 B
     "wan21_t2v_1_3b": (1.3e9, 1.45e9),  # "T2V-1.3B"; diffusers' module: 1.42 B
+    "wan21_t2v_14b": (13.5e9, 14.5e9),  # "T2V-14B"
+    "ltx2": (18.5e9, 19.5e9),  # "19B audio-video model"; diffusers' module: 18.88 B
 }
 TEXT_ENCODERS = {  # published sizes: T5 v1.1 XXL encoder 4.76 B, CLIP ViT-L/14 text 123 M, OpenCLIP bigG text 695 M,
     "T5EncoderModel": (4.7e9, 4.8e9),  # Gemma-2 2B 2.6 B
@@ -69,13 +71,14 @@ def arch_of(path: str) -> dict:
 
 
 def first_of_each(what) -> list:
-    """GPU_PRESETS as parameters, each marked slow when an earlier one gives the same ``what(cfg, arch)``: the
-    same check of the same architecture and sizes, run again (`pytest -m slow` runs them all)."""
+    """GPU_PRESETS as parameters, each marked slow when an earlier one of its family gives the same
+    ``what(cfg, arch)``: the same check of the same kind of transformer (another size of it: the same module names and
+    input layout) and sizes, run again (`pytest -m slow` runs them all)."""
     seen, params = set(), []
     for path in GPU_PRESETS:
         cfg = preset(path)
         arch = E.arch_for_model(cfg.model)
-        key = json.dumps([arch["transformer"], what(cfg, arch)], sort_keys=True, default=str)
+        key = json.dumps([arch["family"], arch["transformer"]["class"], what(cfg, arch)], sort_keys=True, default=str)
         params.append(pytest.param(path, marks=pytest.mark.slow) if key in seen else path)
         seen.add(key)
     return params
@@ -270,6 +273,7 @@ SLOW_ESTIMATES = {
     "configs/wan/flow_grpo_14b_cp.yaml",  # Wan 14B at 32 760 tokens; the split: tests/test_context_parallel.py
     "configs/wan/flow_grpo_a14b.yaml",  # Wan 2.2's experts and TI2V-5B: 30–40 s each; cut to 2 blocks in the default
     "configs/wan/flow_grpo_ti2v_5b.yaml",  # set (test_bench_estimate_prints_every_new_family_preset)
+    "configs/ltx2/flow_grpo_video.yaml",  # 80 s at full size; cut to 2 blocks by the bench test
     # the peers' objectives on SD3.5-M: chains (grpo_guard) and ode (dpo, dgpo, crd, gdro) as the presets above
     "configs/sd35/grpo_guard_pickscore.yaml",
     "configs/sd35/dpo_pickscore.yaml",
@@ -375,7 +379,7 @@ def test_the_prompt_cache_grows_with_the_run_unless_bounded():
     [
         pytest.param(p, marks=pytest.mark.slow) if p == "configs/qwen_image/nft_geneval.yaml" else p
         for p in GPU_PRESETS
-        if Path(p).parts[1] in ("qwen_image", "qwen_image_edit", "flux2", "wan")
+        if Path(p).parts[1] in ("qwen_image", "qwen_image_edit", "flux2", "wan", "ltx2")
     ],
 )
 def test_bench_estimate_prints_every_new_family_preset(path, capsys, monkeypatch):
