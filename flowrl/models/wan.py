@@ -115,10 +115,12 @@ class WanExperts(nn.Module):
             )[0]
 
         outs = [run(expert, i) if len(i) else None for expert, i in zip(self.experts(), index)]
-        if self.run_both:  # an expert without rows runs on row 0, its output joined at weight 0
-            unused = [run(e, index[0][:0].new_zeros(1)) for e, o in zip(self.experts(), outs) if o is None]
-        else:
-            unused = []
+        # an expert without rows runs on row 0, its output joined at weight 0: both under run_both, and a trained one
+        # when a gradient is wanted and only the frozen expert had rows (the loss must reach the trained weights)
+        trained = [e for e in self.trained_experts() if any(p.requires_grad for p in e.parameters())]
+        starved = torch.is_grad_enabled() and all(o is None for e, o in zip(self.experts(), outs) if e in trained)
+        idle = [e for e, o in zip(self.experts(), outs) if o is None and (self.run_both or (starved and e in trained))]
+        unused = [run(e, index[0][:0].new_zeros(1)) for e in idle]
         if outs[1] is None or outs[0] is None:
             out = outs[0] if outs[1] is None else outs[1]
         else:
