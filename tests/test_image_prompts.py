@@ -141,3 +141,23 @@ def test_prompts_that_do_not_fit_the_model_fail_at_load_naming_key_line_and_form
         )
     with pytest.raises(ConfigError, match=r"prompt 1: .*the instruction is empty"):
         check_prompt_images(f"[image: {dog}]  |[image: {dog}] x", "prompts.train", edits=True, family="qwen_image_edit")
+
+
+def test_several_images_per_prompt_are_each_checked_and_allowed_only_where_the_family_takes_them(tmp_path):
+    from flowrl.models import model_family
+    from flowrl.models.image_prompts import split_image_prompts
+
+    a, b = write_image(tmp_path / "a.png", (10, 20, 30)), write_image(tmp_path / "b.png", (30, 20, 10))
+    two = f"[image: {a}] [image: {b}] put the cat on the sofa"
+    assert split_image_prompts(two) == ("put the cat on the sofa", [a, b])
+    assert prompt_texts([two]) == ["put the cat on the sofa"] and prompt_label(two).endswith("[a.png, b.png]")
+    plus, single = (model_family(f).adapter_class().source_images for f in ("qwen_image_edit_plus", "qwen_image_edit"))
+    assert (plus, single) == (None, 1)
+    check_prompt_images(two, "prompts.train", edits=True, family="qwen_image_edit_plus", most=plus)  # fits
+    with pytest.raises(ConfigError, match=r"prompt 1: .* carries 2 images, but model.family='qwen_image_edit' edits 1"):
+        check_prompt_images(two, "prompts.train", edits=True, family="qwen_image_edit", most=single)
+    missing_second = f"[image: {a}] [image: {tmp_path}/nope.png] put the cat on the sofa"
+    with pytest.raises(ConfigError, match=r"prompt 1: .*no such image '.*nope.png'"):  # every image opens at load
+        check_prompt_images(missing_second, "prompts.train", edits=True, family="qwen_image_edit_plus", most=None)
+    texts, meta = reward_inputs([two], {}, torch.zeros(1, 3, 8, 8))
+    assert texts == ["put the cat on the sofa"] and meta["source_images"].shape == (1, 3, 8, 8)  # the first image

@@ -144,6 +144,9 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     negative_prompt: str = ""
     takes_source_image: bool = False
     """An editing family: every prompt carries the image it edits (:mod:`flowrl.models.image_prompts`)."""
+    source_images: int | None = 1
+    """With :attr:`takes_source_image`: the most images one prompt may carry (leading ``[image: PATH]`` tags), checked
+    at load; None: the adapter's own setting decides (Qwen-Image-Edit 2509/2511's ``max_images``, checked at encode)."""
     family: str | None = None
     """The registered family name (``model.family``: ``"sd3"``, ``"flux"``, …), a class attribute of each family
     adapter; None for an adapter outside the registry (it is named by its class then)."""

@@ -44,20 +44,31 @@ def split_image_prompt(prompt: str) -> tuple[str, str | None]:
     return match["text"], match["path"]
 
 
+def split_image_prompts(prompt: str) -> tuple[str, list[str]]:
+    """(instruction text, image paths in order) of ``prompt`` with any number of leading ``[image: PATH]`` tags (the
+    Qwen-Image-Edit 2509/2511 form ``[image: A] [image: B] INSTRUCTION``); a plain text prompt gives (prompt, [])."""
+    paths: list[str] = []
+    text, path = split_image_prompt(prompt)
+    while path is not None:
+        paths.append(path)
+        text, path = split_image_prompt(text)
+    return text, paths
+
+
 def image_prompt(text: str, path: str | Path) -> str:
     """The image prompt of instruction ``text`` on the image at ``path``."""
     return f"[image: {path}] {text}"
 
 
 def prompt_texts(prompts: Sequence[str]) -> list[str]:
-    """The instruction text of each prompt (plain prompts unchanged)."""
-    return [split_image_prompt(p)[0] for p in prompts]
+    """The instruction text of each prompt (plain prompts unchanged; every leading image tag removed)."""
+    return [split_image_prompts(p)[0] for p in prompts]
 
 
 def prompt_label(prompt: str) -> str:
-    """How a grid labels ``prompt``: an image prompt as its instruction and its image's file name."""
-    text, path = split_image_prompt(prompt)
-    return text if path is None else f"{text.strip()} [{Path(path).name}]"
+    """How a grid labels ``prompt``: an image prompt as its instruction and its images' file names."""
+    text, paths = split_image_prompts(prompt)
+    return text if not paths else f"{text.strip()} [{', '.join(Path(p).name for p in paths)}]"
 
 
 def resolve_image_path(path: str) -> Path:
@@ -122,7 +133,7 @@ def reward_inputs(
     """What a reward receives for ``prompts``: their instruction texts, and ``meta`` with ``"source_images"``
     [B, 3, H, W] (each prompt's image at the size of ``images`` [B, 3, H, W] / videos [B, F, 3, H, W]) when the
     prompts carry images. Plain prompts: returned as they are."""
-    split = [split_image_prompt(p) for p in prompts]
+    split = [(text, paths[0] if paths else None) for text, paths in map(split_image_prompts, prompts)]  # the first
     if all(path is None for _, path in split) or "source_images" in meta:
         return [text for text, _ in split], meta
     if any(path is None for _, path in split):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
+from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompts
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 
 if TYPE_CHECKING:
@@ -53,16 +53,6 @@ def image_prompts(text: str, paths: list[str]) -> str:
     return text
 
 
-def split_image_prompts(prompt: str) -> tuple[str, list[str]]:
-    """(instruction, image paths in order) of ``prompt`` with any number of leading ``[image: PATH]`` tags."""
-    paths: list[str] = []
-    text, path = split_image_prompt(prompt)
-    while path is not None:
-        paths.append(path)
-        text, path = split_image_prompt(text)
-    return text, paths
-
-
 def condition_size(area: int, height: int, width: int) -> tuple[int, int]:
     """(height, width) px of a condition image of about ``area`` pixels at ``width / height``, multiples of 32
     (the pipeline's ``calculate_dimensions``)."""
@@ -72,6 +62,7 @@ def condition_size(area: int, height: int, width: int) -> tuple[int, int]:
 
 
 class QwenImageEditPlusFlowModel(QwenImageEditFlowModel):
+    source_images = None  # model.kwargs.max_images decides
     """Adapter over a ``QwenImageEditPlusPipeline``; arguments as :class:`QwenImageEditFlowModel`'s, and
 
     Args:

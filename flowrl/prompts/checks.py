@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from flowrl.errors import ConfigError, shown, shown_message, shown_path
-from flowrl.models.image_prompts import FORM, ImageTooLarge, read_image, split_image_prompt
+from flowrl.models.image_prompts import FORM, ImageTooLarge, read_image, split_image_prompts
 from flowrl.prompts.source import read_prompt_lines
 
 
@@ -17,14 +17,16 @@ def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
     instruction text (:mod:`flowrl.models.image_prompts`: what rewards receive)."""
     for where, prompt in read_prompt_lines(spec, key):
         try:
-            check(split_image_prompt(prompt)[0])
+            check(split_image_prompts(prompt)[0])
         except ValueError as e:
             raise ConfigError(
                 f"{key}={shown_path(spec, 100)}, {where}: {shown(prompt, 80)} cannot be scored: {shown_message(str(e))}"
             ) from None
 
 
-def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = ()) -> None:
+def check_prompt_images(
+    spec: str, key: str, *, edits: bool, family: str, rewards: Sequence = (), most: int | None = 1
+) -> None:
     """At load: every prompt of ``spec`` (a prompt file or inline list, as
     :func:`~flowrl.prompts.source.read_prompt_lines`)
     fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
@@ -37,14 +39,19 @@ def check_prompt_images(spec: str, key: str, *, edits: bool, family: str, reward
             edits=edits,
             family=family,
             needing=needing,
+            most=most,
         )
 
 
-def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = ()) -> None:
-    """``prompt`` fits: ``edits`` (the model edits a source image) → it carries one that opens, else it carries
-    none; ``needing`` (names of rewards that compare with the source) → it carries one. Else a ConfigError that
-    starts with ``at`` (where the prompt came from) and says what is accepted."""
-    text, path = split_image_prompt(prompt)
+def check_prompt_fits(
+    prompt: str, at: str, *, edits: bool, family: str, needing: Sequence[str] = (), most: int | None = 1
+) -> None:
+    """``prompt`` fits: ``edits`` (the model edits a source image) → it carries one that opens (at most ``most``,
+    each opening; None: any number), else it carries none; ``needing`` (names of rewards that compare with the source)
+    → it carries one. Else a ConfigError that starts with ``at`` (where the prompt came from) and says what is
+    accepted."""
+    text, paths = split_image_prompts(prompt)
+    path = paths[0] if paths else None
     if edits and path is None:
         raise ConfigError(f"{at} has no source image, but model.family={family!r} edits an image; accepted: {FORM}")
     if not edits and path is not None:
@@ -58,11 +65,16 @@ def check_prompt_fits(prompt: str, at: str, *, edits: bool, family: str, needing
             f"{at}: reward {needing[0]!r} compares the sample with the prompt's source image, and "
             f"this prompt has none; accepted: {FORM}"
         )
-    if path is not None:
+    if edits and most is not None and len(paths) > most:
+        raise ConfigError(
+            f"{at} carries {len(paths)} images, but model.family={family!r} edits {most} per prompt; accepted: {FORM} "
+            "(several images per prompt: model.family=qwen_image_edit_plus)"
+        )
+    if path is not None and not text.strip():
+        raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
+    for path in paths:  # every image of the line (Qwen-Image-Edit 2509/2511 take several)
         if not path:
             raise ConfigError(f"{at}: the image path is empty; accepted: {FORM}")
-        if not text.strip():
-            raise ConfigError(f"{at}: the instruction is empty; accepted: {FORM}")
         try:
             read_image(path)
         except (FileNotFoundError, ImageTooLarge) as e:
@@ -90,4 +102,4 @@ def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
     ):
         if spec:
             check_prompts(spec, key, judge.check_prompt)
-            check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms)
+            check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms, most=adapter.source_images)
