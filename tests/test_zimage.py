@@ -191,7 +191,6 @@ def preset_overrides(tmp_path: Path, folder: Path, steps: int | None = None) -> 
         "model.height=16",
         "model.width=16",
         "model.max_sequence_length=16",
-        "model.gradient_checkpointing=false",
         "model.lora.rank=4",
         "model.lora.alpha=8",
         "model.lora.init=default",

@@ -5,7 +5,8 @@ regional``).
 Conventions:
 
 - the blocks are the items of every ``nn.ModuleList`` attribute of the transformer whose name ends in ``blocks``
-  (SD3's and SANA's ``transformer_blocks``, FLUX's double then single blocks, Wan's ``blocks``), in execution order;
+  (SD3's and SANA's ``transformer_blocks``, FLUX's double then single blocks, Wan's ``blocks``) or, for Z-Image,
+  ``refiner`` / ``layers`` (:data:`BLOCK_LIST_NAMES`), in execution order;
 - a *block kind* is a block's class plus the names of its direct children: SD3.5's blocks with and without the
   second attention (``attn2``) are two kinds of one class, FLUX's double and single blocks two classes;
 - a checkpointed block keeps its class's name, parameters and state-dict keys: its class is swapped for a subclass
@@ -36,12 +37,18 @@ COMPILE_BACKEND = os.environ.get("FLOWRL_COMPILE_BACKEND", "inductor")
 dynamo problem from an inductor one)."""
 
 
+BLOCK_LIST_NAMES = ("blocks", "refiner", "layers")
+"""How the transformers name their lists of repeated blocks: ``*blocks`` (SD3, FLUX, SANA, Qwen-Image, Wan,
+HunyuanImage, LTX-2); Z-Image's ``noise_refiner``, ``context_refiner`` and ``layers``, in execution order."""
+
+
 def block_lists(module: nn.Module) -> list[nn.Module]:
-    """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in ``blocks``."""
+    """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in one of
+    :data:`BLOCK_LIST_NAMES`."""
     return [
         block
         for name, child in module.named_children()
-        if name.endswith("blocks") and isinstance(child, nn.ModuleList)
+        if name.endswith(BLOCK_LIST_NAMES) and isinstance(child, nn.ModuleList)
         for block in child
     ]
 
