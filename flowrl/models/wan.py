@@ -153,9 +153,17 @@ class WanExperts(nn.Module):
         for expert in self.trained_experts():
             expert.enable_adapters()
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return any(getattr(expert, "gradient_checkpointing", False) for expert in self.experts())
+
     def enable_gradient_checkpointing(self) -> None:
         for expert in self.experts():
             expert.enable_gradient_checkpointing()
+
+    def disable_gradient_checkpointing(self) -> None:
+        for expert in self.experts():
+            expert.disable_gradient_checkpointing()
 
 
 class WanFlowModel(FlowModel):
