@@ -1,6 +1,6 @@
 """Wan 2.2 on tiny offline pipelines: TI2V-5B's layout (48-channel-style residual VAE, per-token timesteps) and the
 two-expert A14B pipelines (text- and image-to-video): flowrl's ODE samples equal the pipelines' own for the same seeds,
-experts switch at the boundary with each expert's CFG scale, ``model.kwargs.experts`` trains only the chosen expert,
+experts switch at the boundary with each expert's CFG scale, ``model.experts`` trains only the chosen expert,
 the LoRA of each expert loads into a fresh diffusers pipeline, image prompts encode their image once; the stored
 architectures against the published sizes. CPU only."""
 
@@ -134,7 +134,7 @@ def test_mixed_rows_run_each_on_its_expert_with_its_scale():
         both3 = wrap(pipe, **SIZE, guidance=3.0, guidance_2=3.0)
         torch.testing.assert_close(explicit, both3.velocity(x, s, both3.encode([PROMPT] * 3)), rtol=0, atol=0)
     assert not model.uses_cfg(1.0) and wrap(pipe, **SIZE, guidance=1.0, guidance_2=2.0).uses_cfg()
-    with pytest.raises(ValueError, match="model.kwargs.experts must be one of high, low, both; got 'mid'"):
+    with pytest.raises(ValueError, match="model.experts must be one of high, low, both; got 'mid'"):
         wrap(pipe, **SIZE, experts="mid")
 
 
@@ -297,9 +297,9 @@ def test_a14b_preset_trains_one_iteration_with_experts_low(tmp_path):
         "model.height=32",
         "model.width=48",
         "model.max_sequence_length=12",
-        "model.kwargs={num_frames: 5, experts: low, guidance_2: 3.0}",
+        "model.experts=low",
+        "model.kwargs={num_frames: 5, guidance_2: 3.0}",
         "model.lora.rank=2",
-        "model.gradient_checkpointing=false",
         "rollout.group_size=2",
         "rollout.steps=3",
         "rollout.max_batch=4",

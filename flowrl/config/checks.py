@@ -36,7 +36,7 @@ def check_free_keys(cfg: Any) -> None:
     check_reward_terms(cfg)
 
 
-ADAPTER_KEYS = ("guidance", "true_cfg", "height", "width", "max_sequence_length")
+ADAPTER_KEYS = ("guidance", "true_cfg", "height", "width", "max_sequence_length", "experts")
 """``model.*`` keys that :func:`flowrl.config.build.build_model` passes to the adapter when set."""
 MODEL_OWNED = ("path", "device", "dtype", "gradient_checkpointing") + ADAPTER_KEYS
 """Adapter keywords ``model.*`` keys set: ``model.kwargs`` may not set them too."""
@@ -53,7 +53,9 @@ def check_model_kwargs(m: Any) -> None:
     owned = [k for k in extra if k in MODEL_OWNED]
     if owned:
         raise ConfigError(f"model.kwargs.{owned[0]} has its own key: set model.{owned[0]} instead")
-    if not extra:
+    if m.experts is not None:
+        choose("model.experts", m.experts, ("high", "low", "both"))
+    if not extra and m.experts is None:
         return
     try:
         keywords = adapter_keywords(m.family)
@@ -63,6 +65,11 @@ def check_model_kwargs(m: Any) -> None:
         raise ConfigError(f"model.family={shown(m.family)}: {e}") from None
     if keywords is None:  # the adapter takes any keyword
         return
+    if m.experts is not None and "experts" not in keywords:
+        raise ConfigError(
+            f"model.experts={shown(m.experts)} chooses the trained expert of a two-expert pipeline (Wan 2.2 A14B, "
+            f"model.family=wan or wan_i2v); the model.family={m.family!r} adapter has none: leave it null"
+        )
     accepted = [k for k in keywords if k not in MODEL_OWNED]
     for k, v in extra.items():
         if k not in accepted:

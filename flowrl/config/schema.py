@@ -73,6 +73,8 @@ class ModelSection:
     shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
     # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
     # (configs/accelerate/fsdp.yaml), else ddp
+    experts: Optional[str] = None  # Wan 2.2 A14B's two experts: which trains (high | low | both; the other frozen);
+    # null = both (docs/models/wan.md)
     context_parallel: ContextParallelSection = field(default_factory=ContextParallelSection)
     shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
     # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)

@@ -44,7 +44,12 @@ HunyuanImage, LTX-2); Z-Image's ``noise_refiner``, ``context_refiner`` and ``lay
 
 def block_lists(module: nn.Module) -> list[nn.Module]:
     """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in one of
-    :data:`BLOCK_LIST_NAMES`."""
+    :data:`BLOCK_LIST_NAMES`; a module with none that holds transformers (Wan 2.2's two experts) has theirs, child by
+    child."""
+    return _own_blocks(module) or [block for child in module.children() for block in _own_blocks(child)]
+
+
+def _own_blocks(module: nn.Module) -> list[nn.Module]:
     return [
         block
         for name, child in module.named_children()

@@ -30,7 +30,7 @@ Wan 2.2 A14B's two experts (``transformer_2`` and ``boundary_ratio``: ``transfor
 t ≥ ``boundary_ratio`` · 1000, ``transformer_2`` the rest, as ``WanPipeline.__call__`` switches): the adapter's
 :attr:`~WanFlowModel.trainable` is :class:`WanExperts`, both experts as one module, which runs each row on its
 expert; CFG scales each row by its expert's scale (``guidance`` for the high-noise expert, ``guidance_2`` — the
-pipeline's ``guidance_scale_2``, default ``guidance`` — for the low-noise one). ``experts`` (``model.kwargs.experts``:
+pipeline's ``guidance_scale_2``, default ``guidance`` — for the low-noise one). ``experts`` (``model.experts``:
 ``high``, ``low`` or ``both``, default ``both``) chooses which expert trains: LoRA on it (on each with ``both``), the
 other frozen. The LoRA is written in diffusers' Wan layout, one file per expert: the high-noise expert's in the
 folder (``pipe.load_lora_weights(folder)``), the low-noise expert's in ``folder/transformer_2``
@@ -65,8 +65,15 @@ WAN_LORA_TARGETS = [
     "ffn.net.2",  # feed-forward
 ]
 EXPERTS = {"high": ("transformer",), "low": ("transformer_2",), "both": ("transformer", "transformer_2")}
-"""``model.kwargs.experts`` → the pipeline components it trains (``transformer``: the high-noise expert)."""
+"""``model.experts`` → the pipeline components it trains (``transformer``: the high-noise expert)."""
 LOW_NOISE_FOLDER = "transformer_2"  # the low-noise expert's LoRA file, inside the LoRA folder
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 wraps ``module`` (its class swapped for an ``FSDPModule`` subclass)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 class WanExperts(nn.Module):
@@ -76,7 +83,7 @@ class WanExperts(nn.Module):
     ``forward`` takes one transformer call's keywords for B rows (every tensor with B leading rows is split), runs each
     expert on its rows (one call when they all share an expert) and returns ``(out,)`` [B, C, F, h, w] in row order.
     ``run_both``: every call runs both experts (an expert without rows on row 0, its output joined at weight 0), so
-    processes whose rows differ make the same collectives (set under FSDP2). ``trained``: the components training
+    processes whose rows differ make the same collectives (always under FSDP2). ``trained``: the components training
     updates: ``requires_grad_(True)`` and the LoRA calls (``add_adapter``, ``set_adapter``, ``disable_adapters``, …)
     reach them only; the other expert stays frozen."""
 
@@ -119,7 +126,8 @@ class WanExperts(nn.Module):
         # when a gradient is wanted and only the frozen expert had rows (the loss must reach the trained weights)
         trained = [e for e in self.trained_experts() if any(p.requires_grad for p in e.parameters())]
         starved = torch.is_grad_enabled() and all(o is None for e, o in zip(self.experts(), outs) if e in trained)
-        idle = [e for e, o in zip(self.experts(), outs) if o is None and (self.run_both or (starved and e in trained))]
+        both = self.run_both or _sharded(self)  # FSDP2: every process makes the same collectives
+        idle = [e for e, o in zip(self.experts(), outs) if o is None and (both or (starved and e in trained))]
         unused = [run(e, index[0][:0].new_zeros(1)) for e in idle]
         if outs[1] is None or outs[0] is None:
             out = outs[0] if outs[1] is None else outs[1]
@@ -204,12 +212,12 @@ class WanFlowModel(FlowModel):
         two = self._two_experts(pipe)
         if not two and (experts is not None or guidance_2 is not None):
             raise ValueError(
-                f"model.kwargs.experts / guidance_2 apply to two-expert Wan 2.2 pipelines (transformer_2 and "
+                f"model.experts / guidance_2 apply to two-expert Wan 2.2 pipelines (transformer_2 and "
                 f"boundary_ratio); {type(pipe).__name__} has one transformer: leave them unset "
                 f"(got experts={experts!r}, guidance_2={guidance_2!r})"
             )
         if two and (experts if experts is not None else "both") not in EXPERTS:
-            raise ValueError(f"model.kwargs.experts must be one of {', '.join(EXPERTS)}; got {experts!r}")
+            raise ValueError(f"model.experts must be one of {', '.join(EXPERTS)}; got {experts!r}")
         temporal = pipe.vae_scale_factor_temporal
         frames = int(num_frames) if not isinstance(num_frames, bool) else 0
         if frames != num_frames or frames < 1 or (frames - 1) % temporal:
@@ -426,7 +434,7 @@ class WanFlowModel(FlowModel):
         if found != experts.trained:
             raise ValueError(
                 f"LoRA folder {str(directory)!r} holds the experts {list(found)} but the model trains "
-                f"{list(experts.trained)} (model.kwargs.experts); the low-noise expert's file is in {LOW_NOISE_FOLDER}/"
+                f"{list(experts.trained)} (model.experts); the low-noise expert's file is in {LOW_NOISE_FOLDER}/"
             )
         for name in experts.trained:
             expert = getattr(experts, name)

@@ -233,6 +233,7 @@ def load_weights(model, folder: Path) -> None:
         and is_sharded_checkpoint(root)
         and not (folder / "transformer").is_dir()
         and not (folder / LORA_FILE).is_file()
+        and not (folder / "transformer_2" / LORA_FILE).is_file()  # Wan 2.2's low-noise expert alone
     ):
         read_model(model, root, live=folder.name == "live")  # full fine-tuning sharded: its DCP shards
     elif (folder / "transformer").is_dir():
