@@ -324,3 +324,13 @@ def test_a14b_preset_trains_one_iteration_with_experts_low(tmp_path):
     assert files and all(f.endswith("transformer_2/pytorch_lora_weights.safetensors") for f in files), files
     lora_b = [v for k, v in load_file(run / files[-1]).items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b)
+
+
+def test_model_experts_is_a_model_key_checked_at_load():
+    from flowrl.config.schema import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"model\.experts='low' chooses the trained expert .*model\.family='sd3'"):
+        TrainConfig.from_yaml(None, ["model.family=sd3", "model.path=somewhere", "model.experts=low"])
+    with pytest.raises(ConfigError, match=r"model\.experts='mid'.*high.*low.*both"):
+        TrainConfig.from_yaml(None, ["model.family=wan", "model.path=somewhere", "model.experts=mid"])
+    assert TrainConfig.from_yaml(None, ["model.family=wan", "model.path=x", "model.experts=low"]).model.experts == "low"
