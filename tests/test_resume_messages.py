@@ -26,6 +26,25 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def test_resume_of_a_run_with_records_and_no_checkpoint_refuses_and_erases_nothing(tiny_folder, tmp_path, capsys):  # noqa: F811
+    """The cheap twin of the slow test below: the folder a ``kill -9`` before the first checkpoint leaves (its config,
+    lock file and logged records, no checkpoint), made by a finished run whose checkpoints are then removed."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=1", "prompts.eval=null")]) == 0
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").mkdir()
+    before = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    rc = main(["train", *tiny_args(tiny_folder, tmp_path, "run", "train.max_steps=2", "train.resume=latest")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "no checkpoint to continue from" in err and "train.overwrite=true" in err and str(run) in err
+    assert (run / "metrics.jsonl").read_bytes() == before and not any((run / "checkpoints").iterdir())
+
+
+@pytest.mark.slow  # 11–21 s: a `flowrl train` process killed at a random point; the twin above holds the refusal
 def test_resume_after_kill_9_before_the_first_checkpoint_refuses_and_erases_nothing(tiny_folder, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     metrics = run / "metrics.jsonl"
