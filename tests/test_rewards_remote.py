@@ -131,6 +131,26 @@ def test_server_reports_bad_requests_and_reward_failures(served):
     assert code == 400 and "images[0]" in err
     code, err = post(json.dumps({"images": [], "prompts": ["a"]}).encode())
     assert code == 400 and "one prompt string per image" in err
+
+
+def test_a_server_error_is_retried_then_reported_with_its_message():
+    """The client's part of a reward failure on the server (the server's part, a failure isolated and answered 500 with
+    its message: test_reward_server.py::test_score_requests_merges_splits_and_isolates_failures; both through a real
+    server: the slow test below)."""
+
+    server, url, count = _fake_server(
+        lambda handler: _send(handler, 500, json.dumps({"error": "RuntimeError: model exploded"}).encode())
+    )
+    try:
+        with pytest.raises(RemoteRewardError, match="HTTP 500.*model exploded") as info:
+            RemoteReward(url, **FAST)(_images(2), ["a", "b"])
+        assert "3 attempts" in str(info.value) and count["n"] == 3
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow  # a server of its own (6–9 s); the twin above and the server's isolation test hold the behaviour
+def test_a_reward_that_fails_on_a_real_server_is_reported_with_its_message(served):
     with pytest.raises(RemoteRewardError, match="HTTP 500.*model exploded") as info:
         RemoteReward(served(f"{__file__}:Boom"), **FAST)(_images(2), ["a", "b"])
     assert "3 attempts" in str(info.value)
@@ -263,6 +283,8 @@ def test_bad_remote_kwargs():
         RemoteReward("http://x", retries=-1)
 
 
+@pytest.mark.slow  # 9–11 s, a server of its own: every RewardServerProcess of this file and test_reward_server.py runs
+# this same command line (`python -m flowrl_rewards.serving.serve NAME --port 0 --kwargs ...`) and reads its first line
 def test_serve_cli_end_to_end():
     pytest.importorskip("litserve", reason="the reward server needs the 'serve' extra")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
