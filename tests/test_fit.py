@@ -143,6 +143,7 @@ def test_flowrl_train_fits_before_loading_and_logs_perf(tmp_path, capsys):
             "train.fit=auto",
             "train.max_steps=1",
             "prompts.eval=null",
+            "prompts.per_step=2",  # a small iteration: what is checked is the fit before it and the perf record after
             "rollout.max_batch=16",
             f"train.output_dir={tmp_path}",
             "train.name=fit",
