@@ -63,10 +63,12 @@ from flowrl.estimate.inputs import (
     EDIT_FAMILIES,
     Shapes,
     base_family,
+    condition_size,
     preset_shapes,
     transformer_inputs,
     velocity,
     vision_tokens,
+    with_sources,
 )
 from flowrl.estimate.iteration import (
     ASSUMPTIONS,
@@ -106,6 +108,7 @@ __all__ = [
     "base_family",
     "build_transformer",
     "build_vae",
+    "condition_size",
     "default_lora_targets",
     "estimate",
     "explorer_bytes",
@@ -127,6 +130,7 @@ __all__ = [
     "transformer_inputs",
     "velocity",
     "vision_tokens",
+    "with_sources",
 ]
 
 

@@ -122,6 +122,8 @@ PIPELINE_FAMILIES = {
     "SanaPipeline": "sana",
     "QwenImagePipeline": "qwen_image",
     "QwenImageEditPipeline": "qwen_image_edit",
+    "QwenImageEditPlusPipeline": "qwen_image_edit_plus",
+    "QwenImage21Pipeline": "qwen_image21",
     "Flux2Pipeline": "flux2",
     "FluxKontextPipeline": "flux_kontext",
     "Flux2KleinPipeline": "flux2_klein",
@@ -129,7 +131,7 @@ PIPELINE_FAMILIES = {
     "LTX2Pipeline": "ltx2",
 }
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024, "ltx2": 1024}
+TEXT_LIMITS = {"qwen_image": 1024, "qwen_image21": 4096, "ltx2": 1024}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
 
 

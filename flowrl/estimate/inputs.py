@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -32,12 +33,13 @@ PACKED_2X2 = ("flux", "qwen_image")
 """Families whose adapter packs 2×2 latent patches into tokens of 4C channels (``in_channels``)."""
 VIDEO_FAMILIES = ("wan", "ltx2")
 """Families whose latent is a video [C, F, h, w] (F = (frames − 1)/t + 1, t the VAE's ``temporal_factor``)."""
-EDIT_FAMILIES = {"qwen_image_edit": "qwen_image", "flux_kontext": "flux"}
-"""Image-editing families and the family whose transformer they drive: the source image's latent tokens follow
-the generated ones (as many again); a family of :data:`VISION_EDITS` adds the source's vision tokens to the text."""
-VISION_EDITS = ("qwen_image_edit",)
-"""Edit families whose text encoder sees the source image (its vision tokens join the text; FLUX.1 Kontext's T5 does
-not)."""
+EDIT_FAMILIES = {"qwen_image_edit": "qwen_image", "qwen_image_edit_plus": "qwen_image", "flux_kontext": "flux"}
+"""Image-editing families and the family whose transformer they drive: each source image's latent tokens follow
+the generated ones (as many again per source: ``arch["text"]["sources"]``, default 1); a family of
+:data:`VISION_EDITS` adds each source's vision tokens to the text."""
+VISION_EDITS = ("qwen_image_edit", "qwen_image_edit_plus")
+"""Edit families whose text encoder sees the source images (their vision tokens join the text; FLUX.1 Kontext's T5
+does not)."""
 VARIANT_FAMILIES = {"flux2_klein": "flux2"}
 """Text-to-image families whose transformer inputs and decode are another family's (FLUX.2 klein: FLUX.2's)."""
 
@@ -63,24 +65,52 @@ def vision_tokens(vision: dict, height: int, width: int) -> int:
     return (h // factor) * (w // factor)
 
 
+def condition_size(area: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) px of the image of about ``area`` px at ``width / height`` that a Qwen-Image-Edit-Plus text
+    encoder sees of each source (the adapter's :func:`flowrl.models.qwen_image_edit_plus.condition_size`)."""
+    from flowrl.models.qwen_image_edit_plus import condition_size as size
+
+    return size(area, height, width)
+
+
+def with_sources(arch: dict, kwargs: dict) -> dict:
+    """``arch`` as a run with ``model.kwargs`` = ``kwargs`` holds it: an edit family whose adapter takes several
+    sources per prompt (``max_images``: Qwen-Image-Edit-Plus) pads every prompt's conditioning to ``max_images``
+    sources, the text encoder seeing each as a condition image of about ``condition_area`` px (the kwargs, else the
+    adapter's defaults); ``arch`` itself for any other family."""
+    if arch["family"] not in EDIT_FAMILIES:
+        return arch
+    from flowrl.models import model_family
+
+    params = inspect.signature(model_family(arch["family"]).adapter_class()).parameters
+    if "max_images" not in params:
+        return arch
+    sources, area = (int(kwargs.get(k) or params[k].default) for k in ("max_images", "condition_area"))
+    return {**arch, "text": {**arch["text"], "sources": sources, "condition_area": area}}
+
+
 def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int, frames: int | None = None) -> Shapes:
     """The latent and token counts of ``arch`` at ``height``×``width`` px with ``max_sequence_length`` text
     tokens (SD3: plus the CLIP tokens) and, for a video family, ``frames`` frames (latent [C, F, h, w] with
     F = (frames − 1)/t + 1, image tokens F·(h/2)·(w/2)); raises :class:`ConfigError` for a size the model
-    cannot take. An edit family: its base family's shapes, the source's latent tokens and vision tokens added."""
+    cannot take. An edit family: its base family's shapes, the sources' latent tokens and vision tokens added
+    (``arch["text"]``: ``sources`` per prompt, default 1; ``condition_area``: the px of the image the text encoder
+    sees of each, at the run's aspect ratio, default the source itself)."""
     family, config = arch["family"], arch["transformer"]["config"]
     if family in VARIANT_FAMILIES:
         return preset_shapes({**arch, "family": base_family(family)}, height, width, max_sequence_length, frames)
     if family in EDIT_FAMILIES:
         base = preset_shapes({**arch, "family": base_family(family)}, height, width, max_sequence_length)
-        vision = (
-            vision_tokens(arch["text"].get("vision", VISION_DEFAULT), height, width) if family in VISION_EDITS else 0
+        sources, area = int(arch["text"].get("sources", 1)), arch["text"].get("condition_area")
+        ch, cw = (height, width) if area is None else condition_size(int(area), height, width)
+        vision = vision_tokens(arch["text"].get("vision", VISION_DEFAULT), ch, cw) if family in VISION_EDITS else 0
+        return dataclasses.replace(
+            base, text_tokens=base.text_tokens + sources * vision, source_tokens=sources * base.image_tokens
         )
-        return dataclasses.replace(base, text_tokens=base.text_tokens + vision, source_tokens=base.image_tokens)
     f = int(arch["vae"]["scale_factor"])
     patch = config.get("patch_size", 1) or 1
     patch = int(max(patch[1:]) if isinstance(patch, (list, tuple)) else patch)
-    multiple = f * (2 if family in PACKED_2X2 or family == "flux2" else patch)
+    multiple = f * (2 if family in PACKED_2X2 or family in ("flux2", "qwen_image21") else patch)
     if family == "sana":
         multiple = math.lcm(32, multiple)
     if height % multiple or width % multiple:
@@ -94,6 +124,8 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
         return Shapes(height, width, (int(config["in_channels"]) // 4, h, w), (h // 2) * (w // 2), text)
     if family == "flux2":  # the VAE latent patchified 2×2 is the model's latent: [4z, H/2f, W/2f], a token per cell
         return Shapes(height, width, (int(config["in_channels"]), h // 2, w // 2), (h // 2) * (w // 2), text)
+    if family == "qwen_image21":  # a token per latent cell (sizes: multiples of 32 px); the text joins its sequence
+        return Shapes(height, width, (int(config["in_channels"]), h, w), h * w, text)
     if family in VIDEO_FAMILIES:
         t = int(arch["vae"].get("temporal_factor", 4))
         if frames is None or frames < 1 or (frames - 1) % t:
@@ -122,7 +154,11 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
       ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32;
     - qwen_image: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` [B] fp32,
       ``encoder_hidden_states`` [B, L, joint_dim], ``encoder_hidden_states_mask`` [B, L] int64, ``img_shapes``;
-      qwen_image_edit: the same with the source's tokens appended ([B, 2(h/2)(w/2), 4C], two ``img_shapes``);
+      qwen_image_edit(_plus): the same with each source's tokens appended ([B, (1 + k)(h/2)(w/2), 4C], 1 + k
+      ``img_shapes``, k sources);
+    - qwen_image21: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` [B] fp32,
+      ``encoder_hidden_states`` [B, L, context_in_dim], ``img_shapes`` [(1, h, w)], ``img_mask`` [B, L + h·w/4] bool
+      (a real host tensor: the transformer reads the token layout from it on the host);
     - flux2: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` and ``guidance`` [B] fp32,
       ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids`` [1, h·w, 4] (flux2_klein: the
       same, its transformer without a guidance input);
@@ -168,7 +204,17 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
             "timestep": timestep,
             "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
             "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
-            "img_shapes": [[(1, h // 2, w // 2)] * (2 if shapes.source_tokens else 1)] * rows,
+            "img_shapes": [[(1, h // 2, w // 2)] * (1 + shapes.source_tokens // shapes.image_tokens)] * rows,
+        }
+    if family == "qwen_image21":
+        img_mask = torch.zeros(rows, L + shapes.image_tokens // 4, dtype=torch.bool)  # a slot per 2×2 latent tokens
+        img_mask[:, L:] = True  # the target image's slots after the text
+        return {
+            "hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["context_in_dim"], dtype=dtype, **meta),
+            "img_shapes": [[(1, h, w)]] * rows,
+            "img_mask": img_mask,
         }
     if family == "flux2":
         tokens = shapes.image_tokens
@@ -210,15 +256,17 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
             "isolate_modalities": True,
         }
     raise ConfigError(
-        f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, flux2, wan, ltx2"
+        f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, "
+        "qwen_image21, flux2, wan, ltx2"
     )
 
 
 def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bool, dtype: torch.dtype) -> torch.Tensor:
     """v [states, *latent] fp32 of one adapter ``velocity`` call: latents fp32 → model dtype, CFG rows
     ``[uncond; cond]`` in one forward, output back to fp32, guidance combined in fp32 (FLUX / Qwen-Image: 2×2
-    packing; FLUX.2: a token per latent cell; Wan: the 5-D video latent as is; an edit model: the source's cached
-    tokens appended, the output cut back to the generated tokens)."""
+    packing; FLUX.2, Qwen-Image 2.1: a token per latent cell; Wan: the 5-D video latent as is; an edit model: the
+    sources' cached tokens appended, the output cut back to the generated tokens; Qwen-Image 2.1: the output's last
+    tokens, after the text's)."""
     rows = states * (2 if cfg else 1)
     family = base_family(arch["family"])
     x = torch.empty(states, *shapes.latent, dtype=torch.float32, device="meta")
@@ -227,7 +275,7 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
     c, h, w = shapes.latent[0], shapes.latent[-2], shapes.latent[-1]
     if family in PACKED_2X2:
         hidden = hidden.view(states, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(states, -1, 4 * c)
-    elif family == "flux2":
+    elif family in ("flux2", "qwen_image21"):
         hidden = hidden.reshape(states, c, h * w).transpose(1, 2)
     elif family == "ltx2":  # [B, C, F, h, w] → a token per latent cell [B, F·h·w, C]
         hidden = hidden.flatten(2).transpose(1, 2)
@@ -238,9 +286,11 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
     out = module(**inputs, return_dict=False)[0]
     if shapes.source_tokens:
         out = out[:, : shapes.image_tokens]
+    if family == "qwen_image21":  # the joint sequence: the text's tokens, then the image's
+        out = out[:, -shapes.image_tokens :]
     if family in PACKED_2X2:
         out = out.view(rows, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(rows, c, h, w)
-    elif family == "flux2":
+    elif family in ("flux2", "qwen_image21"):
         out = out.transpose(1, 2).reshape(rows, c, h, w)
     elif family == "ltx2":
         out = out.transpose(1, 2).reshape(rows, *shapes.latent)
@@ -254,11 +304,11 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
 
 
 def decode_latents(vae: nn.Module, arch: dict, latents: torch.Tensor) -> torch.Tensor:
-    """The adapter's VAE decode of ``latents`` [B, *latent] (model dtype): Qwen-Image one frame of its video VAE
-    (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
+    """The adapter's VAE decode of ``latents`` [B, *latent] (model dtype): Qwen-Image (and 2.1) one frame of its video
+    VAE (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
     video ``[B, C, F, h, w]``; the others as is. Returns the decoded pixels (model dtype)."""
     family = base_family(arch["family"])
-    if family == "qwen_image":
+    if family in ("qwen_image", "qwen_image21"):
         return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
     if family == "flux2":
         b, c, h, w = latents.shape

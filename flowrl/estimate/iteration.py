@@ -23,7 +23,7 @@ from flowrl.estimate.context_parallel import ASSUMPTION as CONTEXT_ASSUMPTION
 from flowrl.estimate.context_parallel import context_split, split_traces
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass, assume_gpu, gpu_class
-from flowrl.estimate.inputs import Shapes, base_family, preset_shapes
+from flowrl.estimate.inputs import Shapes, base_family, preset_shapes, with_sources
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode
@@ -35,13 +35,32 @@ from flowrl.models.dtypes import DTYPES
 GiB = 2**30
 
 # per-family tables: the adapters' defaults (flowrl/models/<family>.py); an edit family reads its base family's
-SEQ_DEFAULT = {"sd3": 16, "flux": 16, "sana": 300, "qwen_image": 512, "flux2": 512, "wan": 512, "ltx2": 1024}
+SEQ_DEFAULT = {
+    "sd3": 16,
+    "flux": 16,
+    "sana": 300,
+    "qwen_image": 512,
+    "qwen_image21": 512,
+    "flux2": 512,
+    "wan": 512,
+    "ltx2": 1024,
+}
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
-GUIDANCE_DEFAULT = {"sd3": 1.0, "flux": 3.5, "sana": 4.5, "qwen_image": 4.0, "flux2": 4.0, "wan": 5.0, "ltx2": 3.0}
-"""``guidance`` when the config sets none (Qwen-Image: true_cfg_scale; FLUX/FLUX.2: the distilled embedding)."""
+GUIDANCE_DEFAULT = {
+    "sd3": 1.0,
+    "flux": 3.5,
+    "sana": 4.5,
+    "qwen_image": 4.0,
+    "qwen_image21": 1.0,
+    "flux2": 4.0,
+    "wan": 5.0,
+    "ltx2": 3.0,
+}
+"""``guidance`` when the config sets none (Qwen-Image: true_cfg_scale, 2.1: none; FLUX/FLUX.2: the distilled
+embedding)."""
 GUIDANCE_DISTILLED = ("flux", "flux_kontext", "flux2")
 """Families whose ``guidance`` is an embedding, not a CFG branch (FLUX.2 klein's is a CFG scale: its Base models')."""
-MASKED_TEXT = ("sana", "qwen_image", "ltx2")
+MASKED_TEXT = ("sana", "qwen_image", "qwen_image21", "ltx2")
 """Families caching an int64 text attention mask with each prompt."""
 
 ASSUMPTIONS = [
@@ -165,7 +184,7 @@ def _shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None
     max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[base_family(family)])
     video = model_family(family).adapter_class().modality == "video"  # as the family declares it
     frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if video else None
-    shapes = preset_shapes(arch, height, width, max_seq, frames)
+    shapes = preset_shapes(with_sources(arch, m.kwargs), height, width, max_seq, frames)
     guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[base_family(family)])
     rollout_guidance = objective.rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
@@ -317,7 +336,13 @@ def _prompt_cache(cfg, arch: dict, shapes: Shapes, dbytes: int, P: int) -> dict:
     """The cached conditioning per prompt on the device (prompt_embeds [L, D] and pooled / mask; an edit model's packed
     source latent [source_tokens, in_channels]), now and at the end of the run (every distinct prompt drawn)."""
     t_config, family = arch["transformer"]["config"], arch["family"]
-    text_dim = t_config.get("joint_attention_dim") or t_config.get("caption_channels") or t_config.get("text_dim") or 0
+    text_dim = (
+        t_config.get("joint_attention_dim")
+        or t_config.get("caption_channels")
+        or t_config.get("text_dim")
+        or t_config.get("context_in_dim")
+        or 0
+    )
     pooled = t_config.get("pooled_projection_dim") or 0
     mask = shapes.text_tokens * 8 if base_family(family) in MASKED_TEXT else 0  # int64 attention mask
     source = shapes.source_tokens * int(t_config.get("in_channels", 0))

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 
@@ -40,7 +40,9 @@ class LiveBytes(TorchDispatchMode):
     the trace is no allocation and is not counted: a view of a weight (``weight.t()``), an in-place op on a
     weight or a pre-allocated gradient (backward accumulating into ``.grad``). aten's outputs are either new
     storages or alias one of the op's inputs, so such an output shares an input's storage that this tracer
-    never counted. Works on any device, the meta device included.
+    never counted. Works on any device, the meta device included; on it, an op that meets real host tensors among
+    its meta ones (a model computing its token layout on the host, as Qwen-Image 2.1's transformer does from its
+    ``img_mask``) runs with them on the meta device, as a real device run holds them there.
     """
 
     def __init__(self):
@@ -78,7 +80,14 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:  # devices mixed: host tensors among meta ones
+            moved = _host_on_meta(args, kwargs)
+            if moved is None:
+                raise
+            args, kwargs = moved
+            out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
@@ -89,6 +98,14 @@ class LiveBytes(TorchDispatchMode):
             for t in outputs:
                 self._track(t, before)
         return out
+
+
+def _host_on_meta(args, kwargs) -> tuple | None:
+    """(args, kwargs) with their non-meta tensors moved to the meta device when they mix both; None if they do not."""
+    devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    if "meta" not in devices or len(devices) == 1:
+        return None
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
