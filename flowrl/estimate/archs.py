@@ -129,9 +129,11 @@ PIPELINE_FAMILIES = {
     "Flux2KleinPipeline": "flux2_klein",
     "WanPipeline": "wan",
     "LTX2Pipeline": "ltx2",
+    "ZImagePipeline": "zimage",
+    "HunyuanImagePipeline": "hunyuan_image",
 }
 """The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024, "qwen_image21": 4096, "ltx2": 1024}
+TEXT_LIMITS = {"qwen_image": 1024, "qwen_image21": 4096, "ltx2": 1024, "hunyuan_image": 1000}
 """``max_sequence_length`` a family's pipeline allows (others: 512)."""
 
 

@@ -110,7 +110,9 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
     f = int(arch["vae"]["scale_factor"])
     patch = config.get("patch_size", 1) or 1
     patch = int(max(patch[1:]) if isinstance(patch, (list, tuple)) else patch)
-    multiple = f * (2 if family in PACKED_2X2 or family in ("flux2", "qwen_image21") else patch)
+    multiple = f * (
+        2 if family in PACKED_2X2 or family in ("flux2", "qwen_image21", "zimage", "hunyuan_image") else patch
+    )
     if family == "sana":
         multiple = math.lcm(32, multiple)
     if height % multiple or width % multiple:
@@ -120,12 +122,15 @@ def preset_shapes(arch: dict, height: int, width: int, max_sequence_length: int,
         raise ConfigError(f"model.max_sequence_length={max_sequence_length} exceeds {arch['name']}'s limit {limit}")
     h, w = height // f, width // f
     text = max_sequence_length + (int(arch["text"].get("clip_tokens", 0)) if family == "sd3" else 0)
+    text += int(arch["text"].get("glyph_tokens", 0))  # HunyuanImage's ByT5 glyph tokens join the text
     if family in PACKED_2X2:
         return Shapes(height, width, (int(config["in_channels"]) // 4, h, w), (h // 2) * (w // 2), text)
     if family == "flux2":  # the VAE latent patchified 2×2 is the model's latent: [4z, H/2f, W/2f], a token per cell
         return Shapes(height, width, (int(config["in_channels"]), h // 2, w // 2), (h // 2) * (w // 2), text)
     if family == "qwen_image21":  # a token per latent cell (sizes: multiples of 32 px); the text joins its sequence
         return Shapes(height, width, (int(config["in_channels"]), h, w), h * w, text)
+    if family == "zimage":  # 2×2 patches of the latent [C, h, w]
+        return Shapes(height, width, (int(config["in_channels"]), h, w), (h // 2) * (w // 2), text)
     if family in VIDEO_FAMILIES:
         t = int(arch["vae"].get("temporal_factor", 4))
         if frames is None or frames < 1 or (frames - 1) % t:
@@ -255,9 +260,22 @@ def transformer_inputs(arch: dict, shapes: Shapes, rows: int, dtype: torch.dtype
             "audio_num_frames": 1,
             "isolate_modalities": True,
         }
+    if family == "zimage":  # a list of [C, 1, h, w] latents and of [L, D] caption features, one per row
+        return {
+            "x": [torch.empty(config["in_channels"], 1, h, w, dtype=dtype, **meta)] * rows,
+            "t": timestep,
+            "cap_feats": [torch.empty(L, config["cap_feat_dim"], dtype=dtype, **meta)] * rows,
+        }
+    if family == "hunyuan_image":
+        return {
+            "hidden_states": torch.empty(rows, *shapes.latent, dtype=dtype, **meta),
+            "timestep": timestep,
+            "encoder_hidden_states": torch.empty(rows, L, config["text_embed_dim"], dtype=dtype, **meta),
+            "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+        }
     raise ConfigError(
         f"no estimate for model family {family!r}; supported: sd3, shapes, flux, sana, qwen_image, "
-        "qwen_image21, flux2, wan, ltx2"
+        "qwen_image21, flux2, wan, ltx2, zimage, hunyuan_image"
     )
 
 
@@ -282,8 +300,13 @@ def velocity(module: nn.Module, arch: dict, shapes: Shapes, states: int, cfg: bo
     if shapes.source_tokens:
         source = torch.empty(states, shapes.source_tokens, hidden.shape[-1], dtype=dtype, device="meta")
         hidden = torch.cat([hidden, source], dim=1)
-    inputs["hidden_states"] = torch.cat([hidden, hidden]) if cfg else hidden
-    out = module(**inputs, return_dict=False)[0]
+    hidden = torch.cat([hidden, hidden]) if cfg else hidden
+    if family == "zimage":  # one [C, 1, h, w] latent per row in, one per row out
+        inputs["x"] = list(hidden.unsqueeze(2).unbind(0))
+        out = torch.stack(module(**inputs, return_dict=False)[0]).squeeze(2)
+    else:
+        inputs["hidden_states"] = hidden
+        out = module(**inputs, return_dict=False)[0]
     if shapes.source_tokens:
         out = out[:, : shapes.image_tokens]
     if family == "qwen_image21":  # the joint sequence: the text's tokens, then the image's

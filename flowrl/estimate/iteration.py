@@ -44,6 +44,8 @@ SEQ_DEFAULT = {
     "flux2": 512,
     "wan": 512,
     "ltx2": 1024,
+    "zimage": 512,
+    "hunyuan_image": 1000,
 }
 """``max_sequence_length`` when neither the config nor the architecture sets it."""
 GUIDANCE_DEFAULT = {
@@ -55,12 +57,14 @@ GUIDANCE_DEFAULT = {
     "flux2": 4.0,
     "wan": 5.0,
     "ltx2": 3.0,
+    "zimage": 6.0,
+    "hunyuan_image": 3.5,
 }
 """``guidance`` when the config sets none (Qwen-Image: true_cfg_scale, 2.1: none; FLUX/FLUX.2: the distilled
 embedding)."""
 GUIDANCE_DISTILLED = ("flux", "flux_kontext", "flux2")
 """Families whose ``guidance`` is an embedding, not a CFG branch (FLUX.2 klein's is a CFG scale: its Base models')."""
-MASKED_TEXT = ("sana", "qwen_image", "qwen_image21", "ltx2")
+MASKED_TEXT = ("sana", "qwen_image", "qwen_image21", "ltx2", "zimage", "hunyuan_image")
 """Families caching an int64 text attention mask with each prompt."""
 
 ASSUMPTIONS = [
