@@ -84,7 +84,7 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         scale_factor=2 ** (len(downsample) if downsample is not None else len(blocks) - 1),
         latent_channels=vae_config.get("latent_channels") or vae_config.get("z_dim"),
     )
-    if downsample is not None and family == "wan":
+    if downsample is not None and base_family(family) == "wan":
         vae["temporal_factor"] = 2 ** sum(bool(d) for d in downsample)
     if family == "ltx2":  # its VAE config states its factors
         vae.update(
@@ -128,6 +128,7 @@ PIPELINE_FAMILIES = {
     "FluxKontextPipeline": "flux_kontext",
     "Flux2KleinPipeline": "flux2_klein",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan_i2v",
     "LTX2Pipeline": "ltx2",
     "ZImagePipeline": "zimage",
     "HunyuanImagePipeline": "hunyuan_image",
@@ -192,7 +193,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "scale_factor": int(scale),
         "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim"),
     }
-    if family == "wan":
+    if base_family(family) == "wan":
         vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
     if family == "ltx2":
         vae["temporal_factor"] = int(pipe.vae_temporal_compression_ratio)
@@ -212,7 +213,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "text_encoders": encoders,
         "text": text,
     }
-    if family in ("wan", "ltx2"):
+    if base_family(family) in ("wan", "ltx2"):
         call = inspect.signature(type(pipe).__call__).parameters
         arch["defaults"] = {k: call[k].default for k in VIDEO_DEFAULTS if k in call and call[k].default is not None}
     # the key names what the meta model is built from (cached builds and traces): the configs, not the object

@@ -40,8 +40,9 @@ the generated ones (as many again per source: ``arch["text"]["sources"]``, defau
 VISION_EDITS = ("qwen_image_edit", "qwen_image_edit_plus")
 """Edit families whose text encoder sees the source images (their vision tokens join the text; FLUX.1 Kontext's T5
 does not)."""
-VARIANT_FAMILIES = {"flux2_klein": "flux2"}
-"""Text-to-image families whose transformer inputs and decode are another family's (FLUX.2 klein: FLUX.2's)."""
+VARIANT_FAMILIES = {"flux2_klein": "flux2", "wan_i2v": "wan"}
+"""Families whose transformer inputs and decode are another family's (FLUX.2 klein: FLUX.2's; Wan 2.2 I2V: Wan's, its
+input channels the noise's and the first frame's condition, which the latent shape here counts)."""
 
 
 def base_family(family: str) -> str:
@@ -331,6 +332,11 @@ def decode_latents(vae: nn.Module, arch: dict, latents: torch.Tensor) -> torch.T
     VAE (``[B, C, 1, h, w]``), FLUX.2 its 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w] first, Wan the whole
     video ``[B, C, F, h, w]``; the others as is. Returns the decoded pixels (model dtype)."""
     family = base_family(arch["family"])
+    channels = arch["vae"].get("latent_channels")
+    if (
+        channels and family == "wan" and latents.shape[1] > int(channels)
+    ):  # Wan I2V: the noise latent, not the condition
+        latents = latents[:, : int(channels)]
     if family in ("qwen_image", "qwen_image21"):
         return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
     if family == "flux2":

@@ -218,22 +218,28 @@ def _model_on_meta(cfg, arch: dict, shards: int) -> dict:
     params = list(module.parameters())
     trainable = [p for p in params if p.requires_grad]
     base = [p for n, p in module.named_parameters() if "lora_" not in n]
-    buffer_bytes = tensor_bytes(module.buffers())  # replicated under FSDP2 too
-    base_bytes = held_bytes(base, shards)
+    adapters = [p for n, p in module.named_parameters() if "lora_" in n]
+    # Wan 2.2 A14B: a second expert of the same architecture (``transformer_2``) held beside the first, trained too
+    # unless model.experts names one; each row runs on one expert, so the traces and FLOPs are one expert's
+    held = 2 if arch.get("transformer_2") else 1
+    trained = 1 if held == 1 or m.experts in ("high", "low") else 2
+    buffer_bytes = held * tensor_bytes(module.buffers())  # replicated under FSDP2 too
+    base_bytes = held * held_bytes(base, shards)
+    trainable_bytes = trained * held_bytes(trainable, shards)
     vae = build_vae(arch, dtype)
     return {
         "module": module,
         "lora": lora,
-        "lora_layers": lora_layers,
+        "lora_layers": trained * lora_layers,
         "trainable": trainable,
         "dtype": dtype,
         "dbytes": torch.empty(0, dtype=dtype).element_size(),
-        "n_base": sum(p.numel() for p in base),
-        "n_trainable": sum(p.numel() for p in trainable),
-        "trainable_bytes": held_bytes(trainable, shards),
+        "n_base": held * sum(p.numel() for p in base),
+        "n_trainable": trained * sum(p.numel() for p in trainable),
+        "trainable_bytes": trainable_bytes,
         "buffer_bytes": buffer_bytes,
         "base_bytes": base_bytes,
-        "weight_bytes": held_bytes(params, shards) + buffer_bytes,
+        "weight_bytes": base_bytes + trained * held_bytes(adapters, shards) + buffer_bytes,
         "full_copy": base_bytes + buffer_bytes,
         "encoders": text_encoder_params(arch),
         "vae_bytes": tensor_bytes(vae.parameters()),

@@ -42,7 +42,18 @@ class WanI2VFlowModel(WanFlowModel):
     pipeline_class = "WanImageToVideoPipeline"
     takes_source_image = True
 
-    def __init__(self, pipe, *, guidance: float = 5.0, **options: Unpack[AdapterOptions]):
+    def __init__(
+        self,
+        pipe,
+        *,
+        guidance: float = 5.0,
+        num_frames: int = 81,
+        max_sequence_length: int = 512,
+        guidance_2: float | None = None,
+        experts: str | None = None,
+        **options: Unpack[AdapterOptions],
+    ):
+        """Wan's keywords (:class:`~flowrl.models.wan.WanFlowModel`), named here so the config check reads them."""
         transformer = pipe.transformer
         if transformer.config.get("image_dim") is not None:
             raise ValueError(
@@ -55,7 +66,15 @@ class WanI2VFlowModel(WanFlowModel):
                 "WanI2VFlowModel does not run TI2V-5B's image mode (expand_timesteps); use model.family: wan for "
                 "its text-to-video use"
             )
-        super().__init__(pipe, guidance=guidance, **options)
+        super().__init__(
+            pipe,
+            guidance=guidance,
+            num_frames=num_frames,
+            max_sequence_length=max_sequence_length,
+            guidance_2=guidance_2,
+            experts=experts,
+            **options,
+        )
 
     @property
     def latent_channels(self) -> int:
