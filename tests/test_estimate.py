@@ -80,8 +80,17 @@ def is_video(family: str) -> bool:
     return model_family(family).adapter_class().modality == "video"
 
 
+_PRESETS: dict[str, TrainConfig] = {}
+
+
 def preset(path: str) -> TrainConfig:
-    return E.load_config(str(CONFIG_ROOT / path), [], "H100")
+    """The preset at ``path`` as `flowrl bench --estimate` loads it (a copy: loaded once per process, since the
+    parametrisations read every preset at collection)."""
+    import copy
+
+    if path not in _PRESETS:
+        _PRESETS[path] = E.load_config(str(CONFIG_ROOT / path), [], "H100")
+    return copy.deepcopy(_PRESETS[path])
 
 
 def gpus_of(path: str) -> int:
