@@ -258,9 +258,12 @@ def _signal_after(seconds: float, *signums: int, gap: float = 0.3) -> threading.
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["sync", "background"])
-def test_the_first_sigterm_cuts_a_blocking_reward_wait_after_the_grace_period(threaded):
+def test_the_first_sigterm_cuts_a_blocking_reward_wait_after_the_grace_period(threaded, monkeypatch):
     from flowrl.run.signals import stop_on_first_interrupt
-    from flowrl_rewards.background import GRACE_SECONDS, BackgroundScorer
+    from flowrl_rewards.background import BackgroundScorer, reward_waits
+
+    monkeypatch.setattr(reward_waits, "grace", 2.0)  # the mechanism at a shorter grace than the default 5 s
+    GRACE_SECONDS = reward_waits.grace
 
     slow = Blocking(60.0)
     scorer = BackgroundScorer(slow.reward(), enabled=threaded)
