@@ -137,6 +137,7 @@ def test_every_preset_trains_one_iteration_with_replay_ratio_one(path, tmp_path,
         "model.dtype=float32",
         "model.device=cpu",
         "model.gradient_checkpointing=false",
+        "model.compile=off",  # a preset's regional compile traces for seconds here: tests/test_blocks.py tests it
         "model.shard=ddp",  # one process: an 8-GPU preset's sharding and context parallelism off
         "model.context_parallel={ulysses: 1, ring: 1}",
         "prompts.per_step=2",
