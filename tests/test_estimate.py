@@ -316,9 +316,10 @@ def with_blocks(arch: dict, blocks: int = 2) -> dict:
 
 # Each preset whose model, shapes and batch layout no earlier preset shares traces the full-size transformer on the
 # meta device (10–40 s each, Qwen-Image's 60 blocks the most: most of this file's time). The default set keeps one
-# full-size estimate per plan: SD3.5-M chains (flow_grpo_fast, flow_grpo_pickscore), probed (tp_grpo, vgpo) and tree
-# (branchgrpo), FLUX.2 NFT (ode) and SANA explore. The rest repeat a plan an unmarked preset covers; each of their
-# families is estimated end to end in the default set at the preset's own shapes, from the tiny pipeline against a
+# estimate per plan: SD3.5-M chains (flow_grpo_pickscore), probed (tp_grpo, vgpo) and tree (branchgrpo), FLUX.2 NFT
+# (ode) and SANA explore, those of CUT_IN_DEFAULT with 4 blocks of each kind (full size in the slow set). The rest
+# repeat a plan an unmarked preset covers; each of their families is estimated end to end in the default set at the
+# preset's own shapes, from the tiny pipeline against a
 # measured iteration (test_estimate_within_20_percent_of_a_measured_cpu_iteration) and for the Qwen-Image, FLUX.2,
 # Wan, LTX-2, FLUX.1 Kontext, FLUX.2 klein, Qwen-Image 2.1 and Qwen-Image-Edit-Plus presets by `flowrl bench
 # --estimate` with the transformer cut to 2 blocks (test_bench_estimate_prints_every_new_family_preset). Run them
@@ -363,6 +364,9 @@ SLOW_ESTIMATES = {
 # In the default set these plans are estimated with their transformer cut to 4 blocks of each kind (the same shapes,
 # plan counts and memory parts; a quarter of the trace or less), at full size in the slow set.
 CUT_IN_DEFAULT = {
+    "configs/sd35/flow_grpo_pickscore.yaml",
+    "configs/sd35/tp_grpo_pickscore.yaml",
+    "configs/sd35/vgpo_geneval.yaml",
     "configs/sd35/branchgrpo_pickscore.yaml",
     "configs/flux2/nft_pickscore.yaml",
     "configs/sana/solrl.yaml",
@@ -416,9 +420,9 @@ def test_estimate_gives_memory_and_time_for_every_gpu_preset(path, blocks):
 
 
 def test_more_processes_share_the_work_and_not_the_weights():
-    cfg = preset("configs/sd35/flow_grpo_pickscore.yaml")
-    one = estimate_of("configs/sd35/flow_grpo_pickscore.yaml")
-    two = E.estimate(cfg, processes=2)
+    cfg = preset("configs/sd35/flow_grpo_pickscore.yaml")  # at 4 blocks: what is shared does not depend on depth
+    one = estimate_of("configs/sd35/flow_grpo_pickscore.yaml", blocks=4)
+    two = E.estimate(cfg, processes=2, arch=with_blocks(E.arch_for_model(cfg.model), 4))
     assert two["flops"]["total"] == pytest.approx(one["flops"]["total"] / 2, rel=1e-6)
     assert two["memory_gib"]["static"] == pytest.approx(one["memory_gib"]["static"])
     with pytest.raises(ConfigError, match="divisible"):
@@ -426,8 +430,8 @@ def test_more_processes_share_the_work_and_not_the_weights():
 
 
 def test_time_scales_with_the_gpu_and_fp8_needs_ada_or_hopper():
-    h100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml")
-    a100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml", "A100")
+    h100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml", blocks=4)
+    a100 = estimate_of("configs/sd35/flow_grpo_pickscore.yaml", "A100", blocks=4)
     ratio = a100["time"]["seconds_per_iteration"][0] / h100["time"]["seconds_per_iteration"][0]
     assert ratio == pytest.approx(E.GPUS["H100"].bf16_tflops / E.GPUS["A100"].bf16_tflops)
     assert a100["memory_gib"]["peak"] == pytest.approx(h100["memory_gib"]["peak"])
