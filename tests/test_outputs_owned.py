@@ -154,7 +154,13 @@ def test_compare_labels_are_made_into_one_folder_each_inside_out(tmp_path, capsy
     def failing_at_once(*args):  # each run a process that fails as a missing prompts file makes `flowrl train` fail,
         # without its imports (what matters is where its log and results land; a real failing run: test_compare.py)
         fail = "import sys; print('prompts.train: no_such_prompts.txt not found', file=sys.stderr); sys.exit(2)"
-        return [dataclasses.replace(r, command=[sys.executable, "-c", fail, *r.command[-2:]]) for r in plan_runs(*args)]
+        return [
+            dataclasses.replace(r, command=[sys.executable, "-c", fail, *threads_of(r.command)])
+            for r in plan_runs(*args)
+        ]
+
+    def threads_of(command: list[str]) -> list[str]:  # compare reads train.num_threads from each run's command
+        return [c for c in command if c.startswith("train.num_threads=")]
 
     monkeypatch.setattr(compare, "plan_runs", failing_at_once)
     work = tmp_path / "w" / "x" / "y"

@@ -32,11 +32,13 @@ def context_split(cfg, processes: int, transformer, image_tokens: int) -> int:
 
 
 def split_traces(traces: dict, degree: int) -> dict:
-    """``traces`` with each transformer phase's (:data:`SPLIT_PHASES`) bytes and FLOPs divided by ``degree``."""
+    """``traces`` with each transformer phase's (:data:`SPLIT_PHASES`) bytes and FLOPs divided by ``degree`` (and the
+    ``updates`` view of the two update traces made of the divided ones)."""
     if degree == 1:
         return traces
     out = dict(traces)
     for phase in SPLIT_PHASES:
         t = traces[phase]
         out[phase] = replace(t, peak=t.peak // degree, end=t.end // degree, flops=t.flops // degree)
+    out["updates"] = {False: out["update"], True: out["update_checkpointed"]}
     return out

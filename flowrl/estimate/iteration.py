@@ -132,7 +132,6 @@ def estimate(
     P = cfg.prompts.per_step // replicas
     work = _work(cfg, plan, objective, P, cfg_on)
     traces = split_traces(_traces(cfg, arch, model, objective, shapes, work, cfg_on, target, shards), degree)
-    traces["updates"] = {False: traces["update"], True: traces["update_checkpointed"]}
     static = _static_memory(cfg, plan, objective, model, arch, shards)
     cache = _prompt_cache(cfg, arch, shapes, model["dbytes"], P)
     phases = _phases(cfg, model, traces, static, cache, work, shapes, frames, target, shards, P)
