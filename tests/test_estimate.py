@@ -482,17 +482,20 @@ def test_bench_estimate_prints_every_new_family_preset(path, capsys, monkeypatch
     the shapes (a video: latent [C, F, h, w] and F·(h/p)·(w/p) tokens, p the family's patch; an edit model: its
     sources' tokens), the JSON the same estimate. The transformer is cut to 2 blocks (what is checked here does not
     depend on depth; the full-size estimates of these presets are
-    test_estimate_gives_memory_and_time_for_every_gpu_preset's, in the slow set)."""
+    test_estimate_gives_memory_and_time_for_every_gpu_preset's, in the slow set), and a video to 9 frames (the
+    frame arithmetic is the same at any count; the VAE's decode is traced frame by frame)."""
+    video = is_video(arch_of(path)["family"])
+    overrides = ["model.kwargs.num_frames=9"] if video else []
     cut = []  # the architectures estimate() looked up, cut (patched where estimate() finds arch_for_model)
     monkeypatch.setitem(
         E.estimate.__globals__,
         "arch_for_model",
         lambda section: cut.append(with_blocks(E.arch_for_model(section))) or cut[-1],
     )
-    assert E.run_estimate(str(CONFIG_ROOT / path), [], gpu="H100", processes=gpus_of(path)) == 0
+    assert E.run_estimate(str(CONFIG_ROOT / path), overrides, gpu="H100", processes=gpus_of(path)) == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.index("\n{") + 1 :])
-    m = preset(path).model
+    m = E.load_config(str(CONFIG_ROOT / path), overrides, "H100").model
     arch, sh = E.arch_for_model(m), result["shapes"]
     assert [a["transformer"]["config"]["num_layers"] for a in cut] == [2]  # the cut transformer was estimated
     assert result["model"] == arch["name"] and result["family"] == arch["family"] and arch["name"] in out
@@ -507,7 +510,7 @@ def test_bench_estimate_prints_every_new_family_preset(path, capsys, monkeypatch
     if is_video(arch["family"]):
         c, frames, h, w = sh["latent"]
         assert sh["image_tokens"] == frames * (h // patch) * (w // patch)
-        assert frames == (m.kwargs["num_frames"] - 1) // arch["vae"]["temporal_factor"] + 1
+        assert frames == (m.kwargs["num_frames"] - 1) // arch["vae"]["temporal_factor"] + 1 <= 3
     else:
         c, h, w = sh["latent"]
         assert sh["image_tokens"] == (h // patch) * (w // patch)
