@@ -82,6 +82,13 @@ def extract_blocks(path: Path) -> list[Block]:
 
 ALL_BLOCKS = [b for f in DOC_FILES for b in extract_blocks(f)]
 PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.lang in ("python", "py")]
+SLOW_BLOCKS = {
+    "RewardServerProcess(": "starts a real reward server (3–6 s of two processes importing torch); the same calls "
+    "(RewardServerProcess, build_reward('remote', url=...), health()) run in the default set in "
+    "tests/test_rewards_remote.py::test_remote_matches_local_reward_in_batches",
+}
+"""Blocks run in the slow set only (`pytest -m slow`): a text their code holds → why, and the cheaper test that
+holds the same behaviour."""
 BASH_BLOCKS = [b for b in ALL_BLOCKS if b.lang in ("bash", "sh", "shell", "console")]
 
 # ---- substitutions: (regex, replacement, why); applied to every block, each must match somewhere -------------
@@ -245,7 +252,11 @@ def sandbox(tmp_path, monkeypatch):
             del sys.modules[name]
 
 
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(b, marks=pytest.mark.slow) if any(k in b.code for k in SLOW_BLOCKS) else b for b in PYTHON_BLOCKS],
+    ids=[b.id for b in PYTHON_BLOCKS],
+)
 def test_python_block(block: Block, sandbox):
     prelude, code, checks = prepare(block)
     name = "docs_block_" + re.sub(r"\W", "_", block.id)

@@ -74,6 +74,7 @@ def test_a_tiny_budget_changes_no_metric(tmp_path):
             [
                 "prompts.per_step=2",
                 "rollout.group_size=2",
+                "rollout.steps=4",
                 "train.max_steps=2",
                 "eval.every=0",
                 "prompts.eval=null",

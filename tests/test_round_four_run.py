@@ -262,7 +262,7 @@ def test_the_first_sigterm_cuts_a_blocking_reward_wait_after_the_grace_period(th
     from flowrl.run.signals import stop_on_first_interrupt
     from flowrl_rewards.background import BackgroundScorer, reward_waits
 
-    monkeypatch.setattr(reward_waits, "grace", 2.0)  # the mechanism at a shorter grace than the default 5 s
+    monkeypatch.setattr(reward_waits, "grace", 1.0)  # the mechanism at a shorter grace than the default 5 s
     GRACE_SECONDS = reward_waits.grace
 
     slow = Blocking(60.0)
@@ -288,13 +288,13 @@ def test_a_reward_that_answers_within_the_grace_period_finishes_the_iteration(th
     from flowrl.run.signals import stop_on_first_interrupt
     from flowrl_rewards.background import BackgroundScorer
 
-    slow = Blocking(1.5)
+    slow = Blocking(0.8)  # answers 0.5 s after the stop, within the 5 s grace period
     scorer = BackgroundScorer(slow.reward(), enabled=threaded)
     try:
         with stop_on_first_interrupt() as stop:
             _signal_after(0.3, signal.SIGTERM)
             scores = scorer.submit(torch.rand(2, 3, 8, 8), ["a", "b"]).result()
-            time.sleep(0.5)  # nothing else interrupts the loop afterwards
+            time.sleep(0.3)  # nothing else interrupts the loop afterwards
             assert stop.requested and scores["slow"].tolist() == [0.0, 0.0]
             # a wait that starts after the stop has its own grace period
             assert scorer.submit(torch.rand(2, 3, 8, 8), ["a", "b"]).result()["slow"].shape == (2,)
