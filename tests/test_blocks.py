@@ -98,6 +98,58 @@ def test_block_kinds_cover_every_block_of_the_family(family, kinds):
     assert len(found) == sum(len(c) for name, c in transformer.named_children() if name.endswith("blocks"))
 
 
+def test_compiled_blocks_compute_what_eager_blocks_do_with_one_graph_set_per_kind(monkeypatch):
+    """compile_blocks on the tiny SD3 transformer (its two block kinds, one block checkpointed): a forward without
+    gradients and one with them, each at two batch sizes, equal the eager transformer's outputs and gradients; each
+    kind compiles the same variants at the first size and nothing at the second (shapes are dynamic). The cheaper
+    twin of the slow test below, which runs the same through the trainer."""
+    import torch._dynamo
+
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    torch._dynamo.reset()
+    eager = tiny_sd3_pipeline().transformer
+    compiled = copy.deepcopy(eager)
+    checkpoint_blocks(compiled, 1)
+    stats = compile_blocks(compiled, backend="eager")  # dynamo traces as with inductor, no C++ build
+    kinds = {block_kind(b) for b in block_lists(compiled)}
+    assert len(kinds) == 2 and stats.total == 0  # nothing compiles before the first call
+
+    def both(batch: int) -> None:
+        with torch.no_grad():
+            assert torch.allclose(
+                compiled(**_sd3_inputs(compiled, batch)).sample, eager(**_sd3_inputs(eager, batch)).sample, atol=1e-6
+            )
+        grads = []
+        for model in (compiled, eager):
+            model.zero_grad()
+            model(**_sd3_inputs(model, batch)).sample.pow(2).mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+    both(3)
+    first = dict(stats.graphs)
+    assert set(first) == kinds and len(set(first.values())) == 1 and 1 <= next(iter(first.values())) <= 2
+    both(5)
+    assert stats.graphs == first  # another batch size: no variant
+    torch._dynamo.reset()
+
+
+def test_the_trainer_compiles_the_blocks_model_compile_names(tmp_path):
+    """``model.compile=regional`` from the config reaches the transformer the trainer trains (its stats kept for the
+    metrics); ``off`` compiles nothing. Nothing runs here: the compilation itself is the test above's."""
+    from flowrl.models.blocks import compile_stats
+    from flowrl.training.trainer import Trainer
+
+    cfg = tiny_config(tmp_path, "wired", "model.compile=regional", "prompts.eval=null")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    assert trainer.compiled is not None and compile_stats(trainer.model.trainable) is trainer.compiled
+    assert trainer.compiled.blocks == len(block_lists(trainer.model.trainable)) and trainer.compiled.total == 0
+    plain = Trainer(tiny_config(tmp_path, "plain", "prompts.eval=null"), model=make_model("sd3"))
+    assert plain.compiled is None and compile_stats(plain.model.trainable) is None
+
+
+@pytest.mark.slow  # 10–14 s of dynamo tracing; the two tests above hold the compilation and its wiring
 def test_regional_compile_trains_with_one_graph_set_per_block_kind_and_no_recompiles(tmp_path, monkeypatch):
     """model.compile=regional on a tiny SD3 with LoRA and one checkpointed block: two iterations train; every
     block kind (SD3's blocks with and without the context branch) compiles the same variants (the rollout without
