@@ -20,13 +20,26 @@ torch.set_num_threads(1)  # tiny models: thread start-up costs more than it save
 
 def pytest_collection_finish(session):
     """Move what collection left alive (torch, diffusers, transformers, every test module: ~0.5 M objects) out of
-    the cyclic collector's reach: each full collection then scans only what the tests made since. The estimate's
-    tracer collects after every traced phase (hundreds of times a run), so this saves minutes; nothing collection
-    made is garbage after it (collected first), and what the tests make is collected as before."""
+    the cyclic collector's reach: each automatic full collection then scans only what the tests made since. (The
+    estimate's tracer collects only its own young objects after each traced phase: flowrl/estimate/trace.py.)
+    Nothing collection made is garbage after it (collected first), and what the tests make is collected as before."""
     import gc
 
     gc.collect()
     gc.freeze()
+
+
+def random_source_images(folder, count: int = 3, size: int = 32, seed: int = 0) -> list[str]:
+    """``count`` ``size``×``size`` PNGs of seeded uniform noise, each different, written to ``folder``
+    (``source{i}.png``): the source images of the edit families' tests. Returns their paths."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    paths = []
+    for i in range(count):
+        paths.append(str(folder / f"source{i}.png"))
+        Image.fromarray((torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()).save(paths[-1])
+    return paths
 
 
 def make_model(family: str, **kw):

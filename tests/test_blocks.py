@@ -98,7 +98,7 @@ def test_block_kinds_cover_every_block_of_the_family(family, kinds):
     assert len(found) == sum(len(c) for name, c in transformer.named_children() if name.endswith("blocks"))
 
 
-def test_compiled_blocks_compute_what_eager_blocks_do_with_one_graph_set_per_kind(monkeypatch):
+def test_compiled_blocks_compute_what_eager_blocks_do_with_one_graph_set_per_kind():
     """compile_blocks on the tiny SD3 transformer (its two block kinds, one block checkpointed): a forward without
     gradients and one with them, each at two batch sizes, equal the eager transformer's outputs and gradients; each
     kind compiles the same variants at the first size and nothing at the second (shapes are dynamic). The cheaper

@@ -20,7 +20,7 @@ from flowrl.models.flux_kontext import FluxKontextFlowModel
 from flowrl.models.image_prompts import image_prompt
 from flowrl.models.testing import tiny_flux_pipeline
 from flowrl.models.testing_flux_kontext import tiny_flux_kontext_pipeline
-from tests.conftest import assert_lora_reloads, perturb_lora
+from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 SIZE = dict(height=16, width=16, max_sequence_length=16)
 PRESET = "configs/flux_kontext/flow_grpo_edit.yaml"
@@ -30,13 +30,7 @@ TEXTS = ["make it red", "add a blue dog", "make it red"]  # the same instruction
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> list[str]:
     """Three 16×16 source images with different content (paths)."""
-    folder = tmp_path_factory.mktemp("sources")
-    g = torch.Generator().manual_seed(0)
-    paths = []
-    for i in range(3):
-        paths.append(str(folder / f"source{i}.png"))
-        Image.fromarray((torch.rand(16, 16, 3, generator=g) * 255).to(torch.uint8).numpy()).save(paths[-1])
-    return paths
+    return random_source_images(tmp_path_factory.mktemp("sources"), 3, 16)
 
 
 @pytest.fixture(scope="module")

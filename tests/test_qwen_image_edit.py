@@ -14,7 +14,7 @@ from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.image_prompts import image_prompt
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
-from tests.conftest import assert_lora_reloads, perturb_lora
+from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 SIZE = dict(height=32, width=32, max_sequence_length=16)
 IMAGE_TOKENS = 256  # a 32×32 source: 16×16 vision patches (the tiny processor: patch 2, merge 1)
@@ -23,14 +23,7 @@ IMAGE_TOKENS = 256  # a 32×32 source: 16×16 vision patches (the tiny processor
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> list[str]:
     """Three 32×32 source images with different content (paths)."""
-    folder = tmp_path_factory.mktemp("sources")
-    g = torch.Generator().manual_seed(0)
-    paths = []
-    for i in range(3):
-        pixels = (torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()
-        paths.append(str(folder / f"source{i}.png"))
-        Image.fromarray(pixels).save(paths[-1])
-    return paths
+    return random_source_images(tmp_path_factory.mktemp("sources"), 3, 32)
 
 
 def prompts_of(sources, n=3):

@@ -20,7 +20,7 @@ from flowrl.models.qwen_image_edit_plus import (
     split_image_prompts,
 )
 from flowrl.models.testing_qwen_image_edit_plus import tiny_qwen_image_edit_plus_pipeline
-from tests.conftest import assert_lora_reloads, perturb_lora
+from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "qwen_image_edit_plus" / "flow_grpo_edit.yaml"
 SIZE = dict(height=32, width=32, max_sequence_length=40, condition_area=32 * 32, max_images=2)
@@ -30,13 +30,7 @@ VISION = 256  # a 32×32 condition image: 16×16 vision patches (the tiny proces
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> list[str]:
     """Three 32×32 source images with different content (paths)."""
-    folder = tmp_path_factory.mktemp("sources")
-    g = torch.Generator().manual_seed(0)
-    paths = []
-    for i in range(3):
-        paths.append(str(folder / f"source{i}.png"))
-        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()).save(paths[-1])
-    return paths
+    return random_source_images(tmp_path_factory.mktemp("sources"), 3, 32)
 
 
 def make(zero_cond_t=False, **kw):

@@ -371,7 +371,7 @@ def tiny_vlm(tmp_path_factory):
         Qwen2VLVideoProcessor,
     )
 
-    from flowrl.models.testing_qwen import EDIT_PIXELS, tiny_qwen_tokenizer
+    from flowrl.models.testing_qwen import EDIT_PIXELS, tiny_qwen_tokenizer, vision_token_ids
 
     tokenizer = tiny_qwen_tokenizer(WORDS, edit=True)
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, **EDIT_PIXELS)
@@ -381,15 +381,7 @@ def tiny_vlm(tmp_path_factory):
         video_processor=Qwen2VLVideoProcessor(**vision),
         chat_template=CHAT_TEMPLATE,
     )
-    ids = {
-        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>")
-        for name, token in [
-            ("image", "image_pad"),
-            ("video", "video_pad"),
-            ("vision_start", "vision_start"),
-            ("vision_end", "vision_end"),
-        ]
-    }
+    ids = vision_token_ids(tokenizer)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(
         Qwen2VLConfig(

@@ -172,6 +172,13 @@ def tiny_qwen_image_pipeline(seed: int = 0, words: list[str] | None = None, num_
     return QwenImagePipeline(**_tiny_modules(seed, tiny_qwen_tokenizer(list(words or TINY_VOCAB)), num_layers))
 
 
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """The ids a Qwen-VL config takes for its vision tokens (``image_token_id``, ``video_token_id``,
+    ``vision_start_token_id``, ``vision_end_token_id``), read from ``tokenizer``'s ``<|image_pad|>``, … tokens."""
+    names = {"image": "image_pad", "video": "video_pad", "vision_start": "vision_start", "vision_end": "vision_end"}
+    return {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in names.items()}
+
+
 def tiny_qwen_image_edit_pipeline(seed: int = 0, words: list[str] | None = None, num_layers: int = 2):
     """A random-weight ``QwenImageEditPipeline`` (module docstring); 32×32 px source and output images. Its
     transformer, VAE and the text encoder's rows for the text-to-image vocabulary are
@@ -183,15 +190,7 @@ def tiny_qwen_image_edit_pipeline(seed: int = 0, words: list[str] | None = None,
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     tokenizer = tiny_qwen_tokenizer(list(words or TINY_VOCAB), edit=True)
-    ids = {
-        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>")
-        for name, token in [
-            ("image", "image_pad"),
-            ("video", "video_pad"),
-            ("vision_start", "vision_start"),
-            ("vision_end", "vision_end"),
-        ]
-    }
+    ids = vision_token_ids(tokenizer)
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, **EDIT_PIXELS)
     processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(**vision),

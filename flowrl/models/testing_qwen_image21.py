@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import SPECIAL_TOKENS, VISION_TOKENS, qwen_vocab_and_merges
+from flowrl.models.testing_qwen import SPECIAL_TOKENS, VISION_TOKENS, qwen_vocab_and_merges, vision_token_ids
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 """``QwenImage21Pipeline.sys_prompt``."""
@@ -71,15 +71,7 @@ def tiny_qwen_image21_pipeline(
 
     processor = tiny_qwen3vl_processor(list(words or TINY_VOCAB))
     tokenizer = processor.tokenizer
-    ids = {
-        f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>")
-        for name, token in [
-            ("image", "image_pad"),
-            ("video", "video_pad"),
-            ("vision_start", "vision_start"),
-            ("vision_end", "vision_end"),
-        ]
-    }
+    ids = vision_token_ids(tokenizer)
     torch.manual_seed(seed)
     text_encoder = Qwen3VLForConditionalGeneration(
         Qwen3VLConfig(
