@@ -180,6 +180,14 @@ class TrainSection:
     peak_tflops: Optional[float] = (
         None  # the device's bf16 peak for perf/mfu; null = the table's (measured where known)
     )
+    pipeline: str = "sync"  # sync: rollout, then update | async: the next forests are sampled in their own
+    # process(es) while the update runs, from weights at most train.max_staleness updates old (docs/pipeline.md)
+    max_staleness: int = 1  # async: forest k is sampled from the weights after update k - max_staleness (0: serial)
+    rollout_processes: int = 0  # async under accelerate/torchrun: launched processes that roll out (the rest train);
+    # 0 = one rollout process started beside each trainer on this machine
+    rollout_threads: Optional[int] = None  # async on CPU: torch threads of the rollout process (None: half of
+    # train.num_threads, or of the cores; the update keeps the rest)
+    push_to_hub: Optional[str] = None  # a Hub repo id: at the end of the run, export and upload with a model card
 
 
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
