@@ -74,6 +74,13 @@ class RolloutRunner:
         over the whole iteration.
         """
         prompts, offset = self.local_prompts(iteration)
+        return self.run_prompts(iteration, prompts, offset, teacher_fraction)
+
+    def run_prompts(
+        self, iteration: int, prompts: list[str], offset: int, teacher_fraction: float = 1.0
+    ) -> tuple[Forest, dict[str, float]]:
+        """:meth:`run` on given prompt groups (``offset``: the global index of the first): what a rollout process of
+        ``train.pipeline=async`` runs for the jobs the trainer hands it (:mod:`flowrl.training.pipeline`)."""
         n_chunks = min(self.chunks, len(prompts))
         bounds = [len(prompts) * k // n_chunks for k in range(n_chunks + 1)]
         self.model.trainable.eval()

@@ -25,7 +25,7 @@ import functools
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -34,7 +34,6 @@ from flowrl.config import build
 from flowrl.config.checks import guard_names
 from flowrl.config.chosen import build_components
 from flowrl.config.schema import ConfigError, TrainConfig
-from flowrl.core.seeding import derive_seed
 from flowrl.distributed.context_parallel import apply_context_parallel, check_context_parallel, context_degree
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import (
@@ -51,7 +50,6 @@ from flowrl.prompts.checks import check_prompts
 from flowrl.prompts.source import build_prompt_source, read_prompts
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
-from flowrl.run.checkpoint import load_weights, weights_folder
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.callbacks import Callback, default_callbacks
@@ -59,7 +57,9 @@ from flowrl.training.evaluation import HeldOutEval, resolve_guidance
 from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
 from flowrl.training.perf import PerfMeter
+from flowrl.training.pipeline import AsyncRollouts, RolloutJob, check_pipeline, rollout_failure, split_threads
 from flowrl.training.scoring import check_modality, run_rewards
+from flowrl.training.trainable import setup_trainable, teacher_weights
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
 from flowrl.training.updater import Updater
 from flowrl_rewards.background import RewardWaitCut
@@ -89,8 +89,9 @@ class Trainer(TrainerCheckpoints):
 
         self.cfg = c = config
         self.perf = perf
-        if c.train.num_threads:
-            torch.set_num_threads(c.train.num_threads)
+        trainer_threads, rollout_threads = split_threads(c.train)
+        if trainer_threads:
+            torch.set_num_threads(trainer_threads)
         device = build.resolve_device(c.model.device)
         run_dir = Path(c.train.output_dir) / c.train.name
         self.accelerator = accelerator or Accelerator(
@@ -107,19 +108,19 @@ class Trainer(TrainerCheckpoints):
             )
         shard = resolve_shard(c.model.shard)
         check_shard_settings(c, self.group.processes, shard)
+        check_pipeline(c, model, reward, sharded=shard == "fsdp")
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
         self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked
-        teacher_weights = self._teacher_weights()  # its folder read before the model loads
+        teacher = teacher_weights(self.objective)  # its folder read before the model loads
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
         if shard == "fsdp":
             check_sharded_objective(self.objective)
-        torch.manual_seed(derive_seed(c.train.seed, "init") % (2**31))  # LoRA init draws from the global RNG
-        self.params = self._setup_trainable()
+        self.params = setup_trainable(self.model, c.model, c.train.seed)
         apply_context_parallel(self.model, c.model.context_parallel, self.group.processes, self.accelerator.device)
-        self.objective.setup(self.model, **teacher_weights)
+        self.objective.setup(self.model, **teacher)
         self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
         self.plan.setup(self.model, self.reward)
         # after the frozen and explorer copies are made from it, before FSDP2 wraps its blocks
@@ -149,6 +150,10 @@ class Trainer(TrainerCheckpoints):
         self.updater = Updater(
             c, self.model, self.objective, self.plan, self.params, self.group, sharded=self.sharding is not None
         )
+        # train.pipeline=async: the forests come from a rollout process, on the fixed schedule of train.max_staleness
+        self.rollouts = (
+            AsyncRollouts(c, self.params, self._job, rollout_threads) if c.train.pipeline == "async" else None
+        )
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(
@@ -169,30 +174,6 @@ class Trainer(TrainerCheckpoints):
         self.resumed_from: Path | None = None
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
-
-    def _teacher_weights(self) -> dict[str, Callable]:
-        """``{"teacher_weights": loader}`` for an objective whose teacher starts from a folder's weights (its
-        ``teacher_path``: a run folder, a checkpoint or a pipeline folder, resolved and verified here), else ``{}``."""
-        path = self.objective.describe().teacher_path
-        if path is None:
-            return {}
-        folder = weights_folder(path, "loss.teacher.path")
-        return {"teacher_weights": lambda model: load_weights(model, folder)}
-
-    def _setup_trainable(self) -> list[torch.nn.Parameter]:
-        module = self.model.trainable
-        if self.cfg.model.full_finetune:
-            from flowrl.models.dtypes import master_weights_fp32
-
-            master_weights_fp32(self.model)  # fp32 weights, forward under autocast in model.dtype (no-op in fp32)
-            module = self.model.trainable
-            module.requires_grad_(True)
-        else:
-            build.add_lora(self.model, self.cfg.model)
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ConfigError("no trainable parameters: check model.lora.targets")
-        return params
 
     @property
     def run_dir(self) -> Path:
@@ -234,6 +215,22 @@ class Trainer(TrainerCheckpoints):
         with self.sampling():
             return self.runner.run(iteration, teacher_fraction=self.objective.teacher_fraction())
 
+    def _job(self, iteration: int) -> RolloutJob:
+        """The rollout of ``iteration`` as this process hands it to its rollout process: its prompt groups now, the
+        teacher's share and the guidance as they stand (with staleness s, after iteration − s − 1 updates)."""
+        prompts, offset = self.runner.local_prompts(iteration)
+        return RolloutJob(iteration, prompts, offset, self.objective.teacher_fraction(), self.guidance)
+
+    def next_forest(self, iteration: int) -> tuple[Forest, dict[str, float], dict[str, float]]:
+        """The scored forest of ``iteration``, its timings and its plan's metrics: rolled out here (``sync``), or taken
+        from the rollout process (``async``; started here when the loop did not start it)."""
+        if self.rollouts is None:
+            forest, times = self.rollout(iteration)
+            return forest, times, self.plan.metrics(forest)
+        if not self.rollouts.started:
+            self.rollouts.start(iteration)
+        return self.rollouts.receive(iteration)
+
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """The optimizer steps of ``iteration`` on ``forest`` and their diagnostics (:class:`Updater`)."""
         return self.updater.update(forest, iteration)
@@ -241,12 +238,13 @@ class Trainer(TrainerCheckpoints):
     def train_step(self, iteration: int) -> dict[str, float]:
         """One full iteration; returns its metrics (global over processes)."""
         g = self.group
-        forest, times = self.rollout(iteration)
-        plan_stats = self.plan.metrics(forest)
+        forest, times, plan_stats = self.next_forest(iteration)
         credit_stats = self.credit.assign(forest, gather=g.gather)
         t0 = time.perf_counter()
         update_stats = self.update(forest, iteration)
         times["time/update"] = time.perf_counter() - t0
+        if self.rollouts is not None:
+            self.rollouts.after_update(iteration + 1)  # the next job, on the weights this update made
         leaves = forest.leaves()
         rewards = g.gather(forest.reward[leaves])
         ok = rewards[~torch.isnan(rewards)]
@@ -312,6 +310,8 @@ class Trainer(TrainerCheckpoints):
                 return self._train()
         finally:
             self.runner.close()  # the scorer's thread
+            if self.rollouts is not None:
+                self.rollouts.close()  # the rollout process (train.pipeline=async)
 
     def _train(self) -> list[dict[str, Any]]:
         cfg, main, t = self.cfg, self.group.is_main, self.cfg.train
@@ -341,6 +341,8 @@ class Trainer(TrainerCheckpoints):
         if t.log_with != "none":
             self.accelerator.init_trackers(t.name, config=cfg.to_flat_dict())
         self._log, self._records = log, []
+        if self.rollouts is not None:
+            self.rollouts.start(self.step)  # it builds its model and samples while the first eval runs
         if self.step == 0 and cfg.eval.at_start:
             self._evaluate("before")
         self._loop()
@@ -363,6 +365,11 @@ class Trainer(TrainerCheckpoints):
                     self._iteration(bar)
                 except RewardWaitCut:  # a stop cut a reward wait: that iteration did not finish, the last one is saved
                     break
+                except Exception as e:
+                    if rollout_failure(e):  # the rollout process failed: keep the last finished iteration
+                        bar.close()
+                        self.save_checkpoint()
+                    raise
             bar.close()
             self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
             if self.sharding is not None and not stop.requested:

@@ -3,7 +3,7 @@ state, the policy's guidance, the training time, the eval guard's start values a
 (``checkpoints/step-N``, sharded or not), the consolidated ``export/``, and reading one back to resume.
 
 :class:`TrainerCheckpoints` is mixed into :class:`~flowrl.training.trainer.Trainer`, whose parts it saves and restores:
-``cfg``, ``model``, ``group``, ``folder``, ``updater``, ``prompts``, ``objective``, ``plan``, ``guard``,
+``cfg``, ``model``, ``group``, ``folder``, ``updater``, ``prompts``, ``objective``, ``plan``, ``guard``, ``rollouts``,
 ``sharding``, ``step``, ``guidance``, ``train_seconds`` (and it uses ``ema_weights()``, ``optimizer``, ``run_dir``;
 a resume sets ``resumed_from``). The run folder's protection, the atomic writes and the
 checks of what is read are :class:`~flowrl.run.folder.RunFolder`'s; the shards are
@@ -42,6 +42,7 @@ class TrainerCheckpoints:
             "policy_guidance": self.guidance,
             "train_seconds": self.train_seconds,
             "guard": self.guard.state_dict(),
+            "pipeline": self.rollouts.state_dict() if self.rollouts is not None else None,  # jobs in flight (async)
         }
         if self.sharding is not None:
             state, extra = split_sharded(state)
@@ -116,5 +117,7 @@ class TrainerCheckpoints:
         self.objective.load_state_dict(state.get("objective"))
         self.plan.load_state_dict(state.get("plan"))
         self.guard.load_state_dict(state.get("guard"))  # the eval guard's start values and trip
+        if self.rollouts is not None:
+            self.rollouts.load_state_dict(state.get("pipeline"))  # the jobs in flight, sampled again as they were
         self.resumed_from = path
         self.plan.after_update(self.model)  # the weights changed: a plan's copy of the policy follows them
