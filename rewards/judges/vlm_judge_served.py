@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from flowrl_rewards.core._common import to_uint8
+from flowrl_rewards.core.urls import check_url
 from flowrl_rewards.serving.remote import encode_png
 from flowrl_rewards.serving.transport import (
     RemoteRewardError,
@@ -114,7 +115,7 @@ def api_base(url: Any) -> str:
             f"vlm_judge: url={url!r} must start with http:// or https:// (the server, e.g. "
             "'http://127.0.0.1:8000', with or without /v1)"
         )
-    base = url.rstrip("/")
+    base = check_url(url, "vlm_judge: url").rstrip("/")  # no user:password@ (refused, the password not shown)
     return base if base.endswith("/v1") else base + "/v1"
 
 
