@@ -6,7 +6,10 @@ The budget is the same for every run: ``iterations`` (``train.max_steps``), ``im
 ⌈images / leaves per iteration⌉, from the plan's closed-form counts) or ``minutes`` of training
 (``train.max_minutes``; evals excluded). ``OUT/status.json`` records every finished or failed run, so a
 killed comparison continues where it stopped: finished runs are kept, the others resume from their last
-checkpoint. A failing run is reported (its log's last lines) and the others' results are kept.
+checkpoint. A failing run is reported (its log's last lines) and the others' results are kept. A reward's secret
+given as an override (``'eval.rewards=[{…, kwargs: {api_key: …}}]'``) reaches the runs but is written and printed
+as ``<redacted>`` (:func:`flowrl.config.secrets.redact_command`): a resumed comparison needs it given again, as a run
+does, and a line of ``commands.sh`` run as it stands asks for it.
 
 Written to ``OUT``: ``results.md`` (final held-out metric per seed; per config the mean, the eval's own
 standard error from its image count, the spread across seeds and the standard error of the mean;
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from flowrl.commands.common import SEED_MAX, Flag
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.config.secrets import redact_command
 from flowrl.run.filenames import unique_names
 from flowrl.run.outputs import check_output, unfinished_start
 
@@ -128,10 +132,11 @@ def run_all(runs: list[Run], out: Path, parallel: int = 1) -> dict[str, dict]:
         ]  # stopped before its first checkpoint (a resume refuses): start it again
         with log.open("a") as f:
             rc = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
+        shown = redact_command(run.command)  # status.json keeps the command without its secrets
         if rc == 0:
-            return run.key, {"state": "done", "command": run.command}
+            return run.key, {"state": "done", "command": shown}
         tail = log.read_text().strip().splitlines()[-5:]
-        return run.key, {"state": "failed", "rc": rc, "log": str(log), "last_lines": tail, "command": run.command}
+        return run.key, {"state": "failed", "rc": rc, "log": str(log), "last_lines": tail, "command": shown}
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for key, result in pool.map(one, todo):
@@ -323,7 +328,9 @@ def report(runs: list[Run], status: dict[str, dict], out: Path, metric: str | No
         lines += ["", "Failed runs:"] + [
             f"- {k} (rc {v['rc']}, {v['log']}): {' / '.join(v['last_lines'])}" for k, v in failed.items()
         ]
-    commands = [shlex.join(status.get(r.key, {}).get("command") or r.command) for r in runs]  # as run (status.json)
+    commands = [  # as run (status.json), every reward secret redacted (flowrl/config/secrets.py)
+        shlex.join(redact_command(status.get(r.key, {}).get("command") or r.command)) for r in runs
+    ]
     lines += ["", "Commands:", "", "```bash"] + commands + ["```"]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

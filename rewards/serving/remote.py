@@ -37,6 +37,7 @@ import io
 import json
 import logging
 import math
+import os
 import urllib.parse
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch
 
 from flowrl_rewards.core._common import batches, to_uint8
 from flowrl_rewards.core.base import Reward
+from flowrl_rewards.core.urls import check_url, redact_url
 from flowrl_rewards.serving.transport import (  # noqa: F401 — the transport's names, public here as before
     RedirectRefused,
     RemoteRewardError,
@@ -52,6 +54,7 @@ from flowrl_rewards.serving.transport import (  # noqa: F401 — the transport's
     fetch,
     post_json,
     post_json_retrying,
+    unsafe_character,
 )
 
 log = logging.getLogger(__name__)
@@ -152,6 +155,32 @@ def parse_scores(body: bytes, n: int) -> tuple[list[float], dict]:
     return vals, meta
 
 
+def bearer_from_env(api_key_env: str | None, headers: dict | None) -> dict[str, str]:
+    """``{"Authorization": "Bearer <key>"}`` with the key read from the environment variable ``api_key_env`` ({} for
+    None); a ValueError naming the variable (never the key) when it is unset, empty or not a clean word, or when
+    ``headers`` holds an ``Authorization`` of its own."""
+    if api_key_env is None:
+        return {}
+    if not isinstance(api_key_env, str) or not api_key_env:
+        raise ValueError(f"remote: api_key_env={api_key_env!r} must name an environment variable")
+    if any(k.lower() == "authorization" for k in (headers or {})):
+        raise ValueError("remote: give api_key_env or headers['Authorization'], not both")
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise ValueError(
+            f"remote: api_key_env={api_key_env!r} but the environment variable {api_key_env} is "
+            f"{'empty' if key == '' else 'not set'}; set it to the key the server checks (its --token-env)"
+        )
+    bad = unsafe_character(key, inner_spaces=False)
+    if bad:
+        raise ValueError(
+            f"remote: the key in the environment variable {api_key_env} (api_key_env) holds {bad}; a key holds no "
+            "whitespace or control characters (a key read from a file often ends in a newline: strip it); the key "
+            "is not shown"
+        )
+    return {"Authorization": f"Bearer {key}"}
+
+
 class RemoteReward(Reward):
     """Scores images with a reward served over HTTP (see module docstring for the protocol).
 
@@ -163,7 +192,13 @@ class RemoteReward(Reward):
       batch_size: images per request (default 16; 0 = all in one request).
       on_error: ``"raise"`` (default: the step fails) or ``"nan"`` (NaN scores, counted in meta).
       headers: extra HTTP headers (e.g. an auth token), dict of strings; never sent to another origin.
+      api_key_env: the name of an environment variable holding a key, sent as ``Authorization: Bearer <key>`` (what
+        the reward server's ``--token-env`` checks): the way to pass a key that is written nowhere. A key in the URL
+        (``?api_key=…``) is redacted wherever the URL is written or shown, but travels in every request line.
       name: the reward's name in metrics (default ``"remote"``).
+
+    The URL is shown (in errors, logs) as :func:`flowrl_rewards.core.urls.redact_url` gives it; one with a user part
+    (``http://user:password@host``) is refused.
     """
 
     name = "remote"
@@ -179,9 +214,13 @@ class RemoteReward(Reward):
         on_error: str = "raise",
         headers: dict[str, str] | None = None,
         name: str | None = None,
+        api_key_env: str | None = None,
     ):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote: url={url!r} must start with http:// or https://")
+            raise ValueError(
+                f"remote: url={redact_url(url) if isinstance(url, str) else url!r} must start with http:// or https://"
+            )
+        check_url(url, "remote: url")
         if on_error not in ON_ERROR:
             raise ValueError(f"remote: on_error={on_error!r} is not one of {ON_ERROR}")
         for key, val in (("timeout", timeout), ("backoff", backoff), ("max_backoff", max_backoff)):
@@ -196,7 +235,8 @@ class RemoteReward(Reward):
         if headers is not None and not isinstance(headers, dict):
             raise ValueError(f"remote: headers must be a mapping of header name to value, got {type(headers).__name__}")
         check_header_values(dict(headers or {}), "remote")
-        self.on_error, self.headers = on_error, dict(headers or {})
+        self.on_error, self.headers = on_error, {**dict(headers or {}), **bearer_from_env(api_key_env, headers)}
+        self.shown_url = redact_url(url)
         if name:
             self.name = str(name)
         self.failed_batches = 0
@@ -210,7 +250,7 @@ class RemoteReward(Reward):
             return json.loads(fetch(url, self.timeout, headers=self.headers))
         except (TransientError, RemoteRewardError, ValueError) as e:
             raise RemoteRewardError(
-                f"remote reward {self.name!r}: health check {url} failed ({type(e).__name__}: {e})"
+                f"remote reward {self.name!r}: health check {redact_url(url)} failed ({type(e).__name__}: {e})"
             ) from e
 
     def check_ready(self) -> None:
@@ -226,7 +266,7 @@ class RemoteReward(Reward):
             self.retries,
             self.backoff,
             self.max_backoff,
-            f"remote reward {self.name} at {self.url}",
+            f"remote reward {self.name} at {self.shown_url}",
         )
         try:
             return parse_scores(body, n)
@@ -250,11 +290,11 @@ class RemoteReward(Reward):
                 vals, rmeta = self._request(payload, m)
             except RemoteRewardError as e:
                 if self.on_error == "raise":
-                    raise RemoteRewardError(f"remote reward {self.name!r} at {self.url}: {e}") from e
+                    raise RemoteRewardError(f"remote reward {self.name!r} at {self.shown_url}: {e}") from e
                 failed_batches += 1
                 failed_samples += m
-                self.last_error = f"remote reward at {self.url}: {e}"
-                log.warning("remote reward %s at %s: batch of %d masked with NaN: %s", self.name, self.url, m, e)
+                self.last_error = f"remote reward at {self.shown_url}: {e}"
+                log.warning("remote reward %s at %s: batch of %d masked with NaN: %s", self.name, self.shown_url, m, e)
                 continue
             scores[sl] = torch.tensor(vals, dtype=torch.float32)
             for key, value in rmeta.items():

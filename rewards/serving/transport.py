@@ -32,6 +32,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from flowrl_rewards.core.urls import redact_url
+
 log = logging.getLogger(__name__)
 
 
@@ -103,7 +105,7 @@ class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         if why:
             fp.close()
             raise RedirectRefused(
-                f"{req.full_url} answered HTTP {code} redirecting to Location: {newurl}; not "
+                f"{redact_url(req.full_url)} answered HTTP {code} redirecting to Location: {redact_url(newurl)}; not "
                 f"followed: {why}; if that server is the one meant, set the url to it"
             )
         if code in (307, 308):
@@ -217,7 +219,7 @@ def fetch(url: str, timeout: float, data: bytes | None = None, headers: dict[str
         if e.code >= 500 or e.code == 429:
             raise TransientError(msg) from e
         if e.code in (301, 302, 303, 307, 308):
-            msg += f" (a redirect to Location: {e.headers.get('Location')!r} that was not followed)"
+            msg += f" (a redirect to Location: {redact_url(e.headers.get('Location') or '')!r} that was not followed)"
         raise RemoteRewardError(msg) from e
     except RemoteRewardError:
         raise
