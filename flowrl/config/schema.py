@@ -290,12 +290,14 @@ class TrainConfig:
         from flowrl.config.bounds import check_sizes
         from flowrl.config.checks import check_config, check_guard, positive
         from flowrl.config.chosen import load_components
+        from flowrl.config.pipeline import check_pipeline_config
 
         check_config(self)
         refuse_redacted(asdict(self))  # a run's saved config used again: its secrets are asked for again
         load_components(self)  # the plan, credit rule and objective, built and checked once, kept for the trainer
         check_sizes(self)  # step counts within their stated maxima (flowrl/config/bounds.py)
         check_guard(self)  # eval.guard: its reward among the eval rewards, periodic evals to check it at
+        check_pipeline_config(self)  # train.pipeline=async: its keys, and what cannot train off-policy
         if self.train.max_failed_iterations < 1:
             raise ConfigError(
                 f"train.max_failed_iterations={self.train.max_failed_iterations} must be >= 1 "

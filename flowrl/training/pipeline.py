@@ -105,9 +105,9 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
 
 
 def check_pipeline(cfg: TrainConfig, model=None, reward=None, sharded: bool = False) -> None:
-    """Refuse, naming the key, what ``train.pipeline=async`` cannot run: a model or reward given in code (the rollout
-    process builds its own from the config), sharded training, adaptive prompts (each batch depends on the spreads of
-    the iteration before it) and an objective that cannot train off-policy."""
+    """Refuse, naming the key, what ``train.pipeline=async`` cannot run with the run at hand: a model or reward given
+    in code (the rollout process builds its own from the config) and sharded training. What the config alone
+    decides is refused at load (:func:`flowrl.config.pipeline.check_pipeline_config`)."""
     t = cfg.train
     if t.pipeline != "async":
         return
@@ -122,12 +122,6 @@ def check_pipeline(cfg: TrainConfig, model=None, reward=None, sharded: bool = Fa
         raise ConfigError(
             "train.pipeline='async' with model.shard='fsdp' is not supported: the rollout process holds a whole copy "
             "of the policy; use model.shard='none' or train.pipeline='sync'"
-        )
-    if getattr(cfg.prompts, "sampling", "epoch") == "adaptive" and t.max_staleness > 0:
-        raise ConfigError(
-            f"prompts.sampling='adaptive' draws each batch from the reward spreads of the iteration before it, but "
-            f"train.pipeline='async' with train.max_staleness={t.max_staleness} decides a batch "
-            f"{t.max_staleness + 1} iterations ahead; use prompts.sampling='epoch' or train.max_staleness=0"
         )
 
 
@@ -309,6 +303,8 @@ class AsyncRollouts:
         restored, self._restored = self._restored, None
         if restored is not None:
             self.behaviour = dict(restored["behaviour"])
+        self._keep_current()
+        if restored is not None:
             for job in restored["pending"]:
                 self._submit(job)
         last = self.pending[-1].iteration if self.pending else step - 1
@@ -319,24 +315,30 @@ class AsyncRollouts:
         """Hand over ``job``, preceded by the weights version it is sampled from when not sent yet."""
         version = behaviour_version(job.iteration, self.staleness)
         if version != self.sent_version:
-            flat = flatten(self.params) if version == self.step else self.behaviour.get(version)
+            flat = self.behaviour.get(version)
+            if flat is None and version == self.step:
+                flat = flatten(self.params)
             if flat is None:
                 raise RolloutFailed(f"no weights of version {version} for the rollout of iteration {job.iteration}")
-            if version == self.step and self.staleness > 0:
-                self.behaviour[version] = flat
             self.commands.put(("weights", (version, flat)))
             self.sent_version = version
         self.commands.put(("job", job))
         self.pending.append(job)
 
     def after_update(self, step: int) -> None:
-        """The weights are now version ``step``: hand over the job that waited for them (iteration ``step + s``)
-        and forget the versions no job in flight needs."""
+        """The weights are now version ``step``: hand over the job that waited for them (iteration ``step + s``)."""
         self.step = step
+        self._keep_current()
         if step + self.staleness < self.max_steps:
             self._submit(self.make_job(step + self.staleness))
-        oldest = behaviour_version(self.pending[0].iteration, self.staleness) if self.pending else step
-        self.behaviour = {v: w for v, w in self.behaviour.items() if oldest <= v < step}
+
+    def _keep_current(self) -> None:
+        """Keep the current weights as a behaviour version (s > 0) and forget those more than s updates old:
+        iterations ``step … step + s`` sample from versions ``step − s … step``, whatever ``train.max_steps`` says (a
+        resume may raise it)."""
+        if self.staleness > 0 and self.step not in self.behaviour:
+            self.behaviour[self.step] = flatten(self.params)
+        self.behaviour = {v: w for v, w in self.behaviour.items() if self.step - self.staleness <= v <= self.step}
 
     def receive(self, iteration: int) -> tuple[Any, dict[str, float], dict[str, float]]:
         """The forest of ``iteration`` (waiting for it), its timings with the pipeline's metrics, and its plan's
@@ -384,7 +386,7 @@ class AsyncRollouts:
         return {
             "staleness": self.staleness,
             "pending": [dataclasses.asdict(j) for j in self.pending],
-            "behaviour": {v: {k: t.clone() for k, t in w.items()} for v, w in self.behaviour.items()},
+            "behaviour": {v: {k: t.clone() for k, t in w.items()} for v, w in self.behaviour.items() if v < self.step},
         }
 
     def load_state_dict(self, state: dict | None) -> None:

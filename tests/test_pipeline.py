@@ -1,0 +1,312 @@
+"""train.pipeline=async (flowrl/training/pipeline.py): a rollout process on the fixed schedule of train.max_staleness.
+
+The runs build a tiny SD3 from a saved folder (the rollout process builds its own copy from the config, as a run
+from a hub id or a folder does), 1 torch thread per side so that sampled numbers do not depend on thread counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.objectives.replay import replay
+from flowrl.training.pipeline import RolloutFailed, behaviour_version, check_pipeline, split_threads
+from flowrl.training.trainer import Trainer
+
+PROMPTS = "a red circle|two blue squares|a green cat|a small dog"
+TIMING = ("time/", "perf/", "pipeline/", "compile/")  # keys that differ between equal runs
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    from flowrl.models.testing import tiny_sd3_pipeline
+
+    folder = tmp_path_factory.mktemp("tiny_sd3")
+    tiny_sd3_pipeline().save_pretrained(folder)
+    return folder
+
+
+def overrides(folder: Path, out: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "model.family=sd3",
+        f"model.path={folder}",
+        "model.lora.rank=4",
+        "model.lora.init=default",
+        "rollout.group_size=4",
+        "rollout.steps=6",
+        "rollout.window.mode=fixed",
+        "rollout.window.start=0",
+        "rollout.window.size=3",
+        "rollout.max_batch=8",
+        f"prompts.train={PROMPTS}",
+        "prompts.per_step=2",
+        "prompts.eval=null",
+        "optim.lr=3e-3",
+        "loss.clip_low=0.2",
+        "loss.clip_high=0.2",
+        "loss.kl_ref=0.01",
+        "train.max_steps=3",
+        f"train.output_dir={out}",
+        f"train.name={name}",
+        "train.progress=false",
+        "train.num_threads=1",
+        "rewards=[{name: brightness}]",
+        *extra,
+    ]
+
+
+def config(folder: Path, out: Path, name: str, *extra: str) -> TrainConfig:
+    return TrainConfig.from_yaml(None, overrides(folder, out, name, *extra))
+
+
+ASYNC = ("train.pipeline=async", "train.num_threads=2", "train.rollout_threads=1")
+
+
+def records(out: Path, name: str) -> list[dict]:
+    lines = (out / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward_mean" in r]
+
+
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+def test_the_schedule_and_the_thread_split():
+    assert [behaviour_version(k, 1) for k in range(4)] == [0, 0, 1, 2]
+    assert [behaviour_version(k, 2) for k in range(4)] == [0, 0, 0, 1]
+    assert [behaviour_version(k, 0) for k in range(3)] == [0, 1, 2]
+    t = TrainConfig.from_yaml(None, ["train.pipeline=async", "train.num_threads=4"]).train
+    assert split_threads(t) == (2, 2)
+    t = TrainConfig.from_yaml(None, ["train.pipeline=async", "train.num_threads=4", "train.rollout_threads=1"]).train
+    assert split_threads(t) == (3, 1)
+    t = TrainConfig.from_yaml(None, ["train.num_threads=4"]).train
+    assert split_threads(t) == (4, None)
+
+
+def test_what_async_cannot_run_is_refused_naming_the_key():
+    cfg = TrainConfig.from_yaml(None, ["train.pipeline=async"])
+    with pytest.raises(ConfigError, match="a model object was given"):
+        check_pipeline(cfg, model=object())
+    with pytest.raises(ConfigError, match="model.shard='fsdp'"):
+        check_pipeline(cfg, sharded=True)
+    check_pipeline(TrainConfig.from_yaml(None, []), model=object(), sharded=True)  # sync: anything
+    refused = {
+        "train.pipeline=asynchronous": "train.pipeline='asynchronous'.*'sync', 'async'",
+        "train.max_staleness=-1": "train.max_staleness=-1 must be >= 0",
+        "train.rollout_threads=0": "train.rollout_threads=0 must be >= 1",
+        "train.pipeline=sync train.rollout_threads=2": "train.rollout_threads=2 is set but nothing reads it",
+        "train.pipeline=async prompts.sampling=adaptive": "prompts.sampling='adaptive'.*train.max_staleness=1",
+        "train.pipeline=async loss.objective=grpo_guard": "loss.objective='grpo_guard' cannot train off-policy",
+    }
+    for line, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_yaml(None, line.split())
+    for line in ("train.pipeline=async train.max_staleness=0 loss.objective=grpo_guard", "train.pipeline=async"):
+        assert TrainConfig.from_yaml(None, line.split()).train.pipeline == "async"  # at staleness 0: on-policy
+
+
+def test_async_at_staleness_zero_is_the_serial_run(tiny_folder, tmp_path):
+    """Staleness 0 waits for every update: the same forests, the same updates, every key equal but timing."""
+    Trainer(config(tiny_folder, tmp_path, "sync")).train()
+    Trainer(config(tiny_folder, tmp_path, "async", *ASYNC, "train.max_staleness=0")).train()
+    a, b = records(tmp_path, "sync"), records(tmp_path, "async")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        assert untimed(ra) == untimed(rb), ra["step"]
+        assert rb["pipeline/staleness"] == 0 and rb["pipeline/version"] == ra["step"] - 1
+        assert rb["first_step_abs_delta_logp"] == 0.0  # the ratio is exactly 1 at staleness 0
+
+
+def test_staleness_one_ratio_is_the_exact_ratio_between_behaviour_and_current_weights(tiny_folder, tmp_path):
+    """Forest k is sampled from the weights before update k − 1; the first step's ratios are those between them."""
+    trainer = Trainer(config(tiny_folder, tmp_path, "s1", *ASYNC, "train.max_steps=3"))
+    versions: list[list[torch.Tensor]] = [[p.detach().clone() for p in trainer.params]]  # version 0
+    seen = []
+    update = trainer.update
+
+    def recording(forest, iteration):
+        before = [p.detach().clone() for p in trainer.params]
+        out = update(forest, iteration)
+        seen.append((forest, before))
+        versions.append([p.detach().clone() for p in trainer.params])
+        return out
+
+    trainer.update = recording
+    try:
+        recs = [trainer.train_step(k) for k in range(3)]
+    finally:
+        trainer.rollouts.close()
+    assert [r["pipeline/version"] for r in recs] == [0, 0, 1]
+    assert [r["pipeline/staleness"] for r in recs] == [0, 1, 1]
+    assert recs[0]["first_step_abs_delta_logp"] == 0.0
+    for k in (1, 2):
+        forest, current = seen[k]
+        behaviour = versions[behaviour_version(k, 1)]
+        batches = [b.index for b in trainer.objective.batches(forest)]
+        cond = trainer.model.encode(forest.prompts, forest.guidance)
+        logps = {}
+        for label, weights in (("behaviour", behaviour), ("current", current)):
+            with torch.no_grad():
+                for p, w in zip(trainer.params, weights):
+                    p.copy_(w)
+                logps[label] = torch.cat([replay(trainer.model, forest, cond, b).logp for b in batches])
+        edges = torch.cat(batches)
+        # the rollout process recorded the behaviour weights' log-probs
+        torch.testing.assert_close(forest.logp_old[edges], logps["behaviour"], rtol=0, atol=1e-6)
+        exact = torch.exp(logps["current"] - logps["behaviour"])
+        assert float(exact.max() - exact.min()) > 1e-5  # the weights did move: a real off-policy ratio
+        assert recs[k]["ratio_max"] == pytest.approx(float(exact.max()), abs=1e-6)
+        assert recs[k]["ratio_min"] == pytest.approx(float(exact.min()), abs=1e-6)
+
+
+def test_resume_at_staleness_one_is_the_uninterrupted_run(tiny_folder, tmp_path):
+    """A checkpoint holds the jobs in flight and the weights that sample them: 2 + 2 iterations == 4."""
+    extra = (*ASYNC, "train.max_staleness=1", "train.ema=0.5")
+    Trainer(config(tiny_folder, tmp_path, "straight", *extra, "train.max_steps=4")).train()
+    Trainer(config(tiny_folder, tmp_path, "resumed", *extra, "train.max_steps=2")).train()
+    second = Trainer(config(tiny_folder, tmp_path, "resumed", *extra, "train.max_steps=4", "train.resume=latest"))
+    second.train()
+    a, b = records(tmp_path, "straight"), records(tmp_path, "resumed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["pipeline/staleness"] for r in b] == [0, 1, 1, 1]
+    for ra, rb in zip(a, b):
+        assert untimed(ra) == untimed(rb), ra["step"]
+    resumed_other = config(
+        tiny_folder, tmp_path, "resumed", *ASYNC, "train.max_staleness=2", "train.max_steps=6", "train.resume=latest"
+    )
+    with pytest.raises(ConfigError, match="train.max_staleness=2.*written with train.max_staleness=1"):
+        Trainer(resumed_other).train()
+
+
+FAILING_REWARD = '''
+import multiprocessing, os
+import torch
+from flowrl_rewards import Reward
+
+
+class FailsInTheRolloutProcess(Reward):
+    """Scores brightness; in the rollout process, its second call {how}."""
+
+    name = "fails"
+
+    def __init__(self):
+        self.calls = 0
+
+    def score(self, images, prompts, meta):
+        in_rollout = multiprocessing.current_process().name == "flowrl-rollout"
+        self.calls += 1
+        if in_rollout and self.calls == 2:
+            {action}
+        return images.float().mean(dim=(1, 2, 3))
+'''
+
+
+@pytest.mark.parametrize(
+    "how, action, expected",
+    [
+        ("raises", "raise ValueError('the judge said no')", "the judge said no"),
+        ("exits", "os._exit(7)", r"rollout process exited \(status 7\)"),
+    ],
+)
+def test_a_failed_rollout_process_stops_the_run_with_its_own_error_keeping_the_last_iteration(
+    tiny_folder, tmp_path, how, action, expected
+):
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING_REWARD.replace("{how}", how).replace("{action}", action))
+    cfg = config(
+        tiny_folder,
+        tmp_path,
+        "fails",
+        *ASYNC,
+        "train.max_staleness=0",
+        "train.max_steps=4",
+        "train.async_reward=false",
+        f"rewards=[{{name: '{plugin}:FailsInTheRolloutProcess'}}]",
+    )
+    trainer = Trainer(cfg)
+    with pytest.raises(Exception, match=expected) as caught:
+        trainer.train()
+    if how == "raises":  # the error the rollout process raised (as a serial run raises it), its traceback the cause
+        assert not isinstance(caught.value, RolloutFailed)
+        assert isinstance(caught.value.__cause__, RolloutFailed) and "ValueError" in str(caught.value.__cause__)
+    assert [r["step"] for r in records(tmp_path, "fails")] == [1]
+    assert (tmp_path / "fails" / "checkpoints" / "step-1").is_dir()  # the last finished iteration is kept
+    assert trainer.rollouts.process is None  # stopped
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def start_cli_run(tiny_folder: Path, out: Path, name: str) -> subprocess.Popen:
+    path = out / f"{name}.yaml"
+    path.write_text(config(tiny_folder, out, name, *ASYNC, "train.max_steps=200", "train.checkpoint_every=1").to_yaml())
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_rollout_process(proc: subprocess.Popen, run: Path) -> int:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip():
+            kids = [k for k in children(proc.pid) if "flowrl-rollout" in _cmdline(k) or "spawn" in _cmdline(k)]
+            if kids:
+                return kids[0]
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError("the run did not finish an iteration within 120 s")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_kill_9_of_the_trainer_leaves_no_rollout_process(tiny_folder, tmp_path):
+    proc = start_cli_run(tiny_folder, tmp_path, "killed")
+    worker = wait_for_rollout_process(proc, tmp_path / "killed")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.time() + 10
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker), "the rollout process outlived its trainer"
+
+
+def test_sigterm_stops_both_sides_within_the_grace_and_saves(tiny_folder, tmp_path):
+    proc = start_cli_run(tiny_folder, tmp_path, "stopped")
+    worker = wait_for_rollout_process(proc, tmp_path / "stopped")
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 30, out
+    assert "saved a checkpoint" in out, out
+    assert not alive(worker)
+    done = records(tmp_path, "stopped")[-1]["step"]
+    assert (tmp_path / "stopped" / "checkpoints" / f"step-{done}").is_dir()
