@@ -23,9 +23,9 @@ from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.errors import shown
 from flowrl.run.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
-from flowrl.run.manifest import DamagedCheckpoint
+from flowrl.run.manifest import DamagedCheckpoint, unwritten
 from flowrl.run.metrics_log import MetricsLog
-from flowrl.run.outputs import LOCK_FILE, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
+from flowrl.run.outputs import LOCK_FILE, MARKER, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
 from flowrl.run.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
 from flowrl.run.signals import abort_on_terminate, signals_ignored
 
@@ -76,6 +76,24 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)
     ]
+
+
+def _what_was_there(run: Path) -> str:
+    """The run folder's content in a few words: ``config.yaml, metrics.jsonl (12 records), 2 checkpoints (step-4,
+    step-8), 3 sample grids``."""
+    words = [name for name in ("config.yaml", "reward_curve.png") if (run / name).is_file()]
+    if (run / "metrics.jsonl").is_file():
+        words.append(f"metrics.jsonl ({len(logged_records(run / 'metrics.jsonl'))} records)")
+    steps = [p.name for _, p in list_checkpoints(run / "checkpoints")]
+    if steps:
+        shown_steps = ", ".join(steps[:5]) + (", …" if len(steps) > 5 else "")
+        words.append(f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({shown_steps})")
+    grids = [p for p in (run / "samples").glob("*") if p.is_file()] if (run / "samples").is_dir() else []
+    if grids:
+        words.append(f"{len(grids)} sample grid{'s' if len(grids) != 1 else ''}")
+    if (run / "export").is_dir():
+        words.append("export/")
+    return ", ".join(words) or "nothing but empty folders"
 
 
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
@@ -160,8 +178,10 @@ class RunFolder:
         return {"config.yaml", "metrics.jsonl"} <= names or names <= RUN_ENTRIES
 
     def foreign_entries(self) -> list[str]:
-        """The entries of the folder a run does not write (not :data:`RUN_ENTRIES`, nor the tensorboard tracker's
-        folder named after the run, which holds only event files), sorted, folders with a trailing ``/``."""
+        """What the folder holds that a run does not write, at every depth, sorted, folders with a trailing ``/``: its
+        entries that are not :data:`RUN_ENTRIES` (nor the tensorboard tracker's folder named after the run, which holds
+        only event files), and inside the run's own entries what its manifests do not list
+        (:func:`flowrl.run.manifest.unwritten`: ``samples/my_figure.png``, ``checkpoints/step-1/notes.txt``)."""
 
         def tracker(entry: Path) -> bool:
             return (
@@ -170,15 +190,17 @@ class RunFolder:
                 and all(p.is_dir() or p.name.startswith("events.out.tfevents") for p in entry.rglob("*"))
             )
 
-        return sorted(
+        top = [
             p.name + ("/" if p.is_dir() else "")
             for p in self.path.iterdir()
             if p.name not in RUN_ENTRIES and not tracker(p)
-        )
+        ]
+        return sorted(top + unwritten(self.path, MARKER))
 
     def replace(self) -> None:
         """``train.overwrite``: empty the folder (the lock file stays, held), refusing one that is not a run, and a run
-        folder that holds anything a run does not write (a benchmark's output, a rollout store, a note), listed."""
+        folder that holds anything a run does not write (a benchmark's output, a rollout store, a note, a figure put
+        into ``samples/``), listed. Says what it removed."""
         if not self.is_run():
             raise ConfigError(
                 f"train.overwrite=true: {self.path} is not a flowrl run (it holds no config.yaml and "
@@ -193,10 +215,11 @@ class RunFolder:
                 "Move them out of the run folder, or choose another train.name"
             )
         removed = [child for child in self.path.iterdir() if child.name != LOCK_FILE]
+        said = _what_was_there(self.path)
         for child in removed:
             remove(child)
         if removed:  # said: an earlier run's records and checkpoints are gone
-            print(f"train.overwrite=true: removed the earlier run in {self.path}", flush=True)
+            print(f"train.overwrite=true: removed the earlier run in {self.path} ({said})", flush=True)
 
     def _agree(self, error: Exception | None) -> None:
         """Raise ``error`` on the main process, a ConfigError on the others, when the main process failed."""

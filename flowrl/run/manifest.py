@@ -4,13 +4,18 @@ every reader of a checkpoint (resume, ``flowrl sample|eval|snr --checkpoint``), 
 or zeroed file is a damaged checkpoint named with its file, never weights that load and are wrong.
 
 A checkpoint written before manifests existed (no ``manifest.json`` and no ``manifest`` key in its state)
-still loads, with a one-line notice; one whose state says a manifest was written is damaged without it."""
+still loads, with a one-line notice; one whose state says a manifest was written is damaged without it.
+
+The manifests also say what a run wrote, for ``train.overwrite`` (:func:`unwritten`): a file inside
+``checkpoints/step-N/`` that its manifest does not list is not the run's, nor is anything in ``samples/`` but the
+eval grids, in ``checkpoints/`` but checkpoints, or in ``export/`` but an export's weights and marker."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -154,3 +159,71 @@ def _fingerprint(folder: Path, entries: list[dict]) -> tuple | None:
     except OSError:
         return None
     return tuple((s.st_size, s.st_ino, s.st_mtime_ns) for s in stats)
+
+
+# ---- what a run wrote ----------------------------------------------------------------------------------------
+SAMPLE_GRID = re.compile(r"^(before|after|step-\d+)(_[a-z0-9_]+)?\.(png|gif)$")
+"""The eval grids a run writes into ``samples/`` (flowrl/training/evaluation.py: ``before.png``, ``step-000040.png``,
+``after_default.png``; a video's as ``.gif``)."""
+_STEP = re.compile(r"^step-\d+$")
+_PARTIAL = re.compile(r"^\.step-\d+\.(tmp|old|shards)-\d+$")  # what a killed checkpoint write leaves
+WEIGHT_FILES = (".safetensors", ".pt", ".bin", ".json", ".distcp")
+"""What a checkpoint without a manifest (written before manifests, or cut short) and an export hold: weights, their
+configs, the trainer's state, DCP shards (and their ``.metadata``)."""
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file, link and empty folder under ``folder`` as a POSIX relative path (links not followed), sorted."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        dirs[:] = [d for d in dirs if d not in links]
+        empty = [] if dirs or files or links or root == str(folder) else [""]
+        for name in [*files, *links, *empty]:
+            found.append(Path(root, name).relative_to(folder).as_posix() + ("/" if name == "" else ""))
+    return sorted(found)
+
+
+def _weights(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name == ".metadata" or name.endswith(WEIGHT_FILES)
+
+
+def unlisted(checkpoint: Path) -> list[str]:
+    """The paths inside ``checkpoint`` (relative) that it did not write: with a manifest, every file it does not list;
+    without one, anything that is not weights or state (:data:`WEIGHT_FILES`)."""
+    files = [f for f in _files(checkpoint) if f != MANIFEST]
+    if (checkpoint / MANIFEST).is_file():
+        try:
+            listed = {e["path"] for e in read_manifest(checkpoint)}
+        except DamagedCheckpoint:
+            listed = None
+        if listed is not None:
+            return [f for f in files if f not in listed]
+    return [f for f in files if not _weights(f) or os.path.islink(checkpoint / f)]
+
+
+def unwritten(run: Path, marker: str) -> list[str]:
+    """What is inside the run folder ``run``'s own entries that the run (or ``flowrl export``, whose marker file is
+    ``marker``) did not write, as paths relative to ``run`` (folders with a trailing ``/``), sorted: ``samples/``
+    holds eval grids (:data:`SAMPLE_GRID`); ``checkpoints/`` holds ``step-N`` checkpoints (each as its manifest says,
+    :func:`unlisted`) and what a killed write left; ``export/`` an export's weights and marker."""
+    out: list[str] = []
+    samples, checkpoints, export = run / "samples", run / "checkpoints", run / "export"
+    if samples.is_dir() and not samples.is_symlink():
+        out += [f"samples/{f}" for f in _files(samples) if "/" in f.rstrip("/") or not SAMPLE_GRID.match(f)]
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        for entry in sorted(checkpoints.iterdir()):
+            rel = f"checkpoints/{entry.name}"
+            if entry.is_symlink() or not entry.is_dir():
+                if not _STEP.match(entry.name):  # a file named step-N is damage, which the readers report
+                    out.append(rel)
+            elif _STEP.match(entry.name):
+                out += [f"{rel}/{f}" for f in unlisted(entry)]
+            elif _PARTIAL.match(entry.name):
+                out += [f"{rel}/{f}" for f in _files(entry) if not _weights(f) or f.endswith("/")]
+            else:
+                out.append(rel + "/")
+    if export.is_dir() and not export.is_symlink():
+        out += [f"export/{f}" for f in _files(export) if f != marker and (not _weights(f) or f.endswith("/"))]
+    return sorted(out)
