@@ -37,22 +37,25 @@ def add_parser(sub, epilog: str) -> None:
     )
     p.add_argument(
         "--benchmark",
-        choices=("geneval", "ocr"),
+        choices=("geneval", "ocr", "vqascore"),
         default=None,
         help="a benchmark by its own protocol instead of the held-out eval: geneval (553 prompts x 4 images, "
-        "GenEval's score and task rows) or ocr (Flow-GRPO's OCR test set); "
-        "docs/rewards/geneval.md and docs/rewards/ocr.md",
+        "GenEval's score and task rows), ocr (Flow-GRPO's OCR test set) or vqascore (the mean VQAScore of "
+        "--prompts' images, judged by the config's vlm_judge term, e.g. eval.rewards='[{name: vlm_judge, kwargs: "
+        "{model: Qwen/Qwen2.5-VL-7B-Instruct}}]'); docs/rewards/geneval.md, docs/rewards/ocr.md and "
+        "docs/rewards/vlm_judge.md",
     )
     p.add_argument(
         "--prompts",
         default=None,
-        help="--benchmark: its prompt file (default dataset/geneval/test_metadata.jsonl or dataset/ocr/test.txt)",
+        help="--benchmark: its prompt file (default dataset/geneval/test_metadata.jsonl or dataset/ocr/test.txt; "
+        "vqascore: required, a text file or a .jsonl of records with a 'prompt')",
     )
     p.add_argument(
         "--images-per-prompt",
         type=int,
         default=None,
-        help="--benchmark: images per prompt (default: the benchmark's, 4 for geneval, 1 for ocr)",
+        help="--benchmark: images per prompt (default: the benchmark's, 4 for geneval, 1 for ocr and vqascore)",
     )
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.set_defaults(func=run, flags=FLAGS)
@@ -134,7 +137,9 @@ def _write_eval(out: Path, metrics: dict, grid) -> None:
 
 def run_benchmark_command(args) -> int:
     """``flowrl eval --benchmark NAME``: the benchmark on a run's newest weights (``--checkpoint``) or a config's
-    base model, at ``eval.guidance``, else the guidance the checkpoint's policy was trained for, else the model's."""
+    base model, at ``eval.guidance``, else the guidance the checkpoint's policy was trained for, else the model's. The
+    reward's settings (for ``vqascore`` the judge: ``backend``, ``model``, ``url``…) are the config's term of its name
+    (``eval.rewards`` first), set on the command line as any key: ``eval.rewards='[{name: vlm_judge, kwargs: …}]'``."""
     from accelerate import Accelerator
 
     from flowrl.config import build
@@ -153,6 +158,11 @@ def run_benchmark_command(args) -> int:
     # a fixed layout (GenEval's): written into a new or empty folder only, never over an earlier benchmark's files
     output = check_output(args.out, "flowrl eval --benchmark", mode="new") if args.out is not None else None
     path = args.prompts or bench.prompts
+    if not path:
+        raise ConfigError(
+            f"--benchmark {bench.name} has no prompt set of its own; name one with --prompts FILE (a text file, one "
+            "prompt a line, or a .jsonl of records with a 'prompt')"
+        )
     try:
         prompts, records = read_benchmark_prompts(path)
     except FileNotFoundError as e:
@@ -167,6 +177,7 @@ def run_benchmark_command(args) -> int:
             reward.check_prompt(prompt)
         except ValueError as e:
             raise ConfigError(f"--prompts {path!r}, prompt {i + 1}: {e}") from None
+    reward.check_ready()  # e.g. a served judge answers and serves its model, before any model time is spent
     group = ProcessGroup(Accelerator(cpu=build.resolve_device(cfg.model.device).type == "cpu"))
     model, trained_at = load_model(cfg, ckpt, group.accelerator.device)
     model.resize(cfg.eval.height, cfg.eval.width)  # eval.height/eval.width: the benchmark's images at that size

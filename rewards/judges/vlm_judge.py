@@ -2,18 +2,22 @@
 
 Images [B, 3, H, W] and videos [B, F, 3, H, W] (a video family's decode; every ``frame_stride``-th frame) are judged
 alike: the reward declares ``modality = "any"``, so a video reaches the judge whole, as a video, not frame by frame.
-The question is ``question``, or a named ``template`` (:data:`TEMPLATES`: VQAScore's, or ``motion``, a yes/no question
-about the video's motion).
+The question is ``question``, or a named ``template`` (:data:`TEMPLATES`: VQAScore's; ``motion``, a yes/no question
+about the video's motion; UnifiedReward's pointwise prompts for an image, ``unifiedreward``, or a video,
+``unifiedreward_video``, each with the way its answer is read).
 
-Two ways to score an answer (``score``):
+Three ways to score an answer (``score``):
 
-- ``yes_probability`` (VQAScore, Lin et al. 2024, arXiv 2404.01291): the judge answers a yes/no question;
-  the score is P(yes) / (P(yes) + P(no)) over its first answer token, every "Yes"-like token (``Yes``,
-  `` yes``, ``YES``, …) counted as yes and every "No"-like one as no;
+- ``vqascore`` (VQAScore, Lin et al. 2024, arXiv 2404.01291, as t2v_metrics computes it): the judge answers a yes/no
+  question; the score is P("Yes"), the probability of the answer token ``Yes`` as the first answer token, over the
+  whole vocabulary (not normalised by "No");
+- ``yes_probability`` (the default): the same question, the score P(yes) / (P(yes) + P(no)) over the first answer
+  token, every "Yes"-like token (``Yes``, `` yes``, ``YES``, …) counted as yes and every "No"-like one as no;
 - ``pattern`` (UnifiedReward, Wang et al. 2025, arXiv 2503.05236, as Flow-GRPO reads it): the judge writes an
   answer ending in e.g. ``Final Score: 4``; the number the regex ``pattern`` captures is mapped from
   ``score_range`` [low, high] to [0, 1] (clipped there). An answer without a match, or whose number is not
-  finite ("nan", "inf"), scores NaN (counted, with the reason).
+  finite ("nan", "inf"), scores NaN (counted, with the reason). The UnifiedReward templates read it as UnifiedReward's
+  own scripts do: the first run of digits after the last ``Final Score:`` (:data:`UNIFIEDREWARD_PATTERN`).
 
 Two backends (``backend``): ``openai``, any OpenAI-compatible chat-completions server (vLLM, sglang), one
 request per image or video (a video as one ``video_url`` part of JPEG frames, or with ``video_input: frames`` one
@@ -31,6 +35,7 @@ import logging
 import math
 import re
 import string
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -49,7 +54,11 @@ from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError
 log = logging.getLogger(__name__)
 
 BACKENDS = ("openai", "transformers")
-SCORES = ("yes_probability", "pattern")
+SCORES = ("yes_probability", "vqascore", "pattern")
+YES_NO = ("yes_probability", "vqascore")
+"""The scores read from the first answer token of a yes/no question."""
+ANSWER = "Yes"
+"""VQAScore's answer (t2v_metrics, ``default_answer_template``): its score is P(this first answer token)."""
 DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEFAULT_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
 """VQAScore's question template (t2v_metrics, ``default_question_template``), ``{prompt}`` for its ``{}``."""
@@ -58,12 +67,65 @@ MOTION_QUESTION = (
     "without flicker, sudden jumps or objects that deform as they move? Please answer yes or no."
 )
 """flowrl's yes/no question about a video's motion (VQAScore's form: read by ``score: yes_probability``)."""
-TEMPLATES = {"vqascore": DEFAULT_QUESTION, "motion": MOTION_QUESTION}
-"""The named questions (``template``); ``question`` gives any other."""
+UNIFIEDREWARD_IMAGE = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
+    "based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the provided "
+    "caption. Consider the accuracy of depicted objects, their relationships, and attributes as described in the "
+    "caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\nExtract key elements from the provided text "
+    "caption, evaluate their presence in the generated image using the format: 'element (type): value' (where "
+    "value=0 means not generated, and value=1 means generated), and assign a score from 1 to 5 after 'Final "
+    "Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+"""UnifiedReward's pointwise image-generation prompt, verbatim (CodeGoat24/UnifiedReward,
+``inference_qwen/image_generation/qwen_point_score_image_generation.py``; its LLaVA script's is the same after
+``<image>\n``): a score from 1 to 5 after ``Final Score:``."""
+UNIFIEDREWARD_VIDEO = (
+    "Suppose you are an expert in judging and evaluating the quality of AI-generated videos, please watch the frames "
+    "of a given video and see the text prompt for generating the video.\nThen give scores from 5 different "
+    "dimensions:\n(1) visual quality: the quality of the video in terms of clearness, resolution, brightness, and "
+    "color\n(2) temporal consistency, the consistency of objects or humans in video\n(3) dynamic degree, the degree "
+    "of dynamic changes\n(4) text-to-video alignment, the alignment between the text prompt and the video content\n"
+    "(5) factual consistency, the consistency of the video content with the common-sense and factual knowledge\n\n"
+    "For each dimension, output a number from [1,2,3,4], \nin which '1' means 'Bad', '2' means 'Average', '3' "
+    "means 'Good', \n'4' means 'Real' or 'Perfect' (the video is like a real video)\nFinally, based on above 5 "
+    "dimensions, assign a score from 1 to 10 after 'Final Score:'\nHere is an output example:\nvisual quality: "
+    "4\ntemporal consistency: 4\ndynamic degree: 3\ntext-to-video alignment: 1\nfactual consistency: 2\nFinal "
+    "Score: 6\n\n**Note: In the example above, scores are placeholders meant only to demonstrate the format. Your "
+    "actual evaluation should be based on the quality of the given video.**\nYour task is provided as follows: Text "
+    "Prompt: [{prompt}]"
+)
+"""UnifiedReward's pointwise video-generation prompt, verbatim (``inference_qwen/video_generation/
+qwen_point_score_video_generation.py``): a score from 1 to 10 after ``Final Score:``."""
 DEFAULT_FPS = 16.0  # the frame rate of the videos scored: Wan 2.1 / 2.2's output rate (divided by frame_stride)
 DEFAULT_PATTERN = r"Final Score:\s*([0-9]+(?:\.[0-9]+)?)"
 """UnifiedReward's pointwise answer ends in ``Final Score: <1–5>``."""
+UNIFIEDREWARD_PATTERN = r"(?s)Final Score:(?!.*Final Score:)\D*(\d+)"
+"""UnifiedReward's own reading of an answer (``text.split('Final Score:')[-1]``, then its first ``\\d+``): the first
+run of digits after the last ``Final Score:`` (``Final Score: **4**`` gives 4, ``3.5`` gives 3)."""
 PATTERN_MAX_TOKENS = 512  # the default answer length in pattern mode (a short reasoning, then the score)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A named question and how its answer is read: ``kind`` ``yes/no`` (read by ``score`` yes_probability, the
+    default, or vqascore) or ``pattern`` (its ``pattern``, ``score_range`` and answer length ``max_tokens``)."""
+
+    question: str
+    kind: str = "yes/no"
+    pattern: str = DEFAULT_PATTERN
+    score_range: tuple[float, float] = (1, 5)
+    max_tokens: int = PATTERN_MAX_TOKENS
+
+
+TEMPLATES = {
+    "vqascore": Template(DEFAULT_QUESTION),
+    "motion": Template(MOTION_QUESTION),
+    "unifiedreward": Template(UNIFIEDREWARD_IMAGE, "pattern", UNIFIEDREWARD_PATTERN, (1, 5), 512),
+    "unifiedreward_video": Template(UNIFIEDREWARD_VIDEO, "pattern", UNIFIEDREWARD_PATTERN, (1, 10), 1024),
+}
+"""The named questions (``template``); ``question`` gives any other. UnifiedReward's answer lengths are its scripts'
+``max_new_tokens`` (512 for an image, 1024 for a video)."""
 
 
 # ---- settings ----------------------------------------------------------------------------------------------
@@ -132,16 +194,34 @@ def check_pattern(value: Any) -> re.Pattern:
 
 
 # ---- answers to scores -----------------------------------------------------------------------------------
+def bare(token: str) -> str:
+    """A token's text without spaces and BPE / SentencePiece space marks (`` Yes``, ``ĠYes``, ``▁Yes`` → ``Yes``)."""
+    return token.strip().lstrip("Ġ▁").strip()
+
+
 def yes_share(candidates: Sequence[tuple[str, float]]) -> float:
     """P(yes) / (P(yes) + P(no)) from (token text, log-probability) pairs, a token's text read without case,
     spaces or BPE space marks (``Yes``, `` yes``, ``ĠYES`` are yes); NaN when neither appears."""
     mass = {"yes": 0.0, "no": 0.0}
     for token, logprob in candidates:
-        word = token.strip().lstrip("Ġ▁").strip().lower()
+        word = bare(token).lower()
         if word in mass:
             mass[word] += math.exp(logprob)
     total = mass["yes"] + mass["no"]
     return mass["yes"] / total if total > 0 else float("nan")
+
+
+def answer_probability(candidates: Sequence[tuple[str, float]]) -> float:
+    """VQAScore, P("Yes"), from the (token text, log-probability) pairs of the first answer token: the probability of
+    the most probable one whose :func:`bare` text is ``Yes`` (case kept: the answer token t2v_metrics scores); 0.0
+    when none is but another yes- or no-like token is (P("Yes") is then below the least probability listed); NaN
+    when no token reads yes or no (the judge did not answer the question)."""
+    yes = [logprob for token, logprob in candidates if bare(token) == ANSWER]
+    if yes:
+        return math.exp(max(yes))
+    if any(bare(token).lower() in ("yes", "no") for token, _ in candidates):
+        return 0.0
+    return float("nan")
 
 
 def read_pattern(text: str, pattern: re.Pattern, low: float, high: float) -> tuple[float, str | None]:
@@ -175,9 +255,11 @@ class VlmJudge(Reward):
 
     Settings (docs/rewards/vlm_judge.md): ``backend`` (``openai`` | ``transformers``), ``model`` (served name or
     hub id / folder), ``question`` / ``system`` templates (``{prompt}`` filled in) or a named ``template``
-    (``vqascore`` | ``motion``), ``fps`` (the videos' frame rate before ``frame_stride``), ``score``
-    (``yes_probability`` | ``pattern``), ``pattern``, ``score_range``, ``max_tokens`` (default 1 for
-    yes_probability, 512 for pattern), ``top_logprobs``; served: ``url``, ``api_key`` / ``api_key_env``,
+    (``vqascore`` | ``motion`` | ``unifiedreward`` | ``unifiedreward_video``), ``fps`` (the videos' frame rate before
+    ``frame_stride``), ``score`` (``yes_probability`` | ``vqascore`` | ``pattern``; default: the template's,
+    yes_probability for a yes/no question), ``pattern``, ``score_range`` (default: the template's, else
+    UnifiedReward's ``Final Score`` on [1, 5]), ``max_tokens`` (default 1 for a yes/no score, the template's or 512
+    for pattern), ``top_logprobs``; served: ``url``, ``api_key`` / ``api_key_env``,
     ``concurrency``, ``timeout``, ``retries``, ``backoff``, ``max_backoff``, ``on_error`` (``raise`` | ``nan``),
     ``video_input`` (``video`` | ``frames``); in process: ``processor``, ``device``, ``dtype``, ``batch_size``.
     """
@@ -192,9 +274,9 @@ class VlmJudge(Reward):
         question: str | None = None,
         template: str | None = None,
         system: str | None = None,
-        score: str = "yes_probability",
-        pattern: str = DEFAULT_PATTERN,
-        score_range: Sequence[float] = (1, 5),
+        score: str | None = None,
+        pattern: str | None = None,
+        score_range: Sequence[float] | None = None,
         max_tokens: int | None = None,
         top_logprobs: int = 20,
         url: str = "http://127.0.0.1:8000",
@@ -219,14 +301,26 @@ class VlmJudge(Reward):
             BACKENDS,
             " (openai: a served judge, e.g. by vLLM or sglang; transformers: the judge in this process)",
         )
-        self.mode = check_choice("score", score, SCORES)
-        self.question = self.question_of(question, template)
+        spec = self.template_of(question, template)
+        self.question = check_template("question", question) if spec is None else spec.question
+        default = "pattern" if spec is not None and spec.kind == "pattern" else "yes_probability"
+        self.mode = check_choice("score", default if score is None else score, SCORES)
+        if template is not None and (self.mode == "pattern") != (spec.kind == "pattern"):
+            reads = "score: pattern" if spec.kind == "pattern" else "score: yes_probability or vqascore"
+            raise ValueError(
+                f"vlm_judge: template={template!r} is read by {reads}, not score={self.mode!r} "
+                f"({'its answer ends in a score' if spec.kind == 'pattern' else 'it asks a yes/no question'}); "
+                "leave score out, or give a question of your own"
+            )
         self.system = None if system is None else check_template("system", system)
-        self.pattern = check_pattern(pattern)
-        self.low, self.high = check_range(score_range)
+        self.pattern = check_pattern(pattern if pattern is not None else spec.pattern if spec else DEFAULT_PATTERN)
+        self.low, self.high = check_range(
+            score_range if score_range is not None else spec.score_range if spec else (1, 5)
+        )
         if max_tokens is not None:
             check_number("max_tokens", max_tokens, 1, integer=True)
-        self.max_tokens = max_tokens or (1 if self.mode == "yes_probability" else PATTERN_MAX_TOKENS)
+        answer_length = spec.max_tokens if spec is not None else PATTERN_MAX_TOKENS
+        self.max_tokens = max_tokens or (1 if self.mode in YES_NO else answer_length)
         self.top_logprobs = int(check_number("top_logprobs", top_logprobs, 1, integer=True))
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
         self.video_input = check_choice(
@@ -260,18 +354,24 @@ class VlmJudge(Reward):
         else:
             from flowrl_rewards.judges.vlm_judge_local import LocalJudge
 
-            self.local = LocalJudge(model, processor or model, device, dtype, batch_size)
+            self.local = LocalJudge(model, processor or model, device, dtype, batch_size, self.mode)
 
     @staticmethod
-    def question_of(question: str | None, template: str | None) -> str:
-        """The question: ``question`` (a template of its own), else the named ``template`` (default ``vqascore``)."""
+    def template_of(question: str | None, template: str | None) -> Template | None:
+        """The named template in use: ``template`` (default ``vqascore``), or None with a ``question`` of its own."""
         if question is not None and template is not None:
             raise ValueError(
                 f"vlm_judge: give question or template, not both (question={question!r}, template={template!r})"
             )
         if question is not None:
-            return check_template("question", question)
+            return None
         return TEMPLATES[check_choice("template", "vqascore" if template is None else template, tuple(TEMPLATES))]
+
+    @staticmethod
+    def question_of(question: str | None, template: str | None) -> str:
+        """The question: ``question`` (a template of its own), else the named ``template`` (default ``vqascore``)."""
+        spec = VlmJudge.template_of(question, template)
+        return check_template("question", question) if spec is None else spec.question
 
     def check_ready(self) -> None:
         """The served judge answers and serves ``model`` (the in-process one is loaded at build)."""
@@ -295,8 +395,11 @@ class VlmJudge(Reward):
         questions, systems = self.fill(prompts)
         if self.served is not None:
             scores, reasons, failures = self.score_served(images, questions, systems, fps)
-        elif self.mode == "yes_probability":
-            scores, failures = self.local.yes_probability(images, questions, systems, fps).tolist(), []
+        elif self.mode in YES_NO:
+            probability = (
+                self.local.yes_probability if self.mode == "yes_probability" else self.local.answer_probability
+            )
+            scores, failures = probability(images, questions, systems, fps).tolist(), []
             reasons = [None if math.isfinite(s) else "a non-finite yes/no probability" for s in scores]
         else:
             texts = self.local.generate(images, questions, systems, self.max_tokens, fps)
@@ -310,7 +413,7 @@ class VlmJudge(Reward):
         [B, 3, H, W] or videos [B, F, 3, H, W] (a ``video_url`` of F frames carries vLLM's ``media_io_kwargs``: all F
         frames at ``fps``)."""
         options: dict = {"max_tokens": self.max_tokens}
-        if self.mode == "yes_probability":
+        if self.mode in YES_NO:
             options.update(logprobs=True, top_logprobs=self.top_logprobs)
         if images.ndim == 5 and self.video_input == "video":
             options["media_io_kwargs"] = {"video": {"num_frames": images.shape[1], "fps": fps}}
@@ -350,11 +453,11 @@ class VlmJudge(Reward):
         if candidates is None:
             raise RuntimeError(
                 f"vlm_judge: the server at {self.served.chat_url} answered without log-probabilities "
-                "(choices[0].logprobs.content is empty), which score='yes_probability' needs; serve the judge "
+                f"(choices[0].logprobs.content is empty), which score={self.mode!r} needs; serve the judge "
                 f"with vLLM, which returns up to --max-logprobs (default 20, >= top_logprobs={self.top_logprobs}) "
                 "per token, or set score: pattern with a question that asks for a score"
             )
-        value = yes_share(candidates)
+        value = yes_share(candidates) if self.mode == "yes_probability" else answer_probability(candidates)
         if math.isnan(value):
             return value, (
                 f"neither 'yes' nor 'no' among the first answer token's top {len(candidates)} "

@@ -11,6 +11,8 @@ with its frame rate as the video's metadata (Qwen2.5-VL's temporal positions rea
 - yes/no: the next-token distribution after the prompt (softmax over the vocabulary); the score is the mass
   of the "Yes"-like tokens over that of the "Yes"- and "No"-like ones, computed as
   ``sigmoid(logsumexp(logits[yes]) − logsumexp(logits[no]))`` (the same ratio, without underflow);
+- VQAScore: the same distribution's probability of the answer token ``Yes`` alone (t2v_metrics' answer template,
+  one token), ``exp(logits[Yes] − logsumexp(logits))``, not normalised by "No";
 - text: ``generate`` with greedy decoding and ``max_new_tokens``, the new tokens decoded.
 """
 
@@ -25,6 +27,8 @@ from flowrl_rewards.core._common import batches, check_batch_size, resolve_devic
 OWNER = "vlm_judge"
 YES_WORDS = ("Yes", " Yes", "yes", " yes", "YES", " YES")
 NO_WORDS = ("No", " No", "no", " no", "NO", " NO")
+ANSWER = "Yes"
+"""VQAScore's answer (t2v_metrics, ``default_answer_template``): its score is this token's probability."""
 
 
 def answer_token_ids(tokenizer: Any, words: Sequence[str]) -> list[int]:
@@ -76,20 +80,38 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> Any:
 
 
 class LocalJudge:
-    """A transformers judge: :meth:`yes_probability` (float32 [B]) and :meth:`generate` (B answers)."""
+    """A transformers judge: :meth:`yes_probability` and :meth:`answer_probability` (float32 [B]) and
+    :meth:`generate` (B answers). ``score`` (the reward's) says which tokens the tokenizer must have as one token:
+    the Yes- and No-like ones for ``yes_probability``, ``Yes`` itself for ``vqascore``, none for ``pattern``."""
 
-    def __init__(self, model: str, processor: str, device: str = "auto", dtype: str = "auto", batch_size: int = 8):
+    def __init__(
+        self,
+        model: str,
+        processor: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 8,
+        score: str = "yes_probability",
+    ):
         self.device = resolve_device(device, OWNER)
         self.dtype = resolve_dtype(dtype, self.device, OWNER)
         self.batch_size = check_batch_size(batch_size, OWNER)
         self.processor = load_processor(processor)
         tokenizer = self.processor.tokenizer
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer, YES_WORDS), answer_token_ids(tokenizer, NO_WORDS)
-        if not self.yes_ids or not self.no_ids:
+        answer = tokenizer.encode(ANSWER, add_special_tokens=False)
+        self.answer_id = answer[0] if len(answer) == 1 else None
+        if score == "yes_probability" and (not self.yes_ids or not self.no_ids):
             raise ValueError(
                 f"{OWNER}: the tokenizer of processor={processor!r} has no single token for "
                 f"{'Yes' if not self.yes_ids else 'No'} (tried {YES_WORDS + NO_WORDS}); "
                 "score: yes_probability needs one, use score: pattern"
+            )
+        if score == "vqascore" and self.answer_id is None:
+            raise ValueError(
+                f"{OWNER}: the tokenizer of processor={processor!r} encodes {ANSWER!r} as {len(answer)} tokens "
+                f"({answer}), not one; score: vqascore is the probability of that one answer token, use score: "
+                "yes_probability or pattern"
             )
         self.model = load_model(model, self.dtype, self.device)
 
@@ -128,18 +150,34 @@ class LocalJudge:
         return {"videos": frames, "fps": [fps] * len(frames)}
 
     @torch.no_grad()
+    def first_token_logits(
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], fps: float = 0.0
+    ):
+        """The next-token logits after each prompt, float32 [b, V], one batch of ``batch_size`` at a time."""
+        for sl in batches(images.shape[0], self.batch_size):
+            batch = self.inputs(images[sl], questions[sl], systems[sl], fps)
+            yield self.model(**batch, logits_to_keep=1).logits[:, -1].float()
+
     def yes_probability(
         self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], fps: float = 0.0
     ) -> torch.Tensor:
         """P(yes) / (P(yes) + P(no)) of the first answer token: float32 [B] on the CPU, for images [B, 3, H, W] or
         videos [B, F, 3, H, W] at ``fps``."""
         out = []
-        for sl in batches(images.shape[0], self.batch_size):
-            batch = self.inputs(images[sl], questions[sl], systems[sl], fps)
-            logits = self.model(**batch, logits_to_keep=1).logits[:, -1].float()  # [b, V]
+        for logits in self.first_token_logits(images, questions, systems, fps):
             yes = torch.logsumexp(logits[:, self.yes_ids], dim=-1)
             no = torch.logsumexp(logits[:, self.no_ids], dim=-1)
             out.append(torch.sigmoid(yes - no).cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def answer_probability(
+        self, images: torch.Tensor, questions: Sequence[str], systems: Sequence[str | None], fps: float = 0.0
+    ) -> torch.Tensor:
+        """VQAScore: P("Yes") of the first answer token, softmax over the whole vocabulary: float32 [B] on the CPU,
+        for images [B, 3, H, W] or videos [B, F, 3, H, W] at ``fps``."""
+        out = []
+        for logits in self.first_token_logits(images, questions, systems, fps):
+            out.append((logits[:, self.answer_id] - torch.logsumexp(logits, dim=-1)).exp().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
     @torch.no_grad()
