@@ -35,6 +35,7 @@ REGISTRY = Registry(
         "clip_score": "flowrl_rewards.preference.clip_score:ClipScore",
         "pickscore": "flowrl_rewards.preference.pickscore:PickScore",
         "hpsv2": "flowrl_rewards.preference.hpsv2:HPSv2",
+        "hpsv3": "flowrl_rewards.preference.hpsv3:HPSv3",
         "imagereward": "flowrl_rewards.preference.imagereward:ImageRewardScore",
         "aesthetic": "flowrl_rewards.preference.aesthetic:Aesthetic",
         "remote": "flowrl_rewards.serving.remote:RemoteReward",
