@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, overrides = split_config_arg(args.config, args.overrides)
     cfg = load_config(config, overrides)
+    check_push(cfg.train.push_to_hub)
     cfg, perf = fitted_and_metered(cfg, overrides)
     trainer = Trainer(cfg, perf=perf)
     try:
@@ -124,5 +125,60 @@ def run(args: argparse.Namespace) -> int:
         if stop is not None:
             print(f"\n{stop_summary(stop)}; exit status {GUARD_STOPPED}")
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
+    pushed = push_to_hub(trainer, stop)
     trainer.group.close()  # several processes: all done, the process group destroyed before the interpreter exits
-    return GUARD_STOPPED if stop is not None else 0
+    return GUARD_STOPPED if stop is not None else pushed
+
+
+def check_push(repo: str | None) -> None:
+    """Before any training: ``train.push_to_hub`` names a valid repo id, the Hub is not switched off (HF_HUB_OFFLINE)
+    and a Hugging Face token is there (else a ConfigError: a run of hours should not end on a missing token)."""
+    if repo is None:
+        return
+    from huggingface_hub import constants
+
+    from flowrl.config.schema import ConfigError
+    from flowrl.run.hub import check_repo_id, hub_token
+
+    check_repo_id(repo, "train.push_to_hub")
+    if constants.is_offline_mode():
+        raise ConfigError(
+            f"train.push_to_hub={repo!r} needs the Hub, but HF_HUB_OFFLINE is set: unset it (or drop "
+            "train.push_to_hub); nothing was trained"
+        )
+    if not hub_token():
+        raise ConfigError(
+            f"train.push_to_hub={repo!r} needs a Hugging Face token: set HF_TOKEN or run `hf auth login` (or drop "
+            "train.push_to_hub); nothing was trained"
+        )
+
+
+def push_to_hub(trainer, stop) -> int:
+    """``train.push_to_hub`` after training (docs/sharing.md): the run's weights exported (``export/``, every process
+    takes part), its model card written beside them and the folder uploaded by the main process. The exit status: 0,
+    or 1 after a failed upload (one line; the run and its export kept). A run its eval guard stopped is not pushed."""
+    repo = trainer.cfg.train.push_to_hub
+    if repo is None:
+        return 0
+    if stop is not None:
+        if trainer.accelerator.is_main_process:
+            print(
+                f"not pushed to {repo}: the eval guard stopped the run; `flowrl export {trainer.run_dir} "
+                f"--push-to-hub {repo}` pushes its last checkpoint anyway"
+            )
+        return 0
+    folder = trainer.export() if trainer.sharding is None else trainer.run_dir / "export"  # sharded: exported already
+    status = 0
+    if trainer.accelerator.is_main_process:
+        from flowrl.commands.export import push
+        from flowrl.run.model_card import write_card
+
+        step = trainer.step
+        write_card(
+            folder, trainer.cfg, trainer.run_dir, step=step, last_step=step, guidance=trainer.guidance, repo_id=repo
+        )
+        again = f"`flowrl export {trainer.run_dir} --push-to-hub {repo}` pushes again"
+        status = push(
+            folder, repo, command="train", kept=f"the run in {trainer.run_dir} and its export are kept ({again})"
+        )
+    return status
