@@ -303,7 +303,7 @@ def test_health_check_names_the_models_a_server_serves(serve):
     "kwargs, match",
     [
         ({"backend": "vllm"}, r"backend='vllm' is not one of \('openai', 'transformers'\)"),
-        ({"score": "logits"}, r"score='logits' is not one of \('yes_probability', 'pattern'\)"),
+        ({"score": "logits"}, r"score='logits' is not one of \('yes_probability', 'vqascore', 'pattern'\)"),
         (
             {"question": "Is {subject} in the image?"},
             r"question=.*has the field \{subject\}; the only field accepted is \{prompt\}",

@@ -112,7 +112,10 @@ def test_the_judge_declares_it_scores_images_and_videos():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(template="motions"), r"template='motions' is not one of \('vqascore', 'motion'\)"),
+        (
+            dict(template="motions"),
+            r"template='motions' is not one of \('vqascore', 'motion', 'unifiedreward', 'unifiedreward_video'\)",
+        ),
         (dict(template="motion", question="Is it {prompt}?"), "give question or template, not both"),
         (dict(video_input="mp4"), r"video_input='mp4' is not one of \('video', 'frames'\)"),
         (dict(fps=0), r"fps=0 must be a number > 0"),

@@ -10,6 +10,10 @@
   ``results.jsonl`` (one line per image: prompt, tag, correct, partial score, reasons) and ``summary.json``.
 - ``ocr`` (Flow-GRPO's OCR test set, ``dataset/ocr/test.txt`` from ``flowrl data fetch ocr``): one image per prompt,
   scored by the ``ocr`` reward; the mean score and the share read exactly.
+- ``vqascore`` (any prompt file, ``--prompts``, scored by a VLM as GenEval 2 scores its prompts): each image's
+  VQAScore, P("Yes") to VQAScore's question (the ``vlm_judge`` reward with ``score: vqascore`` and VQAScore's
+  question, whatever the config's term asks); the mean over the images (an image without a score, NaN, is left out
+  and counted), and the mean over prompts of each prompt's mean.
 
 The reward's settings (detector, colour model, OCR engine…) come from the config's term of the same name (in
 ``eval.rewards``, else ``rewards``), so a config that trains with it benchmarks with it; its training ``score`` is
@@ -21,6 +25,7 @@ process draws every ``world``-th prompt and the scores are reduced over processe
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,6 +61,14 @@ BENCHMARKS: dict[str, Benchmark] = {
             "flowrl data fetch geneval",
         ),
         Benchmark("ocr", "dataset/ocr/test.txt", 1, "ocr", {}, "flowrl data fetch ocr"),
+        Benchmark(
+            "vqascore",
+            "",  # no prompt set of its own: --prompts names one
+            1,
+            "vlm_judge",
+            {"score": "vqascore", "template": "vqascore", "question": None, "system": None},
+            "a prompt file named with --prompts",
+        ),
     )
 }
 
@@ -233,6 +246,11 @@ def score_rows(bench: Benchmark, reward, images: torch.Tensor, prompts: list[str
         ]
     meta: dict[str, Any] = {}
     scores = reward(images, prompts, meta)
+    if bench.name == "vqascore":  # NaN (no score) written as null
+        return [
+            {"index": i, "prompt": p, "score": s if math.isfinite(s) else None}
+            for i, p, s in zip(indices, prompts, scores.tolist())
+        ]
     texts = meta.get(f"{reward.name}/text") or [None] * len(prompts)
     return [
         {"index": i, "prompt": p, "score": float(s), "correct": float(s) == 1.0, "recognised": t}
@@ -253,6 +271,17 @@ def summarise(bench: Benchmark, rows: list[dict], group) -> dict[str, float]:
         values[key] = sum(hits) / len(hits) if hits else 0.0
         weights[key] = float(len(hits))
 
+    if bench.name == "vqascore":  # the mean over scored images, and over prompts of each prompt's mean
+        scored = [r for r in rows if r["score"] is not None]
+        add("mean", [r["score"] for r in scored])
+        per_prompt: dict[int, list[float]] = {}
+        for r in scored:
+            per_prompt.setdefault(r["index"], []).append(r["score"])
+        add("prompt_mean", [sum(v) / len(v) for v in per_prompt.values()])
+        counts = {"n/images": len(rows), "n/scored": len(scored), "n/prompts": len(per_prompt)}
+        values.update({k: float(v) for k, v in counts.items()}, unscored=float(len(rows) - len(scored)))
+        out = group.reduce_means(values, weights)  # one reduction: the means weighted, the counts added
+        return {"mean": math.nan, "prompt_mean": math.nan, **out}  # NaN: no image had a score
     add("images", [float(r["correct"]) for r in rows])
     by_prompt: dict[int, bool] = {}
     for r in rows:
@@ -284,6 +313,16 @@ def summary_lines(bench: Benchmark, summary: dict[str, float], n_prompts: int) -
     if bench.name == "geneval":
         return summary_text({**summary, "n": summary["n/images"]}, n_prompts)
     n = int(summary["n/images"])
+    if bench.name == "vqascore":
+        unscored = int(summary["unscored"])
+        return "\n".join(
+            [
+                f"VQAScore benchmark: {n} images of {n_prompts} prompts"
+                + (f" ({unscored} without a score, left out)" if unscored else ""),
+                f'mean VQAScore (P("Yes")): {summary["mean"]:.4f}',
+                f"mean over prompts: {summary['prompt_mean']:.4f}",
+            ]
+        )
     return "\n".join(
         [
             f"OCR benchmark: {n} images of {n_prompts} prompts",
