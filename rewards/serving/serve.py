@@ -7,7 +7,8 @@
 
 NAME is a registry name, ``package.module:Class`` or ``path/to/file.py:Class``. ``--port 0`` picks a free port.
 Once the reward is loaded and the server answers, one line is printed to stdout, the only one:
-``serving NAME on http://HOST:PORT/score`` (logs go to stderr).
+``serving NAME on http://HOST:PORT/score`` (logs go to stderr). SIGINT or SIGTERM, to the process or its group, stops
+it and every process it started, quietly, with exit status 130 or 143; a background job (SIGINT ignored) included.
 
 Endpoints: ``POST /score`` (or ``/``) with the JSON of :mod:`flowrl_rewards.serving.remote`; ``GET /health`` (or ``/``)
 → ``{"status": "ok", "reward": NAME}``. Refusals are ``{"error": message}``: 401 without the bearer token
@@ -29,7 +30,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 
 EXTRA_HINT = (
@@ -171,20 +171,6 @@ def _stdout_for_the_ready_line():
     return ready
 
 
-def _sigterm_handler():
-    """SIGTERM → KeyboardInterrupt in this process (LitServe then stops its processes as for Ctrl-C); a process
-    forked from it (the uvicorn server, which re-raises the signal after its own shutdown) ends the default way."""
-    main_pid = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() == main_pid:
-            raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    return handler
-
-
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -214,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"{p.prog}: error: reward {args.name!r} with --kwargs {args.kwargs}: {e}\n")
 
     ready_out = _stdout_for_the_ready_line()
-    signal.signal(signal.SIGTERM, _sigterm_handler())
+    from flowrl_rewards.serving.serve_app import Stop, stop_on_signals
+
+    stop_on_signals()  # SIGINT and SIGTERM stop the server, however it was started (serve_app's docstring)
 
     def on_ready(name: str, url: str) -> None:
         print(f"serving {name} on {url}", file=ready_out, flush=True)
@@ -239,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    return 0
+    return 128 + Stop.signum if Stop.signum is not None else 0  # stopped by a signal: 130 (SIGINT), 143 (SIGTERM)
 
 
 if __name__ == "__main__":

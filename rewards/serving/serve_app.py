@@ -10,6 +10,14 @@ seconds for more) and answers them together (:func:`flowrl_rewards.serving.serve
 that
 waits longer than ``queue_timeout`` seconds for a worker gets 504.
 
+Stopping (:func:`run`, :func:`stop_on_signals`): SIGINT and SIGTERM stop the server whoever sends them and however it
+was started (a shell's background job inherits SIGINT ignored: the handler is installed anyway). Only the main process
+answers them: every process it starts leaves its process group at once (:func:`detach_from_group`: a signal to the
+group — Ctrl-C, ``timeout``, ``kill -INT -PGID`` — reaches the main process alone, which then stops the server, its
+workers and LitServe's manager in order, so nothing dies under another's feet and no traceback is printed) and dies
+with the main process if that is killed outright (``PR_SET_PDEATHSIG``). The stop exits with 128 + the signal's
+number (130, 143).
+
 This module imports LitServe at the top: import it only after checking the library is installed
 (:func:`flowrl_rewards.serving.serve.require_litserve`).
 """
@@ -19,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
+import signal
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -33,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flowrl_rewards.core.base import Reward
 from flowrl_rewards.serving.serve_batching import Reply, score_requests
-from flowrl_rewards.serving.serve_guard import RequestGuard, json_body
+from flowrl_rewards.serving.serve_guard import RequestGuard, invalid_http_reply, json_body
 from flowrl_rewards.serving.serve_limits import Limits, RequestError, probe_request
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,71 @@ log = logging.getLogger(__name__)
 HOSTS = ("127.0.0.1", "0.0.0.0", "::")
 """The addresses LitServe binds: localhost, or every IPv4 / IPv6 interface."""
 NAME_BYTES = 512
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+# ---- stopping ------------------------------------------------------------------------------------------------
+class Stop:
+    """The stop of this process's server: the signal that began it (None while serving)."""
+
+    signum: int | None = None
+    main_pid: int | None = None
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent ends (Linux; elsewhere nothing), and end now when the
+    parent is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def detach_from_group(parent: int | None = None) -> None:
+    """Leave the process group (its signals are then the main process's alone, which stops this process in order)
+    and die with the parent (``parent``: its pid, default the current parent)."""
+    parent = os.getppid() if parent is None else parent
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a session leader cannot: it keeps the group
+        pass
+    _die_with_parent(parent)
+
+
+def _after_fork_in_child() -> None:
+    if Stop.main_pid is not None and os.getppid() == Stop.main_pid:
+        detach_from_group(Stop.main_pid)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM → KeyboardInterrupt in this (the main) process, once (later signals wait for the stop, which
+    is bounded), whatever their disposition was (a background job starts with SIGINT ignored); a forked child still
+    running this handler ignores them (the main process stops it). Processes forked from here on leave the group."""
+    if Stop.main_pid is None:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    Stop.main_pid, Stop.signum = os.getpid(), None
+
+    def handler(signum, frame):
+        if os.getpid() != Stop.main_pid or Stop.signum is not None:
+            return
+        Stop.signum = signum
+        raise KeyboardInterrupt
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
+
+
+class _QuietStop(logging.Filter):
+    """Drops LitServe's tracebacks once a stop began: its monitoring thread may still ask the manager the stop just
+    shut down ("Monitoring worker crashed", BrokenPipeError)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return Stop.signum is None or record.exc_info is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +175,12 @@ class RewardAPI(ls.LitAPI):
         self.reward: Reward | None = None
 
     def setup(self, device: str) -> None:
-        import signal
-
         from PIL import Image
 
-        # Ctrl-C reaches the whole process group: the main process stops this worker (SIGTERM) once it has
-        # stopped taking requests, so the worker ignores SIGINT rather than die mid-batch with a traceback
+        # a signal to the group is the main process's to answer: it stops this worker (SIGTERM) once it has stopped
+        # taking requests, so the worker leaves the group (and ignores SIGINT, should one still come) rather than die
+        # mid-batch with a traceback; it dies with the main process if that is killed outright
+        detach_from_group()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # the request checks bound pixels first; PIL's own bomb check must not refuse what they allowed
         Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, self.options.limits.max_image_pixels)
@@ -135,6 +211,19 @@ class RewardAPI(ls.LitAPI):
 
     def encode_response(self, output: Reply) -> Response:
         return Response(json_body(output.body), status_code=output.status, media_type="application/json")
+
+
+def json_error_protocol() -> type:
+    """uvicorn's HTTP protocol (httptools, else h11) answering a request its parser refuses (a lying or doubled
+    Content-Length) in the server's JSON error form, not uvicorn's plain-text "Invalid HTTP request received."."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JsonErrors(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(invalid_http_reply(msg))
+            self.transport.close()
+
+    return JsonErrors
 
 
 def free_port(host: str) -> int:
@@ -224,7 +313,8 @@ def run(
     port: int = 8000,
     on_ready: Callable[[str, str], None] | None = None,
 ) -> None:
-    """Serve until interrupted (KeyboardInterrupt; SIGTERM where the caller turns it into one).
+    """Serve until interrupted (KeyboardInterrupt; SIGINT and SIGTERM where the caller called
+    :func:`stop_on_signals`, which also makes the processes started here leave the process group).
 
     ``port=0`` picks a free port. ``on_ready(reward name, score URL)`` is called once the server answers.
     RuntimeError when no scoring worker starts (the reward failed to build: its traceback is in the log).
@@ -234,6 +324,9 @@ def run(
     if port == 0:
         port = free_port(host)
     server, _ = build_server(source, options)
+    quiet = _QuietStop()
+    logging.getLogger("litserve").addFilter(quiet)
+    logging.getLogger("litserve.server").addFilter(quiet)
     stop = threading.Event()
     if on_ready is not None:
         score_url = f"http://{'[::]' if host == '::' else host}:{port}/score"
@@ -252,10 +345,13 @@ def run(
             log_level="info" if options.verbose else "warning",
             backlog=options.backlog,
             access_log=options.verbose,
+            http=json_error_protocol(),
         )
     finally:
         stop.set()
         _end_children()
+        logging.getLogger("litserve").removeFilter(quiet)
+        logging.getLogger("litserve.server").removeFilter(quiet)
 
 
 def _end_children(grace: float = 5.0) -> None:

@@ -204,7 +204,14 @@ def probe_request(request: Any, limits: Limits) -> ScoreRequest:
         raise RequestError(
             400, "bad request: 'images' (list of base64 PNG strings) and 'prompts' (list of strings) are required"
         )
-    if len(images) != len(prompts) or not all(isinstance(p, str) for p in prompts):
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise RequestError(
+                400,
+                f"bad request: prompts[{i}] is {type(prompt).__name__} ({json.dumps(prompt)[:80]}), expected a "
+                "string: 'prompts' is a list of strings, one per image",
+            )
+    if len(images) != len(prompts):
         raise RequestError(
             400, f"bad request: need one prompt string per image, got {len(images)} images, {len(prompts)} prompts"
         )
