@@ -77,6 +77,9 @@ def main(out: str, shard: str, tune: str, *extra: str) -> None:
     torch.set_num_threads(1)
     trainer = Trainer(shapes_config(Path(out), shard, tune, *extra))
     records = trainer.train()
+    if trainer.rolls_out:  # a launched rollout process (train.rollout_processes): it holds no trained state
+        trainer.group.close()
+        return
     with trainer.sampling(), torch.no_grad():  # what the next rollout samples with: the diffusers pipeline's own call
         images = pipeline_images(trainer.model.pipe)
     module = trainer.model.trainable

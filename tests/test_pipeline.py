@@ -96,9 +96,7 @@ def test_what_async_cannot_run_is_refused_naming_the_key():
     cfg = TrainConfig.from_yaml(None, ["train.pipeline=async"])
     with pytest.raises(ConfigError, match="a model object was given"):
         check_pipeline(cfg, model=object())
-    with pytest.raises(ConfigError, match="model.shard='fsdp'"):
-        check_pipeline(cfg, sharded=True)
-    check_pipeline(TrainConfig.from_yaml(None, []), model=object(), sharded=True)  # sync: anything
+    check_pipeline(TrainConfig.from_yaml(None, []), model=object())  # sync: anything
     refused = {
         "train.pipeline=asynchronous": "train.pipeline='asynchronous'.*'sync', 'async'",
         "train.max_staleness=-1": "train.max_staleness=-1 must be >= 0",
@@ -240,7 +238,7 @@ def test_a_failed_rollout_process_stops_the_run_with_its_own_error_keeping_the_l
         assert isinstance(caught.value.__cause__, RolloutFailed) and "ValueError" in str(caught.value.__cause__)
     assert [r["step"] for r in records(tmp_path, "fails")] == [1]
     assert (tmp_path / "fails" / "checkpoints" / "step-1").is_dir()  # the last finished iteration is kept
-    assert trainer.rollouts.process is None  # stopped
+    assert trainer.rollouts.link is None  # stopped
 
 
 def children(pid: int) -> list[int]:

@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         records = trainer.train()
     except KeyboardInterrupt:
         return 130
+    if trainer.rolls_out:  # a launched rollout process (train.rollout_processes): its trainers have stopped
+        trainer.group.close()
+        return 0
     stop = trainer.guard.stop
     if trainer.accelerator.is_main_process:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]

@@ -19,16 +19,22 @@ class ProcessGroup:
     With context parallelism (``context`` > 1, :mod:`flowrl.distributed.context_parallel`) the ``processes`` form
     groups of ``context`` consecutive ranks that hold the same data: ``world = processes / context`` and ``rank`` is
     the group's index, so prompts, seeds and shares are the group's; gathers and sums count each group once; the
-    gradient reducer sums over every process (a group's ranks hold parts of one gradient) and divides by ``world``."""
+    gradient reducer sums over every process (a group's ranks hold parts of one gradient) and divides by ``world``.
 
-    def __init__(self, accelerator, context: int = 1):
+    ``members``: a torch.distributed group of some of the launched processes and their global ranks (the trainers of
+    ``train.pipeline=async`` with ``train.rollout_processes``, :mod:`flowrl.training.pipeline`): then ``processes``
+    counts them, ``global_rank`` is this process's index among them, and every collective runs over that group
+    (global rank 0 must be a member: it writes the run's files). None: every launched process."""
+
+    def __init__(self, accelerator, context: int = 1, members: tuple[object, list[int]] | None = None):
         self.accelerator = accelerator
-        self.processes = accelerator.num_processes
+        self.dist_group, ranks = members if members is not None else (None, None)
+        self.processes = len(ranks) if ranks is not None else accelerator.num_processes
         self.context = int(context)
         if self.context < 1 or self.processes % self.context:
             raise ValueError(f"context={context} must divide the processes ({self.processes})")
         self.world = self.processes // self.context
-        self.global_rank = accelerator.process_index
+        self.global_rank = ranks.index(accelerator.process_index) if ranks is not None else accelerator.process_index
         self.rank = self.global_rank // self.context
         self.is_main = accelerator.is_main_process
         self.context_rank = self.global_rank % self.context  # 0: the group's leader (writes its per-replica files)
@@ -37,7 +43,17 @@ class ProcessGroup:
         """Every replica's ``t`` [n, ...] concatenated in rank order [world·n, ...], on the CPU."""
         if self.processes == 1:
             return t
-        every = self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+        if self.dist_group is not None:
+            import torch.distributed as dist
+
+            local = t.to(self.accelerator.device).contiguous()
+            out = torch.empty(
+                (self.processes * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device
+            )
+            dist.all_gather_into_tensor(out, local, group=self.dist_group)
+            every = out.cpu()
+        else:
+            every = self.accelerator.gather(t.to(self.accelerator.device)).cpu()
         if self.context == 1:
             return every
         return every.reshape(self.processes, *t.shape)[:: self.context].reshape(-1, *t.shape[1:])
@@ -47,6 +63,11 @@ class ProcessGroup:
         if self.processes == 1:
             return float(value)
         t = torch.tensor([float(value)], device=self.accelerator.device)
+        if self.dist_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dist_group)
+            return float(t.item()) / self.context
         return float(self.accelerator.reduce(t, reduction="sum").item()) / self.context
 
     def mean(self, value: float) -> float:
@@ -61,7 +82,7 @@ class ProcessGroup:
         import torch.distributed as dist
 
         every: list[dict[str, float]] = [{} for _ in range(self.processes)]
-        dist.all_gather_object(every, dict(sums))
+        dist.all_gather_object(every, dict(sums), group=self.dist_group)
         out: dict[str, float] = {}
         for part in every[:: self.context]:  # rank order, so every rank folds the same numbers in the same order
             for key, value in part.items():
@@ -95,7 +116,9 @@ class ProcessGroup:
         import torch.distributed as dist
 
         t = torch.tensor([float(value)], device=self.accelerator.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # one small collective (the updater asks every optimizer step)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MAX, group=self.dist_group
+        )  # one small collective (the updater asks every optimizer step)
         return float(t.item())
 
     def gradient_reducer(
@@ -103,11 +126,19 @@ class ProcessGroup:
     ) -> "GradientReducer":
         """A :class:`GradientReducer` of ``params`` over these processes (hooks only when ``processes`` > 1 and
         ``enabled``: a sharded model reduces its own gradients): the sum over every process / ``world``."""
+        reduce = None
+        if self.dist_group is not None:
+            import functools
+
+            import torch.distributed as dist
+
+            reduce = functools.partial(dist.all_reduce, group=self.dist_group)
         return GradientReducer(
             params,
             self.processes if enabled else 1,
             self.accelerator.device,
             bucket_bytes=int(bucket_mb * 2**20),
+            all_reduce=reduce,
             divisor=self.world,
         )
 
@@ -118,7 +149,7 @@ class ProcessGroup:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.dist_group)  # global rank 0: always a member
         return box[0]
 
     def shard(self, items: list) -> tuple[list, int]:
@@ -127,13 +158,18 @@ class ProcessGroup:
         return items[self.rank * k : (self.rank + 1) * k], self.rank * k
 
     def wait(self) -> None:
+        if self.dist_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.dist_group)
+            return
         self.accelerator.wait_for_everyone()
 
     def close(self) -> None:
         """At the end of a command: wait for every process, then destroy the process group (a process that exits
         with gloo's threads still up can abort the interpreter: "terminate called without an active exception")."""
-        if self.processes > 1:
-            self.wait()
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()  # every launched process, rollout processes included
             self.accelerator.state.destroy_process_group()
 
 

@@ -130,10 +130,13 @@ class Sharding:
         """``group``: the run's :class:`~flowrl.distributed.process_group.ProcessGroup`; the model is sharded over all
         its processes, and the gradients are the sum over every process / its data replicas (``world``: with context
         parallelism a replica's gradient is the sum over its context group)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         self.model, self.rollouts, self.offload = model, rollouts, offload and device.type == "cuda"
-        self.mesh = init_device_mesh(device.type, (group.processes,))
+        if group.dist_group is not None:  # the trainers of an asynchronous run: a mesh over them alone
+            self.mesh = DeviceMesh.from_group(group.dist_group, device.type)
+        else:
+            self.mesh = init_device_mesh(device.type, (group.processes,))
         self.replicas = group.world
 
     def mixed_precision(self, compute: torch.dtype):

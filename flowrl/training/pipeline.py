@@ -25,12 +25,7 @@ failure in it reaches the trainer as its own exception (:class:`RolloutFailed` o
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
-import signal
-import sys
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +33,6 @@ from typing import Any
 import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
-
-POLL_SECONDS = 0.5  # how often a wait checks that the other side is still alive
-START_SECONDS = 600.0  # the longest a rollout process may take to build its model and rewards
 
 
 def behaviour_version(iteration: int, staleness: int) -> int:
@@ -65,11 +57,13 @@ class RolloutFailed(RuntimeError):
 
 
 def flatten(params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``params`` as one flat tensor per dtype (detached copies: the trainer keeps updating its own), keyed by the
-    dtype's name: one shared buffer per dtype instead of one per tensor."""
+    """``params`` whole (sharded ones gathered: a collective, every trainer calls it) as one flat tensor per dtype
+    (detached copies: the trainer keeps updating its own), keyed by the dtype's name: one buffer per dtype."""
+    from flowrl.distributed.sharding import whole
+
     out: dict[str, list[torch.Tensor]] = {}
     for p in params:
-        out.setdefault(str(p.dtype), []).append(p.detach().reshape(-1))
+        out.setdefault(str(p.dtype), []).append(whole(p.detach()).reshape(-1))
     return {k: torch.cat(v).clone() for k, v in out.items()}
 
 
@@ -104,25 +98,18 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
 
 
-def check_pipeline(cfg: TrainConfig, model=None, reward=None, sharded: bool = False) -> None:
+def check_pipeline(cfg: TrainConfig, model=None, reward=None) -> None:
     """Refuse, naming the key, what ``train.pipeline=async`` cannot run with the run at hand: a model or reward given
-    in code (the rollout process builds its own from the config) and sharded training. What the config alone
-    decides is refused at load (:func:`flowrl.config.pipeline.check_pipeline_config`)."""
-    t = cfg.train
-    if t.pipeline != "async":
+    in code (the rollout process builds its own from the config). What the config alone decides is refused at load
+    (:func:`flowrl.config.pipeline.check_pipeline_config`)."""
+    if cfg.train.pipeline != "async" or (model is None and reward is None):
         return
-    if model is not None or reward is not None:
-        given = "model" if model is not None else "reward"
-        raise ConfigError(
-            f"train.pipeline='async' builds the rollout's copy of the policy and its rewards from the config in its "
-            f"own process, but a {given} object was given to the Trainer; pass it as config keys "
-            "(model.path, rewards) or use train.pipeline='sync'"
-        )
-    if sharded:
-        raise ConfigError(
-            "train.pipeline='async' with model.shard='fsdp' is not supported: the rollout process holds a whole copy "
-            "of the policy; use model.shard='none' or train.pipeline='sync'"
-        )
+    given = "model" if model is not None else "reward"
+    raise ConfigError(
+        f"train.pipeline='async' builds the rollout's copy of the policy and its rewards from the config in its "
+        f"own process, but a {given} object was given to the Trainer; pass it as config keys "
+        "(model.path, rewards) or use train.pipeline='sync'"
+    )
 
 
 def split_threads(train) -> tuple[int | None, int | None]:
@@ -142,171 +129,42 @@ def rollout_failure(error: BaseException) -> bool:
     return isinstance(error, RolloutFailed) or isinstance(error.__cause__, RolloutFailed)
 
 
-class RolloutSide:
-    """What the rollout process holds: its copy of the policy (built from the config, the same trainable parameters in
-    the same order as the trainer's), the plan, the rewards and the objective's sampling teacher, and a
-    :class:`~flowrl.rollout.runner.RolloutRunner` over them."""
-
-    def __init__(self, cfg: TrainConfig):
-        from flowrl.config import build
-        from flowrl.config.chosen import build_components
-        from flowrl.rollout.runner import RolloutRunner
-        from flowrl.training.scoring import run_rewards
-        from flowrl.training.trainable import setup_trainable, teacher_weights
-
-        c = cfg
-        self.reward, _ = run_rewards(c)
-        self.plan, _, objective = build_components(c)
-        teacher = teacher_weights(objective)
-        self.model = build.build_model(c.model, build.resolve_device(c.model.device))
-        self.params = setup_trainable(self.model, c.model, c.train.seed)
-        objective.setup(self.model, **teacher)
-        self.plan.setup(self.model, self.reward)
-        self.runner = RolloutRunner(
-            self.plan,
-            self.model,
-            self.reward,
-            prompts=None,
-            group=None,
-            seed=c.train.seed,
-            guidance=1.0,
-            max_batch=c.rollout.max_batch,
-            chunks=c.rollout.chunks,
-            reduction=objective.reduction,
-            teacher=objective.sampling_teacher(),
-            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
-        )
-
-    def load(self, flat: dict[str, torch.Tensor]) -> None:
-        """Take a weights version: into the trainable parameters, then the plan's copies follow (an explorer)."""
-        unflatten_into(self.params, flat)
-        self.plan.after_update(self.model)
-
-    def run(self, job: RolloutJob) -> tuple[Any, dict[str, float], dict[str, float]]:
-        """(scored forest, timings, the plan's metrics of it) of ``job``."""
-        self.runner.guidance = job.guidance
-        forest, times = self.runner.run_prompts(job.iteration, job.prompts, job.offset, job.teacher_fraction)
-        forest.logp_old  # settle the host copies of the edges' values before the forest leaves the process
-        return forest, times, self.plan.metrics(forest)
-
-    def close(self) -> None:
-        self.runner.close()
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent dies (kill -9 of the trainer leaves no orphan)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def _next_command(commands, parent_pid: int):
-    """The next command; exits when the trainer is gone (checked every :data:`POLL_SECONDS`)."""
-    while True:
-        try:
-            return commands.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-
-def rollout_process_main(values: dict[str, Any], threads: int | None, commands, results, parent_pid: int) -> None:
-    """The rollout process: build a :class:`RolloutSide` from the config, answer ``ready``, then run the trainer's
-    commands in order (``weights``, ``job``, ``stop``). A failure is sent to the trainer, then the process exits 1."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops us
-    side = None
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        side = RolloutSide(config_from_dict(values))
-        results.put(("ready", os.getpid()))
-        version, waited = -1, 0.0
-        while True:
-            t0 = time.perf_counter()
-            kind, payload = _next_command(commands, parent_pid)
-            waited += time.perf_counter() - t0
-            if kind == "stop":
-                break
-            if kind == "weights":
-                version, flat = payload
-                side.load(flat)
-                del flat
-                continue
-            forest, times, stats = side.run(payload)
-            results.put(("forest", payload.iteration, version, forest, times, stats, waited))
-            waited = 0.0
-    except BaseException as e:  # noqa: BLE001 — every failure goes to the trainer, with its traceback
-        try:
-            results.put(("error", _picklable(e), traceback.format_exc()))
-            results.close()
-            results.join_thread()  # the message is in the pipe before the process ends
-        except Exception:  # noqa: BLE001
-            pass
-        sys.stdout.flush()
-        os._exit(1)
-    finally:
-        if side is not None:
-            side.close()
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """``error`` itself when it pickles (the trainer raises the same type), else a RuntimeError with its text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
 class AsyncRollouts:
-    """The trainer's side of the rollout process (one machine): start it, hand it weights and jobs on the fixed
-    schedule, take its forests, stop it. ``make_job(iteration)`` → :class:`RolloutJob` (the trainer decides the
-    prompts); ``params``: the trainer's trainable parameters; ``max_steps``: no job is made at or past it."""
+    """The trainer's side of the pipeline: hand the rollout side weights and jobs on the fixed schedule, take its
+    forests, stop it. ``make_job(iteration)`` → :class:`RolloutJob` (the trainer decides the prompts); ``params``: the
+    trainer's trainable parameters (``gather``: their whole values when they are sharded); ``connect()`` → a link to
+    the rollout side (:mod:`flowrl.training.rollout_process`: a process started beside this one, or a launched
+    rollout process of ``train.rollout_processes``); ``sends_weights``: False when another trainer sends them to the
+    same rollout process (only the version is sent then)."""
 
-    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter], make_job, threads: int | None):
-        self.cfg, self.params, self.make_job, self.threads = cfg, params, make_job, threads
+    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter], make_job, connect, sends_weights=True):
+        self.cfg, self.params, self.make_job, self.connect = cfg, params, make_job, connect
+        self.sends_weights = sends_weights
         self.staleness = int(cfg.train.max_staleness)
         self.max_steps = int(cfg.train.max_steps)
-        self.process = None
+        self.link = None
         self.pending: deque[RolloutJob] = deque()  # jobs handed over, their forests not yet taken
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}  # versions in-flight jobs may still need
         self.sent_version = -1
+        self.step = 0
         self._restored: dict | None = None
 
     # ---- the schedule --------------------------------------------------------------------------
     @property
     def started(self) -> bool:
-        return self.process is not None
+        return self.link is not None
 
     def start(self, step: int) -> None:
-        """Start the rollout process at ``step`` (the weights are version ``step``) and hand it the jobs of
+        """Connect to the rollout side at ``step`` (the weights are version ``step``) and hand it the jobs of
         iterations ``step … step + s``: those of a resumed checkpoint as they were made, then new ones."""
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.commands, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(
-            target=rollout_process_main,
-            args=(config_dict(self.cfg), self.threads, self.commands, self.results, os.getpid()),
-            name="flowrl-rollout",
-            daemon=True,
-        )
-        self.process.start()
+        self.link = self.connect()
         self.step = step
         restored, self._restored = self._restored, None
         if restored is not None:
             self.behaviour = dict(restored["behaviour"])
         self._keep_current()
-        if restored is not None:
-            for job in restored["pending"]:
-                self._submit(job)
+        for job in restored["pending"] if restored is not None else ():
+            self._submit(job)
         last = self.pending[-1].iteration if self.pending else step - 1
         for it in range(last + 1, min(step + self.staleness, self.max_steps - 1) + 1):
             self._submit(self.make_job(it))
@@ -320,9 +178,9 @@ class AsyncRollouts:
                 flat = flatten(self.params)
             if flat is None:
                 raise RolloutFailed(f"no weights of version {version} for the rollout of iteration {job.iteration}")
-            self.commands.put(("weights", (version, flat)))
+            self.link.put(("weights", (version, flat if self.sends_weights else None)))
             self.sent_version = version
-        self.commands.put(("job", job))
+        self.link.put(("job", job))
         self.pending.append(job)
 
     def after_update(self, step: int) -> None:
@@ -342,12 +200,15 @@ class AsyncRollouts:
 
     def receive(self, iteration: int) -> tuple[Any, dict[str, float], dict[str, float]]:
         """The forest of ``iteration`` (waiting for it), its timings with the pipeline's metrics, and its plan's
-        metrics. A failed or vanished rollout process raises its own error (:class:`RolloutFailed` the cause)."""
+        metrics. A failed or vanished rollout side raises its own error (:class:`RolloutFailed` the cause)."""
         if not self.pending or self.pending[0].iteration != iteration:
             raise RolloutFailed(f"the rollout of iteration {iteration} was never handed to the rollout process")
         t0 = time.perf_counter()
         while True:
-            message = self._message()
+            message = self.link.get()
+            if message[0] == "error":
+                _, error, text = message
+                raise error from RolloutFailed(f"the rollout process failed:\n{text}")
             if message[0] == "forest":
                 break
         _, it, version, forest, times, stats, waited = message
@@ -360,25 +221,6 @@ class AsyncRollouts:
             "pipeline/staleness": float(self.step - version),
         }
         return forest, times, stats
-
-    def _message(self, timeout: float | None = None):
-        """The next message of the rollout process; its failure, or its exit, raises."""
-        t0 = time.perf_counter()
-        while True:
-            try:
-                message = self.results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RolloutFailed(
-                        f"the rollout process exited (status {self.process.exitcode}) without an error message"
-                    ) from None
-                if timeout is not None and time.perf_counter() - t0 > timeout:
-                    raise RolloutFailed(f"the rollout process did not start within {timeout:g} s") from None
-                continue
-            if message[0] == "error":
-                _, error, text = message
-                raise error from RolloutFailed(f"the rollout process failed:\n{text}")
-            return message
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -403,20 +245,8 @@ class AsyncRollouts:
         self._restored = {"pending": [RolloutJob(**j) for j in state["pending"]], "behaviour": state["behaviour"]}
 
     def close(self) -> None:
-        """Stop the rollout process (a stop command, then a terminate if it does not exit within 10 s)."""
-        if self.process is None:
-            return
-        process, self.process = self.process, None
-        if process.is_alive():
-            try:
-                self.commands.put(("stop", None))
-            except (OSError, ValueError):
-                pass
-            process.join(10)
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-        for q in (self.commands, self.results):
-            q.cancel_join_thread()
-            q.close()
+        """Stop the rollout side (its link says how)."""
+        link, self.link = self.link, None
+        if link is not None:
+            link.close()
         self.pending.clear()

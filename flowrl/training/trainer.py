@@ -57,15 +57,17 @@ from flowrl.training.evaluation import HeldOutEval, resolve_guidance
 from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
 from flowrl.training.perf import PerfMeter
-from flowrl.training.pipeline import AsyncRollouts, RolloutJob, check_pipeline, rollout_failure, split_threads
+from flowrl.training.pipeline import check_pipeline, rollout_failure, split_threads
+from flowrl.training.rollout_process import serve_rollout_rank
 from flowrl.training.scoring import check_modality, run_rewards
 from flowrl.training.trainable import setup_trainable, teacher_weights
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
+from flowrl.training.trainer_pipeline import TrainerPipeline
 from flowrl.training.updater import Updater
 from flowrl_rewards.background import RewardWaitCut
 
 
-class Trainer(TrainerCheckpoints):
+class Trainer(TrainerCheckpoints, TrainerPipeline):
     """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
 
     ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
@@ -99,8 +101,11 @@ class Trainer(TrainerCheckpoints):
             project_dir=str(run_dir),
             log_with=None if c.train.log_with == "none" else c.train.log_with,
         )
-        check_context_parallel(c, self.accelerator.num_processes)
-        self.group = ProcessGroup(self.accelerator, context=context_degree(c.model.context_parallel))
+        members = self._join_layout()  # train.rollout_processes: the trainers' group (None: every process trains)
+        if self.rolls_out:
+            return  # a launched rollout process: train() serves the trainers
+        check_context_parallel(c, len(members[1]) if members else self.accelerator.num_processes)
+        self.group = ProcessGroup(self.accelerator, context=context_degree(c.model.context_parallel), members=members)
         self.world, self.rank = self.group.world, self.group.rank
         if c.prompts.per_step % self.world:
             raise ConfigError(
@@ -108,7 +113,7 @@ class Trainer(TrainerCheckpoints):
             )
         shard = resolve_shard(c.model.shard)
         check_shard_settings(c, self.group.processes, shard)
-        check_pipeline(c, model, reward, sharded=shard == "fsdp")
+        check_pipeline(c, model, reward)
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
@@ -151,9 +156,7 @@ class Trainer(TrainerCheckpoints):
             c, self.model, self.objective, self.plan, self.params, self.group, sharded=self.sharding is not None
         )
         # train.pipeline=async: the forests come from a rollout process, on the fixed schedule of train.max_staleness
-        self.rollouts = (
-            AsyncRollouts(c, self.params, self._job, rollout_threads) if c.train.pipeline == "async" else None
-        )
+        self.rollouts = self._pipeline(rollout_threads) if c.train.pipeline == "async" else None
         eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
         self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
         self.evaluate = HeldOutEval(
@@ -214,22 +217,6 @@ class Trainer(TrainerCheckpoints):
         """The scored forest of ``iteration`` for this process and its timings (:class:`RolloutRunner`)."""
         with self.sampling():
             return self.runner.run(iteration, teacher_fraction=self.objective.teacher_fraction())
-
-    def _job(self, iteration: int) -> RolloutJob:
-        """The rollout of ``iteration`` as this process hands it to its rollout process: its prompt groups now, the
-        teacher's share and the guidance as they stand (with staleness s, after iteration − s − 1 updates)."""
-        prompts, offset = self.runner.local_prompts(iteration)
-        return RolloutJob(iteration, prompts, offset, self.objective.teacher_fraction(), self.guidance)
-
-    def next_forest(self, iteration: int) -> tuple[Forest, dict[str, float], dict[str, float]]:
-        """The scored forest of ``iteration``, its timings and its plan's metrics: rolled out here (``sync``), or taken
-        from the rollout process (``async``; started here when the loop did not start it)."""
-        if self.rollouts is None:
-            forest, times = self.rollout(iteration)
-            return forest, times, self.plan.metrics(forest)
-        if not self.rollouts.started:
-            self.rollouts.start(iteration)
-        return self.rollouts.receive(iteration)
 
     def update(self, forest: Forest, iteration: int) -> dict[str, float]:
         """The optimizer steps of ``iteration`` on ``forest`` and their diagnostics (:class:`Updater`)."""
@@ -304,7 +291,11 @@ class Trainer(TrainerCheckpoints):
 
     def train(self) -> list[dict[str, Any]]:
         """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until
-        the eval guard trips: ``guard.stop`` then holds the trip); returns the metric records of this call."""
+        the eval guard trips: ``guard.stop`` then holds the trip); returns the metric records of this call. A launched
+        rollout process serves its trainers until they stop, and returns no record."""
+        if self.rolls_out:
+            serve_rollout_rank(self.cfg, self.layout)
+            return []
         try:
             with self.folder.claim(lambda: self.step):
                 return self._train()
