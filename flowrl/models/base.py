@@ -49,21 +49,34 @@ and overrides, where the family differs from the defaults:
 - ``_vae_scale_shift()`` (default the VAE config's ``scaling_factor`` and ``shift_factor``, the
   shift None when the VAE has none, as SANA's DC-AE),
 - ``uses_cfg(guidance)`` (default: CFG when guidance ≠ 1; FLUX decides by ``true_cfg``).
+
+Training through CFG (``loss.cfg_gradient``; docs/algorithms.md, "Training through CFG"): inside
+``with model.cfg_gradient("cond"):`` the unconditional branch leaves the composition detached, so a loss of
+v = v_u + g·(v_c − v_u) sends its gradient through g·∇v_c only (Flow-GRPO's ``train_sd3.py``); ``"both"`` (outside
+any such context) lets it flow through both branches, adding (1 − g)·∇v_u. Values are the same bit for bit either
+way: only autograd sees the difference. An adapter that composes the branches itself takes them from
+:meth:`FlowModel._cfg_split`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
+from flowrl.core.choices import choose
 from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
 from flowrl.models.offload import EncoderOffload
 from flowrl.models.prompt_cache import PromptCache
 from flowrl.models.setup import AdapterSetup, align_cpu_tensors  # noqa: F401 (align_cpu_tensors: API)
+
+CFG_GRADIENTS = ("cond", "both")
+"""``loss.cfg_gradient``: what the guided training forward's gradient flows through — ``cond``: the conditional
+branch only (the unconditional output detached, as Flow-GRPO's ``train_sd3.py``); ``both``: both branches."""
 
 
 def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
@@ -367,11 +380,33 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
             return cond.cond
         return {k: torch.cat([cond.uncond[k], v]) for k, v in cond.cond.items()}
 
-    @staticmethod
-    def _cfg_combine(v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``v_u + scale·(v_c − v_u)`` from the output ``[uncond; cond]`` of one forward."""
+    def _cfg_split(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v_u, v_c)`` [B, ...] each from the output ``[uncond; cond]`` [2B, ...] of one forward; ``v_u`` detached
+        inside :meth:`cfg_gradient` ``("cond")`` (same values: only its gradient is cut)."""
         v_uncond, v_cond = v.chunk(2)
+        if self.__dict__.get("_cfg_gradient", "both") == "cond":
+            v_uncond = v_uncond.detach()
+        return v_uncond, v_cond
+
+    def _cfg_combine(self, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``v_u + scale·(v_c − v_u)`` [B, ...] from the output ``[uncond; cond]`` [2B, ...] of one forward (the
+        branches from :meth:`_cfg_split`)."""
+        v_uncond, v_cond = self._cfg_split(v)
         return v_uncond + scale * (v_cond - v_uncond)
+
+    @contextlib.contextmanager
+    def cfg_gradient(self, mode: str) -> Iterator[None]:
+        """Within the context, a guided :meth:`velocity` sends gradients through the conditional branch only
+        (``"cond"``: v_u detached, ∇v = g·∇v_c) or through both (``"both"``: ∇v = g·∇v_c + (1 − g)·∇v_u, the
+        default outside any context). Values do not change; forwards without gradients are unaffected. Nests; the
+        previous mode comes back on exit. ``mode`` is ``loss.cfg_gradient`` (:data:`CFG_GRADIENTS`)."""
+        choose("loss.cfg_gradient", mode, CFG_GRADIENTS)
+        previous = self.__dict__.get("_cfg_gradient", "both")
+        self.__dict__["_cfg_gradient"] = mode
+        try:
+            yield
+        finally:
+            self.__dict__["_cfg_gradient"] = previous
 
     # ---- shared behaviour -----------------------------------------------------------------
     def autocast_context(self):

@@ -385,7 +385,7 @@ class WanFlowModel(FlowModel):
         high, low = self._scales(guidance)
         if self.experts is not None and high != low:  # each row its expert's scale
             scale = torch.where(timestep >= self.experts.boundary, high, low).view(-1, 1, 1, 1, 1)
-            v_uncond, v_cond = out.chunk(2)
+            v_uncond, v_cond = self._cfg_split(out)
             return v_uncond + scale * (v_cond - v_uncond)
         return self._cfg_combine(out, high)
 

@@ -152,7 +152,7 @@ class ZImageFlowModel(FlowModel):
             )[0]
         out = torch.stack([o.float() for o in out]).squeeze(2)  # −v per row
         if cfg:
-            neg, pos = out.chunk(2)
+            neg, pos = self._cfg_split(out)
             out = self._guided(pos, neg, g, t)
         return -out
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from flowrl.core.choices import choice
 from flowrl.core.seeding import derive_seed, seeded_normal
 from flowrl.errors import ConfigError
+from flowrl.models.base import CFG_GRADIENTS
 from flowrl.objectives.base import Batch
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, Rows, row_mean
@@ -63,11 +64,14 @@ class GroupedForward(ForwardProcessObjective):
     ``timesteps: sampler`` trains at the highest ``level_fraction`` of the sampler's noise levels; more draws than
     levels cycle through them (each level ⌊D/L⌋ or ⌈D/L⌉ times, as a stratified draw). ``cfg: guided_rollouts``:
     rollouts at the model's guidance (CFG), the conditional velocity trained, the old copy and the reference read at
-    guidance 1 (DGPO's default mode; ``free`` and ``guided`` as for NFT).
+    guidance 1 (DGPO's default mode; ``free`` and ``guided`` as for NFT). ``cfg_gradient`` (read with ``cfg: guided``,
+    whose policy is the guided velocity v_u + g·(v_c − v_u)): the gradient through the conditional branch only
+    (``cond``: g·∇v_c) or through both (``both``: plus (1 − g)·∇v_u); docs/algorithms.md, "Training through CFG".
     """
 
     cfg: str = choice("free", GROUP_CFG_MODES)
     level_fraction: float = 1.0
+    cfg_gradient: str = choice("cond", CFG_GRADIENTS)
 
     group_use: ClassVar[str | None] = "compares the samples of each prompt group"
     statistic_reads_old: ClassVar[bool] = True  # the no-grad statistic pass runs the old copy
@@ -85,7 +89,18 @@ class GroupedForward(ForwardProcessObjective):
         out = super().unread_fields()
         if self.timesteps != "sampler":
             out["level_fraction"] = f"loss.timesteps={self.timesteps!r} does not train at the sampler's levels"
+        if self.cfg != "guided":
+            out["cfg_gradient"] = (
+                f"loss.cfg={self.cfg!r} trains the conditional velocity alone (no unconditional branch); "
+                "loss.cfg='guided' trains through CFG"
+            )
         return out
+
+    def forward_rows(self, model, forest, batch: Batch, cond, with_old: bool = True) -> Rows:
+        """:meth:`ForwardProcessObjective.forward_rows` with the guided policy's gradient routed by
+        ``cfg_gradient`` (values unchanged; the no-grad forwards of the copies and the teacher are unaffected)."""
+        with model.cfg_gradient(self.cfg_gradient):
+            return super().forward_rows(model, forest, batch, cond, with_old)
 
     def rollout_guidance(self, guidance: float | None) -> float | None:
         if self.cfg != "guided_rollouts":

@@ -91,6 +91,7 @@ class GRPOGuardLoss(PolicyLoss):
             b,
             kl_form=self.kl_form if self.needs_reference else None,
             reference=reference.active if reference is not None else None,
+            cfg_gradient=self.cfg_gradient,
         )
         if self._steps == 0:
             mean_old = out.mean.detach()

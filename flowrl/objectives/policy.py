@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flowrl.core.choices import choice
+from flowrl.models.base import CFG_GRADIENTS
 from flowrl.objectives.base import Batch, Objective, ObjectiveFacts
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.replay import replay, replay_batches
@@ -38,6 +39,8 @@ class PolicyLoss(Objective):
     forward-process objectives'). ``kl_form``: ``exact`` or ``flow_grpo``.
     ``reduction``: log-probs as the ``mean`` (Flow-GRPO) or ``sum`` over latent elements.
     ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (docs/trees.md, "Dynamic-TreeRPO's loss").
+    ``cfg_gradient``: with CFG rollouts, the replay's gradient through the conditional branch only (``cond``,
+    Flow-GRPO's ``train_sd3.py``) or through both (``both``); docs/algorithms.md, "Training through CFG".
     """
 
     clip_low: float = 1e-4
@@ -47,6 +50,7 @@ class PolicyLoss(Objective):
     kl_form: str = choice("exact", sde.KL_FORMS)
     reduction: str = choice("mean", sde.REDUCTIONS)
     adaptive_kappa: float | None = None
+    cfg_gradient: str = choice("cond", CFG_GRADIENTS)
 
     trains_on = "edges"
     extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
@@ -81,6 +85,7 @@ class PolicyLoss(Objective):
             b,
             kl_form=self.kl_form if self.needs_reference else None,
             reference=reference.active if reference is not None else None,
+            cfg_gradient=self.cfg_gradient,
         )
         host = to_device(torch.stack([forest.logp_old[b], forest.advantage[b], forest.weight[b]]), out.logp.device)
         return self(out.logp, host[0], host[1], out.kl, host[2])

@@ -3,7 +3,9 @@
 Replay equals rollout: the same ``model.velocity`` call on the same parent states, in the same
 batch layout (edges are replayed per rollout forward, ``forest.batch``), then the same kernel
 formula. With unchanged weights the ratio is exactly 1 on CPU fp32 (invariant 1, tested).
-Several edges may share a parent (trees): its velocity is computed once.
+Several edges may share a parent (trees): its velocity is computed once. With CFG, ``cfg_gradient`` decides which
+branches the gradient of the replayed velocity flows through (:meth:`FlowModel.cfg_gradient`); the values, hence
+the log-probs and ratios, are the same either way.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def replay(
     reduction: str | None = None,
     kl_form: str | None = None,
     reference=None,
+    cfg_gradient: str = "both",
 ) -> ReplayOut:
     """Log-probs of ``edges`` [E] (child node indices, one kernel) under the model's current weights,
     reduced as the rollout reduced them (``forest.reduction``; ``reduction`` must agree if given).
 
     ``cond``: one row per prompt group of the forest. With ``kl_form`` set, also the KL [E] to the
     reference policy (``reference()`` context, default ``model.reference``), computed without gradient
-    for the reference branch.
+    for the reference branch. ``cfg_gradient`` (``loss.cfg_gradient``): with CFG, ``cond`` sends the gradient through
+    the conditional branch only (Flow-GRPO's ``train_sd3.py``), ``both`` through both (the model's own composition).
     """
     if reduction is not None and reduction != forest.reduction:
         raise ValueError(
@@ -88,7 +92,8 @@ def replay(
         _, mean, _ = sde.step(kernel, x, v, sigma_from, sigma_to, eta)
         return mean, recorded_std
 
-    v = model.velocity(x_parent, sigma_parent, group_cond, forest.guidance)
+    with model.cfg_gradient(cfg_gradient):
+        v = model.velocity(x_parent, sigma_parent, group_cond, forest.guidance)
     mean, std = transition(v)
     logp = sde.log_prob(x_edges, mean, std, reduction)
     kl = None
