@@ -17,10 +17,18 @@ every row, so a kill leaves what was measured):
   ``torch.profiler``: the top ops, the device's idle gaps, the synchronisations and their call sites
   (scripts/gpu_profile.py), and the gzipped Chrome trace beside gpu_check.md;
 - ``shapes``: the main job (configs/shapes/nft.yaml) and guidance distillation alone (``loss.reward_term=0``) at
-  1,024 images per update (16 prompts × 64), as many updates as fit, seeds 0 and 1, held-out strict accuracy at
-  guidance 1 (and 3) before and after;
+  1,024 images per update (16 prompts × 64), both at once (two ``flowrl train`` processes on the one GPU) for as long
+  as the part's share of --minutes, held-out strict accuracy at guidance 1 every 50 updates (and at 3 before and
+  after): does the reward add anything over distillation?
 - ``snr``: ``flowrl snr --reward-only`` (:func:`flowrl.commands.snr.gradient_snr`) of the main job at 1,024 images per
-batch.
+  batch;
+- ``seeds`` (issue 65, not in the default parts): the seed methods' cost claims on real-size models with random
+  weights — FLUX.1-dev BranchGRPO, BranchGRPO-Mix and MixGRPO against DanceGRPO chains at 16 images per prompt
+  (s/iteration, rollout forwards and trained edges against ALGORITHMS §4–5's closed forms), TP-GRPO against chains on
+  SD3.5-Medium (forwards per chain against §8's), and Sol-RL's explorer (candidates/s in FP8 against BF16 on
+  SD3.5-Medium and FLUX.1-dev, and which FP8 matmul ran); every row with the published claim and a verdict.
+
+A part ``async`` (the asynchronous pipeline's rollout/update overlap) is planned, not built: :data:`PLANNED`.
 
 ``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
 :func:`flowrl.models.random_init.tiny_arch`) and tiny settings in well under a minute (tests/test_gpu_check.py).
@@ -57,7 +65,14 @@ import gpu_profile  # noqa: E402
 import gpu_report  # noqa: E402
 from gpu_report import fmt, now  # noqa: E402
 
-PARTS = ("presets", "profile", "shapes", "snr")
+PARTS = ("presets", "profile", "shapes", "snr", "seeds")
+DEFAULT_PARTS = ("presets", "profile", "shapes", "snr")
+"""What a plain run measures (issue 46's check); ``seeds`` is asked for by name (it needs its own 9 minutes)."""
+PLANNED = {
+    "async": "the asynchronous pipeline's check (train.pipeline: async against sync: s/iteration, staleness, the "
+    "overlap of rollout and update) is added with that pipeline; it is not built yet",
+}
+"""Parts with a place in the table (docs/gpu.md) but no runner yet: ``--parts`` names them with this reason."""
 PROMPTS = "a photo of a cat|a red car and a blue house"
 """Inline training prompts of the presets (words of the synthetic tokenizers' vocabulary; sequences are padded to
 the preset's lengths anyway)."""
@@ -144,11 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--parts",
-        default=",".join(PARTS),
-        help="comma-separated parts to run, in this order (default: all): presets (SD3.5-M Flow-GRPO and NFT, "
-        "FLUX.1-dev NFT, LoRA, real size; shipped, then train.fit=auto + model.compile=regional), profile "
-        "(torch.profiler of one SD3.5-M Flow-GRPO iteration), shapes (main job and distillation at 1,024 "
-        "images per update), snr (--reward-only at 1,024 images per batch)",
+        default=",".join(DEFAULT_PARTS),
+        help="comma-separated parts to run, in the order given (default: presets,profile,shapes,snr): presets "
+        "(SD3.5-M Flow-GRPO and NFT, FLUX.1-dev NFT, LoRA, real size; shipped, then train.fit=auto + "
+        "model.compile=regional), profile (torch.profiler of one SD3.5-M Flow-GRPO iteration), shapes (main job "
+        "and distillation at 1,024 images per update, both at once, strict accuracy every 50 updates), snr "
+        "(--reward-only at 1,024 images per batch), seeds (only when named: BranchGRPO, BranchGRPO-Mix and MixGRPO "
+        "against DanceGRPO on FLUX.1-dev, TP-GRPO against chains and the Sol-RL explorer's FP8 against BF16 on "
+        "SD3.5-M and FLUX.1-dev, each with the published claim and a verdict); planned, not built: "
+        + ", ".join(PLANNED),
     )
     p.add_argument(
         "--peak-tflops",
@@ -189,6 +208,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient draws of the snr part at most (default 8; at least 3, fewer when time is short)",
     )
     p.add_argument(
+        "--shapes-parallel",
+        type=int,
+        default=None,
+        help="shapes runs at once, each a flowrl train process on the one device (default 2: the main job and "
+        "distillation side by side; 1 with --tiny: one after the other in this process)",
+    )
+    p.add_argument(
+        "--shapes-eval-every",
+        type=int,
+        default=None,
+        help="updates between the shapes runs' held-out evals at guidance 1 (eval.every; default 50, 1 with --tiny)",
+    )
+    p.add_argument(
+        "--seeds-iterations",
+        type=int,
+        default=None,
+        help="timed training iterations per seeds row (default 1: a FLUX.1-dev chains iteration is minutes)",
+    )
+    p.add_argument(
+        "--seeds-warmup",
+        type=int,
+        default=None,
+        help="untimed iterations before them (default 0: one-off costs are seconds against iterations of "
+        "tens of seconds to minutes)",
+    )
+    p.add_argument(
+        "--seeds-flux-px",
+        type=int,
+        default=None,
+        help="height and width of the FLUX.1-dev trees-against-chains rows (default 256: their presets' 720 px "
+        "would take a chains iteration past its share; 64 with --tiny)",
+    )
+    p.add_argument(
+        "--seeds-group",
+        type=int,
+        default=None,
+        help="chains per prompt of the TP-GRPO row and its chains baseline (default 8; the preset's 24; 2 with --tiny)",
+    )
+    p.add_argument(
+        "--explore-batches",
+        type=int,
+        default=None,
+        help="candidates previewed per explorer measurement, in batches of the preset's rollout.max_batch "
+        "(default 4: 32 on SD3.5-M, 16 on FLUX.1-dev; 2 with --tiny)",
+    )
+    p.add_argument(
         "--compile-backend",
         default=None,
         help="torch.compile backend of model.compile=regional in the "
@@ -215,10 +280,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    planned = [x for x in parts if x in PLANNED]
+    if planned:
+        p.error(f"--parts {planned[0]}: {PLANNED[planned[0]]}; accepted: {','.join(PARTS)}")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         p.error(f"--parts: unknown {unknown or 'empty'}; accepted: {','.join(PARTS)}")
-    args.parts = parts
+    args.parts = list(dict.fromkeys(parts))  # each once, in the order given
     fill_defaults(args)
     return args
 
@@ -234,6 +302,13 @@ def fill_defaults(args: argparse.Namespace) -> None:
         "shapes_max_batch": 8 if tiny else 512,
         "snr_batches": 3 if tiny else 8,
         "compile_backend": "eager" if tiny else "inductor",
+        "shapes_parallel": 1 if tiny else 2,
+        "shapes_eval_every": 1 if tiny else 50,
+        "seeds_iterations": 1,
+        "seeds_warmup": 0,
+        "seeds_flux_px": 64 if tiny else 256,
+        "seeds_group": 2 if tiny else 8,
+        "explore_batches": 2 if tiny else 4,
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -390,12 +465,56 @@ COLUMNS = {
         ("images for SNR 1", "samples_for_snr_1"),
         ("s/batch", "seconds_per_batch"),
     ],
+    "seeds": {  # one table per kind of row (gpu_report.Report.tables)
+        "bench": (
+            "**Trees and windows against chains** (one training iteration each, one prompt; forwards and edges per "
+            "prompt, each against ALGORITHMS.md's closed form; ratio = s/iteration ÷ the baseline's):",
+            [
+                ("row", "name"),
+                ("method", "method"),
+                ("model", "model"),
+                ("px · steps · prompts × images", "settings_text"),
+                ("s/iter", "seconds_per_iteration"),
+                ("rollout s", "rollout_seconds"),
+                ("update s", "update_seconds"),
+                ("forwards", "forwards"),
+                ("closed form", "forwards_closed"),
+                ("trained edges", "edges"),
+                ("closed form", "edges_closed"),
+                ("forwards / image", "forwards_per_image"),
+                ("vs", "baseline"),
+                ("s/iter ratio", "ratio"),
+                ("claimed", "claimed_ratio"),
+                ("claim", "claim"),
+                ("verdict", "verdict"),
+            ],
+        ),
+        "explore": (
+            "**Sol-RL's explorer: candidates/s of its preview, FP8 against BF16** (the preset's resolution, preview "
+            "steps and batch; the LoRA merged into each copy; no decode):",
+            [
+                ("row", "name"),
+                ("model", "model"),
+                ("px · steps · candidates", "settings_text"),
+                ("backends", "backends"),
+                ("converted layers", "quantized_layers"),
+                ("BF16 candidates/s", "base_rate"),
+                ("low-precision candidates/s", "low_rate"),
+                ("ratio", "ratio"),
+                ("the path that ran", "path"),
+                ("claim", "claim"),
+                ("verdict", "verdict"),
+            ],
+        ),
+    },
 }
 TITLES = {
     "presets": "Real presets, real size, random weights: shipped, and train.fit=auto + model.compile=regional",
     "profile": "torch.profiler: one Flow-GRPO iteration",
     "shapes": "Shapes: the main job and distillation alone, many images per update",
     "snr": "The reward's gradient signal (flowrl snr --reward-only)",
+    "seeds": "The seed methods' cost claims at real size: BranchGRPO, BranchGRPO-Mix and MixGRPO against DanceGRPO, "
+    "TP-GRPO against chains, Sol-RL's FP8 explorer",
 }
 
 
@@ -409,7 +528,8 @@ def profile_tables(rows: list[dict]) -> list[str]:
 class Report(gpu_report.Report):
     """gpu_check.json and gpu_check.md (scripts/gpu_report.py) with this check's parts."""
 
-    titles, columns, extras = TITLES, COLUMNS, {"profile": profile_tables}
+    titles, columns = TITLES, COLUMNS
+    extras = {"profile": profile_tables, "shapes": lambda rows: shapes_tables(rows)}  # defined with their part
 
 
 def commit_of(given: str | None) -> str:
@@ -448,6 +568,7 @@ def environment(args: argparse.Namespace) -> dict:
         "cuda": torch.version.cuda,
         "diffusers": diffusers.__version__,
         "transformers": transformers.__version__,
+        "torchao": torchao_version(),
         "python": platform.python_version(),
         "commit": commit_of(args.commit),
         "started": now(),
@@ -456,6 +577,17 @@ def environment(args: argparse.Namespace) -> dict:
         "parts": args.parts,
         "argv": sys.argv[1:],
     }
+
+
+def torchao_version() -> str | None:
+    """torchao's version, None when it is not installed (the seeds part's FP8 explorer needs it; never imported
+    here: torchao's import makes diffusers warn)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def gpu_class_of(args: argparse.Namespace, device: str) -> str:
@@ -702,13 +834,22 @@ def compiled(model) -> dict:
     return {"compiled_blocks": stats.blocks, "compiled_graphs": dict(stats.graphs), "compile_seconds": stats.seconds}
 
 
-def guarded(report: Report, budget: Budget, part: str, name: str, seconds: float, run, slack: float = 1.25) -> dict:
+def guarded(
+    report: Report,
+    budget: Budget,
+    part: str,
+    name: str,
+    seconds: float,
+    run,
+    slack: float = 1.25,
+    initial: dict | None = None,
+) -> dict:
     """``run(row)``'s row under a deadline of ``seconds`` (× ``slack`` while the budget has it); when it runs out of
-    time or fails, what ``run`` had put in ``row`` so far, with the status and the error."""
+    time or fails, what ``run`` had put in ``row`` so far (from ``initial`` on), with the status and the error."""
     t0 = time.monotonic()
     limit = max(seconds, min(slack * seconds, budget.left() - 5))
     print(f"[gpu_check] {part}: {name} ({seconds:.0f} s, stopped at {limit:.0f} s)", flush=True)
-    partial: dict = {"name": name}
+    partial: dict = {"name": name, **(initial or {})}
     try:
         with deadline(limit, f"{part}/{name}"):
             row = run(partial)
@@ -802,9 +943,23 @@ def run_profile(report: Report, budget: Budget, args: argparse.Namespace) -> Non
 
 
 # ---- part 3: the shapes main job at 1,024 images per update ----------------------------------------
-def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: float) -> list[str]:
+SHAPES_STARTUP = 20.0
+"""Seconds of a shapes run on the GPU outside its training time, besides its evals: the process's start (imports,
+model), the evals before and after at guidance 1 and 3, the last checkpoint."""
+SHAPES_EVAL_SHARE = 0.12
+"""The share of a shapes run's time planned for its held-out evals every --shapes-eval-every updates (240 prompts
+× 2 images, 20 steps: about 2 s each on the GPU); the rest of the share, less :data:`SHAPES_STARTUP`, is its
+``train.max_minutes``."""
+SHAPES_GRACE = 30.0
+"""Seconds a shapes process stopped at its deadline (SIGTERM: it saves and exits) gets before it is killed."""
+
+
+def shapes_overrides(
+    args: argparse.Namespace, name: str, seed: int, minutes: float, threads: int | None = None
+) -> list[str]:
     """configs/shapes/nft.yaml at --shapes-prompts × --shapes-images per update for ``minutes`` of training (evals
-    excluded; --tiny: one update, 4 held-out prompts, 2 steps)."""
+    excluded), a held-out eval at guidance 1 every --shapes-eval-every updates, ``threads`` CPU threads (default the
+    preset's; --tiny: two updates, 4 held-out prompts, 2 steps, one thread)."""
     batch = args.shapes_max_batch
     out = [
         f"prompts.per_step={args.shapes_prompts}",
@@ -817,10 +972,11 @@ def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: fl
         "train.checkpoint_every=0",
         f"train.output_dir={args.work / 'runs'}",
         f"train.name={name}",
+        f"eval.every={args.shapes_eval_every}",
     ]
     if args.tiny:
         return out + [
-            "train.max_steps=1",
+            "train.max_steps=2",
             "model.device=cpu",
             "train.num_threads=1",
             "eval.num_prompts=4",
@@ -828,7 +984,8 @@ def shapes_overrides(args: argparse.Namespace, name: str, seed: int, minutes: fl
             "eval.images_per_prompt=1",
             "rollout.steps=2",
         ]
-    return out + ["train.max_steps=1000000", f"train.max_minutes={max(minutes, 0.05):.3f}", "model.device=cuda"]
+    out += ["train.max_steps=1000000", f"train.max_minutes={max(minutes, 0.05):.3f}", "model.device=cuda"]
+    return out + ([f"train.num_threads={threads}"] if threads else [])
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -839,12 +996,13 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def shapes_summary(records: list[dict], name: str, seed: int, images_per_update: int, reward: str) -> dict:
-    """A shapes row: updates, images, s/update, held-out strict at guidance 1 (``eval/…``) and the model's default
-    3 (``eval_default/…``) before and after, and the training reward's first and last iteration."""
+    """A shapes row: updates, images, s/update, held-out strict at guidance 1 (``eval/…``: before, after and every
+    eval between, ``curve`` = [[update, strict], ...]) and at the model's default 3 (``eval_default/…``) before and
+    after, and the training reward's first and last iteration."""
     nan = float("nan")
-    evals = [r for r in records if f"eval/{reward}_mean" in r]
+    key = f"eval/{reward}_mean"
+    evals = [r for r in records if key in r]
     steps = [r for r in records if "reward_mean" in r]
-    first, last = (evals[0], evals[-1]) if len(evals) >= 2 else (evals[0] if evals else {}, {})
     seconds = steps[-1].get("time/train_total", nan) if steps else nan
     row = {
         "name": name,
@@ -856,23 +1014,36 @@ def shapes_summary(records: list[dict], name: str, seed: int, images_per_update:
         "seconds_per_update": seconds / len(steps) if steps else nan,
         "reward_first": steps[0]["reward_mean"] if steps else nan,
         "reward_last": steps[-1]["reward_mean"] if steps else nan,
+        "curve": [[int(r.get("step", 0)), float(r[key])] for r in evals],
     }
-    for tag, prefix in (("g1", "eval"), ("g3", "eval_default")):
-        key = f"{prefix}/{reward}_mean"
-        row[f"strict_{tag}_before"], row[f"strict_{tag}_after"] = first.get(key, nan), last.get(key, nan)
+    for tag, prefix in (("g1", "eval"), ("g3", "eval_default")):  # guidance 3: evaluated before and after only
+        own = [r for r in records if f"{prefix}/{reward}_mean" in r]
+        before, after = (own[0], own[-1]) if len(own) >= 2 else (own[0] if own else {}, {})
+        k = f"{prefix}/{reward}_mean"
+        row[f"strict_{tag}_before"], row[f"strict_{tag}_after"] = before.get(k, nan), after.get(k, nan)
         row[f"strict_{tag}_change"] = row[f"strict_{tag}_after"] - row[f"strict_{tag}_before"]
     row["reward_first_last"] = f"{fmt(row['reward_first'])} → {fmt(row['reward_last'])}"
-    row["eval_images"] = first.get(f"eval/{reward}/n")
+    row["eval_images"] = evals[0].get(f"eval/{reward}/n") if evals else None
     return row
 
 
-def shapes_row(args: argparse.Namespace, variant: str, extra: list[str], seed: int, minutes: float) -> dict:
+def shapes_config(args: argparse.Namespace, name: str, seed: int, minutes: float, extra: list[str]):
+    """The shapes run's config (its reward label and images per update)."""
     from flowrl.config.schema import TrainConfig
+
+    return TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, name, seed, minutes) + extra)
+
+
+def reward_label(cfg) -> str:
+    return cfg.eval.rewards[0].label or cfg.eval.rewards[0].name
+
+
+def shapes_row(args: argparse.Namespace, variant: str, extra: list[str], seed: int, minutes: float) -> dict:
+    """One shapes run in this process (``--shapes-parallel 1``), summarised from its metrics.jsonl."""
     from flowrl.training.trainer import Trainer
 
     name = f"shapes_{variant}_seed{seed}"
-    cfg = TrainConfig.from_yaml(preset_path(SHAPES_CONFIG), shapes_overrides(args, name, seed, minutes) + extra)
-    reward = cfg.eval.rewards[0].label or cfg.eval.rewards[0].name
+    cfg = shapes_config(args, name, seed, minutes, extra)
     status, error = "ok", None
     t0 = time.monotonic()
     try:
@@ -880,34 +1051,206 @@ def shapes_row(args: argparse.Namespace, variant: str, extra: list[str], seed: i
     except OutOfTime as e:  # keep what the run wrote before its time ran out
         status, error = "out_of_time", str(e)
     records = read_metrics(Path(cfg.train.output_dir) / name / "metrics.jsonl")
-    row = shapes_summary(records, variant, seed, cfg.prompts.per_step * cfg.rollout.group_size, reward)
-    row.update(status=status, error=error, overrides=extra, wall_seconds=time.monotonic() - t0)
+    row = shapes_summary(records, variant, seed, cfg.prompts.per_step * cfg.rollout.group_size, reward_label(cfg))
+    row.update(status=status, error=error, overrides=extra, wall_seconds=time.monotonic() - t0, parallel=1)
+    row["eval_every"] = args.shapes_eval_every
     return row
 
 
-def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None:
-    """Main job and distillation alone, seed by seed (each pair first, so a short budget still has both)."""
-    seconds = budget.allot("shapes")
-    end = time.monotonic() + seconds
-    runs = [(variant, extra, seed) for seed in args.seeds for variant, extra in SHAPES_RUNS]
-    overhead = None  # set-up, evals and the last checkpoint of a run: measured on the first
-    for i, (variant, extra, seed) in enumerate(runs):
-        share = (end - time.monotonic()) / (len(runs) - i)
-        if share < 5 and not args.tiny:
-            report.add("shapes", {"name": variant, "seed": seed, "status": "skipped", "error": "no time left"})
-            continue
-        guess = overhead if overhead is not None else 0.3 * share
-        minutes = max(share - guess, 0.0) / 60
-        row = guarded(
-            report,
-            budget,
-            "shapes",
-            f"{variant} seed {seed}",
-            share,
-            lambda row: shapes_row(args, variant, extra, seed, minutes),
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (a flowrl run saves and exits), then SIGKILL after :data:`SHAPES_GRACE` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(SHAPES_GRACE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.is_file() else []
+    return " | ".join(line.strip() for line in text[-lines:]) or "no output"
+
+
+def run_shapes_batch(
+    report: Report, budget: Budget, args: argparse.Namespace, batch: list[tuple], share: float, t_part: float
+) -> None:
+    """The runs of ``batch`` at once, each a ``flowrl train`` process on the one device with ``share`` seconds
+    (its training time: the share less :data:`SHAPES_STARTUP` and :data:`SHAPES_EVAL_SHARE`; stopped at 1.25 ×
+    the share while the budget has it), their CPU threads split between them; a row per run from its
+    metrics.jsonl, whatever ended it."""
+    threads = max(1, (os.cpu_count() or 2) // len(batch))
+    minutes = max(share * (1 - SHAPES_EVAL_SHARE) - SHAPES_STARTUP, 0.05 * share) / 60
+    limit = max(share, min(1.25 * share, budget.left() - 5))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started, stopped, ended = [], set(), {}
+    try:
+        for variant, extra, seed in batch:
+            name = f"shapes_{variant}_seed{seed}"
+            cfg = shapes_config(args, name, seed, minutes, extra)
+            log = args.work / f"{name}.log"
+            command = [sys.executable, "-m", "flowrl", "train", preset_path(SHAPES_CONFIG)]
+            command += shapes_overrides(args, name, seed, minutes, None if args.tiny else threads) + extra
+            print(f"[gpu_check] shapes: {variant} seed {seed} ({share:.0f} s, stopped at {limit:.0f} s)", flush=True)
+            with open(log, "w") as out:
+                proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            started.append((variant, extra, seed, cfg, log, proc, time.monotonic()))
+        end = time.monotonic() + limit
+        running = {proc.pid: proc for *_, proc, _ in started}
+        while running:
+            for pid, proc in list(running.items()):
+                if proc.poll() is not None:
+                    ended[pid] = time.monotonic()
+                    del running[pid]
+            if running and time.monotonic() > end:
+                for pid, proc in running.items():
+                    stopped.add(pid)
+                    stop_process(proc)
+                    ended[pid] = time.monotonic()
+                running = {}
+            time.sleep(0.2 if running else 0)
+    finally:
+        for *_, proc, _ in started:
+            stop_process(proc)  # an exception here (Ctrl-C) leaves no run behind
+    for variant, extra, seed, cfg, log, proc, t0 in started:
+        records = read_metrics(Path(cfg.train.output_dir) / cfg.train.name / "metrics.jsonl")
+        row = shapes_summary(records, variant, seed, cfg.prompts.per_step * cfg.rollout.group_size, reward_label(cfg))
+        if proc.pid in stopped:
+            status, error = "out_of_time", f"shapes/{variant} seed {seed}: stopped after {limit:.0f} s"
+        elif proc.returncode == 0:
+            status, error = "ok", None
+        else:
+            status, error = "failed", f"flowrl train exited {proc.returncode}: {log_tail(log)}"
+        row.update(
+            status=status,
+            error=error,
+            overrides=extra,
+            parallel=len(batch),
+            threads=threads,
+            started_seconds=t0 - t_part,  # from the part's start: the runs of a batch overlap
+            wall_seconds=ended.get(proc.pid, time.monotonic()) - t0,
+            log=log.name,
+            eval_every=args.shapes_eval_every,
         )
-        if row.get("status") == "ok" and math.isfinite(row.get("train_seconds", float("nan"))):
-            overhead = 1.1 * max(row["wall_seconds"] - row["train_seconds"], 0.0)
+        report.add("shapes", row)
+
+
+def run_shapes(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    """Main job and distillation alone, seed by seed: with --shapes-parallel N > 1, N runs at once in their own
+    processes (the pair of a seed side by side), else one after the other in this process (each pair first, so a
+    short budget still has both). Then the part's answer (:func:`shapes_answer`)."""
+    seconds = budget.allot("shapes")
+    t_part = time.monotonic()
+    end = t_part + seconds
+    runs = [(variant, extra, seed) for seed in args.seeds for variant, extra in SHAPES_RUNS]
+    if args.shapes_parallel > 1:
+        batches = [runs[i : i + args.shapes_parallel] for i in range(0, len(runs), args.shapes_parallel)]
+        for i, batch in enumerate(batches):
+            share = (end - time.monotonic()) / (len(batches) - i)
+            if share < 5 and not args.tiny:
+                for variant, _, seed in batch:
+                    report.add("shapes", {"name": variant, "seed": seed, "status": "skipped", "error": "no time left"})
+                continue
+            run_shapes_batch(report, budget, args, batch, share, t_part)
+    else:
+        overhead = None  # set-up, evals and the last checkpoint of a run: measured on the first
+        for i, (variant, extra, seed) in enumerate(runs):
+            share = (end - time.monotonic()) / (len(runs) - i)
+            if share < 5 and not args.tiny:
+                report.add("shapes", {"name": variant, "seed": seed, "status": "skipped", "error": "no time left"})
+                continue
+            guess = overhead if overhead is not None else 0.3 * share
+            minutes = max(share - guess, 0.0) / 60
+            row = guarded(
+                report,
+                budget,
+                "shapes",
+                f"{variant} seed {seed}",
+                share,
+                lambda row: shapes_row(args, variant, extra, seed, minutes),
+            )
+            if row.get("status") == "ok" and math.isfinite(row.get("train_seconds", float("nan"))):
+                overhead = 1.1 * max(row["wall_seconds"] - row["train_seconds"], 0.0)
+    report.data["parts"]["shapes"]["answer"] = shapes_answer(report.rows("shapes"))
+    report.write()
+
+
+def shapes_answer(rows: list[dict]) -> list[dict]:
+    """Per seed with both runs measured: held-out strict at guidance 1 of the main job against distillation alone
+    (``loss.reward_term=0``) at the last update both evaluated (their ends when they share no eval after the
+    first), the difference, twice its binomial standard error (each eval's ``eval_images`` images) and the
+    verdict: the reward adds something only if the main job is ahead by more than that."""
+    out = []
+    for seed in sorted({r["seed"] for r in rows if isinstance(r.get("seed"), int)}):
+        pair = {r["name"]: r for r in rows if r.get("seed") == seed and r.get("curve")}
+        if "main" not in pair or "distill" not in pair:
+            continue
+        main, distill = (dict((int(s), v) for s, v in pair[k]["curve"]) for k in ("main", "distill"))
+        common = sorted(set(main) & set(distill) - {0})
+        if common:
+            at, a, b = f"{common[-1]:,}", main[common[-1]], distill[common[-1]]
+        else:  # no shared eval after the start: each at its end
+            at = f"{max(main):,} / {max(distill):,} (each at its end)"
+            a, b = main[max(main)], distill[max(distill)]
+        n = pair["main"].get("eval_images") or float("nan")
+        two_se = 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / n) if n == n and n > 0 else float("nan")
+        diff = a - b
+        if not (math.isfinite(diff) and math.isfinite(two_se)):
+            verdict = "not measured"
+        elif diff > two_se:
+            verdict = f"the reward adds {diff:+.3f} over distillation (beyond 2 s.e., {two_se:.3f})"
+        elif diff < -two_se:
+            verdict = f"distillation alone is ahead by {-diff:.3f} (beyond 2 s.e., {two_se:.3f})"
+        else:
+            verdict = f"no difference beyond the eval's noise ({diff:+.3f}; 2 s.e. {two_se:.3f})"
+        out.append(
+            {
+                "seed": seed,
+                "at_updates": at,
+                "updates": [pair["main"]["updates"], pair["distill"]["updates"]],
+                "main": a,
+                "distill": b,
+                "difference": diff,
+                "two_se": two_se,
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def shapes_tables(rows: list[dict]) -> list[str]:
+    """Under the shapes table: strict accuracy at guidance 1 at every eval of every run, and the part's answer."""
+    curves = [r for r in rows if r.get("curve")]
+    if not curves:
+        return []
+    steps = sorted({int(s) for r in curves for s, _ in r["curve"]})
+    lines = [
+        "**Held-out strict accuracy at guidance 1 against updates** (one eval every "
+        f"{curves[0].get('eval_every', '—')} updates of {fmt(curves[0].get('images_per_update'))} images):",
+        "",
+        "| run | seed | " + " | ".join(f"{s:,}" for s in steps) + " |",
+        "|" + "---|" * (len(steps) + 2),
+    ]
+    for r in curves:
+        values = {int(s): v for s, v in r["curve"]}
+        lines.append(f"| {r['name']} | {r['seed']} | " + " | ".join(fmt(values.get(s)) for s in steps) + " |")
+    lines += [
+        "",
+        "**Does the reward add anything over distillation?** The main job against `loss.reward_term=0` at the same "
+        "updates; a difference counts beyond twice its binomial standard error:",
+        "",
+        "| seed | at update | updates main / distill | main | distill | main − distill | 2 s.e. | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    answer = shapes_answer(rows)
+    lines += [
+        f"| {a['seed']} | {a['at_updates']} | {fmt(a['updates'][0])} / {fmt(a['updates'][1])} | {fmt(a['main'])} | "
+        f"{fmt(a['distill'])} | {fmt(a['difference'])} | {fmt(a['two_se'])} | {a['verdict']} |"
+        for a in answer
+    ] or ["| — | — | — | — | — | — | — | not measured: no seed has both runs evaluated |"]
+    return lines
 
 
 # ---- part 4: the reward's share of the gradient at 1,024 images per batch ---------------------------
@@ -949,8 +1292,496 @@ def run_snr(report: Report, budget: Budget, args: argparse.Namespace) -> None:
     guarded(report, budget, "snr", f"reward only, {batches} batches", seconds, lambda row: snr_row(args, batches))
 
 
+# ---- part 5: the seed methods' cost claims on real-size models (issue 65) ------------------------------------
+@dataclass(frozen=True)
+class SeedRow:
+    """A row of the seeds part. ``kind``: ``bench`` (training iterations of ``config`` on ``arch``: flowrl bench's
+    timings, the rollout forwards and trained edges per prompt against their closed form) or ``explore`` (Sol-RL's
+    explorer: candidates/s of its preview in BF16 and in FP8). ``overrides`` (``{px}``: --seeds-flux-px, ``{group}``:
+    --seeds-group) on top of the common ones; ``tiny``: --tiny's, after them (the same shape, shrunk). ``baseline``:
+    the row this one's s/iteration is divided by; ``claimed_ratio``: that ratio as published; ``loss_from``: a preset
+    whose objective, optimiser and updates per iteration the row takes (a baseline that differs from its rows in its
+    rollout plan and credit rule alone)."""
+
+    name: str
+    kind: str
+    method: str
+    config: str
+    arch: str
+    overrides: tuple[str, ...]
+    tiny: tuple[str, ...]
+    weight: float  # share of the budget: expected seconds on an H100 / 50
+    baseline: str | None = None
+    claim: str = ""
+    claimed_ratio: float | None = None
+    loss_from: str | None = None  # a preset whose loss, optimiser and updates per iteration this row takes
+
+
+EXPLORE_CLAIM = (
+    "Sol-RL: previews in low precision (FP8 on Hopper, FP4 on Blackwell) cost less than in BF16; its published "
+    "speed-ups are end to end (up to 4.64× faster convergence on SD3.5-L, 2.42–3.0× on SANA/FLUX)"
+)
+FLUX_PX = ("model.height={px}", "model.width={px}")
+CHAINS_TINY = ("rollout.group_size=4", "rollout.steps=6", "rollout.max_batch=4")
+TREE_TINY = ("rollout.steps=6", "rollout.split_steps=[0,2]", "rollout.max_batch=4")
+EXPLORE_TINY = ("rollout.max_batch=2", "rollout.min_params=256", "rollout.preview_steps=2")
+SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after the SD3.5 ones, the fp8 FLUX one last
+    SeedRow(
+        "sd35m_chains",
+        "bench",
+        "Flow-GRPO chains (CPS η 0.7, as TP-GRPO's)",
+        "configs/sd35/flow_grpo_pickscore.yaml",
+        "sd35_medium",
+        ("rollout.kernel=cps", "rollout.group_size={group}"),
+        ("rollout.steps=4",),
+        0.4,
+        claim="baseline (§4: T forwards and T − 1 trained edges per chain)",
+        loss_from="configs/sd35/tp_grpo_pickscore.yaml",
+    ),
+    SeedRow(
+        "sd35m_tp_grpo",
+        "bench",
+        "TP-GRPO (ODE-completion probes, turning points)",
+        "configs/sd35/tp_grpo_pickscore.yaml",
+        "sd35_medium",
+        ("rollout.inner.group_size={group}",),
+        ("rollout.inner.steps=4",),
+        0.7,
+        baseline="sd35m_chains",
+        claim="TP-GRPO (§8): 2T + Σ_{k=1}^{n−1}(T − k) forwards per chain against T: 64 vs 10 for SD3.5, T 10, n 9; "
+        "n + 1 reward calls against 1",
+    ),
+    SeedRow(
+        "sd35m_explorer",
+        "explore",
+        "Sol-RL explorer (configs/sd35/solrl_hps.yaml's preview on SD3.5-M)",
+        "configs/sd35/solrl_hps.yaml",
+        "sd35_medium",
+        (),
+        EXPLORE_TINY,
+        0.6,
+        claim=EXPLORE_CLAIM,
+    ),
+    SeedRow(
+        "flux_dance_grpo",
+        "bench",
+        "DanceGRPO chains (16 per prompt, 20 steps)",
+        "configs/flux/dance_grpo_hps.yaml",
+        "flux1_dev",
+        FLUX_PX + ("rollout.group_size=16", "rollout.steps=20"),
+        CHAINS_TINY,
+        2.2,
+        claim="baseline (§5: 320 forwards and 320 edges per prompt for 16 independent chains; DanceGRPO's shared x_T "
+        "makes the first step one forward, its last step is ODE)",
+    ),
+    SeedRow(
+        "flux_branchgrpo",
+        "bench",
+        "BranchGRPO (splits 0, 3, 6, 9; depth pruning 4)",
+        "configs/flux/branchgrpo_hps.yaml",
+        "flux1_dev",
+        FLUX_PX,
+        TREE_TINY + ("rollout.depth_prune_size=1",),
+        1.2,
+        baseline="flux_dance_grpo",
+        claimed_ratio=0.45,
+        claim="BranchGRPO: −55 % s/iteration against DanceGRPO with pruning (FLUX.1-dev, HPDv2.1); §5: 203 forwards, "
+        "154 trained edges (218 unpruned) per prompt",
+    ),
+    SeedRow(
+        "flux_branchgrpo_mix",
+        "bench",
+        "BranchGRPO-Mix (SDE at the splits and steps 0–3)",
+        "configs/flux/branchgrpo_hps.yaml",
+        "flux1_dev",
+        FLUX_PX + ("rollout.mode=mix", "rollout.mix_window=4", "rollout.depth_prune_size=0"),
+        TREE_TINY + ("rollout.mix_window=2",),
+        0.7,
+        baseline="flux_dance_grpo",
+        claimed_ratio=1 / 4.7,
+        claim="BranchGRPO-Mix: 4.7× faster than DanceGRPO; §5: 203 forwards, 34 trained edges per prompt",
+    ),
+    SeedRow(
+        "flux_mix_grpo",
+        "bench",
+        "MixGRPO (a 4-step SDE window, ODE elsewhere)",
+        "configs/flux/mix_grpo.yaml",
+        "flux1_dev",
+        FLUX_PX + ("rollout.group_size=16", "rollout.steps=20", "rollout.post_solver=none"),
+        CHAINS_TINY + ("rollout.window.size=2",),
+        0.9,
+        baseline="flux_dance_grpo",
+        claimed_ratio=0.5,
+        claim="MixGRPO: −50 % training time against DanceGRPO; §4: T forwards per chain, the window's 4 trained edges",
+    ),
+    SeedRow(
+        "flux_explorer",
+        "explore",
+        "Sol-RL explorer (configs/flux/solrl_pickscore.yaml's preview)",
+        "configs/flux/solrl_pickscore.yaml",
+        "flux1_dev",
+        (),
+        EXPLORE_TINY,
+        1.0,
+        claim=EXPLORE_CLAIM,
+    ),
+)
+RATIO_TOLERANCE = 0.15
+"""A measured s/iteration ratio up to this much (relative) above the claimed one counts as the claim's."""
+
+
+def seed_overrides(spec: SeedRow, args: argparse.Namespace) -> list[str]:
+    """The row's preset with :func:`common_overrides` and its own (:func:`own_overrides`)."""
+    return common_overrides(spec.name, args) + own_overrides(spec, args)
+
+
+def common_overrides(name: str, args: argparse.Namespace) -> list[str]:
+    """Every seeds row's: a cheap reward (jpeg_compressibility), one inline prompt per iteration, no logging; --tiny:
+    64 px, 8 text tokens, one thread, on the CPU."""
+    out = [
+        "rewards=[{name: jpeg_compressibility}]",
+        f"prompts.train={PROMPTS}",
+        f"prompts.eval={PROMPTS}",
+        "prompts.per_step=1",
+        "train.log_with=none",
+        "train.progress=false",
+        "train.overwrite=true",
+        f"train.output_dir={args.work / 'runs'}",
+        f"train.name={name}",
+        f"model.device={'cpu' if args.tiny else 'cuda'}",
+    ]
+    if args.tiny:
+        out += ["model.height=64", "model.width=64", "model.max_sequence_length=8", "train.num_threads=1"]
+    return out
+
+
+def own_overrides(spec: SeedRow, args: argparse.Namespace) -> list[str]:
+    """The row's own overrides, its placeholders filled (and --tiny's after them)."""
+    own = [o.format(px=args.seeds_flux_px, group=args.seeds_group) for o in spec.overrides]
+    return own + (list(spec.tiny) if args.tiny else [])
+
+
+# the closed forms, per prompt (ALGORITHMS.md §4, §5, §8), written out here rather than asked of the plans: the row
+# compares what the plan did with what the published arithmetic says
+def chains_closed_form(steps: int, group: int, window: list[int], shared_noise: bool) -> dict:
+    """§4: T forwards per chain (with one x_T per group the steps up to and including the first stochastic one are
+    one forward for the group), one trained edge per window step."""
+    trunk = window[0] + 1 if shared_noise and window else 0
+    return {"forwards": trunk + group * (steps - trunk), "trained_edges": group * len(window), "leaves": group}
+
+
+def tree_closed_form(
+    steps: int,
+    branch: int,
+    splits: list[int],
+    mode: str = "sde",
+    mix_window: int = 4,
+    prune_size: int = 0,
+    prune_every: int = 30,
+    iteration: int = 0,
+) -> dict:
+    """§5: n(i) = K^{#splits < i} nodes at step i; rollout forwards Σ_{i<T} n(i); trained edges Σ n(i+1) over the
+    SDE steps (``sde``: all; ``mix``: the splits and steps [0, mix_window)) less the depth-pruned ones (child steps
+    in a window of ``prune_size`` from the last split + 2, sliding by one every ``prune_every`` iterations)."""
+    n = [branch ** sum(1 for s in splits if s < i) for i in range(steps + 1)]
+    sde = range(steps) if mode == "sde" else sorted(set(splits) | set(range(min(mix_window, steps))))
+    pruned_steps: set[int] = set()
+    if prune_size > 0:
+        lo = max(splits) + 2
+        start = min(lo + iteration // prune_every, max(lo, steps + 1 - prune_size))
+        pruned_steps = set(range(start, min(start + prune_size, steps + 1)))
+    edges = sum(n[i + 1] for i in sde)
+    pruned = sum(n[i + 1] for i in sde if i + 1 in pruned_steps)
+    return {"forwards": sum(n[:steps]), "trained_edges": edges - pruned, "unpruned_edges": edges, "leaves": n[steps]}
+
+
+def tp_closed_form(steps: int, group: int, sde_steps: int) -> dict:
+    """§8, a window of n SDE steps from step 0: per chain T rollout forwards, T for the pure-ODE reference R_0 and
+    T − k for the completion after SDE step k = 1 … n − 1; n trained edges, n + 1 reward calls."""
+    per_chain = 2 * steps + sum(steps - k for k in range(1, sde_steps))
+    return {
+        "forwards": group * per_chain,
+        "trained_edges": group * sde_steps,
+        "leaves": group,
+        "reward_calls": group * (sde_steps + 1),
+    }
+
+
+def closed_form(plan, iteration: int, seed: int) -> dict | None:
+    """The closed form of the rollout plan ``plan`` at ``iteration`` of a run of ``seed``, per prompt (None: a plan
+    or setting without one here, e.g. a post-solver)."""
+    from flowrl.rollout.chains import Chains
+    from flowrl.rollout.probes import Probed
+    from flowrl.rollout.tree import Tree
+
+    if isinstance(plan, Tree) and plan.mode in ("sde", "mix") and plan.kernel != "cps":
+        return tree_closed_form(
+            plan.steps,
+            plan.branch,
+            plan.split_steps,
+            plan.mode,
+            plan.mix_window,
+            plan.depth_prune_size,
+            plan.depth_prune_every,
+            iteration,
+        )
+    if isinstance(plan, Chains) and plan.post_solver == "none":
+        window = plan.window.steps(plan.steps, iteration, seed)
+        return chains_closed_form(plan.steps, plan.group_size, window, plan.shared_noise)
+    inner = getattr(plan, "inner_plan", None)
+    if isinstance(plan, Probed) and plan.probe == "ode_completion" and isinstance(inner, Chains):
+        window = inner.window.steps(inner.steps, iteration, seed)
+        if window == list(range(len(window))) and not inner.shared_noise and inner.post_solver == "none":
+            return tp_closed_form(inner.steps, inner.group_size, len(window))
+    return None
+
+
+def ratio_verdict(measured: float, claimed: float) -> str:
+    """A measured s/iteration ratio (this row / its baseline) against the claimed one."""
+    if not math.isfinite(measured):
+        return "not measured"
+    if measured <= claimed * (1 + RATIO_TOLERANCE):
+        return f"as claimed: ×{fmt(measured)} the baseline's s/iteration (claimed ×{fmt(claimed)})"
+    if measured < 1:
+        return f"faster, short of the claim: ×{fmt(measured)} (claimed ×{fmt(claimed)})"
+    return f"not faster: ×{fmt(measured)} (claimed ×{fmt(claimed)})"
+
+
+def seed_verdict(row: dict, base: dict | None, spec: SeedRow) -> str:
+    """A bench row's verdict: its s/iteration against the baseline's and the claim, its counts against the closed
+    form (TP-GRPO's claim is its forwards per chain: both rows' counts as the closed forms)."""
+    counts = (
+        "counts as the closed form"
+        if row.get("counts_match")
+        else "no closed form here"
+        if row.get("forwards_closed") is None
+        else f"counts differ from the closed form (forwards {fmt(row['forwards'])} vs {fmt(row['forwards_closed'])}, "
+        f"edges {fmt(row['edges'])} vs {fmt(row['edges_closed'])})"
+    )
+    if spec.baseline is None:
+        return f"baseline; {counts}"
+    if base is None:
+        return f"baseline {spec.baseline} not measured; {counts}"
+    if spec.claimed_ratio is not None:
+        return f"{ratio_verdict(row['ratio'], spec.claimed_ratio)}; {counts}"
+    stated = row.get("counts_match") and base.get("counts_match")
+    return (
+        f"{'as stated' if stated else 'not as stated'}: {fmt(row['forwards_per_image'])} vs "
+        f"{fmt(base['forwards_per_image'])} forwards per image (closed forms "
+        f"{fmt(row.get('forwards_closed_per_image'))} vs {fmt(base.get('forwards_closed_per_image'))}); "
+        f"s/iteration ×{fmt(row['ratio'])}"
+    )
+
+
+def seed_bench_row(spec: SeedRow, args: argparse.Namespace, gpu: str, row: dict, report: Report) -> dict:
+    """One (or --seeds-iterations) training iteration(s) of the row's preset at real size (random weights; --tiny:
+    the shrunk architecture on the CPU) after --seeds-warmup: flowrl bench's timings, the rollout forwards and trained
+    edges per prompt against the closed form, and the ratio to the baseline row with the verdict."""
+    import torch
+
+    from flowrl.commands.bench import bench_iteration
+    from flowrl.config.build import build_plan
+    from flowrl.estimate import load_arch, load_config
+    from flowrl.models.random_init import tiny_arch
+    from flowrl.run.model import random_model
+
+    cfg = load_config(preset_path(spec.config), seed_overrides(spec, args), gpu)
+    if spec.loss_from:  # the same update as the rows compared with it: their objective, optimiser, updates
+        donor = load_config(preset_path(spec.loss_from), common_overrides(spec.name, args), gpu)
+        cfg.loss, cfg.optim = copy.deepcopy(donor.loss), copy.deepcopy(donor.optim)
+        cfg.train.inner_epochs, cfg.train.updates_per_epoch = donor.train.inner_epochs, donor.train.updates_per_epoch
+        row["loss_from"] = spec.loss_from
+    arch = tiny_arch(spec.arch) if args.tiny else load_arch(spec.arch)
+    plan = build_plan(cfg.rollout)
+    closed = closed_form(plan, args.seeds_warmup, cfg.train.seed)  # the first timed iteration's
+    prompts = cfg.prompts.per_step
+    row.update(config=spec.config, model=arch["name"], status="ok", overrides=own_overrides(spec, args))
+    row["closed_form"] = closed
+    row["update_settings"] = {  # what an update costs besides the edges: a row and its baseline should agree
+        "objective": cfg.loss.objective,
+        "kl_ref": cfg.loss.kl_ref,
+        "cfg_gradient": getattr(cfg.loss, "cfg_gradient", None),  # CFG's unconditional branch trained or detached
+        "inner_epochs": cfg.train.inner_epochs,
+        "updates_per_epoch": cfg.train.updates_per_epoch,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "lora_rank": cfg.model.lora.rank,
+    }
+    t0 = time.monotonic()
+    model = random_model(cfg.model, "cpu" if args.tiny else "cuda", arch)
+    row["build_seconds"] = time.monotonic() - t0
+    bench = bench_iteration(cfg, iterations=args.seeds_iterations, warmup=args.seeds_warmup, model=model)
+    del model
+    release_memory()
+    forwards = bench.get("rollout_forwards", float("nan")) / prompts
+    edges = bench.get("trained_edges", float("nan")) / prompts
+    leaves = (closed or {}).get("leaves")
+    on_gpu = "peak_memory_mb" in bench
+    row.update(
+        settings_text=f"{cfg.model.height} px · T {plan.schedule_steps} · {prompts} × {fmt(leaves)}",
+        iterations=args.seeds_iterations,
+        warmup=args.seeds_warmup,
+        seconds_per_iteration=bench["seconds_per_iteration"],
+        rollout_seconds=bench["time/rollout"],
+        reward_seconds=bench["time/reward"],
+        update_seconds=bench["time/update"],
+        forward_seconds=bench["forward_seconds"],
+        backward_seconds=bench["backward_seconds"],
+        forwards=forwards,
+        edges=edges,
+        nfe=bench.get("rollout_nfe", float("nan")) / prompts,
+        forwards_closed=(closed or {}).get("forwards"),
+        edges_closed=(closed or {}).get("trained_edges"),
+        counts_match=bool(closed) and forwards == closed["forwards"] and edges == closed["trained_edges"],
+        forwards_per_image=forwards / leaves if leaves else None,
+        forwards_closed_per_image=closed["forwards"] / leaves if leaves else None,
+        peak_memory_gib=(bench["peak_memory_mb"] if on_gpu else bench["peak_rss_mb"]) / 1024,
+        bench=bench,
+    )
+    if on_gpu:
+        row["allocated_after_release_gib"] = torch.cuda.memory_allocated() / GiB
+    base = next(
+        (r for r in report.rows("seeds") if r.get("name") == spec.baseline and r.get("status") == "ok"),
+        None,
+    )
+    if base is not None:
+        row.update(
+            baseline=base["name"],
+            ratio=row["seconds_per_iteration"] / base["seconds_per_iteration"],
+            forwards_ratio=forwards / base["forwards"],
+            edges_ratio=edges / base["edges"] if base["edges"] else None,
+        )
+    row.update(claimed_ratio=spec.claimed_ratio, verdict=seed_verdict(row, base, spec))
+    return row
+
+
+def explorer_rate(model, backend: str, rollout, prompts: list[str], seeds: list[int], cuda: bool) -> dict:
+    """Sol-RL's preview with an explorer of ``backend`` (:func:`flowrl.rollout.explorer.make_explorer`, the
+    section's ``min_params`` and ``skip``): ``rollout.preview_steps`` Euler steps of the ODE at the model's guidance
+    for every candidate (``prompts[i]`` from ``seeds[i]``), in batches of ``rollout.max_batch``, no decode (the
+    explorer's share of a preview), after a one-step warm-up batch; candidates/s, and the matrix products of one
+    preview step under the profiler (which path the converted layers took)."""
+    import torch
+
+    from flowrl.rollout.explorer import make_explorer
+    from flowrl.rollout.precision import DEFAULT_MIN_PARAMS
+    from flowrl.rollout.sampling import ode_sample
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.monotonic()
+    min_params = getattr(rollout, "min_params", None)
+    explorer = make_explorer(
+        model,
+        backend,
+        min_params=DEFAULT_MIN_PARAMS if min_params is None else min_params,
+        skip=getattr(rollout, "skip", None),
+    )
+    sync()
+    built = time.monotonic() - t0
+    batch = rollout.max_batch
+
+    def preview(n: int, steps: int):
+        return ode_sample(explorer.model, prompts[:n], seeds[:n], steps, max_batch=batch, decode=False)
+
+    preview(batch, 1)  # kernels chosen, prompts encoded (the adapter's cache), the allocator grown
+    sync()
+    t1 = time.monotonic()
+    preview(len(prompts), rollout.preview_steps)
+    sync()
+    seconds = time.monotonic() - t1
+    counts = gpu_profile.matmul_ops(lambda: preview(batch, 1), cuda=cuda)
+    layer = explorer.transformer.get_submodule(explorer.quantized[0]) if explorer.quantized else None
+    weight = getattr(layer, "weight", None)
+    weight = weight() if callable(weight) else weight  # torch.ao's dynamic Linear keeps it behind a method
+    out = {
+        "backend": backend,
+        "candidates_per_second": len(prompts) / seconds,
+        "seconds": seconds,
+        "build_seconds": built,
+        "quantized_layers": len(explorer.quantized),
+        "layer_type": None if layer is None else f"{type(layer).__name__} ({type(weight).__name__} weight)",
+        "path": gpu_profile.low_precision_path(counts, backend, len(explorer.quantized)),
+        "matmuls": counts,
+    }
+    return out  # the copy goes with this frame: the caller releases the memory
+
+
+def seed_explore_row(spec: SeedRow, args: argparse.Namespace, gpu: str, row: dict, report: Report) -> dict:
+    """The preset's explorer settings (resolution, preview steps, batch, converted layers) on its model with the
+    preset's LoRA attached (merged into each copy), --explore-batches × max_batch candidates: BF16 against FP8
+    (--tiny: int8, on the CPU), candidates/s, the ratio and the FP8 path that ran."""
+    import importlib.metadata
+    import importlib.util
+
+    from flowrl.config import build
+    from flowrl.estimate import load_arch, load_config
+    from flowrl.models.random_init import tiny_arch
+    from flowrl.run.model import random_model
+
+    cfg = load_config(preset_path(spec.config), seed_overrides(spec, args), gpu)
+    arch = tiny_arch(spec.arch) if args.tiny else load_arch(spec.arch)
+    base_backend, low_backend = ("bf16", "int8") if args.tiny else ("bf16", "fp8")
+    r = cfg.rollout
+    n = args.explore_batches * r.max_batch
+    row.update(
+        config=spec.config,
+        model=arch["name"],
+        status="ok",
+        overrides=own_overrides(spec, args),
+        backends=f"{base_backend} → {low_backend}",
+        low_backend=low_backend,
+        candidates=n,
+        settings_text=f"{cfg.model.height} px · {r.preview_steps} steps · {n} candidates in batches of {r.max_batch}",
+        torchao=importlib.metadata.version("torchao") if importlib.util.find_spec("torchao") else None,
+    )
+    t0 = time.monotonic()
+    cuda = not args.tiny
+    model = random_model(cfg.model, "cuda" if cuda else "cpu", arch)
+    build.add_lora(model, cfg.model)
+    row["build_seconds"] = time.monotonic() - t0
+    words = PROMPTS.split("|")
+    prompts, seeds = [words[i % len(words)] for i in range(n)], list(range(n))
+    rates = {}
+    for key, backend in (("base", base_backend), ("low", low_backend)):
+        rates[key] = explorer_rate(model, backend, r, prompts, seeds, cuda)
+        release_memory()  # the copy measured
+        row[f"{key}_rate"] = rates[key]["candidates_per_second"]
+        row[key] = rates[key]
+    del model
+    release_memory()
+    low = rates["low"]
+    ratio = row["low_rate"] / row["base_rate"]
+    row.update(ratio=ratio, quantized_layers=low["quantized_layers"], path=low["path"], layer_type=low["layer_type"])
+    if low["path"].startswith("no low-precision matmul ran"):
+        verdict = f"{low_backend} weights, but no {low_backend} matmul ran: ×{fmt(ratio)} BF16's candidates/s"
+    elif ratio > 1:
+        verdict = f"faster: {low_backend} previews ×{fmt(ratio)} BF16's candidates/s"
+    else:
+        verdict = f"not faster: {low_backend} previews ×{fmt(ratio)} BF16's candidates/s"
+    row["verdict"] = verdict
+    return row
+
+
+def run_seeds(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    """Every row of :data:`SEEDS` in order, each with its share of the budget (1.5× while the budget has it)."""
+    gpu = report.data["meta"]["gpu_class"]
+    for spec in SEEDS:
+        seconds = budget.allot(f"seeds/{spec.name}")
+        run = seed_bench_row if spec.kind == "bench" else seed_explore_row
+        guarded(
+            report,
+            budget,
+            "seeds",
+            spec.name,
+            seconds,
+            lambda row: run(spec, args, gpu, row, report),
+            slack=1.5,
+            initial={"kind": spec.kind, "method": spec.method, "claim": spec.claim, "baseline": spec.baseline},
+        )
+
+
 # ---- main ---------------------------------------------------------------------------------------
-RUNNERS = {"presets": run_presets, "profile": run_profile, "shapes": run_shapes, "snr": run_snr}
+RUNNERS = {"presets": run_presets, "profile": run_profile, "shapes": run_shapes, "snr": run_snr, "seeds": run_seeds}
+# "async": PLANNED (the asynchronous pipeline's part joins RUNNERS, PARTS and docs/gpu.md's table when it lands)
 
 
 def quiet_libraries() -> None:
@@ -965,12 +1796,22 @@ def quiet_libraries() -> None:
 
 
 def budget_weights(parts: list[str]) -> dict[str, float]:
-    """The budget's keys and weights of ``parts``: two per preset (shipped, fitted), one per other part."""
-    weights = (
-        {k: w for p in PRESETS for k, w in zip(p.keys(), (p.weight, p.fitted_weight))} if "presets" in parts else {}
-    )
-    weights.update({k: v for k, v in PART_WEIGHTS.items() if k in parts})
+    """The budget's keys and weights of ``parts``, in their order: two per preset (shipped, fitted), one per seeds
+    row, one per other part."""
+    weights: dict[str, float] = {}
+    for part in parts:
+        if part == "presets":
+            weights.update({k: w for p in PRESETS for k, w in zip(p.keys(), (p.weight, p.fitted_weight))})
+        elif part == "seeds":
+            weights.update({f"seeds/{s.name}": s.weight for s in SEEDS})
+        else:
+            weights[part] = PART_WEIGHTS[part]
     return weights
+
+
+def part_keys(part: str) -> list[str]:
+    """The budget's keys of ``part`` (:func:`budget_weights`)."""
+    return list(budget_weights([part]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -993,6 +1834,7 @@ def main(argv: list[str] | None = None) -> int:
     flowrl.models.blocks.COMPILE_BACKEND = args.compile_backend  # model.compile=regional's (eager with --tiny)
     gc.freeze()
     args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    args.work.mkdir(parents=True, exist_ok=True)  # a --work given may not exist yet (the shapes runs' logs go there)
     budget = Budget(args.minutes * 60, budget_weights(args.parts), start=STARTED)
     report = Report(args.out, environment(args), args.parts)
     print(
@@ -1007,8 +1849,8 @@ def main(argv: list[str] | None = None) -> int:
             RUNNERS[part](report, budget, args)
         except Exception as e:  # noqa: BLE001 - a part that breaks leaves the others their time
             error = one_line(e)
-        keys = [k for p in PRESETS for k in p.keys()] if part == "presets" else [part]
-        report.close_part(part, time.monotonic() - t0, sum(budget.given.get(k, 0.0) for k in keys), error)
+        allotted = sum(budget.given.get(k, 0.0) for k in part_keys(part))
+        report.close_part(part, time.monotonic() - t0, allotted, error)
     report.data["meta"]["seconds"] = round(budget.elapsed(), 1)
     report.write()
     print(report.markdown(), flush=True)

@@ -99,6 +99,62 @@ def profile_step(
     return summary
 
 
+MATMUL_WORDS = ("mm", "matmul", "linear", "gemm", "scaled", "f8", "e4m3", "fp8", "int8", "quantized")
+"""Op and kernel names kept by :func:`matmul_ops` (lower case substrings): the matrix products and what quantizes
+for them."""
+LOW_PRECISION_PATHS = (  # (name substring, the path it names), first match wins
+    ("_scaled_mm", "torch._scaled_mm (FP8 tensor-core GEMM)"),
+    ("f8f8", "MSLK/FBGEMM f8f8bf16 rowwise (FP8 tensor-core GEMM)"),
+    ("mslk::", "MSLK (FP8 tensor-core GEMM)"),
+    ("fbgemm::", "FBGEMM (FP8 tensor-core GEMM)"),
+    ("quantized::linear", "torch.ao dynamic int8 (quantized::linear_dynamic)"),
+    ("bitsandbytes", "bitsandbytes int8/4-bit matmul"),
+    ("int8", "int8 GEMM"),
+)
+
+
+def matmul_ops(call, *, cuda: bool) -> dict:
+    """Run ``call()`` once under ``torch.profiler`` (CPU, and CUDA when ``cuda``) and count its matrix-product ops
+    and kernels (names containing a word of :data:`MATMUL_WORDS`): ``{"ops": {aten/custom op: calls}, "kernels":
+    {CUDA kernel: calls}}``, most called first. What tells which path a quantized layer took
+    (:func:`low_precision_path`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    ops: Counter = Counter()
+    kernels: Counter = Counter()
+    for event in prof.events():
+        name = event.name
+        if not any(word in name.lower() for word in MATMUL_WORDS):
+            continue
+        on_device = str(getattr(event, "device_type", "")).endswith("CUDA")
+        (kernels if on_device else ops)[name] += 1
+    return {"ops": dict(ops.most_common()), "kernels": dict(kernels.most_common())}
+
+
+def low_precision_path(counts: dict, backend: str, quantized_layers: int) -> str:
+    """One line naming the matrix-product path that ran (:func:`matmul_ops`'s ``counts``) for an explorer of
+    ``backend`` with ``quantized_layers`` converted layers: the low-precision op found (and its calls; on CUDA the
+    most called kernel of that op), or what ran instead."""
+    names = list(counts.get("ops", {})) + list(counts.get("kernels", {}))
+    for needle, path in LOW_PRECISION_PATHS:
+        found = [n for n in names if needle in n.lower()]
+        if found:
+            calls = sum(counts.get("ops", {}).get(n, 0) + counts.get("kernels", {}).get(n, 0) for n in found)
+            fp8_kernels = [k for k in counts.get("kernels", {}) if any(w in k.lower() for w in ("e4m3", "f8", "fp8"))]
+            kernel = f"; kernel {short_kernel(fp8_kernels[0])}" if fp8_kernels else ""
+            return f"{path}: {found[0]} ×{calls}{kernel}"
+    top = next(iter(counts.get("ops", {})), None)
+    if quantized_layers and backend not in ("same", "bf16", "fp16"):
+        return f"no low-precision matmul ran: {quantized_layers} {backend} layers, products as {top or 'nothing'}"
+    return f"{backend} matmuls ({top or 'none recorded'})"
+
+
 @contextlib.contextmanager
 def sync_sites(cuda: bool):
     """Count the Python call sites of every synchronising CUDA call made inside (``torch.cuda.set_sync_debug_mode``

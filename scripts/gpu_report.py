@@ -1,6 +1,7 @@
 """The GPU check's report (scripts/gpu_check.py): ``gpu_check.json`` and ``gpu_check.md``, rewritten after every row
 so that a killed run leaves what it measured. The layout (a table per part, its columns and title, and any tables
-a part adds below its own) is the subclass's: :class:`Report`'s ``titles``, ``columns`` and ``extras``."""
+a part adds below its own) is the subclass's: :class:`Report`'s ``titles``, ``columns`` (a table per part, or one
+per kind of row: :meth:`Report.tables`) and ``extras``."""
 
 from __future__ import annotations
 
@@ -73,6 +74,21 @@ class Report:
             entry["error"] = error
         self.write()
 
+    @staticmethod
+    def tables(rows: list[dict], columns) -> list[str]:
+        """A part's own table: ``columns`` a list of (header, key); or one table per kind of row, ``columns`` then
+        ``{kind: (caption, [(header, key), ...])}`` in order, a row going to its ``row["kind"]``'s table (to the first
+        one when it names none of them: a row that failed before saying what it was)."""
+        if not isinstance(columns, dict):
+            return table(rows, columns) + [""]
+        first = next(iter(columns))
+        lines = []
+        for kind, (caption, cols) in columns.items():
+            own = [r for r in rows if (r.get("kind") if r.get("kind") in columns else first) == kind]
+            if own:
+                lines += [caption, ""] + table(own, cols) + [""]
+        return lines
+
     def write(self) -> None:
         self.data["meta"]["written"] = now()
         for name, text in (
@@ -106,7 +122,7 @@ class Report:
                 + (f"; {entry['error']}" if entry.get("error") else ""),
                 "",
             ]
-            lines += table(entry["rows"], self.columns[part]) + [""]
+            lines += self.tables(entry["rows"], self.columns[part])
             if part in self.extras:
                 lines += self.extras[part](entry["rows"]) + [""]
         return "\n".join(lines)

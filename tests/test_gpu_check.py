@@ -120,7 +120,7 @@ def test_tiny_json_is_what_the_docs_describe(tiny):
     data, documented = tiny["json"], documented_json()
     check_like(data["meta"], documented["meta"], "meta", nullable=True)
     assert data["schema"] == documented["schema"]
-    assert list(documented["parts"]) == ["presets", "profile", "shapes", "snr"]
+    assert list(documented["parts"]) == ["presets", "profile", "shapes", "snr", "seeds"]  # seeds: test_gpu_check_seeds
     assert list(data["parts"]) == tiny["parts"]
     for part, entry in data["parts"].items():
         check_like(entry, documented["parts"][part], f"parts.{part}")
@@ -220,11 +220,13 @@ def test_tiny_shapes_and_snr_rows(tiny_rest):
     shapes = parts["shapes"]["rows"]
     assert [(r["name"], r["seed"]) for r in shapes] == [("main", 0), ("distill", 0), ("main", 1), ("distill", 1)]
     for r in shapes:
-        assert r["updates"] == 1 and r["images"] == r["images_per_update"] == 8
+        assert r["updates"] == 2 and r["images"] == 2 * r["images_per_update"] == 16
+        assert [step for step, _ in r["curve"]] == [0, 1, 2]  # an eval after every update (--shapes-eval-every 1)
         assert all(
             0 <= r[k] <= 1 for k in ("strict_g1_before", "strict_g1_after", "strict_g3_before", "strict_g3_after")
         )
     assert shapes[1]["overrides"] == ["loss.reward_term=0"] and shapes[0]["overrides"] == []
+    assert [a["seed"] for a in parts["shapes"]["answer"]] == [0, 1]  # main against distillation, per seed
     snr = parts["snr"]["rows"][0]
     assert snr["batches"] == 3 and snr["samples_per_batch"] == 8 and -1 <= snr["mean_pairwise_cosine"] <= 1
 
