@@ -172,3 +172,20 @@ def test_a_body_declaring_99999999999_bytes_is_refused_at_once_with_413(server_p
         server_port, b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}"
     )
     assert status == 413 and "99999999999 bytes exceeds the limit" in reply["error"] and elapsed < 2.0, elapsed
+
+
+def test_the_server_scores_a_16_bit_png_by_its_value(server_port):
+    """brightness of a 16-bit grey PNG of 0.61: before, 1.0 (PIL clipped it to 8 bits)."""
+    import base64
+    import io
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8), round(0.61 * 65535), dtype=np.uint16)).save(buffer, format="PNG")
+    body = json.dumps({"images": [base64.b64encode(buffer.getvalue()).decode()], "prompts": ["p"]}).encode()
+    request = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    _, status, reply = _first_reply(server_port, request)
+    assert status == 200 and abs(reply["scores"][0] - 0.61) < 1 / 255, reply

@@ -1,10 +1,16 @@
-"""Prompts that carry a source image: the instruction prompts of image editing (``model.family: qwen_image_edit``).
+r"""Prompts that carry a source image: the instruction prompts of image editing (``model.family: qwen_image_edit``).
 
 An image prompt is one string, ``"[image: PATH] INSTRUCTION"`` — e.g. ``[image: photos/dog.png] make the dog
 blue`` — so it travels wherever a prompt goes unchanged: prompt files (one per line; inline lists too), the
 prompt source and its checkpointed state, per-prompt seeds, grid labels, and the embedding cache, which is keyed
 by the whole string and so by both the instruction and the image. ``PATH``, like a prompt file's path, is tried
-from the working directory, then from the repository root.
+from the working directory, then from the repository root. The first ``]`` ends ``PATH``: a path holding one writes
+it ``\]`` (``[image: shots/a\]b.png] …`` names ``shots/a]b.png``), and a backslash before it ``\\``; any other
+backslash is itself (:func:`image_prompt` writes these escapes).
+
+Every image is read by one function, :func:`rgb_image` (a prompt's source here, the reward server's request images,
+``flowrl sample --reward``'s sources through :func:`reward_inputs`): 8-bit RGB by the image's own range, so a 16-bit
+PNG is not clipped to white (PIL's own ``convert("RGB")`` does that).
 
 Who reads the image:
 
@@ -29,9 +35,10 @@ from typing import Any, Sequence
 import torch
 
 from flowrl.errors import shown_path
-from flowrl.paths import find_file, where_tried
+from flowrl.paths import REPO_ROOT, find_file, where_tried
 
-IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>[^\]]*?)\s*\] ?(?P<text>.*)$", re.S)
+IMAGE_PROMPT = re.compile(r"^\s*\[image:\s*(?P<path>(?:[^\]\\]|\\.)*?)\s*\] ?(?P<text>.*)$", re.S)
+_ESCAPED = re.compile(r"\\([\]\\])")  # \] and \\ in a path; any other backslash is itself
 FORM = "'[image: PATH] INSTRUCTION' (e.g. '[image: photos/dog.png] make the dog blue')"
 
 
@@ -41,7 +48,7 @@ def split_image_prompt(prompt: str) -> tuple[str, str | None]:
     match = IMAGE_PROMPT.match(prompt)
     if match is None:
         return prompt, None
-    return match["text"], match["path"]
+    return match["text"], _ESCAPED.sub(r"\1", match["path"])
 
 
 def split_image_prompts(prompt: str) -> tuple[str, list[str]]:
@@ -56,8 +63,10 @@ def split_image_prompts(prompt: str) -> tuple[str, list[str]]:
 
 
 def image_prompt(text: str, path: str | Path) -> str:
-    """The image prompt of instruction ``text`` on the image at ``path``."""
-    return f"[image: {path}] {text}"
+    r"""The image prompt of instruction ``text`` on the image at ``path`` (a ``]`` in it written ``\]``, a backslash
+    ``\\``)."""
+    escaped = str(path).replace("\\", "\\\\").replace("]", "\\]")
+    return f"[image: {escaped}] {text}"
 
 
 def prompt_texts(prompts: Sequence[str]) -> list[str]:
@@ -72,9 +81,15 @@ def prompt_label(prompt: str) -> str:
 
 
 def resolve_image_path(path: str) -> Path:
-    """``path`` as :func:`flowrl.paths.find_file` finds it (FileNotFoundError naming where it looked)."""
+    """``path`` as :func:`flowrl.paths.find_file` finds it (FileNotFoundError naming where it looked; IsADirectoryError
+    for a folder)."""
     found = find_file(path)
     if found is None:
+        given = Path(path).expanduser()
+        if given.is_dir() or (not given.is_absolute() and (REPO_ROOT / given).is_dir()):
+            raise IsADirectoryError(
+                f"{shown_path(path)} is a folder, not an image file; accepted: the path of one image (PNG, JPEG, …)"
+            )
         raise FileNotFoundError(f"no such image {shown_path(path)} (looked in {where_tried(path)})")
     return found
 
@@ -83,10 +98,35 @@ class ImageTooLarge(ValueError):
     """An image whose header claims more pixels than are read (PIL's decompression-bomb limit)."""
 
 
+def rgb_image(image, what: str):
+    """The PIL ``image`` as 8-bit RGB, converted by its own range: 16-bit grey (``I;16``…; ``I`` holding 0–65535) and
+    float (``F``, in [0, 1]) scaled to 0–255, every other mode as PIL converts it (8 bits per channel: PIL reads a
+    16-bit colour PNG so already). ValueError naming ``what`` (e.g. ``"the image 'a.png'"``) for an ``I`` or ``F``
+    image whose values lie outside those ranges."""
+    import numpy as np
+    from PIL import Image
+
+    mode = image.mode
+    if not (mode.startswith("I") or mode == "F"):
+        return image.convert("RGB")
+    array = np.asarray(image, dtype=np.float64)
+    low, high = (float(array.min()), float(array.max())) if array.size else (0.0, 0.0)
+    full = 1.0 if mode == "F" else 65535.0
+    if not (0.0 <= low and high <= full) or not np.isfinite(array).all():
+        raise ValueError(
+            f"{what} is a {'float' if mode == 'F' else '32-bit integer'} image (mode {mode!r}) with values from "
+            f"{low:g} to {high:g}; accepted: 8- or 16-bit images{', or float ones in [0, 1]' if mode == 'F' else ''}"
+        )
+    grey = np.rint(array * (255.0 / full)).astype(np.uint8)
+    return Image.fromarray(grey, "L").convert("RGB")
+
+
 @functools.lru_cache(maxsize=256)
 def read_image(path: str):
-    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image, read once per path (cached). One whose
-    header claims more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels raises :class:`ImageTooLarge` before it is decoded."""
+    """The image at ``path`` (:func:`resolve_image_path`) as an RGB PIL image (:func:`rgb_image`), read once per path
+    (cached). One whose header claims more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels, or whose text chunks hold more
+    than PIL reads, raises :class:`ImageTooLarge` before it is decoded; any other failure to read it is an OSError
+    naming the image."""
     import warnings
 
     from PIL import Image
@@ -97,16 +137,25 @@ def read_image(path: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, by name
             image = Image.open(found)
+        with image:
+            if limit is not None and image.width * image.height > limit:
+                raise ImageTooLarge(
+                    f"the image {shown_path(path)} claims {image.width:,}×{image.height:,} pixels "
+                    f"({image.width * image.height:,}), more than the {limit:,} read "
+                    "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image"
+                )
+            return rgb_image(image, f"the image {shown_path(path)}")
     except Image.DecompressionBombError as e:  # more than twice the limit: PIL refuses before reading the size
         raise ImageTooLarge(f"the image {shown_path(path)} is too large to read ({e})") from None
-    with image:
-        if limit is not None and image.width * image.height > limit:
+    except ImageTooLarge:
+        raise
+    except ValueError as e:
+        if "text chunk" in str(e) or "Decompressed Data Too Large" in str(e):
             raise ImageTooLarge(
-                f"the image {shown_path(path)} claims {image.width:,}×{image.height:,} pixels "
-                f"({image.width * image.height:,}), more than the {limit:,} read "
-                "(PIL.Image.MAX_IMAGE_PIXELS); accepted: a smaller image"
-            )
-        return image.convert("RGB")
+                f"the image {shown_path(path)} holds more text (metadata chunks) than is read ({str(e)[:160]}); "
+                "accepted: the image with its metadata stripped"
+            ) from None
+        raise OSError(f"the image {shown_path(path)} cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def source_pil(path: str, height: int, width: int):

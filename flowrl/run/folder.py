@@ -23,7 +23,7 @@ from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.errors import shown
 from flowrl.run.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
-from flowrl.run.manifest import DamagedCheckpoint, unwritten
+from flowrl.run.manifest import DamagedCheckpoint, unwritten, written_summary
 from flowrl.run.metrics_log import MetricsLog
 from flowrl.run.outputs import LOCK_FILE, MARKER, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
 from flowrl.run.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
@@ -76,24 +76,6 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)
     ]
-
-
-def _what_was_there(run: Path) -> str:
-    """The run folder's content in a few words: ``config.yaml, metrics.jsonl (12 records), 2 checkpoints (step-4,
-    step-8), 3 sample grids``."""
-    words = [name for name in ("config.yaml", "reward_curve.png") if (run / name).is_file()]
-    if (run / "metrics.jsonl").is_file():
-        words.append(f"metrics.jsonl ({len(logged_records(run / 'metrics.jsonl'))} records)")
-    steps = [p.name for _, p in list_checkpoints(run / "checkpoints")]
-    if steps:
-        shown_steps = ", ".join(steps[:5]) + (", …" if len(steps) > 5 else "")
-        words.append(f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({shown_steps})")
-    grids = [p for p in (run / "samples").glob("*") if p.is_file()] if (run / "samples").is_dir() else []
-    if grids:
-        words.append(f"{len(grids)} sample grid{'s' if len(grids) != 1 else ''}")
-    if (run / "export").is_dir():
-        words.append("export/")
-    return ", ".join(words) or "nothing but empty folders"
 
 
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
@@ -215,7 +197,7 @@ class RunFolder:
                 "Move them out of the run folder, or choose another train.name"
             )
         removed = [child for child in self.path.iterdir() if child.name != LOCK_FILE]
-        said = _what_was_there(self.path)
+        said = written_summary(self.path)
         for child in removed:
             remove(child)
         if removed:  # said: an earlier run's records and checkpoints are gone

@@ -227,3 +227,27 @@ def unwritten(run: Path, marker: str) -> list[str]:
     if export.is_dir() and not export.is_symlink():
         out += [f"export/{f}" for f in _files(export) if f != marker and (not _weights(f) or f.endswith("/"))]
     return sorted(out)
+
+
+def written_summary(run: Path) -> str:
+    """What a run folder holds, in a few words (what ``train.overwrite`` says it removed): ``config.yaml,
+    metrics.jsonl (12 records), 2 checkpoints (step-4, step-8), 3 sample grids``."""
+    from flowrl.run.outputs import logged_records
+
+    words = [name for name in ("config.yaml", "reward_curve.png") if (run / name).is_file()]
+    if (run / "metrics.jsonl").is_file():
+        words.append(f"metrics.jsonl ({len(logged_records(run / 'metrics.jsonl'))} records)")
+    checkpoints = run / "checkpoints"
+    steps = sorted(
+        (p.name for p in checkpoints.iterdir() if _STEP.match(p.name)) if checkpoints.is_dir() else [],
+        key=lambda name: int(name.split("-")[1]),
+    )
+    if steps:
+        shown = ", ".join(steps[:5]) + (", …" if len(steps) > 5 else "")
+        words.append(f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''} ({shown})")
+    grids = [p for p in (run / "samples").iterdir() if p.is_file()] if (run / "samples").is_dir() else []
+    if grids:
+        words.append(f"{len(grids)} sample grid{'s' if len(grids) != 1 else ''}")
+    if (run / "export").is_dir():
+        words.append("export/")
+    return ", ".join(words) or "nothing but empty folders"

@@ -76,9 +76,12 @@ def encode_png(images: torch.Tensor) -> list[str]:
 
 
 def decode_png(items: list[str]) -> torch.Tensor:
-    """Base64 PNG/JPEG strings → float32 [B, 3, H, W] in [0, 1] (all images must share one size)."""
+    """Base64 PNG/JPEG strings → float32 [B, 3, H, W] in [0, 1], each by its own range (a 16-bit PNG too:
+    :func:`flowrl.models.image_prompts.rgb_image`); all images must share one size."""
     import numpy as np
     from PIL import Image
+
+    from flowrl.models.image_prompts import rgb_image
 
     arrays = []
     for i, s in enumerate(items):
@@ -86,7 +89,7 @@ def decode_png(items: list[str]) -> torch.Tensor:
             raise ValueError(f"images[{i}] is {type(s).__name__}, expected a base64 PNG string")
         try:
             img = Image.open(io.BytesIO(base64.b64decode(s, validate=True)))
-            arrays.append(np.asarray(img.convert("RGB")))
+            arrays.append(np.asarray(rgb_image(img, f"images[{i}]")))
         except Exception as e:
             raise ValueError(f"images[{i}] is not a base64-encoded image ({type(e).__name__}: {e})") from e
     shapes = {a.shape for a in arrays}

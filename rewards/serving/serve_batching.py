@@ -115,9 +115,12 @@ def merged_meta(requests: Sequence[ScoreRequest], per_sample: frozenset[str]) ->
 
 
 def decode_images(request: ScoreRequest):
-    """A request's images as uint8 numpy [n, H, W, 3] (RGB); ValueError naming the image that fails."""
+    """A request's images as uint8 numpy [n, H, W, 3] (RGB, each by its own range:
+    :func:`flowrl.models.image_prompts.rgb_image`); ValueError naming the image that fails."""
     import numpy as np
     from PIL import Image
+
+    from flowrl.models.image_prompts import rgb_image
 
     height, width = request.size
     out = np.empty((len(request), height, width, 3), dtype=np.uint8)
@@ -126,7 +129,7 @@ def decode_images(request: ScoreRequest):
             with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
                 if img.size != (width, height):
                     raise ValueError(f"its header said {width} x {height}, it decodes to {img.size}")
-                out[i] = np.asarray(img.convert("RGB"))
+                out[i] = np.asarray(rgb_image(img, f"images[{i}]"))  # a 16-bit PNG by its own range
         except Exception as e:  # truncated or corrupt data past a valid header
             raise ValueError(f"images[{i}] does not decode ({type(e).__name__}: {e})") from e
     return out
