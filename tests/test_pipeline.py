@@ -308,3 +308,37 @@ def test_sigterm_stops_both_sides_within_the_grace_and_saves(tiny_folder, tmp_pa
     assert not alive(worker)
     done = records(tmp_path, "stopped")[-1]["step"]
     assert (tmp_path / "stopped" / "checkpoints" / f"step-{done}").is_dir()
+
+
+def test_rollout_correction_truncates_the_importance_weight_and_rejects_outside_the_band():
+    """Per edge, against the behaviour log-probs: below the cap the loss is the clipped objective's to the bit; above
+    it the unclipped branch's weight is min(r, C) (its gradient C·∇log π); edges outside the band weigh nothing."""
+    from flowrl.objectives.policy import PolicyLoss
+
+    logp_old = torch.zeros(4)
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    logp = torch.log(torch.tensor([1.5, 3.0, 0.5, 1.0])).requires_grad_()
+    plain = PolicyLoss(clip_low=0.2, clip_high=0.2, kl_ref=0.0, offpolicy_cap=1e9)
+    capped = PolicyLoss(clip_low=0.2, clip_high=0.2, kl_ref=0.0, offpolicy_cap=2.0)
+    banded = PolicyLoss(clip_low=0.2, clip_high=0.2, kl_ref=0.0, offpolicy_cap=2.0, offpolicy_reject=[0.6, 2.5])
+    (g_plain,) = torch.autograd.grad(plain(logp, logp_old, adv)[0], logp)
+    loss, diag = capped(logp, logp_old, adv)
+    (g_capped,) = torch.autograd.grad(loss, logp)
+    # edge 1 (r 3 > C 2, A < 0): value −A·C, gradient −A·C/4 (mean over 4 edges); the others as without a cap
+    assert float(loss) == pytest.approx((1.5 + 2.0 - 0.5 + 1.0) / 4)  # per edge max(−A·min(r, C), −A·clip(r))
+    torch.testing.assert_close(g_capped[[0, 2, 3]], g_plain[[0, 2, 3]])
+    assert float(g_capped[1]) == pytest.approx(2.0 / 4) and float(g_plain[1]) == pytest.approx(3.0 / 4)
+    assert float(diag["offpolicy/truncated"]) == 0.25 and float(diag["offpolicy/ratio_max"]) == pytest.approx(3.0)
+    loss_b, diag_b = banded(logp, logp_old, adv)
+    (g_banded,) = torch.autograd.grad(loss_b, logp)
+    assert float(g_banded[1]) == 0.0 and float(g_banded[2]) == 0.0  # r 3 and r 0.5 leave [0.6, 2.5]
+    torch.testing.assert_close(g_banded[[0, 3]], g_capped[[0, 3]])
+    assert float(diag_b["offpolicy/rejected"]) == 0.5
+    # at the behaviour weights nothing changes: the same loss and gradient to the bit
+    at_one = torch.zeros(4, requires_grad=True)
+    a, b = plain(at_one, logp_old, adv)[0], banded(at_one, logp_old, adv)[0]
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"loss.offpolicy_reject=\[1.5, 2.0\] must be \[low, high\]"):
+        PolicyLoss(offpolicy_reject=[1.5, 2.0])
+    with pytest.raises(ValueError, match="loss.offpolicy_cap=1.0 must be > 1"):
+        PolicyLoss(offpolicy_cap=1.0)

@@ -39,6 +39,9 @@ class PolicyLoss(Objective):
     forward-process objectives'). ``kl_form``: ``exact`` or ``flow_grpo``.
     ``reduction``: log-probs as the ``mean`` (Flow-GRPO) or ``sum`` over latent elements.
     ``adaptive_kappa``: None, or κ for reward-conditioned clip bounds (docs/trees.md, "Dynamic-TreeRPO's loss").
+    ``offpolicy_cap``: C, the unclipped branch's importance weight truncated at min(r, C); ``offpolicy_reject``: None
+    or [low, high], edges whose ratio leaves the band get weight 0 (the rollout correction of docs/pipeline.md: the
+    ratio is against the log-probs the rollout recorded, which with ``train.pipeline=async`` came from older weights).
     ``cfg_gradient``: with CFG rollouts, the replay's gradient through the conditional branch only (``cond``,
     Flow-GRPO's ``train_sd3.py``) or through both (``both``); docs/algorithms.md, "Training through CFG".
     """
@@ -50,10 +53,18 @@ class PolicyLoss(Objective):
     kl_form: str = choice("exact", sde.KL_FORMS)
     reduction: str = choice("mean", sde.REDUCTIONS)
     adaptive_kappa: float | None = None
+    offpolicy_cap: float = 2.0
+    offpolicy_reject: list[float] | None = None
     cfg_gradient: str = choice("cond", CFG_GRADIENTS)
 
     trains_on = "edges"
-    extremes = {"ratio_min": min, "ratio_max": max, "abs_delta_logp": max}
+    extremes = {
+        "ratio_min": min,
+        "ratio_max": max,
+        "abs_delta_logp": max,
+        "offpolicy/ratio_min": min,
+        "offpolicy/ratio_max": max,
+    }
     first_step_keys = ("abs_delta_logp",)  # weights not yet updated: every ratio must be exactly 1
     progress_keys = {"kl": (("approx_kl",), ".1e"), "clip": (("clipfrac_high", "clipfrac_low"), ".2f")}
     _reference = None  # the KL reference (a Reference), from setup() when kl_ref > 0
@@ -97,6 +108,15 @@ class PolicyLoss(Objective):
             raise ValueError(f"loss.kl_ref={self.kl_ref} must be >= 0")
         if self.adaptive_kappa is not None and self.adaptive_kappa < 0:
             raise ValueError(f"loss.adaptive_kappa={self.adaptive_kappa} must be >= 0 (or null: constant clip bounds)")
+        if not self.offpolicy_cap > 1.0:
+            raise ValueError(
+                f"loss.offpolicy_cap={self.offpolicy_cap} must be > 1 (the truncated importance weight's cap)"
+            )
+        band = self.offpolicy_reject
+        if band is not None and not (len(band) == 2 and 0 <= band[0] < 1 < band[1]):
+            raise ValueError(
+                f"loss.offpolicy_reject={band} must be [low, high] with 0 <= low < 1 < high (or null: no rejection)"
+            )
 
     def describe(self) -> ObjectiveFacts:
         """The reference as a frozen copy, for the KL (``kl_ref`` > 0)."""
@@ -131,8 +151,16 @@ class PolicyLoss(Objective):
         ratio = torch.exp(delta)
         low, high = self.clip_bounds(adv)
         clipped = torch.minimum(torch.maximum(ratio, 1.0 - low), 1.0 + high)
-        per_edge = torch.maximum(-adv * ratio, -adv * clipped)
+        r = ratio.detach()
+        # rollout correction (docs/pipeline.md): the unclipped branch's importance weight truncated at the cap (its
+        # gradient min(r, C)·∇log π; exactly r below the cap), and edges outside the rejection band left out
+        truncated = torch.where(r > self.offpolicy_cap, ratio * (self.offpolicy_cap / r), ratio)
+        per_edge = torch.maximum(-adv * truncated, -adv * clipped)
         w = torch.ones_like(per_edge) if weight is None else weight.float()
+        kept = torch.ones_like(r, dtype=torch.bool)
+        if self.offpolicy_reject is not None:
+            kept = (r >= self.offpolicy_reject[0]) & (r <= self.offpolicy_reject[1])
+            w = w * kept
         policy = (w * per_edge).mean()
         loss = policy
         kl_mean = torch.zeros((), device=logp.device)
@@ -152,6 +180,11 @@ class PolicyLoss(Objective):
                 "ratio_min": r.min(),
                 "ratio_max": r.max(),
                 "abs_delta_logp": d.abs().max(),
+                "offpolicy/ratio_mean": r.mean(),
+                "offpolicy/ratio_min": r.min(),
+                "offpolicy/ratio_max": r.max(),
+                "offpolicy/truncated": (r > self.offpolicy_cap).float().mean(),
+                "offpolicy/rejected": (~kept).float().mean(),
             }
         return loss, diag
 
