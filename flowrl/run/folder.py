@@ -323,7 +323,7 @@ class RunFolder:
         staging = self.checkpoints / f".step-{step}.shards-{self.group.broadcast(os.getpid())}"
         error, path = None, None
         try:
-            save_shards(shards, staging)
+            save_shards(shards, staging, self.group.dist_group)
         except Exception as e:  # noqa: BLE001 — agreed on below, so no process waits for another forever
             error = e
         self.group.wait()

@@ -82,23 +82,31 @@ def shards_of(module: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: 
     }
 
 
-def save_shards(shards: dict, folder: Path) -> None:
-    """Write ``shards`` (:func:`shards_of`) into ``folder``; every process calls it."""
+def save_shards(shards: dict, folder: Path, process_group=None) -> None:
+    """Write ``shards`` (:func:`shards_of`) into ``folder``; every process of ``process_group`` (None: every launched
+    process) calls it."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(shards, checkpoint_id=str(folder))
+    dcp.save(shards, checkpoint_id=str(folder), process_group=process_group)
 
 
 def load_shards(
-    folder: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, torch.Tensor]
+    folder: Path,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, torch.Tensor],
+    process_group=None,
 ) -> dict[str, torch.Tensor]:
-    """Load checkpoint shards ``folder`` into the sharded ``module`` and ``optimizer`` (every process calls it)
-    and return ``extra`` (this run's tensors, the layout to read into) filled with the saved values."""
+    """Load checkpoint shards ``folder`` into the sharded ``module`` and ``optimizer`` (every process of
+    ``process_group`` calls it; None: every launched process) and return ``extra`` (this run's tensors, the layout to
+    read into) filled with the saved values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     shards = shards_of(module, optimizer, extra)
-    dcp.load(shards, checkpoint_id=str(folder))  # every trained parameter's value, or an error naming the absent one
+    dcp.load(
+        shards, checkpoint_id=str(folder), process_group=process_group
+    )  # every trained parameter's value, or an error naming the absent one
     # not strict: the frozen parameters (a LoRA's base, an old policy's adapter) were never saved, so a strict load
     # counts them missing; nothing unexpected can come, the keys being this module's own
     set_model_state_dict(module, shards["model"], options=_options(strict=False))

@@ -103,7 +103,7 @@ class TrainerCheckpoints:
             "plan": self.plan.state_dict(),
         }
         _, extra = split_sharded(template)
-        extra = load_shards(path / SHARDED_DIR, self.model.trainable, self.optimizer, extra)
+        extra = load_shards(path / SHARDED_DIR, self.model.trainable, self.optimizer, extra, self.group.dist_group)
         return merge_sharded(state, extra)
 
     def load_checkpoint(self, path: Path, state: dict | None = None) -> None:
