@@ -3,8 +3,9 @@
     with RewardServerProcess("brightness") as server:
         remote = build_reward("remote", url=server.url)
 
-The server runs in its own process group; :meth:`RewardServerProcess.close` sends it SIGTERM (it then stops its
-workers) and kills what is left after ``grace`` seconds. Its log (stderr) is kept in a temporary file:
+The server runs in its own session; :meth:`RewardServerProcess.close` sends it SIGTERM (it then stops its
+workers, and exits with 143) and kills it after ``grace`` seconds if it has not ended (the processes it started leave
+its process group and die with it). Its log (stderr) is kept in a temporary file:
 :attr:`RewardServerProcess.log` reads it.
 """
 
@@ -81,7 +82,8 @@ class RewardServerProcess:
         return Path(self._log.name).read_text(errors="replace")
 
     def close(self, grace: float = 15.0) -> int | None:
-        """Stop the server (SIGTERM, then SIGKILL of its process group after ``grace`` s); its exit code."""
+        """Stop the server (SIGTERM, then SIGKILL of its process group after ``grace`` s); its exit code (143 for a
+        stop by SIGTERM)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
