@@ -113,11 +113,17 @@ def test_what_async_cannot_run_is_refused_naming_the_key():
 
 
 def test_async_at_staleness_zero_is_the_serial_run(tiny_folder, tmp_path):
-    """Staleness 0 waits for every update: the same forests, the same updates, every key equal but timing."""
-    Trainer(config(tiny_folder, tmp_path, "sync")).train()
-    Trainer(config(tiny_folder, tmp_path, "async", *ASYNC, "train.max_staleness=0")).train()
+    """Staleness 0 waits for every update: the same forests, the same updates, every key equal but timing; the
+    periodic and final evals run in the trainer between them (the rollout process waiting, not deadlocked)."""
+    evals = ("prompts.eval=a red circle|a small dog", "eval.every=2", "eval.steps=3", "eval.at_start=false")
+    Trainer(config(tiny_folder, tmp_path, "sync", *evals)).train()
+    Trainer(config(tiny_folder, tmp_path, "async", *ASYNC, *evals, "train.max_staleness=0")).train()
     a, b = records(tmp_path, "sync"), records(tmp_path, "async")
     assert len(a) == len(b) == 3
+    read = lambda name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    evals_a = [untimed(r) for r in read("sync") if "reward_mean" not in r]
+    evals_b = [untimed(r) for r in read("async") if "reward_mean" not in r]
+    assert [r["step"] for r in evals_b] == [2, 3] and evals_a == evals_b
     for ra, rb in zip(a, b):
         assert untimed(ra) == untimed(rb), ra["step"]
         assert rb["pipeline/staleness"] == 0 and rb["pipeline/version"] == ra["step"] - 1
