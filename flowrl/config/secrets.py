@@ -1,7 +1,8 @@
 """Settings that hold secrets, and their redaction wherever a config is written (``config.yaml``, checkpoints,
 trackers' hparams, ``--help``) or a command is (``flowrl compare``'s ``commands.sh``, ``results.md``, ``status.json``).
 
-A reward term's kwargs key is a secret when its name says so (:data:`SECRET_NAMES`: ``api_key``, ``token``, …);
+A reward term's kwargs key is a secret when its words say so (:func:`is_secret`: ``api_key``, ``hf_token``, …;
+:data:`SECRET_NAMES` are the names a refusal treats as near-misses);
 ``headers`` keeps its names and hides every value (an ``Authorization`` header is a key); a URL keeps its form and
 hides a password in its user part and the value of every secret-named query parameter (``?api_key=…``,
 :func:`flowrl_rewards.core.urls.redact_url`). Secrets belong in the environment: a served judge and the ``remote``
@@ -19,7 +20,17 @@ from typing import Any
 from flowrl.errors import ConfigError
 from flowrl_rewards.core.urls import REDACTED, check_url, redact_url
 
-__all__ = ["REDACTED", "SECRET_NAMES", "HEADERS", "is_secret", "redact_kwargs", "redacted", "refuse_redacted"]
+__all__ = [
+    "REDACTED",
+    "SECRET_NAMES",
+    "HEADERS",
+    "is_secret",
+    "redact_kwargs",
+    "redacted",
+    "refuse_redacted",
+    "redact_override",
+    "redact_command",
+]
 
 SECRET_NAMES = ("api_key", "token", "password", "secret", "authorization", "bearer")
 HEADERS = "headers"

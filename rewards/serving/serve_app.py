@@ -113,7 +113,8 @@ def stop_on_signals() -> None:
 
 class _QuietStop(logging.Filter):
     """Drops LitServe's tracebacks once a stop began: its monitoring thread may still ask the manager the stop just
-    shut down ("Monitoring worker crashed", BrokenPipeError)."""
+    shut down ("Monitoring worker crashed", BrokenPipeError), e.g. when a service manager signals every process of
+    the server at once rather than its process group."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return Stop.signum is None or record.exc_info is None
@@ -325,7 +326,6 @@ def run(
         port = free_port(host)
     server, _ = build_server(source, options)
     quiet = _QuietStop()
-    logging.getLogger("litserve").addFilter(quiet)
     logging.getLogger("litserve.server").addFilter(quiet)
     stop = threading.Event()
     if on_ready is not None:
@@ -350,7 +350,6 @@ def run(
     finally:
         stop.set()
         _end_children()
-        logging.getLogger("litserve").removeFilter(quiet)
         logging.getLogger("litserve.server").removeFilter(quiet)
 
 
