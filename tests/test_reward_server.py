@@ -467,7 +467,8 @@ def test_a_reward_that_fails_to_build_stops_the_start_with_its_error():
 
 
 def _scoring_workers(group: int) -> list[int]:
-    """PIDs of the spawned processes (LitServe's scoring workers) in process group ``group``."""
+    """PIDs of the spawned processes (LitServe's scoring workers) whose parent is process ``group`` (they leave its
+    process group: flowrl_rewards/serving/serve_app.py, detach_from_group)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -475,7 +476,7 @@ def _scoring_workers(group: int) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[2]) == group and b"spawn_main" in cmdline:
+        if int(fields[1]) == group and b"spawn_main" in cmdline:
             pids.append(int(stat.parent.name))
     return pids
 
