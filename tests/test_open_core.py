@@ -4,7 +4,9 @@ owner per setting (the loss's reduction), one reward-combination path (MultiRewa
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from test_trainer import tiny_config
 
 from flowrl.commands.main import main
 from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.objectives.policy import PolicyLoss
 from flowrl.rollout.forest import Forest
 from flowrl.training.trainer import Trainer
 
@@ -196,25 +199,26 @@ def test_probe_x0_scores_states_reached_by_sde_steps_without_extra_forwards(sd3_
     assert nodes.numel() == probed.leaves().numel() + 4
 
 
+@dataclass
+class WithAux(PolicyLoss):
+    """The clipped objective with a constant auxiliary term that counts its calls (a class-level list)."""
+
+    calls: ClassVar[list[int]] = []
+
+    def auxiliary(self, model, forest, cond):
+        WithAux.calls.append(forest.num_nodes)
+        p = next(q for q in model.trainable.parameters() if q.requires_grad)
+        return (p**2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
+
+
 def test_objective_auxiliary_term_runs_once_per_optimizer_step(tmp_path):
-    from dataclasses import dataclass
-
-    from flowrl.objectives.policy import PolicyLoss
-
-    calls = []
-
-    @dataclass
-    class WithAux(PolicyLoss):
-        def auxiliary(self, model, forest, cond):
-            calls.append(forest.num_nodes)
-            p = next(q for q in model.trainable.parameters() if q.requires_grad)
-            return (p**2).sum() * 0.0 + 1.5, {"aux_term": torch.tensor(1.5)}
-
-    trainer = Trainer(tiny_config(tmp_path, "aux", "train.updates_per_epoch=2"), model=make_model("sd3"))
-    trainer.objective = WithAux(**{k: getattr(trainer.objective, k) for k in ("clip_low", "clip_high", "kl_ref")})
-    trainer.objective.setup(trainer.model)
+    """An objective is chosen by the config (here a plugin named by module), fixed for the run."""
+    WithAux.calls.clear()
+    cfg = tiny_config(tmp_path, "aux", "train.updates_per_epoch=2", f"loss.objective={__name__}:WithAux")
+    trainer = Trainer(cfg, model=make_model("sd3"))
+    assert type(trainer.objective) is WithAux and trainer.updater.objective is trainer.objective
     record = trainer.train_step(0)
-    assert len(calls) == 2 and record["aux_term"] == 1.5
+    assert len(WithAux.calls) == 2 and record["aux_term"] == 1.5
 
 
 def test_every_registered_component_is_a_public_name_of_flowrl():

@@ -117,7 +117,8 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
         self.folder = RunFolder(c, self.group)
         # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
         self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
-        self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked
+        self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked; fixed for the run
+        self.facts = self.objective.describe()
         teacher = teacher_weights(self.objective)  # its folder read before the model loads
         self.model = model if model is not None else build.build_model(c.model, self.accelerator.device)
         check_modality(self.model, [("rewards", self.reward), ("eval.rewards", self.eval_reward)])  # video rewards
@@ -181,20 +182,6 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
     @property
     def run_dir(self) -> Path:
         return self.folder.path
-
-    @property
-    def objective(self):
-        """The objective (``loss.objective``); assigning one hands it to the updater and the rollouts too."""
-        return self._objective
-
-    @objective.setter
-    def objective(self, objective) -> None:
-        self._objective = objective
-        self.facts = objective.describe()
-        updater = self.__dict__.get("updater")  # None while __init__ builds the parts
-        if updater is not None:
-            updater.objective = objective
-            self.runner.reduction = objective.reduction
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
