@@ -7,19 +7,20 @@ one. The schedule is fixed by ``train.max_staleness`` (s), so a run stays reprod
 - forest k is sampled from version ``max(0, k − s)`` (:func:`behaviour_version`): with s = 1, forest k + 1 is
   sampled from the weights before update k, while update k runs; with s = 0 every forest waits for the update before
   it (the serial schedule, in another process);
-- the trainer hands the rollout process its commands in order through a queue: ``weights`` (a version, the trainable
-  tensors flattened per dtype: the LoRA adapters alone when training LoRA), ``job`` (an iteration's prompt groups,
-  decided by the trainer) and ``stop``. Each job follows the weights it needs, so the rollout process loads each
-  version once, when every earlier job is done, and never runs ahead of the schedule: it waits for the next command,
-  and the wait is measured (``pipeline/rollout_wait``);
-- tensors travel as torch.multiprocessing shares them (shared memory on the CPU, CUDA IPC on a GPU); nothing else;
+- the trainer hands the rollout process its commands in order: ``weights`` (a version, the trainable tensors
+  flattened per dtype: the LoRA adapters alone when training LoRA), ``job`` (an iteration's prompt groups, decided by
+  the trainer) and ``stop``. Each job follows the weights it needs, so the rollout process loads each version once,
+  when every earlier job is done, and never runs ahead of the schedule: it waits for the next command, and the wait
+  is measured (``pipeline/rollout_wait``);
+- the link carries them as torch does (:mod:`flowrl.training.rollout_process`: torch.multiprocessing's queues, shared
+  memory on the CPU and CUDA IPC on a GPU, for a rollout process beside the trainer; the run's torch.distributed
+  process group for launched rollout processes);
 - every forest comes back with the version that sampled it (``pipeline/version``, ``pipeline/staleness``), its
   timings and its plan's metrics (computed where the plan ran).
 
 A checkpoint holds the jobs in flight and the behaviour weights they need (the last s versions), so a resumed run
-samples them again exactly as the uninterrupted run did. The rollout process dies with the trainer (Linux: the
-parent-death signal; elsewhere it sees its parent gone within a second), ignores Ctrl-C (the trainer stops it), and a
-failure in it reaches the trainer as its own exception (:class:`RolloutFailed` on top).
+samples them again exactly as the uninterrupted run did. A failure on the rollout side reaches the trainer as its own
+exception (:class:`RolloutFailed` its cause).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def rollout_failure(error: BaseException) -> bool:
 class AsyncRollouts:
     """The trainer's side of the pipeline: hand the rollout side weights and jobs on the fixed schedule, take its
     forests, stop it. ``make_job(iteration)`` → :class:`RolloutJob` (the trainer decides the prompts); ``params``: the
-    trainer's trainable parameters (``gather``: their whole values when they are sharded); ``connect()`` → a link to
+    trainer's trainable parameters (gathered whole when sharded, :func:`flatten`); ``connect()`` → a link to
     the rollout side (:mod:`flowrl.training.rollout_process`: a process started beside this one, or a launched
     rollout process of ``train.rollout_processes``); ``sends_weights``: False when another trainer sends them to the
     same rollout process (only the version is sent then)."""
