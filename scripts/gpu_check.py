@@ -26,9 +26,12 @@ every row, so a kill leaves what was measured):
   weights — FLUX.1-dev BranchGRPO, BranchGRPO-Mix and MixGRPO against DanceGRPO chains at 16 images per prompt
   (s/iteration, rollout forwards and trained edges against ALGORITHMS §4–5's closed forms), TP-GRPO against chains on
   SD3.5-Medium (forwards per chain against §8's), and Sol-RL's explorer (candidates/s in FP8 against BF16 on
-  SD3.5-Medium and FLUX.1-dev, and which FP8 matmul ran); every row with the published claim and a verdict.
-
-A part ``async`` (the asynchronous pipeline's rollout/update overlap) is planned, not built: :data:`PLANNED`.
+  SD3.5-Medium and FLUX.1-dev, and which FP8 matmul ran); every row with the published claim and a verdict;
+- ``async`` (not in the default parts): the SD3.5-Medium NFT preset with ``train.pipeline=sync`` against
+  ``train.pipeline=async`` (``train.max_staleness=1``) on the one GPU, each a ``flowrl train`` process loading a
+  real-size random-weight pipeline saved to a folder (``model.path``: the rollout process builds its own copy from
+  it): s/iteration, images/s, rollout, update and the pipeline's waits after a warm-up, the device memory of both
+  processes together while they run, the ratio of images/s against the 1.25× goal, and whether the card held both.
 
 ``--tiny`` runs every part on the CPU with tiny pipelines (the stored architectures shrunk,
 :func:`flowrl.models.random_init.tiny_arch`) and tiny settings in well under a minute (tests/test_gpu_check.py).
@@ -47,10 +50,12 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,14 +70,9 @@ import gpu_profile  # noqa: E402
 import gpu_report  # noqa: E402
 from gpu_report import fmt, now  # noqa: E402
 
-PARTS = ("presets", "profile", "shapes", "snr", "seeds")
+PARTS = ("presets", "profile", "shapes", "snr", "seeds", "async")
 DEFAULT_PARTS = ("presets", "profile", "shapes", "snr")
-"""What a plain run measures (issue 46's check); ``seeds`` is asked for by name (it needs its own 9 minutes)."""
-PLANNED = {
-    "async": "the asynchronous pipeline's check (train.pipeline: async against sync: s/iteration, staleness, the "
-    "overlap of rollout and update) is added with that pipeline; it is not built yet",
-}
-"""Parts with a place in the table (docs/gpu.md) but no runner yet: ``--parts`` names them with this reason."""
+"""What a plain run measures (issue 46's check); ``seeds`` and ``async`` are asked for by name (each its own call)."""
 PROMPTS = "a photo of a cat|a red car and a blue house"
 """Inline training prompts of the presets (words of the synthetic tokenizers' vocabulary; sequences are padded to
 the preset's lengths anyway)."""
@@ -120,7 +120,7 @@ PROFILE_PRESET, PROFILE_PROMPTS = PRESETS[0], 1
 """The profile's preset and prompts per iteration on the GPU (1 × 8 images: the shipped forwards of 8 rows, half
 the iteration's events of 2 × 8, so its trace stays readable)."""
 PROFILE_TRACE = "gpu_check_profile.json.gz"
-PART_WEIGHTS = {"profile": 2.0, "shapes": 1.2, "snr": 0.3}
+PART_WEIGHTS = {"profile": 2.0, "shapes": 1.2, "snr": 0.3, "async": 5.0}
 """Shares of the budget besides the presets' (a part's time = what is left × its weight / the weights still to run)."""
 SHAPES_RUNS = (("main", []), ("distill", ["loss.reward_term=0"]))
 SHAPES_CONFIG = "configs/shapes/nft.yaml"
@@ -166,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and distillation at 1,024 images per update, both at once, strict accuracy every 50 updates), snr "
         "(--reward-only at 1,024 images per batch), seeds (only when named: BranchGRPO, BranchGRPO-Mix and MixGRPO "
         "against DanceGRPO on FLUX.1-dev, TP-GRPO against chains and the Sol-RL explorer's FP8 against BF16 on "
-        "SD3.5-M and FLUX.1-dev, each with the published claim and a verdict); planned, not built: "
-        + ", ".join(PLANNED),
+        "SD3.5-M and FLUX.1-dev, each with the published claim and a verdict), async (only when named: SD3.5-M NFT "
+        "train.pipeline=sync against async at max_staleness 1, two flowrl train processes from a saved random-weight "
+        "folder: images/s, waits, staleness, both processes' device memory)",
     )
     p.add_argument(
         "--peak-tflops",
@@ -254,6 +255,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 4: 32 on SD3.5-M, 16 on FLUX.1-dev; 2 with --tiny)",
     )
     p.add_argument(
+        "--async-iterations",
+        type=int,
+        default=None,
+        help="timed iterations of each async-part run after its warm-up (default 3; 2 with --tiny)",
+    )
+    p.add_argument(
+        "--async-warmup",
+        type=int,
+        default=None,
+        help="untimed iterations first (default 1: the async run's first holds its rollout process's start)",
+    )
+    p.add_argument(
+        "--async-compile",
+        choices=("off", "regional"),
+        default=None,
+        help="model.compile of both async-part runs (default off: the preset's regional compilation would add about "
+        "a minute per process to the warm-up; regional runs the preset as it ships)",
+    )
+    p.add_argument(
+        "--async-launch",
+        choices=("process", "inline"),
+        default=None,
+        help="how the async part starts its runs: process (a flowrl train process each, the default) or inline (a "
+        "Trainer in this process, the async one with its spawned rollout process; the default with --tiny)",
+    )
+    p.add_argument(
         "--compile-backend",
         default=None,
         help="torch.compile backend of model.compile=regional in the "
@@ -280,9 +307,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    planned = [x for x in parts if x in PLANNED]
-    if planned:
-        p.error(f"--parts {planned[0]}: {PLANNED[planned[0]]}; accepted: {','.join(PARTS)}")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         p.error(f"--parts: unknown {unknown or 'empty'}; accepted: {','.join(PARTS)}")
@@ -309,6 +333,10 @@ def fill_defaults(args: argparse.Namespace) -> None:
         "seeds_flux_px": 64 if tiny else 256,
         "seeds_group": 2 if tiny else 8,
         "explore_batches": 2 if tiny else 4,
+        "async_iterations": 2 if tiny else 3,
+        "async_warmup": 1,
+        "async_compile": "off",
+        "async_launch": "inline" if tiny else "process",
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -507,6 +535,28 @@ COLUMNS = {
             ],
         ),
     },
+    "async": [
+        ("run", "name"),
+        ("pipeline", "pipeline"),
+        ("staleness", "staleness"),
+        ("prompts × images", "batch"),
+        ("px / steps", "size"),
+        ("timed iterations", "timed"),
+        ("s/iter", "seconds_per_iteration"),
+        ("images/s", "images_per_second"),
+        ("rollout s", "rollout_seconds"),
+        ("reward s", "reward_seconds"),
+        ("update s", "update_seconds"),
+        ("update wait s", "update_wait"),
+        ("rollout wait s", "rollout_wait"),
+        ("warm-up s", "warmup_seconds"),
+        ("memory in use GiB", "peak_memory_gib"),
+        ("the run's GiB", "run_memory_gib"),
+        ("processes", "processes"),
+        ("held", "held"),
+        ("async / sync", "ratio"),
+        ("verdict", "verdict"),
+    ],
 }
 TITLES = {
     "presets": "Real presets, real size, random weights: shipped, and train.fit=auto + model.compile=regional",
@@ -515,6 +565,7 @@ TITLES = {
     "snr": "The reward's gradient signal (flowrl snr --reward-only)",
     "seeds": "The seed methods' cost claims at real size: BranchGRPO, BranchGRPO-Mix and MixGRPO against DanceGRPO, "
     "TP-GRPO against chains, Sol-RL's FP8 explorer",
+    "async": "train.pipeline: async against sync on one device (SD3.5-Medium NFT, max_staleness 1)",
 }
 
 
@@ -529,7 +580,11 @@ class Report(gpu_report.Report):
     """gpu_check.json and gpu_check.md (scripts/gpu_report.py) with this check's parts."""
 
     titles, columns = TITLES, COLUMNS
-    extras = {"profile": profile_tables, "shapes": lambda rows: shapes_tables(rows)}  # defined with their part
+    extras = {  # defined with their part
+        "profile": profile_tables,
+        "shapes": lambda rows: shapes_tables(rows),
+        "async": lambda rows: async_tables(rows),
+    }
 
 
 def commit_of(given: str | None) -> str:
@@ -1779,9 +1834,438 @@ def run_seeds(report: Report, budget: Budget, args: argparse.Namespace) -> None:
         )
 
 
+# ---- part 6: train.pipeline=async against sync on one device ------------------------------------------------------
+ASYNC_PRESET = PRESETS[1]
+"""The async part's preset: SD3.5-Medium DiffusionNFT, LoRA (configs/sd35/nft_geneval.yaml) at the presets' 2 × 8."""
+ASYNC_RUNS = (
+    ("sync", ["train.pipeline=sync"]),
+    ("async", ["train.pipeline=async", "train.max_staleness=1"]),
+)
+ASYNC_WEIGHTS = {"folder": 1.0, "sync": 1.6, "async": 2.4}
+"""Shares of the part's time (expected seconds on an H100 / 50): the model folder (build on the GPU, save ≈ 16.6 GB),
+the sync run (start, load, warm-up and timed iterations), the async run (the same, and its rollout process's start
+and load after the trainer's)."""
+ASYNC_GOAL = 1.25
+"""The issue's goal for train.pipeline=async: images/s ≥ 1.25 × sync's (set for the CPU main job)."""
+OOM = re.compile(r"out of memory|OutOfMemoryError", re.I)
+"""What a run that ran out of (device) memory says in its log or error."""
+
+
+def async_folder(cfg, args: argparse.Namespace, folder: Path, row: dict) -> Path:
+    """The preset's architecture built with random weights in ``model.dtype`` (on the GPU; --tiny: the tiny one on the
+    CPU) and saved to ``folder`` with ``save_pretrained``: what both runs load as ``model.path``."""
+    import torch
+
+    from flowrl.estimate import load_arch
+    from flowrl.models.dtypes import dtype_named
+    from flowrl.models.random_init import random_pipeline, tiny_arch
+
+    arch = tiny_arch(ASYNC_PRESET.arch) if args.tiny else load_arch(ASYNC_PRESET.arch)
+    dtype = dtype_named(cfg.model.dtype) or torch.float32
+    t0 = time.monotonic()
+    pipe = random_pipeline(arch, "cpu" if args.tiny else "cuda", dtype)
+    t1 = time.monotonic()
+    pipe.save_pretrained(folder)
+    del pipe
+    release_memory()
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    row.update(
+        model=arch["name"],
+        dtype=str(cfg.model.dtype),
+        build_seconds=t1 - t0,
+        save_seconds=time.monotonic() - t1,
+        gib=size / GiB,
+    )
+    return folder
+
+
+def async_overrides(args: argparse.Namespace, name: str, folder: Path, extra: list[str]) -> list[str]:
+    """The preset's row settings (:func:`preset_overrides`) loaded from ``folder``, no evals, --async-warmup +
+    --async-iterations iterations, ``extra`` (the run's pipeline keys) last; --tiny: 2 CPU threads (the async run's
+    split 1 / 1)."""
+    base = [o for o in preset_overrides(ASYNC_PRESET, args, name) if not o.startswith(("prompts.eval=", "train.num_"))]
+    out = base + [
+        f"model.path={folder}",
+        f"model.compile={args.async_compile}",
+        "prompts.eval=null",
+        "eval.at_start=false",
+        "eval.every=0",
+        "train.checkpoint_every=0",
+        f"train.max_steps={args.async_warmup + args.async_iterations}",
+    ]
+    if args.tiny:
+        out.append("train.num_threads=2")
+        if "train.pipeline=async" in extra:
+            out.append("train.rollout_threads=1")
+    return out + extra
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (Linux /proc; only ``root`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of ``pid`` (0 once it is gone, and for multiprocessing's resource tracker: a helper of
+    the spawned rollout process, not one of the run's)."""
+    try:
+        if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return 0
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def gpu_processes() -> dict[int, int]:
+    """Bytes of device memory per process as nvidia-smi lists them ({} without nvidia-smi, or when it lists none:
+    a container may hide them)."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            out[int(pid)] = int(mib) * 2**20
+    return out
+
+
+class MemorySampler:
+    """The memory in use while a run goes, sampled every ``interval`` seconds in a thread of the check: on a GPU the
+    device's (``torch.cuda.mem_get_info``: every process on the card, the trainer's and its rollout process's
+    together, this check's context included: ``baseline``) and each process's as nvidia-smi lists them (every 2 s;
+    those it listed before the run, this check among them, left out); on
+    a CPU the resident memory of the run's processes (``watch``: the root, with its descendants)."""
+
+    def __init__(self, cuda: bool, interval: float = 0.25):
+        self.cuda, self.interval, self.root = cuda, interval, None
+        self.before = set(gpu_processes()) if cuda else set()  # this check's own context, whatever its pid there
+        self.baseline = self.sample()
+        self.peak, self.samples, self.per_process, self.processes = self.baseline, 0, {}, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu_check-memory", daemon=True)
+
+    def watch(self, root: int) -> "MemorySampler":
+        """Start sampling, the run's processes being ``root`` and its descendants (on a CPU, a run in this process
+        counts from what this process held before it: the baseline)."""
+        self.root = root
+        if not self.cuda and root == os.getpid():
+            self.baseline = self.peak = self.sample()
+        self._thread.start()
+        return self
+
+    def sample(self) -> int:
+        if self.cuda:
+            import torch
+
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        if self.root is None:
+            return 0
+        sizes = {pid: resident_bytes(pid) for pid in process_tree(self.root)}
+        self._seen(sizes)
+        return sum(sizes.values())
+
+    def _seen(self, sizes: dict[int, int]) -> None:
+        live = {pid: b for pid, b in sizes.items() if b > 0}
+        self.processes = max(self.processes, len(live))
+        for pid, b in live.items():
+            self.per_process[pid] = max(self.per_process.get(pid, 0), b)
+
+    def _loop(self) -> None:
+        smi = 0.0
+        while True:
+            try:
+                self.peak = max(self.peak, self.sample())
+                self.samples += 1
+                if self.cuda and time.monotonic() - smi >= 2.0:
+                    smi = time.monotonic()
+                    self._seen({p: b for p, b in gpu_processes().items() if p not in self.before})
+            except Exception:  # noqa: BLE001 - a failed sample is a missing sample
+                pass
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> dict:
+        """The row's memory columns: the peak in use, the baseline before the run, the run's own, per process."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        return {
+            "peak_memory_gib": self.peak / GiB,
+            "baseline_memory_gib": self.baseline / GiB,
+            "run_memory_gib": (self.peak - self.baseline) / GiB,
+            "memory_source": "torch.cuda.mem_get_info (the device: every process on it)"
+            if self.cuda
+            else "resident memory of the run's processes (CPU)",
+            "memory_samples": self.samples,
+            "processes": self.processes or None,
+            "per_process_gib": {str(pid): b / GiB for pid, b in sorted(self.per_process.items())},
+        }
+
+
+def async_summary(records: list[dict], warmup: int) -> dict:
+    """A run's columns from its metrics.jsonl records: the means over the iterations after ``warmup`` (s/iteration
+    from ``time/iteration``, images/s = leaves / it, ``time/rollout``, ``time/reward``, ``time/update``, the
+    pipeline's ``update_wait``, ``rollout_wait`` and ``staleness``: None where the run logs none, as a sync one)."""
+    nan = float("nan")
+    steps = [r for r in records if "time/iteration" in r]
+    timed = steps[warmup:]
+
+    def mean(key: str):
+        values = [float(r[key]) for r in timed if key in r]
+        return sum(values) / len(values) if values else (None if key.startswith("pipeline/") else nan)
+
+    seconds = mean("time/iteration")
+    leaves = mean("leaves")
+    per_iteration = [float(r["time/iteration"]) for r in timed]
+    return {
+        "iterations": len(steps),
+        "timed": len(timed),
+        "seconds_per_iteration": seconds,
+        "seconds_range": [min(per_iteration), max(per_iteration)] if per_iteration else None,
+        "images_per_iteration": leaves,
+        "images_per_second": leaves / seconds if timed and seconds > 0 else nan,
+        "rollout_seconds": mean("time/rollout"),
+        "reward_seconds": mean("time/reward"),
+        "update_seconds": mean("time/update"),
+        "update_wait": mean("pipeline/update_wait"),
+        "rollout_wait": mean("pipeline/rollout_wait"),
+        "staleness": mean("pipeline/staleness"),
+        "versions": [int(r["pipeline/version"]) for r in steps if "pipeline/version" in r] or None,
+        "warmup_seconds": sum(float(r["time/iteration"]) for r in steps[:warmup]) if steps else nan,
+    }
+
+
+def async_verdict(sync: dict | None, run: dict, cuda: bool) -> dict:
+    """The async row's ratio (its images/s over sync's), the serial bound (sync's s/iteration over its longer side:
+    what a perfect overlap on separate hardware would give) and the verdict against :data:`ASYNC_GOAL`; a run that
+    ran out of memory: the card does not hold both processes."""
+    if run.get("oom"):
+        used = f"{fmt(run.get('peak_memory_gib'))} GiB in use at the peak"
+        return {"ratio": None, "verdict": f"the card does not hold both processes: {run['oom']} ({used})"}
+    base = (sync or {}).get("images_per_second")
+    mine = run.get("images_per_second")
+    rates = {"sync": base, "async": mine}
+    missing = [k for k, v in rates.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)]
+    if missing:
+        return {"ratio": None, "verdict": f"not measured: {' and '.join(missing)} without images/s"}
+    ratio = mine / base
+    longer = max(sync["rollout_seconds"] + sync["reward_seconds"], sync["update_seconds"])
+    bound = sync["seconds_per_iteration"] / longer if longer > 0 else None
+    if ratio >= ASYNC_GOAL:
+        verdict = f"meets the {ASYNC_GOAL:g}× goal: async ×{fmt(ratio)} sync's images/s"
+    elif ratio >= 1.05:
+        verdict = f"faster, short of the {ASYNC_GOAL:g}× goal: async ×{fmt(ratio)} sync's images/s"
+    elif ratio > 0.95:
+        verdict = f"no gain: async ×{fmt(ratio)} sync's images/s (within 5 %)"
+    else:
+        verdict = f"slower: async ×{fmt(ratio)} sync's images/s"
+    if cuda:
+        verdict += (
+            f"; on one GPU both processes share its compute, so the overlap takes only what one side leaves idle "
+            f"(separate devices would allow up to ×{fmt(bound)}: sync's s/iteration over its longer side)"
+        )
+    return {"ratio": ratio, "overlap_bound": bound, "verdict": verdict}
+
+
+def async_row_inline(cfg, sampler: MemorySampler) -> None:
+    """The run as a :class:`~flowrl.training.trainer.Trainer` in this process (--async-launch inline)."""
+    from flowrl.training.trainer import Trainer
+
+    sampler.watch(os.getpid())
+    Trainer(cfg).train()
+
+
+def async_row_process(
+    args: argparse.Namespace, overrides: list[str], name: str, limit: float, row: dict, sampler: MemorySampler
+) -> int | None:
+    """The run as a ``flowrl train`` process, stopped (SIGTERM, then killed after :data:`SHAPES_GRACE`) at ``limit``
+    seconds: its exit status, None when it was stopped."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    log = args.work / f"async_{name}.log"
+    row["log"] = log.name
+    command = [sys.executable, "-m", "flowrl", "train", preset_path(ASYNC_PRESET.config), *overrides]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    sampler.watch(proc.pid)
+    try:
+        proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        stop_process(proc)
+        return None
+    finally:
+        stop_process(proc)  # an exception here (Ctrl-C) leaves no run behind
+    if proc.returncode != 0:
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        found = OOM.search(text)
+        tail = log_tail(log, 3)
+        if found:
+            row["oom"] = next((x.strip() for x in text.splitlines() if OOM.search(x)), found.group(0))[:300]
+        row["error"] = f"flowrl train exited {proc.returncode}: {tail}"
+    return proc.returncode
+
+
+def async_run(args, name: str, extra: list[str], folder: Path, share: float, limit: float, row: dict) -> dict:
+    """One run of the part (``extra``: its pipeline keys) with the memory sampled while it goes, summarised from its
+    metrics.jsonl whatever ended it."""
+    from flowrl.config.schema import TrainConfig
+
+    overrides = async_overrides(args, f"async_part_{name}", folder, extra)
+    cfg = TrainConfig.from_yaml(preset_path(ASYNC_PRESET.config), overrides)
+    cuda = not args.tiny
+    row.update(
+        name=name,
+        pipeline=cfg.train.pipeline,
+        max_staleness=cfg.train.max_staleness if cfg.train.pipeline == "async" else None,
+        config=ASYNC_PRESET.config,
+        overrides=extra,
+        launch=args.async_launch,
+        batch=f"{cfg.prompts.per_step} × {cfg.rollout.group_size}",
+        size=f"{cfg.model.height} / {cfg.rollout.steps}",
+        settings={
+            "dtype": cfg.model.dtype,
+            "lora_rank": None if cfg.model.full_finetune else cfg.model.lora.rank,
+            "full_finetune": cfg.model.full_finetune,
+            "compile": cfg.model.compile,
+            "gradient_checkpointing": cfg.model.gradient_checkpointing,
+            "max_batch": cfg.rollout.max_batch,
+            "num_threads": cfg.train.num_threads,
+            "rollout_threads": cfg.train.rollout_threads,
+        },
+        warmup=args.async_warmup,
+        share_seconds=share,
+    )
+    print(f"[gpu_check] async: {name} ({share:.0f} s, stopped at {limit:.0f} s)", flush=True)
+    release_memory()
+    sampler = MemorySampler(cuda)
+    t0 = time.monotonic()
+    status, error = "ok", None
+    try:
+        if args.async_launch == "inline":
+            with deadline(limit, f"async/{name}"):
+                async_row_inline(cfg, sampler)
+        else:
+            rc = async_row_process(args, overrides, name, limit, row, sampler)
+            if rc is None:
+                status, error = "out_of_time", f"async/{name}: stopped after {limit:.0f} s"
+            elif rc != 0:
+                status, error = "failed", row.pop("error")
+    except OutOfTime as e:
+        status, error = "out_of_time", str(e)
+    except Exception as e:  # noqa: BLE001 - the run failed; its row says how
+        status, error = "failed", one_line(e)
+        if OOM.search(str(e)) or OOM.search(type(e).__name__):
+            row["oom"] = one_line(e)[:300]
+    finally:
+        row.update(sampler.stop())
+    row["wall_seconds"] = time.monotonic() - t0
+    records = read_metrics(Path(cfg.train.output_dir) / cfg.train.name / "metrics.jsonl")
+    row.update(async_summary(records, args.async_warmup))
+    row["held"] = not row.get("oom")
+    if row.get("oom") and cfg.train.pipeline == "async":
+        status, error = "ok", None  # the answer: the card does not hold both processes (the verdict says so)
+    row.update(status=status, error=error)
+    return row
+
+
+def run_async(report: Report, budget: Budget, args: argparse.Namespace) -> None:
+    """The model folder, then the sync run and the async run of :data:`ASYNC_PRESET` one after the other (each its
+    share of the part, stopped at 1.25 × it while the budget has it), the ratio and the verdict on the async row."""
+    import shutil
+
+    from flowrl.estimate import load_config
+
+    seconds = budget.allot("async")
+    part = Budget(seconds, ASYNC_WEIGHTS)
+    gpu = report.data["meta"]["gpu_class"]
+    folder = args.work / "async_model"
+    info: dict = {}
+    limit = lambda share: max(share, min(1.25 * share, budget.left() - 5))  # noqa: E731
+    try:
+        share = part.allot("folder")
+        print(f"[gpu_check] async: model folder ({share:.0f} s, stopped at {limit(share):.0f} s)", flush=True)
+        cfg = load_config(preset_path(ASYNC_PRESET.config), preset_overrides(ASYNC_PRESET, args, "async_part"), gpu)
+        with deadline(limit(share), "async/model folder"):
+            async_folder(cfg, args, folder, info)
+    except Exception as e:  # noqa: BLE001 - OutOfTime too: without the folder no run can start
+        shutil.rmtree(folder, ignore_errors=True)
+        release_memory()
+        for name, extra in ASYNC_RUNS:
+            report.add("async", {"name": name, "status": "failed", "error": f"the model folder: {one_line(e)}"})
+        return
+    try:
+        sync = None
+        for name, extra in ASYNC_RUNS:
+            share = part.allot(name)
+            t0 = time.monotonic()
+            row = async_run(args, name, extra, folder, share, limit(share), {"model_folder": info})
+            row["row_seconds"] = time.monotonic() - t0
+            if name == "sync":
+                sync = row  # its images/s, when it measured any (a run stopped late may have)
+            else:
+                row.update(async_verdict(sync, row, cuda=not args.tiny))
+            report.add("async", row)
+            print(f"[gpu_check]   → {row['status']}" + (f": {row['error']}" if row.get("error") else ""), flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def async_tables(rows: list[dict]) -> list[str]:
+    """Under the async table: the answer (images/s of both runs, the ratio, the goal, memory, the verdict) and the
+    model folder's cost."""
+    runs = {r.get("name"): r for r in rows}
+    sync, run = runs.get("sync", {}), runs.get("async", {})
+    if not run:
+        return []
+    lines = [
+        f"**async against sync**: {fmt(sync.get('images_per_second'))} → {fmt(run.get('images_per_second'))} images/s, "
+        f"×{fmt(run.get('ratio'))} (the goal: ×{ASYNC_GOAL:g}); memory in use at the peak "
+        f"{fmt(sync.get('peak_memory_gib'))} GiB (sync) and {fmt(run.get('peak_memory_gib'))} GiB (async: both "
+        f"processes), the card held both: {fmt(run.get('held'))}. {run.get('verdict', '')}",
+    ]
+    folder = run.get("model_folder") or sync.get("model_folder") or {}
+    if folder:
+        lines += [
+            "",
+            f"The model folder (`model.path` of both runs): {folder.get('model')} in {folder.get('dtype')}, random "
+            f"weights, built in {fmt(folder.get('build_seconds'))} s, saved in {fmt(folder.get('save_seconds'))} s, "
+            f"{fmt(folder.get('gib'))} GiB.",
+        ]
+    return lines
+
+
 # ---- main ---------------------------------------------------------------------------------------
-RUNNERS = {"presets": run_presets, "profile": run_profile, "shapes": run_shapes, "snr": run_snr, "seeds": run_seeds}
-# "async": PLANNED (the asynchronous pipeline's part joins RUNNERS, PARTS and docs/gpu.md's table when it lands)
+RUNNERS = {
+    "presets": run_presets,
+    "profile": run_profile,
+    "shapes": run_shapes,
+    "snr": run_snr,
+    "seeds": run_seeds,
+    "async": run_async,
+}
 
 
 def quiet_libraries() -> None:
