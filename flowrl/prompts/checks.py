@@ -12,8 +12,8 @@ from flowrl.prompts.source import read_prompt_lines
 
 
 def check_prompts(spec: str, key: str, check: Callable[[str], None]) -> None:
-    """Every prompt of ``spec`` passes ``check`` (a reward's :meth:`~flowrl_rewards.Reward.check_prompt`); else a
-    ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
+    """Every prompt of ``spec`` passes ``check`` (a scorer's :meth:`~flowrl_rewards.core.port.Scorer.check_prompt`);
+    else a ConfigError naming the key, the line and the prompt. A prompt that carries a source image is checked by its
     instruction text (:mod:`flowrl.models.image_prompts`: what rewards receive)."""
     for where, prompt in read_prompt_lines(spec, key):
         try:
@@ -29,8 +29,8 @@ def check_prompt_images(
 ) -> None:
     """At load: every prompt of ``spec`` (a prompt file or inline list, as
     :func:`~flowrl.prompts.source.read_prompt_lines`)
-    fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms; one with
-    ``needs_source_image`` needs image prompts."""
+    fits the model and rewards (:func:`check_prompt_fits`). ``rewards``: reward terms (a scorer's ``terms``); one with
+    ``needs_source_image`` (:attr:`~flowrl_rewards.core.port.Scorer.needs_source_image`) needs image prompts."""
     needing = [r.name for r in rewards if r.needs_source_image]
     for where, prompt in read_prompt_lines(spec, key):
         check_prompt_fits(

@@ -64,7 +64,7 @@ class FailedRewardStreak:
 
 
 def run_rewards(c: TrainConfig, reward: Any = None, model: FlowModel | None = None) -> tuple[Scorer, Scorer]:
-    """The run's training and eval rewards (``reward``: a name, a Reward or a MultiReward given in code, else
+    """The run's training and eval rewards (``reward``: a name or a Scorer given in code (:func:`as_multi`), else
     ``c.rewards``; ``c.eval.rewards`` or the training one), after checking that each prompt line is scorable (source
     images where needed, with ``model`` when given) and that every reward is ready (e.g. a remote server answers):
     a bad prompt line or a server that is down fails before the model loads."""
@@ -80,12 +80,22 @@ def run_rewards(c: TrainConfig, reward: Any = None, model: FlowModel | None = No
     return train, held_out
 
 
-def as_multi(reward: Any, normalize: str = "none"):
-    """A :class:`flowrl_rewards.MultiReward` from a reward name, a Reward or a MultiReward."""
+def as_multi(reward: Any, normalize: str = "none") -> Scorer:
+    """The training reward of a reward given in code: a reward name, a Reward or any other
+    :class:`~flowrl_rewards.core.port.Scorer` of one term (its :attr:`~flowrl_rewards.core.port.Scorer.terms` is
+    ``[itself]``) as the one term of a :class:`flowrl_rewards.MultiReward` combined by ``normalize``; a MultiReward, or
+    a Scorer of several terms that combines them itself, as it is (its own ``normalize``)."""
     from flowrl_rewards import MultiReward, Reward
 
     if isinstance(reward, MultiReward):
         return reward
     if isinstance(reward, (str, Reward)):
         return MultiReward([{"name": reward} if isinstance(reward, str) else reward], normalize=normalize)
-    raise TypeError(f"reward must be a name, a flowrl_rewards.Reward or a MultiReward, got {type(reward).__name__}")
+    if isinstance(reward, Scorer):
+        terms = reward.terms
+        alone = len(terms) == 1 and terms[0] is reward
+        return MultiReward([reward], normalize=normalize) if alone else reward
+    raise TypeError(
+        "reward must be a name or a flowrl_rewards.Scorer (a Reward, a MultiReward or a Scorer of your own), "
+        f"got {type(reward).__name__}"
+    )

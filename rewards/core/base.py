@@ -45,26 +45,20 @@ class Reward(Scorer):
     ``modality`` (``"image"``, ``"video"`` or ``"any"``: the module docstring) and ``frame_stride`` (every k-th
     frame of a video is scored; set from the ``frame_stride`` kwarg of any reward term by
     :class:`flowrl_rewards.MultiReward`), ``needs_source_image`` (True: it scores an edit against the image its
-    prompt carries, so its prompts must carry one; checked at load).
+    prompt carries, so its prompts must carry one; checked at load). ``check_prompt`` (a ValueError for a prompt
+    it cannot score) and ``check_ready`` (raises when it cannot score now) are the port's: accepting, and ready.
     """
 
     name: str = "reward"
     modality: str = "image"  # "video": score() receives videos [B, F, 3, H, W] whole
     frame_stride: int = 1  # videos: frames 0, k, 2k, … are scored
-    needs_source_image: bool = False  # an edit reward: meta["source_images"] holds each prompt's image
-    # last_error (why the last call's scores hold NaN, when the reward knows, e.g. remote): declared by the port
+    # declared by the port with their defaults: last_error (why the last call's scores hold NaN, when the reward
+    # knows, e.g. remote), needs_source_image (False; an edit reward: meta["source_images"] holds each prompt's
+    # image), check_prompt (accepts every prompt) and check_ready (ready)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str], meta: dict[str, Any]) -> torch.Tensor:
         """Scores float32 [B] for images [B, 3, H, W] in [0, 1] (``modality="video"``: videos [B, F, 3, H, W])."""
         raise NotImplementedError
-
-    def check_prompt(self, prompt: str) -> None:
-        """Raise ValueError for a prompt this reward cannot score; a run checks every prompt of its files
-        at the start (so a bad line fails at load, with its line number, not when it is drawn)."""
-
-    def check_ready(self) -> None:
-        """Raise when the reward cannot score now (e.g. a server that does not answer); called once at
-        the start of a run, before any model time is spent."""
 
     @torch.no_grad()
     def __call__(

@@ -10,10 +10,19 @@ from typing import Any, Sequence
 import torch
 
 from flowrl_rewards.core.base import Reward, check_frame_stride
+from flowrl_rewards.core.port import Scorer
 from flowrl_rewards.core.registry import build_reward
 from flowrl_rewards.core.timeout import RewardTimeout, call_with_timeout
 
 NORMALIZE = ("none", "batch", "group")
+
+
+def _as_scores(scores: Any, n: int) -> torch.Tensor:
+    """A term's scores as float32 [n] on the CPU; a RuntimeError when it gave another count."""
+    out = torch.as_tensor(scores).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    if out.shape[0] != n:
+        raise RuntimeError(f"returned {out.shape[0]} scores for {n} images")
+    return out
 
 
 @dataclass
@@ -37,7 +46,8 @@ class RewardSpec:
 
 class MultiReward(Reward):
     """Weighted sum of rewards. Terms: a :class:`RewardSpec`, a ``{name, weight, kwargs, label}`` dict,
-    a registry name, or a built :class:`Reward` (weight 1 unless ``weights`` is given).
+    a registry name, or a built :class:`Reward` (weight 1 unless ``weights`` is given) or any
+    :class:`~flowrl_rewards.core.port.Scorer` (scored by its call, as a term of its own).
     :meth:`components` returns each term's raw scores so a credit rule can normalise per reward
     instead of summing raw values.
 
@@ -61,7 +71,7 @@ class MultiReward(Reward):
 
     def __init__(
         self,
-        terms: Sequence[RewardSpec | dict | Reward | str],
+        terms: Sequence[RewardSpec | dict | Scorer | str],
         weights: Sequence[float] | None = None,
         normalize: str = "none",
     ):
@@ -70,7 +80,7 @@ class MultiReward(Reward):
         if weights is not None and len(weights) != len(terms):
             raise ValueError(f"MultiReward: {len(weights)} weights for {len(terms)} rewards")
         self.normalize = normalize
-        self.rewards: list[Reward] = []
+        self.rewards: list[Scorer] = []
         self.weights: list[float] = []
         self.timeouts: list[float | None] = []
         self._failures: dict[str, str] = {}  # term name → why its scores of the last call were not all finite
@@ -78,7 +88,7 @@ class MultiReward(Reward):
             if isinstance(term, str):
                 term = {"name": term}
             timeout = None
-            if isinstance(term, Reward):
+            if isinstance(term, Scorer):
                 reward, weight = term, 1.0
             else:
                 if isinstance(term, dict):
@@ -116,7 +126,7 @@ class MultiReward(Reward):
     @classmethod
     def from_config(cls, config: Any, normalize: str = "none") -> "MultiReward":
         """From a config value: ``"name"``, ``{name, weight, kwargs, label}``, or a list of either."""
-        if isinstance(config, (str, dict, RewardSpec, Reward)):
+        if isinstance(config, (str, dict, RewardSpec, Scorer)):
             config = [config]
         if not isinstance(config, (list, tuple)):
             raise TypeError(
@@ -125,7 +135,7 @@ class MultiReward(Reward):
         return cls([dict(t) if isinstance(t, dict) else t for t in config], normalize=normalize)
 
     @property
-    def terms(self) -> list[Reward]:
+    def terms(self) -> list[Scorer]:
         """The combined rewards, in order (:attr:`rewards`)."""
         return list(self.rewards)
 
@@ -149,6 +159,8 @@ class MultiReward(Reward):
                     if timeout is None
                     else call_with_timeout(r, images, prompts, meta, timeout)
                 )
+                if not isinstance(r, Reward):  # a Scorer's own call: float32 [B] on the CPU, as a Reward's gives
+                    out[r.name] = _as_scores(out[r.name], len(prompts))
             except RewardTimeout as e:
                 warnings.warn(
                     f"{e}: its {len(prompts)} scores are NaN (counted in reward_failed); the next call "
