@@ -50,7 +50,8 @@ class Scorer:
     """What ``__call__`` scores: ``"image"`` (images [B, 3, H, W]; the eval does not ask :meth:`evaluate` of videos),
     ``"video"`` (videos [B, F, 3, H, W] only: refused at load with a model that samples images) or ``"any"``
     (whatever it is given). The port's ``__call__`` receives what the model samples, so ``"any"``;
-    :class:`flowrl_rewards.Reward` declares ``"image"`` and scores a video's frames one by one."""
+    :class:`flowrl_rewards.Reward` declares ``"image"`` and scores a video's frames one by one (a scorer of your own
+    that declares ``"image"`` is still given videos whole: subclass Reward to have them split into frames)."""
     needs_source_image: bool = False
     """True: the term compares each sample with the source image its prompt carries (``meta["source_images"]``), so
     every prompt of its run must carry one (checked at load, :func:`flowrl.prompts.checks.check_prompt_images`)."""
