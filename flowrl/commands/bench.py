@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import resource
+import sys
 import threading
 import time
 from pathlib import Path
@@ -267,6 +268,20 @@ def add_parser(sub, epilog: str) -> None:
 
 
 # ---- bench ------------------------------------------------------------------------------------
+def fitted_and_metered(cfg: TrainConfig, overrides: list[str]):
+    """``cfg`` with ``train.fit: auto``'s settings for the device at hand (the ``key=value`` overrides win) and the
+    :class:`~flowrl.training.perf.PerfMeter` of its iterations, as ``flowrl train`` makes them; what fit chose is said
+    on stderr, so the benchmark's stdout is its JSON alone."""
+    from flowrl.estimate.device import fit_for_run, perf_meter
+
+    flops = None
+    if cfg.train.fit == "auto":
+        fit = fit_for_run(cfg, overrides)
+        print("\n".join(fit.summary()), file=sys.stderr, flush=True)
+        cfg, flops = fit.config, fit.flops_per_iteration
+    return cfg, perf_meter(cfg, flops)
+
+
 def run(args: argparse.Namespace) -> int:
     config, overrides = split_config_arg(args.config, args.overrides)
     if args.estimate:  # before loading: a preset's GPU-only explorer is checked against --gpu, not this machine
@@ -283,11 +298,9 @@ def run(args: argparse.Namespace) -> int:
     if args.vs is None:
         if args.vs_set:
             raise ConfigError("--vs-set needs --vs OTHER")
-        from flowrl.commands.train import fitted_and_metered
-
         cfg, perf = fitted_and_metered(cfg, overrides)  # train.fit=auto for this device; perf/tflops, perf/mfu
         result = bench_iteration(cfg, iterations=args.iterations, warmup=args.warmup, perf=perf)
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))  # stdout holds the JSON alone: what fit chose went to stderr
         return 0
     other = load_config(args.vs, args.vs_set or [])
     result = bench_versus(cfg, other, iterations=args.iterations, warmup=args.warmup)

@@ -14,6 +14,10 @@ MAX_IMAGES = 10_000  # images per prompt of one flowrl sample call (--num)
 MAX_SIDE = 8192  # pixels of an image side: model.height/width, eval.height/width (the largest families train at 2048;
 # far beyond, FLUX's resolution-dependent shift exp(mu) overflows: 20,000² gave a bare OverflowError)
 SIDE_KEYS = ("model.height", "model.width", "eval.height", "eval.width")
+PEAK_TFLOPS = (0.001, 10_000.0)
+"""The accepted range of ``train.peak_tflops`` (bf16 TFLOP/s of one device, the denominator of ``perf/mfu``): from a
+GFLOP/s (a small CPU) to 10 PFLOP/s, several times the dense bf16 peak of any GPU; 1e-300 made MFU
+2.6e298, 1e300 made it 2e-302."""
 STEP_KEYS = ("steps", "preview_steps")  # keys of the rollout section counting sampling steps, where a plan has them
 
 

@@ -4,10 +4,13 @@ accepted; the chosen components check their own fields when instantiated here.""
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from typing import Any
+from typing import Any, Iterable
 
+from flowrl.config.bounds import PEAK_TFLOPS
+from flowrl.config.secrets import HEADERS, SECRET_NAMES, is_secret
 from flowrl.core.choices import choose, did_you_mean
 from flowrl.errors import ConfigError, shown
 from flowrl.models.dtypes import DTYPES
@@ -74,7 +77,8 @@ def check_model_kwargs(m: Any) -> None:
     for k, v in extra.items():
         if k not in accepted:
             raise ConfigError(
-                f"model.kwargs.{k}={shown(v)} is not a keyword of the model.family={m.family!r} adapter"
+                f"model.kwargs.{k}={value_shown(k, v, accepted)} is not a keyword of the model.family={m.family!r} "
+                "adapter"
                 f"{did_you_mean(k, accepted)}; accepted: {accepted} (its other keywords are model.* keys)"
             )
 
@@ -88,12 +92,69 @@ def check_reward_terms(cfg: Any) -> None:
 
     for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):
         for i, term in enumerate(terms):
-            try:
-                check_reward_kwargs(term.name, dict(term.kwargs or {}), key=f"{section}[{i}].kwargs", term=True)
+            try:  # a refusal names a secret-looking key, never its value (the check is of the keys alone)
+                given = dict(term.kwargs or {})
+                accepted = reward_setting_names(term.name) if given else ()
+                kwargs = {k: HIDDEN if looks_secret(k, accepted) else v for k, v in given.items()}
+                check_reward_kwargs(term.name, kwargs, key=f"{section}[{i}].kwargs", term=True)
             except ConfigError:
                 raise
             except LOAD_ERRORS as e:  # a plugin that does not import, or is not a Reward (named in the message)
                 raise ConfigError(str(e)) from None
+
+
+class _Hidden:
+    """A value a refusal does not show (:func:`looks_secret`)."""
+
+    def __repr__(self) -> str:
+        return "<not shown: the key looks like a secret>"
+
+
+HIDDEN = _Hidden()
+SECRET_LOOKALIKE = 0.75
+"""How close (difflib's ratio) a key, or a word of it, must come to a secret's name (:data:`SECRET_NAMES`) to look
+like one: ``api_kye`` (0.86), ``pasword`` (0.93), ``tokn`` (0.89)."""
+
+
+def _secret_name(name: str) -> bool:
+    return is_secret(name) or str(name).lower() == HEADERS
+
+
+def looks_secret(key: str, accepted: Iterable[str] = ()) -> bool:
+    """Whether a setting named ``key`` holds, or looks like it holds, a secret: its name says so
+    (:func:`flowrl.config.secrets.is_secret`, or ``headers``), it or a word of it comes near a secret's name
+    (``api_kye``, ``openai_pasword``), or the accepted setting a refusal would suggest for it is one (``did you mean
+    'api_key'?``). An ``*_env`` setting names a variable, not a secret. A refusal names such a key, never its value."""
+    lowered = str(key).lower()
+    if _secret_name(key):
+        return True
+    if lowered.endswith("_env"):
+        return False
+    words = [w for w in re.split(r"[^a-z0-9]+", lowered) if w]
+    pieces = {lowered, *words, *("_".join(words[i : i + 2]) for i in range(len(words) - 1))}
+    names = (*SECRET_NAMES, HEADERS)
+    if any(difflib.get_close_matches(p, names, n=1, cutoff=SECRET_LOOKALIKE) for p in pieces):
+        return True
+    nearest = difflib.get_close_matches(str(key), [str(a) for a in accepted], n=1)  # did_you_mean's suggestion
+    return bool(nearest) and _secret_name(nearest[0])
+
+
+def value_shown(key: str, value: Any, accepted: Iterable[str] = ()) -> str:
+    """``value`` as a refusal shows it (:func:`flowrl.errors.shown`), or a placeholder when ``key`` looks like a
+    secret (:func:`looks_secret`)."""
+    return repr(HIDDEN) if looks_secret(key, accepted) else shown(value)
+
+
+def reward_setting_names(name: str) -> tuple[str, ...]:
+    """The settings reward ``name`` accepts in a term's kwargs (its own and the combiner's), or none when its class
+    does not resolve (:func:`check_reward_terms` then names that)."""
+    from flowrl.core.registry import LOAD_ERRORS
+    from flowrl_rewards.core.registry import resolve_reward_class, settings_of
+
+    try:
+        return tuple(settings_of(resolve_reward_class(name)).names(term=True))
+    except (ConfigError, KeyError, *LOAD_ERRORS):
+        return ()
 
 
 def check_model_section(m: Any) -> None:
@@ -106,6 +167,10 @@ def check_model_section(m: Any) -> None:
     choose("model.shard", m.shard, ("auto", "ddp", "fsdp"))
     choose("model.shard_rollouts", m.shard_rollouts, ("per_block", "whole"))
     choose("model.compile", off_as_written(m.compile), ("off", "regional"))
+    if off_as_written(m.compile) == "regional":
+        from flowrl.models.blocks import check_compile_backend
+
+        check_compile_backend()  # FLOWRL_COMPILE_BACKEND, before the model loads
     if m.checkpoint_blocks is not None:
         positive("model.checkpoint_blocks", m.checkpoint_blocks, allow_zero=True)
         if not m.gradient_checkpointing:
@@ -217,9 +282,22 @@ def check_fit_keys(t: Any) -> None:
         )
     for key in t.fit_keep:
         choose("train.fit_keep", key, FIT_KEYS)
-    for key in ("micro_batch", "peak_tflops"):
-        if getattr(t, key) is not None:
-            positive(f"train.{key}", getattr(t, key))
+    if t.fit_keep and off_as_written(t.fit) == "off":
+        raise ConfigError(
+            f"train.fit_keep={list(t.fit_keep)} is set but nothing reads it: train.fit=off chooses nothing to keep; "
+            "set train.fit=auto (or remove train.fit_keep)"
+        )
+    if t.micro_batch is not None:
+        positive("train.micro_batch", t.micro_batch)
+    if t.peak_tflops is not None:
+        low, high = PEAK_TFLOPS
+        positive("train.peak_tflops", t.peak_tflops)
+        if not low <= t.peak_tflops <= high:
+            raise ConfigError(
+                f"train.peak_tflops={t.peak_tflops:g} must be in [{low:g}, {high:,g}] (TFLOP/s: the device's bf16 "
+                "peak, which perf/mfu divides by; from a GFLOP/s, a small CPU, to 10 PFLOP/s, several times any "
+                "GPU's), or null for the GPU table's (flowrl/estimate/gpus.py)"
+            )
 
 
 def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:

@@ -5,16 +5,18 @@ nearest key; a component chosen on the command line over a preset that sets keys
 from __future__ import annotations
 
 import difflib
+import functools
+import re
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.core import components
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, shown
 
 MOVED_KEYS = {
     "loss.beta": "loss.kl_ref (the weight of the KL to the reference policy, one name for every objective; "
@@ -80,8 +82,8 @@ def selected_components(loaded: Any, overrides: list[str]) -> dict[str, str]:
     return chosen
 
 
-def all_keys(schema: type, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (for suggestions)."""
+def all_keys(schema: type, prefix: str = "", lists: list[str] | None = None) -> list[str]:
+    """Every dotted key of the schema (for suggestions); ``lists``: filled with the keys whose values are lists."""
     import typing
 
     out = []
@@ -89,16 +91,21 @@ def all_keys(schema: type, prefix: str = "") -> list[str]:
     for f in fields(schema):
         key = f"{prefix}{f.name}"
         out.append(key)
+        hint = hints.get(f.name)
+        if lists is not None and (
+            typing.get_origin(hint) is list or list in map(typing.get_origin, typing.get_args(hint))
+        ):
+            lists.append(key)
         default = f.default_factory() if f.default_factory is not NO_DEFAULT else f.default  # type: ignore[misc]
         nested = [a for a in typing.get_args(hints.get(f.name)) if is_dataclass(a)]  # Optional[Section], default None
         if is_dataclass(default) or nested:
-            out.extend(all_keys(type(default) if is_dataclass(default) else nested[0], key + "."))
+            out.extend(all_keys(type(default) if is_dataclass(default) else nested[0], key + ".", lists))
     return out
 
 
 def unknown_key_message(e: OmegaConfBaseException, schema: type) -> str:
     bad = getattr(e, "full_key", None) or str(e)
-    keys = all_keys(schema)
+    keys = list(known_keys(schema))
     close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
     if not close:  # compare the last component within the same section
         section, _, leaf = bad.rpartition(".")
@@ -135,7 +142,7 @@ def dotted(tree: Any, prefix: str = "") -> list[str]:
 def check_file_keys_under_overridden_components(loaded: Any, path: Any, overrides: list[str], schema: type) -> None:
     """A component chosen on the command line (``rollout.plan=ode``) over a file whose section sets keys that component
     does not have (the preset's ``rollout.kernel``): the conflict named, not an unknown key of the file."""
-    known = set(all_keys(schema))
+    known = set(known_keys(schema))
     from_file = selected_components(loaded, [])
     for kind in components.KINDS:
         chosen = selected_components(None, overrides).get(kind.selector)
@@ -157,7 +164,7 @@ def check_file_keys_under_overridden_components(loaded: Any, path: Any, override
 
 def check_keys(keys: list[str], where: str, schema: type) -> None:
     """Every key must exist in the schema; else name the nearest full key."""
-    known = set(all_keys(schema))
+    known = set(known_keys(schema))
     for key in keys:
         if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in FREE_FORM):
             continue
@@ -166,3 +173,148 @@ def check_keys(keys: list[str], where: str, schema: type) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")
+
+
+# ---- merging a file and the command line into the schema --------------------------------------------------------
+def merge_layers(base: Any, loaded: Any, path: Any, overrides: list[str], schema: type) -> Any:
+    """``base`` (the schema's defaults, not changed) ← the file's tree ``loaded`` (None: no file, ``path`` names it) ←
+    the ``key=value`` ``overrides`` in order (:func:`apply_overrides`), every key checked first against ``schema``
+    (a typo names the nearest key, a component chosen on the command line the file's keys it lacks, a section given a
+    value names its keys). Returns the merged tree; a value of the wrong type is omegaconf's ValidationError."""
+    layers = []
+    if loaded is not None:
+        check_file_keys_under_overridden_components(loaded, path, overrides, schema)
+        tree = OmegaConf.to_container(loaded)
+        check_keys(dotted(tree), f" in {path}", schema)
+        for key in dotted(tree):
+            value = tree
+            for part in key.split("."):
+                value = value[part]
+            check_section_value(key, value, f" in {path}", schema)
+            check_list_value(key, value, f" in {path}", schema)
+        layers.append(loaded)
+    return apply_overrides(base, overrides, schema, layers)
+
+
+@functools.lru_cache(maxsize=None)
+def known_keys(schema: type) -> tuple[str, ...]:
+    """:func:`all_keys` of ``schema``, computed once per schema."""
+    return tuple(all_keys(schema))
+
+
+@functools.lru_cache(maxsize=None)
+def list_keys(schema: type) -> frozenset[str]:
+    """The keys of ``schema`` whose values are lists (``train.fit_keep``, ``rewards``, ``optim.betas``)."""
+    lists: list[str] = []
+    all_keys(schema, lists=lists)
+    return frozenset(lists)
+
+
+def check_list_value(key: str, value: Any, where: str, schema: type) -> None:
+    """A key whose value is a list (:func:`list_keys`) given one value (``train.fit_keep=rollout.max_batch``, which
+    omegaconf refused as an ``AnyNode``): a ConfigError naming the key and showing the list form."""
+    if key not in list_keys(schema) or value is None or isinstance(value, (list, tuple, ListConfig)):
+        return
+    item = value if isinstance(value, (str, int, float)) else "…"
+    terms = key in FREE_FORM  # a list of reward terms: mappings
+    example, several = (f"[{{name: {item}}}]", "[{name: a}, {name: b}]") if terms else (f"[{item}]", "[a, b]")
+    raise ConfigError(
+        f"config key {key!r}{where} is a list, got one value ({shown(value, 60)}); write it as a list: "
+        f"{key}={example} (several: {key}={several})"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def sections(schema: type) -> dict[str, list[str]]:
+    """Every section key of the schema (a mapping of keys: ``model``, ``model.context_parallel``; not a list of them,
+    ``rewards``) → its own keys."""
+    keys, lists = known_keys(schema), list_keys(schema)
+    return {
+        k: [c for c in keys if c.rpartition(".")[0] == k]
+        for k in keys
+        if k not in lists and any(c.startswith(k + ".") for c in keys)
+    }
+
+
+def check_section_value(key: str, value: Any, where: str, schema: type) -> None:
+    """A section key (``model.context_parallel``) takes a mapping of its keys, not a value (``model.context_parallel=4``
+    merged as ``config key None: None``); else a ConfigError naming the key and its keys. Null is left to the schema
+    (an optional section accepts it)."""
+    own = sections(schema).get(key)
+    if own is None or value is None or isinstance(value, (dict, DictConfig)):
+        return
+    example = own[0]
+    raise ConfigError(
+        f"config key {key!r}{where} is a section of keys, not a value (got {shown(value, 60)}); set one of its keys, "
+        f"e.g. {example}=…, or give a mapping, e.g. {key}={{{example.rpartition('.')[2]}: …}}; its keys: {own}"
+    )
+
+
+def key_parts(key: str) -> list[str]:
+    """``rewards[1].kwargs.api_key`` and ``rewards.1.kwargs.api_key`` → ``["rewards", "1", "kwargs", "api_key"]``."""
+    return [p for p in re.split(r"\.|\[|\]", key.strip()) if p]
+
+
+def _parsed(raw: str) -> Any:
+    """The value of ``key=raw`` as the command line gives it (YAML: ``4`` an int, ``{a: 1}`` a mapping)."""
+    value = OmegaConf.from_dotlist([f"value={raw}"])["value"]
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _list_index(base: Any, parts: list[str], key: str, known: tuple[str, ...]) -> int | None:
+    """The position in ``parts`` of an index into a list that ``base`` holds on the way to ``key`` (``rewards.1…``:
+    1), or None when the key goes through no list; an index the list does not have, or a list of the schema (``known``)
+    that is null here, is a ConfigError naming the key and saying to give the whole list. The value is never shown (it
+    may be a secret)."""
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        node = OmegaConf.select(base, prefix, default=None, throw_on_missing=False)
+        if isinstance(node, ListConfig):
+            if parts[i].isdigit() and int(parts[i]) < len(node):
+                return i
+            what = f"{len(node)} items" if len(node) != 1 else "1 item"
+            index = f"{prefix}.0" if len(node) == 1 else f"{prefix}.0 … {prefix}.{len(node) - 1}"
+            rest = ".".join(parts[i + 1 :] if parts[i].isdigit() else parts[i:]) or "…"
+            raise ConfigError(
+                f"{key}=… : {prefix} is a list of {what} here, and {parts[i]!r} is not the index of one; index one "
+                f"({index}, e.g. {prefix}.0.{rest}=…), or give the whole list: {prefix}=[…]"
+            )
+        if node is None and parts[i].isdigit() and prefix in known:
+            raise ConfigError(
+                f"{key}=… : {prefix} is null here, so it has no item {parts[i]}; give the whole list: {prefix}=[…]"
+            )
+        if not isinstance(node, DictConfig):
+            return None
+    return None
+
+
+def apply_overrides(base: Any, overrides: list[str], schema: type, layers: list | None = None) -> Any:
+    """``base`` (not changed) merged with ``layers`` (the file's tree) and then the ``key=value`` ``overrides`` in
+    order, each key checked (:func:`check_keys`). A key may index into a list the config holds
+    (``rewards.1.kwargs.api_key=…`` or ``rewards[1]…``: the list as the file and the earlier overrides left it), and a
+    section takes a mapping, not a value (:func:`check_section_value`); a string key keeps its text as written
+    (:func:`keep_strings_as_written`). Overrides that index no list are merged together (a merge copies the config)."""
+    pending, out = list(layers or []), base
+    lists = list_keys(schema)
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        parts = key_parts(key)
+        if any(
+            ".".join(parts[:i]) in lists for i in range(1, len(parts))
+        ):  # into a list: as the layers so far leave it
+            out, pending = OmegaConf.merge(out, *pending), []  # a copy: the schema's defaults are shared
+            index = _list_index(out, parts, key.strip(), known_keys(schema))
+            if index is not None:  # the item it names updated in place, the list kept whole
+                check_keys([".".join(parts[:index])], "", schema)
+                OmegaConf.update(out, ".".join(parts), _parsed(raw), merge=True)
+                continue
+        check_keys([key.strip()], "", schema)
+        value = _parsed(raw)
+        check_section_value(".".join(parts), value, "", schema)
+        check_list_value(".".join(parts), value, "", schema)
+        pending.append(OmegaConf.from_dotlist([item]))
+    if pending:
+        out = OmegaConf.merge(out, *pending)
+    if overrides:
+        keep_strings_as_written(out, overrides)
+    return out

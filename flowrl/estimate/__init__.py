@@ -142,13 +142,19 @@ def run_estimate(
     shard: str | None = None,
     as_json: bool = False,
 ) -> int:
-    """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp] [--json]``: print the table and the JSON of
+    """``flowrl bench CONFIG --estimate [--gpus N] [--shard fsdp] [--json]``: after the run's own load checks
+    (:mod:`~flowrl.estimate.run_checks`: a config a run refuses is refused here, with its words), print the table of
     :func:`estimate` (``shard`` None: the config's ``model.shard``); with ``train.fit=auto`` first what
     :func:`~flowrl.estimate.fit.fit_config` chooses for ``gpu`` (the ``key=value`` overrides win), then the estimate
-    of the fitted config. ``as_json``: one JSON object only (:func:`summary_json`), for scripts."""
+    of the fitted config. ``as_json``: the machine view, one JSON object (:func:`summary_json`) and nothing else on
+    stdout. Every other message (what could not be checked here, a warning) goes to stderr."""
+    import sys
+
     from flowrl.estimate.fit import fit_config, kept_keys, settings_of
+    from flowrl.estimate.run_checks import check_prompts_and_rewards
 
     cfg = load_config(config, overrides, gpu)
+    notes = check_prompts_and_rewards(cfg)  # said once the estimate stands: a refusal comes alone
     fit = None
     with assume_gpu(gpu):
         if cfg.train.fit == "auto":
@@ -157,11 +163,13 @@ def run_estimate(
         result = fit.estimate if fit is not None else estimate(cfg, gpu=gpu, processes=processes, shard=shard)
     if as_json:
         print(json.dumps(summary_json(result, settings_of(cfg), fit), indent=2, default=float))
-        return 0
-    if fit is not None:
-        print("\n".join(fit.summary()) + "\n")
-    print(format_estimate(result))
-    print(json.dumps(result, indent=2, default=float))
+    else:
+        if fit is not None:
+            print("\n".join(fit.summary()) + "\n")
+        print(format_estimate(result))
+        print("\n(--json: every figure, the settings and the assumptions as one JSON object)")
+    for note in notes:
+        print(f"flowrl bench --estimate: note: {note}", file=sys.stderr)
     return 0
 
 

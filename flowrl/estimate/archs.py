@@ -101,6 +101,9 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         "vae": vae,
         "text": {"clip_tokens": clip_tokens, "max_sequence_length_limit": text_limit(family)},
     }
+    second = component("transformer_2")  # Wan 2.2 A14B's low-noise expert (with the pipeline's boundary_ratio)
+    if second is not None:
+        arch.update(transformer_2=second, boundary_ratio=index.get("boundary_ratio"))
     if family in VISION_EDITS:  # the edit models' image processor (the hub's layout, or the newer one)
         found = [
             p
@@ -213,6 +216,12 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "text_encoders": encoders,
         "text": text,
     }
+    second = getattr(pipe, "transformer_2", None)  # Wan 2.2 A14B's low-noise expert
+    if second is not None:
+        arch.update(
+            transformer_2={"class": type(second).__name__, "config": dict(second.config)},
+            boundary_ratio=pipe.config.get("boundary_ratio"),
+        )
     if base_family(family) in ("wan", "ltx2"):
         call = inspect.signature(type(pipe).__call__).parameters
         arch["defaults"] = {k: call[k].default for k in VIDEO_DEFAULTS if k in call and call[k].default is not None}

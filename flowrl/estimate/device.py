@@ -14,6 +14,7 @@ from flowrl.config import build
 from flowrl.estimate.fit import Fit, fit_config, kept_keys
 from flowrl.estimate.gpus import GPUS, gpu_class_of_device
 from flowrl.estimate.iteration import GiB, estimate
+from flowrl.estimate.run_checks import check_launch
 from flowrl.training.perf import PerfMeter
 
 FALLBACK_GPU = "H100"
@@ -39,6 +40,7 @@ def world_size() -> int:
 
 def fit_for_run(cfg, overrides: Iterable[str] = ()) -> Fit:
     """:func:`fit_config` of ``cfg`` for the device at hand; the keys of ``overrides`` (``key=value``) are kept."""
+    check_launch(cfg, world_size())  # the run's refusal of its launch first, not the estimate's of it
     gpu, memory, target, description = device_at_hand(cfg)
     return fit_config(
         cfg,
@@ -54,7 +56,11 @@ def fit_for_run(cfg, overrides: Iterable[str] = ()) -> Fit:
 def perf_meter(cfg, flops_per_iteration: float | None = None, arch: dict | None = None) -> PerfMeter | None:
     """The :class:`PerfMeter` of a run of ``cfg`` on the device at hand: the estimate's FLOPs of one iteration (or
     ``flops_per_iteration``, e.g. a fit's) and the peak (``train.peak_tflops``, else the GPU class's; none on a CPU).
-    None, with a warning, when the run cannot be estimated (an out-of-tree family, a plan that declares no counts)."""
+    None, with a warning, when the run cannot be estimated (an out-of-tree family, a plan that declares no counts); a
+    launch the run refuses is refused first, alone, with the run's words
+    (:func:`~flowrl.estimate.run_checks.check_launch`: context parallelism on one process used to warn "no
+    perf/tflops" before the run's refusal)."""
+    check_launch(cfg, world_size())
     gpu, _, target, _ = device_at_hand(cfg)
     if flops_per_iteration is None:
         try:
@@ -66,5 +72,9 @@ def perf_meter(cfg, flops_per_iteration: float | None = None, arch: dict | None 
                 f"no perf/tflops for this run: its model cannot be estimated ({e})", RuntimeWarning, stacklevel=2
             )
             return None
-    peak = cfg.train.peak_tflops or (GPUS[gpu].peak_tflops if target == "cuda" else None)
-    return PerfMeter(flops_per_iteration, peak)
+    if cfg.train.peak_tflops:
+        return PerfMeter(flops_per_iteration, cfg.train.peak_tflops, "train.peak_tflops")
+    if target != "cuda":
+        return PerfMeter(flops_per_iteration)
+    spec = GPUS[gpu]
+    return PerfMeter(flops_per_iteration, spec.peak_tflops, f"{spec.name}, {spec.peak_source}")

@@ -30,8 +30,16 @@ class GPUClass:
 
     @property
     def peak_tflops(self) -> float:
-        """The bf16 peak MFU is reported against: measured where known, else the datasheet's dense figure."""
+        """The bf16 peak of this class, the one table both the estimate's time and ``perf/mfu`` use: measured where
+        known, else the datasheet's dense figure (:attr:`peak_source` says which)."""
         return self.measured_bf16_tflops or self.bf16_tflops
+
+    @property
+    def peak_source(self) -> str:
+        """Where :attr:`peak_tflops` comes from, in words."""
+        if self.measured_bf16_tflops:
+            return f"measured (8192³ bf16 matmuls; datasheet dense {self.bf16_tflops:g})"
+        return "datasheet dense"
 
 
 GPUS: dict[str, GPUClass] = {
@@ -50,8 +58,9 @@ GPUS: dict[str, GPUClass] = {
 """GPU classes ``--gpu`` accepts (keys are case-insensitive)."""
 
 UTILISATION = (0.30, 0.60)
-"""Assumed fraction of the dense bf16 peak the transformer's matmuls reach (model FLOPs utilisation):
-the s/iteration range is FLOPs / (peak × 0.60) … FLOPs / (peak × 0.30)."""
+"""Assumed fraction of the bf16 peak (:attr:`GPUClass.peak_tflops`: measured where known, as ``perf/mfu``'s) the
+transformer's matmuls reach (model FLOPs utilisation): the s/iteration range is FLOPs / (peak × 0.60) … FLOPs /
+(peak × 0.30)."""
 
 
 def gpu_class(name: str) -> GPUClass:

@@ -9,8 +9,7 @@ import math
 import torch
 
 from flowrl.config import build
-from flowrl.distributed.context_parallel import context_degree
-from flowrl.errors import ConfigError
+from flowrl.distributed.sharding import check_sharded_objective
 from flowrl.estimate.archs import (
     ARCH_CACHE,
     arch_for_model,
@@ -25,11 +24,12 @@ from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass, assume_gpu, gpu_class
 from flowrl.estimate.inputs import Shapes, base_family, preset_shapes, with_sources
 from flowrl.estimate.phases import phase_traces
+from flowrl.estimate.run_checks import check_model_options, check_processes
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode
 from flowrl.estimate.static import explorer_bytes, host_decode_bytes, prompt_count, reward_model_bytes, tensor_bytes
 from flowrl.models import model_family
-from flowrl.models.blocks import block_lists
+from flowrl.models.blocks import block_lists, checkpointed_of
 from flowrl.models.dtypes import DTYPES
 
 GiB = 2**30
@@ -77,7 +77,8 @@ ASSUMPTIONS = [
     "memory is what torch.cuda.max_memory_allocated reports; the CUDA context (~0.5 GiB) and the caching "
     "allocator's fragmentation (typically 5–15 %) come on top (reserved > allocated)",
     f"time: FLOPs counted by torch's FlopCounterMode on the same ops (matmuls, convolutions, attention) at "
-    f"{UTILISATION[0]:.0%}–{UTILISATION[1]:.0%} of the GPU's dense bf16 peak; elementwise ops, the host loop, "
+    f"{UTILISATION[0]:.0%}–{UTILISATION[1]:.0%} of the GPU's bf16 peak (the one perf/mfu divides by: measured where "
+    "known, H100 798 and H200 788 TFLOP/s, else the datasheet's dense figure); elementwise ops, the host loop, "
     "reward models, text encoding (cached per prompt) and data movement are not timed",
     "an fp8 explorer runs its previews at the GPU's fp8/bf16 peak ratio (2 on Hopper/Ada); nvfp4 on Hopper/Ada is "
     "weight-only (bf16 activations): no speed-up; int8/nf4 explorers: none assumed",
@@ -110,12 +111,7 @@ def estimate(
     (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`, ``explorer_spec``; the objective's
     :meth:`~flowrl.objectives.base.Objective.describe`), never tested for their type.
     """
-    replicas = processes // context_degree(cfg.model.context_parallel)  # data replicas (context groups)
-    if processes < 1 or replicas < 1 or cfg.prompts.per_step % replicas:
-        raise ConfigError(
-            f"prompts.per_step={cfg.prompts.per_step} must be divisible by the data replicas ({max(replicas, 0)} of "
-            f"{processes} processes)"
-        )
+    replicas = check_processes(cfg, processes)  # data replicas (context groups), as the run checks them
     if target not in ("cuda", "cpu"):
         raise ValueError(f"target must be 'cuda' or 'cpu'; got {target!r}")
     gpu_spec = gpu_class(gpu)
@@ -123,9 +119,12 @@ def estimate(
     shards = processes if shard == "fsdp" else 1  # each sharded tensor held 1/shards per process
     arch = arch or arch_for_model(cfg.model)
     ARCH_CACHE[arch["key"]] = arch
+    check_model_options(cfg, arch)  # what the adapter would refuse when built (model.experts of one transformer, …)
     with assume_gpu(gpu):  # an explorer backend is checked against the named GPU, not this machine
         plan = build.build_plan(cfg.rollout)
     objective = build.build_loss(cfg)
+    if shard == "fsdp":
+        check_sharded_objective(objective)  # as the run refuses it, before its model loads
     shapes, frames, guidance, cfg_on = _shapes_and_guidance(cfg, arch, objective)
     model = _model_on_meta(cfg, arch, shards)
     degree = context_split(cfg, processes, model["module"], shapes.image_tokens)
@@ -162,7 +161,7 @@ def estimate(
             "max_batch": int(cfg.rollout.max_batch),
             "micro_batch": int(objective.micro_batch),
             "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
-            "checkpoint_blocks": _checkpointed(cfg) if cfg.model.gradient_checkpointing else 0,
+            "checkpoint_blocks": _checkpointed(cfg, model) if cfg.model.gradient_checkpointing else 0,
             "blocks": len(block_lists(model["module"])),
         },
         "counts": {**work["counts"], "prompts_per_process": P, "inner_epochs": int(cfg.train.inner_epochs)},
@@ -228,6 +227,7 @@ def _model_on_meta(cfg, arch: dict, shards: int) -> dict:
     vae = build_vae(arch, dtype)
     return {
         "module": module,
+        "held": held,
         "lora": lora,
         "lora_layers": trained * lora_layers,
         "trainable": trainable,
@@ -288,16 +288,19 @@ def _traces(
     )
     # FSDP2: the weights gathered in model.dtype, a block's gradients reduce-scattered and freed as backward leaves
     # it (fsdp["update"] below)
-    traces = phase_traces(*trace_args, shards > 1, _checkpointed(cfg))
+    traces = phase_traces(*trace_args, shards > 1, _checkpointed(cfg, model))
     traces["updates"] = {False: traces["update"], True: traces["update_checkpointed"]}
     return traces
 
 
-def _checkpointed(cfg) -> int | None:
-    """Blocks the update checkpoints when ``model.gradient_checkpointing`` is on: ``model.checkpoint_blocks`` (None:
-    every block)."""
-    n = cfg.model.checkpoint_blocks
-    return None if n is None else int(n)
+def _checkpointed(cfg, model: dict) -> int:
+    """Blocks of the traced transformer the update checkpoints when ``model.gradient_checkpointing`` is on:
+    ``model.checkpoint_blocks`` (None: every block), at most the blocks there are, as a run counts them (both experts'
+    of a two-expert model) and says it (:func:`flowrl.models.blocks.checkpointed_of`)."""
+    module = model["module"]
+    blocks = len(block_lists(module))
+    count = checkpointed_of(cfg.model.checkpoint_blocks, model["held"] * blocks, type(module).__name__)
+    return min(count, blocks)
 
 
 def _static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -> dict:
@@ -447,7 +450,7 @@ def _flops_and_time(cfg, plan, gpu_spec: GPUClass, traces: dict, work: dict, cfg
     if (plan.explorer_spec() or ("same",))[0] == "fp8":
         speed["explore"] = gpu_spec.fp8_speedup
     effective = sum(flops[k] / speed[k] for k in flops)
-    peak_flops = gpu_spec.bf16_tflops * 1e12
+    peak_flops = gpu_spec.peak_tflops * 1e12  # the one table of peaks: perf/mfu divides by the same
     seconds = [effective / (peak_flops * UTILISATION[1]), effective / (peak_flops * UTILISATION[0])]
     split = {k: [flops[k] / speed[k] / (peak_flops * u) for u in (UTILISATION[1], UTILISATION[0])] for k in flops}
     return {
@@ -461,7 +464,8 @@ def _flops_and_time(cfg, plan, gpu_spec: GPUClass, traces: dict, work: dict, cfg
         "time": {
             "seconds_per_iteration": seconds,
             "split_seconds": split,
-            "gpu_bf16_tflops": gpu_spec.bf16_tflops,
+            "gpu_bf16_tflops": gpu_spec.peak_tflops,
+            "peak_source": gpu_spec.peak_source,
             "utilisation": list(UTILISATION),
             "explorer_speedup": speed["explore"],
         },

@@ -146,6 +146,7 @@ def format_estimate(result: dict) -> str:
         f"FLOPs per iteration {_flops(fl['total'])} (rollout {_flops(fl['rollout'])}, explore {_flops(fl['explore'])}, "
         f"decode {_flops(fl['decode'])}, update {_flops(fl['update'])}) → "
         f"**{_seconds(lo)}–{_seconds(hi)} s/iteration** at {t['utilisation'][0]:.0%}–{t['utilisation'][1]:.0%} of "
-        f"{t['gpu_bf16_tflops']:.0f} bf16 TFLOP/s",
+        f"{t['gpu_bf16_tflops']:.0f} bf16 TFLOP/s ({t.get('peak_source', 'datasheet dense')} peak, the one perf/mfu "
+        "divides by)",
     ]
     return "\n".join(lines)

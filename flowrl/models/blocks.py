@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,10 +32,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-COMPILE_BACKEND = os.environ.get("FLOWRL_COMPILE_BACKEND", "inductor")
+from flowrl.core.choices import did_you_mean
+from flowrl.errors import ConfigError
+
+BACKEND_VARIABLE = "FLOWRL_COMPILE_BACKEND"
+COMPILE_BACKEND = os.environ.get(BACKEND_VARIABLE, "inductor")
 """torch.compile backend of ``model.compile: regional``: ``inductor``, or the environment's ``FLOWRL_COMPILE_BACKEND``
 (``eager``/``aot_eager`` trace with dynamo but generate no code: how the CPU tests run it, and a way to tell a
-dynamo problem from an inductor one)."""
+dynamo problem from an inductor one); checked at load (:func:`check_compile_backend`)."""
 
 
 BLOCK_LIST_NAMES = ("blocks", "refiner", "layers")
@@ -114,11 +119,28 @@ def is_checkpointed(block: nn.Module) -> bool:
     return any("_flowrl_checkpointed_from" in k.__dict__ for k in type(block).__mro__)
 
 
+def checkpointed_of(count: int | None, blocks: int, name: str) -> int:
+    """How many of a transformer's ``blocks`` blocks ``model.checkpoint_blocks=count`` checkpoints (None: every one).
+    A count above them is every block, and said (a RuntimeWarning naming the key, both numbers and the transformer
+    ``name``; once per message), so neither a run nor the estimate reports 999 checkpointed blocks of 24."""
+    if count is None:
+        return blocks
+    if int(count) > blocks:
+        warnings.warn(
+            f"model.checkpoint_blocks={count} is more than the {blocks} blocks of {name}: all {blocks} are "
+            "checkpointed (model.checkpoint_blocks=null says every block)",
+            RuntimeWarning,
+            stacklevel=1,  # one location: the run and the estimate say it once between them
+        )
+        return blocks
+    return int(count)
+
+
 def checkpoint_blocks(transformer: nn.Module, count: int | None, function: Callable | None = None) -> int:
     """Checkpoint the first ``count`` blocks of ``transformer`` (None: every block) and no other: the transformer's
     own all-or-nothing checkpointing is turned off, each of those blocks recomputes its forward in the backward.
     ``function(fn, *args)``: another checkpoint function (the estimate's autocast). Returns how many are
-    checkpointed; a ``count`` above the number of blocks means every block."""
+    checkpointed; a ``count`` above the number of blocks means every block, said (:func:`checkpointed_of`)."""
     blocks = block_lists(transformer)
     if not blocks:
         raise ValueError(
@@ -126,7 +148,7 @@ def checkpoint_blocks(transformer: nn.Module, count: int | None, function: Calla
         )
     if getattr(transformer, "gradient_checkpointing", False) and hasattr(transformer, "disable_gradient_checkpointing"):
         transformer.disable_gradient_checkpointing()
-    n = len(blocks) if count is None else min(int(count), len(blocks))
+    n = checkpointed_of(count, len(blocks), type(transformer).__name__)
     for i, block in enumerate(blocks):
         plain = _plain_class(block)
         if i < n:
@@ -224,6 +246,25 @@ def _raise_recompile_limits(blocks: int) -> None:
     for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))
+
+
+def check_compile_backend(backend: str | Callable | None = None) -> None:
+    """At load, with ``model.compile: regional``: ``backend`` (default :data:`COMPILE_BACKEND`, the environment's
+    ``FLOWRL_COMPILE_BACKEND``) is a torch.compile backend torch knows; else a ConfigError naming the variable, its
+    value and the backends (it failed at the first forward, after the model loaded, without naming the variable)."""
+    name = backend or COMPILE_BACKEND
+    if callable(name):
+        return
+    from torch._dynamo import list_backends
+
+    if name in list_backends(exclude_tags=()):
+        return
+    accepted = sorted({*list_backends(), "eager", "aot_eager"})
+    close = [b for b in list_backends(exclude_tags=()) if b.lower() == str(name).lower()] or accepted
+    raise ConfigError(
+        f"{BACKEND_VARIABLE}={name!r} (the environment variable naming model.compile=regional's torch.compile "
+        f"backend) is not a backend torch knows{did_you_mean(name, close)}; accepted: {accepted} (unset: inductor)"
+    )
 
 
 def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None) -> CompileStats:
