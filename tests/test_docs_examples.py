@@ -313,6 +313,8 @@ BASH_NOT_RUN = {
         "python -m flowrl_rewards.serving.serve NAME",
     ): "the reward server's synopsis: tests/test_rewards_remote.py",
     ("docs/shapes.md", "scripts/pretrain_shapes.py"): "30 minutes of pretraining",
+    ("docs/pipeline.md", "train.rollout_processes=1"): "launched rollout processes: 3 gloo processes in "
+    "tests/test_pipeline_layout.py; the asynchronous main job: tests/test_pipeline.py",
     ("docs/results.md", "time flowrl rollouts configs/shapes/gdro.yaml"): "a rollout store written, then replayed by "
     "its compare: tests/test_offline_plan.py and tests/test_gdro.py run both steps",
     ("docs/results.md", "--budget minutes=5.2"): "replays the rollout store the block above writes (not here)",
