@@ -53,7 +53,7 @@ def test_the_estimate_refuses_experts_of_a_one_expert_wan_as_a_run_does(capsys):
 def test_a_two_expert_wan_keeps_its_experts_in_the_estimate():
     from flowrl.estimate.archs import arch_from_pipeline, load_arch
     from flowrl.estimate.run_checks import check_model_options
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing import tiny_wan_pipeline
 
     cfg = TrainConfig.from_yaml(None, ["model.family=wan", "model.experts=low"])
     check_model_options(cfg, load_arch("wan22_t2v_a14b"))  # the stored A14B: two transformers
