@@ -1,7 +1,8 @@
 """scripts/gpu_check.py's parts of issue 65 (docs/gpu.md, "The seeds part" and "The shapes question"): the closed forms
 the seeds rows are held to (ALGORITHMS.md §4, §5, §8) and the GPU rows' settings that give the published numbers;
 the verdicts; which low-precision matmul an explorer ran; the ``--tiny`` rehearsal of both parts on the CPU (rows
-measured, counts equal to their closed forms, ratios to the baselines, the shapes answer); scripts/gpu_check.sh's install of a carried torchao wheel. The command-line runs (the shapes
+measured, counts equal to their closed forms, ratios to the baselines, the shapes answer); scripts/gpu_check.sh's
+install of a carried torchao wheel. The command-line runs (the shapes
 runs as two processes) are in the slow set."""
 
 from __future__ import annotations
