@@ -12,7 +12,8 @@ Three separate steps, each usable alone::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from flowrl.core import wiring as _wiring
+from flowrl.version import __version__ as __version__
 
 _LAZY = {
     "wrap": "flowrl.models:wrap",
@@ -62,3 +63,10 @@ def __getattr__(name: str):
 
 
 __all__ = list(_LAZY)
+
+# The built-ins of the registries of lower layers that name modules above them, wired from here, above every layer
+# (flowrl.core.wiring): each registry imports its declaration when it is first used.
+_wiring.wire("rollout.plan", "flowrl.rollout.registry:PLANS")
+_wiring.wire("credit.rule", "flowrl.credit.registry:RULES")
+_wiring.wire("loss.objective", "flowrl.objectives.registry:OBJECTIVES")
+_wiring.wire("model.family", "flowrl.shapes.family:FAMILIES")

@@ -33,7 +33,7 @@ def build_model(section: ModelSection, device: torch.device | None = None) -> Fl
     (:func:`flowrl.models.dtypes.master_weights_fp32`); with LoRA the base stays in ``model.dtype`` and the LoRA
     is fp32. On CUDA, torch's cuDNN attention kernel is turned off unless ``model.cudnn_attention``
     (:mod:`flowrl.models.attention`)."""
-    from flowrl import models
+    import flowrl.models as models
     from flowrl.models.attention import configure_attention
     from flowrl.models.dtypes import master_weights_fp32
 

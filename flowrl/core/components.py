@@ -1,11 +1,13 @@
 """Components by name: rollout plans, credit rules and policy objectives (docs/extending.md: a method
 is a plan × a credit rule × a loss).
 
-Each kind has a :class:`~flowrl.config.registry.Registry`, as rewards do: a config names a component by its registered
-name
-(``rollout.plan: chains``), by ``package.module:Class`` or by ``path/to/file.py:Class``. A component
-is a dataclass, and its fields are the keys of its config section, next to the few keys the loop
-itself owns there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key itself)::
+Each kind has a :class:`~flowrl.core.registry.Registry`, as rewards do: a config names a component by its registered
+name (``rollout.plan: chains``), by ``package.module:Class`` or by ``path/to/file.py:Class``. The built-in components
+and the base class of each kind sit in the methods layer, above this one: each package declares its own
+(``flowrl/rollout/registry.py``, ``flowrl/credit/registry.py``, ``flowrl/objectives/registry.py``) and the package
+facade wires them to their kind (:mod:`flowrl.core.wiring`), so a kind's registry lists them from its first use. A
+component is a dataclass, and its fields are the keys of its config section, next to the few keys the loop itself owns
+there (:data:`PLAN`'s ``max_batch`` and ``chunks``; the selector key itself)::
 
     rollout: {plan: my_pkg.plans:EveryOtherStep, max_batch: 64, group_size: 8, my_field: 3}
 
@@ -32,30 +34,29 @@ from flowrl.errors import ConfigError
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of component: where it sits in the config and what it must subclass."""
+    """One kind of component: where it sits in the config. Its registry's built-ins and the class they must subclass
+    are the methods layer's, registered when the registry is first used (:mod:`flowrl.core.wiring`)."""
 
     section: str  # config section, e.g. "rollout"
     selector: str  # key naming the component in that section, e.g. "plan"
     default: str  # registered name used when the key is absent
-    base: str  # "module:Class" of the base class (imported lazily)
     loop_keys: tuple[tuple[str, type, Any], ...] = ()  # (name, type, default) owned by the loop
-    registry: Registry = field(default_factory=dict, compare=False, hash=False)  # given as a dict of the built-ins
+    registry: Registry = field(default_factory=dict, compare=False, hash=False)  # given as a dict (the wired go first)
 
     def __post_init__(self) -> None:
         if not isinstance(self.registry, Registry):
-            object.__setattr__(
-                self, "registry", Registry(self.key, dict(self.registry), base=self.base, check=self._check)
-            )
+            object.__setattr__(self, "registry", Registry(self.key, dict(self.registry), check=self._check))
 
     @property
     def key(self) -> str:
         return f"{self.section}.{self.selector}"
 
     def base_class(self) -> type:
+        """The class every component of this kind subclasses (the built-ins' declaration gives it)."""
         return self.registry.base()
 
     def _check(self, cls: Any, label: str) -> None:
-        """A component class: a dataclass subclassing :attr:`base`."""
+        """A component class: a dataclass subclassing :meth:`base_class`."""
         base = self.base_class()
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(f"{label} resolves to {cls!r}, which is not a subclass of {public_name(base)}")
@@ -69,50 +70,16 @@ PLAN = Kind(
     "rollout",
     "plan",
     "chains",
-    "flowrl.rollout.base:RolloutPlan",
     loop_keys=(
         ("max_batch", int, 64),  # states per model forward; training replays the same layout
         ("chunks", int, 1),
     ),  # roll out the groups in parts, scoring each while the next rolls out
-    registry={
-        "chains": "flowrl.rollout.chains:Chains",
-        "tree": "flowrl.rollout.tree:Tree",
-        "explore": "flowrl.rollout.explore:Explore",
-        "probed": "flowrl.rollout.probes:Probed",
-        "ode": "flowrl.rollout.chains:ODEChains",
-        "offline": "flowrl.rollout.offline:Offline",
-    },
 )
-CREDIT = Kind(
-    "credit",
-    "rule",
-    "group",
-    "flowrl.credit.base:CreditRule",
-    registry={
-        "group": "flowrl.credit.group:GroupAdvantage",
-        "tree": "flowrl.credit.tree:TreeAdvantage",
-        "turning_point": "flowrl.credit.turning_point:TurningPoint",
-        "value_anchor": "flowrl.credit.value_anchor:ValueAnchor",
-    },
-)
-LOSS = Kind(
-    "loss",
-    "objective",
-    "clipped",
-    "flowrl.objectives.base:Objective",
-    registry={
-        "clipped": "flowrl.objectives.policy:PolicyLoss",
-        "layer_tuning": "flowrl.objectives.policy:LayerTuningLoss",
-        "nft": "flowrl.objectives.nft:NFTLoss",
-        "awm": "flowrl.objectives.awm:AWMLoss",
-        "grpo_guard": "flowrl.objectives.grpo_guard:GRPOGuardLoss",
-        "dpo": "flowrl.objectives.dpo:DPOLoss",
-        "gdro": "flowrl.objectives.gdro:GDROLoss",
-        "dgpo": "flowrl.objectives.dgpo:DGPOLoss",
-        "crd": "flowrl.objectives.crd:CRDLoss",
-        "raft": "flowrl.objectives.best_of_n:RAFTLoss",
-    },
-)
+"""Rollout plans (``rollout.plan``); the built-ins: :data:`flowrl.rollout.registry.PLANS`."""
+CREDIT = Kind("credit", "rule", "group")
+"""Credit rules (``credit.rule``); the built-ins: :data:`flowrl.credit.registry.RULES`."""
+LOSS = Kind("loss", "objective", "clipped")
+"""Objectives (``loss.objective``); the built-ins: :data:`flowrl.objectives.registry.OBJECTIVES`."""
 KINDS: tuple[Kind, ...] = (PLAN, CREDIT, LOSS)
 
 

@@ -117,9 +117,6 @@ def _check_family(family, label: str) -> None:
 MODEL_FAMILIES = Registry(
     "model.family",
     {
-        "shapes": ModelFamily(
-            None, "flowrl.models.sd3:SD3FlowModel", loader="flowrl.shapes.model:load_shapes_model", needs_path=False
-        ),
         "sd3": ModelFamily("StableDiffusion3Pipeline", "flowrl.models.sd3:SD3FlowModel"),
         "flux": ModelFamily("FluxPipeline", "flowrl.models.flux:FluxFlowModel"),
         "sana": ModelFamily("SanaPipeline", "flowrl.models.sana:SanaFlowModel"),
@@ -141,10 +138,11 @@ MODEL_FAMILIES = Registry(
     base=FlowModel,
     check=_check_family,
 )
-"""Family name → how to load and wrap it (a :class:`~flowrl.config.registry.Registry`). SD3 and SD3.5 are "sd3";
-"shapes"
-is the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights). :func:`register_model_family`
-adds one."""
+"""Family name → how to load and wrap it (a :class:`~flowrl.core.registry.Registry`). SD3 and SD3.5 are "sd3";
+"shapes", the embedded model (an SD3 pipeline; ``model.path`` None → the shipped weights), sits in the shapes layer
+above this one: :data:`flowrl.shapes.family.FAMILIES` declares it and the package facade wires it here
+(:mod:`flowrl.core.wiring`), first of the families from the registry's first use. :func:`register_model_family` adds
+one."""
 
 
 def register_model_family(name: str, family: ModelFamily) -> None:

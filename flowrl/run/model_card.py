@@ -304,7 +304,7 @@ def build_card(
     from huggingface_hub import ModelCard, ModelCardData
     from omegaconf import OmegaConf
 
-    import flowrl
+    from flowrl.version import __version__
 
     lora = not (folder / "transformer").is_dir()
     base = base_model_id(cfg)
@@ -332,7 +332,7 @@ def build_card(
     evals = eval_records(run_dir, step)
     at = f" at step {step}" if step is not None else ""
     iterations = step if step is not None else cfg.train.max_steps
-    version = flowrl.__version__
+    version = __version__
     license_line = (
         f"Its license is its base model's (`{data.license}`"
         + (f", [{data.license_name}]({data.license_link})" if getattr(data, "license_link", None) else "")
