@@ -308,9 +308,9 @@ def test_bench_estimate_gpus_and_shard_flags(capsys):
     capsys.readouterr()
 
     def run(*flags: str) -> dict:
-        assert main(["bench", SHAPES_NFT, "--estimate", *flags]) == 0
-        out = capsys.readouterr().out
-        return {"text": out[: out.index("\n{")], **json.loads(out[out.index("\n{") + 1 :])}
+        assert main(["bench", SHAPES_NFT, "--estimate", "--json", *flags]) == 0
+        result = json.loads(capsys.readouterr().out)["estimate"]
+        return {"text": E.format_estimate(result), **result}
 
     ddp, fsdp = run("--gpus", "2"), run("--gpus", "2", "--shard", "fsdp")
     assert (fsdp["processes"], fsdp["shard"], ddp["shard"]) == (2, "fsdp", "ddp")

@@ -55,7 +55,7 @@ def test_fit_fills_the_budget_with_batches_before_checkpointing():
 
 
 def test_explicit_keys_win_and_are_said_to():
-    cfg = load_config(None, ["train.fit_keep=[model.gradient_checkpointing]"])
+    cfg = load_config(None, ["train.fit=auto", "train.fit_keep=[model.gradient_checkpointing]"])
     fit = fit_config(cfg, "H100", capacity_gib=0.5, keep=["rollout.max_batch"])
     assert fit.settings["rollout.max_batch"] == cfg.rollout.max_batch
     assert fit.settings["model.gradient_checkpointing"] is False  # as the config sets it: no block checkpointed

@@ -14,8 +14,8 @@ import torch
 from flowrl.models import MODEL_FAMILIES, LoraSpec, wrap
 from flowrl.models.flux2 import Flux2FlowModel
 from flowrl.models.flux2_klein import Flux2KleinFlowModel
-from flowrl.models.testing_flux2 import tiny_flux2_pipeline
-from flowrl.models.testing_flux2_klein import tiny_flux2_klein_pipeline
+from flowrl.models.testing.flux2 import tiny_flux2_pipeline
+from flowrl.models.testing.flux2_klein import tiny_flux2_klein_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora
 
 SIZE = dict(height=16, width=16, max_sequence_length=20)
@@ -156,9 +156,8 @@ def test_bench_estimate_of_the_preset(capsys, monkeypatch):
 
     cut = lambda section: with_blocks(E.arch_for_model(section))  # noqa: E731
     monkeypatch.setitem(E.estimate.__globals__, "arch_for_model", cut)
-    assert E.run_estimate(PRESET, [], gpu="H100") == 0
-    out = capsys.readouterr().out
-    result = json.loads(out[out.index("\n{") + 1 :])
+    assert E.run_estimate(PRESET, [], gpu="H100", as_json=True) == 0
+    result = json.loads(capsys.readouterr().out)["estimate"]
     sh = result["shapes"]
     assert result["family"] == "flux2_klein" and result["model"] == "FLUX.2 [klein] 4B"
     assert sh["latent"] == [128, 32, 32] and sh["image_tokens"] == 1024 and not sh["cfg"] and sh["guidance"] == 1.0

@@ -19,7 +19,7 @@ from flowrl.models.flux import FluxFlowModel
 from flowrl.models.flux_kontext import FluxKontextFlowModel
 from flowrl.models.image_prompts import image_prompt
 from flowrl.models.testing import tiny_flux_pipeline
-from flowrl.models.testing_flux_kontext import tiny_flux_kontext_pipeline
+from flowrl.models.testing.flux_kontext import tiny_flux_kontext_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 SIZE = dict(height=16, width=16, max_sequence_length=16)
@@ -183,9 +183,9 @@ def test_bench_estimate_of_the_preset(capsys, monkeypatch):
 
     cut = lambda section: with_blocks(E.arch_for_model(section))  # noqa: E731
     monkeypatch.setitem(E.estimate.__globals__, "arch_for_model", cut)
-    assert E.run_estimate(PRESET, [], gpu="H100") == 0
-    out = capsys.readouterr().out
-    result = json.loads(out[out.index("\n{") + 1 :])
+    assert E.run_estimate(PRESET, [], gpu="H100", as_json=True) == 0
+    result = json.loads(capsys.readouterr().out)["estimate"]
+    out = E.format_estimate(result)
     sh = result["shapes"]
     assert result["family"] == "flux_kontext" and result["model"] == "FLUX.1 Kontext [dev]"
     assert sh["source_tokens"] == sh["image_tokens"] == 1024 and "+ 1024 source image" in out

@@ -24,6 +24,7 @@ from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass, assume_gpu, gpu_class
 from flowrl.estimate.inputs import Shapes, base_family, preset_shapes, with_sources
 from flowrl.estimate.phases import phase_traces
+from flowrl.estimate.pipeline import price_pipeline, trainers_of
 from flowrl.estimate.run_checks import check_model_options, check_processes
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode
@@ -111,6 +112,8 @@ def estimate(
     (:meth:`~flowrl.rollout.base.RolloutPlan.expected_counts`, ``explorer_spec``; the objective's
     :meth:`~flowrl.objectives.base.Objective.describe`), never tested for their type.
     """
+    launched = int(cfg.train.rollout_processes) if cfg.train.pipeline == "async" else 0
+    processes = trainers_of(processes, launched)  # train.rollout_processes: the trainers share the work
     replicas = check_processes(cfg, processes)  # data replicas (context groups), as the run checks them
     if target not in ("cuda", "cpu"):
         raise ValueError(f"target must be 'cuda' or 'cpu'; got {target!r}")
@@ -135,7 +138,7 @@ def estimate(
     cache = _prompt_cache(cfg, arch, shapes, model["dbytes"], P)
     phases = _phases(cfg, model, traces, static, cache, work, shapes, frames, target, shards, P)
     flops = _flops_and_time(cfg, plan, gpu_spec, traces, work, cfg_on)
-    return {
+    result = {
         "model": arch["name"],
         "family": arch["family"],
         "gpu": gpu_spec.name,
@@ -170,6 +173,11 @@ def estimate(
         "time": flops["time"],
         "assumptions": ASSUMPTIONS + static["reward_notes"] + ([CONTEXT_ASSUMPTION] if degree > 1 else []),
     }
+    pipeline = price_pipeline(cfg, result, target)  # train.pipeline=async: the overlap, per-process memory
+    if pipeline is not None:
+        result["pipeline"] = pipeline
+        result["time"] = {**result["time"], "seconds_per_iteration": pipeline["seconds_per_iteration"]}
+    return result
 
 
 def _shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None, float, bool]:

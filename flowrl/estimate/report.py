@@ -149,4 +149,24 @@ def format_estimate(result: dict) -> str:
         f"{t['gpu_bf16_tflops']:.0f} bf16 TFLOP/s ({t.get('peak_source', 'datasheet dense')} peak, the one perf/mfu "
         "divides by)",
     ]
+    if result.get("pipeline"):
+        lines += ["", pipeline_text(result["pipeline"])]
     return "\n".join(lines)
+
+
+def pipeline_text(p: dict) -> str:
+    """The lines of ``train.pipeline=async`` (:func:`flowrl.estimate.pipeline.price_pipeline`)."""
+    rollout, update, serial = p["rollout_seconds"], p["update_seconds"], p["serial_seconds_per_iteration"]
+    return "\n".join(
+        [
+            f"pipeline async (staleness {p['max_staleness']}, {p['layout']}): rollout side "
+            f"{_seconds(rollout[0])}–{_seconds(rollout[1])} s, update side {_seconds(update[0])}–{_seconds(update[1])} "
+            f"s, weight sync {size_text(p['weight_sync_gib'])} in {p['weight_sync_seconds']:.3g} s ({p['link']}, "
+            f"{p['link_gbps']:g} GB/s) → the s/iteration above (serial: {_seconds(serial[0])}–{_seconds(serial[1])})",
+            f"rollout process peak {size_text(p['rollout_process_peak_gib'])} beside the trainer's "
+            f"{size_text(p['trainer_peak_gib'])}"
+            + (" on one card" if p["shares_card"] else ", each on its own GPU")
+            + f": {'fits' if p['fits'] else 'does NOT fit'}; balanced over {p['processes']} processes: "
+            f"{p['best_rollout_processes']} rolling out (train.rollout_processes)",
+        ]
+    )

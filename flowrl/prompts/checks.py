@@ -4,6 +4,7 @@ is a ConfigError naming the key, the line, the prompt and what is accepted."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Sequence
 
 from flowrl.errors import ConfigError, shown, shown_message, shown_path
@@ -66,6 +67,11 @@ def check_prompt_fits(
             f"this prompt has none; accepted: {FORM}"
         )
     if edits and most is not None and len(paths) > most:
+        if most > 1:  # the adapter's max_images (Qwen-Image-Edit-Plus)
+            raise ConfigError(
+                f"{at} carries {len(paths)} images, more than model.kwargs.max_images={most} of model.family="
+                f"{family!r}; accepted: 1 to {most} image tags (or raise model.kwargs.max_images)"
+            )
         raise ConfigError(
             f"{at} carries {len(paths)} images, but model.family={family!r} edits {most} per prompt; accepted: {FORM} "
             "(several images per prompt: model.family=qwen_image_edit_plus)"
@@ -96,10 +102,17 @@ def check_run_prompts(cfg, reward, eval_reward, model=None) -> None:
         raise ConfigError(str(e)) from e
     family = (model.family if model is not None else None) or cfg.model.family
     edits = bool(adapter.takes_source_image)
+    most = adapter.source_images
+    if most is None and "max_images" in inspect.signature(adapter).parameters:  # the config decides: at load, too
+        most = int(
+            getattr(model, "max_images", None)
+            or (cfg.model.kwargs or {}).get("max_images")
+            or inspect.signature(adapter).parameters["max_images"].default
+        )
     for key, spec, judge in (
         ("prompts.train", cfg.prompts.train, reward),
         ("prompts.eval", cfg.prompts.eval, eval_reward),
     ):
         if spec:
             check_prompts(spec, key, judge.check_prompt)
-            check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms, most=adapter.source_images)
+            check_prompt_images(spec, key, edits=edits, family=family, rewards=judge.terms, most=most)

@@ -127,7 +127,12 @@ def check_output(
     path = Path(path)
     where = f"{label}={str(path)!r}" if label.startswith("-") and " " not in label else label  # a flag, or said whole
     if path.name in ("", ".", ".."):
-        what = "a parent folder" if path.name == ".." else "the working directory"
+        if path.name == "..":
+            what = "a parent folder"
+        elif path.anchor and path == Path(path.anchor):  # '/' (its name is empty, as the working directory's)
+            what = f"the file system's root {path.anchor!r}"
+        else:
+            what = "the working directory"
         raise ConfigError(
             f"{where} names {what}, which {command} did not create and never writes into; accepted: "
             "the name of a new folder (or an empty one)"
