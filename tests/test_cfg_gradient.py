@@ -67,14 +67,14 @@ def tiny_model(family: str):
     if family == "flux":
         return make_model("flux", true_cfg=G), None
     if family == "qwen_image":
-        from flowrl.models.testing_qwen import tiny_qwen_image_pipeline
+        from flowrl.models.testing.qwen_image import tiny_qwen_image_pipeline
 
         return wrap(tiny_qwen_image_pipeline(), height=32, width=32, guidance=G), G
     if family == "zimage":
-        from flowrl.models.testing_zimage import tiny_zimage_pipeline
+        from flowrl.models.testing.zimage import tiny_zimage_pipeline
 
         return wrap(tiny_zimage_pipeline(), height=32, width=32, guidance=G), G
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline(scheduler="euler", two_experts=True)
     return wrap(pipe, height=32, width=32, num_frames=5, guidance=4.0, guidance_2=2.0), None

@@ -46,7 +46,7 @@ def test_bad_context_parallel_settings_are_refused_naming_the_key():
 def test_a_transformer_diffusers_cannot_split_is_refused_naming_the_key():
     from diffusers import SD3Transformer2DModel
 
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     two = SimpleNamespace(ulysses=2, ring=1)
     with pytest.raises(ConfigError, match=r"no context-parallel plan for SD3Transformer2DModel"):
@@ -63,7 +63,7 @@ def test_a_transformer_diffusers_cannot_split_is_refused_naming_the_key():
 
 def test_sequence_tokens_follow_the_latent_and_the_patch():
     from flowrl.models import wrap
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     model = wrap(tiny_wan_pipeline(), height=32, width=48, num_frames=5, max_sequence_length=12)
     assert tuple(model.latent_shape) == (4, 2, 4, 6) and sequence_tokens(model) == 2 * 2 * 3  # patch (1, 2, 2)
@@ -133,7 +133,7 @@ def launch(pipeline: Path, out: Path, processes: int, *extra: str) -> list[dict]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The tiny Wan run in one process, and split over 2 (Ulysses 2) without and with FSDP2."""
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("context-parallel")
     tiny_wan_pipeline().save_pretrained(root / "pipe")
@@ -204,7 +204,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics(runs, tmp_pa
 # ---- the estimate ----------------------------------------------------------------------------------------------------
 def test_the_estimate_splits_a_forwards_activations_and_flops_over_the_context_group():
     import flowrl.estimate as E
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     arch = E.arch_from_pipeline(tiny_wan_pipeline())
     base = [

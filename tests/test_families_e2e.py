@@ -27,25 +27,25 @@ FAMILIES = {
     # family: (pipeline class, tiny builder "module:function", model keys, training rewards)
     "qwen_image": (
         "QwenImagePipeline",
-        "flowrl.models.testing_qwen:tiny_qwen_image_pipeline",
+        "flowrl.models.testing.qwen_image:tiny_qwen_image_pipeline",
         dict(height=32, width=32, max_sequence_length=12),
         [{"name": "brightness"}],
     ),
     "qwen_image_edit": (
         "QwenImageEditPipeline",
-        "flowrl.models.testing_qwen:tiny_qwen_image_edit_pipeline",
+        "flowrl.models.testing.qwen_image:tiny_qwen_image_edit_pipeline",
         dict(height=32, width=32, max_sequence_length=16),
         [{"name": "brightness"}, {"name": "source_fidelity", "kwargs": {"size": 8}}],
     ),
     "flux2": (
         "Flux2Pipeline",
-        "flowrl.models.testing_flux2:tiny_flux2_pipeline",
+        "flowrl.models.testing.flux2:tiny_flux2_pipeline",
         dict(height=16, width=16, max_sequence_length=40),
         [{"name": "brightness"}],
     ),
     "wan": (
         "WanPipeline",
-        "flowrl.models.testing_wan:tiny_wan_pipeline",
+        "flowrl.models.testing.wan:tiny_wan_pipeline",
         dict(height=32, width=48, max_sequence_length=12, kwargs={"num_frames": 5}),
         [{"name": "brightness", "kwargs": {"frame_stride": 2}}, {"name": "temporal_consistency"}],
     ),

@@ -16,7 +16,7 @@ from flowrl.models.base import calculate_shift
 from flowrl.models.flux2 import Flux2FlowModel
 from flowrl.models.packing import pack_2x2
 from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_flux2 import tiny_flux2_pipeline
+from flowrl.models.testing.flux2 import tiny_flux2_pipeline
 from tests.conftest import perturb_lora
 from tests.test_models import PROMPTS, inputs  # 3 prompts of 3, 6 and 7 words: 35, 38, 39 text tokens
 

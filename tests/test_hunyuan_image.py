@@ -13,7 +13,7 @@ import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.hunyuan_image import HunyuanImageFlowModel
-from flowrl.models.testing_hunyuan_image import tiny_hunyuan_image_pipeline
+from flowrl.models.testing.hunyuan_image import tiny_hunyuan_image_pipeline
 from tests.test_models import PROMPTS, inputs
 
 SIZE = dict(height=16, width=16, max_sequence_length=16)

@@ -15,7 +15,7 @@ import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, wrap
 from flowrl.models.ltx2 import LTX2FlowModel
-from flowrl.models.testing_ltx2 import tiny_ltx2_pipeline
+from flowrl.models.testing.ltx2 import tiny_ltx2_pipeline
 from tests.test_models import PROMPTS, inputs  # 3 prompts of 3, 6 and 7 words
 
 SIZE = dict(height=32, width=32, num_frames=5, max_sequence_length=8)  # latents [4, 2, 4, 4]: 32 video tokens

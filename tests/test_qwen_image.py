@@ -11,7 +11,7 @@ from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.packing import pack_2x2, unpack_2x2
 from flowrl.models.qwen_image import QwenImageFlowModel
 from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import TEMPLATE, tiny_qwen_image_pipeline
+from flowrl.models.testing.qwen_image import TEMPLATE, tiny_qwen_image_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora
 
 PROMPTS = ["a red circle", "two blue dog on the left", "a photo of a big yellow house"]  # 8, 11, 12 text tokens

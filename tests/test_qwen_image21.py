@@ -13,7 +13,7 @@ import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, wrap
 from flowrl.models.qwen_image21 import QwenImage21FlowModel
-from flowrl.models.testing_qwen_image21 import tiny_qwen_image21_pipeline
+from flowrl.models.testing.qwen_image21 import tiny_qwen_image21_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "qwen_image21" / "flow_grpo_pickscore.yaml"
@@ -27,7 +27,7 @@ def make(**kw):
 
 
 def test_family_sizes_packing_and_refusals():
-    from flowrl.models.testing_qwen import tiny_qwen_image_pipeline
+    from flowrl.models.testing.qwen_image import tiny_qwen_image_pipeline
 
     assert MODEL_FAMILIES["qwen_image21"].pipeline == "QwenImage21Pipeline"
     pipe, model = make()

@@ -13,7 +13,7 @@ from flowrl.errors import ConfigError
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.image_prompts import image_prompt
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
-from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
+from flowrl.models.testing.qwen_image import tiny_qwen_image_edit_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 SIZE = dict(height=32, width=32, max_sequence_length=16)

@@ -19,7 +19,7 @@ from flowrl.models.qwen_image_edit_plus import (
     image_prompts,
     split_image_prompts,
 )
-from flowrl.models.testing_qwen_image_edit_plus import tiny_qwen_image_edit_plus_pipeline
+from flowrl.models.testing.qwen_image_edit_plus import tiny_qwen_image_edit_plus_pipeline
 from tests.conftest import assert_lora_reloads, perturb_lora, random_source_images
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "qwen_image_edit_plus" / "flow_grpo_edit.yaml"

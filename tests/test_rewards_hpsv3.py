@@ -76,7 +76,7 @@ def tiny(tmp_path_factory):
         Qwen2VLVideoProcessor,
     )
 
-    from flowrl.models.testing_qwen import tiny_qwen_tokenizer, vision_token_ids
+    from flowrl.models.testing.qwen_image import tiny_qwen_tokenizer, vision_token_ids
 
     tokenizer = tiny_qwen_tokenizer(WORDS, edit=True)
     vision = dict(patch_size=14, temporal_patch_size=2, merge_size=2)
@@ -351,7 +351,7 @@ def test_equals_the_hpsv3_package_in_its_own_environment(tmp_path):
     where no environment with the package is found (``FLOWRL_HPSV3_PYTHON``, default /work/hpsv3-venv)."""
     if not _package_importable(HPSV3_PYTHON):
         pytest.skip(f"no environment with the hpsv3 package at FLOWRL_HPSV3_PYTHON={HPSV3_PYTHON}")
-    from flowrl.models.testing_qwen import tiny_qwen_tokenizer
+    from flowrl.models.testing.qwen_image import tiny_qwen_tokenizer
 
     root = Path(__file__).resolve().parents[1]
     tiny_qwen_tokenizer(WORDS, edit=True).save_pretrained(tmp_path / "tokenizer")

@@ -371,7 +371,7 @@ def tiny_vlm(tmp_path_factory):
         Qwen2VLVideoProcessor,
     )
 
-    from flowrl.models.testing_qwen import EDIT_PIXELS, tiny_qwen_tokenizer, vision_token_ids
+    from flowrl.models.testing.qwen_image import EDIT_PIXELS, tiny_qwen_tokenizer, vision_token_ids
 
     tokenizer = tiny_qwen_tokenizer(WORDS, edit=True)
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, **EDIT_PIXELS)

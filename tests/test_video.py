@@ -19,7 +19,7 @@ SIZE = dict(height=32, width=48, num_frames=5, max_sequence_length=12)  # 5 fram
 
 def wan_model(guidance: float = 2.0):
     from flowrl.models import wrap
-    from flowrl.models.testing_wan import tiny_wan_pipeline
+    from flowrl.models.testing.wan import tiny_wan_pipeline
 
     return wrap(tiny_wan_pipeline(scheduler="euler"), guidance=guidance, **SIZE)
 

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, wrap
 from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_wan import tiny_wan_pipeline
+from flowrl.models.testing.wan import tiny_wan_pipeline
 from flowrl.models.wan import WanFlowModel
 from tests.conftest import perturb_lora
 from tests.test_models import PROMPTS, inputs  # 3 prompts of 3, 6 and 7 words: 4, 7 and 8 UMT5 tokens with </s>

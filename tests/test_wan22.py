@@ -14,7 +14,7 @@ import torch
 
 from flowrl.models import LoraSpec, wrap
 from flowrl.models.image_prompts import image_prompt
-from flowrl.models.testing_wan import tiny_wan_pipeline
+from flowrl.models.testing.wan import tiny_wan_pipeline
 from flowrl.models.wan import WanExperts, WanFlowModel
 from flowrl.models.wan_i2v import WanI2VFlowModel
 from flowrl.paths import CONFIG_DIR

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.models import MODEL_FAMILIES, LoraSpec, load_model, wrap
 from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_zimage import tiny_zimage_pipeline
+from flowrl.models.testing.zimage import tiny_zimage_pipeline
 from flowrl.models.zimage import ZImageFlowModel
 from tests.test_models import PROMPTS, inputs  # 3 prompts of 3, 6 and 7 words
 

@@ -1,8 +1,8 @@
 """A tiny, fully offline ``Flux2KleinPipeline`` (FLUX.2 [klein]) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_flux2_klein_pipeline``: the transformer, VAE and scheduler of
-:func:`~flowrl.models.testing_flux2.tiny_flux2_pipeline` without its guidance embedding (FLUX.2 [klein]'s
+:func:`~flowrl.models.testing.flux2.tiny_flux2_pipeline` without its guidance embedding (FLUX.2 [klein]'s
 transformers have none): 16×16 px images ↔ the VAE's 4×8×8 latents patchified 2×2 into the pipeline's 16×4×4
 latents = 16 tokens of 16 channels, 1 double + 1 single block × 2 heads × 8, random batch-norm statistics; a
 27-layer ``Qwen3ForCausalLM`` of width 16 (the pipeline stacks hidden states 9, 18 and 27: text width 48 =
@@ -13,17 +13,16 @@ False (the Base models: CFG against the empty prompt). Pass ``height=16, width=1
 ``max_sequence_length`` (e.g. 20: the template takes 12 tokens besides the prompt's words) to the adapter and to the
 pipeline's own call.
 
-Every word of :data:`~flowrl.models.testing.TINY_VOCAB` is one token (with and without a leading space), so
-different prompts always encode differently.
+Every word of :data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` is one token (with and without a leading space),
+so different prompts always encode differently.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_flux2 import tiny_flux2_pipeline
-from flowrl.models.testing_qwen import qwen_vocab_and_merges
+from flowrl.models.testing.flux2 import tiny_flux2_pipeline
+from flowrl.models.testing.text_encoders import TINY_VOCAB, decoder_config, qwen_tokenizer
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
@@ -39,13 +38,9 @@ def tiny_qwen3_tokenizer(words=TINY_VOCAB):
     """``Qwen2Tokenizer`` over ``words`` and the template's ``user``, ``assistant`` and ``\\n\\n`` (one token, as in
     Qwen3's vocabulary; id 0 ``<|endoftext|>``, also the padding), :data:`SPECIAL_TOKENS` special, :data:`CHAT_TEMPLATE`
     as its chat template."""
-    from transformers import Qwen2Tokenizer
-
-    vocab, merges = qwen_vocab_and_merges([*words, "user", "assistant", "ĊĊ"])  # Ċ: the byte-level symbol of \n
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=1024)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return qwen_tokenizer(  # Ċ: the byte-level symbol of \n
+        [*words, "user", "assistant", "ĊĊ"], special=SPECIAL_TOKENS, model_max_length=1024, chat_template=CHAT_TEMPLATE
+    )
 
 
 def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = True, words: list[str] | None = None):
@@ -60,18 +55,16 @@ def tiny_flux2_klein_pipeline(seed: int = 0, is_distilled: bool = True, words: l
     torch.manual_seed(seed + 1)
     text_encoder = Qwen3ForCausalLM(
         Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            head_dim=8,
-            num_hidden_layers=27,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-            bos_token_id=None,
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            **decoder_config(
+                len(tokenizer),
+                16,
+                27,
+                head_dim=8,
+                max_position_embeddings=1024,
+                tie_word_embeddings=True,
+                bos_token_id=None,
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            )
         )
     ).eval()
     return Flux2KleinPipeline(

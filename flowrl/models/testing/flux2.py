@@ -1,4 +1,5 @@
-"""A tiny, fully offline ``Flux2Pipeline`` (FLUX.2) with random weights, for tests (as :mod:`flowrl.models.testing`).
+"""A tiny, fully offline ``Flux2Pipeline`` (FLUX.2) with random weights, for tests (as
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_flux2_pipeline``: 16×16 px images ↔ 4×8×8 VAE latents (``AutoencoderKLFlux2``: factor 2, channels (8, 8), no
 mid attention; batch-norm statistics over the 16 patchified channels set to random values, so undoing them matters),
@@ -12,8 +13,8 @@ configured as FLUX.2-dev's (dynamic shifting; the pipeline sets ``mu`` itself). 
 a small ``max_sequence_length`` (e.g. 40: the system message takes 30 tokens) to the adapter and to the
 pipeline's own call.
 
-Every word of :data:`~flowrl.models.testing.TINY_VOCAB` and of the pipeline's system message is one token (with
-and without a leading space), so different prompts always encode differently.
+Every word of :data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` and of the pipeline's system message is one
+token (with and without a leading space), so different prompts always encode differently.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import re
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import qwen_vocab_and_merges
+from flowrl.models.testing.text_encoders import TINY_VOCAB, decoder_config, qwen_vocab_and_merges
 
 SPECIAL_TOKENS = [
     "<unk>",
@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
 def tiny_mistral_processor(words=TINY_VOCAB):
     """``PixtralProcessor`` (PIL image processor, patch 2) around a byte-level BPE ``TokenizersBackend`` over
     ``words`` and the words of FLUX.2's system message: ids 0–10 :data:`SPECIAL_TOKENS`, then the byte symbols and
-    every word's substrings (:func:`~flowrl.models.testing_qwen.qwen_vocab_and_merges`)."""
+    every word's substrings (:func:`~flowrl.models.testing.text_encoders.qwen_vocab_and_merges`)."""
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PixtralProcessor, TokenizersBackend
@@ -93,14 +93,11 @@ def tiny_flux2_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list
     processor = tiny_mistral_processor(list(words or TINY_VOCAB))
     text_encoder = Mistral3ForConditionalGeneration(
         Mistral3Config(
-            text_config=dict(
-                vocab_size=len(processor.tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
+            text_config=decoder_config(
+                len(processor.tokenizer),
+                16,
+                30,
                 head_dim=8,
-                num_hidden_layers=30,
-                num_attention_heads=2,
-                num_key_value_heads=1,
                 max_position_embeddings=1024,
                 bos_token_id=1,
                 eos_token_id=2,

@@ -1,5 +1,5 @@
 """A tiny, fully offline ``QwenImage21Pipeline`` (Qwen-Image 2.1) with random weights, for tests (as
-:mod:`flowrl.models.testing_qwen`).
+:mod:`flowrl.models.testing.qwen_image`).
 
 ``tiny_qwen_image21_pipeline``: 32×64 px images ↔ 4×2×4 latents (``AutoencoderKLQwenImage21``: base dims 8, five
 ``dim_mult`` levels → spatial factor 16 as the pipeline requires, no temporal downsampling, per-channel
@@ -12,16 +12,23 @@ for the system turn (the pipeline drops that turn's tokens: ``_drop_idx``); the 
 (dynamic shifting, exponential time shift, ``shift_terminal`` 0.02). ``sample_sigmas``: the pipeline's configured
 grid (None: ``linspace(1, 1/steps, steps)``). Pass ``height=32, width=64`` to the adapter and to the pipeline's call.
 
-Every word of :data:`~flowrl.models.testing.TINY_VOCAB` and of the pipeline's system prompt is one token (with and
-without a leading space), so different prompts always encode differently.
+Every word of :data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` and of the pipeline's system prompt is one token
+(with and without a leading space), so different prompts always encode differently.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import SPECIAL_TOKENS, VISION_TOKENS, qwen_vocab_and_merges, vision_token_ids
+from flowrl.models.testing.text_encoders import (
+    QWEN_SPECIAL_TOKENS,
+    TINY_VOCAB,
+    VISION_TOKENS,
+    decoder_config,
+    qwen_tokenizer,
+    qwen_vision_config,
+    vision_token_ids,
+)
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 """``QwenImage21Pipeline.sys_prompt``."""
@@ -40,13 +47,12 @@ def tiny_qwen3vl_processor(words=TINY_VOCAB):
     the system prompt's words and the chat roles, ``<|im_start|>`` / ``<|im_end|>`` and the vision tokens special."""
     import re
 
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     words = [*words, *re.findall(r"[A-Za-z]+", SYSTEM_PROMPT), "system", "user", "assistant"]
-    vocab, merges = qwen_vocab_and_merges(words, [*SPECIAL_TOKENS[1:], *VISION_TOKENS])
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=4096)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:] + VISION_TOKENS})
+    special = QWEN_SPECIAL_TOKENS[1:] + VISION_TOKENS
+    tokenizer = qwen_tokenizer(words, special, special=special, model_max_length=4096)
     vision = dict(patch_size=2, temporal_patch_size=1, merge_size=1, min_pixels=4 * 4, max_pixels=64 * 64)
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**vision),
@@ -75,30 +81,15 @@ def tiny_qwen_image21_pipeline(
     torch.manual_seed(seed)
     text_encoder = Qwen3VLForConditionalGeneration(
         Qwen3VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
+            text_config=decoder_config(
+                len(tokenizer),
+                32,
+                1,
                 head_dim=16,
                 max_position_embeddings=4096,
-                pad_token_id=0,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3]},
             ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=32,
-                patch_size=2,
-                temporal_patch_size=1,
-                spatial_merge_size=1,
-                num_position_embeddings=256,
-                deepstack_visual_indexes=[0],
-            ),
+            vision_config=qwen_vision_config(32, num_position_embeddings=256, deepstack_visual_indexes=[0]),
             **ids,
         )
     ).eval()

@@ -1,5 +1,5 @@
 """A tiny, fully offline ``HunyuanImagePipeline`` (HunyuanImage 2.1) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_hunyuan_image_pipeline``: 16×16 px images ↔ 4×4×4 latents (``AutoencoderKLHunyuanImage``: blocks (32, 32,
 32), spatial compression 4, 4 latent channels, scaling 0.75289 as HunyuanImage 2.1's), one token per latent cell
@@ -8,7 +8,7 @@
 projection (input width 8; its hidden width is diffusers' fixed 2048: 4.2 M parameters, so it is off by default and
 the transformer ignores the ByT5 embeddings the pipeline still computes); a 3-layer
 ``Qwen2_5_VLForConditionalGeneration`` of width 16 (the pipeline takes the hidden state two layers before the last:
-``hidden_state_skip_layer`` 2) with :func:`~flowrl.models.testing_qwen.tiny_qwen_tokenizer` (Qwen-Image's template
+``hidden_state_skip_layer`` 2) with :func:`~flowrl.models.testing.qwen_image.tiny_qwen_tokenizer` (Qwen-Image's template
 words, so the template's first 34 tokens are its system turn and the user header, the ones the pipeline drops); a
 1-layer ``T5EncoderModel`` of width 8 with the byte-level ``ByT5Tokenizer`` for quoted text; the scheduler with
 HunyuanImage 2.1's static shift 5; the guider HunyuanImage 2.1's ``AdaptiveProjectedMixGuidance`` (CFG 3.5, APG from
@@ -22,48 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import tiny_qwen_tokenizer
+from flowrl.models.testing.qwen_image import tiny_qwen_tokenizer
+from flowrl.models.testing.text_encoders import TINY_VOCAB, qwen25vl_text_encoder
 
 
 def _text_encoders(tokenizer):
     """(Qwen2.5-VL text encoder of width 16, 3 layers; ByT5 tokenizer and a 1-layer T5 encoder of width 8)."""
-    from transformers import (
-        ByT5Tokenizer,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        T5Config,
-        T5EncoderModel,
-    )
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=3,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=2048,
-                bos_token_id=None,
-                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1]},  # head_dim 8
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=16,
-                fullatt_block_indexes=[0],
-                patch_size=2,
-                temporal_patch_size=1,
-                spatial_merge_size=1,
-            ),
-        )
-    ).eval()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_encoder = qwen25vl_text_encoder(len(tokenizer), 16, 3, im_end, mrope_section=[2, 1, 1])  # head_dim 8
+    # The glyph encoder: byte-level ByT5 (its own vocabulary and attention sizes, not the word-level tiny T5).
     tokenizer_2 = ByT5Tokenizer()
     text_encoder_2 = T5EncoderModel(
         T5Config(

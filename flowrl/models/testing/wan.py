@@ -1,15 +1,16 @@
 """A tiny, fully offline ``WanPipeline`` (Wan 2.1 text-to-video) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_wan_pipeline``: videos of 4k + 1 frames ↔ latents ``[4, k + 1, H/8, W/8]`` (``AutoencoderKLWan``: base dim 8,
 ``dim_mult`` (1, 1, 1, 1) → spatial factor 8, temporal downsampling in the last two stages → temporal factor 4, the
 first frame alone in the first latent frame; per-channel ``latents_mean`` / ``latents_std``); a
 ``WanTransformer3DModel`` with 2 blocks × 2 heads × 12 (patch (1, 2, 2), RoPE split 4/4/4 over frames, height, width);
 a 1-layer ``UMT5EncoderModel`` (d_model 32 = the transformer's ``text_dim``) with an in-memory Unigram T5 tokenizer
-(:func:`flowrl.models.testing._tiny_t5_tokenizer`: every word of :data:`~flowrl.models.testing.TINY_VOCAB` is one
-token). Scheduler: ``scheduler="unipc"`` (default) is Wan 2.1's own (``UniPCMultistepScheduler`` with flow sigmas,
-``flow_shift`` 3.0 as for 480P), ``"euler"`` a ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` (the pipeline's own call
-is then an Euler ODE, comparable step for step). ``expand_timesteps=True`` builds the pipeline in Wan 2.2 TI2V's
+(:func:`~flowrl.models.testing.text_encoders.t5_tokenizer`: every word of
+:data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` is one token). Scheduler: ``scheduler="unipc"`` (default) is
+Wan 2.1's own (``UniPCMultistepScheduler`` with flow sigmas, ``flow_shift`` 3.0 as for 480P), ``"euler"`` a
+``FlowMatchEulerDiscreteScheduler(shift=3.0)`` (the pipeline's own call is then an Euler ODE, comparable step for
+step). ``expand_timesteps=True`` builds the pipeline in Wan 2.2 TI2V's
 per-token timestep mode; ``vae="wan22"`` gives it Wan 2.2's VAE layout (TI2V-5B: residual blocks, 2×2 pixel patches
 → spatial factor 16, ``z_dim`` 8 standing for 48). ``two_experts=True`` adds Wan 2.2 A14B's low-noise expert
 ``transformer_2`` (the same architecture, its own weights) and ``boundary_ratio`` (0.875, T2V-A14B's);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB, _tiny_t5_tokenizer
+from flowrl.models.testing.text_encoders import TINY_VOCAB, t5_encoder, t5_tokenizer
 
 WAN_UNIPC_CONFIG = dict(
     num_train_timesteps=1000,
@@ -53,29 +54,14 @@ def tiny_wan_pipeline(
     """A random-weight ``WanPipeline`` (``image_to_video``: ``WanImageToVideoPipeline``; module docstring for sizes).
     ``seed`` fixes all weights: two calls with the same arguments build identical pipelines. Returns it on CPU, fp32."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
 
     if scheduler not in ("unipc", "euler"):
         raise ValueError(f"scheduler must be 'unipc' or 'euler'; got {scheduler!r}")
     if vae not in ("wan21", "wan22"):
         raise ValueError(f"vae must be 'wan21' or 'wan22'; got {vae!r}")
     torch.manual_seed(seed)
-    tokenizer = _tiny_t5_tokenizer(list(words or TINY_VOCAB), model_max_length=512)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    ).eval()
+    tokenizer = t5_tokenizer(list(words or TINY_VOCAB), model_max_length=512)
+    text_encoder = t5_encoder(len(tokenizer), 32, umt5=True)
     z = 4 if vae == "wan21" else 8
     inputs = 2 * z + 4 if image_to_video else z  # I2V: latents, the first-frame mask (4) and the image's latent
     transformer = _tiny_transformer(inputs, z)

@@ -1,15 +1,15 @@
 """A tiny, fully offline ``LTX2Pipeline`` (LTX-2 audio-video) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_ltx2_pipeline``: videos of 4k + 1 frames ↔ latents ``[4, k + 1, H/8, W/8]`` (``AutoencoderKLLTX2Video``: patch 2,
 two spatio-temporal stages of 8 channels → spatial factor 8, temporal factor 4, the first frame alone in the first
 latent frame; random per-channel ``latents_mean`` / ``latents_std`` buffers, as a trained VAE stores them); an
 ``LTX2VideoTransformer3DModel`` with 2 blocks, video stream 2 heads × 8 (patch 1: a token per latent cell), audio
 stream 2 heads × 4, split RoPE; a 2-layer ``Gemma3ForConditionalGeneration`` (hidden 16, a 1-layer vision tower) with
-an in-memory BPE ``GemmaTokenizer`` (every word of :data:`~flowrl.models.testing.TINY_VOCAB` is one token); the
-``LTX2TextConnectors`` (3 stacked Gemma hidden states → 16 features, one connector block per stream, 4 learnable
-registers: ``max_sequence_length`` must be a multiple of 4); a one-stage ``AutoencoderKLLTX2Audio`` (2 latent
-channels, 8 mel bins) and an ``LTX2Vocoder``, which only the pipeline's own call uses (flowrl is video only).
+an in-memory BPE ``GemmaTokenizer`` (every word of :data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` is one
+token); the ``LTX2TextConnectors`` (3 stacked Gemma hidden states → 16 features, one connector block per stream,
+4 learnable registers: ``max_sequence_length`` must be a multiple of 4); a one-stage ``AutoencoderKLLTX2Audio`` (2
+latent channels, 8 mel bins) and an ``LTX2Vocoder``, which only the pipeline's own call uses (flowrl is video only).
 Scheduler: ``FlowMatchEulerDiscreteScheduler`` with LTX's dynamic shift (base 0.95 at 1024 tokens, max 2.05 at 4096,
 exponential, stretched to a terminal σ of 0.1). Pipeline sizes must be multiples of 32 px: pass e.g. ``height=32,
 width=32, num_frames=5, max_sequence_length=8`` to the adapter and to the pipeline's own call.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB, gemma_vocab_and_merges
+from flowrl.models.testing.text_encoders import TINY_VOCAB, decoder_config, gemma_tokenizer
 
 LTX2_SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000,
@@ -45,17 +45,13 @@ def _tiny_gemma3(vocab_size: int):
 
     return Gemma3ForConditionalGeneration(
         Gemma3Config(
-            text_config=dict(
-                vocab_size=vocab_size,
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
+            text_config=decoder_config(
+                vocab_size,
+                16,
+                2,
                 head_dim=8,
                 max_position_embeddings=64,
                 sliding_window=16,
-                pad_token_id=0,
                 eos_token_id=1,
                 bos_token_id=2,
             ),
@@ -107,12 +103,10 @@ def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_v
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import GemmaTokenizer
 
     torch.manual_seed(seed)
-    vocab, merges = gemma_vocab_and_merges(list(words or TINY_VOCAB))
-    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=64, add_bos_token=True)
-    text_encoder = _tiny_gemma3(len(vocab))
+    tokenizer = gemma_tokenizer(list(words or TINY_VOCAB), model_max_length=64)
+    text_encoder = _tiny_gemma3(len(tokenizer))
     transformer = LTX2VideoTransformer3DModel(
         in_channels=4,
         out_channels=4,

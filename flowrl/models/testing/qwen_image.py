@@ -1,5 +1,5 @@
 """Tiny, fully offline ``QwenImagePipeline`` / ``QwenImageEditPipeline`` with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_qwen_image_pipeline``: 32×32 px images ↔ 4×8×8 latents (``AutoencoderKLQwenImage``: base dim 8,
 ``dim_mult`` (1, 2, 2) → spatial factor 4, no temporal downsampling, per-channel ``latents_mean`` /
@@ -10,16 +10,17 @@ merge 1, that text-to-image never runs) with an in-memory byte-level BPE ``Qwen2
 configured as Qwen-Image's (dynamic shifting with an exponential time shift, ``shift_terminal`` 0.02). Pass
 ``height=32, width=32`` and a small ``max_sequence_length`` (e.g. 8) to the adapter and to the pipeline's own call.
 
-The tokenizer makes every word of :data:`~flowrl.models.testing.TINY_VOCAB` and of Qwen-Image's prompt
-template one token (with and without a leading space), so the template's first 34 tokens — the ones the
-pipeline drops (``prompt_template_encode_start_idx``) — are exactly its system turn and the user header, as
-with the real tokenizer.
+The tokenizer (:func:`tiny_qwen_tokenizer`, also HunyuanImage's and Z-Image's) makes every word of
+:data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` and of Qwen-Image's prompt template one token (with and
+without a leading space), so the template's first 34 tokens — the ones the pipeline drops
+(``prompt_template_encode_start_idx``) — are exactly its system turn and the user header, as with the real tokenizer.
 
 ``tiny_qwen_image_edit_pipeline``: the same modules (same seed → same transformer, VAE and text-encoder rows),
 the tokenizer extended — after all its ids — by the words of the edit template (whose first 64 tokens, the
-dropped ones, are again the system turn and ``<|im_start|>user\\n``) and :data:`VISION_TOKENS`, and a
-``Qwen2VLProcessor`` matching the vision tower: a 32×32 source image is 16×16 patches of 2×2 px → 256
-``<|image_pad|>`` tokens (``max_pixels`` 32·32 caps any source there; ``min_pixels`` 4·4).
+dropped ones, are again the system turn and ``<|im_start|>user\\n``) and
+:data:`~flowrl.models.testing.text_encoders.VISION_TOKENS`, and a ``Qwen2VLProcessor`` matching the vision tower: a
+32×32 source image is 16×16 patches of 2×2 px → 256 ``<|image_pad|>`` tokens (``max_pixels`` 32·32 caps any source
+there; ``min_pixels`` 4·4).
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ import re
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
+from flowrl.models.testing.text_encoders import (
+    QWEN_SPECIAL_TOKENS,
+    TINY_VOCAB,
+    VISION_TOKENS,
+    qwen25vl_text_encoder,
+    qwen_tokenizer,
+    vision_token_ids,
+)
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -50,85 +56,32 @@ EDIT_PIXELS = dict(min_pixels=4 * 4, max_pixels=32 * 32)
 """The tiny ``Qwen2VLImageProcessor``'s pixel range (``smart_resize`` to multiples of 2 px within it)."""
 
 
-def qwen_vocab_and_merges(words, more=()) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A byte-level BPE (GPT-2 / Qwen2 style: ``Ġ`` marks a leading space) in which each of ``words`` is one
-    token with and without the space: id 0 ``<|endoftext|>``, the 256 byte symbols, then every substring of
-    every word (each split of a substring a merge, so a word always ends as one token). ``more`` (words, and
-    ``<|…|>`` strings, one token each) follows in its order, leaving the ids and merges before it unchanged."""
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    tokens = [SPECIAL_TOKENS[0], *sorted(ByteLevel.alphabet())]
-    seen, merges, merge_seen = set(tokens), [], set()
-    for word in [*sorted(set(words)), *more]:
-        if word.startswith("<|"):
-            seen.add(word)
-            tokens.append(word)
-            continue
-        for full in (word, "Ġ" + word):
-            for length in range(2, len(full) + 1):
-                for i in range(len(full) - length + 1):
-                    if full[i : i + length] not in seen:
-                        seen.add(full[i : i + length])
-                        tokens.append(full[i : i + length])
-                    for k in range(i + 1, i + length):
-                        if (full[i:k], full[k : i + length]) not in merge_seen:
-                            merge_seen.add((full[i:k], full[k : i + length]))
-                            merges.append((full[i:k], full[k : i + length]))
-    return {t: i for i, t in enumerate(tokens)}, merges
-
-
 def _words(template: str) -> list[str]:
     return re.findall(r"[A-Za-z]+", re.sub(r"<\|\w+\|>", " ", template))
 
 
 def tiny_qwen_tokenizer(words=TINY_VOCAB, edit: bool = False):
     """``Qwen2Tokenizer`` over ``words`` and the template's words, ``<|im_start|>`` / ``<|im_end|>`` special.
-    ``edit``: then (same ids so far) the edit template's pieces and :data:`VISION_TOKENS`, special too."""
-    from transformers import Qwen2Tokenizer
-
-    more = [*SPECIAL_TOKENS[1:], *sorted({*_words(EDIT_TEMPLATE), "(", "),", "'s"}), *VISION_TOKENS] if edit else ()
-    vocab, merges = qwen_vocab_and_merges([*words, *_words(TEMPLATE)], more)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048 if edit else 1024 + 34)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:] + (VISION_TOKENS if edit else [])})
-    return tokenizer
+    ``edit``: then (same ids so far) the edit template's pieces and the vision tokens, special too."""
+    special = QWEN_SPECIAL_TOKENS[1:]
+    more = [*special, *sorted({*_words(EDIT_TEMPLATE), "(", "),", "'s"}), *VISION_TOKENS] if edit else ()
+    return qwen_tokenizer(
+        [*words, *_words(TEMPLATE)],
+        more,
+        special=special + (VISION_TOKENS if edit else []),
+        model_max_length=2048 if edit else 1024 + 34,
+    )
 
 
 def _tiny_modules(seed: int, tokenizer, num_layers: int, vocab_size: int | None = None, **token_ids) -> dict:
     """Seeded text encoder (``vocab_size`` rows, the new ones appended last), transformer, VAE, scheduler."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=vocab_size or len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=2048,
-                bos_token_id=None,
-                eos_token_id=im_end,
-                pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},  # head_dim 16
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=32,
-                fullatt_block_indexes=[0],
-                patch_size=2,
-                temporal_patch_size=1,
-                spatial_merge_size=1,
-            ),
-            **token_ids,
-        )
-    ).eval()
+    text_encoder = qwen25vl_text_encoder(
+        vocab_size or len(tokenizer), 32, 1, eos_token_id=im_end, mrope_section=[2, 3, 3], **token_ids
+    )  # head_dim 16
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=16,
@@ -170,13 +123,6 @@ def tiny_qwen_image_pipeline(seed: int = 0, words: list[str] | None = None, num_
     from diffusers import QwenImagePipeline
 
     return QwenImagePipeline(**_tiny_modules(seed, tiny_qwen_tokenizer(list(words or TINY_VOCAB)), num_layers))
-
-
-def vision_token_ids(tokenizer) -> dict[str, int]:
-    """The ids a Qwen-VL config takes for its vision tokens (``image_token_id``, ``video_token_id``,
-    ``vision_start_token_id``, ``vision_end_token_id``), read from ``tokenizer``'s ``<|image_pad|>``, … tokens."""
-    names = {"image": "image_pad", "video": "video_pad", "vision_start": "vision_start", "vision_end": "vision_end"}
-    return {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in names.items()}
 
 
 def tiny_qwen_image_edit_pipeline(seed: int = 0, words: list[str] | None = None, num_layers: int = 2):

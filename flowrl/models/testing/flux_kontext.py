@@ -1,7 +1,7 @@
 """A tiny, fully offline ``FluxKontextPipeline`` (FLUX.1 Kontext) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
-``tiny_flux_kontext_pipeline``: the modules of :func:`~flowrl.models.testing.tiny_flux_pipeline` (same seed → the
+``tiny_flux_kontext_pipeline``: the modules of :func:`~flowrl.models.testing.flux.tiny_flux_pipeline` (same seed → the
 same weights): 16×16 px images ↔ 4×8×8 latents packed 2×2 into 16 tokens of 16 channels, a source image of the same
 size as 16 more tokens; the FLUX.1 transformer with 1 double + 1 single block, guidance embedding on (as FLUX.1
 Kontext [dev]); CLIP (pooled) and a 1-layer T5 (at most 16 tokens). Pass ``height=16, width=16`` (and
@@ -12,7 +12,7 @@ resolution).
 
 from __future__ import annotations
 
-from flowrl.models.testing import tiny_flux_pipeline
+from flowrl.models.testing.flux import tiny_flux_pipeline
 
 
 def tiny_flux_kontext_pipeline(seed: int = 0, guidance_embeds: bool = True, words: list[str] | None = None):

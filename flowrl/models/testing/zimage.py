@@ -1,5 +1,5 @@
 """A tiny, fully offline ``ZImagePipeline`` (Z-Image / Z-Image-Turbo) with random weights, for tests (as
-:mod:`flowrl.models.testing`).
+:mod:`flowrl.models.testing.sd3`).
 
 ``tiny_zimage_pipeline``: 16×16 px images ↔ 4×8×8 VAE latents (``AutoencoderKL`` of FLUX.1's kind: factor 2,
 channels (8, 8), no mid attention, scaling 0.3611 and shift 0.1159 as Z-Image's), which the transformer cuts into
@@ -10,16 +10,17 @@ turn and the assistant header as Qwen3's does with ``enable_thinking=True``; the
 Z-Image-Turbo's (static shift 3; ``shift=6.0`` gives Z-Image's). Pass ``height=16, width=16`` and a small
 ``max_sequence_length`` (e.g. 16: the template takes 5 tokens) to the adapter and to the pipeline's own call.
 
-Every word of :data:`~flowrl.models.testing.TINY_VOCAB` is one token (with and without a leading space), so different
-prompts always encode differently.
+Every word of :data:`~flowrl.models.testing.text_encoders.TINY_VOCAB` is one token (with and without a leading space),
+so different prompts always encode differently.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.models.testing import TINY_VOCAB
-from flowrl.models.testing_qwen import tiny_qwen_tokenizer
+from flowrl.models.testing.autoencoders import kl_vae
+from flowrl.models.testing.qwen_image import tiny_qwen_tokenizer
+from flowrl.models.testing.text_encoders import TINY_VOCAB, decoder_config
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -34,24 +35,14 @@ def tiny_zimage_pipeline(seed: int = 0, shift: float = 3.0, words: list[str] | N
     """A random-weight ``ZImagePipeline`` (module docstring for sizes); 16×16 px images. ``seed`` fixes all weights
     (the transformer's zero-initialised pad tokens and final layer drawn too): two calls with the same arguments
     build identical pipelines. ``shift``: the scheduler's static shift (3: Turbo's, 6: Z-Image's). CPU, fp32."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(seed)
     tokenizer = tiny_qwen_tokenizer(list(words or TINY_VOCAB))
     tokenizer.chat_template = CHAT_TEMPLATE
     text_encoder = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            pad_token_id=0,
-        )
+        Qwen3Config(**decoder_config(len(tokenizer), 16, 2, head_dim=8, max_position_embeddings=1024))
     ).eval()
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,),
@@ -70,20 +61,7 @@ def tiny_zimage_pipeline(seed: int = 0, shift: float = 3.0, words: list[str] | N
         for name, param in transformer.named_parameters():
             if param.abs().sum() == 0:
                 param.copy_(torch.randn_like(param) * 0.1)
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 8),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=16,
-        mid_block_add_attention=False,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    ).eval()
+    vae = kl_vae(4, quant_convs=False, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=False, shift=shift)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer

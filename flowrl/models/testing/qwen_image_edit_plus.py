@@ -1,8 +1,8 @@
 """A tiny, fully offline ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit 2509 / 2511) with random weights, for tests
-(as :mod:`flowrl.models.testing_qwen`).
+(as :mod:`flowrl.models.testing.qwen_image`).
 
-``tiny_qwen_image_edit_plus_pipeline``: :func:`~flowrl.models.testing_qwen.tiny_qwen_image_edit_pipeline`'s modules
-(same seed → same transformer, VAE, text encoder, tokenizer and ``Qwen2VLProcessor``: a 32×32 condition image is
+``tiny_qwen_image_edit_plus_pipeline``: :func:`~flowrl.models.testing.qwen_image.tiny_qwen_image_edit_pipeline`'s
+modules (same seed → same transformer, VAE, text encoder, tokenizer and ``Qwen2VLProcessor``: a 32×32 condition image is
 256 vision tokens) in the Plus pipeline, whose user turn labels each image ``Picture i:`` (the label's pieces are byte
 tokens of the tiny vocabulary; the template's first 64 tokens, the dropped ones, are the same system turn).
 ``zero_cond_t=True`` gives Qwen-Image-Edit-2511's transformer: the same weights with the source tokens modulated at
@@ -21,7 +21,7 @@ def tiny_qwen_image_edit_plus_pipeline(
     ``zero_cond_t``: the 2511 transformer (the same weights as without)."""
     from diffusers import QwenImageEditPlusPipeline, QwenImageTransformer2DModel
 
-    from flowrl.models.testing_qwen import tiny_qwen_image_edit_pipeline
+    from flowrl.models.testing.qwen_image import tiny_qwen_image_edit_pipeline
 
     components = dict(tiny_qwen_image_edit_pipeline(seed, words, num_layers).components)
     if zero_cond_t:
