@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from flowrl.config.help import annotated_yaml
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.paths import DEFAULT_CONFIG, find_file, shipped_name
 
@@ -34,16 +35,16 @@ def defaults_epilog(argv: list[str] | None = None) -> str:
         "\n\nanother plan, credit rule or objective has its own keys: name its config to list them, e.g. "
         "`flowrl train configs/shapes/grpo.yaml --help`."
     )
+    helped = "each followed by its help (# ...; docs/keys.md has every key's)"
     try:
         return (
-            f"every config key, with its value in {shown_config}{' and the overrides' if overrides else ''}:\n\n"
-            + load_config(config, overrides).to_yaml()
-            + other
+            f"every config key, with its value in {shown_config}{' and the overrides' if overrides else ''}, "
+            f"{helped}:\n\n" + annotated_yaml(load_config(config, overrides)) + other
         )
     except (ConfigError, OSError) as e:
         return (
-            f"(could not load the config named on the command line: {e})\n\nevery config key and its default:\n\n"
-            + TrainConfig().to_yaml()
+            f"(could not load the config named on the command line: {e})\n\nevery config key and its default, "
+            f"{helped}:\n\n" + annotated_yaml(TrainConfig())
         )
 
 

@@ -9,6 +9,10 @@ The ``rollout``, ``credit`` and ``loss`` sections belong to the components they 
 (``rollout.plan``, ``credit.rule``, ``loss.objective``; see :mod:`flowrl.core.components`): their keys are
 the chosen component's dataclass fields, so the schema is assembled per config by
 :meth:`TrainConfig.schema` before the YAML is merged into it.
+
+Every field of the schema's own sections carries its help, ``field(..., metadata={"help": ...})``: ``flowrl train
+--help`` prints it beside each key's value and docs/keys.md is generated from it (:mod:`flowrl.config.help`, which
+also says where the component sections' help comes from).
 """
 
 from __future__ import annotations
@@ -31,11 +35,19 @@ from flowrl.paths import find_file, where_tried
 
 @dataclass
 class LoraSection:
-    rank: int = 32
-    alpha: float = 64.0
-    targets: Optional[list[str]] = None  # None → the adapter's defaults
-    dropout: float = 0.0
-    init: str = "gaussian"
+    """``model.lora``: the LoRA adapter trained on the transformer (unless ``model.full_finetune``)."""
+
+    rank: int = field(default=32, metadata={"help": "LoRA rank r of every adapted layer"})
+    alpha: float = field(default=64.0, metadata={"help": "LoRA alpha: the update is scaled by alpha / rank"})
+    targets: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "module names the adapter wraps (peft's target_modules); null = the adapter's defaults"},
+    )
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA branch's input"})
+    init: str = field(
+        default="gaussian",
+        metadata={"help": "peft's init_lora_weights: gaussian | default (peft's own) | another it accepts, e.g. pissa"},
+    )
 
 
 @dataclass
@@ -43,80 +55,203 @@ class ContextParallelSection:
     """``model.context_parallel``: each sample's token sequence split over ``ulysses`` × ``ring`` processes (diffusers'
     context parallel; docs/video.md); 1 × 1 = off."""
 
-    ulysses: int = 1  # Ulysses degree: an all-to-all hands each process a share of the heads over the whole sequence
-    ring: int = 1  # ring-attention degree: key/value blocks passed around the processes
+    ulysses: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses degree: an all-to-all hands each process a share of the heads over the whole sequence"
+        },
+    )
+    ring: int = field(
+        default=1, metadata={"help": "ring-attention degree: key/value blocks passed around the processes"}
+    )
 
 
 @dataclass
 class ModelSection:
-    family: str = "shapes"  # shapes | sd3 | flux | sana
-    path: Optional[str] = None  # hub id or local folder; None → the shipped shapes model
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    guidance: Optional[float] = (
-        None  # CFG scale for rollouts (FLUX: the distilled guidance value); None → model default
+    """``model``: the model trained, its weights, precision, adapter and memory settings (docs/models.md)."""
+
+    family: str = field(
+        default="shapes",
+        metadata={
+            "help": "the model family (its adapter): shapes (the embedded model), sd3, flux, sana, qwen_image, flux2, "
+            "wan, zimage, ... (docs/models.md)"
+        },
     )
-    true_cfg: Optional[float] = None  # FLUX only: real classifier-free guidance scale (1 = off)
-    height: Optional[int] = None
-    width: Optional[int] = None
-    max_sequence_length: Optional[int] = None
-    lora: LoraSection = field(default_factory=LoraSection)
-    full_finetune: bool = False
-    gradient_checkpointing: bool = False
-    checkpoint_blocks: Optional[int] = None  # with gradient_checkpointing: how many transformer blocks recompute their
-    # forward in the backward (the first N in execution order; null = every block); train.fit chooses it
-    compile: str = "off"  # off | regional: torch.compile each transformer block (every block kind compiled once;
-    # flowrl/models/blocks.py)
-    prompt_cache_mb: Optional[float] = 1024.0  # prompt embeddings kept on the device (LRU); null = unbounded
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the adapter's other keywords, e.g. SANA's
-    # complex_human_instruction or negative_prompt (passed through; one the adapter's signature lacks fails at load)
-    shard: str = "auto"  # ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and
-    # optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin
-    # (configs/accelerate/fsdp.yaml), else ddp
-    experts: Optional[str] = None  # Wan 2.2 A14B's two experts: which trains (high | low | both; the other frozen);
-    # null = both (docs/models/wan.md)
-    context_parallel: ContextParallelSection = field(default_factory=ContextParallelSection)
-    shard_rollouts: str = "per_block"  # fsdp: per_block (each forward gathers block by block: least memory) |
-    # whole (the whole transformer gathered once around each rollout: faster, a full copy while sampling)
-    offload_encoders: bool = (
-        False  # text encoders in CPU memory between uses (moved to the device to encode new prompts)
+    path: Optional[str] = field(
+        default=None, metadata={"help": "hub id or local folder of the pipeline; null = the shipped shapes model"}
     )
-    cudnn_attention: bool = False  # CUDA: let torch pick its cuDNN attention kernel (off: its backward failed for
-    # FLUX.1-dev on an H200; flowrl/models/attention.py)
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "float32 | bfloat16 | float16: the model's dtype (full fine-tuning in bf16/fp16 keeps fp32 "
+            "weights and computes under autocast in it; LoRA adapters stay fp32)"
+        },
+    )
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    guidance: Optional[float] = field(
+        default=None,
+        metadata={"help": "CFG scale for rollouts (FLUX: the distilled guidance value); null = the model's default"},
+    )
+    true_cfg: Optional[float] = field(
+        default=None, metadata={"help": "FLUX only: real classifier-free guidance scale (1 = off)"}
+    )
+    height: Optional[int] = field(
+        default=None, metadata={"help": "pixel height of the rollouts' images; null = the model's default"}
+    )
+    width: Optional[int] = field(
+        default=None, metadata={"help": "pixel width of the rollouts' images; null = the model's default"}
+    )
+    max_sequence_length: Optional[int] = field(
+        default=None, metadata={"help": "tokens of the encoded prompt; null = the adapter's default"}
+    )
+    lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "the LoRA adapter that trains"})
+    full_finetune: bool = field(
+        default=False, metadata={"help": "train every transformer weight instead of a LoRA adapter (model.lora unread)"}
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute transformer blocks' forwards in the backward to save memory"}
+    )
+    checkpoint_blocks: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "with gradient_checkpointing: how many transformer blocks recompute their forward in the backward "
+            "(the first N in execution order; null = every block); train.fit chooses it"
+        },
+    )
+    compile: str = field(
+        default="off",
+        metadata={
+            "help": "off | regional: torch.compile each transformer block (every block kind compiled once; "
+            "flowrl/models/blocks.py)"
+        },
+    )
+    prompt_cache_mb: Optional[float] = field(
+        default=1024.0, metadata={"help": "MiB of prompt embeddings kept on the device (LRU); null = unbounded"}
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "the adapter's other keywords, e.g. SANA's complex_human_instruction or negative_prompt (passed "
+            "through; one the adapter's signature lacks fails at load)"
+        },
+    )
+    shard: str = field(
+        default="auto",
+        metadata={
+            "help": "ddp (every process a full copy, gradients averaged) | fsdp (FSDP2: weights, gradients and "
+            "optimizer state sharded over the processes; docs/gpu.md) | auto: fsdp under accelerate's FSDP plugin "
+            "(configs/accelerate/fsdp.yaml), else ddp"
+        },
+    )
+    experts: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Wan 2.2 A14B's two experts: which trains (high | low | both; the other frozen); null = both "
+            "(docs/models/wan.md)"
+        },
+    )
+    context_parallel: ContextParallelSection = field(
+        default_factory=ContextParallelSection,
+        metadata={"help": "each sample's token sequence split over ulysses × ring processes (docs/video.md)"},
+    )
+    shard_rollouts: str = field(
+        default="per_block",
+        metadata={
+            "help": "fsdp: per_block (each forward gathers block by block: least memory) | whole (the whole "
+            "transformer gathered once around each rollout: faster, a full copy while sampling)"
+        },
+    )
+    offload_encoders: bool = field(
+        default=False,
+        metadata={"help": "text encoders in CPU memory between uses (moved to the device to encode new prompts)"},
+    )
+    cudnn_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "CUDA: let torch pick its cuDNN attention kernel (off: its backward failed for FLUX.1-dev on an "
+            "H200; flowrl/models/attention.py)"
+        },
+    )
 
 
 @dataclass
 class RewardTerm:
-    name: str = MISSING  # registry name, "package.module:Class" or "path/to/file.py:Class"
-    weight: float = 1.0
-    label: Optional[str] = None  # metric name (to use one reward twice with different kwargs)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward's settings (its constructor's keywords) and the
-    # combiner's frame_stride; each key checked at load (flowrl train --help lists them with their defaults)
-    timeout: Optional[float] = None  # seconds one call may take; past it that call's scores are NaN (reward_failed)
+    """One reward of ``rewards`` (or ``eval.rewards``): the rewards are combined into one score per sample
+    (docs/rewards.md)."""
+
+    name: str = field(
+        default=MISSING,
+        metadata={"help": 'registry name, "package.module:Class" or "path/to/file.py:Class" (required)'},
+    )
+    weight: float = field(default=1.0, metadata={"help": "its weight in the sum of the rewards"})
+    label: Optional[str] = field(
+        default=None, metadata={"help": "metric name (to use one reward twice with different kwargs); null = its name"}
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "the reward's settings (its constructor's keywords) and the combiner's frame_stride; each key "
+            "checked at load (flowrl train --help lists them with their defaults)"
+        },
+    )
+    timeout: Optional[float] = field(
+        default=None,
+        metadata={"help": "seconds one call may take; past it that call's scores are NaN (reward_failed); null = none"},
+    )
 
 
 @dataclass
 class OptimSection:
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 1e-4
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | linear | cosine
-    grad_clip: float = 1.0
-    use_8bit: bool = False
-    loss_scaling: str = "auto"  # dynamic loss scaling: auto (on when the transformer computes in fp16) | true | false
+    """``optim``: the optimizer (AdamW) and its learning-rate schedule."""
+
+    lr: float = field(default=3e-4, metadata={"help": "AdamW's learning rate (after warm-up)"})
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata={"help": "AdamW's betas [β1, β2]"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW's decoupled weight decay"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
+    warmup_steps: int = field(default=0, metadata={"help": "optimizer steps of linear learning-rate warm-up"})
+    schedule: str = field(
+        default="constant",
+        metadata={
+            "help": "constant | linear | cosine: the learning rate over the run's optimizer steps (train.max_steps × "
+            "train.inner_epochs × train.updates_per_epoch)"
+        },
+    )
+    grad_clip: float = field(default=1.0, metadata={"help": "the largest gradient norm (clipped to it)"})
+    use_8bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes' 8-bit AdamW (pip install 'flowrl-align[quant]')"}
+    )
+    loss_scaling: str = field(
+        default="auto",
+        metadata={"help": "dynamic loss scaling: auto (on when the transformer computes in fp16) | true | false"},
+    )
 
 
 @dataclass
 class PromptsSection:
-    train: str = "configs/shapes/prompts/train.txt"  # a .txt file (one per line) or inline "a|b|c"
-    eval: Optional[str] = "configs/shapes/prompts/eval.txt"
-    per_step: int = 8  # prompt groups per iteration over all processes
-    sampling: str = "epoch"  # epoch (seeded permutations) | adaptive (∝ recent reward spread per difficulty key)
-    difficulty_key: str = "prompt"  # adaptive: pool statistics by prompt | shapes_task | module:function
-    adaptive_floor: float = 0.1  # adaptive: least draw weight of a key, relative to an average one
-    adaptive_decay: float = 0.7  # adaptive: weight of the old spread in each key's moving average
+    """``prompts``: the training and held-out prompts and how each iteration draws them."""
+
+    train: str = field(
+        default="configs/shapes/prompts/train.txt",
+        metadata={"help": 'training prompts: a .txt file (one per line) or inline "a|b|c"'},
+    )
+    eval: Optional[str] = field(
+        default="configs/shapes/prompts/eval.txt",
+        metadata={"help": "held-out prompts for evals, in the same forms; null = no held-out prompts"},
+    )
+    per_step: int = field(default=8, metadata={"help": "prompt groups per iteration over all processes"})
+    sampling: str = field(
+        default="epoch",
+        metadata={"help": "epoch (seeded permutations) | adaptive (∝ recent reward spread per difficulty key)"},
+    )
+    difficulty_key: str = field(
+        default="prompt", metadata={"help": "adaptive: pool statistics by prompt | shapes_task | module:function"}
+    )
+    adaptive_floor: float = field(
+        default=0.1, metadata={"help": "adaptive: least draw weight of a key, relative to an average one"}
+    )
+    adaptive_decay: float = field(
+        default=0.7, metadata={"help": "adaptive: weight of the old spread in each key's moving average"}
+    )
 
 
 @dataclass
@@ -127,67 +262,172 @@ class GuardSection:
     status 4). One mapping rather than flat ``eval.guard_*`` keys: its settings mean something only together,
     ``reward: null`` turns the whole guard off, and ``flowrl train --help`` lists them as one block."""
 
-    reward: Optional[str] = None  # an eval reward term (its label, else its name as written); null = no guard
-    max_drop: float = 0.05  # the largest fall below the start value allowed (>= 0; in the reward's units)
-    relative: bool = False  # true: max_drop is a fraction of |start value| (0.1 = a 10% fall)
+    reward: Optional[str] = field(
+        default=None,
+        metadata={"help": "an eval reward term (its label, else its name as written); null = no guard"},
+    )
+    max_drop: float = field(
+        default=0.05, metadata={"help": "the largest fall below the start value allowed (>= 0; in the reward's units)"}
+    )
+    relative: bool = field(
+        default=False, metadata={"help": "true: max_drop is a fraction of |start value| (0.1 = a 10% fall)"}
+    )
 
 
 @dataclass
 class EvalSection:
-    every: int = 0  # iterations between evals (0 = only at start and end)
-    every_minutes: float = 0.0  # also evaluate each time this much training time has passed (evals excluded; 0 = off)
-    at_start: bool = True
-    steps: int = 20
-    guidance: Optional[float] = None  # None → the guidance the policy samples with (the rollouts')
-    default_guidance: bool = True  # also evaluate at the model's default guidance when it differs (eval_default/*)
-    images_per_prompt: int = 2  # images per held-out prompt, each from its own seed set
-    rewards: Optional[list[RewardTerm]] = None  # None → the training rewards
-    num_prompts: Optional[int] = None  # None → all eval prompts
-    grid_prompts: int = 16
-    height: Optional[int] = None  # pixels of the eval's images (and grids, benchmarks, flowrl sample); None → model's
-    width: Optional[int] = None  # a transformer that accepts both sizes evaluates at another resolution
-    seed: int = 1234
-    guard: GuardSection = field(default_factory=GuardSection)  # stop when an eval reward falls (needs eval.every)
+    """``eval``: held-out evals of ``prompts.eval`` (ODE samples from fixed seeds, scored by ``eval.rewards``)."""
+
+    every: int = field(default=0, metadata={"help": "iterations between evals (0 = only at start and end)"})
+    every_minutes: float = field(
+        default=0.0,
+        metadata={"help": "also evaluate each time this much training time has passed (evals excluded; 0 = off)"},
+    )
+    at_start: bool = field(default=True, metadata={"help": "evaluate before the first iteration (the start values)"})
+    steps: int = field(default=20, metadata={"help": "sampling steps of each eval image (an ODE from its seed)"})
+    guidance: Optional[float] = field(
+        default=None, metadata={"help": "null = the guidance the policy samples with (the rollouts')"}
+    )
+    default_guidance: bool = field(
+        default=True,
+        metadata={"help": "also evaluate at the model's default guidance when it differs (eval_default/*)"},
+    )
+    images_per_prompt: int = field(
+        default=2, metadata={"help": "images per held-out prompt, each from its own seed set"}
+    )
+    rewards: Optional[list[RewardTerm]] = field(
+        default=None, metadata={"help": "the eval's reward terms (as rewards); null = the training rewards"}
+    )
+    num_prompts: Optional[int] = field(
+        default=None, metadata={"help": "held-out prompts evaluated (the first N); null = all eval prompts"}
+    )
+    grid_prompts: int = field(
+        default=16, metadata={"help": "prompts whose images make each eval's sample grid (samples/step-N.png)"}
+    )
+    height: Optional[int] = field(
+        default=None,
+        metadata={"help": "pixels of the eval's images (and grids, benchmarks, flowrl sample); null = the model's"},
+    )
+    width: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "pixel width of the eval's images, as eval.height (a transformer that accepts both sizes "
+            "evaluates at another resolution); null = the model's"
+        },
+    )
+    seed: int = field(default=1234, metadata={"help": "seed of the held-out images' noise (the same at every eval)"})
+    guard: GuardSection = field(
+        default_factory=GuardSection,
+        metadata={"help": "stop when an eval reward falls (needs eval.every; docs/reliability.md)"},
+    )
 
 
 @dataclass
 class TrainSection:
-    name: str = "run"
-    output_dir: str = "runs"
-    seed: int = 0
-    max_steps: int = 100
-    max_minutes: float = 0.0  # stop after this much training time (evals excluded); 0 = only max_steps
-    inner_epochs: int = 1
-    updates_per_epoch: int = 1  # optimizer steps per pass over an iteration's edges
-    checkpoint_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
-    resume: Optional[str] = None  # "latest" or a checkpoint folder
-    overwrite: bool = False  # replace an earlier run of the same name (else starting under a taken name is refused)
-    ema: float = 0.0  # EMA decay of trainable weights for eval/saving (0 = off)
-    ema_warmup: bool = False  # decay min((1+s)/(10+s), ema) after optimizer step s (DiffusionNFT's eval EMA)
-    log_with: str = "none"  # none | tensorboard | wandb
-    progress: bool = True
-    num_threads: Optional[int] = None  # torch CPU threads (None = torch default)
-    async_reward: str = "auto"  # score rewards in a background thread: auto (on with CUDA) | true | false
-    max_failed_iterations: int = 3  # iterations in a row with every reward failed (all NaN) before the run stops
-    micro_batch: Optional[int] = None  # rows per training forward of an objective that trains on leaves (forward
-    # process: NFT, AWM, DPO, ...); null = rollout.max_batch. A policy objective replays the rollout's forwards
-    fit: str = "off"  # off | auto: choose rollout.max_batch, train.micro_batch, gradient checkpointing per block and
-    # text-encoder offload from the estimate for the device at hand, before any weight loads (docs/estimate.md)
-    memory_fraction: float = 0.9  # fit: the share of the device's memory the predicted peak may use
-    fit_keep: list[str] = field(default_factory=list)  # fit: keys it must leave as the config sets them (key=value
-    # overrides on the command line are kept too)
-    peak_tflops: Optional[float] = (
-        None  # the device's bf16 peak for perf/mfu; null = the table's (measured where known)
+    """``train``: the loop: its length, checkpoints, logging, the run folder and the rollout pipeline."""
+
+    name: str = field(default="run", metadata={"help": "the run's name: its folder is train.output_dir/train.name"})
+    output_dir: str = field(default="runs", metadata={"help": "folder that holds the run folders"})
+    seed: int = field(
+        default=0, metadata={"help": "the run's seed: prompt order, rollout noise, draws (any layout draws the same)"}
     )
-    pipeline: str = "sync"  # sync: rollout, then update | async: the next forests are sampled in their own
-    # process(es) while the update runs, from weights at most train.max_staleness updates old (docs/pipeline.md)
-    max_staleness: int = 1  # async: forest k is sampled from the weights after update k - max_staleness (0: serial)
-    rollout_processes: int = 0  # async under accelerate/torchrun: launched processes that roll out (the rest train);
-    # 0 = one rollout process started beside each trainer on this machine
-    rollout_threads: Optional[int] = None  # async on CPU: torch threads of the rollout process (None: half of
-    # train.num_threads, or of the cores; the update keeps the rest)
-    push_to_hub: Optional[str] = None  # a Hub repo id: at the end of the run, export and upload with a model card
+    max_steps: int = field(default=100, metadata={"help": "iterations to train (rollout, credit, update each)"})
+    max_minutes: float = field(
+        default=0.0,
+        metadata={"help": "stop after this much training time (evals excluded); 0 = only max_steps"},
+    )
+    inner_epochs: int = field(default=1, metadata={"help": "passes of the update over each iteration's forest"})
+    updates_per_epoch: int = field(default=1, metadata={"help": "optimizer steps per pass over an iteration's edges"})
+    checkpoint_every: int = field(default=0, metadata={"help": "iterations between checkpoints (0 = only at the end)"})
+    keep_last: int = field(default=2, metadata={"help": "checkpoints kept (older ones deleted; 0 = keep all)"})
+    resume: Optional[str] = field(
+        default=None, metadata={"help": '"latest" or a checkpoint folder to continue from; null = a new run'}
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "replace an earlier run of the same name (else starting under a taken name is refused)"},
+    )
+    ema: float = field(default=0.0, metadata={"help": "EMA decay of trainable weights for eval/saving (0 = off)"})
+    ema_warmup: bool = field(
+        default=False,
+        metadata={"help": "decay min((1+s)/(10+s), ema) after optimizer step s (DiffusionNFT's eval EMA)"},
+    )
+    log_with: str = field(default="none", metadata={"help": "tracker beside metrics.jsonl: none | tensorboard | wandb"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar over the iterations"})
+    num_threads: Optional[int] = field(default=None, metadata={"help": "torch CPU threads (null = torch's default)"})
+    async_reward: str = field(
+        default="auto",
+        metadata={"help": "score rewards in a background thread: auto (on with CUDA) | true | false"},
+    )
+    max_failed_iterations: int = field(
+        default=3,
+        metadata={"help": "iterations in a row with every reward failed (all NaN) before the run stops"},
+    )
+    micro_batch: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "rows per training forward of an objective that trains on leaves (forward process: NFT, AWM, "
+            "DPO, ...); null = rollout.max_batch. A policy objective replays the rollout's forwards"
+        },
+    )
+    fit: str = field(
+        default="off",
+        metadata={
+            "help": "off | auto: choose rollout.max_batch, train.micro_batch, gradient checkpointing per block and "
+            "text-encoder offload from the estimate for the device at hand, before any weight loads "
+            "(docs/estimate.md)"
+        },
+    )
+    memory_fraction: float = field(
+        default=0.9, metadata={"help": "fit: the share of the device's memory the predicted peak may use"}
+    )
+    fit_keep: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "fit: keys it must leave as the config sets them (key=value overrides on the command line are "
+            "kept too)"
+        },
+    )
+    peak_tflops: Optional[float] = field(
+        default=None,
+        metadata={"help": "the device's bf16 peak for perf/mfu; null = the table's (measured where known)"},
+    )
+    pipeline: str = field(
+        default="sync",
+        metadata={
+            "help": "sync: rollout, then update | async: the next forests are sampled and scored in their own "
+            "process(es) while the update runs, from weights at most train.max_staleness updates old "
+            "(docs/pipeline.md)"
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "async: forest k is sampled from the weights after update max(0, k - max_staleness); 0 waits for "
+            "every update (the serial schedule)"
+        },
+    )
+    rollout_processes: int = field(
+        default=0,
+        metadata={
+            "help": "async under accelerate launch/torchrun: the last N launched processes roll out, the others "
+            "train; 0 = each trainer starts one rollout process beside itself"
+        },
+    )
+    rollout_threads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "async on CPU: torch threads of the rollout process, the trainer keeps the rest (at least 1 "
+            "each); null = half of train.num_threads, or of the cores"
+        },
+    )
+    push_to_hub: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "a Hub repo id: when the run ends, its weights exported to runs/<name>/export/ with a model card "
+            "and uploaded (checked before training; docs/sharing.md); null = no upload"
+        },
+    )
 
 
 RolloutSection = components.section_schema(components.PLAN, components.PLAN.default)
@@ -200,16 +440,30 @@ class TrainConfig:
     """The whole run. ``rollout``/``credit``/``loss`` hold the default components' sections here; a
     config that selects others is loaded into :meth:`schema`'s subclass with their sections."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    rewards: list[RewardTerm] = field(default_factory=lambda: [RewardTerm(name="shapes")])
-    reward_normalize: str = "none"  # none | batch | group: how MultiReward combines several rewards
-    credit: CreditSection = field(default_factory=CreditSection)
-    loss: LossSection = field(default_factory=LossSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    prompts: PromptsSection = field(default_factory=PromptsSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    model: ModelSection = field(default_factory=ModelSection, metadata={"help": ModelSection.__doc__})
+    rollout: RolloutSection = field(
+        default_factory=RolloutSection,
+        metadata={"help": "the rollout plan (rollout.plan) and its keys: how each iteration samples its forests"},
+    )
+    rewards: list[RewardTerm] = field(
+        default_factory=lambda: [RewardTerm(name="shapes")],
+        metadata={"help": "the reward terms scored on every sample, combined by their weights (docs/rewards.md)"},
+    )
+    reward_normalize: str = field(
+        default="none", metadata={"help": "none | batch | group: how MultiReward combines several rewards"}
+    )
+    credit: CreditSection = field(
+        default_factory=CreditSection,
+        metadata={"help": "the credit rule (credit.rule) and its keys: advantages from the rewards"},
+    )
+    loss: LossSection = field(
+        default_factory=LossSection,
+        metadata={"help": "the objective (loss.objective) and its keys: the loss the update minimises"},
+    )
+    optim: OptimSection = field(default_factory=OptimSection, metadata={"help": OptimSection.__doc__})
+    prompts: PromptsSection = field(default_factory=PromptsSection, metadata={"help": PromptsSection.__doc__})
+    eval: EvalSection = field(default_factory=EvalSection, metadata={"help": EvalSection.__doc__})
+    train: TrainSection = field(default_factory=TrainSection, metadata={"help": TrainSection.__doc__})
 
     # ---- loading ----------------------------------------------------------------------------
     @classmethod
@@ -237,18 +491,8 @@ class TrainConfig:
             _check_sections(loaded, path)
         schema = cls.schema(**keys.selected_components(loaded, overrides or []))
         base = _defaults(schema)  # shared: read here, copied by the merge
-        try:
-            layers = []
-            if loaded is not None:
-                keys.check_file_keys_under_overridden_components(loaded, path, overrides or [], schema)
-                keys.check_keys(keys.dotted(OmegaConf.to_container(loaded)), f" in {path}", schema)
-                layers.append(loaded)
-            if overrides:
-                keys.check_keys([item.split("=", 1)[0] for item in overrides], "", schema)
-                layers.append(OmegaConf.from_dotlist(list(overrides)))
-            if layers:
-                base = OmegaConf.merge(base, *layers)
-                keys.keep_strings_as_written(base, overrides or [])
+        try:  # the file, then each override (one may index into a list: rewards.1.kwargs.x=…), every key checked
+            base = keys.merge_layers(base, loaded, path, list(overrides or []), schema)
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise ConfigError(keys.unknown_key_message(e, schema)) from None
         except ValidationError as e:

@@ -1,0 +1,248 @@
+"""Help on every key (issue 62, item 6): it lives on the schema's fields (``metadata={"help": ...}``) and, for the
+component sections, on the components' fields, comments and docstrings (flowrl/config/help.py); ``flowrl train
+--help`` prints it beside each key's value, and docs/keys.md is generated from it and never drifts."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flowrl.config import help as key_help
+from flowrl.config import key_table, schema
+from flowrl.config.help import NO_HELP, annotated_yaml, field_help
+from flowrl.config.key_table import base_rows, keys_markdown
+from flowrl.config.schema import ConfigError, TrainConfig
+from flowrl.core.choices import choice
+from flowrl.paths import CONFIG_DIR
+from flowrl.rollout.chains import Chains
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS_MD = ROOT / "docs" / "keys.md"
+PRESETS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "accelerate" not in p.parts)
+SCHEMA_SECTIONS = ("model", "rewards", "reward_normalize", "optim", "prompts", "eval", "train")
+
+
+# ---- docs/keys.md -------------------------------------------------------------------------------------------------
+def test_docs_keys_md_is_what_the_generator_writes(tmp_path):
+    assert KEYS_MD.read_text() == keys_markdown(), (
+        "docs/keys.md differs from the keys' help: regenerate it with "
+        "`python -m flowrl.config.key_table --write docs/keys.md`"
+    )
+    key_table.main(["--write", str(tmp_path / "keys.md")])
+    assert (tmp_path / "keys.md").read_text() == KEYS_MD.read_text()
+
+
+def test_docs_keys_md_lists_every_key_of_every_component():
+    text = keys_markdown()
+    for row in base_rows():
+        top = "." not in row.key and "[" not in row.key
+        assert (f"\n## {row.key}\n" if top else f"| `{row.key}` |") in text, row.key
+    for section, heading, key in [
+        ("rollout", "### `rollout.plan: tree` (flowrl.rollout.tree.Tree)", "`rollout.split_steps`"),
+        ("credit", "### `credit.rule: turning_point`", "`credit.tie_eps`"),
+        ("loss", "### `loss.objective: gdro` (flowrl.objectives.gdro.GDROLoss)", "`loss.tau`"),
+    ]:
+        assert heading in text and key in text.split(heading)[1].split("###")[0], (section, heading, key)
+    assert "| `train.max_staleness` | `1` | async: forest k is sampled" in text
+    assert "| `rewards[i].name` | (required) |" in text
+
+
+# ---- the schema's keys all carry help ------------------------------------------------------------------------------
+def _schema_fields(cls: type, prefix: str):
+    """(dotted key, field) of every field of the schema's own section ``cls``, and of the sections below it."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        yield key, f
+        hints = key_help._hints(cls)
+        below, is_list = key_help.below_of(hints.get(f.name))
+        if below is not None and not isinstance(below, key_help.Component):
+            yield from _schema_fields(below, f"{key}[i]" if is_list else key)
+
+
+def test_every_key_of_the_base_schema_has_help():
+    sections = {
+        "model": schema.ModelSection,
+        "rewards[i]": schema.RewardTerm,
+        "optim": schema.OptimSection,
+        "prompts": schema.PromptsSection,
+        "eval": schema.EvalSection,
+        "train": schema.TrainSection,
+    }
+    missing = [
+        key for name, cls in sections.items() for key, f in _schema_fields(cls, name) if not f.metadata.get("help")
+    ]
+    assert not missing, f"schema fields without metadata={{'help': ...}}: {missing}"
+    top = [f.name for f in dataclasses.fields(TrainConfig) if not f.metadata.get("help")]
+    assert not top, f"TrainConfig fields without help: {top}"
+    rows = [r for r in base_rows() if r.key.split(".")[0].split("[")[0] in SCHEMA_SECTIONS]
+    assert len(rows) > 80
+    assert not [r.key for r in rows if not r.help.strip() or r.help == NO_HELP]
+    loop = [r for r in base_rows() if r.key in ("rollout.plan", "rollout.max_batch", "rollout.chunks", "credit.rule")]
+    assert len(loop) == 4 and all(r.help and r.help != NO_HELP for r in loop)
+
+
+def test_the_pipeline_and_hub_keys_say_what_they_do():
+    rows = {r.key: r for r in base_rows()}
+    assert rows["train.pipeline"].default == "sync" and "async" in rows["train.pipeline"].help
+    assert "docs/pipeline.md" in rows["train.pipeline"].help
+    assert "max(0, k - max_staleness)" in rows["train.max_staleness"].help
+    assert "rollout process" in rows["train.rollout_processes"].help
+    assert "half of train.num_threads" in rows["train.rollout_threads"].help
+    assert "docs/sharing.md" in rows["train.push_to_hub"].help and rows["train.push_to_hub"].default is None
+
+
+# ---- where a component field's help comes from ---------------------------------------------------------------------
+def test_a_component_fields_help_from_metadata_comment_docstring_or_none():
+    @dataclass
+    class Base:
+        """A base. ``inherited``: from the base's docstring [3]."""
+
+        inherited: int = 3
+
+    @dataclass
+    class Thing(Base):
+        """A thing (``from_doc``: said in the docstring; ``other``: its own). ``mode``: ``fast`` or ``slow``.
+
+        Modes: ``fast``: quick; ``slow``: careful. Replay ``mentioned`` (a remark): not its entry."""
+
+        from_meta: int = field(default=1, metadata={"help": "said in the metadata"})
+        from_comment: float = 0.5  # said beside the field,
+        # and on the line below
+
+        # a comment of its own
+        from_doc: str = "x"
+        mode: str = choice("fast", ("fast", "slow"))
+        mentioned: int = 0
+        bare: int = 2
+        inherited: int = 4
+
+    assert field_help(Thing, "from_meta") == "said in the metadata"
+    assert field_help(Thing, "from_comment") == "said beside the field, and on the line below"
+    assert field_help(Thing, "from_doc") == "said in the docstring"
+    assert field_help(Thing, "mode") == "`fast` or `slow`"  # the choices' own entries are not keys
+    assert field_help(Thing, "mentioned") == NO_HELP  # named inside a sentence: no entry
+    assert field_help(Thing, "bare") == NO_HELP
+    assert field_help(Thing, "inherited") == "from the base's docstring"  # its default differs here: [3] dropped
+    assert field_help(Base, "inherited") == "from the base's docstring [3]"
+
+
+def test_shipped_components_take_their_comments_and_docstrings():
+    from flowrl.objectives.policy import PolicyLoss
+    from flowrl.rollout.tree import Tree
+
+    assert field_help(Tree, "branch") == "K children per node at a split"
+    assert field_help(PolicyLoss, "clip_high") == field_help(PolicyLoss, "clip_low") != NO_HELP
+
+
+# ---- flowrl train --help -------------------------------------------------------------------------------------------
+def _help(*args: str) -> str:
+    from flowrl.commands.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        main(["train", *args, "--help"])
+    assert done.value.code == 0
+    return out.getvalue()
+
+
+def _bare(text: str) -> str:
+    """An annotated YAML without its help: the comment lines dropped, each ``  # help`` cut."""
+    lines = [line for line in text.split("\n") if not line.lstrip().startswith("# ")]
+    return "\n".join(re.sub(r"  # .*$", "", line) for line in lines)
+
+
+def _key_count(value) -> int:
+    """Keys of a loaded config below its top-level sections (a free mapping such as ``kwargs`` counts as one key)."""
+    if isinstance(value, list):
+        return sum(_key_count(v) for v in value)
+    if not dataclasses.is_dataclass(value):
+        return 0
+    return sum(1 + _key_count(getattr(value, f.name)) for f in dataclasses.fields(value))
+
+
+def _check_annotated(cfg) -> str:
+    text = annotated_yaml(cfg)
+    assert _bare(text) == cfg.to_yaml()  # every value exactly as before
+    assert yaml.safe_load(text) == yaml.safe_load(cfg.to_yaml())  # still YAML, the same
+    helped = sum(1 for line in text.split("\n") if line.lstrip().startswith("# ") or "  # " in line)
+    sections = sum(1 for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
+    assert helped == _key_count(cfg) - sections  # one help per key, the top-level sections' lines bare
+    return text
+
+
+def test_train_help_prints_each_keys_value_and_help():
+    out = _help("configs/shapes/grpo.yaml")
+    assert "every config key, with its value in configs/shapes/grpo.yaml, each followed by its help" in out
+    cfg = TrainConfig.from_yaml("configs/shapes/grpo.yaml")
+    text = _check_annotated(cfg)
+    assert text in out
+    lines = out.split("\n")
+    assert "loss:" in lines and "rollout:" in lines  # the sections' own lines as before
+    assert "  max_staleness: 1  # async: forest k is sampled from the weights after update" in out
+    assert "  push_to_hub: null  # a Hub repo id: when the run ends" in out
+    assert f"  lr: {cfg.optim.lr}  # AdamW's learning rate" in out
+    assert "  clip_low: " in out and "# ε_low, ε_high (symmetric when equal)" in out  # a component's docstring
+    assert "  plan: chains  # the rollout plan: a registered name (chains | tree |" in out
+    assert "- name: " in out and "  # registry name," in out  # the reward terms' keys, in the list
+
+
+def test_a_component_field_without_help_says_so(monkeypatch):
+    monkeypatch.setattr(key_help, "field_help", lambda owner, name: NO_HELP)
+    text = annotated_yaml(TrainConfig.from_yaml("configs/shapes/grpo.yaml"))
+    assert "  group_size: " in text and f"  # {NO_HELP}" in text
+    assert "  lr: 0.0003  # AdamW" not in text  # (every field here reads as undocumented)
+
+
+def test_a_value_over_several_lines_has_its_help_above_it():
+    prompts = "|".join(f"a long prompt number {i} with several words" for i in range(6))
+    cfg = TrainConfig.from_yaml(None, [f"prompts.train={prompts}"])
+    text = _check_annotated(cfg)
+    at = text.split("\n").index("  # " + field_help(schema.PromptsSection, "train"))
+    assert text.split("\n")[at + 1].startswith("  train: a long prompt number 0")
+
+
+def test_the_help_keeps_secrets_redacted():
+    cfg = TrainConfig()
+    cfg.rewards[0].kwargs = {"api_key": "sk-very-secret", "headers": {"Authorization": "Bearer sk-very-secret"}}
+    text = annotated_yaml(cfg)
+    assert "sk-very-secret" not in text and "api_key: " in text
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_preset_prints_its_keys_with_help(path):
+    try:
+        cfg = TrainConfig.from_yaml(path)
+    except ConfigError as err:  # a GPU precision preset on a machine without that GPU
+        assert "cannot run on" in str(err), err
+        cfg = TrainConfig.from_yaml(path, ["rollout.backend=same"])
+    _check_annotated(cfg)
+
+
+@dataclass
+class _PluginPlan(Chains):
+    """A plan from outside the package. ``wobble``: how much it wobbles."""
+
+    wobble: float = 0.5
+    lean: int = 1  # which way it leans
+
+
+def test_an_out_of_tree_components_keys_have_their_help_and_leave_the_table_alone():
+    from flowrl.core import components
+
+    before = keys_markdown()
+    components.register(components.PLAN, "test_key_help_plan", _PluginPlan)
+    try:
+        text = annotated_yaml(TrainConfig.from_yaml(None, ["rollout.plan=test_key_help_plan"]))
+        assert "  wobble: 0.5  # how much it wobbles" in text and "  lean: 1  # which way it leans" in text
+        assert "test_key_help_plan" in text  # rollout.plan's help names what is registered now
+        assert keys_markdown() == before  # docs/keys.md lists the package's own components
+    finally:
+        del components.PLAN.registry["test_key_help_plan"]
+        components.section_schema.cache_clear()
