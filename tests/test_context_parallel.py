@@ -110,7 +110,7 @@ def test_reduce_sums_count_each_context_group_once(monkeypatch):
 
     parts = [{"a": 1.0}, {"a": 1.0}, {"a": 2.0, "b": 1.0}, {"a": 2.0, "b": 1.0}]
 
-    def all_gather_object(out, obj):
+    def all_gather_object(out, obj, group=None):
         out[:] = parts
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)

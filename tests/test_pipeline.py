@@ -346,3 +346,16 @@ def test_rollout_correction_truncates_the_importance_weight_and_rejects_outside_
         PolicyLoss(offpolicy_reject=[1.5, 2.0])
     with pytest.raises(ValueError, match="loss.offpolicy_cap=1.0 must be > 1"):
         PolicyLoss(offpolicy_cap=1.0)
+
+
+def test_flowrl_bench_times_an_asynchronous_run_and_stops_its_rollout_process(tiny_folder, tmp_path):
+    from flowrl.commands.bench import bench_iteration
+
+    cfg = config(tiny_folder, tmp_path, "bench", *ASYNC)
+    out = bench_iteration(cfg, iterations=2, warmup=1)
+    assert out["pipeline/staleness"] == 1.0  # both timed forests one update behind
+    assert out["pipeline/update_wait"] >= 0 and out["time/rollout"] > 0  # the rollout process's own time
+    assert out["overhead_seconds"] == pytest.approx(
+        out["seconds_per_iteration"] - out["forward_seconds"] - out["backward_seconds"] - out["pipeline/update_wait"]
+    )
+    assert not [p for p in children(os.getpid()) if "spawn" in _cmdline(p)]  # no rollout process left

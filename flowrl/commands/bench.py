@@ -55,7 +55,11 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     timed forwards and backwards synchronise the device around them, so ``overhead_seconds`` is time the GPU was
     not running the model (at the cost of the overlap those waits remove: s/iteration is then an upper bound).
     ``model``: a ready FlowModel (default: built from ``cfg.model``). ``perf``: a
-    :class:`~flowrl.training.perf.PerfMeter`: ``perf/tflops`` (and ``perf/mfu``) of the mean iteration too."""
+    :class:`~flowrl.training.perf.PerfMeter`: ``perf/tflops`` (and ``perf/mfu``) of the mean iteration too.
+
+    With ``train.pipeline=async`` the rollouts run in their own process (docs/pipeline.md): the forwards and backwards
+    timed are the trainer's, ``time/rollout`` and ``time/reward`` the rollout process's, the ``pipeline/*`` waits are
+    means too, and ``overhead_seconds`` is the trainer's time neither in its model calls nor waiting for a forest."""
     from flowrl.training.trainer import Trainer
 
     cfg.train.progress = False
@@ -83,17 +87,23 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
                 "rollout_nfe",
                 "trained_edges",
                 "trained_leaves",
+                "pipeline/update_wait",
+                "pipeline/rollout_wait",
+                "pipeline/staleness",
             ):
-                if k in rec:  # an objective trains edges (policy) or leaves (forward-process)
+                if k in rec:  # an objective trains edges (policy) or leaves (forward-process); async: the waits
                     sums[k] = sums.get(k, 0.0) + rec[k]
     finally:
         torch.Tensor.backward = backward.fn
+        if trainer.rollouts is not None:
+            trainer.rollouts.close()  # the rollout process of train.pipeline=async
     total = (time.perf_counter() - t0) / iterations
     out = {k: v / iterations for k, v in sums.items()}
     out["seconds_per_iteration"] = total
     out["forward_seconds"] = velocity.seconds / iterations
     out["backward_seconds"] = backward.seconds / iterations
-    out["overhead_seconds"] = total - out["forward_seconds"] - out["backward_seconds"] - out["time/reward"]
+    elsewhere = out["pipeline/update_wait"] if "pipeline/update_wait" in out else out["time/reward"]
+    out["overhead_seconds"] = total - out["forward_seconds"] - out["backward_seconds"] - elsewhere
     out["overhead_fraction"] = out["overhead_seconds"] / total
     if perf is not None:
         out.update(perf.metrics(total))
