@@ -8,7 +8,7 @@ must match, so the table cannot go stale):
 
 | in the docs | run here as | why |
 |---|---|---|
-| ``StableDiffusion3Pipeline.from_pretrained("<hub id>", ...)`` | ``tiny_sd3_pipeline()`` (models/testing/sd3.py) | no hub |
+| ``StableDiffusion3Pipeline.from_pretrained("<hub id>", ...)`` | ``tiny_sd3_pipeline()`` (models/testing) | no hub |
 | ``device="cuda"`` | ``device="cpu"`` | no GPU |
 | ``torch.bfloat16`` / ``dtype="bf16"`` | ``torch.float32`` / ``dtype="fp32"`` | bf16 is ~5× slower on CPU |
 | ``TrainConfig.from_yaml(GPU preset)`` (sd35, flux, sana) | + :data:`GPU_PRESET_OVERRIDES` | a GPU job's data, sizes |
