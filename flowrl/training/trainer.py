@@ -74,9 +74,9 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
     ``config.model``. ``reward``: a reward name, any :class:`flowrl_rewards.Scorer` (a Reward, a MultiReward or one of
     your own; :func:`~flowrl.training.scoring.as_multi`), or None for ``config.rewards``. With
     ``train.pipeline=async`` both come from the config (the rollout process builds its own). ``perf``: the FLOPs of
-    one iteration and the device's peak, for ``perf/tflops`` and ``perf/mfu`` in every iteration's metrics (``flowrl train`` makes it from the estimate:
-    :func:`flowrl.estimate.device.perf_meter`); None: not reported. ``callbacks``: :class:`Callback` side jobs run
-    after the built-in ones at the end of every iteration and eval.
+    one iteration and the device's peak, for ``perf/tflops`` and ``perf/mfu`` in every iteration's metrics (``flowrl
+    train`` makes it from the estimate: :func:`flowrl.estimate.device.perf_meter`); None: not reported.
+    ``callbacks``: :class:`Callback` side jobs run after the built-in ones at the end of every iteration and eval.
     """
 
     def __init__(
