@@ -98,6 +98,38 @@ def test_the_pipeline_and_hub_keys_say_what_they_do():
     assert "docs/sharing.md" in rows["train.push_to_hub"].help and rows["train.push_to_hub"].default is None
 
 
+def test_every_key_of_every_builtin_component_has_help():
+    """No key of a built-in rollout plan, credit rule or objective (the keys below it included: ``rollout.window.*``,
+    ``loss.teacher.*``) prints NO_HELP, and docs/keys.md has no such row."""
+    from flowrl.core import components
+
+    missing, seen = [], 0
+    for kind in components.KINDS:
+        names = key_table.builtin_names(kind)
+        assert names, kind.section
+        for name in names:
+            cls = components.resolve(kind, name)
+            for row in key_table.key_rows(key_help.Component(kind, name, cls), kind.section):
+                seen += 1
+                if not row.help.strip() or row.help == NO_HELP:
+                    missing.append(f"{kind.key}: {name}: {row.key}")
+    assert seen > 150
+    assert not missing, (
+        f"component keys without help (a comment beside the field, or metadata={{'help': ...}}): {missing}"
+    )
+    assert NO_HELP not in keys_markdown()
+
+
+def test_the_component_keys_help_says_what_they_do():
+    from flowrl.objectives.dgpo import DGPOLoss
+    from flowrl.rollout.tree import Tree
+
+    assert "guided_rollouts" in field_help(DGPOLoss, "cfg")  # the group objectives' third CFG mode
+    assert "progressive" in field_help(Tree, "window")  # a tree's window default differs from the chains'
+    assert field_help(Tree, "split_scale") != "s" and "1/(1 + s²)" in field_help(Tree, "split_scale")
+    assert "0 = off" in field_help(Tree, "depth_prune_size") and len(field_help(Tree, "depth_prune_size")) > 20
+
+
 # ---- where a component field's help comes from ---------------------------------------------------------------------
 def test_a_component_fields_help_from_metadata_comment_docstring_or_none():
     @dataclass

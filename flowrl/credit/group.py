@@ -29,10 +29,14 @@ class GroupAdvantage(CreditRule):
     """Credit rule for chains: one advantage per sample, broadcast to its trainable edges and its leaf. Chains
     may hang from a shared deterministic trunk (``shared_noise``); trunk nodes get advantage 0, weight 0."""
 
-    baseline: str = choice("mean", BASELINES)
-    scale: str = choice("global", SCALES)
-    eps: float = 1e-4
-    zero_std_tol: float = 1e-6
+    baseline: str = choice("mean", BASELINES)  # b_g of A = (r − b_g)/(scale + eps): mean | median (MC-GRPO: the
+    # group's median sample gets advantage 0 and is not trained)
+    scale: str = choice("global", SCALES)  # group (the group's std, ddof 0) | global (the std over the whole batch,
+    # all processes: Flow-GRPO) | mad (median |r − median r| + 1e-3) | none (1: with reward_normalize group,
+    # DanceGRPO/MixGRPO's aggregation)
+    eps: float = 1e-4  # added to the scale: A = (r − b_g)/(scale + eps)
+    zero_std_tol: float = 1e-6  # a group whose rewards span ≤ this (max − min) has no spread: advantage 0, marked
+    # flat (policy objectives skip its edges)
 
     # ---- pure math on [P, G] reward tables ---------------------------------------------------
     def normalise(

@@ -89,13 +89,19 @@ class TreeAdvantage(CreditRule):
     see the
     module docstring for every key."""
 
-    fusion: str = choice("mean", FUSIONS)
-    fusion_beta: float = 1.0  # β of path_softmax
-    depth_norm_scope: str = choice("tree", SCOPES)
-    width_prune: str = choice("none", WIDTH_PRUNES)
+    fusion: str = choice("mean", FUSIONS)  # a node's reward r̄(n) from the leaves below it: mean | path_softmax
+    # (BranchGRPO's Eq. 3: the leaves weighted by softmax(β·path log-prob from n), β = fusion_beta)
+    fusion_beta: float = 1.0  # β of path_softmax, the weight of the path log-probs (paper: 1; 0 = the plain mean)
+    depth_norm_scope: str = choice("tree", SCOPES)  # the nodes a depth-wise advantage A(n) = (r̄(n) − mean_d)/(std_d
+    # + eps) is standardised over: tree (n's depth in n's tree) | batch (that depth in every tree of the
+    # iteration, all processes)
+    width_prune: str = choice("none", WIDTH_PRUNES)  # width pruning (backward only) of the post-split chains:
+    # none | parent_top1 (of the sibling chains under one branch point, only the best by fused reward trained) |
+    # extremes_b (per tree, only the chains of the width_b best and width_b worst leaves trained)
     width_b: int = 4  # extremes_b: chains of the b best and b worst leaves per tree are kept
-    eps: float = 1e-4
-    zero_std_tol: float = 1e-6
+    eps: float = 1e-4  # added to the depth's std: A = (r̄ − mean_d)/(std_d + eps)
+    zero_std_tol: float = 1e-6  # a depth set with one node, or whose fused rewards span ≤ this, is flat: A = 0,
+    # its edges skipped
 
     def unread_fields(self) -> dict[str, str]:
         """``fusion_beta`` without path-softmax fusion, ``width_b`` without extremes_b width pruning."""

@@ -129,8 +129,9 @@ class TurningPoint(CreditRule):
     tie_eps: float = 0.0
     balance: bool = True
     use_turning_points: bool = True
-    eps: float = 1e-4
-    zero_std_tol: float = 1e-6
+    eps: float = 1e-4  # added to the std of the z-score over a (prompt group, step) cell: (r − mean)/(std + eps)
+    zero_std_tol: float = 1e-6  # a (group, step) cell whose step rewards span ≤ this gives 0; its edges are skipped
+    # (weight 0, counted)
 
     writes = ("edges",)  # step-level credit lives on the SDE edges; a leaf objective would read 0 everywhere
 

@@ -55,12 +55,15 @@ class ValueAnchor(CreditRule):
     ``gamma`` [0.9], ``k_abs`` [0.1] and ``abs_steps`` [5] (ours; docs/step_credit.md, "VGPO: value anchoring"),
     ``omega_shift`` [1e-3] (the positivity shift of ω), ``eps`` and ``zero_std_tol`` as ``credit.rule: group``."""
 
-    gamma: float = 0.9
-    k_abs: float = 0.1
-    abs_steps: int = 5
-    omega_shift: float = 1e-3
-    eps: float = 1e-4
-    zero_std_tol: float = 1e-6
+    gamma: float = 0.9  # γ ∈ [0, 1], the discount of the path's later state values: Q_t = Σ_{k≥t} γ^{k−t}·R_k (ours)
+    k_abs: float = 0.1  # α, the weight of the absolute term α·Q_t added to the group z-score in the first abs_steps
+    # SDE steps, a signal where the group stops varying (ours)
+    abs_steps: int = 5  # the first SDE steps of a path that get the absolute term k_abs·Q_t (≥ 0; 0 = none; ours)
+    omega_shift: float = 1e-3  # the positivity shift of the temporal weight ω_t = Q'_t/mean_t Q', Q' = Q − min_t Q +
+    # omega_shift (> 0)
+    eps: float = 1e-4  # added to the std of the z-score over a (prompt group, step) cell: (Q − mean)/(std + eps)
+    zero_std_tol: float = 1e-6  # a (group, step) cell whose Q spans ≤ this has z = 0; its edges are skipped where
+    # the absolute term is 0 too (t ≥ abs_steps)
 
     writes = ("edges",)  # step-level credit lives on the SDE edges; a leaf objective would read 0 everywhere
 

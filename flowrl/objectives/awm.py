@@ -27,10 +27,11 @@ class AWMLoss(ForwardProcessObjective):
     and ``kl_old`` 1.0: the error stayed at 0.13–0.17 over 40 iterations.
     """
 
-    share_t: bool = True
-    clip: float = 0.2
-    kl_old: float = 1.0
-    old_decay: float = 0.9
+    share_t: bool = True  # one t per prompt group and draw, so the group's errors compare at the same noise levels
+    clip: float = 0.2  # ε of the clip on ρ = exp(L_old − L_θ): max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) (> 0)
+    kl_old: float = 1.0  # weight of kl_old·mean‖v_θ − v_old‖² towards the old copy (velocity space, ≥ 0)
+    old_decay: float = 0.9  # the old copy's EMA decay per optimizer step, in [0, 1); 0 (the policy that sampled the
+    # iteration) leaves the push away from poor samples unbounded: it diverged on the shapes model
 
     extremes = {"ratio_min": min, "ratio_max": max}
     progress_keys = {**ForwardProcessObjective.progress_keys, "clip": (("clipfrac",), ".2f")}

@@ -24,8 +24,9 @@ class RAFTLoss(ForwardProcessObjective):
     """Flow matching on the ``top_k`` best leaves of every prompt group (``min_reward``: and only those whose
     reward reaches it). No old policy is read."""
 
-    top_k: int = 2
-    min_reward: float = float("-inf")
+    top_k: int = 2  # the highest-reward leaves of every prompt group trained by plain flow matching (≥ 1; ties: the
+    # earlier node)
+    min_reward: float = float("-inf")  # of those, only the leaves whose reward is at least this (-inf = no floor)
 
     uses_old: ClassVar[bool] = False
     has_reward_free_point: ClassVar[bool] = False  # no old copy: nothing to put at the weights measured

@@ -38,16 +38,21 @@ class CRDLoss(GroupedForward):
     softmax / hard centring modes (``weight_temp`` ≥ 0; their default −1, uniform, is this one).
     """
 
-    beta: float = 1.0
-    loss_form: str = choice("mse", LOSS_FORMS)
-    adaptive_weight: bool = True
-    adaptive_kl: bool = True
+    beta: float = 1.0  # β, the implicit reward's scale: the loss fits β·r̃ to the centred reward target ã (> 0;
+    # published 1.0)
+    loss_form: str = choice("mse", LOSS_FORMS)  # mse ((β·r̃ − ã)²) | bce (BCE of the logit β·r̃ against the target
+    # σ(ã)); either times adv_clip/β
+    adaptive_weight: bool = True  # divide each flow-matching error by sg(max(mean|v − y|, 1e-5)) in the implicit
+    # reward (their adaptive_logp); false: the plain errors
+    adaptive_kl: bool = True  # reward-adaptive KL: the teacher's anchor per leaf λ_k·a_i + 1e-4·(1 − a_i), the best
+    # samples anchored at λ, the worst almost free (read with loss.teacher.anchor > 0 and weighting none)
     share_t: bool = True
     timesteps: str = choice("sampler", TIMESTEPS)
     draws: int = 20
-    old_decay: float = 0.999
-    old_decay_rate: float = 0.005
-    old_decay_start: float = 0.25
+    old_decay: float = 0.999  # the cap of the old copy's decay ramp d_k = min(old_decay_start + old_decay_rate·max(0,
+    # k − old_decay_flat), old_decay) (their "0-0.25-0.005-0.999"), in [0, 1)
+    old_decay_rate: float = 0.005  # the old copy's decay ramp per optimizer step (0 = the constant old_decay)
+    old_decay_start: float = 0.25  # old_decay_rate > 0: the old copy's decay at the ramp's start, in [0, 1)
 
     statistic_reads_old: ClassVar[bool] = True
     progress_keys = {**ForwardProcessObjective.progress_keys, "r": (("implicit_reward",), ".3f")}

@@ -69,9 +69,14 @@ class GroupedForward(ForwardProcessObjective):
     (``cond``: g·∇v_c) or through both (``both``: plus (1 − g)·∇v_u); docs/algorithms.md, "Training through CFG".
     """
 
-    cfg: str = choice("free", GROUP_CFG_MODES)
-    level_fraction: float = 1.0
-    cfg_gradient: str = choice("cond", CFG_GRADIENTS)
+    cfg: str = choice("free", GROUP_CFG_MODES)  # free (rollouts at guidance 1, the conditional velocity is the policy,
+    # trained alone) | guided (rollouts at model.guidance, the guided velocity v_u + g·(v_c − v_u) is the policy) |
+    # guided_rollouts (rollouts at model.guidance with CFG, the conditional velocity trained, the old copy and the
+    # reference read at guidance 1; DGPO's default mode; evals at the rollout guidance)
+    level_fraction: float = 1.0  # timesteps sampler: the share of the sampler's noise levels trained, highest first,
+    # in (0, 1] (0.5 = the first half of the schedule); more draws than levels cycle through them
+    cfg_gradient: str = choice("cond", CFG_GRADIENTS)  # cfg guided: the gradient through the conditional branch only
+    # (cond: g·∇v_c) or through both (both: plus (1 − g)·∇v_u); docs/algorithms.md, "Training through CFG"
 
     group_use: ClassVar[str | None] = "compares the samples of each prompt group"
     statistic_reads_old: ClassVar[bool] = True  # the no-grad statistic pass runs the old copy
@@ -236,18 +241,26 @@ class DGPOLoss(GroupedForward):
     """
 
     cfg: str = choice("guided_rollouts", GROUP_CFG_MODES)
-    beta: float = 100.0
-    reference: str = choice("initial", REFERENCES)
-    clip: float = 1e-2
-    share_noise: bool = True
-    share_t: bool = True
+    beta: float = 100.0  # β, the group preference's scale: S_g = β·mean_{i∈g} A_i·δ_i, weight w_g = sg(σ(S_g)) (> 0;
+    # published 10–100, 2000–5000 with reference old)
+    reference: str = choice("initial", REFERENCES)  # what δ_i = sg(e_i − e_ref,i) measures the policy's errors
+    # against: initial (the frozen initial weights at guidance 1: their kl_cfg 1) | teacher (the guided teacher,
+    # loss.teacher: their CFG-free mode (a)) | old (the EMA old copy: TDM-R1's dynamic reference)
+    clip: float = 1e-2  # PPO's clip on ρ_i = exp(e_old,i − e_i): a leaf's error is detached where A_i > 0 and ρ_i >
+    # 1 + clip, or A_i ≤ 0 and ρ_i < 1 − clip (≥ 0; 0 = off: no old copy unless it is the reference)
+    share_noise: bool = True  # one ε per prompt group and draw (the group's rows at the same noise) instead of one
+    # per leaf
+    share_t: bool = True  # one t per prompt group and draw (with share_noise: the group's rows at the same x_t
+    # noise and level) instead of one per leaf
     timesteps: str = choice("sampler", TIMESTEPS)
     draws: int = 4
     level_fraction: float = 0.5
-    kl_ref: float = 0.02
-    old_decay: float = 0.3
-    old_decay_rate: float = 0.001
-    old_decay_flat: int = 1
+    kl_ref: float = 0.02  # weight of kl_ref·mean‖v_θ − v_ref‖² towards the unguided initial weights (their
+    # train.beta with kl_cfg 1); 0 = no reference forward unless reference initial
+    old_decay: float = 0.3  # the cap of the old copy's decay ramp d_k = min(old_decay_rate·(k − old_decay_flat),
+    # old_decay) (their ema_ref: min(0.001·(k − 1), 0.3)), in [0, 1)
+    old_decay_rate: float = 0.001  # the old copy's decay ramp per optimizer step (0 = a constant old_decay)
+    old_decay_flat: int = 1  # optimizer steps before the old copy's decay ramp starts
 
     has_reward_free_point: ClassVar[bool] = True  # the preference term is all reward: the KL terms off leave it alone
     progress_keys = {**ForwardProcessObjective.progress_keys, "w": (("group_weight",), ".2f")}

@@ -40,7 +40,8 @@ class DPOLoss(ForwardProcessObjective):
     ``err_chosen``/``err_rejected`` and their reference errors (pairs: ``trained_leaves``/2).
     """
 
-    beta: float = 100.0
+    beta: float = 100.0  # β in z = −(β/2)·[(e_θ(w) − e_ref(w)) − (e_θ(l) − e_ref(l))], ℓ = −log σ(z) (> 0; absorbs
+    # Diffusion-DPO's T·ω(λ_t)) [100: Flow-GRPO and Flow-Factory; Diffusion-DPO used 5000 for SD1.5]
 
     uses_old: ClassVar[bool] = False
     group_use: ClassVar[str | None] = "pairs the best and worst leaf of each prompt group"

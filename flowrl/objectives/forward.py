@@ -62,20 +62,32 @@ class ForwardProcessObjective(Objective):
     """
 
     draws: int = 2
-    timesteps: str = choice("logit_normal", TIMESTEPS)
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    share_t: bool = False
+    timesteps: str = choice("logit_normal", TIMESTEPS)  # how each draw's t (= σ) is drawn: logit_normal (t =
+    # sigmoid(N(logit_mean, logit_std²))) or uniform, mapped into t_range; sampler: draws distinct noise levels
+    # (σ > 0) of the rollout's own schedule (DiffusionNFT's public setting; group objectives: of its highest
+    # level_fraction)
+    logit_mean: float = 0.0  # timesteps logit_normal: the mean of the normal whose sigmoid is t (0 = centred at ½)
+    logit_std: float = 1.0  # timesteps logit_normal: the std of that normal (> 0; larger spreads t to the ends)
+    t_range: list[float] = field(default_factory=lambda: [0.0, 1.0])  # [lo, hi], 0 ≤ lo < hi ≤ 1: the drawn t is
+    # lo + (hi − lo)·u (clamped to [1e-4, 1 − 1e-4]); unread with timesteps sampler
+    share_t: bool = False  # one t per prompt group and draw (the group's samples compared at the same noise levels)
+    # instead of one per leaf; ε stays per leaf
     cfg: str = choice("free", CFG_MODES)
-    adv_clip: float = 5.0
-    old_decay: float = 0.9
-    old_decay_warmup: int = 0
-    old_decay_rate: float = 0.0
-    old_decay_flat: int = 0
-    kl_ref: float = 0.0
-    teacher: TeacherSpec | None = None
-    reward_term: float = 1.0
+    adv_clip: float = 5.0  # |A| bound: the leaves' advantages are clipped to ±adv_clip (> 0)
+    old_decay: float = 0.9  # the old copy's EMA decay d ∈ [0, 1): θ_old ← d·θ_old + (1 − d)·θ after every optimizer
+    # step (0 = the policy that sampled the iteration); with old_decay_rate > 0 the cap of the ramp
+    old_decay_warmup: int = 0  # optimizer steps over which the decay ramps up: d_k = old_decay·min(1,
+    # k/old_decay_warmup); 0 = constant
+    old_decay_rate: float = 0.0  # > 0: the decay ramps linearly instead, d_k = min(old_decay_rate·max(0, k −
+    # old_decay_flat), old_decay) (DiffusionNFT's public schedule: rate 0.001, cap 0.5); 0 = off
+    old_decay_flat: int = 0  # old_decay_rate > 0: optimizer steps before the ramp starts
+    kl_ref: float = 0.0  # weight of kl_ref·mean‖v_θ − v_ref‖² towards the initial policy (LoRA off, or a frozen copy
+    # under full fine-tuning); 0 = no reference forward
+    teacher: TeacherSpec | None = None  # a frozen guided teacher ({guidance: 3.0, ...}; docs/algorithms.md, "A
+    # guided teacher"): its velocity anchors the policy at the same forward-process points (λ_k·w·mean‖v_θ −
+    # v_T‖², added to every row) and its samples may share the groups (rollout.teacher_share); null = none
+    reward_term: float = 1.0  # weight of the objective's own reward-driven term (≥ 0): 0 leaves the teacher's anchor
+    # alone (guidance distillation, the baseline the reward must beat)
 
     trains_on = "leaves"
     trains_flat = True  # a group without spread still pulls towards the old copy (and the teacher)

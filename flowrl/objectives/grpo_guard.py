@@ -54,7 +54,8 @@ class GRPOGuardLoss(PolicyLoss):
     (``loss.objective: grpo_guard``) it adds only ``reweight`` and keeps every key of ``clipped``.
     """
 
-    reweight: str = choice("dt", REWEIGHTS)
+    reweight: str = choice("dt", REWEIGHTS)  # each edge's clipped term times δ: dt (δ = 1/|σ_child − σ_parent|, the
+    # paper's and verl-omni's) | none (δ = 1: the ratio normalisation only, Flow-Factory's trainer)
 
     state_attributes: ClassVar[tuple[str, ...]] = ("_steps",)  # optimizer steps since the rollout's weights were kept
     _rollout_weights = None  # the rollout's weights (an OldPolicy), from setup()

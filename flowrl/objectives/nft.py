@@ -31,12 +31,17 @@ class NFTLoss(ForwardProcessObjective):
     divided by sg(mean|x̂0_θ − x0|) and multiplied by ``adaptive_scale`` **(ours where the paper is terse)**.
     """
 
-    beta: float = 1.0
-    adv_scale: float = 2.0
-    optimality_form: str = choice("clip", OPTIMALITY_FORMS)
+    beta: float = 1.0  # β, the implicit policies' step: v⁺ = (1−β)·c + β·v_θ, v⁻ = (1+β)·c − β·v_θ around the centre
+    # c (> 0); the per-row optimum is c + (2r − 1)/β·(y − c)
+    adv_scale: float = 2.0  # optimality_form clip: r = ½ + ½·clip(A/adv_scale, −1, 1), the |A| at which r saturates
+    # (> 0)
+    optimality_form: str = choice("clip", OPTIMALITY_FORMS)  # the optimality probability r ∈ [0, 1] of a leaf: clip
+    # (r = ½ + ½·clip(A/adv_scale, −1, 1); ours) | linear (the public code's r = ½ + clip(A, ±adv_clip)/(2·adv_clip))
     adaptive_weight: bool = False
-    adaptive_scale: float = 1.0
-    center: str = choice("old", CENTERS)
+    adaptive_scale: float = 1.0  # adaptive_weight: the factor the normalised x0-space errors are multiplied by (> 0)
+    center: str = choice("old", CENTERS)  # the implicit policies' centre c: old (the lagging old copy's velocity,
+    # the paper) | teacher (the guided teacher's velocity: the policy is the teacher plus what the reward teaches;
+    # ours; needs loss.teacher)
 
     def __post_init__(self) -> None:
         super().__post_init__()

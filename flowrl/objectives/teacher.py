@@ -94,9 +94,12 @@ class TeacherSpec(Checked):
 
     guidance: float = 3.0
     path: str | None = None
-    anchor: float = 1.0
-    schedule: str = "constant"
-    weighting: str = choice("none", WEIGHTINGS)
+    anchor: float = 1.0  # λ, the anchor's weight: λ_k·w·mean‖v_θ − v_T‖² added to every leaf's loss, λ_k =
+    # λ·schedule(k) (≥ 0; 0 = no anchor: the teacher only draws samples)
+    schedule: str = "constant"  # λ's schedule over the optimizer steps k: constant | linear:N (1 − k/N) | off_after:N
+    # | cosine:N | reward:LO:HI (clamp((R̄ − LO)/(HI − LO), 0, 1) on the iteration's mean training reward R̄)
+    weighting: str = choice("none", WEIGHTINGS)  # the anchor's per-leaf weight w: none (1) | reward (the leaf's reward
+    # over its group's mean) | advantage (1 + clip(A, −1, 1))
     share_schedule: str = "constant"
 
     config_key = "loss.teacher"

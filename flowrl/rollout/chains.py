@@ -37,12 +37,15 @@ class SDEWindow(Checked):
     - ``progressive`` (MixGRPO): start = ``start`` + stride·⌊iteration/tau⌋, clamped at T−1−size.
     """
 
-    mode: str = choice("all", WINDOW_MODES)
-    start: int = 0
-    size: int = 3
-    range: list[int] | None = None
-    stride: int = 1
-    tau: int = 25
+    mode: str = choice("all", WINDOW_MODES)  # all (steps 0..T−2) | fixed ([start, start+size)) | random (size
+    # consecutive steps drawn per iteration inside range: Flow-GRPO-Fast) | progressive (MixGRPO: start +
+    # stride·⌊iteration/tau⌋, clamped at T−1−size); the last step (to σ 0) is never stochastic
+    start: int = 0  # fixed: the window's first step; progressive: its first step at iteration 0
+    size: int = 3  # consecutive stochastic (trained) steps, in [1, T−1]; unread by all; a window tree's depth d
+    range: list[int] | None = None  # random: [lo, hi), the steps the window is drawn inside; null = [0, max(T//2,
+    # size)) (Flow-GRPO-Fast's first half)
+    stride: int = 1  # progressive: steps the window moves every tau iterations (≥ 0)
+    tau: int = 25  # progressive: iterations between the window's moves (≥ 1)
 
     config_key = "rollout.window"
 
@@ -114,14 +117,18 @@ class Chains(RolloutPlan):
     ``eta``: the kernel's noise level inside the window.
     """
 
-    group_size: int = 8
-    steps: int = 10
-    kernel: str = "flow_grpo"
-    eta: float = 0.7
+    group_size: int = 8  # G, chains per prompt (≥ 2): the group whose rewards the credit rule compares
+    steps: int = 10  # T, the sampling schedule's steps (the model's own shift; ≥ 2)
+    kernel: str = "flow_grpo"  # transition kernel of the window's steps: flow_grpo, dance, cps (docs/algorithms.md,
+    # "Transition kernels") or a registered / package.module:function one; not ode (that is rollout.plan: ode)
+    eta: float = 0.7  # η, the kernel's noise level inside the window (published: flow_grpo 0.7, dance 0.3, cps 0.8)
     shared_noise: bool = False
-    window: SDEWindow = field(default_factory=SDEWindow)
-    post_solver: str = choice("none", POST_SOLVERS)
-    post_steps_ratio: float = 0.4
+    window: SDEWindow = field(default_factory=SDEWindow)  # which steps are stochastic and trained (the rest ODE,
+    # never trained): its mode and the keys below it; docs/algorithms.md, "Chains"
+    post_solver: str = choice("none", POST_SOLVERS)  # none | dpm2: the ODE steps after the window replaced by fewer
+    # DPM-Solver++(2M) steps (MixGRPO-Flash; untrained)
+    post_steps_ratio: float = 0.4  # post_solver dpm2: round(ratio·steps left after the window) DPM-Solver++(2M)
+    # steps, at least 1; in (0, 1]
 
     def __post_init__(self) -> None:
         if isinstance(self.window, dict):
@@ -189,8 +196,8 @@ class ODEChains(RolloutPlan):
     group; the forest's ``from_teacher`` column marks the teacher's nodes. Leaves: the policy's chains of
     every group, then the teacher's."""
 
-    group_size: int = 8
-    steps: int = 10
+    group_size: int = 8  # G, deterministic chains per prompt (≥ 2), each from its own x_T seed
+    steps: int = 10  # T, ODE steps over the model's schedule (≥ 2)
     solver: str = choice("euler", SOLVERS)
     teacher_share: int = 0
 

@@ -156,11 +156,17 @@ class Explore(RolloutPlan):
 
     inner: str | dict = "chains"
     pool: int | None = None
-    select: str = choice("extremes", SELECTIONS)
+    select: str = choice("extremes", SELECTIONS)  # which K of the pool's seeds are regenerated, by preview reward:
+    # extremes (the ⌈K/2⌉ best and ⌊K/2⌋ worst) | top_k (the K best) | spread (K evenly spaced over the ranking)
     preview_steps: int = 6
-    backend: str = choice("same", BACKENDS)
-    min_params: int = 16384
-    skip: list[str] | None = None
+    backend: str = choice("same", BACKENDS)  # the explorer that previews: same (the live model, cheap by its fewer
+    # steps) | bf16 | fp16 | int8 | nf4 | fp8 | nvfp4 (a low-precision copy that follows the live weights;
+    # flowrl/rollout/precision.py), checked against this machine when the config loads and against the model's device
+    # at setup
+    min_params: int = 16384  # a quantizing backend converts only the Linear layers with at least this many weights
+    # (16,384 = 128×128; ≥ 0)
+    skip: list[str] | None = None  # module-name patterns (fnmatch) of Linear layers a quantizing backend leaves in
+    # the rest's precision; null = the backend's default skip list (flowrl.rollout.precision.DEFAULT_SKIP)
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 
     def __post_init__(self) -> None:

@@ -39,8 +39,10 @@ class Offline(RolloutPlan):
     drawn prompt per iteration [6: GDRO's best group size, of 16 pre-generated images per prompt], 0 = all of the
     prompt's. See the module docstring."""
 
-    source: str | None = None
-    group_size: int = 6
+    source: str | None = None  # the rollout store replayed: a folder written by `flowrl rollouts CONFIG --out FOLDER`
+    # (point prompts.train at FOLDER/prompts.txt); null (the presets' default) is refused when the run starts
+    group_size: int = 6  # stored samples of each drawn prompt per iteration, drawn without replacement (≥ 2; 0 = all
+    # of the prompt's) [6: GDRO's best group size, of 16 pre-generated images per prompt]
 
     def __post_init__(self) -> None:
         if self.group_size == 1 or self.group_size < 0:

@@ -72,7 +72,9 @@ class Probed(RolloutPlan):
     compares them.
     """
 
-    probe: str = choice("ode_completion", PROBES)
+    probe: str = choice("ode_completion", PROBES)  # how a state is scored: ode_completion (TP-GRPO: the state before
+    # every SDE step completed to σ 0 by Euler ODE steps, decoded and scored) | x0_projection (VGPO: x̂0 = x − σ·v of
+    # every state an SDE step reaches, from the velocity the next step computes anyway: no extra forwards)
     inner: str | dict = "chains"
     inner_plan: RolloutPlan | None = field(default=None, metadata={"config": False})
 

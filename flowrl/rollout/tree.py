@@ -78,19 +78,33 @@ class Tree(RolloutPlan):
     """K-ary trees per prompt: BranchGRPO (``mode: sde``), BranchGRPO-Mix (``mix``) and
     Dynamic-TreeRPO (``window``); see the module docstring for every key."""
 
-    steps: int = 20
-    kernel: str = "dance"
-    eta: float = 0.3
-    mode: str = choice("sde", MODES)
+    steps: int = 20  # T, the sampling schedule's steps (the model's own shift; ≥ 2)
+    kernel: str = "dance"  # transition kernel of the stochastic steps: dance, flow_grpo, cps (not ode)
+    eta: float = 0.3  # η, the kernel's noise level (> 0: siblings differ by their noise); beta_noise scales it by
+    # layer in mode window
+    mode: str = choice("sde", MODES)  # sde (BranchGRPO: every step stochastic and trained) | mix (BranchGRPO-Mix:
+    # SDE only at the split steps and in the first mix_window steps) | window (Dynamic-TreeRPO: ODE to the window,
+    # a tree over its d steps, every one splitting, then ODE to the end); docs/trees.md
     branch: int = 2  # K children per node at a split
-    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
-    split_noise: str = choice("correlated", SPLIT_NOISE)
-    split_scale: float = 4.0  # s
+    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # modes sde, mix: the steps at which
+    # every node splits into K; distinct, in [0, T−2]; unread by mode window
+    split_noise: str = choice("correlated", SPLIT_NOISE)  # correlated (the paper: child b draws (ξ0 + s·η_b)/sqrt(1
+    # + s²), ξ0 shared by the siblings: each child an ordinary kernel sample) | independent_scaled (their code:
+    # μ + s·std·η_b, the split edge's std s·std)
+    split_scale: float = 4.0  # s of the split noise (> 0): correlated siblings correlate 1/(1 + s²) (0.059 at 4);
+    # independent_scaled widens the split edges' std to s·std
     mix_window: int = 4  # mode mix: SDE in steps [0, mix_window) besides the splits
-    window: SDEWindow = field(default_factory=lambda: SDEWindow(mode="progressive", start=0, size=4, stride=1, tau=25))
+    window: SDEWindow = field(  # mode window: where the tree sits, the chains' window (fixed | random | progressive;
+        # all is refused), d = size; the tree's default is {mode: progressive, start: 0, size: 4, range: null,
+        # stride: 1, tau: 25}
+        default_factory=lambda: SDEWindow(mode="progressive", start=0, size=4, stride=1, tau=25)
+    )
     beta_noise: float = 0.0  # mode window: η_k = η·(1 + beta_noise·k/(d−1))
-    depth_prune_size: int = 0  # 0 = off
-    depth_prune_every: int = 30
+    depth_prune_size: int = 0  # w, depth pruning (backward only): trainable edges whose child step lies in a w-step
+    # window from two steps below the last split get weight 0, the window sliding every depth_prune_every
+    # iterations; 0 = off
+    depth_prune_every: int = 30  # depth pruning: iterations between the window's one-step slides toward the end
+    # (≥ 1); it stops at step T
 
     def __post_init__(self) -> None:
         if isinstance(self.window, dict):
