@@ -9,6 +9,7 @@ import os
 from flowrl.commands.common import OVERRIDES_HELP, Flag, is_file, load_config, split_config_arg
 from flowrl.commands.summary import eval_summary, failed_evals
 from flowrl.paths import DEFAULT_CONFIG, shipped_name
+from flowrl.training.callbacks import GuardOnEval
 from flowrl.training.guard import stop_summary
 
 FLAGS: list[Flag] = []
@@ -98,7 +99,7 @@ def fitted_and_metered(cfg, overrides: list[str]):
     return cfg, perf_meter(cfg, flops)
 
 
-GUARD_STOPPED = 4  # the exit status of a run stopped by its eval guard (eval.guard; docs/reliability.md)
+GUARD_STOPPED = GuardOnEval.exit_status  # a run stopped by its eval guard (eval.guard; docs/reliability.md)
 
 
 # ---- train ------------------------------------------------------------------------------------
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if trainer.rolls_out:  # a launched rollout process (train.rollout_processes): its trainers have stopped
         trainer.group.close()
         return 0
-    stop = trainer.guard.stop
+    stop = trainer.control.stop  # a callback's (the eval guard's: exit status 4), else None
+    if stop is not None and stop.reason != "eval_guard":
+        stop = None  # train.max_minutes: an ordinary end
     if trainer.accelerator.is_main_process:
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         if len(evals) >= 2:
@@ -126,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
         if failed:
             print("\n" + "\n".join(failed))
         if stop is not None:
-            print(f"\n{stop_summary(stop)}; exit status {GUARD_STOPPED}")
+            print(f"\n{stop_summary(stop.detail)}; exit status {stop.exit_status}")
         print(f"\nrun folder: {trainer.run_dir}  (metrics.jsonl, reward_curve.png, samples/, checkpoints/)")
     pushed = push_to_hub(trainer, stop)
     trainer.group.close()  # several processes: all done, the process group destroyed before the interpreter exits
-    return GUARD_STOPPED if stop is not None else pushed
+    return stop.exit_status if stop is not None else pushed
 
 
 def check_push(repo: str | None) -> None:

@@ -11,9 +11,10 @@ own small piece, wired here:
   its batches and its loss, :mod:`flowrl.objectives.base`; the updater only zero-grads, back-propagates, steps);
 - :class:`~flowrl.training.evaluation.HeldOutEval` and :class:`~flowrl.run.folder.RunFolder`: evals, checkpoints,
   resume and the protection of the run folder;
-- side jobs as callbacks (:mod:`flowrl.training.callbacks`): the teacher's share metrics, the stop after a streak of
-  failed rewards, and :class:`~flowrl.training.guard.EvalGuard` (``eval.guard``): the stop when an eval reward falls
-  from its start value (reward hacking); a user's callbacks after them;
+- side jobs as callbacks that control the loop (:mod:`flowrl.training.callbacks`, ``trainer.control``): the teacher's
+  share metrics, the stop after a streak of failed rewards, and the eval guard (``eval.guard``): the stop when an eval
+  reward falls from its start value (reward hacking); a user's callbacks after them. A callback's :class:`Stop` is the
+  one way a run ends early (a signal and ``train.max_minutes`` are stops too);
 - :class:`~flowrl.training.trainer_checkpoints.TrainerCheckpoints` (mixed in): what a checkpoint holds, saving, the
   export and the resume.
 """
@@ -31,7 +32,6 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import build
-from flowrl.config.checks import guard_names
 from flowrl.config.chosen import build_components
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.context_parallel import apply_context_parallel, check_context_parallel, context_degree
@@ -52,9 +52,8 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
-from flowrl.training.callbacks import Callback, default_callbacks
+from flowrl.training.callbacks import Callback, Stop, TrainerControl, default_callbacks
 from flowrl.training.evaluation import HeldOutEval, resolve_guidance
-from flowrl.training.guard import EvalGuard
 from flowrl.training.metrics import log_grid_image, plot_reward_curve
 from flowrl.training.perf import PerfMeter
 from flowrl.training.pipeline import check_pipeline, rollout_failure, split_threads
@@ -174,8 +173,8 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
             on_grid=functools.partial(log_grid_image, self.accelerator, c.train.log_with),
             max_batch=c.rollout.max_batch,
         )
-        self.guard = EvalGuard.build(c.eval.guard, guard_names(c), self.eval_reward)  # eval.guard (none: metric None)
-        self.callbacks = [*default_callbacks(c, self.reward, self.guard), *callbacks]
+        self.callbacks = [*default_callbacks(c, self.reward, self.eval_reward), *callbacks]  # eval.guard among them
+        self.control = TrainerControl()  # what the callbacks ask of the loop: save, evaluate, stop
         self.resumed_from: Path | None = None
         self.step = 0
         self.train_seconds = 0.0  # time spent in iterations (evals and checkpoints excluded), kept across resumes
@@ -278,8 +277,8 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
         return by_steps or by_time
 
     def train(self) -> list[dict[str, Any]]:
-        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until
-        the eval guard trips: ``guard.stop`` then holds the trip); returns the metric records of this call. A launched
+        """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until a
+        callback stops it: ``control.stop`` then holds why); returns the metric records of this call. A launched
         rollout process serves its trainers until they stop, and returns no record."""
         if self.rolls_out:
             serve_rollout_rank(self.cfg, self.layout)
@@ -310,10 +309,11 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
                 )
             return []
         if found is not None:
-            line, refuses = self.guard.after_resume(self.resumed_from)  # a stop that still stands refuses
-            if main and line:
-                print(line, flush=True)
-            if refuses:
+            for callback in self.callbacks:  # e.g. the eval guard: a stop that still stands refuses to train on
+                line = callback.on_resume(self, self.resumed_from, self.control)
+                if main and line:
+                    print(line, flush=True)
+            if self.control.stop is not None:
                 return []
         if main:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -332,40 +332,47 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
         return self._records
 
     def _loop(self) -> None:
-        """The iterations, then the last checkpoint and the closing eval; Ctrl-C or SIGTERM finishes the iteration,
-        saves and raises KeyboardInterrupt; a trip of the eval guard saves and stops without the closing eval."""
-        t = self.cfg.train
+        """The iterations until ``train.max_steps`` or a :class:`Stop` (a callback's; Ctrl-C or SIGTERM, after the
+        iteration it arrived in; ``train.max_minutes``), then the last checkpoint and the closing eval as the stop
+        says. A signal ends in KeyboardInterrupt, a stop that carries an error raises it."""
+        t, control = self.cfg.train, self.control
         bar = tqdm(
             total=t.max_steps, initial=self.step, disable=not (self.group.is_main and t.progress), desc="flowrl train"
         )
-        with stop_on_first_interrupt() as stop:
-            while self.step < t.max_steps and not stop.requested and not self.out_of_time() and self.guard.stop is None:
+        with stop_on_first_interrupt() as signal:
+            while self.step < t.max_steps and control.stop is None:
                 try:
                     self._iteration(bar)
                 except RewardWaitCut:  # a stop cut a reward wait: that iteration did not finish, the last one is saved
-                    break
+                    pass
                 except Exception as e:
                     if rollout_failure(e):  # the rollout process failed: keep the last finished iteration
                         bar.close()
                         self.save_checkpoint()
                     raise
+                if signal.requested:
+                    control.request_stop(Stop("signal", "interrupted", exit_status=130))
+                elif self.out_of_time():
+                    control.request_stop(Stop("max_minutes", "train.max_minutes of training ran", final_eval=True))
             bar.close()
-            self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
-            if self.sharding is not None and not stop.requested:
-                self.export()
-            if not stop.requested and self.guard.stop is None:
+            stop = control.stop
+            if stop is None or stop.save:
+                self.save_checkpoint()  # the last step is saved before the final eval: an interrupt there loses nothing
+                if self.sharding is not None and not signal.requested:
+                    self.export()
+            if not signal.requested and (stop is None or stop.final_eval):
                 self._evaluate("after")
-                if self.guard.stop is not None:
-                    self.save_checkpoint()  # again, holding the trip: a resume sees it
-            if stop.requested:
+                if control.stop is not stop:
+                    self.save_checkpoint()  # again, holding the closing eval's stop: a resume sees it
+            if signal.requested:
                 if self.group.is_main:
                     print(f"\ninterrupted: saved a checkpoint at step {self.step}; resume with train.resume=latest")
                 raise KeyboardInterrupt
-        if self.guard.stop is not None and self.group.is_main:
-            print(
-                f"\n{self.guard.message()}\nstopped by the eval guard: saved a checkpoint at step {self.step}",
-                flush=True,
-            )
+        stop = control.stop
+        if stop is not None and stop.error is not None:
+            raise stop.error
+        if stop is not None and stop.reason == "eval_guard" and self.group.is_main:
+            print(f"\n{stop.message}\nstopped by the eval guard: saved a checkpoint at step {self.step}", flush=True)
 
     def _iteration(self, bar) -> None:
         """One iteration with its metrics, then a periodic eval and checkpoint when due."""
@@ -384,8 +391,9 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
             if record.get("compile/graphs") and self.step == 1 and self.group.is_main:
                 tqdm.write(self.compiled.summary())
         self._emit(record)
+        self.control.next_iteration()
         for callback in self.callbacks:
-            callback.on_iteration_end(self, record)  # e.g. every reward failed N iterations in a row: exit 3
+            callback.on_iteration_end(self, record, self.control)  # e.g. every reward failed N iterations in a row
         bar.update(1)
         bar.set_postfix(
             reward=f"{record['reward_mean']:.3f}",
@@ -393,9 +401,11 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
             **(self.perf.progress(record) if self.perf is not None else {}),
         )
         last = self.step == t.max_steps or self.out_of_time()
-        if self.eval_due(seconds_before) and not last:
+        control = self.control
+        if (self.eval_due(seconds_before) or control.should_evaluate) and not last and control.stop is None:
             self._evaluate()
-        if t.checkpoint_every and self.step % t.checkpoint_every == 0 and not last and self.guard.stop is None:
+        due = bool(t.checkpoint_every) and self.step % t.checkpoint_every == 0
+        if (due or control.should_save) and not last and control.stop is None:
             self.save_checkpoint()
 
     def _emit(self, record: dict[str, Any]) -> None:
@@ -413,7 +423,7 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
         with self.ema_weights(), self.sampling():
             record: dict[str, Any] = {"step": self.step, **self.evaluate(self.step, tag)}
         for callback in self.callbacks:
-            record.update(callback.on_eval_end(self, record))  # e.g. the eval guard's verdict
+            record.update(callback.on_eval_end(self, record, self.control))  # e.g. the eval guard's verdict
         self._emit(record)
 
     def _held_out_training_reward(self):

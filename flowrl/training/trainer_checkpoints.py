@@ -1,11 +1,12 @@
 """The trainer's checkpoints: what one holds (the step, the updater's, prompt source's, objective's and plan's
-state, the policy's guidance, the training time, the eval guard's start values and trip), writing it
-(``checkpoints/step-N``, sharded or not), the consolidated ``export/``, and reading one back to resume.
+state, the policy's guidance, the training time, the callbacks' state: the eval guard's start values and trip, the jobs
+in flight of an asynchronous pipeline), writing it (``checkpoints/step-N``, sharded or not), the consolidated
+``export/``, and reading one back to resume.
 
 :class:`TrainerCheckpoints` is mixed into :class:`~flowrl.training.trainer.Trainer`, whose parts it saves and restores:
-``cfg``, ``model``, ``group``, ``folder``, ``updater``, ``prompts``, ``objective``, ``plan``, ``guard``, ``rollouts``,
-``sharding``, ``step``, ``guidance``, ``train_seconds`` (and it uses ``ema_weights()``, ``optimizer``, ``run_dir``;
-a resume sets ``resumed_from``). The run folder's protection, the atomic writes and the
+``cfg``, ``model``, ``group``, ``folder``, ``updater``, ``prompts``, ``objective``, ``plan``, ``callbacks``,
+``rollouts``, ``sharding``, ``step``, ``guidance``, ``train_seconds`` (and it uses ``ema_weights()``, ``optimizer``,
+``run_dir``; a resume sets ``resumed_from``). The run folder's protection, the atomic writes and the
 checks of what is read are :class:`~flowrl.run.folder.RunFolder`'s; the shards are
 :mod:`flowrl.run.sharded_checkpoint`'s."""
 
@@ -41,7 +42,7 @@ class TrainerCheckpoints:
             "plan": self.plan.state_dict(),
             "policy_guidance": self.guidance,
             "train_seconds": self.train_seconds,
-            "guard": self.guard.state_dict(),
+            "callbacks": {cb.key: cb.state_dict() for cb in self.callbacks},  # the eval guard's under "guard"
             "pipeline": self.rollouts.state_dict() if self.rollouts is not None else None,  # jobs in flight (async)
         }
         if self.sharding is not None:
@@ -116,7 +117,11 @@ class TrainerCheckpoints:
         self.prompts.load_state_dict(state.get("prompts"), where=str(path))
         self.objective.load_state_dict(state.get("objective"))
         self.plan.load_state_dict(state.get("plan"))
-        self.guard.load_state_dict(state.get("guard"))  # the eval guard's start values and trip
+        saved = dict(
+            state.get("callbacks") or {"guard": state.get("guard")}
+        )  # before callbacks kept state: the guard's
+        for callback in self.callbacks:
+            callback.load_state_dict(saved.get(callback.key))  # e.g. the eval guard's start values and trip
         if self.rollouts is not None:
             self.rollouts.load_state_dict(state.get("pipeline"))  # the jobs in flight, sampled again as they were
         self.resumed_from = path
