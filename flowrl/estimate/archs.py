@@ -19,10 +19,10 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from flowrl.errors import ConfigError
-from flowrl.estimate.inputs import VISION_EDITS, base_family
-from flowrl.models import model_family
+from flowrl.models import MODEL_FAMILIES, ModelFamily, model_family
 from flowrl.models.architectures import ARCH_DIR, list_archs, load_arch  # noqa: F401 (ARCH_DIR: the estimate's API)
 from flowrl.models.dtypes import DTYPES, cast_module, keep_adapter_fp32
+from flowrl.models.estimate_spec import base_spec, estimate_spec
 from flowrl.shapes.pipeline import SHIPPED_DIR, generation_defaults
 
 
@@ -30,8 +30,12 @@ def arch_for_model(section) -> dict:
     """The architecture of ``model`` (a :class:`~flowrl.config.schema.ModelSection`): a stored one when ``model.path``
     is one of its hub ids, a local pipeline folder's own configs, or the shipped shapes model."""
     path = section.path
-    if section.family == "shapes" and path is None:
-        return arch_from_folder(SHIPPED_DIR, family="sd3", shapes=True)
+    # a family whose model ships with flowrl (the shapes model): its architecture is its shipped pipeline folder's, of
+    # the family it names as arch_family (flowrl/shapes/family.py)
+    arch_family = getattr(model_family(section.family), "arch_family", None)
+    family = arch_family or section.family
+    if arch_family is not None and path is None:
+        return arch_from_folder(SHIPPED_DIR, family=family, shapes=True)
     if path is None:
         raise ConfigError(f"model.path must name a hub id or a local folder for model.family={section.family!r}")
     for name in list_archs():
@@ -40,9 +44,7 @@ def arch_for_model(section) -> dict:
             return arch
     folder = Path(path)
     if folder.is_dir() and (folder / "model_index.json").is_file():
-        return arch_from_folder(
-            folder, family="sd3" if section.family == "shapes" else section.family, shapes=section.family == "shapes"
-        )
+        return arch_from_folder(folder, family=family, shapes=arch_family is not None)
     known = sorted(i for n in list_archs() for i in load_arch(n)["hub_ids"])
     raise ConfigError(
         f"model.path={path!r}: no stored architecture for it and not a local pipeline folder; stored "
@@ -73,8 +75,9 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
             for k, v in enc["config"].items()
             if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")
         }
+    spec, base = estimate_spec(family), base_spec(family)
     clip_tokens = 0
-    if family == "sd3":
+    if spec.clip_tokens:
         tok = folder / "tokenizer" / "tokenizer_config.json"
         clip_tokens = int(json.loads(tok.read_text()).get("model_max_length", 77)) if tok.is_file() else 77
     vae_config = vae["config"]
@@ -84,13 +87,8 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
         scale_factor=2 ** (len(downsample) if downsample is not None else len(blocks) - 1),
         latent_channels=vae_config.get("latent_channels") or vae_config.get("z_dim"),
     )
-    if downsample is not None and base_family(family) == "wan":
-        vae["temporal_factor"] = 2 ** sum(bool(d) for d in downsample)
-    if family == "ltx2":  # its VAE config states its factors
-        vae.update(
-            scale_factor=vae_config["spatial_compression_ratio"],
-            temporal_factor=vae_config["temporal_compression_ratio"],
-        )
+    if base.folder_vae is not None:  # a video VAE's temporal factor (and a VAE config stating its factors)
+        vae.update(base.folder_vae(vae_config))
     arch = {
         "name": folder.name,
         "key": str(folder),
@@ -104,7 +102,7 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     second = component("transformer_2")  # Wan 2.2 A14B's low-noise expert (with the pipeline's boundary_ratio)
     if second is not None:
         arch.update(transformer_2=second, boundary_ratio=index.get("boundary_ratio"))
-    if family in VISION_EDITS:  # the edit models' image processor (the hub's layout, or the newer one)
+    if spec.vision:  # the edit models' image processor (the hub's layout, or the newer one)
         found = [
             p
             for p in (folder / "processor" / "preprocessor_config.json", folder / "processor" / "processor_config.json")
@@ -119,31 +117,18 @@ def arch_from_folder(folder: str | Path, family: str, shapes: bool = False) -> d
     return arch
 
 
-PIPELINE_FAMILIES = {
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "SanaPipeline": "sana",
-    "QwenImagePipeline": "qwen_image",
-    "QwenImageEditPipeline": "qwen_image_edit",
-    "QwenImageEditPlusPipeline": "qwen_image_edit_plus",
-    "QwenImage21Pipeline": "qwen_image21",
-    "Flux2Pipeline": "flux2",
-    "FluxKontextPipeline": "flux_kontext",
-    "Flux2KleinPipeline": "flux2_klein",
-    "WanPipeline": "wan",
-    "WanImageToVideoPipeline": "wan_i2v",
-    "LTX2Pipeline": "ltx2",
-    "ZImagePipeline": "zimage",
-    "HunyuanImagePipeline": "hunyuan_image",
-}
-"""The family of each diffusers pipeline class :func:`arch_from_pipeline` reads."""
-TEXT_LIMITS = {"qwen_image": 1024, "qwen_image21": 4096, "ltx2": 1024, "hunyuan_image": 1000}
-"""``max_sequence_length`` a family's pipeline allows (others: 512)."""
+def pipeline_family(name: str) -> str | None:
+    """The registered family whose diffusers pipeline class is named ``name`` (:data:`flowrl.models.MODEL_FAMILIES`,
+    the first registered), else None."""
+    for family, entry in MODEL_FAMILIES.items():
+        if isinstance(entry, ModelFamily) and entry.pipeline == name:
+            return family
+    return None
 
 
 def text_limit(family: str) -> int:
-    """``max_sequence_length`` the pipeline of ``family`` (or of its base family, :data:`TEXT_LIMITS`) allows."""
-    return TEXT_LIMITS.get(base_family(family), 512)
+    """``max_sequence_length`` the pipeline of ``family`` (or of its base family) allows: its spec's ``text_limit``."""
+    return base_spec(family).text_limit
 
 
 def vision_settings(processor: dict) -> dict:
@@ -170,9 +155,11 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
     the video VAEs' ``z_dim``), the default image size (``default_sample_size`` latent cells of the VAE) or, for
     Wan, its ``__call__`` defaults (480×832, 81 frames)."""
     name = type(pipe).__name__
-    family = family or PIPELINE_FAMILIES.get(name)
+    family = family or pipeline_family(name)
     if family is None:
-        raise ConfigError(f"no estimate for a {name}; supported: {', '.join(PIPELINE_FAMILIES)}")
+        supported = [f.pipeline for f in MODEL_FAMILIES.values() if isinstance(f, ModelFamily) and f.pipeline]
+        raise ConfigError(f"no estimate for a {name}; supported: {', '.join(supported)}")
+    spec, base = estimate_spec(family), base_spec(family)
     encoders = [
         {
             "name": n,
@@ -183,7 +170,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
         if (m := getattr(pipe, n, None)) is not None
     ]
-    clip_tokens = int(pipe.tokenizer.model_max_length) if family == "sd3" else 0
+    clip_tokens = int(pipe.tokenizer.model_max_length) if spec.clip_tokens else 0
     vae_config = pipe.vae.config
     scale = (
         getattr(pipe, "vae_scale_factor", None)
@@ -196,16 +183,14 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
         "scale_factor": int(scale),
         "latent_channels": vae_config.get("latent_channels") or vae_config.get("z_dim"),
     }
-    if base_family(family) == "wan":
-        vae["temporal_factor"] = int(pipe.vae_scale_factor_temporal)
-    if family == "ltx2":
-        vae["temporal_factor"] = int(pipe.vae_temporal_compression_ratio)
+    if base.pipeline_vae is not None:  # a video VAE's temporal factor
+        vae.update(base.pipeline_vae(pipe))
     text = {
         "clip_tokens": clip_tokens,
         "max_sequence_length_limit": text_limit(family),
         "default_image_size": (getattr(pipe, "default_sample_size", None) or 0) * int(scale),
     }
-    if family in VISION_EDITS:
+    if spec.vision:
         text["vision"] = vision_settings(pipe.processor.image_processor.to_dict())
     arch = {
         "name": f"{name} (in memory)",
@@ -222,7 +207,7 @@ def arch_from_pipeline(pipe, family: str | None = None) -> dict:
             transformer_2={"class": type(second).__name__, "config": dict(second.config)},
             boundary_ratio=pipe.config.get("boundary_ratio"),
         )
-    if base_family(family) in ("wan", "ltx2"):
+    if base.video:
         call = inspect.signature(type(pipe).__call__).parameters
         arch["defaults"] = {k: call[k].default for k in VIDEO_DEFAULTS if k in call and call[k].default is not None}
     # the key names what the meta model is built from (cached builds and traces): the configs, not the object
@@ -310,8 +295,8 @@ def add_lora(module: nn.Module, rank: int, alpha: float, targets: list[str], ini
 
 
 def default_lora_targets(family: str) -> list[str]:
-    """The adapter's ``default_lora_targets`` of ``family`` (sd3/shapes, flux, sana)."""
-    return list(model_family("sd3" if family == "shapes" else family).adapter_class().default_lora_targets)
+    """The adapter's ``default_lora_targets`` of ``family``."""
+    return list(model_family(family).adapter_class().default_lora_targets)
 
 
 @functools.lru_cache(maxsize=8)

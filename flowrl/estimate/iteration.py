@@ -5,6 +5,7 @@ static memory, the prompt cache, the phases' peaks, FLOPs and time, and the repo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -22,51 +23,47 @@ from flowrl.estimate.context_parallel import ASSUMPTION as CONTEXT_ASSUMPTION
 from flowrl.estimate.context_parallel import context_split, split_traces
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass, assume_gpu, gpu_class
-from flowrl.estimate.inputs import Shapes, base_family, preset_shapes, with_sources
+from flowrl.estimate.inputs import Shapes, preset_shapes, with_sources
 from flowrl.estimate.phases import phase_traces
 from flowrl.estimate.pipeline import price_pipeline, trainers_of
 from flowrl.estimate.run_checks import check_model_options, check_processes
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import fsdp_transients, held_bytes, shard_mode
 from flowrl.estimate.static import explorer_bytes, host_decode_bytes, prompt_count, reward_model_bytes, tensor_bytes
-from flowrl.models import model_family
+from flowrl.models import MODEL_FAMILIES, model_family
 from flowrl.models.blocks import block_lists, checkpointed_of
 from flowrl.models.dtypes import DTYPES
+from flowrl.models.estimate_spec import adapter_default, adapter_spec, base_spec, estimate_spec
 
 GiB = 2**30
 
-# per-family tables: the adapters' defaults (flowrl/models/<family>.py); an edit family reads its base family's
-SEQ_DEFAULT = {
-    "sd3": 16,
-    "flux": 16,
-    "sana": 300,
-    "qwen_image": 512,
-    "qwen_image21": 512,
-    "flux2": 512,
-    "wan": 512,
-    "ltx2": 1024,
-    "zimage": 512,
-    "hunyuan_image": 1000,
-}
-"""``max_sequence_length`` when neither the config nor the architecture sets it."""
-GUIDANCE_DEFAULT = {
-    "sd3": 1.0,
-    "flux": 3.5,
-    "sana": 4.5,
-    "qwen_image": 4.0,
-    "qwen_image21": 1.0,
-    "flux2": 4.0,
-    "wan": 5.0,
-    "ltx2": 3.0,
-    "zimage": 6.0,
-    "hunyuan_image": 3.5,
-}
-"""``guidance`` when the config sets none (Qwen-Image: true_cfg_scale, 2.1: none; FLUX/FLUX.2: the distilled
-embedding)."""
-GUIDANCE_DISTILLED = ("flux", "flux_kontext", "flux2")
-"""Families whose ``guidance`` is an embedding, not a CFG branch (FLUX.2 klein's is a CFG scale: its Base models')."""
-MASKED_TEXT = ("sana", "qwen_image", "qwen_image21", "ltx2", "zimage", "hunyuan_image")
-"""Families caching an int64 text attention mask with each prompt."""
+
+class _AdapterDefaults(Mapping):
+    """Family → the default of one keyword of its adapter's constructor (read from its signature, or the spec's
+    ``defaults`` where that says None: :func:`flowrl.models.estimate_spec.adapter_default`), for every registered
+    family whose adapter declares an estimate spec."""
+
+    def __init__(self, keyword: str):
+        self.keyword = keyword
+
+    def __getitem__(self, family: str):
+        return adapter_default(family, self.keyword)
+
+    def _families(self) -> list[str]:
+        return [f for f in MODEL_FAMILIES if adapter_spec(model_family(f).adapter_class()) is not None]
+
+    def __iter__(self):
+        return iter(self._families())
+
+    def __len__(self) -> int:
+        return len(self._families())
+
+
+SEQ_DEFAULT = _AdapterDefaults("max_sequence_length")
+"""``max_sequence_length`` when neither the config nor the architecture sets it: the adapter's default."""
+GUIDANCE_DEFAULT = _AdapterDefaults("guidance")
+"""``guidance`` when the config sets none: the adapter's default (Qwen-Image: true_cfg_scale, 2.1: none; FLUX/FLUX.2:
+the distilled embedding)."""
 
 ASSUMPTIONS = [
     "activations: the live bytes of the diffusers transformer's own forward/backward traced on the meta device at "
@@ -191,15 +188,16 @@ def _shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None
     )
     height = int(m.height or defaults.get("height") or default_px)
     width = int(m.width or defaults.get("width") or default_px)
-    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[base_family(family)])
+    max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[family])
     video = model_family(family).adapter_class().modality == "video"  # as the family declares it
     frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if video else None
     shapes = preset_shapes(with_sources(arch, m.kwargs), height, width, max_seq, frames)
-    guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[base_family(family)])
+    guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[family])
     rollout_guidance = objective.rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
-    if family in GUIDANCE_DISTILLED:  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none
-        cfg_on = base_family(family) == "flux" and float(m.true_cfg or 1.0) != 1.0
+    kind = estimate_spec(family).guidance
+    if kind != "cfg":  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none
+        cfg_on = kind == "true_cfg" and float(m.true_cfg or 1.0) != 1.0
     else:
         cfg_on = guidance != 1.0
     return shapes, frames, guidance, cfg_on
@@ -364,7 +362,7 @@ def _prompt_cache(cfg, arch: dict, shapes: Shapes, dbytes: int, P: int) -> dict:
         or 0
     )
     pooled = t_config.get("pooled_projection_dim") or 0
-    mask = shapes.text_tokens * 8 if base_family(family) in MASKED_TEXT else 0  # int64 attention mask
+    mask = shapes.text_tokens * 8 if base_spec(family).masked_text else 0  # int64 attention mask
     source = shapes.source_tokens * int(t_config.get("in_channels", 0))
     per_prompt = (shapes.text_tokens * text_dim + pooled + source) * dbytes + mask
     cache_now = (P + 1) * per_prompt

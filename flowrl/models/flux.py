@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes, pack_2x2, packed_latent, unpack_2x2
 from flowrl.models.packing import Packed2x2
 
 if TYPE_CHECKING:
@@ -154,3 +155,36 @@ class FluxFlowModel(Packed2x2, FlowModel):
             )[0]
         v = self.unpack(out).float()
         return self._cfg_combine(v, self.true_cfg) if cfg else v
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` and
+    ``guidance`` [B] fp32, ``pooled_projections`` [B, pooled_dim], ``encoder_hidden_states`` [B, L, joint_dim],
+    ``txt_ids`` [L, 3], ``img_ids`` [(h/2)(w/2), 3]; an edit model (FLUX.1 Kontext): the source's tokens appended
+    ([B, 2(h/2)(w/2), 4C], ``img_ids`` [2(h/2)(w/2), 3])."""
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    tokens = shapes.image_tokens + shapes.source_tokens
+    out = {
+        "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+        "txt_ids": torch.empty(L, 3, dtype=dtype, **meta),
+        "img_ids": torch.empty(tokens, 3, dtype=dtype, **meta),
+    }
+    if config.get("guidance_embeds"):
+        out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
+    return out
+
+
+FluxFlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs,
+    latent=packed_latent,
+    token_patch=2,
+    to_tokens=pack_2x2,
+    from_tokens=unpack_2x2,
+    guidance="true_cfg",
+)

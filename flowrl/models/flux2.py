@@ -37,6 +37,7 @@ import torch
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.dtypes import dropped_log_messages
+from flowrl.models.estimate_spec import EstimateSpec, Shapes, cells_to_tokens, tokens_to_cells
 from flowrl.models.sd3 import SD3_LORA_TARGETS
 
 if TYPE_CHECKING:
@@ -191,3 +192,47 @@ class Flux2FlowModel(FlowModel):
                 return_dict=False,
             )[0]
         return self.unpack(out.float())
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_latent(config: dict, h: int, w: int, patch: int, frames: int | None) -> tuple[tuple[int, ...], int]:
+    """The VAE latent patchified 2×2 is the model's latent: [4z, H/2f, W/2f], a token per cell."""
+    return (int(config["in_channels"]), h // 2, w // 2), (h // 2) * (w // 2)
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` and
+    ``guidance`` [B] fp32, ``encoder_hidden_states`` [B, L, joint_dim], ``txt_ids`` [1, L, 4], ``img_ids``
+    [1, h·w, 4] (FLUX.2 klein: the same, its transformer without a guidance input)."""
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    tokens = shapes.image_tokens
+    out = {
+        "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+        "txt_ids": torch.zeros(1, L, 4, dtype=torch.long, **meta),
+        "img_ids": torch.zeros(1, tokens, 4, dtype=torch.long, **meta),
+    }
+    if config.get("guidance_embeds"):
+        out["guidance"] = torch.empty(rows, dtype=torch.float32, **meta)
+    return out
+
+
+def estimate_decode(vae, arch: dict, latents: torch.Tensor) -> torch.Tensor:
+    """The 2×2 patches unpatchified to the VAE's [B, C/4, 2h, 2w], then decoded."""
+    b, c, h, w = latents.shape
+    latents = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, 2 * h, 2 * w)
+    return vae.decode(latents, return_dict=False)[0]
+
+
+Flux2FlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs,
+    latent=estimate_latent,
+    token_patch=2,
+    to_tokens=cells_to_tokens,
+    from_tokens=tokens_to_cells,
+    decode=estimate_decode,
+    guidance="embedding",
+)

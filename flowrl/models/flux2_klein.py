@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.base import Conditioning
+from flowrl.models.estimate_spec import EstimateSpec
 from flowrl.models.flux2 import Flux2FlowModel
 
 if TYPE_CHECKING:
@@ -108,3 +109,8 @@ class Flux2KleinFlowModel(Flux2FlowModel):
             )[0]
         v = self.unpack(out.float())
         return self._cfg_combine(v, g) if cfg else v
+
+
+# the estimate's data (flowrl.models.estimate_spec): FLUX.2's transformer inputs and decode; guidance a CFG scale
+# (None → 4.0, a Base model's)
+Flux2KleinFlowModel.estimate_spec = EstimateSpec(base="flux2", defaults={"guidance": 4.0})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.models.base import Conditioning
+from flowrl.models.estimate_spec import EstimateSpec
 from flowrl.models.flux import FluxFlowModel
 from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
 
@@ -98,3 +99,7 @@ class FluxKontextFlowModel(FluxFlowModel):
             )[0]
         v = self.unpack(out[:, :tokens]).float()
         return self._cfg_combine(v, self.true_cfg) if cfg else v
+
+
+# the estimate's data (flowrl.models.estimate_spec): FLUX.1's transformer, the source's tokens after the generated ones
+FluxKontextFlowModel.estimate_spec = EstimateSpec(base="flux", edit=True, guidance="true_cfg")

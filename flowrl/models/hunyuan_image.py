@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes
 from flowrl.models.sd3 import SD3_LORA_TARGETS
 
 if TYPE_CHECKING:
@@ -266,3 +267,24 @@ def TransformerLoraFiles(transformer):  # noqa: N802 — builds an instance of t
     """The LoRA files of ``transformer`` (:func:`_lora_files_class`): ``save_lora_weights``, ``lora_state_dict`` and
     ``load_lora_weights`` as a diffusers pipeline has them."""
     return _lora_files_class()(transformer)
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, C, h, w], ``timestep`` [B] fp32,
+    ``encoder_hidden_states`` [B, L, text_embed_dim], ``encoder_attention_mask`` [B, L] int64."""
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    return {
+        "hidden_states": torch.empty(rows, *shapes.latent, dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["text_embed_dim"], dtype=dtype, **meta),
+        "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+    }
+
+
+# guidance None → the guider's guidance_scale, 3.5 for HunyuanImage 2.1
+HunyuanImageFlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs, token_patch=2, masked_text=True, text_limit=1000, defaults={"guidance": 3.5}
+)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from flowrl.models.base import Conditioning
+from flowrl.models.estimate_spec import EstimateSpec, Shapes
 from flowrl.models.wan import WanFlowModel
 
 if TYPE_CHECKING:
@@ -230,3 +231,46 @@ class LTX2FlowModel(WanFlowModel):
             )[0]
         out = self.pipe._unpack_latents(out.float(), frames // p_t, h // p, w // p, p, p_t)
         return self._cfg_combine(out, g) if cfg else out
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: a token per latent cell; the video stream alone, one zero audio token as
+    stand-in."""
+    h, w = shapes.latent[-2], shapes.latent[-1]
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    timestep = torch.empty(rows, dtype=torch.float32, **meta)
+    audio_text = (
+        config["caption_channels"] if config.get("use_prompt_embeddings", True) else config["audio_cross_attention_dim"]
+    )
+    return {
+        "hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+        "audio_hidden_states": torch.zeros(rows, 1, config["audio_in_channels"], dtype=dtype, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
+        "audio_encoder_hidden_states": torch.zeros(rows, 1, audio_text, dtype=dtype, **meta),
+        "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+        "timestep": timestep,
+        "sigma": timestep,
+        "num_frames": shapes.latent[1],
+        "height": h,
+        "width": w,
+        "audio_num_frames": 1,
+        "isolate_modalities": True,
+    }
+
+
+LTX2FlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs,
+    to_tokens=lambda hidden, shapes: hidden.flatten(2).transpose(1, 2),  # [B, C, F, h, w] → a token per cell
+    from_tokens=lambda out, shapes: out.transpose(1, 2).reshape(out.shape[0], *shapes.latent),
+    video=True,
+    masked_text=True,
+    text_limit=1024,
+    folder_vae=lambda config: {
+        "scale_factor": config["spatial_compression_ratio"],
+        "temporal_factor": config["temporal_compression_ratio"],
+    },
+    pipeline_vae=lambda pipe: {"temporal_factor": int(pipe.vae_temporal_compression_ratio)},
+)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes, pack_2x2, packed_latent, unpack_2x2
 from flowrl.models.packing import Packed2x2
 from flowrl.models.sd3 import SD3_LORA_TARGETS
 
@@ -158,3 +159,39 @@ class QwenImageFlowModel(Packed2x2, FlowModel):
 
 
 QwenImageModel = QwenImageFlowModel  # the name issue 37 uses; the class follows the other adapters' naming
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def decode_frame(vae, arch: dict, latents: torch.Tensor) -> torch.Tensor:
+    """One frame of the video VAE: ``[B, C, 1, h, w]`` in, the frame's pixels out."""
+    return vae.decode(latents.unsqueeze(2), return_dict=False)[0][:, :, 0]
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, (h/2)(w/2), 4C] (2×2 packing), ``timestep`` [B]
+    fp32, ``encoder_hidden_states`` [B, L, joint_dim], ``encoder_hidden_states_mask`` [B, L] int64, ``img_shapes``;
+    an edit model: each source's tokens appended ([B, (1 + k)(h/2)(w/2), 4C], 1 + k ``img_shapes``, k sources)."""
+    h, w = shapes.latent[-2], shapes.latent[-1]
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    tokens = shapes.image_tokens + shapes.source_tokens
+    return {
+        "hidden_states": torch.empty(rows, tokens, config["in_channels"], dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["joint_attention_dim"], dtype=dtype, **meta),
+        "encoder_hidden_states_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+        "img_shapes": [[(1, h // 2, w // 2)] * (1 + shapes.source_tokens // shapes.image_tokens)] * rows,
+    }
+
+
+QwenImageFlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs,
+    latent=packed_latent,
+    token_patch=2,
+    to_tokens=pack_2x2,
+    from_tokens=unpack_2x2,
+    decode=decode_frame,
+    masked_text=True,
+    text_limit=1024,
+)

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from flowrl.models.qwen_image import QwenImageFlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes, cells_to_tokens, tokens_to_cells
+from flowrl.models.qwen_image import QwenImageFlowModel, decode_frame
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -169,3 +170,45 @@ class QwenImage21FlowModel(QwenImageFlowModel):
         if cfg:
             out = self._cfg_combine(out, g)
         return self.unpack(out)
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_latent(config: dict, h: int, w: int, patch: int, frames: int | None) -> tuple[tuple[int, ...], int]:
+    """A token per latent cell (sizes: multiples of 32 px)."""
+    return (int(config["in_channels"]), h, w), h * w
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, h·w, C] (a token per cell), ``timestep`` [B] fp32,
+    ``encoder_hidden_states`` [B, L, context_in_dim], ``img_shapes`` [(1, h, w)], ``img_mask`` [B, L + h·w/4] bool
+    (a real host tensor: the transformer reads the token layout from it on the host)."""
+    h, w = shapes.latent[-2], shapes.latent[-1]
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    img_mask = torch.zeros(rows, L + shapes.image_tokens // 4, dtype=torch.bool)  # a slot per 2×2 latent tokens
+    img_mask[:, L:] = True  # the target image's slots after the text
+    return {
+        "hidden_states": torch.empty(rows, shapes.image_tokens, config["in_channels"], dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["context_in_dim"], dtype=dtype, **meta),
+        "img_shapes": [[(1, h, w)]] * rows,
+        "img_mask": img_mask,
+    }
+
+
+def estimate_output(out: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    """The joint sequence's last tokens (the text's come first), a token per latent cell → [B, C, h, w]."""
+    return tokens_to_cells(out[:, -shapes.image_tokens :], shapes)
+
+
+QwenImage21FlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs,
+    latent=estimate_latent,
+    token_patch=2,
+    to_tokens=cells_to_tokens,
+    from_tokens=estimate_output,
+    decode=decode_frame,
+    masked_text=True,
+    text_limit=4096,
+)

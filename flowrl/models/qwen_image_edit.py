@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowrl.models.estimate_spec import EstimateSpec
 from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
 from flowrl.models.qwen_image import QwenImageFlowModel
 
@@ -86,3 +87,8 @@ class QwenImageEditFlowModel(QwenImageFlowModel):
         _, h, w = self.latent_shape
         source = text["image_latents"].to(device=self.device, dtype=hidden.dtype)
         return torch.cat([hidden, source], dim=1), [[(1, h // 2, w // 2)] * 2] * hidden.shape[0]
+
+
+# the estimate's data (flowrl.models.estimate_spec): Qwen-Image's transformer, each source's latent tokens after the
+# generated ones and its vision tokens in the text
+QwenImageEditFlowModel.estimate_spec = EstimateSpec(base="qwen_image", edit=True, vision=True)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowrl.models.estimate_spec import EstimateSpec
 from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompts
 from flowrl.models.qwen_image_edit import QwenImageEditFlowModel
 
@@ -186,3 +187,7 @@ class QwenImageEditPlusFlowModel(QwenImageEditFlowModel):
             out = self._cfg_combine(out, g)
             out = out * (v_cond.norm(dim=-1, keepdim=True) / out.norm(dim=-1, keepdim=True))
         return self.unpack(out)
+
+
+# the estimate's data (flowrl.models.estimate_spec): Qwen-Image's transformer, max_images sources per prompt
+QwenImageEditPlusFlowModel.estimate_spec = EstimateSpec(base="qwen_image", edit=True, vision=True)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -151,3 +152,22 @@ class SanaFlowModel(FlowModel):
         if config.out_channels // 2 == self.latent_channels:  # learned sigma: keep the velocity half
             out = out.chunk(2, dim=1)[0]
         return self._cfg_combine(out, g) if cfg else out
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, C, h, w], ``encoder_hidden_states``
+    [B, L, caption_channels], ``encoder_attention_mask`` [B, L] int64, ``timestep`` [B] fp32."""
+    c, h, w = shapes.latent
+    L, meta = shapes.text_tokens, {"device": "meta"}
+    return {
+        "hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
+        "encoder_hidden_states": torch.empty(rows, L, config["caption_channels"], dtype=dtype, **meta),
+        "encoder_attention_mask": torch.ones(rows, L, dtype=torch.long, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+    }
+
+
+SanaFlowModel.estimate_spec = EstimateSpec(inputs=estimate_inputs, size_multiple=32, masked_text=True)

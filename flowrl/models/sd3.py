@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -132,3 +133,24 @@ class SD3FlowModel(FlowModel):
             )[0]
         out = out.float()
         return self._cfg_combine(out, g) if cfg else out
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: ``hidden_states`` [B, C, h, w], ``timestep`` [B] fp32,
+    ``encoder_hidden_states`` [B, L, joint_dim], ``pooled_projections`` [B, pooled_dim]."""
+    c, h, w = shapes.latent
+    meta = {"device": "meta"}
+    return {
+        "hidden_states": torch.empty(rows, c, h, w, dtype=dtype, **meta),
+        "timestep": torch.empty(rows, dtype=torch.float32, **meta),
+        "encoder_hidden_states": torch.empty(
+            rows, shapes.text_tokens, config["joint_attention_dim"], dtype=dtype, **meta
+        ),
+        "pooled_projections": torch.empty(rows, config["pooled_projection_dim"], dtype=dtype, **meta),
+    }
+
+
+SD3FlowModel.estimate_spec = EstimateSpec(inputs=estimate_inputs, clip_tokens=True)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowrl.models.estimate_spec import EstimateSpec
 from flowrl.models.image_prompts import FORM, image_prompt, source_pil, split_image_prompt
 from flowrl.models.wan import WanFlowModel
 
@@ -119,3 +120,8 @@ class WanI2VFlowModel(WanFlowModel):
     def _model_input(self, hidden: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[latents, image_condition]`` along the channels: [R, 4 + 2C, F, h, w]."""
         return torch.cat([hidden, text["image_condition"].to(hidden.dtype)], dim=1)
+
+
+# the estimate's data (flowrl.models.estimate_spec): Wan's transformer inputs and decode (its input channels the
+# noise's and the first frame's condition, which the latent shape counts)
+WanI2VFlowModel.estimate_spec = EstimateSpec(base="wan", video=True)

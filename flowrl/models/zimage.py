@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.estimate_spec import EstimateSpec, Shapes
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -167,3 +168,34 @@ class ZImageFlowModel(FlowModel):
             scale = torch.where(norm > limit, limit / norm, torch.ones_like(norm))
             pred = torch.where((norm > limit).view(-1, 1, 1, 1), pred * scale.view(-1, 1, 1, 1), pred)
         return torch.where((t > self.cfg_truncation).view(-1, 1, 1, 1), pos, pred)
+
+
+# ---- the estimate's data (flowrl.models.estimate_spec) ----------------------------------------------
+
+
+def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype) -> dict:
+    """One transformer call's meta inputs: a list of [C, 1, h, w] latents and of [L, D] caption features, one per
+    row."""
+    h, w = shapes.latent[-2], shapes.latent[-1]
+    meta = {"device": "meta"}
+    return {
+        "x": [torch.empty(config["in_channels"], 1, h, w, dtype=dtype, **meta)] * rows,
+        "t": torch.empty(rows, dtype=torch.float32, **meta),
+        "cap_feats": [torch.empty(shapes.text_tokens, config["cap_feat_dim"], dtype=dtype, **meta)] * rows,
+    }
+
+
+def estimate_forward(module, inputs: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """One [C, 1, h, w] latent per row in, one per row out."""
+    inputs["x"] = list(hidden.unsqueeze(2).unbind(0))
+    return torch.stack(module(**inputs, return_dict=False)[0]).squeeze(2)
+
+
+def estimate_latent(config: dict, h: int, w: int, patch: int, frames: int | None) -> tuple[tuple[int, ...], int]:
+    """2×2 patches of the latent [C, h, w]."""
+    return (int(config["in_channels"]), h, w), (h // 2) * (w // 2)
+
+
+ZImageFlowModel.estimate_spec = EstimateSpec(
+    inputs=estimate_inputs, latent=estimate_latent, token_patch=2, forward=estimate_forward, masked_text=True
+)
