@@ -292,7 +292,7 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
 # ---- configuration --------------------------------------------------------------------------
 def test_inner_plan_keys_are_checked_against_its_own_fields():
     with pytest.raises(
-        ConfigError, match=r"'grup_size' is not a key of rollout.plan='chains' \(did you mean 'group_size'\?\)"
+        ConfigError, match=r"\.grup_size is not a key of rollout.plan='chains' \(did you mean 'group_size'\?\)"
     ):
         TrainConfig.from_yaml(None, ["rollout.plan=explore", "rollout.inner={plan: chains, grup_size: 4}"])
     with pytest.raises(ConfigError, match="rollout.kernel"):

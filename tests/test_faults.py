@@ -28,7 +28,7 @@ BAD_CONFIGS = [
     (["eval.rewards=[{name: shapes},{name: shapes}]"], ["eval.rewards (", "unique", "label"]),
     (
         ["configs/sd35/grpo_guard_pickscore.yaml", "rollout.plan=ode"],
-        ["rollout.plan=ode (on the command line) has no key 'rollout.kernel'", "grpo_guard_pickscore.yaml", "reads:"],
+        ["rollout.kernel is not a key of rollout.plan=ode (chosen", "grpo_guard_pickscore.yaml", "reads it"],
     ),
     (["optim.grad_clip=-1"], ["optim.grad_clip=-1", "> 0"]),
     (["optim.grad_clip=0"], ["optim.grad_clip=0", "> 0"]),

@@ -343,7 +343,7 @@ def test_the_corrected_score_is_reward_times_quality_above_three_plus_a_fifth():
     for kwargs, words in (
         ({"quality": []}, "at least one"),
         ({"quality": "brightness", "quality_range": [1, 1]}, "quality_range"),
-        ({"quality": {"nome": "x"}}, r"quality\[0\].*unknown keys"),
+        ({"quality": {"nome": "x"}}, r"quality\[0\]\.nome is not a key of .*did you mean 'name'"),
     ):
         with pytest.raises(ValueError, match=words):
             CorrectedScore(reward="redness", **kwargs)

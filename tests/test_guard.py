@@ -140,7 +140,7 @@ def test_the_guard_trips_below_its_threshold_absolute_or_relative_and_keeps_its_
     wider = EvalGuard(GuardSection(reward="level", max_drop=0.2), "eval/level_mean")
     wider.load_state_dict(guard.state_dict())
     assert wider.resume_refusal() is None and wider.stop is None and "within eval.guard.max_drop=0.2" in wider.note
-    with pytest.raises(ConfigError, match="accepted: \\['level', 'shapes'\\]"):
+    with pytest.raises(ConfigError, match="accepted: \\['x', 'y', 'z'\\]"):
         EvalGuard.build(GuardSection(reward="nope"), ["x", "y", "z"], multi)
 
 

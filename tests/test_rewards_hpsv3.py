@@ -237,7 +237,7 @@ def test_checkpoint_layouts_and_refusals(tiny, tmp_path):
 
 
 def test_settings_are_checked(tiny):
-    with pytest.raises(ConfigError, match="pixel=100 is not a setting of reward 'hpsv3'.*did you mean 'pixels'"):
+    with pytest.raises(ConfigError, match="pixel=100 is not a key of reward 'hpsv3'.*did you mean 'pixels'"):
         build_reward("hpsv3", pixel=100)
     with pytest.raises(ValueError, match="backend='vllm' is not one of"):
         build_reward("hpsv3", backend="vllm")

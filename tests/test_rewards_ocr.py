@@ -141,7 +141,7 @@ def test_unknown_engine_and_bad_settings_name_the_key_and_the_accepted_values():
         build_reward("ocr", min_confidence=1.5)
     with pytest.raises(
         ConfigError,
-        match=r"batch_size=8 is not a setting of reward 'ocr' \(OcrReward\); accepted: "
+        match=r"batch_size=8 is not a key of reward 'ocr' \(OcrReward\); accepted: "
         r"\['engine', 'threads', 'min_confidence'\]",
     ):
         build_reward("ocr", batch_size=8)

@@ -76,7 +76,7 @@ def test_plugin_errors_are_clear(plugin_dir):
         build_reward(f"{plugin_dir}/nope.py:MyReward")
     with pytest.raises(
         ConfigError,
-        match=r"colour=1 is not a setting of reward 'flowrl_test_plugin_mod:MyReward' "
+        match=r"colour=1 is not a key of reward 'flowrl_test_plugin_mod:MyReward' "
         r"\(MyReward\); accepted: \['channel', 'factor'\]",
     ):
         build_reward("flowrl_test_plugin_mod:MyReward", colour=1)

@@ -29,7 +29,7 @@ def test_a_refused_reward_setting_that_looks_like_a_secret_never_shows_its_value
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_yaml(None, [f"rewards=[{REMOTE % key}]"])
     message = str(e.value)
-    assert f"rewards[0].kwargs.{key}=" in message and "is not a setting of reward 'remote'" in message
+    assert f"rewards[0].kwargs.{key}=" in message and "is not a key of reward 'remote'" in message
     assert KEY not in message and "not shown" in message
 
 
@@ -37,7 +37,7 @@ def test_a_refused_model_keyword_that_looks_like_a_secret_never_shows_its_value(
     with pytest.raises(ConfigError, match=r"model\.kwargs\.tokn=<not shown") as e:
         TrainConfig.from_yaml(None, [f"model.kwargs={{tokn: {KEY}}}"])
     assert KEY not in str(e.value)
-    with pytest.raises(ConfigError, match=r"kwargs\.retires=7 is not a setting"):  # other values are still shown
+    with pytest.raises(ConfigError, match=r"kwargs\.retires=7 is not a key of"):  # other values are still shown
         TrainConfig.from_yaml(None, ["rewards=[{name: remote, kwargs: {url: 'http://127.0.0.1:9', retires: 7}}]"])
 
 

@@ -90,7 +90,7 @@ def test_without_a_reward_the_grid_shows_the_prompts_and_a_score_reward_its_numb
         ),
         (
             ["--reward", "shapes", "--reward-kwargs", '{"mod": "strict"}'],
-            ["--reward='shapes'", "mod='strict' is not a setting", "['mode']"],
+            ["--reward='shapes'", "mod='strict' is not a key of", "['mode']"],
         ),
         (["--reward-kwargs", '{"mode": "strict"}'], ["--reward-kwargs=", "needs --reward NAME"]),
     ],

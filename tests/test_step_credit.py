@@ -362,7 +362,7 @@ def test_step_credit_needs_the_right_probes_and_unnormalised_rewards(sd3_model):
         Probed(probe="x0")
     with pytest.raises(TypeError, match="inner_args"):
         Probed(inner_args=["steps=3"])  # one nested form: rollout.inner: {plan: tree, steps: 3}
-    with pytest.raises(ConfigError, match="rollout.inner: 'stepz' is not a key of rollout.plan='tree'.*'steps'"):
+    with pytest.raises(ConfigError, match="rollout.inner.stepz is not a key of rollout.plan='tree'.*'steps'"):
         Probed(inner={"plan": "tree", "stepz": 3})
     with pytest.raises(ConfigError, match="rollout.inner.plan='no_such_plan'"):
         Probed(inner="no_such_plan")

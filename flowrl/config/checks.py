@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 from flowrl.config.bounds import PEAK_TFLOPS
 from flowrl.config.secrets import HEADERS, SECRET_NAMES, is_secret
-from flowrl.core.choices import choose, did_you_mean
+from flowrl.core.choices import check_known, choose, nearest, refuse_key
+from flowrl.core.components import component_fields
 from flowrl.errors import ConfigError, shown
 from flowrl.models.dtypes import DTYPES
 from flowrl.prompts.source import check_adaptive_settings
@@ -75,12 +76,15 @@ def check_model_kwargs(m: Any) -> None:
         )
     accepted = [k for k in keywords if k not in MODEL_OWNED]
     for k, v in extra.items():
-        if k not in accepted:
-            raise ConfigError(
-                f"model.kwargs.{k}={value_shown(k, v, accepted)} is not a keyword of the model.family={m.family!r} "
-                "adapter"
-                f"{did_you_mean(k, accepted)}; accepted: {accepted} (its other keywords are model.* keys)"
-            )
+        check_known(
+            [k],
+            accepted,
+            f"the model.family={m.family!r} adapter",
+            prefix="model.kwargs.",
+            value=v,
+            secret=looks_secret(k, accepted),
+            note=" (its other keywords are model.* keys)",
+        )
 
 
 def check_reward_terms(cfg: Any) -> None:
@@ -92,25 +96,15 @@ def check_reward_terms(cfg: Any) -> None:
 
     for section, terms in (("rewards", cfg.rewards), ("eval.rewards", cfg.eval.rewards or [])):
         for i, term in enumerate(terms):
-            try:  # a refusal names a secret-looking key, never its value (the check is of the keys alone)
+            try:  # a refusal names a secret-looking key, never its value (nested settings too: gdro_corrected's)
                 given = dict(term.kwargs or {})
-                accepted = reward_setting_names(term.name) if given else ()
-                kwargs = {k: HIDDEN if looks_secret(k, accepted) else v for k, v in given.items()}
-                check_reward_kwargs(term.name, kwargs, key=f"{section}[{i}].kwargs", term=True)
+                check_reward_kwargs(term.name, given, key=f"{section}[{i}].kwargs", term=True, secret=looks_secret)
             except ConfigError:
                 raise
             except LOAD_ERRORS as e:  # a plugin that does not import, or is not a Reward (named in the message)
                 raise ConfigError(str(e)) from None
 
 
-class _Hidden:
-    """A value a refusal does not show (:func:`looks_secret`)."""
-
-    def __repr__(self) -> str:
-        return "<not shown: the key looks like a secret>"
-
-
-HIDDEN = _Hidden()
 SECRET_LOOKALIKE = 0.75
 """How close (difflib's ratio) a key, or a word of it, must come to a secret's name (:data:`SECRET_NAMES`) to look
 like one: ``api_kye`` (0.86), ``pasword`` (0.93), ``tokn`` (0.89)."""
@@ -135,26 +129,8 @@ def looks_secret(key: str, accepted: Iterable[str] = ()) -> bool:
     names = (*SECRET_NAMES, HEADERS)
     if any(difflib.get_close_matches(p, names, n=1, cutoff=SECRET_LOOKALIKE) for p in pieces):
         return True
-    nearest = difflib.get_close_matches(str(key), [str(a) for a in accepted], n=1)  # did_you_mean's suggestion
-    return bool(nearest) and _secret_name(nearest[0])
-
-
-def value_shown(key: str, value: Any, accepted: Iterable[str] = ()) -> str:
-    """``value`` as a refusal shows it (:func:`flowrl.errors.shown`), or a placeholder when ``key`` looks like a
-    secret (:func:`looks_secret`)."""
-    return repr(HIDDEN) if looks_secret(key, accepted) else shown(value)
-
-
-def reward_setting_names(name: str) -> tuple[str, ...]:
-    """The settings reward ``name`` accepts in a term's kwargs (its own and the combiner's), or none when its class
-    does not resolve (:func:`check_reward_terms` then names that)."""
-    from flowrl.core.registry import LOAD_ERRORS
-    from flowrl_rewards.core.registry import resolve_reward_class, settings_of
-
-    try:
-        return tuple(settings_of(resolve_reward_class(name)).names(term=True))
-    except (ConfigError, KeyError, *LOAD_ERRORS):
-        return ()
+    suggested = nearest(key, accepted)  # the suggestion a refusal would make (the one rule)
+    return suggested is not None and _secret_name(suggested)
 
 
 def check_model_section(m: Any) -> None:
@@ -310,7 +286,13 @@ def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
         unread = component.unread_keys()
         if unread:
             key, why = next(iter(unread.items()))
-            raise ConfigError(f"{key} is set but nothing reads it: {why}; remove it (or set what would read it)")
+            read = [f"{component.config_key}.{f.name}" for f in component_fields(type(component))]
+            refuse_key(
+                key,
+                [k for k in read if k not in unread],
+                problem=f"is set but nothing reads it: {why}; remove it (or set what would read it)",
+                suggest=False,
+            )
     objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     micro = cfg.train.micro_batch
     if micro is not None and objective.trains_on == "edges" and micro != cfg.rollout.max_batch:
@@ -327,6 +309,21 @@ def guard_names(cfg: Any) -> list[str]:
     return [t.label or t.name for t in (cfg.eval.rewards or cfg.rewards)]
 
 
+def check_guard_reward(reward: str, names: list[str], whose: str = "eval.rewards") -> None:
+    """``eval.guard.reward`` one of ``names`` (:func:`guard_names`: the eval reward terms as written in ``whose``),
+    else refused as every key is (:func:`refuse_key`). The one check of it: at load (:func:`check_guard`), and by
+    :meth:`flowrl.training.guard.EvalGuard.build` against the same names when a guard is built without a config."""
+    if reward not in names:
+        refuse_key(
+            "eval.guard.reward",
+            names,
+            f"the eval rewards (the terms of {whose}: a term's label, else its name as written)",
+            value=reward,
+            problem="is not one of",
+            near=reward,
+        )
+
+
 def check_guard(cfg: Any) -> None:
     """``eval.guard``: a margin >= 0; with a reward, one of the eval rewards, periodic evals to check it at
     (``eval.every`` or ``eval.every_minutes``) and held-out prompts to evaluate."""
@@ -334,14 +331,8 @@ def check_guard(cfg: Any) -> None:
     positive("eval.guard.max_drop", guard.max_drop, allow_zero=True)
     if guard.reward is None:
         return
-    names = guard_names(cfg)
-    if guard.reward not in names:
-        whose = "eval.rewards" if cfg.eval.rewards else "rewards (eval.rewards is null: the eval scores with them)"
-        raise ConfigError(
-            f"eval.guard.reward={shown(guard.reward)} is not one of the eval rewards"
-            f"{did_you_mean(guard.reward, names)}; accepted: {names} (the terms of {whose}: a term's "
-            "label, else its name as written)"
-        )
+    whose = "eval.rewards" if cfg.eval.rewards else "rewards (eval.rewards is null: the eval scores with them)"
+    check_guard_reward(guard.reward, guard_names(cfg), whose)
     if not cfg.eval.every and not cfg.eval.every_minutes:
         raise ConfigError(
             f"eval.guard.reward={shown(guard.reward)} is checked at the periodic evals, and eval.every=0 "

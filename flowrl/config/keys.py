@@ -4,7 +4,6 @@ nearest key; a component chosen on the command line over a preset that sets keys
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 from dataclasses import MISSING as NO_DEFAULT
@@ -13,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from flowrl.core import components
+from flowrl.core.choices import refuse_key
 from flowrl.errors import ConfigError, shown
 
 MOVED_KEYS = {
@@ -103,20 +103,37 @@ def all_keys(schema: type, prefix: str = "", lists: list[str] | None = None) -> 
     return out
 
 
-def unknown_key_message(e: OmegaConfBaseException, schema: type) -> str:
-    bad = getattr(e, "full_key", None) or str(e)
-    keys = list(known_keys(schema))
-    close = difflib.get_close_matches(bad, keys, n=1, cutoff=0.5)
-    if not close:  # compare the last component within the same section
-        section, _, leaf = bad.rpartition(".")
-        same = [k for k in keys if k.rpartition(".")[0] == section]
-        close = [
-            k
-            for k in same
-            if k.rpartition(".")[2] in difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in same], n=1)
-        ]
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown config key {bad!r}{hint} (see `flowrl train --help` or flowrl/config/schema.py for every key)"
+def section_keys(key: str, schema: type) -> list[str]:
+    """The keys a refusal of ``key`` lists as accepted: those of the deepest section of ``schema`` that ``key`` sits in
+    (``rollout.pol`` → every ``rollout.*`` key one level down), or the top-level sections."""
+    known = known_keys(schema)
+    parts = key_parts(key)
+    for i in range(len(parts) - 1, 0, -1):
+        section = ".".join(parts[:i])
+        own = [k for k in known if k.rpartition(".")[0] == section]
+        if own:
+            return own
+    return [k for k in known if "." not in k]
+
+
+def refuse_config_key(key: str, where: str, schema: type) -> None:
+    """Refuse ``key`` of the config (:func:`flowrl.core.choices.refuse_key`: the nearest of every key suggested, the
+    keys of its section accepted); a moved key names its new place."""
+    if key in MOVED_KEYS:
+        refuse_key(
+            key,
+            section_keys(key, schema),
+            f"(the config{where})",
+            problem=f"is gone; use {MOVED_KEYS[key]}",
+            suggest=False,
+        )
+    refuse_key(
+        key,
+        section_keys(key, schema),
+        f"the config{where}",
+        among=known_keys(schema),
+        note=" (`flowrl train --help` lists every key)",
+    )
 
 
 FREE_FORM = (
@@ -155,10 +172,12 @@ def check_file_keys_under_overridden_components(loaded: Any, path: Any, override
         foreign = [k for k in keys if k not in known and not any(k == f or k.startswith(f + ".") for f in FREE_FORM)]
         if foreign:
             own = sorted(k for k in known if k.startswith(kind.section + "."))
-            raise ConfigError(
-                f"{kind.key}={chosen} (on the command line) has no key {foreign[0]!r}, which {path} sets for "
-                f"its {kind.key}={from_file.get(kind.selector, kind.default)}; remove it from the file (or "
-                f"choose a {kind.selector} that reads it). {kind.key}={chosen} reads: {own}"
+            refuse_key(
+                foreign[0],
+                own,
+                f"{kind.key}={chosen} (chosen on the command line; {path} sets it for its "
+                f"{kind.key}={from_file.get(kind.selector, kind.default)}: remove it from the file, or choose a "
+                f"{kind.selector} that reads it)",
             )
 
 
@@ -168,11 +187,7 @@ def check_keys(keys: list[str], where: str, schema: type) -> None:
     for key in keys:
         if key in known or any(key == f or key.startswith(f + ".") or key.startswith(f + "[") for f in FREE_FORM):
             continue
-        if key in MOVED_KEYS:
-            raise ConfigError(f"config key {key!r}{where} is gone; use {MOVED_KEYS[key]}")
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{where}{hint} (`flowrl train --help` lists every key)")
+        refuse_config_key(key, where, schema)
 
 
 # ---- merging a file and the command line into the schema --------------------------------------------------------
@@ -181,6 +196,14 @@ def merge_layers(base: Any, loaded: Any, path: Any, overrides: list[str], schema
     the ``key=value`` ``overrides`` in order (:func:`apply_overrides`), every key checked first against ``schema``
     (a typo names the nearest key, a component chosen on the command line the file's keys it lacks, a section given a
     value names its keys). Returns the merged tree; a value of the wrong type is omegaconf's ValidationError."""
+    try:
+        return _merge_layers(base, loaded, path, overrides, schema)
+    except (ConfigKeyError, ConfigAttributeError) as e:  # a key omegaconf meets that no check above refused
+        refuse_config_key(str(getattr(e, "full_key", None) or e), f" in {path}" if loaded is not None else "", schema)
+        raise
+
+
+def _merge_layers(base: Any, loaded: Any, path: Any, overrides: list[str], schema: type) -> Any:
     layers = []
     if loaded is not None:
         check_file_keys_under_overridden_components(loaded, path, overrides, schema)

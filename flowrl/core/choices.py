@@ -12,6 +12,11 @@ that live outside a dataclass.
 Every key read or refused: a component declares the fields its other settings leave unread
 (:meth:`Checked.unread_fields`: field → why), and :meth:`Checked.unread_keys` names those set away from their
 defaults; the config check refuses them for every component kind alike (:func:`flowrl.config.checks.check_config`).
+
+One key path: every key refused (a config key, a component's field, a reward's setting or one nested in a reward's
+setting, a model keyword, an unread key, ``eval.guard.reward``'s name) is refused by :func:`refuse_key`, with one
+suggestion rule (:func:`nearest`) and one message form: ``KEY[=VALUE] PROBLEM WHERE (did you mean 'X'?); accepted:
+[...]``. A key that is or looks like a secret (the caller says so: ``secret``) never shows its value.
 """
 
 from __future__ import annotations
@@ -19,15 +24,81 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, NoReturn
 
 from flowrl.errors import ConfigError, shown
 
+SUGGESTION_CUTOFF = 0.6
+"""How close (difflib's ratio) a name must come to be suggested: the one suggestion rule's cutoff."""
+
+
+def nearest(value: Any, names: Iterable[Any]) -> str | None:
+    """The one suggestion rule: the name of ``names`` nearest to ``value`` (difflib, :data:`SUGGESTION_CUTOFF`); for a
+    dotted key none of whose full names comes near, the nearest last part among the keys of the same section
+    (``rollout.prob`` → ``rollout.probe``). None when nothing comes near."""
+    value, names = str(value), [str(n) for n in names]
+    close = difflib.get_close_matches(value, names, n=1, cutoff=SUGGESTION_CUTOFF)
+    if close:
+        return close[0]
+    section, dot, leaf = value.rpartition(".")
+    if not dot:
+        return None
+    same = {n.rpartition(".")[2]: n for n in names if n.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(leaf, list(same), n=1, cutoff=SUGGESTION_CUTOFF)
+    return same[close[0]] if close else None
+
 
 def did_you_mean(value: Any, names: Iterable[Any]) -> str:
-    """`` (did you mean 'x'?)`` for the name of ``names`` nearest to ``value``, else ``""``."""
-    close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """`` (did you mean 'x'?)`` for :func:`nearest`, else ``""``."""
+    close = nearest(value, names)
+    return f" (did you mean {close!r}?)" if close is not None else ""
+
+
+class _NotGiven:
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+NOT_GIVEN: Any = _NotGiven()
+HIDDEN_VALUE = "<not shown: the key looks like a secret>"
+"""What a refusal shows in place of the value of a key that is or looks like a secret."""
+
+
+def refuse_key(
+    key: str,
+    accepted: Iterable[Any],
+    where: str = "",
+    *,
+    prefix: str = "",
+    value: Any = NOT_GIVEN,
+    secret: bool = False,
+    problem: str = "is not a key of",
+    note: str = "",
+    suggest: bool = True,
+    near: Any = NOT_GIVEN,
+    among: Iterable[Any] | None = None,
+    error: type[Exception] = ConfigError,
+) -> NoReturn:
+    """The one refusal of a key, of every kind: raise ``error`` with one message form,
+    ``KEY[=VALUE] PROBLEM WHERE (did you mean 'X'?); accepted: [...]NOTE``: ``prefix`` + ``key`` as the config
+    spells it (``rewards[0].kwargs.`` + ``mdoe``); ``value`` when given (a placeholder when ``secret``: the key is
+    or looks like a secret); ``problem`` (default ``is not a key of``) and ``where`` the key came from (a reward, a
+    component, a file); the suggestion, :func:`nearest` to ``near`` (default ``key``) among ``among`` (default
+    ``accepted``), none with ``suggest`` False (a key that exists but nothing reads); every ``accepted`` key."""
+    accepted = list(accepted)
+    shown_value = "" if value is NOT_GIVEN else "=" + (HIDDEN_VALUE if secret else shown(value))
+    where = f" {where}" if where else ""
+    among = accepted if among is None else list(among)
+    hint = did_you_mean(key if near is NOT_GIVEN else near, among) if suggest else ""
+    raise error(f"{prefix}{key}{shown_value} {problem}{where}{hint}; accepted: {accepted}{note}")
+
+
+def check_known(given: Iterable[Any], accepted: Iterable[Any], where: str = "", **refusal: Any) -> None:
+    """Refuse (:func:`refuse_key`, with ``refusal``) the first key of ``given`` not in ``accepted``."""
+    accepted = list(accepted)
+    for k in given:
+        if k not in accepted:
+            refuse_key(k, accepted, where, **refusal)
 
 
 def choose(key: str, value: Any, accepted: Iterable[Any], error: type[Exception] = ConfigError) -> None:

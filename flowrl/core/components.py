@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional, Union
 
-from flowrl.core.choices import Checked, check_choices, did_you_mean
+from flowrl.core.choices import Checked, check_choices, check_known
 from flowrl.core.plugins import public_name
 from flowrl.core.registry import LOAD_ERRORS, Registry
 from flowrl.errors import ConfigError
@@ -177,6 +177,19 @@ def instantiate(kind: Kind, section: Any) -> Any:
     return component
 
 
+def _check_nested_keys(given: dict[str, Any], fields: list[dataclasses.Field], key: str, where: str) -> None:
+    """Every key of ``given`` one of ``fields``, and every key of a nested mapping one of its section's fields (a field
+    whose default is a dataclass), refused as every key is (:func:`flowrl.core.choices.check_known`)."""
+    names = [f.name for f in fields]
+    check_known(given, names, where, prefix=f"{key}.")
+    for f in fields:
+        value = given.get(f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if dataclasses.is_dataclass(default) and (isinstance(value, dict) or hasattr(value, "keys")):
+            sub = dict(value)
+            _check_nested_keys(sub, list(dataclasses.fields(default)), f"{key}.{f.name}", f"{where}'s {f.name}")
+
+
 def build_nested(kind: Kind, spec: str | dict[str, Any], *, key: str, refuse: type | None = None) -> Any:
     """A component that another one wraps (e.g. ``rollout.inner`` of a probed or an explore plan), given in the
     one nested form: a name (registry name, ``module:Class`` or ``file.py:Class``, with its defaults) or a
@@ -185,7 +198,7 @@ def build_nested(kind: Kind, spec: str | dict[str, Any], *, key: str, refuse: ty
     component's own fields like a section of the config. Errors name ``key``; a subclass of ``refuse`` (a
     wrapper wrapping its own kind) is refused before its keys are read."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
 
     example = f"{key}: {{{kind.selector}: NAME, key: value, ...}}"
     if isinstance(spec, str):
@@ -203,18 +216,12 @@ def build_nested(kind: Kind, spec: str | dict[str, Any], *, key: str, refuse: ty
             f"{key}.{kind.selector}={name!r} is a {refuse.__name__} too: a {refuse.__name__} cannot "
             "wrap another one; name the component to wrap"
         )
-    fields = [f.name for f in component_fields(cls)]
+    _check_nested_keys(args, list(component_fields(cls)), key, f"{kind.section}.{kind.selector}={name!r}")
     given = OmegaConf.create(args)
-    for k in given.keys():
-        if k not in fields:
-            raise ConfigError(
-                f"{key}: {k!r} is not a key of {kind.section}.{kind.selector}={name!r}"
-                f"{did_you_mean(k, fields)}; its keys: {fields}"
-            )
     schema = OmegaConf.structured(section_schema(kind, name))
     try:
         section = OmegaConf.to_object(OmegaConf.merge(schema, given))
-    except (ConfigKeyError, ConfigAttributeError, ValidationError) as e:
+    except ValidationError as e:  # a value of the wrong type (every key was checked above)
         raise ConfigError(f"{key}: {getattr(e, 'full_key', '') or ''} {str(e).splitlines()[0]}".strip()) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{key}: {e}") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from flowrl.config.checks import check_guard_reward
 from flowrl.errors import ConfigError
 from flowrl_rewards.core.port import Scorer
 
@@ -38,9 +39,13 @@ class EvalGuard:
         built = [term.name for term in reward.terms]
         if section.reward in built:
             return cls(section, f"eval/{section.reward}_mean")
-        if section.reward in names and len(names) == len(built):
-            return cls(section, f"eval/{built[list(names).index(section.reward)]}_mean")
-        raise ConfigError(f"eval.guard.reward={section.reward!r} is not one of the eval rewards; accepted: {built}")
+        check_guard_reward(section.reward, list(names))  # the one check of it (at load, against the same names)
+        if len(names) != len(built):
+            raise ConfigError(
+                f"eval.guard.reward={section.reward!r}: the eval reward has {len(built)} terms ({built}) and "
+                f"{len(names)} names were given ({list(names)}); give one name per term"
+            )
+        return cls(section, f"eval/{built[list(names).index(section.reward)]}_mean")
 
     def threshold(self, start: float, max_drop: float | None = None, relative: bool | None = None) -> float:
         """The value below which the guard trips, for a start value (by default at this guard's settings)."""

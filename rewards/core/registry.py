@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-from flowrl.core.choices import did_you_mean
+from flowrl.core.choices import check_known
 from flowrl.core.registry import Registry
-from flowrl.errors import ConfigError, shown
+from flowrl.errors import ConfigError
 from flowrl_rewards.core.base import Reward
 
 REGISTRY = Registry(
@@ -47,6 +47,11 @@ REGISTRY = Registry(
     base=Reward,
 )
 """Reward names → :class:`Reward` subclasses or ``"module:Class"`` (a :class:`flowrl.core.registry.Registry`)."""
+
+
+Secret = Callable[[str, Iterable[str]], bool]
+"""Whether a refused setting is or looks like a secret (its value then not shown), given it and the accepted ones:
+the config check passes :func:`flowrl.config.checks.looks_secret`."""
 
 
 class _NoDefault:
@@ -100,20 +105,26 @@ class RewardSettings:
         """The accepted keys: its own, then (``term``) the combiner's :data:`TERM_KWARGS`."""
         return [s.name for s in self.own + (TERM_KWARGS if term else ())]
 
-    def check(self, name: str, kwargs: Mapping[str, Any], key: str | None = None, term: bool = False) -> None:
+    def check(
+        self,
+        name: str,
+        kwargs: Mapping[str, Any],
+        key: str | None = None,
+        term: bool = False,
+        secret: Secret | None = None,
+    ) -> None:
         """Every key of ``kwargs`` one of :meth:`names` (unless ``open``) and every required setting given; else a
         ConfigError naming ``key.<setting>`` (``key``: e.g. ``rewards[0].kwargs``; None: the setting alone), the
-        value and the accepted keys."""
+        value (not shown where ``secret(setting, accepted)`` says it is or looks like a secret) and the accepted
+        keys (:func:`flowrl.core.choices.refuse_key`)."""
         where = f"{key}." if key else ""
         whose = f"reward {name!r} ({self.reward.__name__})"
         accepted = self.names(term)
         if not self.open:
             for k, v in kwargs.items():
                 if k not in accepted:
-                    raise ConfigError(
-                        f"{where}{k}={shown(v)} is not a setting of {whose}{did_you_mean(k, accepted)}; "
-                        f"accepted: {accepted}"
-                    )
+                    hide = bool(secret and secret(k, accepted))
+                    check_known([k], accepted, whose, prefix=where, value=v, secret=hide)
         missing = [s.name for s in self.own if s.required and s.name not in kwargs]
         if missing:
             raise ConfigError(
@@ -174,12 +185,19 @@ def settings_of(cls: type) -> RewardSettings:
     return RewardSettings(cls, own, open=any(p.kind is p.VAR_KEYWORD for p in params))
 
 
-def check_reward_kwargs(name: str, kwargs: Mapping[str, Any], key: str | None = None, term: bool = False) -> type:
+def check_reward_kwargs(
+    name: str, kwargs: Mapping[str, Any], key: str | None = None, term: bool = False, secret: Secret | None = None
+) -> type:
     """Check ``kwargs`` against the settings of reward ``name`` (:meth:`RewardSettings.check`; ``term``: the combiner's
     :data:`TERM_KWARGS` accepted too) by importing its class, not building it; returns the class. ``key`` names the
-    kwargs in errors (``rewards[0].kwargs``; its name is checked as ``rewards[0].name``)."""
+    kwargs in errors (``rewards[0].kwargs``; its name is checked as ``rewards[0].name``). A reward whose settings
+    nest other rewards' (``gdro_corrected``'s ``reward`` and ``quality`` terms) checks those too, by its classmethod
+    ``check_nested(kwargs, key, secret)``: at load as when it is built."""
     cls = resolve_reward_class(name, key and f"{key.rpartition('.')[0]}.name")
-    settings_of(cls).check(name, kwargs, key, term)
+    settings_of(cls).check(name, kwargs, key, term, secret)
+    nested = getattr(cls, "check_nested", None)
+    if nested is not None:
+        nested({k: v for k, v in kwargs.items()}, key, secret)
     return cls
 
 
