@@ -24,8 +24,9 @@ every row, so a kill leaves what was measured):
   batch;
 - ``seeds`` (issue 65, not in the default parts): the seed methods' cost claims on real-size models with random
   weights — FLUX.1-dev BranchGRPO, BranchGRPO-Mix and MixGRPO against DanceGRPO chains at 16 images per prompt
-  (s/iteration, rollout forwards and trained edges against ALGORITHMS §4–5's closed forms), TP-GRPO against chains on
-  SD3.5-Medium (forwards per chain against §8's), and Sol-RL's explorer (candidates/s in FP8 against BF16 on
+  (s/iteration, rollout forwards and trained edges against the closed forms of docs/algorithms.md ("Chains") and
+  docs/trees.md ("Cost: closed forms")), TP-GRPO against chains on SD3.5-Medium (forwards per chain against
+  docs/step_credit.md's), and Sol-RL's explorer (candidates/s in FP8 against BF16 on
   SD3.5-Medium and FLUX.1-dev, and which FP8 matmul ran); every row with the published claim and a verdict;
 - ``async`` (not in the default parts): the SD3.5-Medium NFT preset with ``train.pipeline=sync`` against
   ``train.pipeline=async`` (``train.max_staleness=1``) on the one GPU, each a ``flowrl train`` process loading a
@@ -496,7 +497,7 @@ COLUMNS = {
     "seeds": {  # one table per kind of row (gpu_report.Report.tables)
         "bench": (
             "**Trees and windows against chains** (one training iteration each, one prompt; forwards and edges per "
-            "prompt, each against ALGORITHMS.md's closed form; ratio = s/iteration ÷ the baseline's):",
+            "prompt, each against its closed form in the docs; ratio = s/iteration ÷ the baseline's):",
             [
                 ("row", "name"),
                 ("method", "method"),
@@ -1390,7 +1391,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         ("rollout.kernel=cps", "rollout.group_size={group}"),
         ("rollout.steps=4",),
         0.4,
-        claim="baseline (§4: T forwards and T − 1 trained edges per chain)",
+        claim="baseline (chains: T forwards and T − 1 trained edges per chain)",
         loss_from="configs/sd35/tp_grpo_pickscore.yaml",
     ),
     SeedRow(
@@ -1403,7 +1404,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         ("rollout.inner.steps=4",),
         0.7,
         baseline="sd35m_chains",
-        claim="TP-GRPO (§8): 2T + Σ_{k=1}^{n−1}(T − k) forwards per chain against T: 64 vs 10 for SD3.5, T 10, n 9; "
+        claim="TP-GRPO: 2T + Σ_{k=1}^{n−1}(T − k) forwards per chain against T: 64 vs 10 for SD3.5, T 10, n 9; "
         "n + 1 reward calls against 1",
     ),
     SeedRow(
@@ -1426,7 +1427,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         FLUX_PX + ("rollout.group_size=16", "rollout.steps=20"),
         CHAINS_TINY,
         2.2,
-        claim="baseline (§5: 320 forwards and 320 edges per prompt for 16 independent chains; DanceGRPO's shared x_T "
+        claim="baseline (trees: 320 forwards and edges per prompt for 16 independent chains; DanceGRPO's shared x_T "
         "makes the first step one forward, its last step is ODE)",
     ),
     SeedRow(
@@ -1440,7 +1441,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         1.2,
         baseline="flux_dance_grpo",
         claimed_ratio=0.45,
-        claim="BranchGRPO: −55 % s/iteration against DanceGRPO with pruning (FLUX.1-dev, HPDv2.1); §5: 203 forwards, "
+        claim="BranchGRPO: −55 % s/iteration against DanceGRPO with pruning (FLUX.1-dev, HPDv2.1); 203 forwards, "
         "154 trained edges (218 unpruned) per prompt",
     ),
     SeedRow(
@@ -1454,7 +1455,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         0.7,
         baseline="flux_dance_grpo",
         claimed_ratio=1 / 4.7,
-        claim="BranchGRPO-Mix: 4.7× faster than DanceGRPO; §5: 203 forwards, 34 trained edges per prompt",
+        claim="BranchGRPO-Mix: 4.7× faster than DanceGRPO; trees: 203 forwards, 34 trained edges per prompt",
     ),
     SeedRow(
         "flux_mix_grpo",
@@ -1467,7 +1468,7 @@ SEEDS = (  # in this order: each baseline before its rows, the FLUX rows after t
         0.9,
         baseline="flux_dance_grpo",
         claimed_ratio=0.5,
-        claim="MixGRPO: −50 % training time against DanceGRPO; §4: T forwards per chain, the window's 4 trained edges",
+        claim="MixGRPO: −50 % training time against DanceGRPO; T forwards per chain, the window's 4 trained edges",
     ),
     SeedRow(
         "flux_explorer",
@@ -1516,10 +1517,11 @@ def own_overrides(spec: SeedRow, args: argparse.Namespace) -> list[str]:
     return own + (list(spec.tiny) if args.tiny else [])
 
 
-# the closed forms, per prompt (ALGORITHMS.md §4, §5, §8), written out here rather than asked of the plans: the row
+# the closed forms, per prompt (docs/algorithms.md "Chains", docs/trees.md "Cost: closed forms", docs/step_credit.md
+# "TP-GRPO"), written out here rather than asked of the plans: the row
 # compares what the plan did with what the published arithmetic says
 def chains_closed_form(steps: int, group: int, window: list[int], shared_noise: bool) -> dict:
-    """§4: T forwards per chain (with one x_T per group the steps up to and including the first stochastic one are
+    """Chains: T forwards per chain (with one x_T per group the steps up to and including the first stochastic one are
     one forward for the group), one trained edge per window step."""
     trunk = window[0] + 1 if shared_noise and window else 0
     return {"forwards": trunk + group * (steps - trunk), "trained_edges": group * len(window), "leaves": group}
@@ -1535,7 +1537,7 @@ def tree_closed_form(
     prune_every: int = 30,
     iteration: int = 0,
 ) -> dict:
-    """§5: n(i) = K^{#splits < i} nodes at step i; rollout forwards Σ_{i<T} n(i); trained edges Σ n(i+1) over the
+    """Trees: n(i) = K^{#splits < i} nodes at step i; rollout forwards Σ_{i<T} n(i); trained edges Σ n(i+1) over the
     SDE steps (``sde``: all; ``mix``: the splits and steps [0, mix_window)) less the depth-pruned ones (child steps
     in a window of ``prune_size`` from the last split + 2, sliding by one every ``prune_every`` iterations)."""
     n = [branch ** sum(1 for s in splits if s < i) for i in range(steps + 1)]
@@ -1551,7 +1553,7 @@ def tree_closed_form(
 
 
 def tp_closed_form(steps: int, group: int, sde_steps: int) -> dict:
-    """§8, a window of n SDE steps from step 0: per chain T rollout forwards, T for the pure-ODE reference R_0 and
+    """TP-GRPO, a window of n SDE steps from step 0: per chain T rollout forwards, T for the pure-ODE reference R_0 and
     T − k for the completion after SDE step k = 1 … n − 1; n trained edges, n + 1 reward calls."""
     per_chain = 2 * steps + sum(steps - k for k in range(1, sde_steps))
     return {

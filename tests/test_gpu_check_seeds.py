@@ -1,5 +1,6 @@
 """scripts/gpu_check.py's parts of issue 65 (docs/gpu.md, "The seeds part" and "The shapes question"): the closed forms
-the seeds rows are held to (ALGORITHMS.md §4, §5, §8) and the GPU rows' settings that give the published numbers;
+the seeds rows are held to (docs/algorithms.md "Chains", docs/trees.md "Cost: closed forms", docs/step_credit.md
+"TP-GRPO") and the GPU rows' settings that give the published numbers;
 the verdicts; which low-precision matmul an explorer ran; the ``--tiny`` rehearsal of both parts on the CPU (rows
 measured, counts equal to their closed forms, ratios to the baselines, the shapes answer); scripts/gpu_check.sh's
 install of a carried torchao wheel. The command-line runs (the shapes
@@ -55,18 +56,21 @@ def check_keys(actual: dict, documented: dict, path: str, optional: set[str] = f
 def test_closed_forms_are_the_published_numbers():
     s = load_script()
     tree = s.tree_closed_form(20, 2, [0, 3, 6, 9])
-    assert (tree["forwards"], tree["trained_edges"], tree["leaves"]) == (203, 218, 16)  # §5
+    assert (tree["forwards"], tree["trained_edges"], tree["leaves"]) == (203, 218, 16)  # docs/trees.md
     pruned = s.tree_closed_form(20, 2, [0, 3, 6, 9], prune_size=4, prune_every=30)
     assert (pruned["trained_edges"], pruned["unpruned_edges"]) == (154, 218)  # docs/trees.md: child steps 11–14
     for iteration in (30, 200):  # the window slides (to child steps 17–20 at most), over as many nodes
         assert s.tree_closed_form(20, 2, [0, 3, 6, 9], prune_size=4, iteration=iteration)["trained_edges"] == 154
     assert s.tree_closed_form(20, 2, [0, 3, 6, 9], mode="mix", mix_window=4)["trained_edges"] == 34
     independent = s.chains_closed_form(20, 16, list(range(19)), shared_noise=False)
-    assert (independent["forwards"], independent["trained_edges"]) == (320, 304)  # §5's 320 count the last step too
+    assert (independent["forwards"], independent["trained_edges"]) == (
+        320,
+        304,
+    )  # the trees doc's 320: last step too
     assert s.chains_closed_form(20, 16, list(range(19)), shared_noise=True)["forwards"] == 305
     assert s.chains_closed_form(20, 16, [5, 6, 7, 8], shared_noise=True)["forwards"] == 6 + 16 * 14
     tp = s.tp_closed_form(10, 1, 9)
-    assert (tp["forwards"], tp["trained_edges"], tp["reward_calls"]) == (64, 9, 10)  # §8: 64 vs 10 per chain
+    assert (tp["forwards"], tp["trained_edges"], tp["reward_calls"]) == (64, 9, 10)  # TP-GRPO: 64 vs 10 per chain
     assert s.chains_closed_form(10, 1, list(range(9)), shared_noise=False)["forwards"] == 10
 
 
