@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from flowrl.config import keys
 from flowrl.config.secrets import redacted, refuse_redacted
@@ -493,8 +493,6 @@ class TrainConfig:
         base = _defaults(schema)  # shared: read here, copied by the merge
         try:  # the file, then each override (one may index into a list: rewards.1.kwargs.x=…), every key checked
             base = keys.merge_layers(base, loaded, path, list(overrides or []), schema)
-        except (ConfigKeyError, ConfigAttributeError) as e:
-            raise ConfigError(keys.unknown_key_message(e, schema)) from None
         except ValidationError as e:
             raise ConfigError(f"config key {e.full_key!r}: {shown_message(str(e.msg).splitlines()[0])}") from None
         except OmegaConfBaseException as e:
