@@ -130,22 +130,10 @@ class EstimateSpec:
     defaults: dict = field(default_factory=dict)
 
 
-PENDING = {"flowrl.models.wan:WanFlowModel": "flowrl.models.wan_estimate:WAN_ESTIMATE"}
-"""Adapter classes whose module does not name its spec yet (``"module:Class"`` → ``"module:attr"`` of the spec):
-read until the class declares ``estimate_spec`` itself."""
-
-
 def adapter_spec(cls: type) -> EstimateSpec | None:
     """The :class:`EstimateSpec` of adapter class ``cls`` (its own or the nearest base class's), else None."""
-    import importlib
-
     for klass in cls.__mro__:
         spec = klass.__dict__.get("estimate_spec")
-        if spec is None:
-            spec = PENDING.get(f"{klass.__module__}:{klass.__qualname__}")
-            if spec is not None:
-                module, _, attr = spec.rpartition(":")
-                spec = getattr(importlib.import_module(module), attr)
         if isinstance(spec, EstimateSpec):
             return spec
     return None

@@ -48,6 +48,7 @@ from torch import nn
 
 from flowrl.models.base import Conditioning, FlowModel
 from flowrl.models.qwen_image import QwenImageFlowModel
+from flowrl.models.wan_estimate import WAN_ESTIMATE
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -453,3 +454,7 @@ class WanFlowModel(FlowModel):
                 param.requires_grad_("lora_" in name)
             experts.peft_config = experts.trained_experts()[0].peft_config
             self.has_lora = True
+
+
+# what flowrl.estimate needs of the family (flowrl/models/estimate_spec.py): its inputs live beside it
+WanFlowModel.estimate_spec = WAN_ESTIMATE
