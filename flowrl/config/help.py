@@ -4,7 +4,8 @@ docs/keys.md, both from one source.
 Where a key's help lives:
 
 - the schema's own sections (``model``, ``rewards``, ``optim``, ``prompts``, ``eval``, ``train``; flowrl/config/
-  schema.py): ``field(..., metadata={"help": ...})`` on each field, as TRL's config dataclasses carry theirs;
+  model_section.py and sections.py): ``field(..., metadata={"help": ...})`` on each field, as TRL's config
+  dataclasses carry theirs;
 - the component sections (``rollout``, ``credit``, ``loss``), whose keys are the chosen plan's, credit rule's or
   objective's dataclass fields (:mod:`flowrl.core.components`): a field's ``metadata={"help": ...}`` when it has one,
   else the comment beside the field in its class's source, else the entry of its class's docstring (or of its
