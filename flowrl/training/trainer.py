@@ -22,9 +22,7 @@ own small piece, wired here:
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -46,27 +44,26 @@ from flowrl.distributed.sharding import (
 )
 from flowrl.models.base import FlowModel
 from flowrl.models.blocks import apply_block_settings
-from flowrl.prompts.checks import check_prompts
-from flowrl.prompts.source import build_prompt_source, read_prompts
+from flowrl.prompts.source import build_prompt_source
 from flowrl.rollout.forest import Forest
-from flowrl.rollout.runner import RolloutRunner
 from flowrl.run.folder import RunFolder
 from flowrl.run.signals import stop_on_first_interrupt
 from flowrl.training.callbacks import Callback, Stop, TrainerControl, default_callbacks
-from flowrl.training.evaluation import HeldOutEval, resolve_guidance
-from flowrl.training.metrics import log_grid_image, plot_reward_curve
+from flowrl.training.evaluation import resolve_guidance
+from flowrl.training.metrics import plot_reward_curve
 from flowrl.training.perf import PerfMeter
 from flowrl.training.pipeline import check_pipeline, rollout_failure, split_threads
 from flowrl.training.rollout_process import serve_rollout_rank
 from flowrl.training.scoring import check_modality, run_rewards
 from flowrl.training.trainable import setup_trainable, teacher_weights
 from flowrl.training.trainer_checkpoints import TrainerCheckpoints
+from flowrl.training.trainer_evals import TrainerEvals
 from flowrl.training.trainer_pipeline import TrainerPipeline
 from flowrl.training.updater import Updater
 from flowrl_rewards.background import RewardWaitCut
 
 
-class Trainer(TrainerCheckpoints, TrainerPipeline):
+class Trainer(TrainerCheckpoints, TrainerPipeline, TrainerEvals):
     """Config + model + reward → an aligned model in ``runs/<name>/`` (TRL-style Config/Trainer pair).
 
     ``model``: a ready :class:`FlowModel` (e.g. ``flowrl.wrap(pipe)``); None builds it from
@@ -115,7 +112,13 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
         check_shard_settings(c, self.group.processes, shard)
         check_pipeline(c, model, reward)
         self.folder = RunFolder(c, self.group)
-        # rewards and prompts first: a bad prompt line or a reward server that is down fails before the model loads
+        self._build_policy(model, reward, shard)
+        self._build_loop(rollout_threads, callbacks)
+
+    def _build_policy(self, model: FlowModel | None, reward: Any, shard: str) -> None:
+        """Rewards, components, the model and what trains, their copies and compile, then the shards: in this order
+        (a bad prompt line or a reward server that is down fails before the model loads)."""
+        c = self.cfg
         self.reward, self.eval_reward = run_rewards(c, reward, model)  # built, each prompt line scorable, servers up
         self.plan, self.credit, self.objective = build_components(c)  # this run's own, checked; fixed for the run
         self.facts = self.objective.describe()
@@ -138,41 +141,19 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
             )
             self.sharding.shard(compute_dtype(self.model))
             self.params = [p for p in self.model.trainable.parameters() if p.requires_grad]  # now the shards
+
+    def _build_loop(self, rollout_threads: int | None, callbacks: Sequence[Callback]) -> None:
+        """The loop's parts over the built policy: prompts, rollouts (here or in a rollout process), the updater, the
+        evals and the callbacks."""
+        c = self.cfg
         self.prompts = build_prompt_source(c.prompts, c.train.seed)
-        self.runner = RolloutRunner(
-            self.plan,
-            self.model,
-            self.reward,
-            self.prompts,
-            self.group,
-            seed=c.train.seed,
-            guidance=self.guidance,
-            max_batch=c.rollout.max_batch,
-            chunks=c.rollout.chunks,
-            reduction=self.objective.reduction,
-            teacher=self.objective.sampling_teacher(),
-            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
-        )
+        self.runner = self._rollout_runner()  # the rollouts here (sync; snr) and the prompt groups of each job
         self.updater = Updater(
             c, self.model, self.objective, self.plan, self.params, self.group, sharded=self.sharding is not None
         )
         # train.pipeline=async: the forests come from a rollout process, on the fixed schedule of train.max_staleness
         self.rollouts = self._pipeline(rollout_threads) if c.train.pipeline == "async" else None
-        eval_prompts = read_prompts(c.prompts.eval, "prompts.eval") if c.prompts.eval else []
-        self.eval_prompts = eval_prompts[: c.eval.num_prompts] if c.eval.num_prompts else eval_prompts
-        self.evaluate = HeldOutEval(
-            c.eval,
-            self.model,
-            self.eval_prompts,
-            self.eval_reward,
-            self.group,
-            run_dir / "samples",
-            self.guidance,
-            progress=c.train.progress,
-            train_reward=self._held_out_training_reward(),
-            on_grid=functools.partial(log_grid_image, self.accelerator, c.train.log_with),
-            max_batch=c.rollout.max_batch,
-        )
+        self.evaluate = self._held_out_eval()
         self.callbacks = [*default_callbacks(c, self.reward, self.eval_reward), *callbacks]  # eval.guard among them
         self.control = TrainerControl()  # what the callbacks ask of the loop: save, evaluate, stop
         self.resumed_from: Path | None = None
@@ -267,14 +248,6 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
     def out_of_time(self) -> bool:
         """Whether ``train.max_minutes`` (0: no limit) of iterations have run."""
         return bool(self.cfg.train.max_minutes) and self.train_seconds >= 60.0 * self.cfg.train.max_minutes
-
-    def eval_due(self, seconds_before: float) -> bool:
-        """Whether the step just taken ends an eval period: every ``eval.every`` iterations, or (with
-        ``eval.every_minutes``) when the training time crossed a multiple of that many minutes during it."""
-        every, minutes = self.cfg.eval.every, self.cfg.eval.every_minutes
-        by_steps = bool(every) and self.step % every == 0
-        by_time = bool(minutes) and int(self.train_seconds // (60 * minutes)) > int(seconds_before // (60 * minutes))
-        return by_steps or by_time
 
     def train(self) -> list[dict[str, Any]]:
         """Run to ``train.max_steps`` (or until ``train.max_minutes`` of training, evals excluded, when set, or until a
@@ -417,29 +390,3 @@ class Trainer(TrainerCheckpoints, TrainerPipeline):
             self._log.write(record)
         if self.cfg.train.log_with != "none":
             self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
-
-    def _evaluate(self, tag: str | None = None) -> None:
-        """One held-out eval (``tag``: before/after; None: periodic) with the eval guard's verdict, recorded."""
-        with self.ema_weights(), self.sampling():
-            record: dict[str, Any] = {"step": self.step, **self.evaluate(self.step, tag)}
-        for callback in self.callbacks:
-            record.update(callback.on_eval_end(self, record, self.control))  # e.g. the eval guard's verdict
-        self._emit(record)
-
-    def _held_out_training_reward(self):
-        """The training reward, to score the evals' images with as well when the eval's rewards are others (the
-        training reward held out beside the guard rewards); None when they are the same, or when it cannot score
-        every held-out prompt (warned)."""
-        c = self.cfg
-        if self.eval_reward is self.reward or not c.prompts.eval:
-            return None
-        try:
-            check_prompts(c.prompts.eval, "prompts.eval", self.reward.check_prompt)
-        except ConfigError as e:
-            warnings.warn(
-                f"the evals report eval.rewards only: the training reward cannot score every held-out prompt ({e})",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
-        return self.reward

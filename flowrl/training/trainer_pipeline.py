@@ -10,6 +10,7 @@ import functools
 
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.rollout.forest import Forest
+from flowrl.rollout.runner import RolloutRunner
 from flowrl.training.pipeline import AsyncRollouts, RolloutJob
 from flowrl.training.rollout_process import DistLink, LocalRolloutProcess, layout_of
 
@@ -25,6 +26,25 @@ class TrainerPipeline:
         if self.rolls_out:
             self.group = ProcessGroup(self.accelerator)
         return (self.layout.trainer_group, self.layout.trainers) if self.layout is not None else None
+
+    def _rollout_runner(self) -> RolloutRunner:
+        """This process's rollouts in its own process: the plan over the policy, scored by the training reward (a
+        ``sync`` run's every iteration; ``async``: the prompt groups of each job, and ``flowrl snr``'s rollouts)."""
+        c = self.cfg
+        return RolloutRunner(
+            self.plan,
+            self.model,
+            self.reward,
+            self.prompts,
+            self.group,
+            seed=c.train.seed,
+            guidance=self.guidance,
+            max_batch=c.rollout.max_batch,
+            chunks=c.rollout.chunks,
+            reduction=self.objective.reduction,
+            teacher=self.objective.sampling_teacher(),
+            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
+        )
 
     def _pipeline(self, rollout_threads: int | None) -> AsyncRollouts:
         """The trainer's side of the pipeline, linked to its rollout process: one it starts beside itself, or the
