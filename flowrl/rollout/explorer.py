@@ -134,6 +134,45 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _linear_units(live: nn.Module, wrappers: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """The Linear layers of ``live`` (or the LoRA wrappers around one, named in ``wrappers``) by name; LoRA on any
+    other layer is refused."""
+    inside = tuple(f"{w}." for w in wrappers)
+    units: dict[str, nn.Module] = {}
+    for name, module in live.named_modules():
+        if name.startswith(inside):
+            continue
+        base = module.get_base_layer() if name in wrappers else module
+        if isinstance(base, nn.Linear):
+            units[name] = module
+        elif name in wrappers:
+            raise NotImplementedError(f"explorer: LoRA on {type(base).__name__} ({name}) is not supported")
+    return units
+
+
+def _frozen_copy(
+    live: nn.Module, wrappers: dict[str, nn.Module], replaced: list[torch.Tensor], device, dtype
+) -> nn.Module:
+    """A copy of ``live`` without gradients, in eval mode, LoRA wrappers unwrapped to their base layers: every
+    floating-point tensor cast to ``dtype`` on ``device``, but the weights ``replaced`` (about to be quantized),
+    which are left empty."""
+    memo: dict[int, object] = {}
+    for weight in replaced:
+        memo[id(weight)] = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+    for tensor in list(live.parameters()) + list(live.buffers()):
+        if id(tensor) not in memo and tensor.is_floating_point():
+            cast = tensor.detach().to(device=device, dtype=dtype, copy=True)
+            memo[id(tensor)] = nn.Parameter(cast, requires_grad=False) if isinstance(tensor, nn.Parameter) else cast
+    copy_ = copy.deepcopy(live, memo)
+    for name in wrappers:  # unwrap: the copy has plain layers only
+        copy_.set_submodule(name, copy_.get_submodule(name).get_base_layer())
+    if hasattr(copy_, "peft_config"):
+        del copy_.peft_config
+    if getattr(copy_, "_hf_peft_config_loaded", False):
+        copy_._hf_peft_config_loaded = False
+    return copy_.requires_grad_(False).eval()
+
+
 def make_explorer(
     model,
     backend: str = "same",
@@ -157,16 +196,7 @@ def make_explorer(
     skip = DEFAULT_SKIP[backend] if skip is None else tuple(skip)
     live = model.trainable
     wrappers = _lora_layers(live)
-    inside = tuple(f"{w}." for w in wrappers)
-    units: dict[str, nn.Module] = {}  # Linear layers (or LoRA wrappers around one) by name
-    for name, module in live.named_modules():
-        if name.startswith(inside):
-            continue
-        base = module.get_base_layer() if name in wrappers else module
-        if isinstance(base, nn.Linear):
-            units[name] = module
-        elif name in wrappers:
-            raise NotImplementedError(f"explorer: LoRA on {type(base).__name__} ({name}) is not supported")
+    units = _linear_units(live, wrappers)
     convert = {}
     for name, module in units.items():
         base = module.get_base_layer() if name in wrappers else module
@@ -176,25 +206,12 @@ def make_explorer(
             and not _matches(name, skip)
             and _shape_ok(backend, base.weight.shape)
         )
-
-    # copy everything but the weights about to be replaced, cast to the rest's dtype, without gradients
-    memo: dict[int, object] = {}
-    for name, module in units.items():
-        if convert[name]:
-            base = module.get_base_layer() if name in wrappers else module
-            memo[id(base.weight)] = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
-    for tensor in list(live.parameters()) + list(live.buffers()):
-        if id(tensor) not in memo and tensor.is_floating_point():
-            cast = tensor.detach().to(device=device, dtype=dtype, copy=True)
-            memo[id(tensor)] = nn.Parameter(cast, requires_grad=False) if isinstance(tensor, nn.Parameter) else cast
-    copy_ = copy.deepcopy(live, memo)
-    for name in wrappers:  # unwrap: the copy has plain layers only
-        copy_.set_submodule(name, copy_.get_submodule(name).get_base_layer())
-    if hasattr(copy_, "peft_config"):
-        del copy_.peft_config
-    if getattr(copy_, "_hf_peft_config_loaded", False):
-        copy_._hf_peft_config_loaded = False
-    copy_.requires_grad_(False).eval()
+    replaced = [
+        (module.get_base_layer() if name in wrappers else module).weight
+        for name, module in units.items()
+        if convert[name]
+    ]
+    copy_ = _frozen_copy(live, wrappers, replaced, device, dtype)
 
     explorer = Explorer(backend, None, copy_, dtype, impl=impl)
     trainable_params = {n for n, p in live.named_parameters() if p.requires_grad}

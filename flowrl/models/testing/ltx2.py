@@ -92,21 +92,11 @@ def _tiny_vae():
     return vae
 
 
-def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_video: bool = True):
-    """A random-weight ``LTX2Pipeline`` (module docstring for sizes). ``seed`` fixes all weights: two calls with the
-    same arguments build identical pipelines. Returns it on CPU, fp32."""
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+def _tiny_transformer(audio_to_video: bool):
+    """The 2-block ``LTX2VideoTransformer3DModel`` (module docstring); ``audio_to_video=False`` zeroes its
+    audio→video cross-attention gates."""
+    from diffusers import LTX2VideoTransformer3DModel
 
-    torch.manual_seed(seed)
-    tokenizer = gemma_tokenizer(list(words or TINY_VOCAB), model_max_length=64)
-    text_encoder = _tiny_gemma3(len(tokenizer))
     transformer = LTX2VideoTransformer3DModel(
         in_channels=4,
         out_channels=4,
@@ -128,7 +118,13 @@ def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_v
             transformer.av_cross_attn_video_a2v_gate.linear.bias.zero_()
             for block in transformer.transformer_blocks:
                 block.video_a2v_cross_attn_scale_shift_table[4:].zero_()
-    connectors = LTX2TextConnectors(
+    return transformer
+
+
+def _tiny_connectors():
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    return LTX2TextConnectors(
         caption_channels=16,
         text_proj_in_factor=3,  # the 2 Gemma layers' hidden states and the embeddings
         video_connector_num_attention_heads=2,
@@ -142,6 +138,13 @@ def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_v
         connector_rope_base_seq_len=32,
         rope_type="split",
     ).eval()
+
+
+def _tiny_audio():
+    """The one-stage ``AutoencoderKLLTX2Audio`` and the ``LTX2Vocoder`` (built in this order)."""
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4,
         output_channels=2,
@@ -167,6 +170,20 @@ def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_v
         resnet_dilations=[[1, 3, 5]],
         output_sampling_rate=16000,
     ).eval()
+    return audio_vae, vocoder
+
+
+def tiny_ltx2_pipeline(seed: int = 0, words: list[str] | None = None, audio_to_video: bool = True):
+    """A random-weight ``LTX2Pipeline`` (module docstring for sizes). ``seed`` fixes all weights: two calls with the
+    same arguments build identical pipelines. Returns it on CPU, fp32."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+
+    torch.manual_seed(seed)
+    tokenizer = gemma_tokenizer(list(words or TINY_VOCAB), model_max_length=64)
+    text_encoder = _tiny_gemma3(len(tokenizer))
+    transformer = _tiny_transformer(audio_to_video)  # the parts drawn in this order (the weights depend on it)
+    connectors = _tiny_connectors()
+    audio_vae, vocoder = _tiny_audio()
     return LTX2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER_CONFIG),
         vae=_tiny_vae(),
