@@ -84,7 +84,7 @@ def measure(case: str, world: int) -> dict[str, int]:
 
     from flowrl.distributed.sharding import Sharding, compute_dtype
     from flowrl.models.dtypes import DTYPES, master_weights_fp32
-    from flowrl.models.frozen import COPIES, frozen_copy
+    from flowrl.models.frozen import frozen_copies, frozen_copy
     from flowrl.models.lora import LoraSpec
 
     cfg = tiny_config(*CASES[case]).model
@@ -106,7 +106,7 @@ def measure(case: str, world: int) -> dict[str, int]:
     v.square().mean().backward()
     optimizer.step()
     state = [v for p in trainable for k, v in optimizer.state[p].items() if k != "step"]
-    copies = model.__dict__.get(COPIES, [])
+    copies = frozen_copies(model)
     return {
         "weights": local_bytes(transformer.parameters()),
         "buffers": local_bytes(transformer.buffers()),

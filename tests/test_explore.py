@@ -167,12 +167,12 @@ def test_metrics_cover_only_the_rollouts_of_the_current_iteration(sd3_model):
     p.rollout(sd3_model, PROMPTS[:2], RolloutContext(seed=0, iteration=0))  # metrics never read
     first = p.rollout(sd3_model, PROMPTS[:1], RolloutContext(seed=0, iteration=1))
     second = p.rollout(sd3_model, PROMPTS[1:2], RolloutContext(seed=0, iteration=1, group_offset=1))
-    assert len(p._pending) == 2 and {r["iteration"] for r in p._pending} == {1}
+    assert [[r["iteration"] for r in f.meta["explore"]] for f in (first, second)] == [[1], [1]]  # on the forests
     first.reward[first.leaves()] = second.reward[second.leaves()] = 0.5
     from flowrl.rollout.forest import Forest
 
     stats = p.metrics(Forest.merge([first, second]))
-    assert stats["time/explore_preview"] > 0 and p._pending == []
+    assert stats["time/explore_preview"] > 0 and "_pending" not in vars(p)  # nothing kept on the plan
 
 
 def test_explore_wraps_a_tree_whose_root_is_the_kept_seed(sd3_model):
@@ -200,7 +200,7 @@ def test_only_regenerated_samples_reach_credit_and_loss(tmp_path):
     p = trainer.plan
     assert (p.keep, p.pool_size) == (4, 8)
     forest, _ = trainer.rollout(0)
-    kept = [s for record in p._pending for group in record["kept"] for s in group]
+    kept = [s for record in forest.meta["explore"] for group in record["kept"] for s in group]
     leaves = forest.leaves()
     assert leaves.numel() == 2 * 4 == len(kept)
     assert forest.seed[leaves].tolist() == kept  # one chain per kept seed, in selection order
@@ -286,7 +286,7 @@ def test_preview_equal_to_regeneration_ranks_perfectly(sd3_model):
     assert stats["explore/kendall_in_group"] == pytest.approx(1.0)
     assert stats["explore/spearman"] == pytest.approx(1.0)
     assert stats["explore/separation"] > 0 and stats["explore/top_half_hit_rate"] == 1.0
-    assert p.metrics(forest) == {}  # consumed
+    assert p.metrics(forest).keys() == stats.keys()  # read from the forest: nothing consumed on the plan
 
 
 # ---- configuration --------------------------------------------------------------------------

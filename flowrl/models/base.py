@@ -60,83 +60,21 @@ way: only autograd sees the difference. An adapter that composes the branches it
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from flowrl.core.choices import choose
+from flowrl.models.cfg import CFG_GRADIENTS, CfgComposition  # noqa: F401 (CFG_GRADIENTS: part of this module's API)
+from flowrl.models.conditioning import Conditioning, calculate_shift, sigma_vector  # noqa: F401 (this module's API)
 from flowrl.models.dtypes import AUTOCAST_FOLLOWS_ACCELERATE, autocast_context
 from flowrl.models.lora import LoraAdapter, LoraSpec  # noqa: F401 (LoraSpec: part of this module's API)
 from flowrl.models.offload import EncoderOffload
 from flowrl.models.prompt_cache import PromptCache
 from flowrl.models.setup import AdapterSetup, align_cpu_tensors  # noqa: F401 (align_cpu_tensors: API)
 
-CFG_GRADIENTS = ("cond", "both")
-"""``loss.cfg_gradient``: what the guided training forward's gradient flows through — ``cond``: the conditional
-branch only (the unconditional output detached, as Flow-GRPO's ``train_sd3.py``); ``both``: both branches."""
 
-
-def sigma_vector(sigma: torch.Tensor | float, batch: int, device: torch.device) -> torch.Tensor:
-    """σ as an fp32 vector [batch] on ``device`` (from a scalar, a 0-d tensor or a [batch] tensor)."""
-    sigma = torch.as_tensor(sigma, dtype=torch.float32).to(device)
-    if sigma.ndim == 0:
-        return sigma.expand(batch)
-    if sigma.shape != (batch,):
-        raise ValueError(f"sigma must be a scalar or [B={batch}]; got shape {list(sigma.shape)}")
-    return sigma
-
-
-def calculate_shift(
-    image_seq_len: int,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
-) -> float:
-    """``mu`` of dynamic shifting: linear in the number of image tokens, ``base_shift`` at
-    ``base_seq_len`` and ``max_shift`` at ``max_seq_len``. The same arithmetic as diffusers'
-    ``calculate_shift`` (SD3 and FLUX pipelines), without importing a pipeline module."""
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    mu = image_seq_len * m + b
-    return mu
-
-
-@dataclass
-class Conditioning:
-    """Text conditioning for a batch of B prompts.
-
-    ``cond`` / ``uncond`` map names (e.g. ``"prompt_embeds"`` [B, L, D], ``"pooled"`` [B, D]) to
-    tensors whose first dimension is the batch. ``uncond`` is None when guidance is off.
-    """
-
-    cond: dict[str, torch.Tensor]
-    uncond: dict[str, torch.Tensor] | None = None
-
-    def __len__(self) -> int:
-        return next(iter(self.cond.values())).shape[0]
-
-    def select(self, index: torch.Tensor | Sequence[int]) -> "Conditioning":
-        """Rows ``index`` (a LongTensor or list of ints) of every tensor."""
-        index = torch.as_tensor(index, dtype=torch.long)
-        pick = lambda d: None if d is None else {k: v[index.to(v.device)] for k, v in d.items()}
-        return Conditioning(pick(self.cond), pick(self.uncond))
-
-    @staticmethod
-    def cat(parts: Sequence["Conditioning"]) -> "Conditioning":
-        """Concatenate along the batch dimension."""
-        keys = parts[0].cond.keys()
-        cond = {k: torch.cat([p.cond[k] for p in parts]) for k in keys}
-        if parts[0].uncond is None:
-            return Conditioning(cond, None)
-        uncond = {k: torch.cat([p.uncond[k] for p in parts]) for k in keys}
-        return Conditioning(cond, uncond)
-
-
-class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
+class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload, CfgComposition):
     """Base class of model adapters. Subclasses implement ``_encode_one`` and ``velocity`` (and
     override the family hooks where they differ); the module docstring lists what an adapter provides.
 
@@ -181,6 +119,15 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     """Fallbacks of :func:`calculate_shift`'s parameters for a dynamic-shifting scheduler whose config
     lacks them (the values the family's pipeline ``__call__`` uses)."""
 
+    # ---- state the model's own methods set (declared: nothing outside a model stashes attributes on it) ----------
+    forward_override: nn.Module | None = None
+    """The wrapper :meth:`velocity` calls instead of :attr:`trainable` (:meth:`set_forward_module`), or None."""
+    frozen_copies: tuple[nn.Module, ...] = ()
+    """The frozen full copies of :attr:`trainable` made for this model (:func:`flowrl.models.frozen.frozen_copy`:
+    an objective's old policy or reference, a loaded teacher), oldest first: whatever later wraps the transformer
+    (FSDP2 sharding) wraps them alike."""
+    _prompt_cache: PromptCache | None = None  # made by :attr:`prompt_cache` on first use
+
     # ---- contract -------------------------------------------------------------------------
     def encode(self, prompts: Sequence[str], guidance: float | None = None) -> Conditioning:
         """Conditioning for ``prompts`` (B strings); ``uncond`` (B copies of the negative prompt's
@@ -222,10 +169,9 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
     def prompt_cache(self) -> PromptCache:
         """The embeddings of encoded prompts (LRU, bounded by ``prompt_cache.max_bytes``; see
         :mod:`flowrl.models.prompt_cache`)."""
-        cache = self.__dict__.get("_prompt_cache")
-        if cache is None:
-            cache = self.__dict__["_prompt_cache"] = PromptCache()
-        return cache
+        if self._prompt_cache is None:
+            self._prompt_cache = PromptCache()
+        return self._prompt_cache
 
     def _cached_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         cache = self.prompt_cache
@@ -363,51 +309,6 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
             raise ValueError(f"cond has {len(cond)} rows but x has {batch}")
         return sigma_vector(sigma, batch, self.device)
 
-    def _cfg_of(self, cond: Conditioning, guidance: float | None) -> tuple[float, bool]:
-        """(g, cfg) of one :meth:`velocity` call: its guidance (None → :attr:`guidance`) and whether it runs the
-        rows ``[uncond; cond]`` (:meth:`uses_cfg`); raises when it does and ``cond`` has no unconditional rows."""
-        g = self.guidance_or_default(guidance)
-        cfg = self.uses_cfg(g)
-        if cfg and cond.uncond is None:
-            raise ValueError(f"guidance {g} needs the unconditional branch: call encode(prompts, guidance={g})")
-        return g, cfg
-
-    @staticmethod
-    def _cfg_text(cond: Conditioning, cfg: bool) -> dict[str, torch.Tensor]:
-        """Text tensors of one transformer call: ``cond.cond``, or with CFG ``[uncond; cond]`` per key
-        (uncond rows first, as the diffusers pipelines lay them out). The caller checks ``cond.uncond``."""
-        if not cfg:
-            return cond.cond
-        return {k: torch.cat([cond.uncond[k], v]) for k, v in cond.cond.items()}
-
-    def _cfg_split(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(v_u, v_c)`` [B, ...] each from the output ``[uncond; cond]`` [2B, ...] of one forward; ``v_u`` detached
-        inside :meth:`cfg_gradient` ``("cond")`` (same values: only its gradient is cut)."""
-        v_uncond, v_cond = v.chunk(2)
-        if self.__dict__.get("_cfg_gradient", "both") == "cond":
-            v_uncond = v_uncond.detach()
-        return v_uncond, v_cond
-
-    def _cfg_combine(self, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``v_u + scale·(v_c − v_u)`` [B, ...] from the output ``[uncond; cond]`` [2B, ...] of one forward (the
-        branches from :meth:`_cfg_split`)."""
-        v_uncond, v_cond = self._cfg_split(v)
-        return v_uncond + scale * (v_cond - v_uncond)
-
-    @contextlib.contextmanager
-    def cfg_gradient(self, mode: str) -> Iterator[None]:
-        """Within the context, a guided :meth:`velocity` sends gradients through the conditional branch only
-        (``"cond"``: v_u detached, ∇v = g·∇v_c) or through both (``"both"``: ∇v = g·∇v_c + (1 − g)·∇v_u, the
-        default outside any context). Values do not change; forwards without gradients are unaffected. Nests; the
-        previous mode comes back on exit. ``mode`` is ``loss.cfg_gradient`` (:data:`CFG_GRADIENTS`)."""
-        choose("loss.cfg_gradient", mode, CFG_GRADIENTS)
-        previous = self.__dict__.get("_cfg_gradient", "both")
-        self.__dict__["_cfg_gradient"] = mode
-        try:
-            yield
-        finally:
-            self.__dict__["_cfg_gradient"] = previous
-
     # ---- shared behaviour -----------------------------------------------------------------
     def autocast_context(self):
         """The context :meth:`velocity`'s transformer call runs in: ``torch.autocast`` in :attr:`autocast`'s dtype,
@@ -422,10 +323,15 @@ class FlowModel(AdapterSetup, LoraAdapter, EncoderOffload):
         It must accept the transformer's keyword arguments. Config, LoRA and saving still use
         :attr:`trainable`.
         """
-        self.__dict__["_forward_module"] = module
+        self.forward_override = module
 
     @property
     def forward_module(self) -> nn.Module:
         """The module :meth:`velocity` calls: the one given to :meth:`set_forward_module`, else :attr:`trainable`."""
-        module = self.__dict__.get("_forward_module")
+        module = self.forward_override
         return self.trainable if module is None else module
+
+    def record_frozen_copy(self, module: nn.Module) -> None:
+        """Record ``module``, a frozen full copy of :attr:`trainable` (:func:`flowrl.models.frozen.frozen_copy`), in
+        :attr:`frozen_copies`."""
+        self.frozen_copies = (*self.frozen_copies, module)

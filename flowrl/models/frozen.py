@@ -1,6 +1,6 @@
 """Frozen copies of a model's transformer (an objective's old policy or reference under full fine-tuning, a teacher
-loaded from another run), recorded on the model so that whatever later wraps the transformer (FSDP2 sharding,
-:mod:`flowrl.distributed.sharding`) wraps its copies alike."""
+loaded from another run), recorded on the model (its declared ``frozen_copies``) so that whatever later wraps the
+transformer (FSDP2 sharding, :mod:`flowrl.distributed.sharding`) wraps its copies alike."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import copy
 
 from torch import nn
 
-COPIES = "_flowrl_frozen_copies"  # the model's frozen full copies of the transformer
-
 
 def frozen_copy(model) -> nn.Module:
     """A frozen, eval-mode deep copy of ``model.trainable``, recorded on the model (:func:`frozen_copies`)."""
     made = copy.deepcopy(model.trainable).requires_grad_(False).eval()
-    model.__dict__.setdefault(COPIES, []).append(made)
+    model.record_frozen_copy(made)
     return made
 
 
 def frozen_copies(model) -> list[nn.Module]:
     """Every copy :func:`frozen_copy` made of ``model``'s transformer, oldest first."""
-    return list(model.__dict__.get(COPIES, []))
+    return list(model.frozen_copies)

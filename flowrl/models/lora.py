@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from flowrl.models.dtypes import dropped_log_messages, keep_adapter_fp32
+from flowrl.models.module_group import peft_configs
 
 
 @dataclass
@@ -58,7 +59,7 @@ class LoraAdapter:
         from peft.utils import get_peft_model_state_dict
 
         module = self.trainable
-        if not self.has_lora or "default" not in getattr(module, "peft_config", {}):
+        if not self.has_lora or "default" not in peft_configs(module):
             raise RuntimeError(
                 "save_lora needs a LoRA adapter named 'default' (call add_lora first); "
                 "for full fine-tuning save the transformer with save_pretrained"
@@ -68,7 +69,7 @@ class LoraAdapter:
             transformer_lora_layers=layers
             if layers is not None
             else get_peft_model_state_dict(module, adapter_name="default"),
-            transformer_lora_adapter_metadata=module.peft_config["default"].to_dict(),
+            transformer_lora_adapter_metadata=peft_configs(module)["default"].to_dict(),
         )
 
     def load_lora(self, directory: str | os.PathLike) -> None:

@@ -14,6 +14,9 @@ from torch import nn
 class EncoderOffload:
     """Needs ``pipe`` (a diffusers pipeline) and ``device`` on the class it is mixed into."""
 
+    encoders_offloaded: bool = False
+    """Whether :meth:`offload_encoders` moved the text encoders to CPU memory (set by it alone)."""
+
     @property
     def text_encoders(self) -> list[nn.Module]:
         """The pipeline's text encoders (its ``text_encoder*`` components that are modules)."""
@@ -25,14 +28,14 @@ class EncoderOffload:
 
     def offload_encoders(self) -> None:
         """Keep the text encoders in CPU memory between uses: :meth:`encoders_ready` brings them to the device."""
-        self.__dict__["_offload_encoders"] = True
+        self.encoders_offloaded = True
         for module in self.text_encoders:
             module.to("cpu")
 
     @contextlib.contextmanager
     def encoders_ready(self, needed: bool = True) -> Iterator[None]:
         """The text encoders on ``device`` inside (when ``needed`` and offloaded; else as they are)."""
-        if not (needed and self.__dict__.get("_offload_encoders")):
+        if not (needed and self.encoders_offloaded):
             yield
             return
         for module in self.text_encoders:

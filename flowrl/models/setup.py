@@ -160,7 +160,7 @@ class AdapterSetup:
         transformer.eval()  # no dropout in these transformers; eval keeps the forward deterministic
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        self.__dict__.pop("_prompt_cache", None)  # a fresh cache (its budget: build_model sets model.prompt_cache_mb)
+        self._prompt_cache = None  # a fresh cache (its budget: build_model sets model.prompt_cache_mb)
 
     def _init_text(self, guidance: float, max_sequence_length: int, negative_prompt: str = "") -> None:
         """Set ``guidance`` (the default CFG scale, or a family's guidance value), ``max_sequence_length`` and

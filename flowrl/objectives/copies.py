@@ -19,6 +19,7 @@ import torch
 
 from flowrl.models.dtypes import keep_adapter_fp32
 from flowrl.models.frozen import frozen_copy
+from flowrl.models.module_group import peft_configs
 
 OLD_ADAPTER = "flowrl_old"
 
@@ -28,7 +29,7 @@ def swapped_transformer(model, module: torch.nn.Module) -> Iterator[None]:
     """``model.velocity`` runs ``module`` instead of the trained transformer inside the context."""
     pipe = model.pipe
     live, pipe.transformer = pipe.transformer, module
-    forward = model.__dict__.get("_forward_module")
+    forward = model.forward_override
     model.set_forward_module(None)
     try:
         yield
@@ -117,11 +118,11 @@ class OldPolicy:
         if model.has_lora:
             from peft import LoraConfig
 
-            if OLD_ADAPTER not in module.peft_config:  # a second objective on the same model reuses it
+            if OLD_ADAPTER not in peft_configs(module):  # a second objective on the same model reuses it
                 config = LoraConfig(
                     **{
                         k: v
-                        for k, v in module.peft_config["default"].to_dict().items()
+                        for k, v in peft_configs(module)["default"].to_dict().items()
                         if k in LoraConfig.__dataclass_fields__ and k not in ("peft_type", "task_type")
                     }
                 )

@@ -120,11 +120,31 @@ class TeacherSpec(Checked):
             )
 
 
-class Teacher:
-    """The frozen teacher of ``spec`` over ``model``: :meth:`velocity` is its guided velocity (no gradient).
-    ``forwards`` and ``seconds`` count its cost since the last :meth:`take_stats` (its only changing attributes)."""
+@dataclass
+class TeacherCost:
+    """The declared counter of a :class:`Teacher`'s cost: ``forwards`` (rows through it, each 2 NFE with guidance)
+    and ``seconds``, added by each :meth:`Teacher.velocity` and handed over (then reset) by :meth:`take`."""
 
-    state_attributes = ("forwards", "seconds")
+    forwards: int = 0
+    seconds: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.forwards += int(rows)
+        self.seconds += seconds
+
+    def take(self) -> dict[str, float]:
+        """``teacher_forwards`` and ``time/teacher`` since the last call, then reset."""
+        out = {"teacher_forwards": float(self.forwards), "time/teacher": self.seconds}
+        self.forwards, self.seconds = 0, 0.0
+        return out
+
+
+class Teacher:
+    """The frozen teacher of ``spec`` over ``model``: :meth:`velocity` is its guided velocity (no gradient). Its cost
+    since the last :meth:`take_stats` is counted in its declared :attr:`cost` (a :class:`TeacherCost`); no attribute
+    of the teacher itself changes between calls."""
+
+    state_attributes = ()
 
     def __init__(self, model, spec: TeacherSpec, reference=None, load_weights: Callable[[Any], None] | None = None):
         """``load_weights(model)``: fills ``model.trainable`` with the weights of ``spec.path``, which the loop read
@@ -132,8 +152,7 @@ class Teacher:
         from flowrl.objectives.copies import Reference
 
         self.model, self.spec, self.guidance = model, spec, float(spec.guidance)
-        self.forwards = 0  # rows through the teacher (each 2 NFE with guidance)
-        self.seconds = 0.0
+        self.cost = TeacherCost()  # what its velocity calls cost since the last take_stats
         if spec.path is None:  # the initial weights: the KL reference's copy when there is one (one frozen copy)
             self._copy = reference if reference is not None else Reference(model)
         elif load_weights is None:
@@ -160,15 +179,12 @@ class Teacher:
         t0 = time.perf_counter()
         with self.active():
             v = self.model.velocity(x, t, cond, self.guidance).float()
-        self.forwards += int(x.shape[0])
-        self.seconds += time.perf_counter() - t0
+        self.cost.add(int(x.shape[0]), time.perf_counter() - t0)
         return v
 
     def take_stats(self) -> dict[str, float]:
         """Forwards (rows) and seconds through the teacher since the last call, then reset."""
-        out = {"teacher_forwards": float(self.forwards), "time/teacher": self.seconds}
-        self.forwards, self.seconds = 0, 0.0
-        return out
+        return self.cost.take()
 
 
 class _LoadedCopy:
