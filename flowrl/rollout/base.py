@@ -270,33 +270,50 @@ def advance(
             zeros = torch.zeros(chunk.shape[0])
             edges.append((chunk, x_next, zeros, zeros, "dpm2", 0.0, -1))
             continue
-        if fanout > 1:
-            x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
-            chunk = chunk.repeat_interleave(fanout)
-        branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
-        noise = noise_for(chunk, branch) if stochastic else None
-        x_next, mean, std = sde.step(kernel, x, v, sigma, sigma_next, eta, noise)
-        if std_scale != 1.0 and noise is not None:
-            std = std * std_scale
-            x_next = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise.float()
-        if noise is None:  # deterministic: nothing of the device to wait for
-            logp = std = torch.zeros(chunk.shape[0])
-        else:
-            logp = sde.log_prob(x_next, mean, std, forest.reduction)
-        edges.append(
-            (
-                chunk,
-                x_next,
-                logp,
-                std,
-                kernel if noise is not None else "ode",
-                eta if noise is not None else 0.0,
-                forest.new_batch_id(),
-            )
-        )
+        noise = noise_for if stochastic else None
+        edges.append(_kernel_edges(forest, chunk, x, v, (sigma, sigma_next), kernel, eta, noise, fanout, std_scale))
     if multistep:
         kernel.prev_x0, kernel.prev_sigma = torch.cat(x0s), sigma
     return add_edges(forest, edges, sigma_next, step_next)
+
+
+def _kernel_edges(
+    forest: Forest,
+    chunk: torch.Tensor,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigmas: tuple[float, float],
+    kernel: str,
+    eta: float,
+    noise_for: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None,
+    fanout: int,
+    std_scale: float,
+) -> tuple:
+    """One forward's edges by transition ``kernel`` (:func:`advance`): the ``fanout`` children of each parent of
+    ``chunk`` [K] (states ``x``, velocities ``v``) from noise level ``sigmas[0]`` to ``sigmas[1]``, as the tuple
+    :func:`add_edges` takes. ``noise_for``: None for a deterministic step."""
+    if fanout > 1:
+        x, v = x.repeat_interleave(fanout, dim=0), v.repeat_interleave(fanout, dim=0)
+        chunk = chunk.repeat_interleave(fanout)
+    branch = torch.arange(fanout).repeat(chunk.shape[0] // fanout)
+    noise = noise_for(chunk, branch) if noise_for is not None else None
+    x_next, mean, std = sde.step(kernel, x, v, *sigmas, eta, noise)
+    if std_scale != 1.0 and noise is not None:
+        std = std * std_scale
+        x_next = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise.float()
+    if noise is None:  # deterministic: nothing of the device to wait for
+        logp = std = torch.zeros(chunk.shape[0])
+    else:
+        logp = sde.log_prob(x_next, mean, std, forest.reduction)
+    return (
+        chunk,
+        x_next,
+        logp,
+        std,
+        kernel if noise is not None else "ode",
+        eta if noise is not None else 0.0,
+        forest.new_batch_id(),
+    )
 
 
 def add_edges(forest: Forest, edges: list[tuple], sigma_next: float, step_next: int) -> torch.Tensor:
