@@ -7,8 +7,8 @@ On CUDA every read of a device value on the host (``.item()``, ``.tolist()``, ``
 hot path (rollout, credit, objectives, updater, scoring, trainer). What it counts: reads of floating-point tensors
 (everything a model call or a kernel returns: latents, velocities, log-probs, losses, rewards, diagnostics) and of
 boolean tensors outside the forest's structure walks; integer tensors and the masks of the forest's own structure
-helpers (forest.py, forest_paths.py) are the forest's host-side bookkeeping (node, group and batch indices live on
-the host by design) and are not counted.
+helpers (forest.py, forest_paths.py, forest_scores.py) are the forest's host-side bookkeeping (node, group and batch
+indices live on the host by design) and are not counted.
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ HOT_PATH = (
     "flowrl/credit/",
     "flowrl/objectives/",
     "flowrl/training/updater.py",
+    "flowrl/training/step_sums.py",
     "flowrl/training/scoring.py",
     "flowrl/training/trainer.py",
     "flowrl/models/prompt_cache.py",
 )
-STRUCTURE = ("flowrl/rollout/forest.py", "flowrl/rollout/forest_paths.py")  # walks over host index columns
+STRUCTURE = (  # walks over host index columns
+    "flowrl/rollout/forest.py",
+    "flowrl/rollout/forest_paths.py",
+    "flowrl/rollout/forest_scores.py",
+)
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 
@@ -172,7 +177,7 @@ def test_device_sums_fold_like_the_host_and_read_back_once():
     other.add({"aux": torch.tensor(2.0)}, 1)
     reads = HostReads()
     with reads.counting():
-        code = compile("out = host_values(parts)", "flowrl/training/updater.py", "exec")
+        code = compile("out = host_values(parts)", "flowrl/training/step_sums.py", "exec")
         scope = {"host_values": host_values, "parts": [sums, other]}
         exec(code, scope)
     assert scope["out"] == [

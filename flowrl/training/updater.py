@@ -20,52 +20,12 @@ import torch
 
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.core.seeding import derive_seed
-from flowrl.distributed.process_group import ProcessGroup, fold
+from flowrl.distributed.process_group import ProcessGroup
 from flowrl.distributed.sharding import local, whole
 from flowrl.objectives.base import Batch, Objective
 from flowrl.rollout.forest import Forest
-
-UNITS, STEPS = "__units", "__steps"  # the counts folded beside the diagnostics (see Updater._averages)
-
-
-_TORCH_EXTREMES = {min: torch.minimum, max: torch.maximum}  # the objectives' extremes, as tensor functions
-
-
-class DeviceSums:
-    """One optimizer step's diagnostics, accumulated where the objective computed them (no host read per
-    micro-batch): size-weighted sums, and the keys of ``extremes`` combined by their min/max. ``values``: key →
-    0-d tensor (fp64); :func:`host_values` reads many of them back at once."""
-
-    def __init__(self, extremes: dict[str, Any]):
-        self.extremes = extremes
-        self.values: dict[str, torch.Tensor] = {}
-
-    def add(self, diag: dict[str, Any], size: int) -> None:
-        """Fold one micro-batch's diagnostics (0-d tensors or numbers) of ``size`` units."""
-        for key, value in diag.items():
-            v = torch.as_tensor(value).detach().reshape(())
-            v = v.to(torch.float32 if v.device.type == "mps" else torch.float64)
-            if key not in self.extremes:
-                v = v * size
-            if key not in self.values:
-                self.values[key] = v
-            elif key in self.extremes:
-                combine = _TORCH_EXTREMES.get(self.extremes[key], self.extremes[key])
-                self.values[key] = combine(self.values[key], v)
-            else:
-                self.values[key] = self.values[key] + v
-
-
-def host_values(parts: list[DeviceSums]) -> list[dict[str, float]]:
-    """Every part's values as floats, read back with one ``tolist`` per device (one host synchronisation on an
-    accelerator, whatever the number of parts and keys)."""
-    flat = [(i, key, v) for i, part in enumerate(parts) for key, v in part.values.items()]
-    out: list[dict[str, float]] = [{} for _ in parts]
-    for device in {v.device for _, _, v in flat}:
-        mine = [(i, key, v) for i, key, v in flat if v.device == device]
-        for (i, key, _), number in zip(mine, torch.stack([v for _, _, v in mine]).tolist()):
-            out[i][key] = number
-    return out
+from flowrl.training.step_sums import STEPS, UNITS, DeviceSums, fold_steps
+from flowrl.training.step_sums import host_values as host_values  # re-exported: importable from here as before
 
 
 @contextlib.contextmanager
@@ -151,7 +111,7 @@ class Updater:
         cond,
         part: list[Batch],
         n_global: float,
-        sums: "DeviceSums",
+        sums: DeviceSums,
         final: bool = False,
         padding: int = 0,
     ) -> int:
@@ -242,7 +202,7 @@ class Updater:
                     skipped += 1
                 else:
                     grad_norms.append(grad_norm)
-        diag_sums, aux_sums, first_sums = self._fold_steps(step_diags, extremes, facts.first_step_keys)
+        diag_sums, aux_sums, first_sums = fold_steps(step_diags, extremes, facts.first_step_keys)
         self.optimizer.zero_grad(set_to_none=True)
         out = self._averages(diag_sums, extremes)
         out.update(self._averages(aux_sums, {}, units=STEPS))
@@ -256,29 +216,6 @@ class Updater:
         out[f"trained_{facts.trains_on}"] = self.group.sum(sum(b.size for b in batches))
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
-
-    @staticmethod
-    def _fold_steps(
-        step_diags: list[tuple["DeviceSums", float, "DeviceSums | None"]], extremes: dict, first_keys: tuple[str, ...]
-    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """The iteration's diagnostics on the host, read back in one go (:func:`host_values`): (every optimizer
-        step's sums folded, with the units under ``UNITS``; the auxiliary term's sums with the steps that had one
-        under ``STEPS``; the first step's ``first_keys``, before any weight changed, with its units)."""
-        values = host_values([d for sums, _, aux in step_diags for d in (sums, aux) if d is not None])
-        diag_sums: dict[str, float] = {}
-        aux_sums: dict[str, float] = {}
-        first_sums: dict[str, float] = {}
-        for k, (_, seen, aux) in enumerate(step_diags):
-            step = {**values.pop(0), UNITS: seen}
-            if k == 0:  # weights not yet updated (a policy's ratios must be exactly 1)
-                first_sums = {key: v for key, v in step.items() if key in first_keys or key == UNITS}
-            for key, v in step.items():
-                fold(diag_sums, key, v, extremes)
-            if aux is not None:
-                for key, v in values.pop(0).items():
-                    aux_sums[key] = aux_sums.get(key, 0.0) + v
-                aux_sums[STEPS] = aux_sums.get(STEPS, 0.0) + 1.0
-        return diag_sums, aux_sums, first_sums
 
     def _averages(self, sums: dict[str, float], extremes: dict, units: str = UNITS) -> dict[str, float]:
         """Per-unit averages of size-weighted sums over every process (extremes as they are): the same
