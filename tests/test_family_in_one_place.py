@@ -62,7 +62,7 @@ def family_strings(source: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("name", ["inputs.py", "iteration.py", "archs.py"])
+@pytest.mark.parametrize("name", ["inputs.py", "iteration.py", "iteration_work.py", "iteration_memory.py", "archs.py"])
 def test_the_estimate_modules_name_no_family(name):
     named = family_strings((ESTIMATE / name).read_text())
     assert not named, f"flowrl/estimate/{name} names the families {named}: their data belongs to their adapters"

@@ -68,6 +68,32 @@ def _precision(arch: dict) -> str:
     return arch["dtype"]
 
 
+_MEMORY_ROWS = (
+    "transformer_weights",
+    "transformer_buffers",
+    "lora",
+    "text_encoders",
+    "vae",
+    "reward_models",
+    "gradients",
+    "optimizer_state",
+    "ema",
+    "old_policy",
+    "reference",
+    "explorer",
+    "prompt_cache",
+    "activations_rollout",
+    "activations_decode",
+    "activations_update",
+    "optimizer_step_transient",
+    "fsdp_gather_rollout",
+    "fsdp_gather",
+    "fsdp_reduce_scatter",
+    "offloaded_to_cpu",
+)
+"""The parts of ``memory_gib`` the table lists, in its order (those that are 0 left out)."""
+
+
 def format_estimate(result: dict) -> str:
     """A short human-readable summary of :func:`estimate`'s result (markdown)."""
     mem, arch, sh, t, fl = (result[k] for k in ("memory_gib", "architecture", "shapes", "time", "flops"))
@@ -110,29 +136,7 @@ def format_estimate(result: dict) -> str:
         "| memory | |",
         "|---|---|",
     ]
-    for key in (
-        "transformer_weights",
-        "transformer_buffers",
-        "lora",
-        "text_encoders",
-        "vae",
-        "reward_models",
-        "gradients",
-        "optimizer_state",
-        "ema",
-        "old_policy",
-        "reference",
-        "explorer",
-        "prompt_cache",
-        "activations_rollout",
-        "activations_decode",
-        "activations_update",
-        "optimizer_step_transient",
-        "fsdp_gather_rollout",
-        "fsdp_gather",
-        "fsdp_reduce_scatter",
-        "offloaded_to_cpu",
-    ):
+    for key in _MEMORY_ROWS:
         if mem.get(key) and not (key == "fsdp_gather_rollout" and mem[key] == mem["fsdp_gather"]):
             lines.append(f"| {_LABELS.get(key, key.replace('_', ' '))} | {size_text(mem[key])} |")
     lines += [
