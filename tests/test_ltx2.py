@@ -102,7 +102,7 @@ def test_family_sizes_checks_and_audio_refused_by_name():
         wrap(pipe, **SIZE, audio_guidance_scale=7.0)
     section = lambda **kw: ModelSection(family="ltx2", path="unused", kwargs=kw)
     check_model_kwargs(section(num_frames=9, frame_rate=25.0, audio=False))
-    with pytest.raises(ConfigError, match=r"model.kwargs.audio_latents=.*not a keyword of the model.family='ltx2'"):
+    with pytest.raises(ConfigError, match=r"model.kwargs.audio_latents=.*not a key of the model.family='ltx2'"):
         check_model_kwargs(section(audio_latents=1))
     one = wrap(pipe, **{**SIZE, "num_frames": 1})  # a single frame is a valid video (one latent frame)
     with torch.no_grad():
