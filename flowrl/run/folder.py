@@ -2,18 +2,15 @@
 (an OS lock, :class:`FolderLock`); a taken name is continued (``train.resume``) or replaced
 (``train.overwrite``, only a folder that is a run), never silently reused; a start that fails or is stopped
 before its first iteration leaves nothing; resume picks the newest intact checkpoint and names every
-setting that changed since it was written (docs/reliability.md)."""
+setting that changed since it was written (docs/reliability.md). The lock is :mod:`flowrl.run.folder_lock`, what a
+resume may change :mod:`flowrl.run.config_changes`."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import pickle
-import socket
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -23,114 +20,15 @@ from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.errors import shown
 from flowrl.run.checkpoint import list_checkpoints, load_weights, read_state, remove, resolve_resume, write_checkpoint
+from flowrl.run.config_changes import RESUME_FREE, SHAPE_KEYS, config_changes  # noqa: F401 (re-exported)
+from flowrl.run.folder_lock import FolderLock  # noqa: F401 (re-exported)
 from flowrl.run.manifest import DamagedCheckpoint, unwritten, written_summary
 from flowrl.run.metrics_log import MetricsLog
 from flowrl.run.outputs import LOCK_FILE, MARKER, RUN_ENTRIES, check_output, logged_records  # noqa: F401 (re-exported)
 from flowrl.run.sharded_checkpoint import SHARDED_DIR, is_sharded_checkpoint, save_shards
 from flowrl.run.signals import abort_on_terminate, signals_ignored
 
-# Keys a resumed run may change freely (how long, how often, where it logs, how it evaluates), and keys that
-# decide the shapes of the trained weights (a resume that changes one cannot load its checkpoint).
-RESUME_FREE = (
-    "train.resume",
-    "train.overwrite",
-    "train.max_steps",
-    "train.max_minutes",
-    "train.progress",
-    "train.num_threads",
-    "train.log_with",
-    "train.checkpoint_every",
-    "train.keep_last",
-    "train.async_reward",
-    "model.device",
-    "eval.",
-)
-SHAPE_KEYS = (
-    "model.family",
-    "model.path",
-    "model.full_finetune",
-    "model.lora.rank",
-    "model.lora.targets",
-    "model.height",
-    "model.width",
-)
-
-
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(key, saved value, current value)`` for every dotted key that differs between two
-    :meth:`TrainConfig.to_dict` trees, except :data:`RESUME_FREE` ones; a key only one side has shows
-    ``None`` on the other."""
-
-    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(tree, dict):
-            return {
-                k: v
-                for key, sub in tree.items()
-                for k, v in flat(sub, f"{prefix}.{key}" if prefix else str(key)).items()
-            }
-        return {prefix: tree}
-
-    a, b = flat(saved), flat(current)
-    return [
-        (k, a.get(k), b.get(k))
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in RESUME_FREE)
-    ]
-
-
 DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # an unreadable checkpoint
-
-
-class FolderLock:
-    """An exclusive ``flock`` on ``<folder>/.flowrl.lock``, which holds the owner's pid, host and start time
-    for a refusal to name. The kernel drops it when the process ends, ``kill -9`` included."""
-
-    def __init__(self, folder: Path):
-        self.path = folder / LOCK_FILE
-        self.fd: int | None = None
-
-    def acquire(self) -> str | None:
-        """Take the lock (the folder must exist): None when taken, else a description of the holder."""
-        for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                return self.holder()
-            try:
-                mine = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                mine = False
-            if not mine:  # the holder removed the file as it let go: take the next one
-                os.close(fd)
-                continue
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(record).encode())
-            self.fd = fd
-            return None
-        raise OSError(f"could not lock {self.path}: it was replaced 100 times in a row")
-
-    def holder(self) -> str:
-        """The holder as its lock file names it (read again briefly while a new holder is writing it)."""
-        for _ in range(20):
-            try:
-                record = json.loads(self.path.read_text())
-                return f"pid {record['pid']} on host {record['host']}, since {record['since']}"
-            except (OSError, ValueError, KeyError, TypeError):
-                time.sleep(0.05)
-        return "a process that has not written its pid yet"
-
-    def release(self) -> None:
-        """Remove the lock file (while still holding it, so nobody takes a file about to go) and let go."""
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):
-                self.path.unlink()
-        os.close(self.fd)
-        self.fd = None
 
 
 class RunFolder:
@@ -428,7 +326,7 @@ class RunFolder:
 
     def check_changes(self, saved: dict | None, path: Path) -> None:
         """Name every setting that changed since checkpoint ``path`` was written: a warning, or a ConfigError
-        for one that changes the trained weights' shapes (:data:`~flowrl.config.schema.SHAPE_KEYS`)."""
+        for one that changes the trained weights' shapes (:data:`~flowrl.run.config_changes.SHAPE_KEYS`)."""
         if not isinstance(saved, dict):
             return
         changes = config_changes(saved, self.cfg.to_dict())
