@@ -132,68 +132,18 @@ def write_store(
         parts, terms, rewards = [], None, []
         for start in range(0, len(prompts), per_part):
             block = prompts[start : start + per_part]
-            pieces = [
-                sample_groups(
-                    model,
-                    block[a : a + chunk],
-                    reward,
-                    images_per_prompt=images_per_prompt,
-                    steps=steps,
-                    guidance=guidance,
-                    seed=seed,
-                    max_batch=max_batch,
-                    group_offset=start + a,
-                )
-                for a in range(0, len(block), chunk)
-            ]
-            names = sorted(pieces[0][3])
-            terms = names if terms is None else terms
-            comps = {k: torch.cat([p[3][k] for p in pieces]) for k in names}
-            total = torch.cat([p[2] for p in pieces])
-            rewards.append(total)
-            parts.append(
-                write_part(
-                    tmp,
-                    len(parts),
-                    start * images_per_prompt,
-                    torch.cat([p[0] for p in pieces]),
-                    torch.cat([p[1] for p in pieces]),
-                    comps,
-                    total,
-                )
+            names, latents, seeds, comps, total = _sample_block(
+                model, block, reward, chunk, start, images_per_prompt, steps, guidance, seed, max_batch
             )
+            terms = names if terms is None else terms
+            rewards.append(total)
+            parts.append(write_part(tmp, len(parts), start * images_per_prompt, latents, seeds, comps, total))
             if progress is not None:
                 progress(min(start + per_part, len(prompts)), len(prompts))
         allr = torch.cat(rewards)
-        ok = allr[torch.isfinite(allr)]
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "written_by": COMMAND,
-            "model": {
-                "family": model_info.get("family"),
-                "path": model_info.get("path"),
-                "adapter": adapter_name(model),
-                "latent_shape": [int(d) for d in model.latent_shape],
-                "height": int(model.height),
-                "width": int(model.width),
-                "identity": model_identity(model),
-            },
-            "sampler": {
-                "plan": "ode",
-                "solver": "euler",
-                "steps": int(steps),
-                "guidance": float(guidance),
-                "seed": int(seed),
-            },
-            "checkpoint": checkpoint,
-            "images_per_prompt": int(images_per_prompt),
-            "prompts": list(prompts),
-            "rewards": terms or [],
-            "reward_mean": float(ok.mean()) if ok.numel() else None,
-            "rows": len(prompts) * images_per_prompt,
-            "parts": parts,
-        }
+        meta = _store_meta(
+            model, model_info, prompts, images_per_prompt, steps, guidance, seed, checkpoint, terms, allr, parts
+        )
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         (tmp / PROMPTS_FILE).write_text("".join(p + "\n" for p in prompts))
         write_marker(tmp, COMMAND)
@@ -204,3 +154,87 @@ def write_store(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _sample_block(
+    model: FlowModel,
+    block: list[str],
+    reward: Scorer | None,
+    chunk: int,
+    start: int,
+    images_per_prompt: int,
+    steps: int,
+    guidance: float,
+    seed: int,
+    max_batch: int,
+) -> tuple[list[str], torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """One part's prompts ``block`` (the first the ``start``-th of the store) sampled and scored ``chunk`` prompts at a
+    time (:func:`sample_groups`): the reward terms' names and the part's concatenated tensors."""
+    pieces = [
+        sample_groups(
+            model,
+            block[a : a + chunk],
+            reward,
+            images_per_prompt=images_per_prompt,
+            steps=steps,
+            guidance=guidance,
+            seed=seed,
+            max_batch=max_batch,
+            group_offset=start + a,
+        )
+        for a in range(0, len(block), chunk)
+    ]
+    names = sorted(pieces[0][3])
+    comps = {k: torch.cat([p[3][k] for p in pieces]) for k in names}
+    return (
+        names,
+        torch.cat([p[0] for p in pieces]),
+        torch.cat([p[1] for p in pieces]),
+        comps,
+        torch.cat([p[2] for p in pieces]),
+    )
+
+
+def _store_meta(
+    model: FlowModel,
+    model_info: dict[str, Any],
+    prompts: list[str],
+    images_per_prompt: int,
+    steps: int,
+    guidance: float,
+    seed: int,
+    checkpoint: str | None,
+    terms: list[str] | None,
+    allr: torch.Tensor,
+    parts: list,
+) -> dict[str, Any]:
+    """The store's ``meta.json``: the model (and its identity), the sampler, the prompts, the rewards and the parts."""
+    ok = allr[torch.isfinite(allr)]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "written_by": COMMAND,
+        "model": {
+            "family": model_info.get("family"),
+            "path": model_info.get("path"),
+            "adapter": adapter_name(model),
+            "latent_shape": [int(d) for d in model.latent_shape],
+            "height": int(model.height),
+            "width": int(model.width),
+            "identity": model_identity(model),
+        },
+        "sampler": {
+            "plan": "ode",
+            "solver": "euler",
+            "steps": int(steps),
+            "guidance": float(guidance),
+            "seed": int(seed),
+        },
+        "checkpoint": checkpoint,
+        "images_per_prompt": int(images_per_prompt),
+        "prompts": list(prompts),
+        "rewards": terms or [],
+        "reward_mean": float(ok.mean()) if ok.numel() else None,
+        "rows": len(prompts) * images_per_prompt,
+        "parts": parts,
+    }
