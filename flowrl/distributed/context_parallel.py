@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from flowrl.errors import ConfigError
+from flowrl.models.module_group import diffusers_config
 
 KEY = "model.context_parallel"
 
@@ -142,7 +143,7 @@ def apply_context_parallel(model, section, processes: int, device: torch.device)
 def sequence_tokens(model) -> int | None:
     """The tokens of one sample's latent (``model.latent_shape`` [C, h, w] or [C, F, h, w]) after the transformer's
     ``patch_size`` (an int over h and w, or a (frames, h, w) tuple), or None when it declares none."""
-    patch = model.trainable.config.get("patch_size")
+    patch = diffusers_config(model.trainable).get("patch_size")
     shape = tuple(model.latent_shape)[1:]
     if patch is None:
         return None

@@ -204,8 +204,8 @@ def full_state(model) -> dict[str, torch.Tensor]:
     """The trained weights whole, on the CPU (a collective under sharding: every process calls it): the LoRA's
     peft state dict (the diffusers LoRA keys' source), or the full transformer's state dict."""
     if model.has_lora:
-        from peft.utils import get_peft_model_state_dict
+        from flowrl.models.module_group import adapter_state
 
-        layers = get_peft_model_state_dict(model.trainable, adapter_name="default")
+        layers = adapter_state(model.trainable, "default")
         return {k: whole(v).detach().cpu() for k, v in layers.items()}
     return {k: whole(v).detach().cpu() for k, v in model.trainable.state_dict().items()}

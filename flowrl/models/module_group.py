@@ -38,3 +38,18 @@ def peft_configs(module: nn.Module) -> dict:
     if isinstance(module, ModuleGroup):
         module = module.adapter_member()
     return getattr(module, "peft_config", None) or {}
+
+
+def adapter_state(module: nn.Module, adapter_name: str = "default") -> dict:
+    """peft's ``get_peft_model_state_dict`` of ``module`` for ``adapter_name``; a group: each member's that carries the
+    adapter, its keys prefixed by the member's name (the keys of the group's own state dict)."""
+    from peft.utils import get_peft_model_state_dict
+
+    if not isinstance(module, ModuleGroup):
+        return get_peft_model_state_dict(module, adapter_name=adapter_name)
+    return {
+        f"{name}.{key}": value
+        for name, member in module.named_children()
+        if adapter_name in peft_configs(member)
+        for key, value in get_peft_model_state_dict(member, adapter_name=adapter_name).items()
+    }

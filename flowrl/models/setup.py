@@ -51,6 +51,8 @@ class AdapterSetup:
     pipeline_class: ClassVar[str] = ""
     frozen: ClassVar[tuple[str, ...]] = ("text_encoder", "vae")
     default_negative_prompt: ClassVar[str] = ""
+    max_sequence_length: int
+    """Text tokens of an encoded prompt (set by :meth:`_init_text`)."""
 
     def _init_adapter(
         self,

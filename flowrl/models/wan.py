@@ -47,8 +47,10 @@ import torch
 from torch import nn
 
 from flowrl.models.base import Conditioning, FlowModel
+from flowrl.models.module_group import adapter_state
 from flowrl.models.qwen_image import QwenImageFlowModel
 from flowrl.models.wan_estimate import WAN_ESTIMATE
+from flowrl.models.wan_experts import EXPERTS, WanExperts
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -65,114 +67,8 @@ WAN_LORA_TARGETS = [
     "ffn.net.0.proj",
     "ffn.net.2",  # feed-forward
 ]
-EXPERTS = {"high": ("transformer",), "low": ("transformer_2",), "both": ("transformer", "transformer_2")}
 """``model.experts`` → the pipeline components it trains (``transformer``: the high-noise expert)."""
 LOW_NOISE_FOLDER = "transformer_2"  # the low-noise expert's LoRA file, inside the LoRA folder
-
-
-def _sharded(module: nn.Module) -> bool:
-    """Whether FSDP2 wraps ``module`` (its class swapped for an ``FSDPModule`` subclass)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-class WanExperts(nn.Module):
-    """Wan 2.2 A14B's two experts as one module (the adapter's ``trainable``): ``transformer`` for rows whose timestep
-    is ≥ ``boundary`` (high noise), ``transformer_2`` for the others, as ``WanPipeline.__call__`` picks them.
-
-    ``forward`` takes one transformer call's keywords for B rows (every tensor with B leading rows is split), runs each
-    expert on its rows (one call when they all share an expert) and returns ``(out,)`` [B, C, F, h, w] in row order.
-    ``run_both``: every call runs both experts (an expert without rows on row 0, its output joined at weight 0), so
-    processes whose rows differ make the same collectives (always under FSDP2). ``trained``: the components training
-    updates: ``requires_grad_(True)`` and the LoRA calls (``add_adapter``, ``set_adapter``, ``disable_adapters``, …)
-    reach them only; the other expert stays frozen."""
-
-    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float, trained: tuple[str, ...]):
-        super().__init__()
-        self.transformer, self.transformer_2 = transformer, transformer_2
-        self.boundary, self.trained, self.run_both = float(boundary), tuple(trained), False
-
-    @property
-    def config(self):
-        """The high-noise expert's config (both experts share the architecture)."""
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    def experts(self) -> list[nn.Module]:
-        """Both experts, high-noise first."""
-        return [self.transformer, self.transformer_2]
-
-    def trained_experts(self) -> list[nn.Module]:
-        return [getattr(self, name) for name in self.trained]
-
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, return_dict: bool = False, **kwargs):
-        rows = hidden_states.shape[0]
-        t = timestep if timestep.ndim == 1 else timestep.amax(dim=1)  # per-token timesteps: the row's noise level
-        high = t >= self.boundary
-        index = [high.nonzero().squeeze(1), (~high).nonzero().squeeze(1)]
-
-        def run(expert: nn.Module, rows_of: torch.Tensor) -> torch.Tensor:
-            pick = lambda v: v[rows_of] if torch.is_tensor(v) and v.ndim and v.shape[0] == rows else v
-            picked = {k: pick(v) for k, v in kwargs.items()}
-            return expert(
-                hidden_states=hidden_states[rows_of], timestep=timestep[rows_of], return_dict=False, **picked
-            )[0]
-
-        outs = [run(expert, i) if len(i) else None for expert, i in zip(self.experts(), index)]
-        # an expert without rows runs on row 0, its output joined at weight 0: both under run_both, and a trained one
-        # when a gradient is wanted and only the frozen expert had rows (the loss must reach the trained weights)
-        trained = [e for e in self.trained_experts() if any(p.requires_grad for p in e.parameters())]
-        starved = torch.is_grad_enabled() and all(o is None for e, o in zip(self.experts(), outs) if e in trained)
-        both = self.run_both or _sharded(self)  # FSDP2: every process makes the same collectives
-        idle = [e for e, o in zip(self.experts(), outs) if o is None and (both or (starved and e in trained))]
-        unused = [run(e, index[0][:0].new_zeros(1)) for e in idle]
-        if outs[1] is None or outs[0] is None:
-            out = outs[0] if outs[1] is None else outs[1]
-        else:
-            out = torch.cat(outs)[torch.cat(index).argsort()]
-        for extra in unused:
-            out = out + 0.0 * extra.sum()
-        return (out,)
-
-    def requires_grad_(self, requires_grad: bool = True) -> "WanExperts":
-        """Freeze both experts, or (True) make the trained ones trainable: the other expert stays frozen."""
-        for expert in self.trained_experts() if requires_grad else self.experts():
-            expert.requires_grad_(requires_grad)
-        return self
-
-    # ---- the LoRA calls of diffusers' models, on the trained experts ----------------------------------------
-    def add_adapter(self, config, adapter_name: str = "default") -> None:
-        for expert in self.trained_experts():
-            expert.add_adapter(config, adapter_name=adapter_name)
-        self.peft_config = self.trained_experts()[0].peft_config  # an attribute: copies may delete it
-
-    def set_adapter(self, adapter_name) -> None:
-        for expert in self.trained_experts():
-            expert.set_adapter(adapter_name)
-
-    def disable_adapters(self) -> None:
-        for expert in self.trained_experts():
-            expert.disable_adapters()
-
-    def enable_adapters(self) -> None:
-        for expert in self.trained_experts():
-            expert.enable_adapters()
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return any(getattr(expert, "gradient_checkpointing", False) for expert in self.experts())
-
-    def enable_gradient_checkpointing(self) -> None:
-        for expert in self.experts():
-            expert.enable_gradient_checkpointing()
-
-    def disable_gradient_checkpointing(self) -> None:
-        for expert in self.experts():
-            expert.disable_gradient_checkpointing()
 
 
 class WanFlowModel(FlowModel):
@@ -193,6 +89,8 @@ class WanFlowModel(FlowModel):
     """
 
     modality = "video"
+    _experts: WanExperts | None = None
+    """A two-expert pipeline's :class:`WanExperts` (set by ``_init_experts``), else None."""
 
     family = "wan"
     pipeline_class = "WanPipeline"
@@ -262,12 +160,12 @@ class WanFlowModel(FlowModel):
         if gradient_checkpointing:
             second.enable_gradient_checkpointing()
         boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-        self.__dict__["_experts"] = WanExperts(pipe.transformer, second, boundary, trained)
+        self._experts = WanExperts(pipe.transformer, second, boundary, trained)
 
     @property
     def experts(self) -> WanExperts | None:
         """Both experts of a two-expert pipeline as one module, else None."""
-        return self.__dict__.get("_experts")
+        return self._experts
 
     @property
     def trainable(self) -> nn.Module:
@@ -403,11 +301,9 @@ class WanFlowModel(FlowModel):
         experts = self.experts
         if experts is None:
             return super().save_lora(directory, layers)
-        from peft.utils import get_peft_model_state_dict
-
         if not self.has_lora:
             raise RuntimeError("save_lora needs a LoRA adapter named 'default' (call add_lora first)")
-        layers = layers if layers is not None else get_peft_model_state_dict(experts, adapter_name="default")
+        layers = layers if layers is not None else adapter_state(experts, "default")
         for name in experts.trained:
             prefix = f"{name}."
             own = {k[len(prefix) :]: v for k, v in layers.items() if k.startswith(prefix)}
@@ -452,7 +348,6 @@ class WanFlowModel(FlowModel):
             experts.requires_grad_(False)
             for name, param in experts.named_parameters():
                 param.requires_grad_("lora_" in name)
-            experts.peft_config = experts.trained_experts()[0].peft_config
             self.has_lora = True
 
 

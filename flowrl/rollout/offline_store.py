@@ -35,6 +35,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.models.base import FlowModel
+from flowrl.models.module_group import diffusers_config
 
 FORMAT, VERSION = "flowrl-rollouts", 1
 META_FILE, PROMPTS_FILE = "rollouts.json", "prompts.txt"
@@ -60,7 +61,7 @@ def model_identity(model: FlowModel) -> dict[str, Any]:
     the same architecture has the same names and sizes); else ``kind: parameter shapes`` with a sha256 over the
     transformer's parameter shapes (a LoRA's left out). Cheap: no weight file is read whole."""
     module = model.trainable
-    config = dict(getattr(module, "config", None) or {})  # a diffusers model's config (a FrozenDict)
+    config = dict(diffusers_config(module) or {})  # a diffusers model's config (a FrozenDict; a group: its lead's)
     kept = {k: v for k, v in config.items() if k not in ("_name_or_path", "_diffusers_version", "_use_default_values")}
     folder = Path(str(config.get("_name_or_path") or ""))
     if str(folder) not in ("", ".") and folder.is_dir():
