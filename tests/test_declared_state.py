@@ -87,10 +87,6 @@ def test_explore_keeps_no_per_iteration_state_between_rollout_and_metrics(sd3_mo
     assert [r["iteration"] for r in forest.meta["explore"]] == [1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Forest.merge to concatenate list-valued meta (flowrl/rollout/forest.py, not this change's file)",
-)
 def test_explore_records_of_merged_chunks_add_up(sd3_model):
     from flowrl.rollout.base import RolloutContext
     from flowrl.rollout.explore import Explore

@@ -299,7 +299,7 @@ class Forest(ForestPaths, DeviceColumns, ForestScores):
             prompts=prompts,
             guidance=forests[0].guidance,
             reduction=forests[0].reduction,
-            meta=dict(forests[0].meta),
+            meta=_merged_meta([f.meta for f in forests]),
             device=forests[0].device,
         )
         names = list(dict.fromkeys(k for f in forests for k in f.reward_components))
@@ -384,3 +384,13 @@ class Forest(ForestPaths, DeviceColumns, ForestScores):
         table = torch.full((P, int(count.max()) if leaves.numel() else 0), float("nan"), dtype=torch.float64)
         table[group, within] = self.reward[leaves].double()
         return flat_rows(table, torch.isfinite(table), tol)
+
+
+def _merged_meta(metas: list[dict]) -> dict:
+    """The first forest's meta; a list under a key (a plan's per-chunk records, e.g. explore's): every forest's lists
+    concatenated in order."""
+    out = dict(metas[0])
+    for key, value in out.items():
+        if isinstance(value, list):
+            out[key] = [x for m in metas for x in m.get(key, [])]
+    return out
