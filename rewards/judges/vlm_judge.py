@@ -26,21 +26,28 @@ request per image or video (a video as one ``video_url`` part of JPEG frames, or
 log-probabilities (NaN, infinite, above 0, ``top_logprobs`` not a list or shorter than asked) is a failed request,
 raised or (``on_error: nan``) counted; ``transformers``, the judge in this process
 (:mod:`flowrl_rewards.judges.vlm_judge_local`; a video through the processor's ``videos=`` input).
-Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md.
+Settings, serving commands and failure behaviour: docs/rewards/vlm_judge.md. The questions are
+:mod:`flowrl_rewards.judges.vlm_judge_templates`, the settings' checks :mod:`flowrl_rewards.judges.vlm_judge_settings`,
+the answers read as scores :mod:`flowrl_rewards.judges.vlm_judge_answers`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
-import string
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from flowrl_rewards.core.base import Reward, check_frame_stride
+from flowrl_rewards.judges.vlm_judge_answers import (  # noqa: F401 (re-exported)
+    ANSWER,
+    answer_probability,
+    bare,
+    pattern_score,
+    read_pattern,
+    yes_share,
+)
 from flowrl_rewards.judges.vlm_judge_served import (
     VIDEO_INPUTS,
     MalformedReply,
@@ -48,6 +55,26 @@ from flowrl_rewards.judges.vlm_judge_served import (
     api_key_of,
     content_parts,
     first_token_candidates,
+)
+from flowrl_rewards.judges.vlm_judge_settings import (  # noqa: F401 (re-exported)
+    check_choice,
+    check_number,
+    check_pattern,
+    check_range,
+    check_template,
+)
+from flowrl_rewards.judges.vlm_judge_templates import (  # noqa: F401 (re-exported)
+    DEFAULT_FPS,
+    DEFAULT_MODEL,
+    DEFAULT_PATTERN,
+    DEFAULT_QUESTION,
+    MOTION_QUESTION,
+    PATTERN_MAX_TOKENS,
+    TEMPLATES,
+    UNIFIEDREWARD_IMAGE,
+    UNIFIEDREWARD_PATTERN,
+    UNIFIEDREWARD_VIDEO,
+    Template,
 )
 from flowrl_rewards.serving.remote import ON_ERROR, RemoteRewardError
 
@@ -57,199 +84,8 @@ BACKENDS = ("openai", "transformers")
 SCORES = ("yes_probability", "vqascore", "pattern")
 YES_NO = ("yes_probability", "vqascore")
 """The scores read from the first answer token of a yes/no question."""
-ANSWER = "Yes"
-"""VQAScore's answer (t2v_metrics, ``default_answer_template``): its score is P(this first answer token)."""
-DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
-DEFAULT_QUESTION = 'Does this figure show "{prompt}"? Please answer yes or no.'
-"""VQAScore's question template (t2v_metrics, ``default_question_template``), ``{prompt}`` for its ``{}``."""
-MOTION_QUESTION = (
-    'This video was generated for the prompt "{prompt}". Is its motion smooth, natural and physically plausible, '
-    "without flicker, sudden jumps or objects that deform as they move? Please answer yes or no."
-)
-"""flowrl's yes/no question about a video's motion (VQAScore's form: read by ``score: yes_probability``)."""
-UNIFIEDREWARD_IMAGE = (
-    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
-    "based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the provided "
-    "caption. Consider the accuracy of depicted objects, their relationships, and attributes as described in the "
-    "caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
-    "preservation, color accuracy, and overall aesthetic appeal.\nExtract key elements from the provided text "
-    "caption, evaluate their presence in the generated image using the format: 'element (type): value' (where "
-    "value=0 means not generated, and value=1 means generated), and assign a score from 1 to 5 after 'Final "
-    "Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
-)
-"""UnifiedReward's pointwise image-generation prompt, verbatim (CodeGoat24/UnifiedReward,
-``inference_qwen/image_generation/qwen_point_score_image_generation.py``; its LLaVA script's is the same after
-``<image>\n``): a score from 1 to 5 after ``Final Score:``."""
-UNIFIEDREWARD_VIDEO = (
-    "Suppose you are an expert in judging and evaluating the quality of AI-generated videos, please watch the frames "
-    "of a given video and see the text prompt for generating the video.\nThen give scores from 5 different "
-    "dimensions:\n(1) visual quality: the quality of the video in terms of clearness, resolution, brightness, and "
-    "color\n(2) temporal consistency, the consistency of objects or humans in video\n(3) dynamic degree, the degree "
-    "of dynamic changes\n(4) text-to-video alignment, the alignment between the text prompt and the video content\n"
-    "(5) factual consistency, the consistency of the video content with the common-sense and factual knowledge\n\n"
-    "For each dimension, output a number from [1,2,3,4], \nin which '1' means 'Bad', '2' means 'Average', '3' "
-    "means 'Good', \n'4' means 'Real' or 'Perfect' (the video is like a real video)\nFinally, based on above 5 "
-    "dimensions, assign a score from 1 to 10 after 'Final Score:'\nHere is an output example:\nvisual quality: "
-    "4\ntemporal consistency: 4\ndynamic degree: 3\ntext-to-video alignment: 1\nfactual consistency: 2\nFinal "
-    "Score: 6\n\n**Note: In the example above, scores are placeholders meant only to demonstrate the format. Your "
-    "actual evaluation should be based on the quality of the given video.**\nYour task is provided as follows: Text "
-    "Prompt: [{prompt}]"
-)
-"""UnifiedReward's pointwise video-generation prompt, verbatim (``inference_qwen/video_generation/
-qwen_point_score_video_generation.py``): a score from 1 to 10 after ``Final Score:``."""
-DEFAULT_FPS = 16.0  # the frame rate of the videos scored: Wan 2.1 / 2.2's output rate (divided by frame_stride)
-DEFAULT_PATTERN = r"Final Score:\s*([0-9]+(?:\.[0-9]+)?)"
-"""UnifiedReward's pointwise answer ends in ``Final Score: <1–5>``."""
-UNIFIEDREWARD_PATTERN = r"(?s)Final Score:(?!.*Final Score:)\D*(\d+)"
-"""UnifiedReward's own reading of an answer (``text.split('Final Score:')[-1]``, then its first ``\\d+``): the first
-run of digits after the last ``Final Score:`` (``Final Score: **4**`` gives 4, ``3.5`` gives 3)."""
-PATTERN_MAX_TOKENS = 512  # the default answer length in pattern mode (a short reasoning, then the score)
 
 
-@dataclass(frozen=True)
-class Template:
-    """A named question and how its answer is read: ``kind`` ``yes/no`` (read by ``score`` yes_probability, the
-    default, or vqascore) or ``pattern`` (its ``pattern``, ``score_range`` and answer length ``max_tokens``)."""
-
-    question: str
-    kind: str = "yes/no"
-    pattern: str = DEFAULT_PATTERN
-    score_range: tuple[float, float] = (1, 5)
-    max_tokens: int = PATTERN_MAX_TOKENS
-
-
-TEMPLATES = {
-    "vqascore": Template(DEFAULT_QUESTION),
-    "motion": Template(MOTION_QUESTION),
-    "unifiedreward": Template(UNIFIEDREWARD_IMAGE, "pattern", UNIFIEDREWARD_PATTERN, (1, 5), 512),
-    "unifiedreward_video": Template(UNIFIEDREWARD_VIDEO, "pattern", UNIFIEDREWARD_PATTERN, (1, 10), 1024),
-}
-"""The named questions (``template``); ``question`` gives any other. UnifiedReward's answer lengths are its scripts'
-``max_new_tokens`` (512 for an image, 1024 for a video)."""
-
-
-# ---- settings ----------------------------------------------------------------------------------------------
-def check_choice(key: str, value: Any, accepted: Sequence[str], hint: str = "") -> str:
-    """``value`` if it is one of ``accepted``, else a ValueError naming the key, the value and ``accepted``."""
-    if value not in accepted:
-        raise ValueError(f"vlm_judge: {key}={value!r} is not one of {tuple(accepted)}{hint}")
-    return value
-
-
-def check_template(key: str, value: Any) -> str:
-    """A question template: text where ``{prompt}`` is the only field (literal braces doubled: ``{{ }}``)."""
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"vlm_judge: {key}={value!r} must be a non-empty string (the only field is {{prompt}})")
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
-    except ValueError as e:
-        raise ValueError(
-            f"vlm_judge: {key}={value!r} is not a valid template ({e}); write literal braces as {{{{ and }}}}"
-        ) from e
-    bad = [f for f in fields if f != "prompt"]
-    if bad:
-        raise ValueError(
-            f"vlm_judge: {key}={value!r} has the field {{{bad[0]}}}; the only field accepted is "
-            "{prompt} (the image's prompt); write literal braces as {{ and }}"
-        )
-    return value
-
-
-def check_number(key: str, value: Any, low: float = 0.0, strict: bool = False, integer: bool = False) -> float:
-    """``value`` as a number ≥ ``low`` (> with ``strict``; an int with ``integer``), else a ValueError naming it."""
-    kind = int if integer else (int, float)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, kind)
-        or not math.isfinite(value)
-        or value < low
-        or (strict and value == low)
-    ):
-        what = "an integer" if integer else "a number"
-        raise ValueError(f"vlm_judge: {key}={value!r} must be {what} {'>' if strict else '>='} {low:g}")
-    return value
-
-
-def check_range(value: Any) -> tuple[float, float]:
-    """``score_range`` as (low, high) with low < high."""
-    ok = (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-    )
-    if not ok or value[0] >= value[1]:
-        raise ValueError(
-            f"vlm_judge: score_range={value!r} must be [low, high] with low < high, e.g. [1, 5]: "
-            "the judge's scale, mapped to [0, 1]"
-        )
-    return float(value[0]), float(value[1])
-
-
-def check_pattern(value: Any) -> re.Pattern:
-    """``pattern`` compiled; its first group (or the whole match without groups) is the number."""
-    try:
-        return re.compile(value)
-    except (re.error, TypeError) as e:
-        raise ValueError(f"vlm_judge: pattern={value!r} is not a regular expression ({e})") from e
-
-
-# ---- answers to scores -----------------------------------------------------------------------------------
-def bare(token: str) -> str:
-    """A token's text without spaces and BPE / SentencePiece space marks (`` Yes``, ``ĠYes``, ``▁Yes`` → ``Yes``)."""
-    return token.strip().lstrip("Ġ▁").strip()
-
-
-def yes_share(candidates: Sequence[tuple[str, float]]) -> float:
-    """P(yes) / (P(yes) + P(no)) from (token text, log-probability) pairs, a token's text read without case,
-    spaces or BPE space marks (``Yes``, `` yes``, ``ĠYES`` are yes); NaN when neither appears."""
-    mass = {"yes": 0.0, "no": 0.0}
-    for token, logprob in candidates:
-        word = bare(token).lower()
-        if word in mass:
-            mass[word] += math.exp(logprob)
-    total = mass["yes"] + mass["no"]
-    return mass["yes"] / total if total > 0 else float("nan")
-
-
-def answer_probability(candidates: Sequence[tuple[str, float]]) -> float:
-    """VQAScore, P("Yes"), from the (token text, log-probability) pairs of the first answer token: the probability of
-    the most probable one whose :func:`bare` text is ``Yes`` (case kept: the answer token t2v_metrics scores); 0.0
-    when none is but another yes- or no-like token is (P("Yes") is then below the least probability listed); NaN
-    when no token reads yes or no (the judge did not answer the question)."""
-    yes = [logprob for token, logprob in candidates if bare(token) == ANSWER]
-    if yes:
-        return math.exp(max(yes))
-    if any(bare(token).lower() in ("yes", "no") for token, _ in candidates):
-        return 0.0
-    return float("nan")
-
-
-def read_pattern(text: str, pattern: re.Pattern, low: float, high: float) -> tuple[float, str | None]:
-    """(score, None): the last match of ``pattern`` in ``text`` mapped from [low, high] to [0, 1] (clipped); or
-    (NaN, why) without a match, or when the match is not a number or not a finite one ("nan", "inf")."""
-    shown = (text or "")[:200]
-    matches = list(pattern.finditer(text or ""))
-    if not matches:
-        return float("nan"), f"no number matching pattern {pattern.pattern!r} in the answer {shown!r}"
-    m = matches[-1]
-    found = m.group(1) if pattern.groups else m.group(0)
-    try:
-        value = float(found)
-    except (TypeError, ValueError):
-        return float("nan"), f"pattern {pattern.pattern!r} matched {found!r}, not a number, in the answer {shown!r}"
-    if not math.isfinite(value):
-        return float("nan"), (
-            f"pattern {pattern.pattern!r} matched {found!r}, not a finite number, in the answer {shown!r}"
-        )
-    return min(1.0, max(0.0, (value - low) / (high - low))), None
-
-
-def pattern_score(text: str, pattern: re.Pattern, low: float, high: float) -> float:
-    """:func:`read_pattern`'s score alone."""
-    return read_pattern(text, pattern, low, high)[0]
-
-
-# ---- the reward ------------------------------------------------------------------------------------------
 class VlmJudge(Reward):
     """A VLM's answer to ``question`` about each image or video as a score float32 [B] in [0, 1] (NaN: no score).
 
@@ -301,26 +137,7 @@ class VlmJudge(Reward):
             BACKENDS,
             " (openai: a served judge, e.g. by vLLM or sglang; transformers: the judge in this process)",
         )
-        spec = self.template_of(question, template)
-        self.question = check_template("question", question) if spec is None else spec.question
-        default = "pattern" if spec is not None and spec.kind == "pattern" else "yes_probability"
-        self.mode = check_choice("score", default if score is None else score, SCORES)
-        if template is not None and (self.mode == "pattern") != (spec.kind == "pattern"):
-            reads = "score: pattern" if spec.kind == "pattern" else "score: yes_probability or vqascore"
-            raise ValueError(
-                f"vlm_judge: template={template!r} is read by {reads}, not score={self.mode!r} "
-                f"({'its answer ends in a score' if spec.kind == 'pattern' else 'it asks a yes/no question'}); "
-                "leave score out, or give a question of your own"
-            )
-        self.system = None if system is None else check_template("system", system)
-        self.pattern = check_pattern(pattern if pattern is not None else spec.pattern if spec else DEFAULT_PATTERN)
-        self.low, self.high = check_range(
-            score_range if score_range is not None else spec.score_range if spec else (1, 5)
-        )
-        if max_tokens is not None:
-            check_number("max_tokens", max_tokens, 1, integer=True)
-        answer_length = spec.max_tokens if spec is not None else PATTERN_MAX_TOKENS
-        self.max_tokens = max_tokens or (1 if self.mode in YES_NO else answer_length)
+        self._read_question(question, template, system, score, pattern, score_range, max_tokens)
         self.top_logprobs = int(check_number("top_logprobs", top_logprobs, 1, integer=True))
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
         self.video_input = check_choice(
@@ -355,6 +172,31 @@ class VlmJudge(Reward):
             from flowrl_rewards.judges.vlm_judge_local import LocalJudge
 
             self.local = LocalJudge(model, processor or model, device, dtype, batch_size, self.mode)
+
+    def _read_question(self, question, template, system, score, pattern, score_range, max_tokens) -> None:
+        """The question (``question``, or the named ``template``'s), the ``system`` prompt and how the answer is read:
+        the score (default: the template's, yes_probability for a yes/no question), the pattern, its range and the
+        answer's length."""
+        spec = self.template_of(question, template)
+        self.question = check_template("question", question) if spec is None else spec.question
+        default = "pattern" if spec is not None and spec.kind == "pattern" else "yes_probability"
+        self.mode = check_choice("score", default if score is None else score, SCORES)
+        if template is not None and (self.mode == "pattern") != (spec.kind == "pattern"):
+            reads = "score: pattern" if spec.kind == "pattern" else "score: yes_probability or vqascore"
+            raise ValueError(
+                f"vlm_judge: template={template!r} is read by {reads}, not score={self.mode!r} "
+                f"({'its answer ends in a score' if spec.kind == 'pattern' else 'it asks a yes/no question'}); "
+                "leave score out, or give a question of your own"
+            )
+        self.system = None if system is None else check_template("system", system)
+        self.pattern = check_pattern(pattern if pattern is not None else spec.pattern if spec else DEFAULT_PATTERN)
+        self.low, self.high = check_range(
+            score_range if score_range is not None else spec.score_range if spec else (1, 5)
+        )
+        if max_tokens is not None:
+            check_number("max_tokens", max_tokens, 1, integer=True)
+        answer_length = spec.max_tokens if spec is not None else PATTERN_MAX_TOKENS
+        self.max_tokens = max_tokens or (1 if self.mode in YES_NO else answer_length)
 
     @staticmethod
     def template_of(question: str | None, template: str | None) -> Template | None:
