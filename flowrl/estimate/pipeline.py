@@ -1,9 +1,11 @@
 """The estimate of ``train.pipeline: async`` (docs/pipeline.md, docs/estimate.md): what overlapping the rollout with
 the update buys and costs, priced from the serial estimate's parts (:func:`flowrl.estimate.iteration.estimate`).
 
-- **Time.** The rollout side (sampling, the explorer's previews, decoding) and the update side overlap: an iteration
-  takes the longer of the two plus the weight sync (the trainable weights sent once per version at the link's
-  bandwidth, :data:`LINK_GBPS`). At ``train.max_staleness`` 0 nothing overlaps: the two sides and the sync add up.
+- **Time.** The rollout side (sampling, the explorer's previews, decoding) and the update side overlap on devices of
+  their own (launched rollout processes, or a CPU's cores split between them): an iteration takes the longer of the
+  two plus the weight sync (the trainable weights sent once per version at the link's bandwidth, :data:`LINK_GBPS`).
+  At ``train.max_staleness`` 0 nothing overlaps, and beside the trainer on one GPU both share its compute (what they
+  gain is the time one side leaves the card idle, not priced): the two sides and the sync add up.
   With launched rollout processes (``train.rollout_processes`` N of G processes) each rollout process samples for
   ⌈T/N⌉ of the T trainers, and each trainer updates on its share: :func:`best_split` is the N that balances them.
 - **Memory, per process.** The trainer's is the serial estimate's peak (it still samples its evals). A rollout process
@@ -88,14 +90,14 @@ def price_pipeline(cfg, est: dict, target: str = "cuda") -> dict | None:
     total = trainers + launched
     served = math.ceil(trainers / launched) if launched else 1
     rollout_side = [r * served for r in rollout]
-    if int(t.max_staleness) == 0:
+    shares_card = not launched and target == "cuda"
+    if int(t.max_staleness) == 0 or shares_card:  # nothing overlaps, or both sides share one card's compute
         seconds = [rollout_side[i] + update[i] + sync for i in (0, 1)]
     else:
         seconds = [max(rollout_side[i], update[i]) + sync for i in (0, 1)]
     phases = mem["phases"]
     rollout_peak = sum(mem[k] for k in ROLLOUT_PARTS) + max(phases.get(k, 0.0) for k in ROLLOUT_PHASES)
     card = float(mem["gpu_memory"])
-    shares_card = not launched and target == "cuda"
     fits = (mem["peak"] + rollout_peak <= card) if shares_card else (mem["peak"] <= card and rollout_peak <= card)
     return {
         "max_staleness": int(t.max_staleness),
