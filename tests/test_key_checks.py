@@ -209,7 +209,10 @@ def test_adapter_keywords_read_the_loader_and_the_adapters_options():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.plan=explore", "rollout.pol=8"], "rollout.pol is not a key of the config (did you mean 'rollout.pool'?)"),
+        (
+            ["rollout.plan=explore", "rollout.pol=8"],
+            "rollout.pol is not a key of the config (did you mean 'rollout.pool'?)",
+        ),
         (
             ["rollout.plan=probed", "rollout.prob=x0_projection"],
             "rollout.prob is not a key of the config (did you mean 'rollout.probe'?)",
