@@ -64,6 +64,11 @@ class RewardServerProcess:
                 line = self.proc.stdout.readline()
                 if line.startswith(READY_PREFIX):
                     return line
+        if line == "":  # stdout closed: the server is exiting on its own; its own exit code, not close()'s SIGTERM
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         self.close()
         log = self.log
         self.remove_log()
