@@ -97,7 +97,7 @@ def measure(case: str, world: int) -> dict[str, int]:
         model.add_lora(
             LoraSpec(rank=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=cfg.lora.targets, init=cfg.lora.init)
         )
-    group = SimpleNamespace(processes=world, world=world)  # the ProcessGroup's counts: no context parallelism
+    group = SimpleNamespace(processes=world, world=world, dist_group=None)  # the ProcessGroup's counts, every process
     Sharding(model, group, torch.device("cpu"), cfg.shard_rollouts).shard(compute_dtype(model))
     transformer = model.trainable
     trainable = [p for p in transformer.parameters() if p.requires_grad]
