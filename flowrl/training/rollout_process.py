@@ -44,9 +44,8 @@ class RolloutSide:
     def __init__(self, cfg: TrainConfig):
         from flowrl.config import build
         from flowrl.config.chosen import build_components
-        from flowrl.rollout.runner import RolloutRunner
         from flowrl.training.scoring import run_rewards
-        from flowrl.training.trainable import setup_trainable, teacher_weights
+        from flowrl.training.trainable import rollout_runner, setup_trainable, teacher_weights
 
         c = cfg
         self.reward, _ = run_rewards(c)
@@ -56,20 +55,7 @@ class RolloutSide:
         self.params = setup_trainable(self.model, c.model, c.train.seed)
         objective.setup(self.model, **teacher)
         self.plan.setup(self.model, self.reward)
-        self.runner = RolloutRunner(
-            self.plan,
-            self.model,
-            self.reward,
-            prompts=None,
-            group=None,
-            seed=c.train.seed,
-            guidance=1.0,
-            max_batch=c.rollout.max_batch,
-            chunks=c.rollout.chunks,
-            reduction=objective.reduction,
-            teacher=objective.sampling_teacher(),
-            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
-        )
+        self.runner = rollout_runner(c, self.plan, self.model, self.reward, objective)
 
     def load(self, flat: dict[str, torch.Tensor]) -> None:
         """Take a weights version: into the trainable parameters, then the plan's copies follow (an explorer)."""

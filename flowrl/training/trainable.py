@@ -1,4 +1,5 @@
-"""What a run trains and what its objective starts from, set up the same way wherever a copy of the policy is built:
+"""What a run trains, what its objective starts from and the runner that rolls it out, set up the same way wherever a
+copy of the policy is built:
 the trainer, and the rollout process of ``train.pipeline=async`` (:mod:`flowrl.training.pipeline`), whose weights
 must line up with the trainer's parameter for parameter."""
 
@@ -33,6 +34,28 @@ def setup_trainable(model: FlowModel, section: ModelSection, seed: int) -> list[
     if not params:
         raise ConfigError("no trainable parameters: check model.lora.targets")
     return params
+
+
+def rollout_runner(cfg, plan, model, reward, objective, prompts=None, group=None, guidance: float = 1.0):
+    """The :class:`~flowrl.rollout.runner.RolloutRunner` of a run of ``cfg``: ``plan`` over ``model``, scored by
+    ``reward``, with the objective's reduction and sampling teacher (``prompts``/``group``: the trainer's, to draw
+    each iteration's prompt groups; None in a rollout process, which is handed them)."""
+    from flowrl.rollout.runner import RolloutRunner
+
+    return RolloutRunner(
+        plan,
+        model,
+        reward,
+        prompts,
+        group,
+        seed=cfg.train.seed,
+        guidance=guidance,
+        max_batch=cfg.rollout.max_batch,
+        chunks=cfg.rollout.chunks,
+        reduction=objective.reduction,
+        teacher=objective.sampling_teacher(),
+        async_reward={"auto": "auto", "true": True, "false": False}[str(cfg.train.async_reward).lower()],
+    )
 
 
 def teacher_weights(objective) -> dict[str, Callable]:

@@ -13,6 +13,7 @@ from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
 from flowrl.training.pipeline import AsyncRollouts, RolloutJob
 from flowrl.training.rollout_process import DistLink, LocalRolloutProcess, layout_of
+from flowrl.training.trainable import rollout_runner
 
 
 class TrainerPipeline:
@@ -30,20 +31,8 @@ class TrainerPipeline:
     def _rollout_runner(self) -> RolloutRunner:
         """This process's rollouts in its own process: the plan over the policy, scored by the training reward (a
         ``sync`` run's every iteration; ``async``: the prompt groups of each job, and ``flowrl snr``'s rollouts)."""
-        c = self.cfg
-        return RolloutRunner(
-            self.plan,
-            self.model,
-            self.reward,
-            self.prompts,
-            self.group,
-            seed=c.train.seed,
-            guidance=self.guidance,
-            max_batch=c.rollout.max_batch,
-            chunks=c.rollout.chunks,
-            reduction=self.objective.reduction,
-            teacher=self.objective.sampling_teacher(),
-            async_reward={"auto": "auto", "true": True, "false": False}[str(c.train.async_reward).lower()],
+        return rollout_runner(
+            self.cfg, self.plan, self.model, self.reward, self.objective, self.prompts, self.group, self.guidance
         )
 
     def _pipeline(self, rollout_threads: int | None) -> AsyncRollouts:
