@@ -29,11 +29,12 @@ from flowrl.estimate.iteration_work import (  # noqa: F401 (the defaults re-expo
     shapes_and_guidance,
     traced_phases,
 )
-from flowrl.estimate.pipeline import price_pipeline, trainers_of
+from flowrl.estimate.pipeline import price_pipeline
 from flowrl.estimate.run_checks import check_model_options, check_processes
 from flowrl.estimate.sharding import ASSUMPTION as SHARDING_ASSUMPTION
 from flowrl.estimate.sharding import shard_mode
 from flowrl.models.blocks import block_lists
+from flowrl.training.pipeline import trainers_of
 
 ASSUMPTIONS = [
     "activations: the live bytes of the diffusers transformer's own forward/backward traced on the meta device at "

@@ -45,21 +45,6 @@ sets up (a guided teacher among them), the explorer, the rewards and the prompt 
 ROLLOUT_PHASES = ("rollout", "decode", "encode")
 
 
-def trainers_of(processes: int, launched: int) -> int:
-    """The processes that train when ``launched`` of ``processes`` roll out (``train.rollout_processes``); a ConfigError
-    when none would be left to train, as the run refuses it."""
-    if not launched:
-        return processes
-    if not 0 < launched < processes:
-        from flowrl.errors import ConfigError
-
-        raise ConfigError(
-            f"train.rollout_processes={launched} must leave at least one of the {processes} processes to train "
-            "(--gpus): launch more processes or lower it"
-        )
-    return processes - launched
-
-
 def best_split(rollout_seconds: float, update_seconds: float, processes: int) -> int:
     """The number N of ``processes`` (≥ 2) to roll out, the rest training, that minimises
     max(rollout · P/N, update · P/(P − N)), from one process's rollout and update seconds at ``processes`` trainers."""

@@ -113,6 +113,19 @@ def check_pipeline(cfg: TrainConfig, model=None, reward=None) -> None:
     )
 
 
+def trainers_of(processes: int, launched: int) -> int:
+    """The launched processes that train when ``launched`` of ``processes`` roll out (``train.rollout_processes``; 0:
+    all train); a ConfigError when none would be left to train. The run's layout and the estimate both ask it."""
+    if not launched:
+        return processes
+    if not 0 < launched < processes:
+        raise ConfigError(
+            f"train.rollout_processes={launched} must leave at least one of the {processes} launched processes to "
+            "train (and be >= 1); launch more processes or lower it"
+        )
+    return processes - launched
+
+
 def split_threads(train) -> tuple[int | None, int | None]:
     """(the trainer's, the rollout process's) torch CPU threads from the ``train`` section: ``sync`` keeps
     ``train.num_threads`` (None: torch's default) and has no rollout process; ``async`` gives the rollout process

@@ -31,7 +31,14 @@ from typing import Any, Callable
 import torch
 
 from flowrl.config.schema import TrainConfig
-from flowrl.training.pipeline import RolloutFailed, RolloutJob, config_dict, config_from_dict, unflatten_into
+from flowrl.training.pipeline import (
+    RolloutFailed,
+    RolloutJob,
+    config_dict,
+    config_from_dict,
+    trainers_of,
+    unflatten_into,
+)
 
 POLL_SECONDS = 0.5  # how often a wait checks that the other side is still alive
 
@@ -243,13 +250,7 @@ class RankLayout:
     def make(cls, rank: int, world: int, rollout_processes: int) -> "RankLayout":
         import torch.distributed as dist
 
-        from flowrl.config.schema import ConfigError
-
-        if not 0 < rollout_processes < world:
-            raise ConfigError(
-                f"train.rollout_processes={rollout_processes} must leave at least one of the {world} launched "
-                f"processes to train (and be >= 1); launch more processes or lower it"
-            )
+        trainers_of(world, rollout_processes)  # at least one trains
         trainers, rollouts = list(range(world - rollout_processes)), list(range(world - rollout_processes, world))
         trainer_group = dist.new_group(trainers)
         pairs = {t: dist.new_group([t, rollouts[t % rollout_processes]]) for t in trainers}
