@@ -27,9 +27,10 @@ def test_every_preset_loads_and_builds_its_plan(path):
     plan = build.build_plan(cfg.rollout)
     counts = plan.expected_counts(2)
     objective = build.build_loss(cfg)
-    objective.check_plan(plan)
+    facts = objective.describe()
+    facts.check_plan(plan)
     # what the objective trains on is there: stochastic edges for a policy, clean leaves for a forward process
-    assert counts["trained_edges" if objective.trains_on == "edges" else "leaves"] > 0
+    assert counts["trained_edges" if facts.trains_on == "edges" else "leaves"] > 0
 
 
 def test_overrides_may_follow_options_and_unknown_options_still_fail():

@@ -122,3 +122,55 @@ def test_micro_batch_is_a_declared_field_not_a_loss_key():
     assert build_loss(cfg).micro_batch == 4
     with pytest.raises(ConfigError, match="micro_batch"):
         TrainConfig.from_yaml(None, ["loss.objective=nft", "rollout.plan=ode", "loss.micro_batch=4"])
+
+
+def test_the_tools_read_an_objective_only_through_describe():
+    """The load-time checks are the facts' own (:class:`ObjectiveFacts`): neither ``Objective`` nor any registered
+    objective carries them, and the facts refuse what the objectives refused, with the same words."""
+    from flowrl.core import components
+    from flowrl.credit.group import GroupAdvantage
+    from flowrl.credit.turning_point import TurningPoint
+    from flowrl.errors import ConfigError
+    from flowrl.objectives.dgpo import DGPOLoss
+    from flowrl.objectives.dpo import DPOLoss
+    from flowrl.objectives.gdro import GDROLoss
+    from flowrl.objectives.nft import NFTLoss
+    from flowrl.objectives.policy import PolicyLoss
+    from flowrl.rollout.chains import ODEChains
+
+    class OneLeafPerGroup(ODEChains):
+        def expected_counts(self, num_prompts, ctx=None):
+            return {**super().expected_counts(num_prompts, ctx), "leaves": num_prompts}
+
+    checks = ("check_plan", "check_credit", "rollout_guidance")
+    classes = [Objective] + [components.resolve(components.LOSS, name) for name, _ in components.LOSS.registry.items()]
+    assert len(classes) > 5
+    for cls in classes:
+        assert not [m for m in checks if hasattr(cls, m)], f"{cls.__name__} still carries a tool's check"
+    assert all(callable(getattr(ObjectiveFacts, m)) for m in checks)
+
+    free = NFTLoss().describe()
+    assert (free.name, free.rollout_cfg, free.has_teacher, free.group_use) == ("nft", "off", False, None)
+    assert free.rollout_guidance(None) == 1.0 and free.rollout_guidance(1) == 1.0
+    with pytest.raises(ConfigError, match=r"loss.cfg='free' .* model.guidance=3"):
+        free.rollout_guidance(3)
+    assert NFTLoss(cfg="guided").describe().rollout_guidance(3.0) == 3.0  # as given
+    assert PolicyLoss().describe().rollout_guidance(4.5) == 4.5 and PolicyLoss().describe().name == "clipped"
+    guided = DGPOLoss().describe()  # cfg: guided_rollouts
+    assert guided.rollout_guidance(None) is None and guided.rollout_guidance(4.0) == 4.0
+    with pytest.raises(ConfigError, match=r"loss.cfg='guided_rollouts' .* model.guidance=1.0"):
+        guided.rollout_guidance(1.0)
+
+    shared = ODEChains(group_size=4, steps=3, teacher_share=2)
+    with pytest.raises(ConfigError, match=r"rollout.teacher_share=2 draws samples from a teacher, but loss.teacher"):
+        free.check_plan(shared)
+    NFTLoss(teacher={"guidance": 3.0}).describe().check_plan(shared)
+    with pytest.raises(ConfigError, match=r"loss.objective='clipped' trains stochastic edges .* rollout.plan='ode'"):
+        PolicyLoss().describe().check_plan(shared)
+    with pytest.raises(ConfigError, match=r"loss.objective='dpo' pairs .* gives 1 leaf per group"):
+        DPOLoss().describe().check_plan(OneLeafPerGroup(group_size=2, steps=3))
+    assert GDROLoss(timesteps="sampler").describe().sampler_timesteps and not GDROLoss().describe().sampler_timesteps
+    for objective in (free, PolicyLoss().describe()):  # the group rule writes on leaves and edges: both accepted
+        objective.check_credit(GroupAdvantage())
+    with pytest.raises(ConfigError, match=r"credit.rule='turning_point' writes advantages on edges only, but "):
+        free.check_credit(TurningPoint())

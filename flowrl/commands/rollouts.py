@@ -102,7 +102,7 @@ def write_rollouts(
     trained_at = None
     if model is None:
         model, trained_at = load_model(cfg, checkpoint)
-    policy = build.build_loss(cfg).rollout_guidance(cfg.model.guidance)
+    policy = build.build_loss(cfg).describe().rollout_guidance(cfg.model.guidance)
     guidance = resolve_guidance(model.guidance, guidance, trained_at, policy)
     steps = cfg.eval.steps if steps is None else steps
 

@@ -278,10 +278,12 @@ def check_fit_keys(t: Any) -> None:
 
 def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
     """The chosen plan, credit rule and objective of ``cfg`` (each checked its own fields when constructed), checked
-    together: the objective against the plan and the credit rule, every key read or refused, the guidance."""
-    objective.check_plan(plan)  # e.g. a policy objective on ODE rollouts
+    together: the objective against the plan and the credit rule, every key read or refused, the guidance. The
+    objective is read through what it declares (:meth:`~flowrl.objectives.base.Objective.describe`)."""
+    facts = objective.describe()
+    facts.check_plan(plan)  # e.g. a policy objective on ODE rollouts
     plan.check_reward_normalize(cfg.reward_normalize)  # e.g. probed states need unnormalised rewards
-    objective.check_credit(credit)  # e.g. step-level credit with a leaf objective
+    facts.check_credit(credit)  # e.g. step-level credit with a leaf objective
     for component in (plan, credit, objective):  # every key read or refused: each component names its unread ones
         unread = component.unread_keys()
         if unread:
@@ -293,9 +295,9 @@ def check_components(cfg: Any, plan: Any, credit: Any, objective: Any) -> None:
                 problem=f"is set but nothing reads it: {why}; remove it (or set what would read it)",
                 suggest=False,
             )
-    objective.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
+    facts.rollout_guidance(cfg.model.guidance)  # e.g. CFG-free training with a guided rollout
     micro = cfg.train.micro_batch
-    if micro is not None and objective.trains_on == "edges" and micro != cfg.rollout.max_batch:
+    if micro is not None and facts.trains_on == "edges" and micro != cfg.rollout.max_batch:
         raise ConfigError(
             f"train.micro_batch={micro}: loss.objective replays the rollout's edges in the rollout's "
             f"own forwards (rollout.max_batch={cfg.rollout.max_batch} states each, so a replay equals "

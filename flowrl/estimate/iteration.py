@@ -117,7 +117,7 @@ def estimate(
             "update_rows": work["update_states"] * (2 if work["train_cfg"] else 1),
             "train_cfg": bool(work["train_cfg"]),
             "max_batch": int(cfg.rollout.max_batch),
-            "micro_batch": int(objective.micro_batch),
+            "micro_batch": int(objective.describe().micro_batch),
             "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
             "checkpoint_blocks": checkpointed_blocks(cfg, model) if cfg.model.gradient_checkpointing else 0,
             "blocks": len(block_lists(model["module"])),

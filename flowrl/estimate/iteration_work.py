@@ -60,7 +60,7 @@ def shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None,
     frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if video else None
     shapes = preset_shapes(with_sources(arch, m.kwargs), height, width, max_seq, frames)
     guidance_default = defaults.get("guidance_scale", GUIDANCE_DEFAULT[family])
-    rollout_guidance = objective.rollout_guidance(m.guidance)
+    rollout_guidance = objective.describe().rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
     kind = estimate_spec(family).guidance
     if kind != "cfg":  # the guidance value is an embedding: FLUX's CFG is true_cfg, FLUX.2's none

@@ -22,11 +22,15 @@ objective, and only the attributes it declares in :attr:`Objective.state_attribu
 :meth:`teacher_fraction` (the share of ``rollout.teacher_share`` it draws this iteration), both handed to the plan
 in the rollout context; :meth:`take_stats` (diagnostics since the last call, logged with the iteration).
 
-**The tools' part.** :meth:`describe` gives one :class:`ObjectiveFacts` value: what it trains on, its rows per
-unit and micro-batch, its frozen copies, whether its training forward runs CFG, its reward-free point (``flowrl snr
---reward-only``) and how its diagnostics are combined and shown. The config checks (:meth:`check_plan`,
-:meth:`check_credit`, :meth:`rollout_guidance`) run at load; :meth:`move_to_reward_free_point` is the one action
-``flowrl snr`` takes.
+**The tools' part.** The tools (the config checks, the estimate, ``flowrl rollouts``, ``flowrl snr``, the loop's
+logging and guidance) read an objective only through :meth:`describe`: one :class:`ObjectiveFacts` value, declared
+data and small pure methods over it — what it trains on, its rows per unit and micro-batch, its frozen copies,
+whether its training forward runs CFG, the guidance its rollouts must use, what it needs of the plan (a teacher for
+``rollout.teacher_share``, two leaves per group, a sampling schedule), its reward-free point (``flowrl snr
+--reward-only``) and how its diagnostics are combined and shown. The load-time checks are the facts' own
+(:meth:`ObjectiveFacts.check_plan`, :meth:`ObjectiveFacts.check_credit`, :meth:`ObjectiveFacts.rollout_guidance`).
+The one action a tool takes on an objective stays a method: :meth:`Objective.move_to_reward_free_point`, what
+``flowrl snr`` calls before it measures.
 
 Subclasses are dataclasses whose fields are the keys of the ``loss`` section (:mod:`flowrl.core.components`);
 ``micro_batch`` (rows per training forward) is a declared field set from ``train.micro_batch`` (default
@@ -71,7 +75,15 @@ class ObjectiveFacts:
     ``extremes``: diagnostics combined by min/max over micro-batches instead of averaged; ``first_step_keys``:
     diagnostics also logged as ``first_step_<key>`` for the first micro-batches of an iteration; ``progress_keys``:
     the progress bar's fields, label → (record keys summed, format); ``teacher_path``: the folder whose weights its
-    guided teacher starts from (``loss.teacher.path``), which the loop reads and hands to :meth:`Objective.setup`."""
+    guided teacher starts from (``loss.teacher.path``), which the loop reads and hands to :meth:`Objective.setup`.
+
+    What the load-time checks read: ``name``: the objective's registered name (``loss.objective``, for messages);
+    ``rollout_cfg``: the guidance its rollouts use (:meth:`rollout_guidance`): ``"any"`` (``model.guidance`` as
+    given), ``"off"`` (no CFG: guidance unset or 1, used as 1; ``loss.cfg: free``) or ``"on"`` (CFG: guidance not 1;
+    ``loss.cfg: guided_rollouts``); ``has_teacher``: a guided teacher is set (``loss.teacher``), which
+    ``rollout.teacher_share`` needs; ``group_use``: what it does with each prompt group when it reads whole groups
+    (the plan must give 2+ leaves per group), else None; ``sampler_timesteps``: it trains at the sampler's own noise
+    levels (``loss.timesteps: sampler``), which needs a plan that samples along a schedule."""
 
     trains_on: str = "edges"
     trains_flat: bool = False
@@ -86,6 +98,75 @@ class ObjectiveFacts:
     first_step_keys: tuple[str, ...] = ()
     progress_keys: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     teacher_path: str | None = None
+    name: str = ""
+    rollout_cfg: str = "any"
+    has_teacher: bool = False
+    group_use: str | None = None
+    sampler_timesteps: bool = False
+
+    def check_credit(self, credit) -> None:
+        """Refuse, at config load, a credit rule that writes no advantage where this objective reads one."""
+        writes = tuple(credit.writes)
+        if self.trains_on not in writes:
+            raise ConfigError(
+                f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
+                f"loss.objective={self.name!r} trains on {self.trains_on} (it would read advantage 0 on "
+                f"every one); use credit.rule: group (or tree), or an objective that trains on "
+                f"{writes[0]} (loss.objective: clipped)"
+            )
+
+    def check_plan(self, plan) -> None:
+        """Refuse, at config load, a rollout plan this objective cannot train on (names the keys): what it trains
+        on kept, a teacher for ``rollout.teacher_share``, 2+ leaves per group for ``group_use``, a schedule for
+        ``sampler_timesteps``."""
+        if self.trains_on == "edges" and not plan.has_trainable_edges:
+            raise ConfigError(
+                f"loss.objective={self.name!r} trains stochastic edges by replaying their log-probs, "
+                f"but rollout.plan={_name(plan)!r} keeps none (deterministic ODE rollouts); use a "
+                "forward-process objective (loss.objective: nft | awm) or a stochastic kernel"
+            )
+        if self.trains_on == "leaves" and not plan.keeps_clean_latents:
+            raise ConfigError(
+                f"loss.objective={self.name!r} trains on the clean latents of the leaves, but "
+                f"rollout.plan={_name(plan)!r} keeps none; accepted plans: chains, ode, tree, explore, probed"
+            )
+        share = int(plan.teacher_share or 0)
+        if share and not self.has_teacher:
+            raise ConfigError(
+                f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
+                "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)"
+            )
+        leaves = None if self.group_use is None else int(plan.expected_counts(1)["leaves"])
+        if leaves is not None and leaves < 2:
+            raise ConfigError(
+                f"loss.objective={self.name!r} {self.group_use}, but rollout.plan={_name(plan)!r} "
+                f"gives {leaves} leaf per group; raise rollout.group_size (or the tree's splits) to at "
+                "least 2 leaves per prompt"
+            )
+        if self.sampler_timesteps and plan.schedule_steps is None:
+            raise ConfigError(
+                f"loss.timesteps='sampler' trains at the sampler's own noise levels, but rollout.plan="
+                f"{_name(plan)!r} keeps no schedule (stored clean samples); accepted: loss.timesteps: "
+                "uniform | logit_normal"
+            )
+
+    def rollout_guidance(self, guidance: float | None) -> float | None:
+        """The CFG scale the rollouts use, given ``model.guidance`` (None = the model's default), by
+        ``rollout_cfg``; refuses a guidance the objective cannot train from (names both keys)."""
+        if self.rollout_cfg == "off":
+            if guidance is not None and float(guidance) != 1.0:
+                raise ConfigError(
+                    f"loss.cfg='free' samples and trains the conditional velocity (guidance 1), but "
+                    f"model.guidance={guidance}; unset model.guidance (or set 1), or use loss.cfg='guided'"
+                )
+            return 1.0
+        if self.rollout_cfg == "on" and guidance is not None and float(guidance) == 1.0:
+            raise ConfigError(
+                "loss.cfg='guided_rollouts' samples with CFG and trains the conditional velocity, but "
+                "model.guidance=1.0; set model.guidance > 1 (or unset it: the model's default), or use "
+                "loss.cfg='free'"
+            )
+        return guidance
 
     def train_rows(self, counts: Mapping[str, int]) -> int:
         """Velocity rows the forward with gradients runs in one iteration, from a plan's
@@ -144,6 +225,7 @@ class Objective(Checked):
             extremes=dict(self.extremes),
             first_step_keys=tuple(self.first_step_keys),
             progress_keys=dict(self.progress_keys),
+            name=_name(self),
             no_reward_free_point=f"{type(self).__name__} declares none (a forward-process objective "
             "with an old copy does: nft, awm or a subclass)",
         )
@@ -152,35 +234,6 @@ class Objective(Checked):
         """The nodes this objective trains [U] (``forest.units``: the credit rule's ``weight`` honoured alike by
         every objective; flat units kept when :attr:`trains_flat`)."""
         return forest.units(self.trains_on, flat=self.trains_flat)
-
-    def check_credit(self, credit) -> None:
-        """Refuse, at config load, a credit rule that writes no advantage where this objective reads one."""
-        writes = tuple(credit.writes)
-        if self.trains_on not in writes:
-            raise ConfigError(
-                f"credit.rule={_name(credit)!r} writes advantages on {' and '.join(writes)} only, but "
-                f"loss.objective={_name(self)!r} trains on {self.trains_on} (it would read advantage 0 on "
-                f"every one); use credit.rule: group (or tree), or an objective that trains on "
-                f"{writes[0]} (loss.objective: clipped)"
-            )
-
-    def check_plan(self, plan) -> None:
-        """Refuse, at config load, a rollout plan this objective cannot train on (names the keys)."""
-        if self.trains_on == "edges" and not plan.has_trainable_edges:
-            raise ConfigError(
-                f"loss.objective={_name(self)!r} trains stochastic edges by replaying their log-probs, "
-                f"but rollout.plan={_name(plan)!r} keeps none (deterministic ODE rollouts); use a "
-                "forward-process objective (loss.objective: nft | awm) or a stochastic kernel"
-            )
-        if self.trains_on == "leaves" and not plan.keeps_clean_latents:
-            raise ConfigError(
-                f"loss.objective={_name(self)!r} trains on the clean latents of the leaves, but "
-                f"rollout.plan={_name(plan)!r} keeps none; accepted plans: chains, ode, tree, explore, probed"
-            )
-
-    def rollout_guidance(self, guidance: float | None) -> float | None:
-        """The CFG scale the rollouts must use, given ``model.guidance`` (None = the model's default)."""
-        return guidance
 
     def move_to_reward_free_point(self) -> None:
         """At the current weights, make the gradient of every remaining reward-independent term zero (e.g. the old

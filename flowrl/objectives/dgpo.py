@@ -5,7 +5,7 @@ whole prompt group at the same (t, ε) draw (docs/algorithms.md, "Group objectiv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from flowrl.core.choices import choice
 from flowrl.core.seeding import derive_seed, seeded_normal
-from flowrl.errors import ConfigError
 from flowrl.models.base import CFG_GRADIENTS
-from flowrl.objectives.base import Batch
+from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.copies import OldPolicy, Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, Rows, row_mean
 from flowrl.objectives.teacher import Teacher
@@ -107,16 +106,10 @@ class GroupedForward(ForwardProcessObjective):
         with model.cfg_gradient(self.cfg_gradient):
             return super().forward_rows(model, forest, batch, cond, with_old)
 
-    def rollout_guidance(self, guidance: float | None) -> float | None:
-        if self.cfg != "guided_rollouts":
-            return super().rollout_guidance(guidance)
-        if guidance is not None and float(guidance) == 1.0:
-            raise ConfigError(
-                "loss.cfg='guided_rollouts' samples with CFG and trains the conditional velocity, but "
-                "model.guidance=1.0; set model.guidance > 1 (or unset it: the model's default), or use "
-                "loss.cfg='free'"
-            )
-        return guidance
+    def describe(self) -> ObjectiveFacts:
+        """The forward process's facts; ``cfg: guided_rollouts`` rollouts must run CFG (guidance not 1)."""
+        facts = super().describe()
+        return replace(facts, rollout_cfg="on") if self.cfg == "guided_rollouts" else facts
 
     def training_guidance(self, forest) -> float:
         return 1.0 if self.cfg == "guided_rollouts" else forest.guidance
@@ -312,8 +305,6 @@ class DGPOLoss(GroupedForward):
     def reward_free_overrides(self) -> dict[str, Any]:
         """No KL terms (the teacher stays, without its anchor, when it is the reference)."""
         if self.reference == "teacher":
-            from dataclasses import replace
-
             return {"kl_ref": 0.0, "teacher": replace(self.teacher, anchor=0.0)}
         return super().reward_free_overrides()
 

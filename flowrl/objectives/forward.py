@@ -146,39 +146,6 @@ class ForwardProcessObjective(ForwardDraws, Objective):
             out.update({k: why for k in ("old_decay", "old_decay_warmup", "old_decay_rate", "old_decay_flat")})
         return out
 
-    def rollout_guidance(self, guidance: float | None) -> float | None:
-        if self.cfg == "guided":
-            return guidance
-        if guidance is not None and float(guidance) != 1.0:
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(
-                f"loss.cfg='free' samples and trains the conditional velocity (guidance 1), but "
-                f"model.guidance={guidance}; unset model.guidance (or set 1), or use loss.cfg='guided'"
-            )
-        return 1.0
-
-    def check_plan(self, plan) -> None:
-        super().check_plan(plan)
-        share = int(plan.teacher_share or 0)
-        if share and self.teacher is None:
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(
-                f"rollout.teacher_share={share} draws samples from a teacher, but loss.teacher is not "
-                "set; add loss.teacher: {guidance: 3.0} (or set rollout.teacher_share: 0)"
-            )
-        leaves = int(plan.expected_counts(1)["leaves"])
-        if self.group_use is not None and leaves < 2:
-            from flowrl.core.components import name_of
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(
-                f"loss.objective={name_of(self)!r} {self.group_use}, but rollout.plan={name_of(plan)!r} "
-                f"gives {leaves} leaf per group; raise rollout.group_size (or the tree's splits) to at "
-                "least 2 leaves per prompt"
-            )
-
     def setup(self, model, teacher_weights=None) -> None:
         self._old = OldPolicy(model) if self.uses_old else None
         self._reference = Reference(model) if self.kl_ref > 0 else None
@@ -223,13 +190,17 @@ class ForwardProcessObjective(ForwardDraws, Objective):
 
     def describe(self) -> ObjectiveFacts:
         """Leaves, ``draws`` rows each; the frozen copies; the guided velocity trained only with ``cfg: guided``
-        (CFG-free trains the conditional one); the reward-free point when :attr:`has_reward_free_point`."""
+        (CFG-free trains the conditional one, from rollouts at guidance 1); its teacher and :attr:`group_use`; the
+        reward-free point when :attr:`has_reward_free_point`."""
         facts = replace(
             super().describe(),
             rows_per_unit=self.draws,
             frozen_copies=self.frozen_copies(),
             guided_training=self.cfg == "guided",
             teacher_path=None if self.teacher is None else self.teacher.path,
+            rollout_cfg="any" if self.cfg == "guided" else "off",
+            has_teacher=self.teacher is not None,
+            group_use=self.group_use,
         )
         if not self.has_reward_free_point:
             return facts

@@ -26,14 +26,14 @@ The credit rule's advantages are not read (its weights are: a failed reward or a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from flowrl.core.choices import choice
 from flowrl.core.seeding import derive_seed, seeded_normal
-from flowrl.objectives.base import Batch
+from flowrl.objectives.base import Batch, ObjectiveFacts
 from flowrl.objectives.copies import Reference
 from flowrl.objectives.forward import TIMESTEPS, ForwardProcessObjective, row_mean
 
@@ -121,18 +121,9 @@ class GDROLoss(ForwardProcessObjective):
         out["adv_clip"] = "loss.objective='gdro' ranks the rewards themselves and reads no advantage"
         return out
 
-    def check_plan(self, plan) -> None:
-        """The forward-process checks, and ``timesteps: sampler`` only with a plan that samples along a schedule."""
-        super().check_plan(plan)
-        if self.timesteps == "sampler" and plan.schedule_steps is None:
-            from flowrl.core.components import name_of
-            from flowrl.errors import ConfigError
-
-            raise ConfigError(
-                f"loss.timesteps='sampler' trains at the sampler's own noise levels, but rollout.plan="
-                f"{name_of(plan)!r} keeps no schedule (stored clean samples); accepted: loss.timesteps: "
-                "uniform | logit_normal"
-            )
+    def describe(self) -> ObjectiveFacts:
+        """The forward process's facts; ``timesteps: sampler`` needs a plan that samples along a schedule."""
+        return replace(super().describe(), sampler_timesteps=self.timesteps == "sampler")
 
     # ---- lifecycle: the frozen reference, always ---------------------------------------------------
     def setup(self, model, teacher_weights=None) -> None:

@@ -130,7 +130,7 @@ class Trainer(TrainerCheckpoints, TrainerPipeline, TrainerEvals):
         self.params = setup_trainable(self.model, c.model, c.train.seed)
         apply_context_parallel(self.model, c.model.context_parallel, self.group.processes, self.accelerator.device)
         self.objective.setup(self.model, **teacher)
-        self.guidance = resolve_guidance(self.model.guidance, self.objective.rollout_guidance(c.model.guidance))
+        self.guidance = resolve_guidance(self.model.guidance, self.facts.rollout_guidance(c.model.guidance))
         self.plan.setup(self.model, self.reward)
         # after the frozen and explorer copies are made from it, before FSDP2 wraps its blocks
         self.compiled = apply_block_settings(self.model.trainable, c.model)  # per-block checkpointing, compile
