@@ -1,6 +1,8 @@
-"""Help on every key (issue 62, item 6): it lives on the schema's fields (``metadata={"help": ...}``) and, for the
-component sections, on the components' fields, comments and docstrings (flowrl/config/help.py); ``flowrl train
---help`` prints it beside each key's value, and docs/keys.md is generated from it and never drifts."""
+"""Help on every key (issue 62, item 6): it lives on the schema's fields (``metadata={"help": ...}``), for the
+component sections on the components' fields, comments and docstrings (flowrl/config/help.py), and for each reward's
+settings (the keys of ``rewards[i].kwargs``, gdro_corrected's nested terms included) on the reward's constructor
+(flowrl/config/reward_help.py); ``flowrl train --help`` prints it beside each key's value and lists every reward's
+settings, and docs/keys.md is generated from it and never drifts."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import pytest
 import yaml
 
 from flowrl.config import help as key_help
-from flowrl.config import key_table, schema
+from flowrl.config import key_table, reward_help, schema
 from flowrl.config.help import NO_HELP, annotated_yaml, field_help
 from flowrl.config.key_table import base_rows, keys_markdown
+from flowrl.config.reward_help import CATALOGUE
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.core.choices import choice
 from flowrl.paths import CONFIG_DIR
@@ -52,6 +55,33 @@ def test_docs_keys_md_lists_every_key_of_every_component():
         assert heading in text and key in text.split(heading)[1].split("###")[0], (section, heading, key)
     assert "| `train.max_staleness` | `1` | async: forest k is sampled" in text
     assert "| `rewards[i].name` | (required) |" in text
+
+
+def test_docs_keys_md_lists_every_rewards_settings_gdro_correcteds_nested_terms_too():
+    text = keys_markdown()
+    rewards = text.split("\n## rewards[i].kwargs by reward name\n")[1].split("\n## ")[0]
+
+    def table(heading: str) -> str:
+        return rewards.split(heading)[1].split("###")[0]
+
+    shapes = table("### `rewards[i].name: shapes` (flowrl_rewards.compositional.shapes.ShapesReward)")
+    assert "| `rewards[i].kwargs.mode` | `strict` | strict (all of the prompt's requirements met" in shapes
+    gdro = table("### `rewards[i].name: gdro_corrected` (flowrl_rewards.heuristics.gdro_corrected.CorrectedScore)")
+    for row in (
+        "| `rewards[i].kwargs.reward` | (required) | the evaluation reward r (a term) |",
+        "| `rewards[i].kwargs.reward.name` | (required) | registry name,",
+        "| `rewards[i].kwargs.reward.kwargs` | `{}` | the settings of the reward it names",
+        "| `rewards[i].kwargs.quality[j].name` | (required) |",
+        "| `rewards[i].kwargs.quality[j].kwargs` | `{}` |",
+        "| `rewards[i].kwargs.quality_range` | `[0.0, 1.0]` | [lo, hi]: the range the quality terms score in",
+        "| `rewards[i].kwargs.center` | `3.0` | the c of",
+    ):
+        assert row in gdro, row
+    assert "| `rewards[i].kwargs.frame_stride` | `1` | the combiner's" in table("### Every reward")
+    assert "| `rewards[i].kwargs.url` | (required) | endpoint" in table("### `rewards[i].name: remote`")
+    assert "`brightness`" in table("### Rewards without settings of their own")
+    for name in reward_help.reward_names(builtin=True):  # each built-in reward: a table, or named as having none
+        assert f"### `rewards[i].name: {name}` (" in rewards or f"`{name}`" in table("### Rewards without"), name
 
 
 # ---- the schema's keys all carry help ------------------------------------------------------------------------------
@@ -120,6 +150,22 @@ def test_every_key_of_every_builtin_component_has_help():
     assert NO_HELP not in keys_markdown()
 
 
+def test_every_setting_of_every_builtin_reward_has_help():
+    """No setting of a built-in reward (nor a key of a term it nests, nor the combiner's) prints NO_HELP: a comment
+    beside the keyword in the constructor, or its entry in the class docstring's ``kwargs:``."""
+    missing, seen = [], 0
+    for name in reward_help.reward_names(builtin=True):
+        cls = reward_help.reward_class(name)
+        assert cls is not None, name
+        for row in reward_help.reward_keys(cls):
+            seen += 1
+            if not row.help.strip() or row.help == NO_HELP:
+                missing.append(f"{name}: {row.key}")
+    assert seen > 100
+    assert not missing, f"reward settings without help (a comment beside the keyword in the constructor): {missing}"
+    assert all(k.help != NO_HELP for k in reward_help.combiner_keys())
+
+
 def test_the_component_keys_help_says_what_they_do():
     from flowrl.objectives.dgpo import DGPOLoss
     from flowrl.rollout.tree import Tree
@@ -165,6 +211,67 @@ def test_a_component_fields_help_from_metadata_comment_docstring_or_none():
     assert field_help(Base, "inherited") == "from the base's docstring [3]"
 
 
+def test_a_reward_settings_help_from_its_note_comment_kwargs_section_docstring_or_none():
+    from flowrl_rewards.core.base import Reward
+    from flowrl_rewards.core.registry import RewardSetting, settings_of
+
+    class Base(Reward):
+        """A base.
+
+        kwargs:
+          inherited: documented by the base (default 1).
+        """
+
+        def __init__(self, inherited: int = 1):
+            pass
+
+    class Thing(Base):
+        """A thing. ``from_entry``: said in an entry.
+
+        kwargs:
+          from_section: said in the kwargs section,
+            going on below.
+          a / b: said of both.
+        """
+
+        def __init__(
+            self,
+            from_comment: float = 0.5,  # said beside the keyword,
+            # and on the line below
+            from_section: str = "x",
+            a: int = 0,
+            b: int = 0,
+            from_entry: int = 0,
+            inherited: int = 1,
+            bare: int = 2,
+        ):
+            pass
+
+    settings = {s.name: s for s in settings_of(Thing).own}
+    helps = {name: reward_help.setting_help(Thing, s) for name, s in settings.items()}
+    assert helps == {
+        "from_comment": "said beside the keyword, and on the line below",
+        "from_section": "said in the kwargs section, going on below",
+        "a": "said of both",
+        "b": "said of both",
+        "from_entry": "said in an entry",
+        "inherited": "documented by the base (default 1)",
+        "bare": NO_HELP,
+    }
+    noted = RewardSetting("from_comment", 0.5, "float", "a Settings field's metadata help")
+    assert reward_help.setting_help(Thing, noted) == "a Settings field's metadata help"  # the note wins
+
+
+def test_gdro_correcteds_nested_terms_are_found_by_its_own_check():
+    from flowrl_rewards.heuristics.gdro_corrected import CorrectedScore
+    from flowrl_rewards.heuristics.image_stats import Brightness
+
+    assert reward_help.nested_terms(CorrectedScore) == {"reward": False, "quality": True}
+    assert reward_help.nested_terms(Brightness) == {}
+    keys = [k.key for k in reward_help.reward_keys(CorrectedScore)]
+    assert keys[:6] == ["reward", "reward.name", "reward.kwargs", "quality", "quality[j].name", "quality[j].kwargs"]
+
+
 def test_shipped_components_take_their_comments_and_docstrings():
     from flowrl.objectives.policy import PolicyLoss
     from flowrl.rollout.tree import Tree
@@ -190,22 +297,37 @@ def _bare(text: str) -> str:
     return "\n".join(re.sub(r"  # .*$", "", line) for line in lines)
 
 
+def _kwargs_count(kwargs) -> int:
+    """Keys of a reward term's ``kwargs``, with the keys of the terms nested in them (a mapping with ``name``, or a
+    list of them: gdro_corrected's ``reward`` and ``quality``) and of those terms' kwargs."""
+    count = 0
+    for value in (kwargs or {}).values():
+        count += 1
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict) and "name" in item:
+                count += len(item) + _kwargs_count(item.get("kwargs"))
+    return count
+
+
 def _key_count(value) -> int:
-    """Keys of a loaded config below its top-level sections (a free mapping such as ``kwargs`` counts as one key)."""
+    """Keys of a loaded config below its top-level sections (a reward term's ``kwargs``: its keys too)."""
     if isinstance(value, list):
         return sum(_key_count(v) for v in value)
     if not dataclasses.is_dataclass(value):
         return 0
-    return sum(1 + _key_count(getattr(value, f.name)) for f in dataclasses.fields(value))
+    own = sum(1 + _key_count(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return own + (_kwargs_count(value.kwargs) if isinstance(value, schema.RewardTerm) else 0)
 
 
 def _check_annotated(cfg) -> str:
     text = annotated_yaml(cfg)
     assert _bare(text) == cfg.to_yaml()  # every value exactly as before
     assert yaml.safe_load(text) == yaml.safe_load(cfg.to_yaml())  # still YAML, the same
-    helped = sum(1 for line in text.split("\n") if line.lstrip().startswith("# ") or "  # " in line)
+    keys, catalogue = text.split(CATALOGUE)
+    helped = sum(1 for line in keys.split("\n") if line.lstrip().startswith("# ") or "  # " in line)
     sections = sum(1 for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name)))
     assert helped == _key_count(cfg) - sections  # one help per key, the top-level sections' lines bare
+    assert all(line.startswith("# ") for line in (CATALOGUE + catalogue).rstrip("\n").split("\n"))
     return text
 
 
@@ -223,6 +345,51 @@ def test_train_help_prints_each_keys_value_and_help():
     assert "  clip_low: " in out and "# ε_low, ε_high (symmetric when equal)" in out  # a component's docstring
     assert "  plan: chains  # the rollout plan: a registered name (chains | tree |" in out
     assert "- name: " in out and "  # registry name," in out  # the reward terms' keys, in the list
+
+
+def test_train_help_lists_every_rewards_settings_with_their_help():
+    out = _help()
+    listed = out[out.index(CATALOGUE) :]
+    assert "#   shapes (flowrl_rewards.compositional.shapes.ShapesReward):\n#     mode: strict  # strict (all" in listed
+    assert "#     frame_stride" not in listed and "frame_stride: 1 (the combiner's:" in listed  # said once
+    gdro = re.split(r"\n#   (?=\S)", listed[listed.index("#   gdro_corrected (") :])[0]
+    for line in (
+        "#     reward: (required)  # the evaluation reward r (a term)",
+        '#     reward.name: (required)  # registry name, "package.module:Class"',
+        "#     reward.kwargs: {}  # the settings of the reward it names",
+        "#     quality: (required)  # one term or a list whose mean",
+        "#     quality[j].name: (required)  # registry name",
+        "#     quality[j].kwargs: {}  # the settings of the reward it names",
+        "#     quality_range: [0.0, 1.0]  # [lo, hi]",
+        "#     center: 3.0  # the c of",
+        "#     offset: 0.2  # added to",
+    ):
+        assert line in gdro, line
+    assert "#     url: (required)  # endpoint" in listed and NO_HELP not in listed
+
+
+def test_train_help_helps_each_reward_setting_the_config_gives_nested_terms_too():
+    nested = (
+        "eval.rewards=[{name: gdro_corrected, kwargs: {reward: {name: shapes, kwargs: {mode: partial}}, "
+        "quality: [{name: jpeg_compressibility, kwargs: {quality: 90}}], center: 2.5}}]"
+    )
+    overrides = ["rewards=[{name: ocr, kwargs: {threads: 2, frame_stride: 2}}]", nested]
+    out = _help("configs/shapes/grpo.yaml", *overrides)
+    cfg = TrainConfig.from_yaml("configs/shapes/grpo.yaml", overrides)
+    assert _check_annotated(cfg) in out
+    assert "    threads: 2  # CPU threads of the engine" in out
+    assert "    frame_stride: 2  # the combiner's: on videos, score every k-th frame" in out
+    for line in (
+        "      reward:  # the evaluation reward r (a term)",
+        '        name: shapes  # registry name, "package.module:Class"',
+        "        kwargs:  # the settings of the reward it names",
+        "          mode: partial  # strict (all of the prompt's requirements met",
+        "      quality:  # one term or a list whose mean",
+        "      - name: jpeg_compressibility  # registry name",
+        "          quality: 90  # the JPEG encoder's quality, an integer in 1..100",
+        "      center: 2.5  # the c of",
+    ):
+        assert line in out, line
 
 
 def test_a_component_field_without_help_says_so(monkeypatch):
@@ -278,3 +445,26 @@ def test_an_out_of_tree_components_keys_have_their_help_and_leave_the_table_alon
     finally:
         del components.PLAN.registry["test_key_help_plan"]
         components.section_schema.cache_clear()
+
+
+def test_an_out_of_tree_rewards_settings_have_their_help_and_leave_the_table_alone():
+    from flowrl_rewards.core.base import Reward
+    from flowrl_rewards.core.registry import REGISTRY
+
+    class Leaning(Reward):
+        def __init__(
+            self,
+            lean: int = 1,  # which way it leans
+        ):
+            pass
+
+    before = keys_markdown()
+    REGISTRY.register("test_key_help_reward", Leaning)
+    try:
+        cfg = TrainConfig.from_yaml(None, ["rewards=[{name: test_key_help_reward, kwargs: {lean: 2}}]"])
+        text = _check_annotated(cfg)
+        assert "    lean: 2  # which way it leans" in text
+        assert "#   test_key_help_reward (" in text and "#     lean: 1  # which way it leans" in text
+        assert keys_markdown() == before  # docs/keys.md lists the package's own rewards
+    finally:
+        REGISTRY.pop("test_key_help_reward")

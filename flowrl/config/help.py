@@ -15,7 +15,8 @@ Where a key's help lives:
 
 :func:`annotated_yaml` is a config's YAML exactly as ``TrainConfig.to_yaml`` writes it (every value as today, the
 rewards' secrets redacted), with ``# help`` added after each key; :mod:`flowrl.config.key_table` writes docs/keys.md
-from the same help.
+from the same help. The help of each reward's settings (the keys of ``rewards[i].kwargs``) lives on the reward:
+:mod:`flowrl.config.reward_help` says where. :mod:`flowrl.config.help_text` holds what both read docstrings with.
 """
 
 from __future__ import annotations
@@ -33,16 +34,12 @@ from functools import lru_cache
 from typing import Any, Union
 
 import yaml
-from omegaconf import MISSING as OMEGACONF_MISSING
 
+from flowrl.config.help_text import NO_HELP, doc_entries, field_default, one_line
+from flowrl.config.reward_help import catalogue, term_notes
+from flowrl.config.sections import RewardTerm
 from flowrl.core import components
 from flowrl.core.choices import choices_of
-
-NO_HELP = "(no help yet)"
-"""The help of a component field that documents itself nowhere (its field metadata, comment and docstrings)."""
-
-REQUIRED = "(required)"
-"""The default column of a key without a default (``rewards[i].name``)."""
 
 LOOP_HELP: dict[str, str] = {
     "rollout.max_batch": "states per model forward; training replays the same layout",
@@ -64,13 +61,6 @@ def selector_help(kind: components.Kind, names: list[str] | None = None) -> str:
 
 
 # ---- one key's help ---------------------------------------------------------------------------------------------
-def one_line(text: str) -> str:
-    """``text`` on one line: whitespace collapsed, Sphinx roles and double backticks reduced to single backticks."""
-    text = re.sub(r":(?:class|mod|func|meth|attr|data|obj):`~?([^`]+)`", r"`\1`", text)
-    text = text.replace("``", "`")
-    return " ".join(text.split())
-
-
 def _help_of(f: dataclasses.Field) -> str | None:
     text = f.metadata.get("help") if f.metadata else None
     return one_line(text) if text else None
@@ -93,11 +83,11 @@ def field_help(owner: type, name: str) -> str:
             text = _source_comments(klass).get(name)
             if text:
                 return text
-        text = _doc_entries(klass.__doc__ or "", values).get(name)
+        text = doc_entries(klass.__doc__ or "", values).get(name)
         if text:
             return text if klass is declared or classes.index(klass) < classes.index(declared) else _undefaulted(text)
     for module in dict.fromkeys(sys.modules.get(k.__module__) for k in classes):
-        text = _doc_entries(module.__doc__ or "", values).get(name) if module is not None else None
+        text = doc_entries(module.__doc__ or "", values).get(name) if module is not None else None
         if text:
             return _undefaulted(text)
     return NO_HELP
@@ -169,68 +159,6 @@ def _is_op(tokens: list[tokenize.TokenInfo], i: int, op: str) -> bool:
     return i < len(tokens) and tokens[i].type == tokenize.OP and tokens[i].string == op
 
 
-_NAME = r"``\w+``"
-_LABEL = re.compile(
-    rf"(?<![\w`])((?:{_NAME}\s*(?:/|,|and|or)\s*)*{_NAME})"
-    r"(?:\s*\[[^\]\n]*\])?(?:\s*\((?:[^()\n]|\([^()\n]*\))*\))?\s*:\s"
-)
-"""A docstring entry's label: ``name``: (or ``a``/``b``:, ``a``, ``b``:), with an optional [default] or
-(remark) before the colon."""
-
-
-@lru_cache(maxsize=None)
-def _doc_entries(doc: str, values: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Name → the text of the docstring entry that documents it (``name``: text, up to the end of its sentence, the
-    next entry or the paragraph); the first entry of a name wins. A label naming only ``values`` (a field's choices)
-    documents a value, not a key: it is no entry and ends none."""
-    out: dict[str, str] = {}
-    for m in _LABEL.finditer(doc):
-        names = re.findall(r"``(\w+)``", m.group(1))
-        if set(names) <= values or not _starts_entry(doc, m.start()):
-            continue
-        text = one_line(_entry(doc, m.end(), values)).rstrip(";,")
-        if text.endswith(".") and not text.endswith(".."):
-            text = text[:-1]
-        if not text:
-            continue
-        for name in names:
-            out.setdefault(name, text)
-    return out
-
-
-def _starts_entry(doc: str, at: int) -> bool:
-    """Whether a label at ``at`` begins an entry: at the start of the text or of a paragraph, or after ``.``, ``;``,
-    ``:``, ``(`` or a list's ``-`` (not inside a sentence, as in "Replay ``source`` (a store): ...")."""
-    before = doc[:at]
-    stripped = before.rstrip()
-    return not stripped or stripped[-1] in ".;:(-" or bool(re.search(r"\n[ \t]*\n[ \t]*$", before))
-
-
-def _entry(doc: str, start: int, values: frozenset[str]) -> str:
-    """The text from ``start`` to the end of its sentence (outside brackets), the next ``; ``name``:`` entry, a
-    paragraph's end or a list item."""
-    depth, i = 0, start
-    while i < len(doc):
-        ch = doc[i]
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:  # the entry sat inside brackets: it ends with them
-                break
-            depth -= 1
-        elif ch == "\n" and re.match(r"\n\s*(\n|- )", doc[i:]):
-            break
-        elif depth == 0 and ch in ".;" and (i + 1 == len(doc) or doc[i + 1].isspace()):
-            rest = doc[i + 1 :].lstrip()
-            if ch == "." and (not rest or rest[0].isupper() or rest.startswith("``")):
-                break
-            label = _LABEL.match(rest)
-            if ch == ";" and label and not set(re.findall(r"``(\w+)``", label.group(1))) <= values:
-                break
-        i += 1
-    return doc[start:i]
-
-
 # ---- the members of a section -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -261,11 +189,11 @@ def members(owner: Any) -> dict[str, Member]:
             out[key] = Member(LOOP_HELP.get(f"{kind.section}.{key}", NO_HELP), typ, default)
         hints = _hints(cls)
         for f in components.component_fields(cls):
-            out[f.name] = Member(field_help(cls, f.name), hints.get(f.name, Any), _default(f))
+            out[f.name] = Member(field_help(cls, f.name), hints.get(f.name, Any), field_default(f))
         return out
     hints = _hints(owner)
     return {
-        f.name: Member(field_help(owner, f.name), hints.get(f.name, Any), _default(f))
+        f.name: Member(field_help(owner, f.name), hints.get(f.name, Any), field_default(f))
         for f in dataclasses.fields(owner)
     }
 
@@ -291,14 +219,6 @@ def _hints(cls: type) -> dict[str, Any]:
         return {}
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return REQUIRED if f.default is OMEGACONF_MISSING else f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return REQUIRED
-
-
 def below_of(typ: Any) -> tuple[Any, bool]:
     """(the section a key's value holds — a dataclass or a :class:`Component` — or None, whether it is a list of
     them) from the key's type (``Optional[...]`` and ``list[...]`` unwrapped)."""
@@ -321,7 +241,9 @@ def below_of(typ: Any) -> tuple[Any, bool]:
 def annotated_yaml(cfg: Any) -> str:
     """``cfg.to_yaml()`` (every value as ``flowrl train --help`` printed it, the secrets redacted) with each key's help
     after it as a YAML comment (``  # help``; before the key, on a line of its own, where the value spans lines), the
-    top-level sections' own lines (``model:``) left bare: still YAML, and the same YAML."""
+    top-level sections' own lines (``model:``) left bare, and the keys of each reward term's ``kwargs`` helped too
+    (:mod:`flowrl.config.reward_help`); then, as comments, every reward's settings with their defaults and help
+    (:func:`~flowrl.config.reward_help.catalogue`): still YAML, and the same YAML."""
     text = cfg.to_yaml()
     root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     after: dict[int, str] = {}
@@ -339,7 +261,7 @@ def annotated_yaml(cfg: Any) -> str:
         if i in before:
             out.append(f"{line[: len(line) - len(line.lstrip())]}# {before[i]}")
         out.append(f"{line}  # {after[i]}" if i in after else line)
-    return "\n".join(out)
+    return "\n".join(out[:-1] + catalogue() + out[-1:])  # the list of every reward's settings, before the last "\n"
 
 
 def _notes(node: Any, keys: dict[str, Member]) -> list[tuple[Any, Any, str]]:
@@ -359,4 +281,5 @@ def _notes(node: Any, keys: dict[str, Member]) -> list[tuple[Any, Any, str]]:
         below = members(section)
         for item in value.value if is_list and isinstance(value, yaml.SequenceNode) else [] if is_list else [value]:
             out += _notes(item, below)
+            out += term_notes(item) if section is RewardTerm else []  # its kwargs: the reward's settings
     return out

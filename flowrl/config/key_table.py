@@ -11,11 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from flowrl.config.help import (
-    NO_HELP,
-    REQUIRED,
     WHAT,
     Component,
     Member,
@@ -24,6 +20,8 @@ from flowrl.config.help import (
     members,
     selector_help,
 )
+from flowrl.config.help_text import NO_HELP, REQUIRED, inline
+from flowrl.config.reward_help import combiner_keys, reward_class, reward_keys, reward_names
 from flowrl.core import components
 
 __all__ = ["KeyHelp", "NO_HELP", "base_rows", "inline", "key_rows", "keys_markdown", "main"]
@@ -61,16 +59,6 @@ def _rows(key: str, member: Member) -> list[KeyHelp]:
 def base_rows() -> list[KeyHelp]:
     """Every key of the base schema (the default components' sections included), with its default and help."""
     return [row for name, member in config_members().items() for row in _rows(name, member)]
-
-
-def inline(value: Any) -> str:
-    """``value`` as one line of YAML (flow style): ``null``, ``'off'``, ``[0.9, 0.999]``, ``{mode: strict}``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, (list, tuple)):
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
-    text = yaml.safe_dump(value, default_flow_style=True, width=2**31, allow_unicode=True, sort_keys=False)
-    return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
 def _table(rows: list[KeyHelp]) -> list[str]:
@@ -115,6 +103,7 @@ def keys_markdown() -> str:
         else:
             rows = _rows(name, member)
             lines += _table(rows[1:] if rows[0].section else rows) + [""]
+        lines += _reward_tables() if name == "rewards" else []
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -137,6 +126,35 @@ def _component_tables(kind: components.Kind) -> list[str]:
         lines += [f"### `{kind.key}: {name}` ({cls.__module__}.{cls.__qualname__})", ""]
         lines += (_table(rows) if rows else ["(no keys of its own)"]) + [""]
     return lines
+
+
+def _reward_tables() -> list[str]:
+    """The keys of ``rewards[i].kwargs`` by reward name: the combiner's, then each of the package's own rewards'
+    settings (:mod:`flowrl.config.reward_help`; a reward registered from outside leaves the table alone)."""
+    lines = [
+        "## rewards[i].kwargs by reward name",
+        "",
+        "The settings a reward takes as the keys of `rewards[i].kwargs` (and `eval.rewards[i].kwargs`): its"
+        " constructor's keywords, each with the help beside it in the signature or in its class docstring's `kwargs:`"
+        " (flowrl/config/reward_help.py says where). A setting that nests reward terms (`gdro_corrected`'s) is"
+        " followed by the keys of its terms.",
+        "",
+        "### Every reward",
+        "",
+        *_table([KeyHelp(f"rewards[i].kwargs.{k.key}", k.default, k.help) for k in combiner_keys()]),
+        "",
+    ]
+    bare = []
+    for name in reward_names(builtin=True):
+        cls = reward_class(name)
+        if cls is None:
+            raise RuntimeError(f"reward {name!r} does not import: its settings cannot be listed")
+        rows = [KeyHelp(f"rewards[i].kwargs.{r.key}", r.default, r.help) for r in reward_keys(cls)]
+        if not rows:
+            bare.append(f"`{name}`")
+            continue
+        lines += [f"### `rewards[i].name: {name}` ({cls.__module__}.{cls.__qualname__})", "", *_table(rows), ""]
+    return lines + ["### Rewards without settings of their own", "", ", ".join(bare), ""]
 
 
 def builtin_names(kind: components.Kind) -> list[str]:

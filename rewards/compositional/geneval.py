@@ -58,11 +58,11 @@ class GenEvalReward(Reward):
         detector: str = DEFAULT_DETECTOR,
         clip_model: str = "ViT-L-14",
         clip_pretrained: str | None = "openai",
-        confidence: float = 0.3,
-        counting_threshold: float = 0.9,
-        max_objects: int = 16,
-        max_overlap: float = 1.0,
-        position_threshold: float = 0.1,
+        confidence: float = 0.3,  # a detection is kept when its score is above this (GenEval's)
+        counting_threshold: float = 0.9,  # the same, for counting prompts (GenEval's)
+        max_objects: int = 16,  # detections kept per class at most (GenEval's)
+        max_overlap: float = 1.0,  # overlap above which a detection is suppressed (1.0: no suppression, GenEval's)
+        position_threshold: float = 0.1,  # a relation's offset is shrunk by this × the boxes' summed sizes per axis
         device: str = "auto",
         dtype: str = "auto",
         batch_size: int = 8,

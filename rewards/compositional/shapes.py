@@ -248,7 +248,12 @@ class ShapesReward(Reward):
 
     name = "shapes"
 
-    def __init__(self, mode: str = "strict"):
+    def __init__(
+        self,
+        mode: str = "strict",  # strict (all of the prompt's requirements met: 1, else 0) | partial (the fraction met) |
+        # precise (partial × the fraction of detections that are requested objects) | geneval (Flow-GRPO's GenEval
+        # server's partial credit × the same precision)
+    ):
         choose("shapes: mode", mode, MODES, error=ValueError)
         self.mode = mode
 

@@ -81,9 +81,10 @@ class CorrectedScore(Reward):
         self,
         reward: Any,
         quality: Any,
-        quality_range: Sequence[float] | None = (0.0, 1.0),
-        center: float = 3.0,
-        offset: float = 0.2,
+        quality_range: Sequence[float] | None = (0.0, 1.0),  # [lo, hi]: the range the quality terms score in, mapped
+        # onto UnifiedReward's 1–5; null: they already score on 1–5
+        center: float = 3.0,  # the c of r·(û − c) + offset: the paper's 3, the middle of 1–5
+        offset: float = 0.2,  # added to r·(û − center): the paper's 0.2
     ):
         name, kwargs = _spec(reward, "reward")
         self.reward = build_reward(name, **kwargs)

@@ -16,7 +16,10 @@ class _JpegSize(Reward):
 
     sign = 1.0
 
-    def __init__(self, quality: int = 95):
+    def __init__(
+        self,
+        quality: int = 95,  # the JPEG encoder's quality, an integer in 1..100
+    ):
         if not isinstance(quality, int) or isinstance(quality, bool) or not 1 <= quality <= 100:
             raise ValueError(f"{type(self).__name__}: quality={quality!r} must be an integer in 1..100")
         self.quality = quality

@@ -21,7 +21,10 @@ class SourceFidelity(Reward):
     name = "source_fidelity"
     needs_source_image = True
 
-    def __init__(self, size: int = 32):
+    def __init__(
+        self,
+        size: int = 32,  # the side in pixels both images are average-pooled to (>= 1)
+    ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(
                 f"reward 'source_fidelity': size={size!r} must be an integer >= 1 (pixels of the pooled comparison)"

@@ -105,31 +105,35 @@ class VlmJudge(Reward):
 
     def __init__(
         self,
-        backend: str = "openai",
-        model: str = DEFAULT_MODEL,
-        question: str | None = None,
-        template: str | None = None,
-        system: str | None = None,
-        score: str | None = None,
-        pattern: str | None = None,
-        score_range: Sequence[float] | None = None,
-        max_tokens: int | None = None,
-        top_logprobs: int = 20,
-        url: str = "http://127.0.0.1:8000",
-        api_key: str | None = None,
-        api_key_env: str | None = None,
-        concurrency: int = 8,
-        timeout: float = 60.0,
-        retries: int = 2,
-        backoff: float = 1.0,
-        max_backoff: float = 30.0,
-        on_error: str = "raise",
-        video_input: str = "video",
-        fps: float = DEFAULT_FPS,
-        processor: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        batch_size: int = 8,
+        backend: str = "openai",  # openai (a served judge: vLLM, sglang) | transformers (the judge in this process)
+        model: str = DEFAULT_MODEL,  # the served model's name (as GET /v1/models lists it), or the hub id / folder
+        question: str | None = None,  # the question template ({prompt} its only field); null: the template's
+        template: str | None = None,  # a named question instead of question: vqascore (default) | motion |
+        # unifiedreward | unifiedreward_video (docs/rewards/vlm_judge.md)
+        system: str | None = None,  # an optional system prompt, a template like question
+        score: str | None = None,  # how an answer becomes a score: vqascore | yes_probability | pattern; null: the
+        # template's (yes_probability for a yes/no question)
+        pattern: str | None = None,  # pattern scores: the regex whose first group is the number (the last match
+        # counts); null: the template's
+        score_range: Sequence[float] | None = None,  # pattern scores: the judge's scale [low, high], mapped to [0, 1];
+        # null: the template's, else [1, 5]
+        max_tokens: int | None = None,  # tokens of the answer; null: 1 for a yes/no score, else the template's or 512
+        top_logprobs: int = 20,  # served yes/no scores: alternatives per token asked for (vLLM's --max-logprobs)
+        url: str = "http://127.0.0.1:8000",  # served: the server, with or without /v1
+        api_key: str | None = None,  # served: a bearer token (not with api_key_env)
+        api_key_env: str | None = None,  # served: the environment variable holding the bearer token
+        concurrency: int = 8,  # served: requests in flight at once (one image or video each)
+        timeout: float = 60.0,  # served: seconds for one request in total (connecting and the whole reply)
+        retries: int = 2,  # served: extra attempts after a transient failure
+        backoff: float = 1.0,  # served: the first retry delay in seconds, doubled each retry
+        max_backoff: float = 30.0,  # served: the longest retry delay in seconds
+        on_error: str = "raise",  # served: raise (a request that still fails fails the step) | nan (its score NaN)
+        video_input: str = "video",  # served videos: video (one video_url of JPEG frames) | frames (an image each)
+        fps: float = DEFAULT_FPS,  # videos: their frame rate as sampled; the judge is told fps / frame_stride
+        processor: str | None = None,  # in process: the processor (tokenizer, image processor); null: model's
+        device: str = "auto",  # in process: auto (cuda if available) or a torch device
+        dtype: str = "auto",  # in process: auto or fp32 | fp16 | bf16
+        batch_size: int = 8,  # in process: images or videos per forward pass
     ):
         self.backend = check_choice(
             "backend",

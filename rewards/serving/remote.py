@@ -212,7 +212,7 @@ class RemoteReward(Reward):
         timeout: float = 60.0,
         retries: int = 2,
         backoff: float = 1.0,
-        max_backoff: float = 30.0,
+        max_backoff: float = 30.0,  # the longest retry delay in seconds (backoff doubles up to it)
         batch_size: int = 16,
         on_error: str = "raise",
         headers: dict[str, str] | None = None,
