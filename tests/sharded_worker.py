@@ -42,6 +42,7 @@ def shapes_config(out: Path, shard: str, tune: str, *extra: str) -> TrainConfig:
             "train.checkpoint_every=1",
             "train.num_threads=1",
             "train.progress=false",
+            "train.pipeline=sync",  # the sharded loop itself (tests/test_pipeline_layout.py: FSDP2 trainers, async)
             f"train.output_dir={out}",
             "train.name=run",
             f"model.shard={shard}",

@@ -50,12 +50,13 @@ class _Timed:
             self.calls += 1
 
 
-def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None, perf=None) -> dict[str, float]:
+def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None, perf=None) -> dict:
     """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving). On CUDA the
     timed forwards and backwards synchronise the device around them, so ``overhead_seconds`` is time the GPU was
     not running the model (at the cost of the overlap those waits remove: s/iteration is then an upper bound).
     ``model``: a ready FlowModel (default: built from ``cfg.model``). ``perf``: a
     :class:`~flowrl.training.perf.PerfMeter`: ``perf/tflops`` (and ``perf/mfu``) of the mean iteration too.
+    ``model.compile=regional`` adds ``compile``: the blocks compiled, graphs per block kind and compile seconds.
 
     With ``train.pipeline=async`` the rollouts run in their own process (docs/pipeline.md): the forwards and backwards
     timed are the trainer's, ``time/rollout`` and ``time/reward`` the rollout process's, the ``pipeline/*`` waits are
@@ -107,6 +108,9 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     out["overhead_fraction"] = out["overhead_seconds"] / total
     if perf is not None:
         out.update(perf.metrics(total))
+    if trainer.compiled is not None:  # model.compile=regional: the trainer's CompileStats
+        stats = trainer.compiled
+        out["compile"] = {"blocks": stats.blocks, "graphs": dict(stats.graphs), "seconds": stats.seconds}
     if torch.cuda.is_available():
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -176,8 +180,10 @@ def bench_versus(cfg: TrainConfig, other: TrainConfig, iterations: int = 1, warm
     other.reward_normalize = cfg.reward_normalize
     results = {}
     for name, c in (("config", cfg), ("vs", other)):
-        device = build.resolve_device(c.model.device)
-        model = build.build_model(c.model, device)
+        # an asynchronous run builds its model (and its rollout process's) from the config itself
+        model = None
+        if c.train.pipeline != "async":
+            model = build.build_model(c.model, build.resolve_device(c.model.device))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         with _PeakRSS() as rss:

@@ -94,6 +94,7 @@ def gradient_snr(
         )
     cfg.train.progress = False
     cfg.prompts.eval = None
+    cfg.train.pipeline = "sync"  # gradients at fixed weights: no update for a rollout process to overlap
     if reward_only:
         for key, value in reward_free_overrides(cfg).items():
             setattr(cfg.loss, key, value)
