@@ -359,3 +359,26 @@ def test_flowrl_bench_times_an_asynchronous_run_and_stops_its_rollout_process(ti
         out["seconds_per_iteration"] - out["forward_seconds"] - out["backward_seconds"] - out["pipeline/update_wait"]
     )
     assert not [p for p in children(os.getpid()) if "spawn" in _cmdline(p)]  # no rollout process left
+
+
+def test_the_main_job_runs_its_rollouts_one_update_behind_through_the_cli(tmp_path):
+    """``flowrl train`` with no config (the main job, configs/shapes/nft.yaml) is asynchronous: every forest after
+    the first is sampled from the weights one update old, and the run ends with no rollout process left;
+    ``train.pipeline=sync`` samples every forest from the current weights."""
+    from flowrl.commands.main import main
+
+    small = [
+        "rollout.group_size=4",
+        "rollout.steps=3",
+        "prompts.per_step=2",
+        "prompts.eval=null",
+        "train.max_steps=3",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+        f"train.output_dir={tmp_path}",
+    ]
+    assert main(["train", *small, "train.name=main"]) == 0
+    assert [r["pipeline/staleness"] for r in records(tmp_path, "main")] == [0, 1, 1]
+    assert not [p for p in children(os.getpid()) if "spawn" in _cmdline(p)]
+    assert main(["train", *small, "train.name=serial", "train.pipeline=sync"]) == 0
+    assert all("pipeline/staleness" not in r for r in records(tmp_path, "serial"))
