@@ -869,7 +869,7 @@ def preset_row(
         images_per_second=cfg.prompts.per_step * cfg.rollout.group_size / bench["seconds_per_iteration"],
     )
     if compiles:  # the fitted rows, and a preset that ships it (SD3.5-M NFT)
-        row.update(compiled(model), backend=args.compile_backend)
+        row.update(compiled(bench), backend=args.compile_backend)
     if fitted:
         base = (shipped or {}).get("images_per_second") if (shipped or {}).get("status") == "ok" else None
         row["speedup"] = row["images_per_second"] / base if base else None  # None: the shipped row did not measure
@@ -880,14 +880,13 @@ def preset_row(
     return row
 
 
-def compiled(model) -> dict:
-    """What regional compilation did to ``model``'s transformer (flowrl/models/blocks.py's CompileStats)."""
-    from flowrl.models.blocks import compile_stats
-
-    stats = compile_stats(model.pipe.transformer)
+def compiled(bench: dict) -> dict:
+    """What regional compilation did to the benched transformer (``bench_iteration``'s ``compile``: its trainer's
+    CompileStats, flowrl/models/blocks.py)."""
+    stats = bench.get("compile")
     if stats is None:
         return {"compiled_blocks": 0}
-    return {"compiled_blocks": stats.blocks, "compiled_graphs": dict(stats.graphs), "compile_seconds": stats.seconds}
+    return {"compiled_blocks": stats["blocks"], "compiled_graphs": stats["graphs"], "compile_seconds": stats["seconds"]}
 
 
 def guarded(

@@ -11,9 +11,12 @@ Conventions:
   second attention (``attn2``) are two kinds of one class, FLUX's double and single blocks two classes;
 - a checkpointed block keeps its class's name, parameters and state-dict keys: its class is swapped for a subclass
   whose ``forward`` runs under :func:`torch.utils.checkpoint.checkpoint` while gradients are on (a deep copy — the
-  objectives' frozen copies — stays a checkpointed block of its own, and FSDP2's own class swap composes);
+  objectives' frozen copies — stays a checkpointed block of its own, and FSDP2's own class swap composes). Which
+  classes are such subclasses, and which blocks run another checkpoint function, this module keeps in registries of
+  its own (:data:`_CHECKPOINTED`, :data:`_FUNCTIONS`): nothing is set on a block or its class;
 - regional compilation compiles each block in place (``block.compile``, lazily: a LoRA added later is traced with
-  it), every kind with a backend of its own that counts its graphs and their compile time (:class:`CompileStats`).
+  it), every kind with a backend of its own that counts its graphs and their compile time (:class:`CompileStats`,
+  returned to the caller, which keeps it: the trainer's ``compiled``).
   Parameters are graph inputs (dynamo's default), so one graph serves every block of a kind, and shapes are
   dynamic from the start (``dynamic=True``): a micro-batch of another size (a last chunk, a group skipped for zero
   variance) recompiles nothing. A grad mode, an input that does or does not require grad and a LoRA switched off
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flowrl.core.choices import did_you_mean
 from flowrl.errors import ConfigError
+from flowrl.models.module_group import ModuleGroup
 
 BACKEND_VARIABLE = "FLOWRL_COMPILE_BACKEND"
 COMPILE_BACKEND = os.environ.get(BACKEND_VARIABLE, "inductor")
@@ -49,9 +54,11 @@ HunyuanImage, LTX-2); Z-Image's ``noise_refiner``, ``context_refiner`` and ``lay
 
 def block_lists(module: nn.Module) -> list[nn.Module]:
     """Every block of ``module``: the items of each ``nn.ModuleList`` attribute whose name ends in one of
-    :data:`BLOCK_LIST_NAMES`; a module with none that holds transformers (Wan 2.2's two experts) has theirs, child by
-    child."""
-    return _own_blocks(module) or [block for child in module.children() for block in _own_blocks(child)]
+    :data:`BLOCK_LIST_NAMES`; a :class:`~flowrl.models.module_group.ModuleGroup` (Wan 2.2's two experts) has its
+    members' (:meth:`~flowrl.models.module_group.ModuleGroup.members`), member by member."""
+    if isinstance(module, ModuleGroup):
+        return [block for member in module.members() for block in _own_blocks(member)]
+    return _own_blocks(module)
 
 
 def _own_blocks(module: nn.Module) -> list[nn.Module]:
@@ -69,16 +76,25 @@ def block_kind(block: nn.Module) -> str:
 
 
 # ---- gradient checkpointing, block by block ------------------------------------------------------------------
+_CHECKPOINTED: dict[type, type] = {}
+"""Block class → its checkpointed subclass (one per class, made by :func:`_checkpointed_class`)."""
+
+_PLAIN: dict[type, type] = {}
+"""Checkpointed subclass → the block class it was made from: how a checkpointed block is told (its class, or a class
+FSDP2 swapped in around it, has one of these in its MRO)."""
+
+_FUNCTIONS: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+"""Checkpointed block → the checkpoint function it runs instead of torch's (``checkpoint_blocks(..., function)``:
+the estimate's autocast on meta tensors); an entry goes with its block, and a deep copy of a block runs torch's."""
+
+
 def _run_checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):
-    """``forward(*args, **kwargs)`` recomputed in the backward (torch's non-reentrant checkpoint), or by the block's
-    own ``checkpoint_function`` (the estimate's autocast on meta tensors)."""
-    fn = block.__dict__.get("_flowrl_checkpoint_fn")
+    """``forward(*args, **kwargs)`` recomputed in the backward (torch's non-reentrant checkpoint), or by the function
+    :func:`checkpoint_blocks` registered for the block (:data:`_FUNCTIONS`)."""
+    fn = _FUNCTIONS.get(block) if len(_FUNCTIONS) else None
     if fn is not None:
         return fn(lambda *a: forward(*a, **kwargs), *args)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-_CHECKPOINTED: dict[type, type] = {}
 
 
 def _checkpointed_class(cls: type) -> type:
@@ -91,32 +107,21 @@ def _checkpointed_class(cls: type) -> type:
                 return _run_checkpointed(self, run, *args, **kwargs)
             return run(*args, **kwargs)
 
-        sub = type(
-            cls.__name__,
-            (cls,),
-            {
-                "forward": forward,
-                "_flowrl_checkpointed_from": cls,
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-            },
-        )
-        _CHECKPOINTED[cls] = sub
+        attributes = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        sub = type(cls.__name__, (cls,), attributes)
+        _CHECKPOINTED[cls], _PLAIN[sub] = sub, cls
     return _CHECKPOINTED[cls]
 
 
 def _plain_class(block: nn.Module) -> type:
     """The block's class before any checkpointing swap (FSDP2's own swap stays outside)."""
     cls = type(block)
-    for klass in cls.__mro__:
-        if "_flowrl_checkpointed_from" in klass.__dict__:
-            return klass.__dict__["_flowrl_checkpointed_from"]
-    return cls
+    return next((_PLAIN[klass] for klass in cls.__mro__ if klass in _PLAIN), cls)
 
 
 def is_checkpointed(block: nn.Module) -> bool:
     """Whether :func:`checkpoint_blocks` made ``block`` checkpointed."""
-    return any("_flowrl_checkpointed_from" in k.__dict__ for k in type(block).__mro__)
+    return any(klass in _PLAIN for klass in type(block).__mro__)
 
 
 def checkpointed_of(count: int | None, blocks: int, name: str) -> int:
@@ -155,11 +160,12 @@ def checkpoint_blocks(transformer: nn.Module, count: int | None, function: Calla
             if not is_checkpointed(block):
                 _swap_class(block, plain, _checkpointed_class)
             if function is not None:
-                block.__dict__["_flowrl_checkpoint_fn"] = function
+                _FUNCTIONS[block] = function
             else:
-                block.__dict__.pop("_flowrl_checkpoint_fn", None)
+                _FUNCTIONS.pop(block, None)
         elif is_checkpointed(block):
             _swap_class(block, plain, None)
+            _FUNCTIONS.pop(block, None)
     return n
 
 
@@ -269,8 +275,8 @@ def check_compile_backend(backend: str | Callable | None = None) -> None:
 
 def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None) -> CompileStats:
     """``torch.compile`` every block of ``transformer`` in place (``block.compile``; compiled at its first call),
-    each kind through a counting backend. Returns the :class:`CompileStats` (also kept on the transformer:
-    :func:`compile_stats`)."""
+    each kind through a counting backend. Returns the :class:`CompileStats`, which only the caller keeps (the trainer's
+    ``compiled``): nothing is set on the transformer."""
     blocks = block_lists(transformer)
     if not blocks:
         raise ValueError(
@@ -285,13 +291,7 @@ def compile_blocks(transformer: nn.Module, backend: str | Callable | None = None
         if kind not in backends:
             backends[kind] = _counting_backend(stats, kind, backend or COMPILE_BACKEND)
         block.compile(backend=backends[kind], dynamic=True)  # the batch varies (last chunks, skipped groups)
-    transformer.__dict__["_flowrl_compile_stats"] = stats
     return stats
-
-
-def compile_stats(transformer: nn.Module) -> CompileStats | None:
-    """The :class:`CompileStats` of a transformer compiled by :func:`compile_blocks`, else None."""
-    return transformer.__dict__.get("_flowrl_compile_stats")
 
 
 def apply_block_settings(transformer: nn.Module, section: Any) -> CompileStats | None:

@@ -1,7 +1,8 @@
 """A trainable module made of several diffusers transformers (Wan 2.2 A14B's two experts), declared as such: a
 :class:`ModuleGroup` names the member whose ``config`` describes the group (:meth:`ModuleGroup.config_member`) and
 the member whose peft adapters stand for the group's (:meth:`ModuleGroup.adapter_member`), instead of imitating a
-diffusers model's ``config`` / ``peft_config`` attributes. The probes ask through :func:`diffusers_config` and
+diffusers model's ``config`` / ``peft_config`` attributes, and its members (:meth:`ModuleGroup.members`: whose
+repeated blocks are the group's, flowrl/models/blocks.py). The probes ask through :func:`diffusers_config` and
 :func:`peft_configs`, which take a diffusers model and a group alike."""
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from torch import nn
 
 
 class ModuleGroup(nn.Module):
-    """Several diffusers transformers trained as one module; a subclass declares the two members below."""
+    """Several diffusers transformers trained as one module; a subclass declares its members and the two below."""
+
+    def members(self) -> list[nn.Module]:
+        """The transformers the group is made of, in the order a row may run them: their repeated blocks, member by
+        member, are the group's (gradient checkpointing, regional compile and FSDP2 wrap them)."""
+        raise NotImplementedError
 
     def config_member(self) -> nn.Module:
         """The member whose diffusers ``config`` describes the group (its members share the architecture)."""

@@ -1,7 +1,7 @@
 """Wan 2.2 A14B's two experts as one module (:class:`WanExperts`, the trainable module of a two-expert
 :class:`~flowrl.models.wan.WanFlowModel`): each row runs on its expert by its timestep, as ``WanPipeline.__call__``
-switches them. A :class:`~flowrl.models.module_group.ModuleGroup`: it declares which expert's config and adapters
-stand for the pair."""
+switches them. A :class:`~flowrl.models.module_group.ModuleGroup`: it declares its members (both experts) and which
+expert's config and adapters stand for the pair."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ class WanExperts(ModuleGroup):
     def adapter_member(self) -> nn.Module:
         """The first trained expert: every trained expert carries the same adapters (:meth:`add_adapter`)."""
         return self.trained_experts()[0]
+
+    def members(self) -> list[nn.Module]:
+        """Both experts, high-noise first: the group's blocks are theirs (flowrl/models/blocks.py)."""
+        return self.experts()
 
     @property
     def dtype(self) -> torch.dtype:
