@@ -23,6 +23,7 @@ from flowrl.config.key_table import base_rows, keys_markdown
 from flowrl.config.reward_help import CATALOGUE
 from flowrl.config.schema import ConfigError, TrainConfig
 from flowrl.core.choices import choice
+from flowrl.errors import ConfigError
 from flowrl.paths import CONFIG_DIR
 from flowrl.rollout.chains import Chains
 
@@ -262,12 +263,42 @@ def test_a_reward_settings_help_from_its_note_comment_kwargs_section_docstring_o
     assert reward_help.setting_help(Thing, noted) == "a Settings field's metadata help"  # the note wins
 
 
-def test_gdro_correcteds_nested_terms_are_found_by_its_own_check():
-    from flowrl_rewards.heuristics.gdro_corrected import CorrectedScore
-    from flowrl_rewards.heuristics.image_stats import Brightness
+def test_a_rewards_declared_nested_terms_are_checked_at_load_and_listed_by_the_help():
+    """``nested_terms`` is the one declaration: the key check refuses a misspelt setting inside a nested term with the
+    key that reaches it, and the help lists the term's keys; gdro_corrected's ``reward`` and ``quality`` alike."""
+    from flowrl_rewards import Reward
+    from flowrl_rewards.core.registry import REGISTRY, check_reward_kwargs
 
-    assert reward_help.nested_terms(CorrectedScore) == {"reward": False, "quality": True}
-    assert reward_help.nested_terms(Brightness) == {}
+    class Wrapping(Reward):
+        nested_terms = {"inner": False}
+
+        def __init__(
+            self,
+            inner=None,  # the reward it wraps
+        ):
+            self.inner = inner
+
+    REGISTRY.register("flowrl_test_wrapping", Wrapping)
+    try:
+        _nested_key_checks_and_help(Wrapping, check_reward_kwargs)
+    finally:
+        REGISTRY.pop("flowrl_test_wrapping")
+
+
+def _nested_key_checks_and_help(Wrapping, check_reward_kwargs):
+    from flowrl_rewards.heuristics.gdro_corrected import CorrectedScore
+
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.kwargs\.inner\.kwargs\.scroe"):
+        check_reward_kwargs(
+            "flowrl_test_wrapping", {"inner": {"name": "brightness", "kwargs": {"scroe": 1}}}, "rewards[0].kwargs"
+        )
+    with pytest.raises(ConfigError, match=r"quality\[1\]\.kwargs\.scroe"):
+        check_reward_kwargs(
+            "gdro_corrected",
+            {"reward": "brightness", "quality": ["brightness", {"name": "brightness", "kwargs": {"scroe": 1}}]},
+            "eval.rewards[0].kwargs",
+        )
+    assert [k.key for k in reward_help.reward_keys(Wrapping)] == ["inner", "inner.name", "inner.kwargs"]
     keys = [k.key for k in reward_help.reward_keys(CorrectedScore)]
     assert keys[:6] == ["reward", "reward.name", "reward.kwargs", "quality", "quality[j].name", "quality[j].kwargs"]
 

@@ -13,10 +13,9 @@ A reward's settings are its constructor's keywords, or its ``Settings`` dataclas
 - a ``name``: entry of those docstrings (as :func:`flowrl.config.help.field_help` reads them);
 - else :data:`~flowrl.config.help_text.NO_HELP`.
 
-A setting that nests reward terms (``gdro_corrected``'s ``reward`` and ``quality``, each ``{name, kwargs}``) is found
-by the reward's own ``check_nested`` (the check that refuses a nested term's misspelt setting at load), asked about a
-term that names no reward: the key its refusal names (``kwargs.reward.name``, ``kwargs.quality[0].name``) says that the
-setting nests a term, and whether it takes a list of them. The term's keys follow the setting, with the help of a
+A setting that nests reward terms (``gdro_corrected``'s ``reward`` and ``quality``, each ``{name, kwargs}``) is one the
+reward declares in ``nested_terms`` (with whether it takes a list of them), the declaration the key check reads too
+(:func:`flowrl_rewards.core.registry.check_reward_kwargs`). The term's keys follow the setting, with the help of a
 reward term's own (:class:`flowrl.config.sections.RewardTerm`).
 """
 
@@ -36,13 +35,6 @@ import yaml
 
 from flowrl.config.help_text import NO_HELP, REQUIRED, doc_entries, field_default, inline, one_line
 from flowrl.config.sections import RewardTerm
-from flowrl.core.registry import NotRegistered
-
-TERM_FORM = ("name", "kwargs")
-"""The keys of a nested reward term, ``{name: NAME, kwargs: {...}}`` (a bare ``NAME`` is one too)."""
-
-PROBE = "flowrl-help-probe"
-"""A reward name nothing registers (and no ``module:Class``): a nested term naming it is refused, naming its key."""
 
 
 @dataclass(frozen=True)
@@ -169,29 +161,18 @@ def _add(out: dict[str, str], names: list[str], text: list[str]) -> None:
 
 
 # ---- the keys of a reward's kwargs ----------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
 def nested_terms(cls: type) -> dict[str, bool]:
-    """Setting → whether it takes a list of terms, for each setting of reward class ``cls`` that nests reward terms:
-    what its ``check_nested`` refuses in a term naming :data:`PROBE` (module docstring)."""
-    from flowrl_rewards.core.registry import settings_of
-
-    check = getattr(cls, "check_nested", None)
-    out: dict[str, bool] = {}
-    for setting in settings_of(cls).own if check is not None else ():
-        try:
-            check({setting.name: {"name": PROBE}}, "kwargs", None)
-        except NotRegistered as e:
-            m = re.search(rf"\bkwargs\.{re.escape(setting.name)}(\[0\])?\.name=", str(e))
-            if m:
-                out[setting.name] = bool(m.group(1))
-        except Exception:  # noqa: BLE001 — refused for another reason: not a term that this probe finds
-            continue
-    return out
+    """Setting → whether it takes a list of terms, for each setting of reward class ``cls`` that nests reward terms
+    (what the class declares: :attr:`flowrl_rewards.Reward.nested_terms`)."""
+    return dict(getattr(cls, "nested_terms", {}))
 
 
 def term_keys() -> dict[str, SettingHelp]:
-    """The keys of a nested term (:data:`TERM_FORM`) with their defaults and help: a reward term's (its ``name``),
+    """The keys of a nested term (:data:`~flowrl_rewards.core.registry.TERM_FORM`) with their defaults and help: a
+    reward term's (its ``name``),
     and for its ``kwargs`` the settings of the reward it names."""
+    from flowrl_rewards.core.registry import TERM_FORM
+
     fields = {f.name: f for f in dataclasses.fields(RewardTerm)}
     helps = {
         "name": one_line(fields["name"].metadata["help"]),
@@ -279,8 +260,6 @@ def term_notes(item: Any) -> list[tuple[Any, Any, str]]:
 
 __all__ = [
     "CATALOGUE",
-    "PROBE",
-    "TERM_FORM",
     "SettingHelp",
     "catalogue",
     "combiner_keys",

@@ -17,7 +17,7 @@ them; a ``"video"`` reward receives the video (those frames) whole; an ``"any"``
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,11 @@ class Reward(Scorer):
 
     name: str = "reward"
     modality: str = "image"  # "video": score() receives videos [B, F, 3, H, W] whole
+    # the settings whose value is a reward term of its own (a registry name or {name, kwargs}), each → whether it
+    # takes a list of them: their kwargs are checked as every reward's are, at load and before the constructor runs
+    # (flowrl_rewards.core.registry.check_reward_kwargs), and listed by `flowrl train --help`. gdro_corrected:
+    # {"reward": False, "quality": True}
+    nested_terms: ClassVar[Mapping[str, bool]] = {}
     frame_stride: int = 1  # videos: frames 0, k, 2k, … are scored
     # declared by the port with their defaults: last_error (why the last call's scores hold NaN, when the reward
     # knows, e.g. remote), needs_source_image (False; an edit reward: meta["source_images"] holds each prompt's

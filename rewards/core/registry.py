@@ -190,15 +190,54 @@ def check_reward_kwargs(
 ) -> type:
     """Check ``kwargs`` against the settings of reward ``name`` (:meth:`RewardSettings.check`; ``term``: the combiner's
     :data:`TERM_KWARGS` accepted too) by importing its class, not building it; returns the class. ``key`` names the
-    kwargs in errors (``rewards[0].kwargs``; its name is checked as ``rewards[0].name``). A reward whose settings
-    nest other rewards' (``gdro_corrected``'s ``reward`` and ``quality`` terms) checks those too, by its classmethod
-    ``check_nested(kwargs, key, secret)``: at load as when it is built."""
+    kwargs in errors (``rewards[0].kwargs``; its name is checked as ``rewards[0].name``). The reward terms nested in
+    its settings (:attr:`Reward.nested_terms`: ``gdro_corrected``'s ``reward`` and ``quality``) are checked the same
+    way, with the key that reaches them (``eval.rewards[0].kwargs.quality[1].kwargs.scroe``)."""
     cls = resolve_reward_class(name, key and f"{key.rpartition('.')[0]}.name")
     settings_of(cls).check(name, kwargs, key, term, secret)
-    nested = getattr(cls, "check_nested", None)
-    if nested is not None:
-        nested({k: v for k, v in kwargs.items()}, key, secret)
+    base = f"{key}." if key else ""
+    for setting, spec in nested_specs(cls, kwargs):
+        inner, given = term_spec(spec, f"{base}{setting}", name)
+        check_reward_kwargs(inner, given, f"{base}{setting}.kwargs", secret=secret)
     return cls
+
+
+TERM_FORM = ("name", "kwargs")
+"""The keys of a nested reward term given as a mapping: ``{name: NAME, kwargs: {...}}`` (a bare ``NAME`` is one too)."""
+
+
+def nested_specs(cls: type, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(setting, term) of each reward term nested in ``kwargs`` of reward class ``cls``, by what it declares
+    (:attr:`Reward.nested_terms`): ``("reward", spec)``, ``("quality[0]", spec)``, … (a list setting given one term
+    counts as a list of one)."""
+    out = []
+    for setting, many in getattr(cls, "nested_terms", {}).items():
+        value = kwargs.get(setting)
+        if value is None:
+            continue
+        if many and (isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"):
+            out += [(f"{setting}[{i}]", v) for i, v in enumerate(value) if v is not None]
+        else:
+            out.append((f"{setting}[0]" if many else setting, value))
+    return out
+
+
+def term_spec(spec: Any, key: str, owner: str) -> tuple[str, dict[str, Any]]:
+    """(name, kwargs) of a nested reward term: a registry name (or ``module:Class``) or a ``{name, kwargs}`` mapping
+    (:data:`TERM_FORM`), its keys refused as every key is; ``key`` names the setting, ``owner`` the reward that nests
+    it."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, dict) or hasattr(spec, "keys"):
+        spec = dict(spec)
+        check_known(spec, TERM_FORM, f"a {owner} term {{name: NAME, kwargs: {{...}}}}", prefix=f"{key}.")
+        if "name" not in spec:
+            raise ConfigError(f"{owner}: {key} needs 'name', the reward to build: {{name: NAME, kwargs: {{...}}}}")
+        kwargs = spec.get("kwargs") or {}
+        if not (isinstance(kwargs, dict) or hasattr(kwargs, "keys")):
+            raise ConfigError(f"{owner}: {key}.kwargs={kwargs!r} must be a mapping of the reward's settings")
+        return str(spec["name"]), dict(kwargs)
+    raise ConfigError(f"{owner}: {key}={spec!r} must be a reward name or {{name: NAME, kwargs: {{...}}}}")
 
 
 def build_reward(name: str, **kwargs: Any) -> Reward:

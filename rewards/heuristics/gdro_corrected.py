@@ -30,43 +30,10 @@ from typing import Any, Sequence
 
 import torch
 
-from flowrl.core.choices import check_known
-from flowrl.errors import ConfigError
 from flowrl_rewards.core.base import Reward
-from flowrl_rewards.core.registry import Secret, build_reward, check_reward_kwargs
+from flowrl_rewards.core.registry import build_reward, term_spec
 
 UNIFIED_REWARD_SCALE = (1.0, 5.0)  # UnifiedReward's score range, on which center 3 is its midpoint
-
-
-TERM_FORM = ("name", "kwargs")
-"""The keys of a nested term given as a mapping: ``{name: NAME, kwargs: {...}}``."""
-
-
-def _spec(spec: Any, key: str) -> tuple[str, dict[str, Any]]:
-    """(name, kwargs) of a nested term: a registry name (or ``module:Class``) or a ``{name, kwargs}`` mapping; its
-    keys refused as every key is (:func:`flowrl.core.choices.refuse_key`); ``key`` names the setting."""
-    if isinstance(spec, str):
-        return spec, {}
-    if isinstance(spec, dict) or hasattr(spec, "keys"):
-        spec = dict(spec)
-        check_known(spec, TERM_FORM, "a gdro_corrected term {name: NAME, kwargs: {...}}", prefix=f"{key}.")
-        if "name" not in spec:
-            raise ConfigError(
-                f"gdro_corrected: {key} needs 'name', the reward to build: {{name: NAME, kwargs: {{...}}}}"
-            )
-        kwargs = spec.get("kwargs") or {}
-        if not (isinstance(kwargs, dict) or hasattr(kwargs, "keys")):
-            raise ConfigError(f"gdro_corrected: {key}.kwargs={kwargs!r} must be a mapping of the reward's settings")
-        return str(spec["name"]), dict(kwargs)
-    raise ConfigError(f"gdro_corrected: {key}={spec!r} must be a reward name or {{name: NAME, kwargs: {{...}}}}")
-
-
-def _terms(kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(setting, term) of each nested term among ``kwargs``: ``reward`` and each of ``quality``."""
-    out = [("reward", kwargs["reward"])] if "reward" in kwargs else []
-    quality = kwargs.get("quality")
-    terms = quality if isinstance(quality, (list, tuple)) or type(quality).__name__ == "ListConfig" else [quality]
-    return out + [(f"quality[{i}]", q) for i, q in enumerate(terms) if q is not None]
 
 
 class CorrectedScore(Reward):
@@ -76,6 +43,7 @@ class CorrectedScore(Reward):
     ``gdro_corrected/reward`` and ``gdro_corrected/quality`` (float32 [B])."""
 
     name = "gdro_corrected"
+    nested_terms = {"reward": False, "quality": True}
 
     def __init__(
         self,
@@ -86,7 +54,7 @@ class CorrectedScore(Reward):
         center: float = 3.0,  # the c of r·(û − c) + offset: the paper's 3, the middle of 1–5
         offset: float = 0.2,  # added to r·(û − center): the paper's 0.2
     ):
-        name, kwargs = _spec(reward, "reward")
+        name, kwargs = term_spec(reward, "reward", "gdro_corrected")
         self.reward = build_reward(name, **kwargs)
         terms = quality if isinstance(quality, (list, tuple)) else [quality]
         if not terms:
@@ -95,7 +63,8 @@ class CorrectedScore(Reward):
                 "UnifiedReward's alignment, coherence and style)"
             )
         self.quality = [
-            build_reward(name, **kw) for name, kw in (_spec(q, f"quality[{i}]") for i, q in enumerate(terms))
+            build_reward(name, **kw)
+            for name, kw in (term_spec(q, f"quality[{i}]", "gdro_corrected") for i, q in enumerate(terms))
         ]
         if quality_range is not None:
             lo, hi = (float(v) for v in quality_range) if len(quality_range) == 2 else (math.nan, math.nan)
@@ -111,17 +80,6 @@ class CorrectedScore(Reward):
         self.quality_range, self.center, self.offset = quality_range, float(center), float(offset)
         self.modality = "any" if any(t.modality != "image" for t in [self.reward, *self.quality]) else "image"
         self._last: tuple | None = None  # (images, prompts, r, û) of the last call: evaluate reuses it
-
-    @classmethod
-    def check_nested(cls, kwargs: dict[str, Any], key: str | None, secret: Secret | None = None) -> None:
-        """The settings of the nested terms (``reward`` and each of ``quality``), checked without building them
-        (:func:`flowrl_rewards.core.registry.check_reward_kwargs`): called at load by the config check and before the
-        constructor runs, so a misspelt nested setting is refused with the key that reaches it
-        (``eval.rewards[0].kwargs.quality[1].kwargs.scroe``)."""
-        base = f"{key}." if key else ""
-        for setting, spec in _terms(kwargs):
-            name, given = _spec(spec, f"{base}{setting}")
-            check_reward_kwargs(name, given, f"{base}{setting}.kwargs", secret=secret)
 
     def check_prompt(self, prompt: str) -> None:
         for term in (self.reward, *self.quality):
