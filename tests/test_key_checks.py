@@ -265,7 +265,10 @@ def test_train_help_lists_the_running_configs_reward_settings_with_defaults(caps
     out = capsys.readouterr().out
     settings = out[out.index("reward settings (the keys of rewards[i].kwargs") :]
     assert "rewards[0] ocr (flowrl_rewards.text.ocr.OcrReward):" in settings
-    assert "    min_confidence: 0.5  # float\n" in settings
-    assert "    threads: 1  # int; set in this config\n" in settings
+    assert (
+        "    min_confidence: 0.5  # float; boxes recognised with a lower confidence are dropped" in settings
+    )  # its help
+    assert "    threads: 1  # int; CPU threads of the engine" in settings
+    assert "; set in this config\n" in settings[settings.index("    threads: 1") :].splitlines(keepends=True)[0]
     assert "    frame_stride: 1  # int; the combiner's" in settings
     assert "weight (1.0: its weight in the sum)" in settings

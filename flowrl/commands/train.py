@@ -48,8 +48,10 @@ def reward_settings_epilog(argv: list[str] | None) -> str:
 
 def reward_settings_text(cfg) -> str:
     """Every reward term of ``cfg`` (``rewards``, then ``eval.rewards`` when set) with its settings, each with its
-    default and whether the config sets it (:func:`flowrl_rewards.core.registry.settings_of`; the class imported, not
-    built), then the combiner's term keys."""
+    default, its help and whether the config sets it (:func:`flowrl_rewards.core.registry.settings_of`; the class
+    imported, not built), then the combiner's term keys."""
+    from flowrl.config.help_text import NO_HELP
+    from flowrl.config.reward_help import setting_help
     from flowrl_rewards.core.registry import TERM_KEYS, TERM_KWARGS, resolve_reward_class, settings_of
 
     lines = ["reward settings (the keys of rewards[i].kwargs and eval.rewards[i].kwargs), with their defaults:"]
@@ -64,7 +66,8 @@ def reward_settings_text(cfg) -> str:
             lines.append(f"  {section}[{i}] {term.name} ({cls.__module__}.{cls.__name__}):")
             given = dict(term.kwargs or {})
             for s in settings.own + TERM_KWARGS:
-                notes = [n for n in (s.annotation, s.note) if n]
+                said = s.note if s in TERM_KWARGS else setting_help(cls, s)
+                notes = [n for n in (s.annotation, said) if n and n != NO_HELP]
                 if s.name in given:  # its value is in the key list above (not repeated: it may be a credential)
                     notes.append("set in this config")
                 default = "(required)" if s.required else _yaml_value(s.default)
