@@ -174,3 +174,31 @@ def test_the_tools_read_an_objective_only_through_describe():
         objective.check_credit(GroupAdvantage())
     with pytest.raises(ConfigError, match=r"credit.rule='turning_point' writes advantages on edges only, but "):
         free.check_credit(TurningPoint())
+
+
+def test_the_rollout_side_sets_up_its_sampling_teacher_and_no_copy_the_loss_reads():
+    """``setup_sampling`` (a rollout process of ``train.pipeline: async``): of the main job's objective with a KL
+    reference (full fine-tuning: an old copy, the reference and a teacher sharing it), only the teacher is made, on its
+    own copy, and it guides exactly as the trainer's teacher does."""
+    from flowrl.config import build
+    from flowrl.config.schema import TrainConfig
+
+    cfg = TrainConfig.from_yaml("configs/shapes/nft.yaml", ["loss.kl_ref=0.1", "model.device=cpu"])
+    trainer_model, rollout_model = (build.build_model(cfg.model, torch.device("cpu")) for _ in range(2))
+    for model in (trainer_model, rollout_model):
+        model.trainable.requires_grad_(True)
+    trainer_side, rollout_side = build.build_loss(cfg), build.build_loss(cfg)
+    trainer_side.setup(trainer_model)
+    rollout_side.setup_sampling(rollout_model)
+    assert len(trainer_model.frozen_copies) == 2 and len(rollout_model.frozen_copies) == 1  # old + reference; teacher
+    x = torch.randn(2, *trainer_model.latent_shape, generator=torch.Generator().manual_seed(0))
+    t = torch.full((2,), 0.7)
+    with torch.no_grad():  # the policies move on; each teacher stays the initial model at guidance 3
+        for model in (trainer_model, rollout_model):
+            for p in model.trainable.parameters():
+                p.add_(0.01)
+        v = [
+            side.sampling_teacher().velocity(x, t, model.encode(["a red circle"] * 2, 3.0))
+            for side, model in ((trainer_side, trainer_model), (rollout_side, rollout_model))
+        ]
+    torch.testing.assert_close(v[0], v[1], rtol=0, atol=0)

@@ -14,13 +14,16 @@ and steps:
 3. :meth:`after_update` after every optimizer step (an old-policy EMA follows the weights here);
 4. :meth:`state_dict` / :meth:`load_state_dict`: whatever the objective keeps goes into checkpoints.
 
-Only :meth:`setup`, :meth:`begin_iteration`, :meth:`after_update` and :meth:`load_state_dict` change the
+Only :meth:`setup` (or :meth:`setup_sampling`), :meth:`begin_iteration`, :meth:`after_update` and
+:meth:`load_state_dict` change the
 objective, and only the attributes it declares in :attr:`Objective.state_attributes`; :meth:`batches`,
 :meth:`loss` and every other call read it (tests/test_objective_contract.py holds every objective to this).
 
 **The rollout's part.** :meth:`sampling_teacher` (the guided teacher plans may let draw a share of each group) and
 :meth:`teacher_fraction` (the share of ``rollout.teacher_share`` it draws this iteration), both handed to the plan
-in the rollout context; :meth:`take_stats` (diagnostics since the last call, logged with the iteration).
+in the rollout context; :meth:`take_stats` (diagnostics since the last call, logged with the iteration). A rollout
+process (``train.pipeline: async``) calls :meth:`setup_sampling` instead of :meth:`setup`: it builds only what
+sampling reads (the teacher), none of the copies the loss reads.
 
 **The tools' part.** The tools (the config checks, the estimate, ``flowrl rollouts``, ``flowrl snr``, the loop's
 logging and guidance) read an objective only through :meth:`describe`: one :class:`ObjectiveFacts` value, declared
@@ -246,6 +249,10 @@ class Objective(Checked):
         """Called once with the model whose trainable weights are set up (LoRA or full). ``teacher_weights``: only
         when :meth:`describe` names a ``teacher_path``, the loop's loader of those weights (``teacher_weights(model)``
         fills ``model.trainable`` with them)."""
+
+    def setup_sampling(self, model, teacher_weights: Callable[[Any], None] | None = None) -> None:
+        """The rollout process's :meth:`setup` (``train.pipeline: async``): only what :meth:`sampling_teacher` returns
+        (a guided teacher), no copy the loss reads (an old policy, a KL reference). Default: nothing."""
 
     def begin_iteration(self, model, forest) -> None:
         """Called once per iteration with its scored, credited forest, before its first :meth:`batches` (while the

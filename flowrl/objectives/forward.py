@@ -154,6 +154,12 @@ class ForwardProcessObjective(ForwardDraws, Objective):
         )
         self._updates = 0
 
+    def setup_sampling(self, model, teacher_weights=None) -> None:
+        """The teacher alone, on its own copy (no KL reference to share on the rollout side); no old copy."""
+        self._old = self._reference = None
+        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, None, teacher_weights)
+        self._updates = 0
+
     def decay(self, k: int) -> float:
         """The old policy's decay d_k after optimizer step k (1-based)."""
         if self.old_decay_rate > 0:
