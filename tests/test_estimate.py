@@ -672,6 +672,22 @@ CASES = {  # id → (pipeline, extra overrides)
         ],
     ),
     "sd3-nft-decode-peak": ("sd3", NFT_DECODE_PEAK),
+    # the main job's objective (configs/shapes/nft.yaml): a guided teacher, its own frozen copy, its anchor's forwards
+    # at guidance 3 (2 rows per training row), and 2 of each group's 4 chains sampled by it
+    "sd3-nft-teacher": (
+        "sd3",
+        [
+            "loss.objective=nft",
+            "rollout.max_batch=8",
+            "rollout.plan=ode",
+            "rollout.group_size=4",
+            "rollout.steps=4",
+            "rollout.teacher_share=2",
+            "model.guidance=1",
+            "model.full_finetune=true",
+            "loss.teacher={guidance: 3.0, anchor: 1.0}",
+        ],
+    ),
     "flux-lora": ("flux", []),
     "flux-checkpointing": ("flux", ["model.gradient_checkpointing=true", "loss.kl_ref=0"]),
     "sana-lora-cfg": ("sana", []),
@@ -704,7 +720,8 @@ SLOW_CASES = {
 
 def _static_tensor_bytes(trainer) -> int:
     """Bytes of what the GPU would hold before an iteration: the pipeline's weights (LoRA included), optimizer
-    state, EMA and the objective's copies (counted once per storage)."""
+    state, EMA and the objective's copies, a guided teacher's among them (counted once per storage: one shared with
+    the reference counts once)."""
     seen, total = set(), 0
 
     def add(t: torch.Tensor) -> None:
@@ -726,8 +743,10 @@ def _static_tensor_bytes(trainer) -> int:
                 add(v)
     for t in trainer.updater.ema or []:
         add(t)
-    for name in ("_old", "_reference"):
-        copy_ = getattr(trainer.objective, name, None)
+    teacher = getattr(trainer.objective, "teacher_model", None)
+    for copy_ in [getattr(trainer.objective, name, None) for name in ("_old", "_reference")] + [
+        getattr(teacher, "_copy", None)
+    ]:
         if copy_ is not None and copy_.frozen is not None:
             for t in list(copy_.frozen.parameters()) + [b for b in copy_.frozen.buffers() if b.is_floating_point()]:
                 add(t)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from flowrl.distributed.context_parallel import check_context_parallel, check_transformer, context_degree
 
-SPLIT_PHASES = ("rollout", "explore", "update", "update_checkpointed")
+SPLIT_PHASES = ("rollout", "explore", "update", "update_checkpointed", "teacher_rollout")
 """The traced phases whose transformer forwards (and backwards) run split by sequence."""
 
 ASSUMPTION = (
@@ -37,7 +37,7 @@ def split_traces(traces: dict, degree: int) -> dict:
     if degree == 1:
         return traces
     out = dict(traces)
-    for phase in SPLIT_PHASES:
+    for phase in (p for p in SPLIT_PHASES if p in traces):  # teacher_rollout: only where the teacher samples
         t = traces[phase]
         out[phase] = replace(t, peak=t.peak // degree, end=t.end // degree, flops=t.flops // degree)
     out["updates"] = {False: out["update"], True: out["update_checkpointed"]}

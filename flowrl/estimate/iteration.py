@@ -54,6 +54,9 @@ ASSUMPTIONS = [
     "reward model weights: approximate parameter counts (REWARD_MODELS), fp16 on the GPU",
     "one process per GPU; prompts.per_step is split evenly over the processes",
     SHARDING_ASSUMPTION,
+    "a guided teacher (loss.teacher): its anchor's forwards in every update and its full rollout.teacher_share of "
+    "the chains, at its guidance (its schedule and share_schedule not priced); its frozen copy shared with a KL "
+    "reference of the initial weights, its own in an async rollout process",
     "model.offload_encoders: the text encoders in CPU memory, back on the device for an encode phase of their "
     "weights (the encoding's own activations are not counted)",
 ]
@@ -87,9 +90,9 @@ def estimate(
     model = model_on_meta(cfg, arch, shards)
     degree = context_split(cfg, processes, model["module"], shapes.image_tokens)
     P = cfg.prompts.per_step // replicas
-    work = iteration_work(cfg, plan, objective, P, cfg_on)
+    work = iteration_work(cfg, plan, objective, P, cfg_on, arch["family"])
     traces = split_traces(traced_phases(cfg, arch, model, objective, shapes, work, cfg_on, target, shards), degree)
-    static = static_memory(cfg, plan, objective, model, arch, shards)
+    static = static_memory(cfg, plan, objective, model, arch, shards, work["teacher"])
     cache = prompt_cache_bytes(cfg, arch, shapes, model["dbytes"], P)
     phases = phase_peaks(cfg, model, traces, static, cache, work, shapes, frames, target, shards, P)
     flops = flops_and_time(cfg, plan, gpu_spec, traces, work, cfg_on)

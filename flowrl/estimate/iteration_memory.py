@@ -78,9 +78,11 @@ def checkpointed_blocks(cfg, model: dict) -> int:
     return min(count, blocks)
 
 
-def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) -> dict:
+def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int, teacher=None) -> dict:
     """Bytes held through the iteration: weights, encoders, VAE, gradients, AdamW state, EMA, the objective's frozen
-    copies, an explorer copy, the reward models."""
+    copies, its guided teacher's (``teacher``: a :class:`~flowrl.estimate.teacher.TeacherPrice`, None without one; 0
+    when it shares the reference's copy; ``teacher_own``: its own copy, what a rollout process holds), an explorer
+    copy, the reward models."""
     reward_bytes, reward_notes = reward_model_bytes(cfg)
     trainable_bytes, lora = model["trainable_bytes"], model["lora"]
     optim_bytes = 2 * held_bytes(model["trainable"], shards, itemsize=1) if cfg.optim.use_8bit else 2 * trainable_bytes
@@ -88,6 +90,7 @@ def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) ->
     copies = objective.describe().frozen_copies
     old = (trainable_bytes if lora is not None else model["full_copy"]) if "old" in copies else 0
     reference = model["full_copy"] if "reference" in copies and lora is None else 0
+    teacher_bytes = teacher.held_bytes(model) if teacher is not None else 0
     explorer_spec = plan.explorer_spec()
     explorer = explorer_bytes(model["module"], *explorer_spec) if explorer_spec is not None else 0
     encoder_bytes = sum(model["encoders"].values()) * model["dbytes"]
@@ -101,6 +104,7 @@ def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) ->
         + ema
         + old
         + reference
+        + teacher_bytes
         + explorer
         + reward_bytes
     )
@@ -112,6 +116,8 @@ def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int) ->
         "ema": ema,
         "old": old,
         "reference": reference,
+        "teacher": teacher_bytes,
+        "teacher_own": teacher.own_bytes(model) if teacher is not None else 0,
         "explorer": explorer,
         "encoder_bytes": encoder_bytes,
         "offloaded": offloaded,
@@ -175,8 +181,9 @@ def phase_peaks(
             traces["decode"].peak, states, work["rollout_states"], pixels, math.prod(shapes.latent) * 4
         )
     grads, updates = static["grads"], traces["updates"]
+    rollout_peak = max(traces["rollout"].peak, traces["teacher_rollout"].peak if "teacher_rollout" in traces else 0)
     phases = {
-        "rollout": traces["rollout"].peak + fsdp["rollout"],
+        "rollout": rollout_peak + fsdp["rollout"],  # the policy's forward or a sampling teacher's at its CFG
         "decode": decode_peak,
         "encode": static["offloaded"],  # offloaded text encoders back on the device for the new prompts
         "update": grads + updates[bool(m.gradient_checkpointing)].peak + fsdp["update"],
@@ -197,6 +204,7 @@ def phase_peaks(
         "forest_bytes": forest_bytes,
         "fsdp": fsdp,
         "decode_peak": decode_peak,
+        "rollout_peak": rollout_peak,
         "optim_transient": optim_transient,
         "peak": static["total"] + cache["now"] + host + phases[peak_phase],
         "peak_without": peak_with(False),
@@ -239,9 +247,11 @@ def memory_report(
         "ema": static["ema"] / GiB,
         "old_policy": static["old"] / GiB,
         "reference": static["reference"] / GiB,
+        "teacher": static["teacher"] / GiB,  # 0: shares the reference's copy, or the base under LoRA
+        "teacher_own_copy": static["teacher_own"] / GiB,  # a rollout process's (no reference there to share)
         "explorer": static["explorer"] / GiB,
         "prompt_cache": cache["now"] / GiB,
-        "activations_rollout": traces["rollout"].peak / GiB,
+        "activations_rollout": phases["rollout_peak"] / GiB,
         "activations_decode": phases["decode_peak"] / GiB,
         "activations_update": updates[bool(cfg.model.gradient_checkpointing)].peak / GiB,
         "activations_update_without_checkpointing": updates[False].peak / GiB,

@@ -47,8 +47,9 @@ def phase_traces(
     - ``update`` / ``update_checkpointed``: one training micro-batch of ``update_states`` states (×2 with
       ``train_cfg``), without / with gradient checkpointing of the first ``checkpointed`` blocks (None: every block;
       :func:`flowrl.models.blocks.checkpoint_blocks`): the no-grad copy forwards ``before`` (old policy,
-      reference), the forward with gradients, the copy forwards ``after`` (the KL reference of a policy
-      objective, while the activations are held), a loss over them, backward into pre-allocated gradients;
+      reference, a guided teacher's anchor: :meth:`_PhaseTracer.copy_forward`), the forward with gradients, the
+      copy forwards ``after`` (the KL reference of a policy objective, while the activations are held), a loss
+      over them, backward into pre-allocated gradients;
     - ``optimizer``: one AdamW step (after clipping) over the trainable parameters as training holds them (fp32).
 
     Full fine-tuning of a bf16/fp16 model runs the transformer under autocast in ``dtype_name`` (fp32 master
@@ -85,6 +86,25 @@ def _sampling_traces(
 ) -> dict[str, Trace]:
     """``rollout``, ``explore`` and ``decode`` of :func:`phase_traces`."""
     return _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded).sampling(rollout_states, cfg_on, explore)
+
+
+@functools.lru_cache(maxsize=16)
+def teacher_rollout_trace(
+    arch_key: str,
+    dtype_name: str,
+    lora: tuple | None,
+    shapes: Shapes,
+    rollout_states: int,
+    cfg: bool,
+    target: str,
+    sharded: bool,
+) -> Trace:
+    """A rollout forward of ``rollout_states`` states at a guided teacher's CFG (``cfg``: 2 rows per state), the
+    weights as the rollout's (a teacher sampling chains of its own, ``rollout.teacher_share``)."""
+    tracer = _PhaseTracer(arch_key, dtype_name, lora, shapes, target, sharded)
+    tracer.states, tracer.cfg_rows = rollout_states, cfg
+    tracer.module.eval()
+    return trace(tracer.rollout_forward, target)
 
 
 @functools.lru_cache(maxsize=128)
@@ -147,13 +167,17 @@ class _PhaseTracer:
 
     def copy_forward(self, which: str) -> torch.Tensor:
         """A forward without gradients of the old policy (LoRA: its own adapter; same cost) or the reference
-        (LoRA: adapters disabled, as ``FlowModel.reference``; full fine-tuning: a frozen copy, same cost)."""
-        off = which == "reference" and self.lora is not None
+        (LoRA: adapters disabled, as ``FlowModel.reference``; full fine-tuning: a frozen copy, same cost), or a
+        guided teacher's (:meth:`flowrl.estimate.teacher.TeacherPrice.update_copy`: ``teacher`` as the reference,
+        ``teacher_loaded`` a loaded copy with its adapters; ``+cfg``: at its CFG, 2 rows per state, else 1)."""
+        kind, _, guided = which.partition("+")
+        cfg_rows = guided == "cfg" if kind.startswith("teacher") else self.cfg_rows
+        off = kind in ("reference", "teacher") and self.lora is not None
         if off:
             self.module.disable_adapters()
         try:
             with torch.no_grad(), self.region(cache=False):  # a frozen copy's weights: not cached (no grad)
-                return velocity(self.module, self.arch, self.shapes, self.states, self.cfg_rows, self.inputs)
+                return velocity(self.module, self.arch, self.shapes, self.states, cfg_rows, self.inputs)
         finally:
             if off:
                 self.module.enable_adapters()

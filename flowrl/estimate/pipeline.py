@@ -9,8 +9,10 @@ the update buys and costs, priced from the serial estimate's parts (:func:`flowr
   With launched rollout processes (``train.rollout_processes`` N of G processes) each rollout process samples for
   ⌈T/N⌉ of the T trainers, and each trainer updates on its share: :func:`best_split` is the N that balances them.
 - **Memory, per process.** The trainer's is the serial estimate's peak (it still samples its evals). A rollout process
-  holds the weights, the frozen copies and the models the rollout needs, but no gradients, optimizer state or EMA,
-  and its peak is the largest of the rollout's phases (sampling, decoding, encoding). Beside a trainer on one GPU both
+  sets up only what sampling needs (:meth:`~flowrl.objectives.base.Objective.setup_sampling`): the model, the
+  objective's guided teacher on a copy of its own (no KL reference is built there to share), the explorer, the
+  rewards and the prompt cache; no old copy, no KL reference, no gradients, optimizer state or EMA. Its peak is the
+  largest of the rollout's phases (sampling, decoding, encoding). Beside a trainer on one GPU both
   share the card (``fits`` adds the two peaks); a launched rollout process has a card of its own.
 """
 
@@ -35,12 +37,13 @@ ROLLOUT_PARTS = (
     "vae",
     "reward_models",
     "explorer",
-    "old_policy",
-    "reference",
+    "teacher_own_copy",
     "prompt_cache",
 )
-"""The serial estimate's memory parts (GiB) a rollout process holds too: its model, the objective's frozen copies it
-sets up (a guided teacher among them), the explorer, the rewards and the prompt cache."""
+"""The serial estimate's memory parts (GiB) a rollout process holds: its model, the sampling teacher's own copy (a full
+copy of the transformer under full fine-tuning, the loaded transformer with its LoRA under LoRA with
+``loss.teacher.path``, nothing under LoRA without one: the base with the adapter off), the explorer, the rewards and
+the prompt cache. Not the objective's old copy or KL reference: the loss alone reads them, in the trainer."""
 
 ROLLOUT_PHASES = ("rollout", "decode", "encode")
 
@@ -59,8 +62,8 @@ def best_split(rollout_seconds: float, update_seconds: float, processes: int) ->
 def price_pipeline(cfg, est: dict, target: str = "cuda") -> dict | None:
     """The ``pipeline`` part of an estimate of ``cfg`` (None for ``train.pipeline: sync``): seconds per iteration
     [low, high] with the overlap (the longer side plus the weight sync), each side's seconds, the sync's bytes and
-    seconds, the rollout process's peak memory (GiB), whether the layout fits its GPU(s), and the balanced number of
-    launched rollout processes for this run's process count."""
+    seconds, the rollout process's peak memory (GiB) and its parts, whether the layout fits its GPU(s), and the
+    balanced number of launched rollout processes for this run's process count."""
     t = cfg.train
     if t.pipeline != "async":
         return None
@@ -81,7 +84,8 @@ def price_pipeline(cfg, est: dict, target: str = "cuda") -> dict | None:
     else:
         seconds = [max(rollout_side[i], update[i]) + sync for i in (0, 1)]
     phases = mem["phases"]
-    rollout_peak = sum(mem[k] for k in ROLLOUT_PARTS) + max(phases.get(k, 0.0) for k in ROLLOUT_PHASES)
+    parts = {k: mem[k] for k in ROLLOUT_PARTS}
+    rollout_peak = sum(parts.values()) + max(phases.get(k, 0.0) for k in ROLLOUT_PHASES)
     card = float(mem["gpu_memory"])
     fits = (mem["peak"] + rollout_peak <= card) if shares_card else (mem["peak"] <= card and rollout_peak <= card)
     return {
@@ -96,6 +100,7 @@ def price_pipeline(cfg, est: dict, target: str = "cuda") -> dict | None:
         "link": link,
         "link_gbps": LINK_GBPS[link],
         "rollout_process_peak_gib": rollout_peak,
+        "rollout_process_parts": parts,  # GiB each; the peak adds the largest rollout phase
         "trainer_peak_gib": mem["peak"],
         "shares_card": shares_card,
         "fits": bool(fits),

@@ -36,6 +36,7 @@ _LABELS = {
     "fsdp_gather": "FSDP gather (root + 2 consecutive blocks, in every forward and backward)",
     "fsdp_reduce_scatter": "FSDP reduce-scatter (a block's gradients + their fp32 copy, in backward)",
     "offloaded_to_cpu": "text encoders in CPU memory (on the GPU only to encode new prompts: the encode phase)",
+    "teacher": "teacher (loss.teacher's frozen copy)",
 }
 
 
@@ -80,6 +81,7 @@ _MEMORY_ROWS = (
     "ema",
     "old_policy",
     "reference",
+    "teacher",
     "explorer",
     "prompt_cache",
     "activations_rollout",
@@ -148,7 +150,7 @@ def format_estimate(result: dict) -> str:
         f"{size_text(mem['peak_end_of_run'])} |",
         "",
         f"FLOPs per iteration {_flops(fl['total'])} (rollout {_flops(fl['rollout'])}, explore {_flops(fl['explore'])}, "
-        f"decode {_flops(fl['decode'])}, update {_flops(fl['update'])}) → "
+        f"decode {_flops(fl['decode'])}, update {_flops(fl['update'])}" + _teacher_flops(fl) + ") → "
         f"**{_seconds(lo)}–{_seconds(hi)} s/iteration** at {t['utilisation'][0]:.0%}–{t['utilisation'][1]:.0%} of "
         f"{t['gpu_bf16_tflops']:.0f} bf16 TFLOP/s ({t.get('peak_source', 'datasheet dense')} peak, the one perf/mfu "
         "divides by)",
@@ -156,6 +158,15 @@ def format_estimate(result: dict) -> str:
     if result.get("pipeline"):
         lines += ["", pipeline_text(result["pipeline"])]
     return "\n".join(lines)
+
+
+def _teacher_flops(fl: dict) -> str:
+    """``; the guided teacher: …`` (its sampled chains and its anchor's forwards, of the rollout's and the update's
+    FLOPs), or nothing without one."""
+    parts = [(fl.get(f"teacher_{k}") or 0, k) for k in ("rollout", "update")]
+    if not any(n for n, _ in parts):
+        return ""
+    return "; of these the guided teacher's " + ", ".join(f"{_flops(n)} in the {k}" for n, k in parts if n)
 
 
 def pipeline_text(p: dict) -> str:
