@@ -1,6 +1,6 @@
 """The guided teacher of a forward-process objective (``loss.teacher``; :mod:`flowrl.objectives.teacher`) as the
-estimate prices it (docs/estimate.md, "A guided teacher"): its frozen weights, its no-grad forwards in the update (the
-anchor) and its share of the rollout's chains (``rollout.teacher_share``).
+estimate prices it (docs/estimate.md, "How it works": a guided teacher): its frozen weights, its no-grad forwards in
+the update (the anchor) and its share of the rollout's chains (``rollout.teacher_share``).
 
 Read from the objective's :meth:`~flowrl.objectives.base.Objective.describe` (``has_teacher``, ``teacher_path``,
 ``frozen_copies``) and the config (``loss.teacher``'s guidance and anchor), never from the objective's type:
