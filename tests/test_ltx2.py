@@ -353,3 +353,31 @@ def test_stored_architecture_matches_the_published_size():
     assert model["path"] in arch["hub_ids"] and model["family"] == arch["family"] == "ltx2"
     assert (model["kwargs"]["num_frames"] - 1) % arch["vae"]["temporal_factor"] == 0
     assert model["height"] % 32 == model["width"] % 32 == 0
+
+
+def test_the_estimate_reads_a_local_folders_vae_factors_as_the_vae_derives_them(tmp_path):
+    """A saved LTX-2 pipeline whose VAE config leaves its compression ratios null (the tiny one): the estimate's
+    architecture of the folder takes the factors the VAE module itself derives, and a preset estimate on it runs
+    (``flowrl train``'s perf/tflops warned "cannot be estimated" here)."""
+    import diffusers
+    import yaml
+
+    from flowrl.config.schema import TrainConfig
+    from flowrl.estimate.archs import arch_from_folder
+    from flowrl.estimate.iteration import estimate
+
+    folder = tmp_path / "tiny-ltx2"
+    tiny_ltx2_pipeline().save_pretrained(folder)
+    vae_config = yaml.safe_load((folder / "vae" / "config.json").read_text())
+    assert vae_config["spatial_compression_ratio"] is None  # left to the VAE
+    vae = diffusers.AutoencoderKLLTX2Video.from_pretrained(folder / "vae")
+    arch = arch_from_folder(folder, "ltx2")
+    assert (arch["vae"]["scale_factor"], arch["vae"]["temporal_factor"]) == (
+        vae.spatial_compression_ratio,
+        vae.temporal_compression_ratio,
+    )
+    cfg = TrainConfig.from_yaml(
+        str(PRESET),
+        [f"model.path={folder}", "model.height=32", "model.width=32", "model.kwargs.num_frames=5"],
+    )
+    assert estimate(cfg, gpu="H100", processes=1)["flops"]["total"] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from flowrl.errors import ConfigError
 from flowrl.estimate.counts import iteration_counts
 from flowrl.estimate.gpus import UTILISATION, GPUClass
 from flowrl.estimate.inputs import Shapes, preset_shapes, with_sources
@@ -50,12 +51,8 @@ def shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None,
     and whether they run CFG (a guidance-distilled family: FLUX's true CFG only)."""
     m, family = cfg.model, arch["family"]
     defaults = arch.get("defaults", {})
-    t_config = arch["transformer"]["config"]
-    default_px = arch["text"].get("default_image_size") or int(t_config.get("sample_size", 64)) * int(
-        arch["vae"]["scale_factor"]
-    )
-    height = int(m.height or defaults.get("height") or default_px)
-    width = int(m.width or defaults.get("width") or default_px)
+    height = int(m.height or defaults.get("height") or default_size(arch))
+    width = int(m.width or defaults.get("width") or default_size(arch))
     max_seq = int(m.max_sequence_length or defaults.get("max_sequence_length") or SEQ_DEFAULT[family])
     video = model_family(family).adapter_class().modality == "video"  # as the family declares it
     frames = int(m.kwargs.get("num_frames") or defaults.get("num_frames", 81)) if video else None
@@ -64,6 +61,21 @@ def shapes_and_guidance(cfg, arch: dict, objective) -> tuple[Shapes, int | None,
     rollout_guidance = objective.describe().rollout_guidance(m.guidance)
     guidance = float(guidance_default if rollout_guidance is None else rollout_guidance)
     return shapes, frames, guidance, runs_cfg(cfg, family, guidance)
+
+
+def default_size(arch: dict) -> int:
+    """The image side in pixels an architecture samples at when neither the config nor its defaults say: its text
+    config's ``default_image_size``, else the transformer's ``sample_size`` (64) × the VAE's scale factor."""
+    px = arch["text"].get("default_image_size")
+    if px:
+        return int(px)
+    scale = arch["vae"].get("scale_factor")
+    if scale is None:
+        raise ConfigError(
+            "model.height and model.width are not set and this architecture gives no default size (its VAE's scale "
+            "factor is unknown); set both"
+        )
+    return int(arch["transformer"]["config"].get("sample_size") or 64) * int(scale)
 
 
 def runs_cfg(cfg, family: str, guidance: float) -> bool:

@@ -261,6 +261,17 @@ def estimate_inputs(config: dict, shapes: Shapes, rows: int, dtype: torch.dtype)
     }
 
 
+def vae_factors(config: dict) -> dict:
+    """The VAE's spatial and temporal factors from its ``config.json``: its compression ratios, or where a ratio is
+    null (a config that leaves it to the model) the value the VAE derives: its patch size (4; in time 1) × 2 per
+    scaling stage (``spatio_temporal_scaling``, four by default)."""
+    stages = 2 ** sum(bool(s) for s in config.get("spatio_temporal_scaling", (True,) * 4))
+    return {
+        "scale_factor": int(config.get("spatial_compression_ratio") or config.get("patch_size", 4) * stages),
+        "temporal_factor": int(config.get("temporal_compression_ratio") or config.get("patch_size_t", 1) * stages),
+    }
+
+
 LTX2FlowModel.estimate_spec = EstimateSpec(
     inputs=estimate_inputs,
     to_tokens=lambda hidden, shapes: hidden.flatten(2).transpose(1, 2),  # [B, C, F, h, w] → a token per cell
@@ -268,9 +279,6 @@ LTX2FlowModel.estimate_spec = EstimateSpec(
     video=True,
     masked_text=True,
     text_limit=1024,
-    folder_vae=lambda config: {
-        "scale_factor": config["spatial_compression_ratio"],
-        "temporal_factor": config["temporal_compression_ratio"],
-    },
+    folder_vae=lambda config: vae_factors(config),
     pipeline_vae=lambda pipe: {"temporal_factor": int(pipe.vae_temporal_compression_ratio)},
 )
