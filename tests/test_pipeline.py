@@ -348,11 +348,17 @@ def test_rollout_correction_truncates_the_importance_weight_and_rejects_outside_
         PolicyLoss(offpolicy_cap=1.0)
 
 
-def test_flowrl_bench_times_an_asynchronous_run_and_stops_its_rollout_process(tiny_folder, tmp_path):
+def test_flowrl_bench_times_an_asynchronous_run_and_stops_its_rollout_process(tiny_folder, tmp_path, monkeypatch):
+    """The timed iterations are the trainer's; stopping the rollout process afterwards (its job in flight, its exit:
+    here made 2 s longer) is no iteration's time."""
     from flowrl.commands.bench import bench_iteration
+    from flowrl.training.pipeline import AsyncRollouts
 
+    close = AsyncRollouts.close
+    monkeypatch.setattr(AsyncRollouts, "close", lambda self: (time.sleep(2.0), close(self))[1])
     cfg = config(tiny_folder, tmp_path, "bench", *ASYNC)
     out = bench_iteration(cfg, iterations=2, warmup=1)
+    assert out["seconds_per_iteration"] < out["time/update"] + out["pipeline/update_wait"] + 0.7  # not + 1 s
     assert out["pipeline/staleness"] == 1.0  # both timed forests one update behind
     assert out["pipeline/update_wait"] >= 0 and out["time/rollout"] > 0  # the rollout process's own time
     assert out["overhead_seconds"] == pytest.approx(
