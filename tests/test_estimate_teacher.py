@@ -64,14 +64,18 @@ def test_with_a_kl_reference_the_teacher_shares_its_copy():
     assert mem["static"] == pytest.approx(
         estimate_of(MAIN, "loss.kl_ref=0.1", "loss.teacher=null")["memory_gib"]["static"]
     )
-    assert mem["teacher_own_copy"] == pytest.approx(mem["reference"])  # what a rollout process holds instead
+    assert mem["teacher_own_copy"] == 0  # a rollout process builds no teacher: the main job's plan lets none draw
+    drawn = estimate_of(MAIN, "loss.kl_ref=0.1", "rollout.teacher_share=2")["memory_gib"]
+    assert drawn["teacher_own_copy"] == pytest.approx(drawn["reference"])  # what a rollout process holds instead
 
 
 def test_under_lora_the_initial_teacher_costs_nothing_and_a_loaded_one_a_copy(tmp_path):
     lora = estimate_of(MAIN, "model.full_finetune=false")
     mem = lora["memory_gib"]
     assert mem["teacher"] == 0 and mem["teacher_own_copy"] == 0 and mem["lora"] > 0
-    loaded = estimate_of(MAIN, "model.full_finetune=false", f"loss.teacher.path={tmp_path}")["memory_gib"]
+    loaded = estimate_of(MAIN, "model.full_finetune=false", f"loss.teacher.path={tmp_path}", "rollout.teacher_share=2")[
+        "memory_gib"
+    ]
     # a loaded copy: a deep copy of the trainable module, the transformer with its LoRA layers
     whole = loaded["transformer_weights"] + loaded["transformer_buffers"] + loaded["lora"]
     assert loaded["teacher"] == pytest.approx(whole) and loaded["teacher_own_copy"] == pytest.approx(whole)
@@ -103,8 +107,13 @@ def _rollout_peak(est: dict) -> float:
 
 @pytest.mark.parametrize(
     "overrides",
-    [(), ("loss.kl_ref=0.1",), ("model.full_finetune=false",), ("loss.teacher=null",)],
-    ids=["main", "kl-ref", "lora", "no-teacher"],
+    [
+        (),
+        ("loss.kl_ref=0.1", "rollout.teacher_share=2"),
+        ("model.full_finetune=false", "rollout.teacher_share=2"),
+        ("loss.teacher=null",),
+    ],
+    ids=["main", "kl-ref-drawn", "lora-drawn", "no-teacher"],
 )
 def test_the_async_rollout_process_holds_what_sampling_needs(overrides):
     est = estimate_of(MAIN, "train.pipeline=async", *overrides)
@@ -112,9 +121,10 @@ def test_the_async_rollout_process_holds_what_sampling_needs(overrides):
     parts = p["rollout_process_parts"]
     assert "old_policy" not in parts and "reference" not in parts and "gradients" not in parts
     assert p["rollout_process_peak_gib"] == pytest.approx(_rollout_peak(est))
-    # its teacher: its own copy (no KL reference on the rollout side to share)
+    # its teacher when the plan lets it draw: its own copy (no KL reference on the rollout side to share)
     full_copy = mem["transformer_weights"] + mem["transformer_buffers"]
-    own = 0 if "loss.teacher=null" in overrides or "model.full_finetune=false" in overrides else full_copy
+    drawn = "rollout.teacher_share=2" in overrides and "model.full_finetune=false" not in overrides
+    own = full_copy if drawn else 0
     assert parts["teacher_own_copy"] == pytest.approx(own)
     # neither the old copy (the main job keeps one) nor the KL reference is in its peak
     assert mem["old_policy"] > 0
@@ -162,6 +172,7 @@ def test_the_teacher_bytes_are_what_the_trainer_and_the_rollout_process_set_up(l
             "loss.objective=nft",
             "loss.kl_ref=0.1",
             "loss.teacher={guidance: 3.0, anchor: 1.0}",
+            "rollout.teacher_share=2",
         ],
     )
     pipe = tiny_sd3_pipeline(sample_size=32)
@@ -173,7 +184,10 @@ def test_the_teacher_bytes_are_what_the_trainer_and_the_rollout_process_set_up(l
         )
         setup_trainable(model, cfg.model, cfg.train.seed)
         objective = build.build_loss(cfg)
-        (objective.setup_sampling if sampling else objective.setup)(model)
+        if sampling:
+            objective.setup_sampling(model, draws_teacher=True)
+        else:
+            objective.setup(model)
         return objective
 
     trainer, side = built(False), built(True)

@@ -292,6 +292,8 @@ def _nested_key_checks_and_help(Wrapping, check_reward_kwargs):
         check_reward_kwargs(
             "flowrl_test_wrapping", {"inner": {"name": "brightness", "kwargs": {"scroe": 1}}}, "rewards[0].kwargs"
         )
+    with pytest.raises(ConfigError, match=r"eval\.rewards\[0\]\.kwargs\.reward=None must be a reward name"):
+        check_reward_kwargs("gdro_corrected", {"reward": None, "quality": "brightness"}, "eval.rewards[0].kwargs")
     with pytest.raises(ConfigError, match=r"quality\[1\]\.kwargs\.scroe"):
         check_reward_kwargs(
             "gdro_corrected",

@@ -376,6 +376,14 @@ def test_the_estimate_reads_a_local_folders_vae_factors_as_the_vae_derives_them(
         vae.spatial_compression_ratio,
         vae.temporal_compression_ratio,
     )
+    from flowrl.models.ltx2 import vae_factors
+
+    one_flag = {**vae_config, "spatio_temporal_scaling": False}  # one flag for every block, as diffusers takes it
+    flagged = diffusers.AutoencoderKLLTX2Video.from_config(one_flag)
+    assert vae_factors(one_flag) == {
+        "scale_factor": flagged.spatial_compression_ratio,
+        "temporal_factor": flagged.temporal_compression_ratio,
+    }
     cfg = TrainConfig.from_yaml(
         str(PRESET),
         [f"model.path={folder}", "model.height=32", "model.width=32", "model.kwargs.num_frames=5"],

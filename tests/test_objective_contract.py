@@ -175,11 +175,24 @@ def test_the_tools_read_an_objective_only_through_describe():
     with pytest.raises(ConfigError, match=r"credit.rule='turning_point' writes advantages on edges only, but "):
         free.check_credit(TurningPoint())
 
+    def short_plans(plan):  # an objective's own check of the plan, beyond the declared ones
+        if plan.steps < 5:
+            raise ConfigError(f"rollout.steps={plan.steps}: this objective needs at least 5")
+
+    with pytest.raises(ConfigError, match=r"rollout.steps=3: this objective needs at least 5"):
+        dataclasses.replace(free, plan_checks=(short_plans,)).check_plan(ODEChains(group_size=4, steps=3))
+    with pytest.raises(TypeError, match=r"defines check_plan, which the config checks no longer call"):
+
+        class Stale(PolicyLoss):  # an objective written for the methods that moved: refused, not silently ignored
+            def check_plan(self, plan):
+                pass
+
 
 def test_the_rollout_side_sets_up_its_sampling_teacher_and_no_copy_the_loss_reads():
     """``setup_sampling`` (a rollout process of ``train.pipeline: async``): of the main job's objective with a KL
-    reference (full fine-tuning: an old copy, the reference and a teacher sharing it), only the teacher is made, on its
-    own copy, and it guides exactly as the trainer's teacher does."""
+    reference (full fine-tuning: an old copy, the reference and a teacher sharing it), nothing is made when the plan
+    lets no teacher draw, and only the teacher, on its own copy, when it does; it guides exactly as the trainer's
+    teacher does."""
     from flowrl.config import build
     from flowrl.config.schema import TrainConfig
 
@@ -189,8 +202,11 @@ def test_the_rollout_side_sets_up_its_sampling_teacher_and_no_copy_the_loss_read
         model.trainable.requires_grad_(True)
     trainer_side, rollout_side = build.build_loss(cfg), build.build_loss(cfg)
     trainer_side.setup(trainer_model)
-    rollout_side.setup_sampling(rollout_model)
-    assert len(trainer_model.frozen_copies) == 2 and len(rollout_model.frozen_copies) == 1  # old + reference; teacher
+    rollout_side.setup_sampling(rollout_model)  # the main job's plan lets no teacher draw: nothing to set up
+    assert len(trainer_model.frozen_copies) == 2 and not rollout_model.frozen_copies  # old + reference; none
+    assert rollout_side.sampling_teacher() is None
+    rollout_side.setup_sampling(rollout_model, draws_teacher=True)  # rollout.teacher_share > 0: the teacher alone
+    assert len(rollout_model.frozen_copies) == 1
     x = torch.randn(2, *trainer_model.latent_shape, generator=torch.Generator().manual_seed(0))
     t = torch.full((2,), 0.7)
     with torch.no_grad():  # the policies move on; each teacher stays the initial model at guidance 3

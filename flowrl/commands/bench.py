@@ -66,8 +66,13 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     cfg.train.progress = False
     cfg.prompts.eval = None
     trainer = Trainer(cfg, model=model)
-    for i in range(warmup):
-        trainer.train_step(i)
+    try:
+        for i in range(warmup):
+            trainer.train_step(i)
+    except BaseException:
+        if trainer.rollouts is not None:
+            trainer.rollouts.close()  # a failed warm-up leaves no rollout process behind
+        raise
     sync = torch.cuda.synchronize if trainer.model.device.type == "cuda" else None  # kernels charged to their call
     velocity = _Timed(trainer.model.velocity, sync)
     trainer.model.velocity = velocity

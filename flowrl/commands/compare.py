@@ -1,7 +1,9 @@
 """``flowrl compare``: several configs × seeds under one budget, one folder of plots, a table and commands.
 
 Each (config, seed) is one ``flowrl train`` run in its own process (``OUT/runs/<label>-s<seed>``, with
-``train.resume=latest``), one at a time or ``parallel`` at once, each pinned to ``threads`` torch threads.
+``train.resume=latest``), one at a time or ``parallel`` at once, each pinned to ``threads`` torch threads (an
+asynchronous run, ``train.pipeline: async``, splits them between its trainer and its rollout process, at least one
+each: with ``threads`` 1 it runs two).
 The budget is the same for every run: ``iterations`` (``train.max_steps``), ``images`` (iterations =
 ⌈images / leaves per iteration⌉, from the plan's closed-form counts) or ``minutes`` of training
 (``train.max_minutes``; evals excluded). ``OUT/status.json`` records every finished or failed run, so a

@@ -55,5 +55,6 @@ def check_pipeline_config(cfg: Any) -> None:
         raise ConfigError(
             f"prompts.sampling='adaptive' draws each batch from the reward spreads of the iteration before it, but "
             f"train.pipeline='async' with train.max_staleness={t.max_staleness} decides a batch "
-            f"{t.max_staleness + 1} iterations ahead; use prompts.sampling='epoch' or train.max_staleness=0"
+            f"{t.max_staleness + 1} iterations ahead; use prompts.sampling='epoch', train.max_staleness=0 or "
+            "train.pipeline='sync'"
         )

@@ -81,8 +81,8 @@ def checkpointed_blocks(cfg, model: dict) -> int:
 def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int, teacher=None) -> dict:
     """Bytes held through the iteration: weights, encoders, VAE, gradients, AdamW state, EMA, the objective's frozen
     copies, its guided teacher's (``teacher``: a :class:`~flowrl.estimate.teacher.TeacherPrice`, None without one; 0
-    when it shares the reference's copy; ``teacher_own``: its own copy, what a rollout process holds), an explorer
-    copy, the reward models."""
+    when it shares the reference's copy; ``teacher_own``: its own copy, what a rollout process holds when
+    ``rollout.teacher_share`` lets it draw), an explorer copy, the reward models."""
     reward_bytes, reward_notes = reward_model_bytes(cfg)
     trainable_bytes, lora = model["trainable_bytes"], model["lora"]
     optim_bytes = 2 * held_bytes(model["trainable"], shards, itemsize=1) if cfg.optim.use_8bit else 2 * trainable_bytes
@@ -117,7 +117,8 @@ def static_memory(cfg, plan, objective, model: dict, arch: dict, shards: int, te
         "old": old,
         "reference": reference,
         "teacher": teacher_bytes,
-        "teacher_own": teacher.own_bytes(model) if teacher is not None else 0,
+        # a rollout process's: its own copy (no reference there to share), when the plan lets the teacher draw
+        "teacher_own": teacher.own_bytes(model) if teacher is not None and plan.teacher_share else 0,
         "explorer": explorer,
         "encoder_bytes": encoder_bytes,
         "offloaded": offloaded,
@@ -248,7 +249,7 @@ def memory_report(
         "old_policy": static["old"] / GiB,
         "reference": static["reference"] / GiB,
         "teacher": static["teacher"] / GiB,  # 0: shares the reference's copy, or the base under LoRA
-        "teacher_own_copy": static["teacher_own"] / GiB,  # a rollout process's (no reference there to share)
+        "teacher_own_copy": static["teacher_own"] / GiB,  # a rollout process's (rollout.teacher_share > 0)
         "explorer": static["explorer"] / GiB,
         "prompt_cache": cache["now"] / GiB,
         "activations_rollout": phases["rollout_peak"] / GiB,

@@ -10,7 +10,8 @@ the update buys and costs, priced from the serial estimate's parts (:func:`flowr
   ⌈T/N⌉ of the T trainers, and each trainer updates on its share: :func:`best_split` is the N that balances them.
 - **Memory, per process.** The trainer's is the serial estimate's peak (it still samples its evals). A rollout process
   sets up only what sampling needs (:meth:`~flowrl.objectives.base.Objective.setup_sampling`): the model, the
-  objective's guided teacher on a copy of its own (no KL reference is built there to share), the explorer, the
+  objective's guided teacher on a copy of its own when ``rollout.teacher_share`` lets it draw (no KL reference is
+  built there to share), the explorer, the
   rewards and the prompt cache; no old copy, no KL reference, no gradients, optimizer state or EMA. Its peak is the
   largest of the rollout's phases (sampling, decoding, encoding). Beside a trainer on one GPU both
   share the card (``fits`` adds the two peaks); a launched rollout process has a card of its own.
@@ -40,7 +41,8 @@ ROLLOUT_PARTS = (
     "teacher_own_copy",
     "prompt_cache",
 )
-"""The serial estimate's memory parts (GiB) a rollout process holds: its model, the sampling teacher's own copy (a full
+"""The serial estimate's memory parts (GiB) a rollout process holds: its model, the sampling teacher's own copy when
+the plan lets it draw (a full
 copy of the transformer under full fine-tuning, the loaded transformer with its LoRA under LoRA with
 ``loss.teacher.path``, nothing under LoRA without one: the base with the adapter off), the explorer, the rewards and
 the prompt cache. Not the objective's old copy or KL reference: the loss alone reads them, in the trainer."""

@@ -265,7 +265,10 @@ def vae_factors(config: dict) -> dict:
     """The VAE's spatial and temporal factors from its ``config.json``: its compression ratios, or where a ratio is
     null (a config that leaves it to the model) the value the VAE derives: its patch size (4; in time 1) × 2 per
     scaling stage (``spatio_temporal_scaling``, four by default)."""
-    stages = 2 ** sum(bool(s) for s in config.get("spatio_temporal_scaling", (True,) * 4))
+    scaling = config.get("spatio_temporal_scaling", (True,) * 4)
+    if isinstance(scaling, bool):  # one flag for every down block but the last, as the VAE reads it
+        scaling = (scaling,) * (len(config.get("layers_per_block", (4, 6, 6, 2, 2))) - 1)
+    stages = 2 ** sum(bool(s) for s in scaling)
     return {
         "scale_factor": int(config.get("spatial_compression_ratio") or config.get("patch_size", 4) * stages),
         "temporal_factor": int(config.get("temporal_compression_ratio") or config.get("patch_size_t", 1) * stages),

@@ -86,7 +86,8 @@ class ObjectiveFacts:
     ``loss.cfg: guided_rollouts``); ``has_teacher``: a guided teacher is set (``loss.teacher``), which
     ``rollout.teacher_share`` needs; ``group_use``: what it does with each prompt group when it reads whole groups
     (the plan must give 2+ leaves per group), else None; ``sampler_timesteps``: it trains at the sampler's own noise
-    levels (``loss.timesteps: sampler``), which needs a plan that samples along a schedule."""
+    levels (``loss.timesteps: sampler``), which needs a plan that samples along a schedule; ``plan_checks``: an
+    objective's own checks of the plan beyond these (each ``check(plan)`` raises a ConfigError naming the keys)."""
 
     trains_on: str = "edges"
     trains_flat: bool = False
@@ -101,6 +102,7 @@ class ObjectiveFacts:
     first_step_keys: tuple[str, ...] = ()
     progress_keys: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     teacher_path: str | None = None
+    plan_checks: tuple[Callable[[Any], None], ...] = ()
     name: str = ""
     rollout_cfg: str = "any"
     has_teacher: bool = False
@@ -152,6 +154,8 @@ class ObjectiveFacts:
                 f"{_name(plan)!r} keeps no schedule (stored clean samples); accepted: loss.timesteps: "
                 "uniform | logit_normal"
             )
+        for check in self.plan_checks:
+            check(plan)
 
     def rollout_guidance(self, guidance: float | None) -> float | None:
         """The CFG scale the rollouts use, given ``model.guidance`` (None = the model's default), by
@@ -196,6 +200,11 @@ class ObjectiveFacts:
         return shown
 
 
+MOVED_TO_FACTS = ("check_plan", "check_credit", "rollout_guidance")
+"""Objective methods of earlier versions that are now :class:`ObjectiveFacts`' (an objective defining one is refused
+when its class is made, rather than silently never called)."""
+
+
 @dataclass
 class Objective(Checked):
     """Base of ``loss.objective`` components (see the module docstring for the contract).
@@ -216,6 +225,16 @@ class Objective(Checked):
     state_attributes: ClassVar[tuple[str, ...]] = ()
     reduction: ClassVar[str] = "mean"
     micro_batch: int = field(default=64, kw_only=True, metadata={"config": False})  # rows per training forward
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        moved = [name for name in MOVED_TO_FACTS if name in cls.__dict__]
+        if moved:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(moved)}, which the config checks no longer call: the load checks "
+                "are its describe() facts' (ObjectiveFacts: trains_on, rollout_cfg, has_teacher, group_use, "
+                "sampler_timesteps; a check of its own in plan_checks)"
+            )
 
     # ---- the tools' part ---------------------------------------------------------------------------
     def describe(self) -> ObjectiveFacts:
@@ -250,9 +269,14 @@ class Objective(Checked):
         when :meth:`describe` names a ``teacher_path``, the loop's loader of those weights (``teacher_weights(model)``
         fills ``model.trainable`` with them)."""
 
-    def setup_sampling(self, model, teacher_weights: Callable[[Any], None] | None = None) -> None:
-        """The rollout process's :meth:`setup` (``train.pipeline: async``): only what :meth:`sampling_teacher` returns
-        (a guided teacher), no copy the loss reads (an old policy, a KL reference). Default: nothing."""
+    def setup_sampling(
+        self, model, teacher_weights: Callable[[Any], None] | None = None, draws_teacher: bool = False
+    ) -> None:
+        """The rollout process's :meth:`setup` (``train.pipeline: async``): what sampling reads, i.e. what
+        :meth:`sampling_teacher` returns when the plan lets a teacher draw (``draws_teacher``: ``rollout.teacher_share``
+        > 0). The shipped objectives build nothing else (no old policy, no KL reference: only their loss reads those);
+        this default, for an objective that declares no sampling setup of its own, sets it up as the trainer does."""
+        self.setup(model, **({} if teacher_weights is None else {"teacher_weights": teacher_weights}))
 
     def begin_iteration(self, model, forest) -> None:
         """Called once per iteration with its scored, credited forest, before its first :meth:`batches` (while the

@@ -154,10 +154,12 @@ class ForwardProcessObjective(ForwardDraws, Objective):
         )
         self._updates = 0
 
-    def setup_sampling(self, model, teacher_weights=None) -> None:
-        """The teacher alone, on its own copy (no KL reference to share on the rollout side); no old copy."""
+    def setup_sampling(self, model, teacher_weights=None, draws_teacher: bool = False) -> None:
+        """The teacher alone when the plan lets it draw, on its own copy (no KL reference to share on the rollout
+        side); no old copy, no reference."""
         self._old = self._reference = None
-        self.teacher_model = None if self.teacher is None else Teacher(model, self.teacher, None, teacher_weights)
+        drawn = draws_teacher and self.teacher is not None
+        self.teacher_model = Teacher(model, self.teacher, None, teacher_weights) if drawn else None
         self._updates = 0
 
     def decay(self, k: int) -> float:

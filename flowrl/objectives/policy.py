@@ -76,6 +76,9 @@ class PolicyLoss(Objective):
     def setup(self, model) -> None:
         self._reference = Reference(model) if self.needs_reference else None
 
+    def setup_sampling(self, model, teacher_weights=None, draws_teacher: bool = False) -> None:
+        """Nothing: sampling reads nothing of a policy objective (no teacher; the reference is the loss's)."""
+
     def batches(self, forest, iteration: int = 0, seed: int = 0, units: torch.Tensor | None = None) -> list[Batch]:
         """One micro-batch per rollout forward over the trainable edges (replay's layout)."""
         return [

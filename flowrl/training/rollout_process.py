@@ -60,7 +60,8 @@ class RolloutSide:
         teacher = teacher_weights(objective)
         self.model = build.build_model(c.model, build.resolve_device(c.model.device))
         self.params = setup_trainable(self.model, c.model, c.train.seed)
-        objective.setup_sampling(self.model, **teacher)  # its teacher; no copy that only the loss reads
+        # its teacher when the plan lets one draw; no copy that only the loss reads
+        objective.setup_sampling(self.model, draws_teacher=bool(self.plan.teacher_share), **teacher)
         self.plan.setup(self.model, self.reward)
         self.runner = rollout_runner(c, self.plan, self.model, self.reward, objective)
 

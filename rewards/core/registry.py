@@ -212,8 +212,13 @@ def nested_specs(cls: type, kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
     counts as a list of one)."""
     out = []
     for setting, many in getattr(cls, "nested_terms", {}).items():
-        value = kwargs.get(setting)
-        if value is None:
+        if setting not in kwargs:
+            continue
+        value = kwargs[setting]
+        if value is None and many:
+            continue
+        if value is None:  # one term, given as null: refused by term_spec with the key that reaches it
+            out.append((setting, value))
             continue
         if many and (isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"):
             out += [(f"{setting}[{i}]", v) for i, v in enumerate(value) if v is not None]
