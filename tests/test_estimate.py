@@ -656,38 +656,24 @@ NFT_DECODE_PEAK = [
     "model.guidance=1",
 ]
 """DiffusionNFT, CFG-free, 2 states a micro-batch: the VAE decode of 2 latents is the iteration's peak."""
+NFT_FULL = [
+    "loss.objective=nft",
+    "rollout.max_batch=8",
+    "rollout.plan=ode",
+    "rollout.group_size=4",
+    "rollout.steps=4",
+    "model.guidance=1",
+    "model.full_finetune=true",
+]
+"""DiffusionNFT, CFG-free, full fine-tuning: 4 chains of 4 ODE steps per prompt."""
 CASES = {  # id → (pipeline, extra overrides)
     "sd3-lora-cfg-kl": ("sd3", []),
     "sd3-checkpointing": ("sd3", ["model.gradient_checkpointing=true"]),
-    "sd3-nft-full": (
-        "sd3",
-        [
-            "loss.objective=nft",
-            "rollout.max_batch=8",
-            "rollout.plan=ode",
-            "rollout.group_size=4",
-            "rollout.steps=4",
-            "model.guidance=1",
-            "model.full_finetune=true",
-        ],
-    ),
+    "sd3-nft-full": ("sd3", NFT_FULL),
     "sd3-nft-decode-peak": ("sd3", NFT_DECODE_PEAK),
     # the main job's objective (configs/shapes/nft.yaml): a guided teacher, its own frozen copy, its anchor's forwards
     # at guidance 3 (2 rows per training row), and 2 of each group's 4 chains sampled by it
-    "sd3-nft-teacher": (
-        "sd3",
-        [
-            "loss.objective=nft",
-            "rollout.max_batch=8",
-            "rollout.plan=ode",
-            "rollout.group_size=4",
-            "rollout.steps=4",
-            "rollout.teacher_share=2",
-            "model.guidance=1",
-            "model.full_finetune=true",
-            "loss.teacher={guidance: 3.0, anchor: 1.0}",
-        ],
-    ),
+    "sd3-nft-teacher": ("sd3", [*NFT_FULL, "rollout.teacher_share=2", "loss.teacher={guidance: 3.0, anchor: 1.0}"]),
     "flux-lora": ("flux", []),
     "flux-checkpointing": ("flux", ["model.gradient_checkpointing=true", "loss.kl_ref=0"]),
     "sana-lora-cfg": ("sana", []),
