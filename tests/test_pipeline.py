@@ -123,7 +123,10 @@ def test_async_at_staleness_zero_is_the_serial_run(tiny_folder, tmp_path):
     read = lambda name: [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     evals_a = [untimed(r) for r in read("sync") if "reward_mean" not in r]
     evals_b = [untimed(r) for r in read("async") if "reward_mean" not in r]
-    assert [r["step"] for r in evals_b] == [2, 3] and evals_a == evals_b
+    assert [r["step"] for r in evals_b] == [2, 3] and evals_a[0] == evals_b[0]
+    # the closing eval: async's on both sides' 2 threads (its rollout process idle), the serial run's on its 1, so
+    # equal to float summation order
+    assert evals_a[1] == pytest.approx(evals_b[1], rel=1e-5, abs=1e-7)
     for ra, rb in zip(a, b):
         assert untimed(ra) == untimed(rb), ra["step"]
         assert rb["pipeline/staleness"] == 0 and rb["pipeline/version"] == ra["step"] - 1
@@ -388,3 +391,21 @@ def test_the_main_job_runs_its_rollouts_one_update_behind_through_the_cli(tmp_pa
     assert not [p for p in children(os.getpid()) if "spawn" in _cmdline(p)]
     assert main(["train", *small, "train.name=serial", "train.pipeline=sync"]) == 0
     assert all("pipeline/staleness" not in r for r in records(tmp_path, "serial"))
+
+
+def test_the_closing_eval_takes_the_idle_rollout_processs_threads(tiny_folder, tmp_path, monkeypatch):
+    """The evals that run while the rollout process samples use the trainer's share of the threads; the closing eval,
+    after the last iteration (no job left in flight), uses both sides' (``train.num_threads``), and the share is
+    given back after it."""
+    seen = []
+    evaluate = Trainer._evaluate
+
+    def counting(self, tag=None):
+        seen.append((tag, torch.get_num_threads()))
+        return evaluate(self, tag)
+
+    monkeypatch.setattr(Trainer, "_evaluate", counting)
+    evals = ("prompts.eval=a red circle", "eval.steps=2", "eval.every=1", "eval.at_start=true")
+    trainer = Trainer(config(tiny_folder, tmp_path, "threads", *ASYNC, *evals, "train.max_steps=2"))
+    trainer.train()
+    assert seen == [("before", 1), (None, 1), ("after", 2)] and torch.get_num_threads() == 1  # step 2: the closing one

@@ -88,7 +88,7 @@ class Trainer(TrainerCheckpoints, TrainerPipeline, TrainerEvals):
 
         self.cfg = c = config
         self.perf = perf
-        trainer_threads, rollout_threads = split_threads(c.train)
+        self._threads = trainer_threads, rollout_threads = split_threads(c.train)
         if trainer_threads:
             torch.set_num_threads(trainer_threads)
         device = build.resolve_device(c.model.device)
@@ -334,7 +334,8 @@ class Trainer(TrainerCheckpoints, TrainerPipeline, TrainerEvals):
                 if self.sharding is not None and not signal.requested:
                     self.export()
             if not signal.requested and (stop is None or stop.final_eval):
-                self._evaluate("after")
+                with self.idle_rollout_threads():  # nothing left to sample: the eval takes the rollout's threads too
+                    self._evaluate("after")
                 if control.stop is not stop:
                     self.save_checkpoint()  # again, holding the closing eval's stop: a resume sees it
             if signal.requested:

@@ -2,11 +2,16 @@
 the jobs it hands over.
 
 :class:`TrainerPipeline` is mixed into :class:`~flowrl.training.trainer.Trainer`, whose ``cfg``, ``accelerator``,
-``layout``, ``params``, ``runner``, ``objective`` and ``guidance`` it reads."""
+``layout``, ``params``, ``runner``, ``objective``, ``guidance``, ``rollouts`` and ``_threads`` (the trainer's and the
+rollout process's CPU threads, :func:`~flowrl.training.pipeline.split_threads`) it reads."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
+
+import torch
 
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.rollout.forest import Forest
@@ -44,6 +49,21 @@ class TrainerPipeline:
             return AsyncRollouts(c, self.params, self._job, connect)
         connect = functools.partial(DistLink, layout.rollout_of(rank), layout.pairs[rank], "stop")
         return AsyncRollouts(c, self.params, self._job, connect, sends_weights=layout.sends_weights(rank))
+
+    @contextlib.contextmanager
+    def idle_rollout_threads(self) -> Iterator[None]:
+        """While a rollout process beside this trainer has no job in flight (the closing eval after the last
+        iteration), the trainer computes on both sides' CPU threads (``train.num_threads``), then on its own share
+        again. Elsewhere (``sync``, a launched rollout process, jobs still in flight): nothing changes."""
+        mine, theirs = self._threads
+        lend = self.rollouts is not None and self.layout is None and not self.rollouts.pending and mine and theirs
+        if lend:
+            torch.set_num_threads(mine + theirs)
+        try:
+            yield
+        finally:
+            if lend:
+                torch.set_num_threads(mine)
 
     @property
     def rolls_out(self) -> bool:
