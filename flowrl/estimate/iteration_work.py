@@ -101,7 +101,7 @@ def iteration_work(cfg, plan, objective, P: int, cfg_on: bool, family: str) -> d
         "train_cfg": facts.training_cfg(cfg_on),
         "update_states": max(1, min(update_states, int(max(counts["train_rows"], 1)))),
         "rollout_states": max(1, min(max_batch, int(max(counts["forwards"], 1)))),
-        "teacher": teacher_of(cfg, facts, lambda guidance: runs_cfg(cfg, family, guidance)),
+        "teacher": teacher_of(facts, lambda guidance: runs_cfg(cfg, family, guidance)),
     }
 
 

@@ -2,8 +2,8 @@
 estimate prices it (docs/estimate.md, "How it works": a guided teacher): its frozen weights, its no-grad forwards in
 the update (the anchor) and its share of the rollout's chains (``rollout.teacher_share``).
 
-Read from the objective's :meth:`~flowrl.objectives.base.Objective.describe` (``has_teacher``, ``teacher_path``,
-``frozen_copies``) and the config (``loss.teacher``'s guidance and anchor), never from the objective's type:
+Read from the objective's :meth:`~flowrl.objectives.base.Objective.describe` (``has_teacher``, ``teacher_guidance``,
+``teacher_in_update``, ``teacher_path``, ``frozen_copies``), never from the objective's type or its keys:
 
 - **memory.** The teacher of the initial weights (no ``path``) is the KL reference's copy when the objective builds one
   (``reference`` among its frozen copies: no bytes of its own), else its own reference: the base with the adapter off
@@ -11,19 +11,16 @@ Read from the objective's :meth:`~flowrl.objectives.base.Objective.describe` (``
   copy: a deep copy of the trainable module (:func:`flowrl.models.frozen.frozen_copy`), the transformer with its LoRA
   layers under LoRA, the fp32 transformer under full fine-tuning. A rollout process (``train.pipeline: async``) builds
   no reference: there its teacher is always its own copy (:attr:`TeacherPrice.own_bytes`).
-- **time.** With ``anchor`` > 0 (or an objective that centres on the teacher: ``loss.center: teacher``,
-  ``loss.reference: teacher``) the update runs the teacher's guided forward, without gradient, on every training row
-  of every epoch, before the forward with gradients: 2 rows per row when its guidance runs CFG. Its sampled chains
-  (the plan's ``teacher_forwards``) run at its guidance instead of the policy's.
+- **time.** When the objective reads the teacher's velocity in its updates (``teacher_in_update``: an ``anchor`` > 0,
+  or a loss centred on the teacher: NFT's ``loss.center: teacher``, DGPO's ``loss.reference: teacher``) the update runs
+  the teacher's guided forward, without gradient, on every training row of every epoch, before the forward with
+  gradients: 2 rows per row when its guidance runs CFG. Its sampled chains (the plan's ``teacher_forwards``) run at
+  its guidance instead of the policy's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-CENTRING_KEYS = ("center", "reference")
-"""``loss`` keys whose value ``teacher`` makes an objective read the teacher's velocity in every update (DiffusionNFT's
-``center``, DGPO's ``reference``), with or without an anchor."""
 
 
 @dataclass(frozen=True)
@@ -65,27 +62,16 @@ class TeacherPrice:
         return 0 if self.shares_reference else self.own_bytes(model)
 
 
-def teacher_of(cfg, facts, runs_cfg) -> TeacherPrice | None:
-    """The :class:`TeacherPrice` of ``cfg``'s objective (``facts``: its
-    :class:`~flowrl.objectives.base.ObjectiveFacts`), None without a teacher. ``runs_cfg(guidance)``: whether a
-    forward at that guidance runs CFG on this model."""
+def teacher_of(facts, runs_cfg) -> TeacherPrice | None:
+    """The :class:`TeacherPrice` of an objective (``facts``: its :class:`~flowrl.objectives.base.ObjectiveFacts`), None
+    without a teacher. ``runs_cfg(guidance)``: whether a forward at that guidance runs CFG on this model."""
     if not facts.has_teacher:
         return None
-    spec = cfg.loss.teacher
-    guidance = float(_field(spec, "guidance", 3.0))
-    centred = any(_field(cfg.loss, key, None) == "teacher" for key in CENTRING_KEYS)
     loaded = facts.teacher_path is not None
     return TeacherPrice(
-        guidance=guidance,
-        cfg=bool(runs_cfg(guidance)),
-        anchor=float(_field(spec, "anchor", 1.0)) > 0 or centred,
+        guidance=facts.teacher_guidance,
+        cfg=bool(runs_cfg(facts.teacher_guidance)),
+        anchor=facts.teacher_in_update,
         loaded=loaded,
         shares_reference=not loaded and "reference" in facts.frozen_copies,
     )
-
-
-def _field(section, key: str, default):
-    """``section.key`` of a config section or a mapping (``loss.teacher`` as a dict), else ``default``."""
-    if isinstance(section, dict):
-        return section.get(key, default)
-    return getattr(section, key, default)

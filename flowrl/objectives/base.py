@@ -81,13 +81,15 @@ class ObjectiveFacts:
     guided teacher starts from (``loss.teacher.path``), which the loop reads and hands to :meth:`Objective.setup`.
 
     What the load-time checks read: ``name``: the objective's registered name (``loss.objective``, for messages);
-    ``rollout_cfg``: the guidance its rollouts use (:meth:`rollout_guidance`): ``"any"`` (``model.guidance`` as
-    given), ``"off"`` (no CFG: guidance unset or 1, used as 1; ``loss.cfg: free``) or ``"on"`` (CFG: guidance not 1;
-    ``loss.cfg: guided_rollouts``); ``has_teacher``: a guided teacher is set (``loss.teacher``), which
-    ``rollout.teacher_share`` needs; ``group_use``: what it does with each prompt group when it reads whole groups
-    (the plan must give 2+ leaves per group), else None; ``sampler_timesteps``: it trains at the sampler's own noise
-    levels (``loss.timesteps: sampler``), which needs a plan that samples along a schedule; ``plan_checks``: an
-    objective's own checks of the plan beyond these (each ``check(plan)`` raises a ConfigError naming the keys)."""
+    ``rollout_cfg``: the guidance its rollouts use (:meth:`rollout_guidance`): ``"any"`` (``model.guidance`` as given),
+    ``"off"`` (no CFG: guidance unset or 1, used as 1; ``loss.cfg: free``) or ``"on"`` (CFG: guidance not 1; ``loss.cfg:
+    guided_rollouts``); ``has_teacher``: a guided teacher is set (``loss.teacher``), which ``rollout.teacher_share``
+    needs, with its CFG scale ``teacher_guidance`` and whether every update runs its forward (``teacher_in_update``: an
+    anchor that weighs at the start, or a loss centred on the teacher); ``group_use``: what it does with each prompt
+    group when it reads whole groups (the plan must give 2+ leaves per group), else None; ``sampler_timesteps``: it
+    trains at the sampler's own noise levels (``loss.timesteps: sampler``), which needs a plan that samples along a
+    schedule; ``plan_checks``: an objective's own checks of the plan beyond these (each ``check(plan)`` raises a
+    ConfigError naming the keys)."""
 
     trains_on: str = "edges"
     trains_flat: bool = False
@@ -106,6 +108,8 @@ class ObjectiveFacts:
     name: str = ""
     rollout_cfg: str = "any"
     has_teacher: bool = False
+    teacher_guidance: float | None = None
+    teacher_in_update: bool = False
     group_use: str | None = None
     sampler_timesteps: bool = False
 

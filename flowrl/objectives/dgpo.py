@@ -338,8 +338,8 @@ class DGPOLoss(GroupedForward):
         err_ref = row_mean((self.reference_velocity(rows) - rows.target) ** 2)
         return rows.adv.repeat_interleave(self.draws) * (err - err_ref)
 
-    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
-        return self.reference == "teacher" or super().needs_teacher_velocity(anchor)
+    def needs_teacher_velocity(self, anchored: bool) -> bool:
+        return self.reference == "teacher" or super().needs_teacher_velocity(anchored)
 
     def loss(self, model, forest, batch: Batch, cond) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = self.forward_rows(model, forest, batch, cond, with_old=self.uses_old)

@@ -208,6 +208,8 @@ class ForwardProcessObjective(ForwardDraws, Objective):
             teacher_path=None if self.teacher is None else self.teacher.path,
             rollout_cfg="any" if self.cfg == "guided" else "off",
             has_teacher=self.teacher is not None,
+            teacher_guidance=None if self.teacher is None else float(self.teacher.guidance),
+            teacher_in_update=self.teacher is not None and self.needs_teacher_velocity(self.teacher.anchor > 0),
             group_use=self.group_use,
         )
         if not self.has_reward_free_point:

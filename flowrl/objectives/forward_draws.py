@@ -71,7 +71,8 @@ class ForwardDraws:
         if strength > 0:
             adv = forest.advantage[leaves].float().clamp(-self.adv_clip, self.adv_clip)
             anchor = strength * leaf_weights(self.teacher.weighting, forest.reward[leaves].float(), group, adv)
-        teacher_cond = self.teacher_model.encode(forest.prompts) if self.needs_teacher_velocity(anchor) else None
+        reads_teacher = self.needs_teacher_velocity(anchor is not None)
+        teacher_cond = self.teacher_model.encode(forest.prompts) if reads_teacher else None
         per = max(1, self.micro_batch // D)
         out = []
         for a in range(0, leaves.numel(), per):
@@ -87,9 +88,9 @@ class ForwardDraws:
             out.append(Batch(leaves[a : a + per], int(leaves[a : a + per].numel()), extra))
         return out
 
-    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
-        """Whether the loss reads the teacher's velocity this iteration (``anchor``: the per-leaf weights or None)."""
-        return anchor is not None
+    def needs_teacher_velocity(self, anchored: bool) -> bool:
+        """Whether the loss reads the teacher's velocity in an update (``anchored``: the anchor weighs in it)."""
+        return anchored
 
     def select_leaves(self, forest, leaves: torch.Tensor, padding: bool = False) -> torch.Tensor:
         """The leaves [L'] this objective trains on, of the scored ``leaves`` [L] (default: all of them); ``padding``:

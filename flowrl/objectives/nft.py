@@ -54,8 +54,8 @@ class NFTLoss(ForwardProcessObjective):
         if self.center == "teacher" and self.teacher is None:
             raise ValueError("loss.center='teacher' centres NFT on the teacher's velocity, but loss.teacher is not set")
 
-    def needs_teacher_velocity(self, anchor: torch.Tensor | None) -> bool:
-        return self.center == "teacher" or super().needs_teacher_velocity(anchor)
+    def needs_teacher_velocity(self, anchored: bool) -> bool:
+        return self.center == "teacher" or super().needs_teacher_velocity(anchored)
 
     def unread_fields(self) -> dict[str, str]:
         """The shared ones, ``adv_scale`` under the linear optimality and ``adaptive_scale`` without the adaptive
