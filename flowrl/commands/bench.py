@@ -50,6 +50,21 @@ class _Timed:
             self.calls += 1
 
 
+TIMED_KEYS = (
+    "time/rollout",
+    "time/reward",
+    "time/update",
+    "rollout_forwards",
+    "rollout_nfe",
+    "trained_edges",
+    "trained_leaves",
+    "pipeline/update_wait",
+    "pipeline/rollout_wait",
+    "pipeline/staleness",
+)
+"""The iteration record's keys :func:`bench_iteration` averages over its timed iterations (those a record has)."""
+
+
 def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, model=None, perf=None) -> dict:
     """Mean timings over ``iterations`` train steps after ``warmup`` untimed ones (no eval, no saving). On CUDA the
     timed forwards and backwards synchronise the device around them, so ``overhead_seconds`` is time the GPU was
@@ -66,44 +81,30 @@ def bench_iteration(cfg: TrainConfig, iterations: int = 3, warmup: int = 1, mode
     cfg.train.progress = False
     cfg.prompts.eval = None
     trainer = Trainer(cfg, model=model)
+    backward = None
+    sums: dict[str, float] = {}
     try:
         for i in range(warmup):
             trainer.train_step(i)
-    except BaseException:
-        if trainer.rollouts is not None:
-            trainer.rollouts.close()  # a failed warm-up leaves no rollout process behind
-        raise
-    sync = torch.cuda.synchronize if trainer.model.device.type == "cuda" else None  # kernels charged to their call
-    velocity = _Timed(trainer.model.velocity, sync)
-    trainer.model.velocity = velocity
-    backward = _Timed(torch.Tensor.backward, sync)
-    torch.Tensor.backward = lambda self, *a, **k: backward(self, *a, **k)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    sums: dict[str, float] = {}
-    t0 = t1 = time.perf_counter()
-    try:
+        sync = torch.cuda.synchronize if trainer.model.device.type == "cuda" else None  # kernels charged to their call
+        velocity = _Timed(trainer.model.velocity, sync)
+        trainer.model.velocity = velocity
+        backward = _Timed(torch.Tensor.backward, sync)
+        torch.Tensor.backward = lambda self, *a, **k: backward(self, *a, **k)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         for i in range(warmup, warmup + iterations):
             rec = trainer.train_step(i)
-            for k in (
-                "time/rollout",
-                "time/reward",
-                "time/update",
-                "rollout_forwards",
-                "rollout_nfe",
-                "trained_edges",
-                "trained_leaves",
-                "pipeline/update_wait",
-                "pipeline/rollout_wait",
-                "pipeline/staleness",
-            ):
+            for k in TIMED_KEYS:
                 if k in rec:  # an objective trains edges (policy) or leaves (forward-process); async: the waits
                     sums[k] = sums.get(k, 0.0) + rec[k]
         t1 = time.perf_counter()  # before the rollout process stops: its last job in flight is no iteration's
     finally:
-        torch.Tensor.backward = backward.fn
+        if backward is not None:
+            torch.Tensor.backward = backward.fn
         if trainer.rollouts is not None:
-            trainer.rollouts.close()  # the rollout process of train.pipeline=async
+            trainer.rollouts.close()  # the rollout process of train.pipeline=async (a failed warm-up's too)
     total = (t1 - t0) / iterations
     out = {k: v / iterations for k, v in sums.items()}
     out["seconds_per_iteration"] = total

@@ -88,7 +88,7 @@ class Trainer(TrainerCheckpoints, TrainerPipeline, TrainerEvals):
 
         self.cfg = c = config
         self.perf = perf
-        self._threads = trainer_threads, rollout_threads = split_threads(c.train)
+        trainer_threads, rollout_threads = split_threads(c.train)
         if trainer_threads:
             torch.set_num_threads(trainer_threads)
         device = build.resolve_device(c.model.device)

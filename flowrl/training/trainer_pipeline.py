@@ -2,8 +2,7 @@
 the jobs it hands over.
 
 :class:`TrainerPipeline` is mixed into :class:`~flowrl.training.trainer.Trainer`, whose ``cfg``, ``accelerator``,
-``layout``, ``params``, ``runner``, ``objective``, ``guidance``, ``rollouts`` and ``_threads`` (the trainer's and the
-rollout process's CPU threads, :func:`~flowrl.training.pipeline.split_threads`) it reads."""
+``layout``, ``params``, ``runner``, ``objective``, ``guidance`` and ``rollouts`` it reads."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 from flowrl.distributed.process_group import ProcessGroup
 from flowrl.rollout.forest import Forest
 from flowrl.rollout.runner import RolloutRunner
-from flowrl.training.pipeline import AsyncRollouts, RolloutJob
+from flowrl.training.pipeline import AsyncRollouts, RolloutJob, split_threads
 from flowrl.training.rollout_process import DistLink, LocalRolloutProcess, layout_of
 from flowrl.training.trainable import rollout_runner
 
@@ -55,7 +54,7 @@ class TrainerPipeline:
         """While a rollout process beside this trainer has no job in flight (the closing eval after the last
         iteration), the trainer computes on both sides' CPU threads (``train.num_threads``), then on its own share
         again. Elsewhere (``sync``, a launched rollout process, jobs still in flight): nothing changes."""
-        mine, theirs = self._threads
+        mine, theirs = split_threads(self.cfg.train)
         lend = self.rollouts is not None and self.layout is None and not self.rollouts.pending and mine and theirs
         if lend:
             torch.set_num_threads(mine + theirs)
